@@ -1,0 +1,205 @@
+"""Finding plugins, and running each hook along the pipeline in YAML order.
+
+pluggy holds the registrations and checks them against the hook specs; the chain calls
+the implementations itself so that the order is the pipeline's, each plugin gets its own
+options, and awaitables are awaited.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+from importlib.metadata import entry_points
+
+import pluggy
+
+from . import hookspecs
+from .errors import ConfigError, RelayError
+
+ENTRY_POINT_GROUP = "relay.plugins"
+log = logging.getLogger("relay.chain")
+
+# Hooks that carry the answer back run in reverse pipeline order (the onion).
+REVERSED = {"relay_response", "relay_stream_events", "relay_stream_event",
+            "relay_upstream_error", "relay_exchange_end", "relay_shutdown"}
+
+
+def available_plugins() -> dict:
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def load_plugins(names: list[str], extra: dict | None = None) -> pluggy.PluginManager:
+    """A fresh plugin manager holding the named plugins, found through entry points.
+
+    ``extra`` maps names to plugin objects registered as if an entry point had named them
+    (for tests and embedding).
+    """
+    pm = pluggy.PluginManager("relay")
+    pm.add_hookspecs(hookspecs)
+    found = available_plugins()
+    extra = extra or {}
+    for i, name in enumerate(names):
+        if name in extra:
+            plugin = extra[name]
+        elif name in found:
+            try:
+                plugin = found[name].load()
+            except Exception as e:
+                raise ConfigError(f"pipeline[{i}]: plugin {name!r} failed to load: {e}") from e
+        else:
+            known = sorted(set(found) | set(extra))
+            raise ConfigError(f"pipeline[{i}]: unknown plugin {name!r} "
+                              f"(available: {', '.join(known) or 'none'})")
+        if inspect.isclass(plugin):
+            plugin = plugin()
+        pm.register(plugin, name=name)
+    try:
+        pm.check_pending()
+    except pluggy.PluginValidationError as e:
+        raise ConfigError(f"plugin {e.plugin!r}: {e}") from e
+    if os.environ.get("RELAY_TRACE"):
+        pm.trace.root.setwriter(log.debug)
+        pm.enable_tracing()
+    return pm
+
+
+class _Impl:
+    __slots__ = ("plugin", "function", "argnames")
+
+    def __init__(self, plugin: str, function, argnames):
+        self.plugin = plugin
+        self.function = function
+        self.argnames = argnames
+
+    def call(self, kwargs: dict):
+        return self.function(**{name: kwargs[name] for name in self.argnames})
+
+
+class StreamPlan:
+    """Which plugins see which stream events of one exchange, decided once per stream."""
+
+    __slots__ = ("by_name", "every")
+
+    def __init__(self):
+        self.by_name: dict[str, list] = {}
+        self.every: list = []  # plugins that asked for "*"
+
+    def calls_for(self, name):
+        wanted = self.by_name.get(name)
+        if not self.every:
+            return wanted
+        if not wanted:
+            return self.every
+        return sorted(wanted + self.every, key=lambda c: c[0])
+
+    def __bool__(self):
+        return bool(self.by_name or self.every)
+
+
+class Chain:
+    """The pipeline: each hook's implementations in order, and per-backend options."""
+
+    def __init__(self, pm: pluggy.PluginManager, config):
+        self.pm = pm
+        self.pipeline = list(config.pipeline)
+        position = {name: i for i, name in enumerate(self.pipeline)}
+        self.impls: dict[str, list[_Impl]] = {}
+        for spec_name in dir(hookspecs):
+            if not spec_name.startswith("relay_"):
+                continue
+            caller = getattr(pm.hook, spec_name)
+            impls = [_Impl(h.plugin_name, h.function, tuple(h.argnames))
+                     for h in caller.get_hookimpls()]
+            impls.sort(key=lambda impl: position.get(impl.plugin, len(position)),
+                       reverse=spec_name in REVERSED)
+            self.impls[spec_name] = impls
+        # Quirks win over plugin options; merged once here rather than on every request.
+        self.options: dict[str | None, dict[str, dict]] = {
+            None: {name: dict(config.plugins.get(name, {})) for name in self.pipeline}}
+        for backend in config.backends:
+            self.options[backend.name] = {
+                name: {**config.plugins.get(name, {}), **backend.quirks} for name in self.pipeline}
+
+    def options_for(self, exchange) -> dict[str, dict]:
+        return self.options[exchange.backend.name if exchange.backend else None]
+
+    async def startup(self, config) -> None:
+        for impl in self.impls["relay_startup"]:
+            result = impl.call({"config": config, "options": config.plugins.get(impl.plugin, {})})
+            if inspect.isawaitable(result):
+                await result
+
+    async def shutdown(self, config) -> None:
+        for impl in self.impls["relay_shutdown"]:
+            try:
+                result = impl.call({"config": config})
+                if inspect.isawaitable(result):
+                    await result
+            except Exception:
+                log.exception("plugin %s failed in relay_shutdown", impl.plugin)
+
+    async def run(self, hook: str, exchange, **kwargs) -> list:
+        """Call every implementation of ``hook`` in chain order; return their results.
+
+        A :class:`RelayError` stops the chain and propagates; so does any other exception,
+        after being logged with the plugin's name.
+        """
+        options = self.options_for(exchange)
+        results = []
+        for impl in self.impls[hook]:
+            kwargs["exchange"] = exchange
+            kwargs["options"] = options[impl.plugin]
+            try:
+                result = impl.call(kwargs)
+                if inspect.isawaitable(result):
+                    result = await result
+            except RelayError:
+                raise
+            except Exception:
+                log.exception("plugin %s failed in %s", impl.plugin, hook)
+                raise
+            results.append(result)
+        return results
+
+    async def end(self, exchange) -> None:
+        """The end-of-exchange hooks: every one runs, and none can fail the exchange."""
+        options = self.options_for(exchange)
+        for impl in self.impls["relay_exchange_end"]:
+            try:
+                result = impl.call({"exchange": exchange, "options": options[impl.plugin]})
+                if inspect.isawaitable(result):
+                    await result
+            except Exception:
+                log.exception("plugin %s failed in relay_exchange_end", impl.plugin)
+
+    async def stream_plan(self, exchange) -> StreamPlan:
+        plan = StreamPlan()
+        options = self.options_for(exchange)
+        hooks = {impl.plugin: impl for impl in self.impls["relay_stream_event"]}
+        for order, impl in enumerate(self.impls["relay_stream_events"]):
+            event_hook = hooks.get(impl.plugin)
+            if event_hook is None:
+                continue
+            wanted = impl.call({"exchange": exchange, "options": options[impl.plugin]})
+            if inspect.isawaitable(wanted):
+                wanted = await wanted
+            if not wanted:
+                continue
+            call = (order, event_hook, options[impl.plugin])
+            if wanted == "*":
+                plan.every.append(call)
+            else:
+                for name in wanted:
+                    plan.by_name.setdefault(name, []).append(call)
+        return plan
+
+    async def stream_event(self, exchange, event, calls) -> None:
+        """Run the plugins that asked for this event; a failing plugin leaves it as it was."""
+        for _, impl, options in calls:
+            try:
+                result = impl.call({"exchange": exchange, "event": event, "options": options})
+                if result is not None and inspect.isawaitable(result):
+                    await result
+            except Exception:
+                log.exception("plugin %s failed on stream event %s", impl.plugin, event.name)

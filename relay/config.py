@@ -1,0 +1,193 @@
+"""relay.yaml: loading and validation. Every problem names its key path."""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import yaml
+
+from .errors import ConfigError
+
+MAX_BODY_BYTES = 32 * 1024 * 1024  # the Messages API's own request limit
+
+
+@dataclass
+class Timeouts:
+    connect: float = 10.0
+    read: float = 600.0  # the longest silence allowed between two upstream chunks
+    total: float | None = None
+
+
+@dataclass
+class Backend:
+    name: str
+    url: str
+    models: list[str]
+    default: bool = False
+    rename: dict[str, str] = field(default_factory=dict)
+    api_key_env: str | None = None
+    api_key: str | None = None  # read from api_key_env at start-up, never from the file
+    auth: str = "x-api-key"
+    quirks: dict = field(default_factory=dict)
+    timeouts: Timeouts = field(default_factory=Timeouts)
+
+    def serves(self, model: str) -> bool:
+        return any(fnmatch.fnmatchcase(model, pattern) for pattern in self.models)
+
+    def upstream_model(self, model: str) -> str | None:
+        """The model name to send up, when relay.yaml renames this one."""
+        for pattern, target in self.rename.items():
+            if fnmatch.fnmatchcase(model, pattern):
+                return target
+        return None
+
+
+@dataclass
+class Config:
+    backends: list[Backend]
+    pipeline: list[str] = field(default_factory=list)
+    plugins: dict[str, dict] = field(default_factory=dict)
+    host: str = "127.0.0.1"
+    port: int = 8787
+    max_body_bytes: int = MAX_BODY_BYTES
+    upstream_connections: int = 512
+    log_level: str = "INFO"
+    source: str | None = None
+
+    def backend_for(self, model: str) -> Backend | None:
+        for backend in self.backends:
+            if backend.serves(model):
+                return backend
+        return self.default_backend(fallback=False)
+
+    def default_backend(self, fallback: bool = True) -> Backend | None:
+        for backend in self.backends:
+            if backend.default:
+                return backend
+        return self.backends[0] if fallback else None
+
+
+def load(path: str, env=os.environ) -> Config:
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = yaml.safe_load(f)
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    config = parse(raw if raw is not None else {}, env)
+    config.source = path
+    return config
+
+
+def _expect(value, kind, path: str, what: str):
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ConfigError(f"{path}: must be {what}")
+    return value
+
+
+def _number(value, path: str, positive: bool = True) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (positive and value <= 0):
+        raise ConfigError(f"{path}: must be a positive number")
+    return value
+
+
+def _unknown(section: dict, known: set, path: str) -> None:
+    for key in section:
+        if key not in known:
+            where = f"{path}.{key}" if path else str(key)
+            raise ConfigError(f"{where}: unknown key (expected one of: {', '.join(sorted(known))})")
+
+
+def parse(raw, env=os.environ) -> Config:
+    """Validate a loaded relay.yaml document and build the :class:`Config`."""
+    _expect(raw, dict, "(top level)", "a mapping")
+    _unknown(raw, {"server", "pipeline", "plugins", "backends"}, "")
+    config = Config(backends=[])
+
+    server = _expect(raw.get("server", {}) or {}, dict, "server", "a mapping")
+    _unknown(server, {"host", "port", "max_body_bytes", "upstream_connections", "log_level"}, "server")
+    config.host = _expect(server.get("host", config.host), str, "server.host", "a string")
+    port = _expect(server.get("port", config.port), int, "server.port", "an integer")
+    if not 0 <= port <= 65535:
+        raise ConfigError("server.port: must be between 0 and 65535")
+    config.port = port
+    config.max_body_bytes = int(_number(server.get("max_body_bytes", config.max_body_bytes),
+                                        "server.max_body_bytes"))
+    config.upstream_connections = int(_number(
+        server.get("upstream_connections", config.upstream_connections), "server.upstream_connections"))
+    level = _expect(server.get("log_level", config.log_level), str, "server.log_level", "a string")
+    if level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
+        raise ConfigError("server.log_level: must be DEBUG, INFO, WARNING or ERROR")
+    config.log_level = level.upper()
+
+    pipeline = _expect(raw.get("pipeline", []) or [], list, "pipeline", "a list of plugin names")
+    for i, name in enumerate(pipeline):
+        _expect(name, str, f"pipeline[{i}]", "a plugin name")
+        if name in pipeline[:i]:
+            raise ConfigError(f"pipeline[{i}]: {name!r} is listed twice")
+    config.pipeline = list(pipeline)
+
+    plugins = _expect(raw.get("plugins", {}) or {}, dict, "plugins", "a mapping of plugin name to options")
+    for name, options in plugins.items():
+        config.plugins[name] = dict(_expect(options or {}, dict, f"plugins.{name}", "a mapping"))
+
+    backends = raw.get("backends")
+    if not backends:
+        raise ConfigError("backends: required (at least one backend)")
+    _expect(backends, list, "backends", "a list")
+    names = set()
+    for i, item in enumerate(backends):
+        backend = _backend(item, f"backends[{i}]", env)
+        if backend.name in names:
+            raise ConfigError(f"backends[{i}].name: {backend.name!r} is used twice")
+        names.add(backend.name)
+        config.backends.append(backend)
+    if sum(b.default for b in config.backends) > 1:
+        raise ConfigError("backends: only one backend may be the default")
+    return config
+
+
+def _backend(item, path: str, env) -> Backend:
+    _expect(item, dict, path, "a mapping")
+    _unknown(item, {"name", "url", "models", "default", "rename", "api_key_env", "auth",
+                    "quirks", "timeouts"}, path)
+    for key in ("name", "url"):
+        if key not in item:
+            raise ConfigError(f"{path}.{key}: required")
+    name = _expect(item["name"], str, f"{path}.name", "a string")
+    url = _expect(item["url"], str, f"{path}.url", "a string").rstrip("/")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ConfigError(f"{path}.url: must be an http:// or https:// URL, not {url!r}")
+    models = item.get("models", [])
+    _expect(models, list, f"{path}.models", "a list of model name patterns")
+    for j, pattern in enumerate(models):
+        _expect(pattern, str, f"{path}.models[{j}]", "a string")
+    rename = _expect(item.get("rename", {}) or {}, dict, f"{path}.rename", "a mapping of model to model")
+    for key, value in rename.items():
+        _expect(value, str, f"{path}.rename.{key}", "a model name")
+    backend = Backend(
+        name=name, url=url, models=list(models),
+        default=_expect(item.get("default", False), bool, f"{path}.default", "true or false"),
+        rename={str(k): v for k, v in rename.items()},
+        quirks=dict(_expect(item.get("quirks", {}) or {}, dict, f"{path}.quirks", "a mapping")),
+    )
+    auth = _expect(item.get("auth", "x-api-key"), str, f"{path}.auth", "a string")
+    if auth not in ("x-api-key", "bearer"):
+        raise ConfigError(f"{path}.auth: must be x-api-key or bearer")
+    backend.auth = auth
+    if "api_key_env" in item:
+        var = _expect(item["api_key_env"], str, f"{path}.api_key_env", "an environment variable name")
+        if not env.get(var):
+            raise ConfigError(f"{path}.api_key_env: environment variable {var} is not set")
+        backend.api_key_env, backend.api_key = var, env[var]
+    timeouts = _expect(item.get("timeouts", {}) or {}, dict, f"{path}.timeouts", "a mapping")
+    _unknown(timeouts, {"connect", "read", "total"}, f"{path}.timeouts")
+    for key in ("connect", "read", "total"):
+        if key in timeouts:
+            setattr(backend.timeouts, key, _number(timeouts[key], f"{path}.timeouts.{key}"))
+    return backend

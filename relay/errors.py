@@ -1,0 +1,47 @@
+"""Anthropic-format errors, for the faults the relay itself reports."""
+
+from __future__ import annotations
+
+import orjson
+
+# The API's own pairing of status and error type; a relay error never invents another.
+STATUS_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    502: "api_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
+
+
+class RelayError(Exception):
+    """A refusal in Anthropic's error format. Raise it from any hook to answer the client."""
+
+    def __init__(self, status: int, message: str, type: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type or STATUS_TYPES.get(status, "api_error")
+
+    def body(self, request_id: str | None = None) -> bytes:
+        return error_body(self.type, self.message, request_id)
+
+
+def invalid_request(message: str) -> RelayError:
+    return RelayError(400, message, "invalid_request_error")
+
+
+def error_body(type: str, message: str, request_id: str | None = None) -> bytes:
+    doc = {"type": "error", "error": {"type": type, "message": message}}
+    if request_id:
+        doc["request_id"] = request_id
+    return orjson.dumps(doc)
+
+
+class ConfigError(Exception):
+    """A relay.yaml problem; the message starts with the key path (`backends[1].url: required`)."""

@@ -1,0 +1,101 @@
+"""The per-exchange object: what the plugins of one request/response share."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import orjson
+
+
+def new_request_id() -> str:
+    return "relay_" + os.urandom(12).hex()
+
+
+class Exchange:
+    """One client request and everything the relay did with it.
+
+    Plugins read and change the request through ``body``; they share the id
+    ``translation`` table and append to ``timeline`` through :meth:`note`. ``state`` holds
+    per-plugin scratch data, keyed by plugin name, and dies with the exchange: the relay
+    keeps nothing between requests.
+    """
+
+    def __init__(self, *, endpoint: str, method: str, path: str, query: str,
+                 headers, raw_body: bytes, body: dict | None, backend=None):
+        self.id = new_request_id()
+        self.started = time.time()
+        self.endpoint = endpoint  # "messages", "count_tokens" or "passthrough"
+        self.method = method
+        self.path = path
+        self.query = query
+        self.client_headers = headers
+        self.raw_body = raw_body
+        self.body = body
+        self.backend = backend
+        self.stream = bool(body.get("stream")) if body else False
+        self.translation: dict[str, dict] = {}
+        self.timeline: list[dict] = []
+        self.state: dict[str, Any] = {}
+        self.repairs = 0
+        self.response_headers: dict[str, str] = {}
+        self.upstream_request: dict | None = None
+        self.upstream_response: dict | None = None
+        self.outcome: str | None = None
+        self.error = None
+        self._changed = False
+
+    @property
+    def quirks(self) -> dict:
+        return self.backend.quirks if self.backend else {}
+
+    @property
+    def changed(self) -> bool:
+        return self._changed
+
+    def mark_changed(self) -> None:
+        """Say that ``body`` was changed in place, so it must be re-serialised."""
+        self._changed = True
+
+    def upstream_body(self) -> bytes:
+        """The bytes to send up: the client's own unless a plugin changed the body."""
+        if not self._changed:
+            return self.raw_body
+        return orjson.dumps(self.body)
+
+    def note(self, step: str, action: str, **detail) -> None:
+        """Record on the timeline what ``step`` (a plugin name, or "relay") did."""
+        entry = {"t": time.time(), "step": step, "action": action}
+        if detail:
+            entry.update(detail)
+        self.timeline.append(entry)
+
+
+class UpstreamResponse:
+    """A complete (non-streaming) upstream answer, as the response hooks see it."""
+
+    __slots__ = ("status", "headers", "body", "_data", "_changed")
+
+    def __init__(self, status: int, headers, body: bytes):
+        self.status = status
+        self.headers = headers
+        self.body = body
+        self._data = None
+        self._changed = False
+
+    @property
+    def data(self):
+        if self._data is None:
+            self._data = orjson.loads(self.body)
+        return self._data
+
+    @property
+    def changed(self) -> bool:
+        return self._changed
+
+    def mark_changed(self) -> None:
+        self._changed = True
+
+    def final_body(self) -> bytes:
+        return orjson.dumps(self._data) if self._changed else self.body

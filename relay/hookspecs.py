@@ -1,0 +1,126 @@
+"""Every hook a relay plugin can implement.
+
+A plugin is a module or class registered under the ``relay.plugins`` entry-point group.
+The ``pipeline:`` list in relay.yaml is the order a request travels up; everything that
+comes back (responses, stream events, the end of the exchange) visits the plugins in
+reverse, like aiohttp's middleware onion. The relay calls each implementation itself,
+in that order, and awaits it when it returns an awaitable: pluggy's ``tryfirst`` and
+``trylast`` have no effect on chain hooks.
+
+Every chain hook receives ``options``: the plugin's own section of ``plugins:`` in
+relay.yaml overlaid with the chosen backend's ``quirks:`` (quirks win). An implementation
+may accept any subset of a hook's arguments.
+"""
+
+import pluggy
+
+hookspec = pluggy.HookspecMarker("relay")
+hookimpl = pluggy.HookimplMarker("relay")
+
+
+# --- start-up ---------------------------------------------------------------------------
+
+
+@hookspec
+def relay_startup(config, options):
+    """Called once per plugin after relay.yaml is loaded and before the server listens.
+
+    ``config`` is the whole validated :class:`relay.config.Config`; ``options`` is the plugin's
+    own ``plugins:`` section (without quirks). Check options here and raise
+    :class:`relay.errors.ConfigError` with a key path (``plugins.dump.dir: ...``) to stop
+    start-up. May prepare resources; must not change ``config``.
+    """
+
+
+@hookspec
+def relay_shutdown(config):
+    """Called once when the server stops, after the last exchange has ended.
+
+    Finish or cancel background work (pending writes, open files). Exceptions are logged.
+    """
+
+
+# --- the request on its way up ----------------------------------------------------------
+
+
+@hookspec
+def relay_request(exchange, options):
+    """Called for each ``/v1/messages`` and ``/v1/messages/count_tokens`` request, after the
+    backend is chosen and before anything is sent upstream, in pipeline order.
+
+    ``exchange.body`` is the parsed request. A plugin may change it in place and must then
+    call ``exchange.mark_changed()``; when no plugin does, the client's original bytes go up.
+    Raise :class:`relay.errors.RelayError` to refuse the request: the client gets that error,
+    later plugins are skipped and the upstream receives nothing.
+    """
+
+
+# --- the answer on its way back ---------------------------------------------------------
+
+
+@hookspec
+def relay_response(exchange, response, options):
+    """Called for a successful (2xx) non-streaming upstream answer, in reverse pipeline order.
+
+    ``response.data`` is the parsed body. A plugin may change it in place and must then call
+    ``response.mark_changed()``; unchanged answers reach the client as the upstream's bytes.
+    ``response.headers`` (upstream headers) and ``exchange.response_headers`` (extra headers
+    for the client) may be changed too.
+    """
+
+
+@hookspec
+def relay_stream_events(exchange, options):
+    """Called once when an upstream answers with an event stream, before the first event.
+
+    Return the event names (``{"content_block_start"}``) this plugin wants to see through
+    :func:`relay_stream_event` for this exchange, ``"*"`` for every event, or ``None`` for
+    none. Events no plugin asked for are forwarded as their original bytes, unparsed.
+    """
+
+
+@hookspec
+def relay_stream_event(exchange, event, options):
+    """Called for each stream event this plugin asked for, in reverse pipeline order, before
+    the event is flushed to the client.
+
+    ``event.name`` is the SSE event name and ``event.data`` the parsed JSON. A plugin may
+    change ``event.data`` in place and must then call ``event.mark_changed()``; the event is
+    re-serialised only then. Keep it quick: the client waits for this event until every
+    plugin has returned.
+    """
+
+
+@hookspec
+def relay_upstream_error(exchange, response, options):
+    """Called when the upstream answers with a non-2xx status, in reverse pipeline order.
+
+    ``response.status``, ``response.headers`` and ``response.body`` (bytes) are what the
+    upstream sent; they go back to the client unmodified, since clients match on the wording.
+    For observing (logging, dumps) only: changes are ignored.
+    """
+
+
+@hookspec
+def relay_exchange_end(exchange, options):
+    """Called once when an exchange is over, whatever happened, in reverse pipeline order.
+
+    ``exchange.outcome`` says how it ended (``ok``, ``rejected``, ``upstream_error``,
+    ``stream_error``, ``upstream_unreachable``, ``client_disconnected``) and
+    ``exchange.timeline`` what each step did. The client already has its answer: this hook
+    cannot change it. Exceptions are logged and swallowed.
+    """
+
+
+# --- offline tools ----------------------------------------------------------------------
+
+
+@hookspec
+def relay_validate(exchange, options, repair):
+    """Called by ``relay validate`` (offline, no upstream) in pipeline order.
+
+    Return every problem this plugin finds in ``exchange.body`` — not only the first — as a
+    list of ``{"location": "messages.6", "message": "..."}`` with the API's wording, or None.
+    When ``repair`` is true, first repair ``exchange.body`` in place where the plugin can
+    (calling ``exchange.mark_changed()``) and return only the problems left.
+    """

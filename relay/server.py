@@ -1,0 +1,365 @@
+"""The aiohttp server: accept a Messages API request, run the chain, relay the answer."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import aiohttp
+import orjson
+from aiohttp import web
+from multidict import CIMultiDict
+
+from . import __version__
+from .chain import Chain
+from .errors import RelayError, error_body, invalid_request
+from .exchange import Exchange, UpstreamResponse
+from .sse import Event, SSEDecoder
+
+log = logging.getLogger("relay")
+
+# RFC 9110 hop-by-hop headers, plus the ones the relay recomputes: aiohttp decodes content
+# encodings on both sides, so a forwarded content-encoding or content-length would be stale.
+HOP_BY_HOP = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
+    "te", "trailer", "trailers", "transfer-encoding", "upgrade",
+    "host", "content-length", "content-encoding", "accept-encoding",
+})
+AUTH_HEADERS = ("x-api-key", "authorization")
+ENDPOINTS = {"/v1/messages": "messages", "/v1/messages/count_tokens": "count_tokens"}
+
+STATE = web.AppKey("relay_state", "RelayState")
+
+
+class RelayState:
+    """What the server needs for every request, built once at start-up."""
+
+    def __init__(self, config, chain: Chain):
+        self.config = config
+        self.chain = chain
+        self.session: aiohttp.ClientSession | None = None
+        self.timeouts = {
+            b.name: aiohttp.ClientTimeout(total=b.timeouts.total, connect=b.timeouts.connect,
+                                          sock_read=b.timeouts.read)
+            for b in config.backends}
+
+
+def relay_error(error: RelayError, request_id: str | None = None, headers=None) -> web.Response:
+    return web.Response(status=error.status, body=error.body(request_id),
+                        content_type="application/json", headers=headers)
+
+
+def parse_body(raw: bytes, endpoint: str) -> dict:
+    """The request body as a dict, or a 400 that says what is wrong with it."""
+    if not raw:
+        raise invalid_request("request body is empty: expected a JSON object")
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise invalid_request(f"request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise invalid_request("request body must be a JSON object")
+    if "messages" not in body:
+        raise invalid_request("messages: Field required")
+    if not isinstance(body["messages"], list):
+        raise invalid_request("messages: Input should be a valid list")
+    if not isinstance(body.get("model"), str):
+        raise invalid_request("model: Field required" if "model" not in body
+                              else "model: Input should be a valid string")
+    return body
+
+
+def forward_headers(headers, backend) -> CIMultiDict:
+    out = CIMultiDict()
+    for name, value in headers.items():
+        if name.lower() not in HOP_BY_HOP:
+            out.add(name, value)
+    if backend.api_key:
+        for name in AUTH_HEADERS:
+            out.popall(name, None)
+        if backend.auth == "bearer":
+            out["Authorization"] = "Bearer " + backend.api_key
+        else:
+            out["x-api-key"] = backend.api_key
+    return out
+
+
+def client_headers(upstream_headers, extra: dict | None = None) -> CIMultiDict:
+    out = CIMultiDict()
+    for name, value in upstream_headers.items():
+        if name.lower() not in HOP_BY_HOP:
+            out.add(name, value)
+    if extra:
+        out.update(extra)
+    return out
+
+
+async def prepare_exchange(state: RelayState, *, method: str, path: str, query: str,
+                           headers, raw_body: bytes) -> Exchange:
+    """Parse, route and run the request chain: everything before the upstream is called.
+
+    Raises RelayError for a request the client must be refused; the exchange it was refused
+    in is attached as ``error.exchange`` (when one was built) so the end hooks can see it.
+    """
+    endpoint = ENDPOINTS[path]
+    body = parse_body(raw_body, endpoint)
+    model = body["model"]
+    backend = state.config.backend_for(model)
+    exchange = Exchange(endpoint=endpoint, method=method, path=path, query=query,
+                        headers=headers, raw_body=raw_body, body=body, backend=backend)
+    if backend is None:
+        error = RelayError(404, f"model: {model} (no backend in the relay's configuration serves it)",
+                           "not_found_error")
+        error.exchange = exchange
+        raise error
+    target = backend.upstream_model(model)
+    if target is not None and target != model:
+        body["model"] = target
+        exchange.mark_changed()
+        exchange.note("relay", "renamed model", model=model, upstream_model=target)
+    try:
+        await state.chain.run("relay_request", exchange)
+    except RelayError as error:
+        error.exchange = exchange
+        raise
+    return exchange
+
+
+class Relay:
+    """Request handlers. One instance per app; no state survives an exchange."""
+
+    def __init__(self, state: RelayState):
+        self.state = state
+
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        state = self.state
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return relay_error(RelayError(
+                413, f"request body exceeds the {state.config.max_body_bytes} byte limit",
+                "request_too_large"))
+        exchange = None
+        try:
+            exchange = await prepare_exchange(
+                state, method=request.method, path=request.path, query=request.query_string,
+                headers=request.headers, raw_body=raw)
+        except RelayError as error:
+            exchange = getattr(error, "exchange", None)
+            if exchange is None:
+                return relay_error(error)
+            exchange.outcome, exchange.error = "rejected", error
+            exchange.note("relay", "rejected", status=error.status, message=error.message)
+            await state.chain.end(exchange)
+            return relay_error(error, exchange.id, exchange.response_headers)
+        except Exception:
+            log.exception("request chain failed")
+            error = RelayError(500, "the relay failed while preparing this request", "api_error")
+            if exchange is not None:
+                exchange.outcome, exchange.error = "relay_error", error
+                await state.chain.end(exchange)
+            return relay_error(error)
+        try:
+            return await self._forward(request, exchange)
+        except asyncio.CancelledError:
+            exchange.outcome = "client_disconnected"
+            raise
+        finally:
+            if exchange.outcome is None:
+                exchange.outcome = "ok"
+            await state.chain.end(exchange)
+
+    async def _forward(self, request: web.Request, exchange: Exchange) -> web.StreamResponse:
+        state = self.state
+        backend = exchange.backend
+        url = backend.url + exchange.path + ("?" + exchange.query if exchange.query else "")
+        headers = forward_headers(request.headers, backend)
+        body = exchange.upstream_body()
+        exchange.upstream_request = {"url": url, "headers": headers, "body": body}
+        exchange.response_headers["x-relay-request-id"] = exchange.id
+        try:
+            upstream = await state.session.request(
+                "POST", url, data=body, headers=headers, timeout=state.timeouts[backend.name])
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            return self._unreachable(exchange, e)
+        async with upstream:
+            if upstream.status >= 300:
+                return await self._upstream_error(exchange, upstream)
+            if upstream.content_type == "text/event-stream":
+                return await self._stream(request, exchange, upstream)
+            try:
+                payload = await upstream.read()
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                return self._unreachable(exchange, e)
+        response = UpstreamResponse(upstream.status, upstream.headers, payload)
+        if exchange.endpoint == "messages" and state.chain.impls["relay_response"]:
+            try:
+                await state.chain.run("relay_response", exchange, response=response)
+            except RelayError as error:
+                exchange.outcome, exchange.error = "rejected", error
+                return relay_error(error, exchange.id, exchange.response_headers)
+            except orjson.JSONDecodeError:
+                log.warning("%s: upstream answered %d with a body that is not JSON; relayed as is",
+                            exchange.id, upstream.status)
+        return web.Response(status=upstream.status, body=response.final_body(),
+                            headers=client_headers(response.headers, exchange.response_headers))
+
+    def _unreachable(self, exchange: Exchange, e: BaseException) -> web.Response:
+        timeout = isinstance(e, asyncio.TimeoutError)
+        error = RelayError(504 if timeout else 502,
+                           f"upstream {exchange.backend.name} "
+                           f"{'timed out' if timeout else 'is unreachable'}: {type(e).__name__} {e}".rstrip(),
+                           "timeout_error" if timeout else "api_error")
+        log.warning("%s: %s", exchange.id, error.message)
+        exchange.outcome, exchange.error = "upstream_unreachable", error
+        return relay_error(error, exchange.id, exchange.response_headers)
+
+    async def _upstream_error(self, exchange: Exchange, upstream) -> web.Response:
+        try:
+            payload = await upstream.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            return self._unreachable(exchange, e)
+        exchange.outcome = "upstream_error"
+        exchange.upstream_response = {"status": upstream.status, "headers": upstream.headers,
+                                      "body": payload}
+        exchange.note("relay", "upstream error", status=upstream.status)
+        response = UpstreamResponse(upstream.status, upstream.headers, payload)
+        try:
+            await self.state.chain.run("relay_upstream_error", exchange, response=response)
+        except Exception:
+            pass  # logged by the chain; the client still gets the upstream's own answer
+        return web.Response(status=upstream.status, body=payload,
+                            headers=client_headers(upstream.headers, exchange.response_headers))
+
+    async def _stream(self, request: web.Request, exchange: Exchange, upstream) -> web.StreamResponse:
+        chain = self.state.chain
+        plan = await chain.stream_plan(exchange)
+        response = web.StreamResponse(
+            status=upstream.status,
+            headers=client_headers(upstream.headers, exchange.response_headers))
+        await response.prepare(request)
+        decoder = SSEDecoder()
+        finished = False  # message_stop or an error event: the stream ended on its own terms
+        try:
+            async for chunk in upstream.content.iter_any():
+                events = decoder.feed(chunk)
+                if not events:
+                    continue
+                if plan:
+                    for event in events:
+                        calls = plan.calls_for(event.name)
+                        if calls:
+                            await chain.stream_event(exchange, event, calls)
+                last = events[-1].name
+                finished = last == "message_stop" or last == "error" or finished
+                if len(events) == 1:
+                    await response.write(events[0].encode())
+                else:
+                    await response.write(b"".join([event.encode() for event in events]))
+            tail = decoder.close()
+            if tail:
+                await response.write(b"".join([event.encode() for event in tail]))
+                finished = finished or tail[-1].name in ("message_stop", "error")
+            if not finished:
+                raise aiohttp.ClientPayloadError("the stream ended before message_stop")
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            if request.transport is None or request.transport.is_closing():
+                exchange.outcome = "client_disconnected"
+                return response
+            exchange.outcome = "stream_error"
+            message = f"upstream stream from {exchange.backend.name} broke off: {type(e).__name__} {e}".rstrip()
+            log.warning("%s: %s", exchange.id, message)
+            error = Event.build("error", {"type": "error",
+                                          "error": {"type": "api_error", "message": message}})
+            exchange.note("relay", "stream error", message=message)
+            await response.write(error.raw)
+            return response
+        await response.write_eof()
+        return response
+
+    async def passthrough(self, request: web.Request) -> web.StreamResponse:
+        """Any other /v1/ path goes to the default backend untouched, chain or no chain."""
+        backend = self.state.config.default_backend()
+        url = backend.url + request.path + ("?" + request.query_string if request.query_string else "")
+        raw = await request.read() if request.can_read_body else None
+        try:
+            upstream = await self.state.session.request(
+                request.method, url, data=raw, headers=forward_headers(request.headers, backend),
+                timeout=self.state.timeouts[backend.name])
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            return relay_error(RelayError(502, f"upstream {backend.name} is unreachable: {e}", "api_error"))
+        async with upstream:
+            response = web.StreamResponse(status=upstream.status,
+                                          headers=client_headers(upstream.headers))
+            await response.prepare(request)
+            async for chunk in upstream.content.iter_any():
+                await response.write(chunk)
+            await response.write_eof()
+            return response
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "version": __version__,
+                                  "pipeline": self.state.chain.pipeline,
+                                  "backends": [b.name for b in self.state.config.backends]})
+
+    async def not_found(self, request: web.Request) -> web.Response:
+        return relay_error(RelayError(404, f"Not found: {request.method} {request.path}",
+                                      "not_found_error"))
+
+
+@web.middleware
+async def anthropic_errors(request: web.Request, handler):
+    """aiohttp's own HTTP errors (405, 413 on the wire, ...) in Anthropic's format."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        if e.status == 413:
+            error = RelayError(413, "request body exceeds the relay's byte limit", "request_too_large")
+        else:
+            error = RelayError(e.status, e.reason, "not_found_error" if e.status == 404 else None)
+        return web.Response(status=e.status, body=error.body(), content_type="application/json")
+
+
+def create_app(config, chain: Chain) -> web.Application:
+    state = RelayState(config, chain)
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[anthropic_errors])
+    app[STATE] = state
+    relay = Relay(state)
+    app.router.add_post("/v1/messages", relay.messages)
+    app.router.add_post("/v1/messages/count_tokens", relay.messages)
+    app.router.add_get("/healthz", relay.healthz)
+    app.router.add_route("*", "/v1/{tail:.*}", relay.passthrough)
+    app.router.add_route("*", "/{tail:.*}", relay.not_found)
+
+    async def session_context(app):
+        state.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=config.upstream_connections,
+                                           limit_per_host=0, enable_cleanup_closed=True),
+            auto_decompress=True, skip_auto_headers=("User-Agent",))
+        yield
+        await state.session.close()
+
+    app.cleanup_ctx.append(session_context)
+    return app
+
+
+async def serve(config, chain: Chain, host: str, port: int) -> None:
+    """Run until cancelled. Prints the listening address once bound (port 0 picks one)."""
+    await chain.startup(config)
+    app = create_app(config, chain)
+    # Cancelling the handler when the client goes away is what closes the upstream request.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    for sock in site._server.sockets:
+        bound = sock.getsockname()
+        print(f"relay listening on http://{bound[0]}:{bound[1]}", flush=True)
+        break
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
+        await chain.shutdown(config)

@@ -1,0 +1,155 @@
+"""Server-sent events, framed incrementally from whatever chunks the upstream writes.
+
+The framer keeps each event's exact bytes so that an event no plugin touched is forwarded
+as it arrived; only events a plugin changed are serialised again.
+"""
+
+from __future__ import annotations
+
+import orjson
+
+
+def _fields(raw: bytes) -> tuple[str | None, bytes | None]:
+    """The event name and the joined data of one framed event (None where absent)."""
+    name = None
+    data = None
+    for line in raw.splitlines():
+        if line.startswith(b"data:"):
+            value = line[6:] if line[5:6] == b" " else line[5:]
+            data = value if data is None else data + b"\n" + value
+        elif line.startswith(b"event:"):
+            value = line[7:] if line[6:7] == b" " else line[6:]
+            name = value.decode("utf-8", "replace")
+    return name, data
+
+
+class Event:
+    """One SSE event: its original bytes, its name, and its data parsed on first use."""
+
+    __slots__ = ("raw", "name", "_payload", "_data", "_parsed", "_changed")
+
+    def __init__(self, raw: bytes):
+        self.raw = raw
+        self.name, self._payload = _fields(raw)
+        self._data = None
+        self._parsed = False
+        self._changed = False
+
+    @classmethod
+    def build(cls, name: str, data) -> "Event":
+        """A new event made by the relay (an error, say), framed the way Anthropic frames it."""
+        return cls(b"event: " + name.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n")
+
+    @property
+    def data(self):
+        """The parsed JSON data, or None when the event has no data or it is not JSON."""
+        if not self._parsed:
+            self._parsed = True
+            if self._payload is not None:
+                try:
+                    self._data = orjson.loads(self._payload)
+                except orjson.JSONDecodeError:
+                    self._data = None
+        return self._data
+
+    @property
+    def changed(self) -> bool:
+        return self._changed
+
+    def mark_changed(self) -> None:
+        """Say that ``data`` was changed in place, so the event must be serialised again."""
+        self._changed = True
+
+    def encode(self) -> bytes:
+        if not self._changed:
+            return self.raw
+        head = b"event: " + self.name.encode() + b"\n" if self.name is not None else b""
+        return head + b"data: " + orjson.dumps(self._data) + b"\n\n"
+
+
+class SSEDecoder:
+    """Turns a byte stream into :class:`Event` objects, chunk by chunk.
+
+    Line ends may be ``\\n``, ``\\r\\n`` or ``\\r``; an event ends at a blank line. A ``\\r``
+    at the very end of a chunk is held back until the next byte says whether it was the
+    first half of ``\\r\\n``. Lines of any length are fine: the buffer grows, and scanning
+    resumes where it stopped instead of starting over.
+    """
+
+    def __init__(self):
+        self._buf = bytearray()
+        self._scan = 0  # everything before this offset has been scanned for line ends
+        self._line = 0  # offset where the current line starts
+        self._cr = False  # once a "\r" shows up, every later chunk takes the general path
+
+    def feed(self, chunk: bytes) -> list[Event]:
+        buf = self._buf
+        buf += chunk
+        events: list[Event] = []
+        if not self._cr and b"\r" in chunk:
+            self._cr = True
+        if not self._cr:
+            # The common case: plain \n line ends, so a blank line is exactly "\n\n".
+            start = 0
+            pos = max(self._scan - 1, 0)
+            size = len(buf)
+            while True:
+                while start < size and buf[start] == 0x0A:  # blank lines between events
+                    start += 1
+                end = buf.find(b"\n\n", max(pos, start))
+                if end < 0:
+                    break
+                events.append(Event(bytes(buf[start:end + 2])))
+                start = pos = end + 2
+            del buf[:start]
+            self._scan = len(buf)
+            self._line = self._last_line_start(buf)
+            return events
+        return self._feed_general(events)
+
+    @staticmethod
+    def _last_line_start(buf: bytearray) -> int:
+        return buf.rfind(b"\n") + 1
+
+    def _feed_general(self, events: list[Event]) -> list[Event]:
+        buf = self._buf
+        size = len(buf)
+        start = 0  # where the current event starts
+        line = self._line
+        i = self._scan
+        while i < size:
+            byte = buf[i]
+            if byte != 0x0A and byte != 0x0D:
+                i += 1
+                continue
+            if byte == 0x0D:
+                if i + 1 == size:
+                    break  # is it "\r" or the first half of "\r\n"? wait for the next chunk
+                end = i + 2 if buf[i + 1] == 0x0A else i + 1
+            else:
+                end = i + 1
+            if i == line:  # a blank line closes the event
+                if line > start:
+                    events.append(Event(bytes(buf[start:end])))
+                start = end
+            line = i = end
+        del buf[:start]
+        self._scan = i - start
+        self._line = line - start
+        return events
+
+    def close(self) -> list[Event]:
+        """Events left when the stream ends: a final event without its blank line counts."""
+        buf = self._buf
+        if buf.endswith(b"\r"):
+            buf += b"\n"
+            found = self._feed_general([])
+            if found:
+                return found
+        rest = bytes(self._buf).strip(b"\r\n")
+        self._buf = bytearray()
+        self._scan = self._line = 0
+        if not rest:
+            return []
+        event = Event(rest + b"\n\n")
+        return [event] if event.name is not None or event._payload is not None else []

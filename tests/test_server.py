@@ -1,0 +1,491 @@
+"""The host against scripted in-process upstreams: routing, auth, headers, limits, bad
+input, streaming, disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+
+import orjson
+import pytest
+from aiohttp import web
+
+from relay import config as config_module
+from relay.chain import Chain, load_plugins
+from relay.errors import RelayError
+from relay.hookspecs import hookimpl
+from relay.server import create_app
+
+BODY = {"model": "claude-test", "max_tokens": 10, "messages": [{"role": "user", "content": "hi"}]}
+ANSWER = {"id": "msg_1", "type": "message", "role": "assistant", "model": "claude-test",
+          "content": [{"type": "text", "text": "hello"}], "stop_reason": "end_turn",
+          "stop_sequence": None, "usage": {"input_tokens": 1, "output_tokens": 1}}
+STREAM = (
+    b'event: message_start\ndata: {"type":"message_start","message":{"id":"msg_1","type":"message",'
+    b'"role":"assistant","content":[],"model":"m","stop_reason":null,"usage":{"input_tokens":1,'
+    b'"output_tokens":0}}}\n\n'
+    b'event: ping\ndata: {"type": "ping"}\n\n'
+    b': a comment\n\n'
+    b'event: content_block_start\ndata: {"type":"content_block_start","index":0,'
+    b'"content_block":{"type":"text","text":""}}\n\n'
+    b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
+    b'"delta":{"type":"text_delta","text":"hello"}}\n\n'
+    b'event: brand_new_event\ndata: {"type":"brand_new_event"}\n\n'
+    b'event: content_block_stop\ndata: {"type":"content_block_stop","index":0}\n\n'
+    b'event: message_delta\ndata: {"type":"message_delta","delta":{"stop_reason":"end_turn"},'
+    b'"usage":{"output_tokens":1}}\n\n'
+    b'event: message_stop\ndata: {"type":"message_stop"}\n\n'
+)
+
+
+class Upstream:
+    """A scripted upstream that records what it received."""
+
+    def __init__(self):
+        self.received: list[dict] = []
+        self.reply = self.json_reply
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        self.received.append({"path": request.path, "query": request.query_string,
+                              "headers": request.headers, "raw": raw, "method": request.method})
+        return await self.reply(request)
+
+    async def json_reply(self, request):
+        return web.json_response(ANSWER, headers={"request-id": "req_up1",
+                                                  "anthropic-ratelimit-requests-remaining": "9"})
+
+
+async def start_upstream(aiohttp_server, upstream: Upstream):
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app.router.add_route("*", "/{tail:.*}", upstream.handle)
+    return await aiohttp_server(app)
+
+
+async def start_relay(aiohttp_client, raw_config: dict, extra=None, env=None):
+    config = config_module.parse(raw_config, env or {})
+    chain = Chain(load_plugins(config.pipeline, extra=extra), config)
+    await chain.startup(config)
+    return await aiohttp_client(create_app(config, chain))
+
+
+@pytest.fixture
+async def setup(aiohttp_server, aiohttp_client):
+    async def make(pipeline=(), extra=None, env=None, upstream=None, **backend_extra):
+        upstream = upstream or Upstream()
+        server = await start_upstream(aiohttp_server, upstream)
+        raw = {"pipeline": list(pipeline),
+               "backends": [{"name": "up", "url": str(server.make_url("")), "models": ["claude-*"],
+                             **backend_extra}]}
+        client = await start_relay(aiohttp_client, raw, extra=extra, env=env)
+        return client, upstream
+    return make
+
+
+# --- routing and auth -------------------------------------------------------------------
+
+async def test_routes_by_model_first_match_wins(aiohttp_server, aiohttp_client):
+    a, b = Upstream(), Upstream()
+    sa, sb = await start_upstream(aiohttp_server, a), await start_upstream(aiohttp_server, b)
+    client = await start_relay(aiohttp_client, {"backends": [
+        {"name": "a", "url": str(sa.make_url("")), "models": ["claude-*"]},
+        {"name": "b", "url": str(sb.make_url("")), "models": ["kimi-*", "claude-opus-*"],
+         "rename": {"kimi-latest": "kimi-k2"}},
+    ]})
+    await client.post("/v1/messages", json=BODY)
+    await client.post("/v1/messages", json={**BODY, "model": "claude-opus-9"})
+    await client.post("/v1/messages", json={**BODY, "model": "kimi-latest"})
+    assert [orjson.loads(r["raw"])["model"] for r in a.received] == ["claude-test", "claude-opus-9"]
+    assert [orjson.loads(r["raw"])["model"] for r in b.received] == ["kimi-k2"]
+
+
+async def test_unknown_model_is_404_naming_it(setup):
+    client, upstream = await setup()
+    resp = await client.post("/v1/messages", json={**BODY, "model": "gpt-9"})
+    assert resp.status == 404
+    error = await resp.json()
+    assert error["type"] == "error" and error["error"]["type"] == "not_found_error"
+    assert "gpt-9" in error["error"]["message"]
+    assert upstream.received == []
+
+
+async def test_default_backend_takes_unmatched_models(aiohttp_server, aiohttp_client):
+    a, b = Upstream(), Upstream()
+    sa, sb = await start_upstream(aiohttp_server, a), await start_upstream(aiohttp_server, b)
+    client = await start_relay(aiohttp_client, {"backends": [
+        {"name": "a", "url": str(sa.make_url("")), "models": ["claude-*"]},
+        {"name": "b", "url": str(sb.make_url("")), "models": [], "default": True}]})
+    assert (await client.post("/v1/messages", json={**BODY, "model": "other"})).status == 200
+    assert len(b.received) == 1 and not a.received
+    assert (await client.get("/v1/models")).status == 200
+    assert b.received[-1]["path"] == "/v1/models"
+
+
+async def test_client_auth_passes_through_unchanged(setup):
+    client, upstream = await setup()
+    await client.post("/v1/messages", json=BODY, headers={"x-api-key": "sk-client"})
+    await client.post("/v1/messages", json=BODY, headers={"Authorization": "Bearer tok"})
+    assert upstream.received[0]["headers"]["x-api-key"] == "sk-client"
+    assert upstream.received[1]["headers"]["Authorization"] == "Bearer tok"
+
+
+@pytest.mark.parametrize("auth,header,expected", [
+    ("x-api-key", "x-api-key", "sk-from-env"),
+    ("bearer", "Authorization", "Bearer sk-from-env")])
+async def test_env_key_replaces_client_auth(setup, auth, header, expected):
+    client, upstream = await setup(env={"UP_KEY": "sk-from-env"}, api_key_env="UP_KEY", auth=auth)
+    await client.post("/v1/messages", json=BODY,
+                      headers={"x-api-key": "sk-client", "Authorization": "Bearer client"})
+    headers = upstream.received[0]["headers"]
+    assert headers[header] == expected
+    other = "Authorization" if header == "x-api-key" else "x-api-key"
+    assert other not in headers
+
+
+# --- headers and encodings --------------------------------------------------------------
+
+async def test_end_to_end_headers_forwarded_hop_by_hop_dropped(setup):
+    client, upstream = await setup()
+    resp = await client.post("/v1/messages?beta=true", json=BODY, headers={
+        "anthropic-version": "2023-06-01", "anthropic-beta": "a-1,b-2",
+        "User-Agent": "claude-cli/2.1.0 (external, sdk-cli)",
+        "X-Claude-Code-Session-Id": "sess-1", "X-Stainless-Lang": "js",
+        "Proxy-Authorization": "Basic xyz", "TE": "trailers", "Keep-Alive": "timeout=5"})
+    assert resp.status == 200
+    got = upstream.received[0]
+    assert got["query"] == "beta=true"
+    headers = got["headers"]
+    assert headers["anthropic-version"] == "2023-06-01"
+    assert headers["anthropic-beta"] == "a-1,b-2"
+    assert headers["User-Agent"] == "claude-cli/2.1.0 (external, sdk-cli)"
+    assert headers["X-Claude-Code-Session-Id"] == "sess-1"
+    assert headers["X-Stainless-Lang"] == "js"
+    for dropped in ("Proxy-Authorization", "TE", "Keep-Alive"):
+        assert dropped not in headers
+    assert int(headers["Content-Length"]) == len(got["raw"])
+    assert resp.headers["request-id"] == "req_up1"
+    assert resp.headers["anthropic-ratelimit-requests-remaining"] == "9"
+    assert resp.headers["x-relay-request-id"].startswith("relay_")
+
+
+async def test_gzip_upstream_is_decoded_once_with_fresh_length(setup):
+    async def gzipped(request):
+        payload = gzip.compress(orjson.dumps(ANSWER))
+        return web.Response(body=payload, headers={
+            "Content-Encoding": "gzip", "Content-Type": "application/json",
+            "retry-after": "3", "x-should-retry": "false"})
+    upstream = Upstream()
+    upstream.reply = gzipped
+    client, _ = await setup(upstream=upstream)
+    resp = await client.post("/v1/messages", json=BODY, headers={"Accept-Encoding": "gzip"},
+                             auto_decompress=False)
+    raw = await resp.read()
+    assert "Content-Encoding" not in resp.headers
+    assert int(resp.headers["Content-Length"]) == len(raw)
+    assert orjson.loads(raw) == ANSWER
+    assert resp.headers["retry-after"] == "3" and resp.headers["x-should-retry"] == "false"
+
+
+async def test_gzip_request_body_is_forwarded_decoded(setup):
+    client, upstream = await setup()
+    payload = orjson.dumps(BODY)
+    resp = await client.post("/v1/messages", data=gzip.compress(payload),
+                             headers={"Content-Encoding": "gzip", "Content-Type": "application/json"})
+    assert resp.status == 200
+    got = upstream.received[0]
+    assert got["raw"] == payload and "Content-Encoding" not in got["headers"]
+
+
+# --- bodies -----------------------------------------------------------------------------
+
+async def test_unchanged_request_goes_up_as_the_clients_bytes(setup):
+    client, upstream = await setup()
+    payload = b'{"model":  "claude-test", "max_tokens": 5,\n "messages": [{"role":"user","content":"x"}]}'
+    await client.post("/v1/messages", data=payload, headers={"Content-Type": "application/json"})
+    assert upstream.received[0]["raw"] == payload
+
+
+async def test_large_history_accepted_and_oversize_is_413(aiohttp_server, aiohttp_client):
+    upstream = Upstream()
+    server = await start_upstream(aiohttp_server, upstream)
+    client = await start_relay(aiohttp_client, {
+        "server": {"max_body_bytes": 3 * 1024 * 1024},
+        "backends": [{"name": "up", "url": str(server.make_url("")), "models": ["*"]}]})
+    big = {**BODY, "messages": [{"role": "user", "content": "x" * (2 * 1024 * 1024)}]}
+    assert (await client.post("/v1/messages", json=big)).status == 200
+    huge = {**BODY, "messages": [{"role": "user", "content": "x" * (4 * 1024 * 1024)}]}
+    resp = await client.post("/v1/messages", json=huge)
+    assert resp.status == 413
+    assert (await resp.json())["error"]["type"] == "request_too_large"
+    assert len(upstream.received) == 1
+
+
+def test_default_body_limit_is_the_apis_32_mb():
+    config = config_module.parse({"backends": [{"name": "a", "url": "http://x", "models": []}]})
+    assert config.max_body_bytes == 32 * 1024 * 1024
+
+
+@pytest.mark.parametrize("payload,fragment", [
+    (b"", "empty"),
+    (b"{not json", "not valid JSON"),
+    (b"[1, 2]", "JSON object"),
+    (b'{"model": "claude-test"}', "messages: Field required"),
+    (b'{"model": "claude-test", "messages": {"a": 1}}', "messages: Input should be a valid list"),
+    (b'{"messages": []}', "model: Field required"),
+    (b'{"model": 5, "messages": []}', "model: Input should be a valid string"),
+    (b"\xff\xfe\x00garbage", "not valid JSON"),
+])
+async def test_bad_input_is_a_clear_400(setup, payload, fragment):
+    client, upstream = await setup()
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        resp = await client.post(path, data=payload, headers={"Content-Type": "application/json"})
+        assert resp.status == 400
+        error = await resp.json()
+        assert error["error"]["type"] == "invalid_request_error"
+        assert fragment in error["error"]["message"]
+    assert upstream.received == []
+
+
+async def test_unknown_route_and_method_in_anthropic_format(setup):
+    client, _ = await setup()
+    resp = await client.get("/nope")
+    assert resp.status == 404 and (await resp.json())["error"]["type"] == "not_found_error"
+    resp = await client.get("/v1/messages")  # the GET goes to the passthrough, upstream answers
+    assert resp.status == 200
+    health = await (await client.get("/healthz")).json()
+    assert health["status"] == "ok" and health["backends"] == ["up"]
+
+
+# --- upstream errors --------------------------------------------------------------------
+
+async def test_upstream_error_comes_back_unmodified(setup):
+    body = (b'{"type":"error","error":{"type":"invalid_request_error","message":'
+            b'"messages.1: `tool_use` ids must be unique"},  "request_id":"req_x"}')
+
+    async def refuse(request):
+        return web.Response(status=400, body=body, content_type="application/json",
+                            headers={"request-id": "req_x", "x-should-retry": "false"})
+    upstream = Upstream()
+    upstream.reply = refuse
+    client, _ = await setup(upstream=upstream)
+    resp = await client.post("/v1/messages", json=BODY)
+    assert resp.status == 400
+    assert await resp.read() == body
+    assert resp.headers["request-id"] == "req_x" and resp.headers["x-should-retry"] == "false"
+
+
+async def test_unreachable_upstream_is_502_in_anthropic_format(aiohttp_client, unused_tcp_port):
+    client = await start_relay(aiohttp_client, {"backends": [
+        {"name": "gone", "url": f"http://127.0.0.1:{unused_tcp_port}", "models": ["*"]}]})
+    resp = await client.post("/v1/messages", json=BODY)
+    assert resp.status == 502
+    error = await resp.json()
+    assert error["error"]["type"] == "api_error" and "gone" in error["error"]["message"]
+
+
+# --- streaming --------------------------------------------------------------------------
+
+def stream_reply(chunks, gate: asyncio.Event | None = None, hold_after: int = 1):
+    async def reply(request):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "request-id": "req_s"})
+        await resp.prepare(request)
+        for i, chunk in enumerate(chunks):
+            if gate is not None and i == hold_after:
+                await gate.wait()
+            await resp.write(chunk)
+        await resp.write_eof()
+        return resp
+    return reply
+
+
+async def test_stream_passes_through_byte_for_byte_under_ragged_chunks(setup):
+    chunks = [STREAM[i:i + 7] for i in range(0, len(STREAM), 7)]
+    upstream = Upstream()
+    upstream.reply = stream_reply(chunks)
+    client, _ = await setup(upstream=upstream)
+    resp = await client.post("/v1/messages", json={**BODY, "stream": True})
+    assert resp.headers["Content-Type"].startswith("text/event-stream")
+    assert resp.headers["request-id"] == "req_s"
+    assert await resp.read() == STREAM
+
+
+async def test_each_event_is_flushed_at_once(setup):
+    gate = asyncio.Event()
+    events = STREAM.split(b"\n\n")
+    chunks = [event + b"\n\n" for event in events if event]
+    upstream = Upstream()
+    upstream.reply = stream_reply(chunks, gate=gate, hold_after=1)
+    client, _ = await setup(upstream=upstream)
+    resp = await client.post("/v1/messages", json={**BODY, "stream": True})
+    # The upstream holds the rest back until the first event has reached the client.
+    first = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5)
+    assert first.startswith(b"event: message_start")
+    gate.set()
+    rest = await resp.read()
+    assert first + rest == STREAM
+
+
+class Upper:
+    """Upper-cases text deltas: the one event it changes is re-serialised, no other."""
+
+    @hookimpl
+    def relay_stream_events(self):
+        return {"content_block_delta"}
+
+    @hookimpl
+    def relay_stream_event(self, event):
+        event.data["delta"]["text"] = event.data["delta"]["text"].upper()
+        event.mark_changed()
+
+
+async def test_changed_event_reserialised_others_untouched(setup):
+    upstream = Upstream()
+    upstream.reply = stream_reply([STREAM[:200], STREAM[200:]])
+    client, _ = await setup(pipeline=["upper"], extra={"upper": Upper}, upstream=upstream)
+    resp = await client.post("/v1/messages", json={**BODY, "stream": True})
+    out = await resp.read()
+    before, after = STREAM.split(b"event: content_block_delta")
+    assert out.startswith(before)
+    assert b'"text":"HELLO"' in out
+    assert out.endswith(after[after.index(b"\n\n") + 2:])
+
+
+async def test_upstream_dying_mid_stream_yields_an_error_event(setup):
+    cut = STREAM.index(b"event: content_block_delta")
+
+    async def die(request):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(STREAM[:cut + 20])
+        request.transport.close()
+        return resp
+    upstream = Upstream()
+    upstream.reply = die
+    client, _ = await setup(upstream=upstream)
+    resp = await client.post("/v1/messages", json={**BODY, "stream": True})
+    out = await resp.read()
+    assert out.startswith(STREAM[:cut])
+    last = out.rstrip(b"\n").split(b"\n\n")[-1]
+    assert last.startswith(b"event: error\ndata: ")
+    error = orjson.loads(last.split(b"data: ", 1)[1])
+    assert error["type"] == "error" and error["error"]["type"] == "api_error"
+
+
+async def test_stream_ending_without_message_stop_is_an_error_not_a_truncation(setup):
+    upstream = Upstream()
+    upstream.reply = stream_reply([STREAM[:STREAM.index(b"event: message_delta")]])
+    client, _ = await setup(upstream=upstream)
+    out = await (await client.post("/v1/messages", json={**BODY, "stream": True})).read()
+    assert out.rstrip(b"\n").split(b"\n\n")[-1].startswith(b"event: error")
+
+
+async def test_client_disconnect_cancels_the_upstream(setup):
+    seen = {"written": 0, "closed": asyncio.Event()}
+
+    async def slow(request):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        try:
+            for _ in range(200):
+                await resp.write(b'event: ping\ndata: {"type":"ping"}\n\n')
+                seen["written"] += 1
+                await asyncio.sleep(0.02)
+        except (ConnectionError, asyncio.CancelledError):
+            seen["closed"].set()
+            raise
+        return resp
+    upstream = Upstream()
+    upstream.reply = slow
+    client, _ = await setup(upstream=upstream)
+    resp = await client.post("/v1/messages", json={**BODY, "stream": True})
+    await resp.content.readuntil(b"\n\n")
+    resp.close()  # the client goes away mid-stream
+    await asyncio.wait_for(seen["closed"].wait(), 5)
+    assert seen["written"] < 200
+
+
+# --- the chain --------------------------------------------------------------------------
+
+def recorder(name: str, calls: list):
+    class Recorder:
+        @hookimpl
+        def relay_request(self, exchange, options):
+            calls.append(("request", name, dict(options)))
+
+        @hookimpl
+        async def relay_response(self, exchange, response):
+            await asyncio.sleep(0)
+            calls.append(("response", name))
+
+        @hookimpl
+        def relay_stream_events(self):
+            return "*"
+
+        @hookimpl
+        async def relay_stream_event(self, event):
+            await asyncio.sleep(0)
+            calls.append(("event", name, event.name))
+
+        @hookimpl
+        def relay_exchange_end(self, exchange):
+            calls.append(("end", name, exchange.outcome))
+    return Recorder
+
+
+async def test_yaml_order_up_reverse_order_back(aiohttp_server, aiohttp_client):
+    calls: list = []
+    upstream = Upstream()
+    server = await start_upstream(aiohttp_server, upstream)
+    names = ["c", "a", "b"]
+    client = await start_relay(aiohttp_client, {
+        "pipeline": names,
+        "plugins": {"a": {"level": 1, "mode": "x"}},
+        "backends": [{"name": "up", "url": str(server.make_url("")), "models": ["*"],
+                      "quirks": {"mode": "quirk-wins"}}]},
+        extra={n: recorder(n, calls) for n in names})
+    await client.post("/v1/messages", json=BODY)
+    assert calls == [
+        ("request", "c", {"mode": "quirk-wins"}),
+        ("request", "a", {"level": 1, "mode": "quirk-wins"}),
+        ("request", "b", {"mode": "quirk-wins"}),
+        ("response", "b"), ("response", "a"), ("response", "c"),
+        ("end", "b", "ok"), ("end", "a", "ok"), ("end", "c", "ok")]
+    calls.clear()
+    upstream.reply = stream_reply([STREAM])
+    await (await client.post("/v1/messages", json={**BODY, "stream": True})).read()
+    events = [c for c in calls if c[0] == "event"]
+    assert [c[1] for c in events[:3]] == ["b", "a", "c"]
+    assert [c[2] for c in events[::3]] == ["message_start", "ping", None, "content_block_start",
+                                           "content_block_delta", "brand_new_event",
+                                           "content_block_stop", "message_delta", "message_stop"]
+
+
+class Refuse:
+    @hookimpl
+    async def relay_request(self, exchange):
+        await asyncio.sleep(0)
+        if exchange.endpoint == "count_tokens":
+            raise RelayError(400, "messages.0: refused by a plugin")
+
+
+async def test_plugin_rejects_and_count_tokens_goes_through_the_chain(setup):
+    client, upstream = await setup(pipeline=["refuse"], extra={"refuse": Refuse})
+    resp = await client.post("/v1/messages/count_tokens", json=BODY)
+    assert resp.status == 400
+    assert (await resp.json())["error"] == {"type": "invalid_request_error",
+                                            "message": "messages.0: refused by a plugin"}
+    assert upstream.received == []
+    assert (await client.post("/v1/messages", json=BODY)).status == 200
+
+
+class Crash:
+    @hookimpl
+    def relay_request(self):
+        raise KeyError("bug")
+
+
+async def test_a_crashing_plugin_is_a_500_not_a_dropped_connection(setup):
+    client, upstream = await setup(pipeline=["crash"], extra={"crash": Crash})
+    resp = await client.post("/v1/messages", json=BODY)
+    assert resp.status == 500 and (await resp.json())["error"]["type"] == "api_error"
+    assert upstream.received == []
