@@ -111,7 +111,7 @@ class SSEDecoder:
     def _last_line_start(buf: bytearray) -> int:
         return buf.rfind(b"\n") + 1
 
-    def _feed_general(self, events: list[Event]) -> list[Event]:
+    def _feed_general(self, events: list[Event], final: bool = False) -> list[Event]:
         buf = self._buf
         size = len(buf)
         start = 0  # where the current event starts
@@ -124,8 +124,11 @@ class SSEDecoder:
                 continue
             if byte == 0x0D:
                 if i + 1 == size:
-                    break  # is it "\r" or the first half of "\r\n"? wait for the next chunk
-                end = i + 2 if buf[i + 1] == 0x0A else i + 1
+                    if not final:
+                        break  # is it "\r" or the first half of "\r\n"? wait for the next chunk
+                    end = size
+                else:
+                    end = i + 2 if buf[i + 1] == 0x0A else i + 1
             else:
                 end = i + 1
             if i == line:  # a blank line closes the event
@@ -140,16 +143,12 @@ class SSEDecoder:
 
     def close(self) -> list[Event]:
         """Events left when the stream ends: a final event without its blank line counts."""
-        buf = self._buf
-        if buf.endswith(b"\r"):
-            buf += b"\n"
-            found = self._feed_general([])
-            if found:
-                return found
+        events = self._feed_general([], final=True) if self._buf.endswith(b"\r") else []
         rest = bytes(self._buf).strip(b"\r\n")
         self._buf = bytearray()
         self._scan = self._line = 0
-        if not rest:
-            return []
-        event = Event(rest + b"\n\n")
-        return [event] if event.name is not None or event._payload is not None else []
+        if rest:
+            event = Event(rest + b"\n\n")
+            if event.name is not None or event._payload is not None:
+                events.append(event)
+        return events

@@ -1,0 +1,160 @@
+"""Plugins found by name, the hook contract, and relay.yaml validation."""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+import textwrap
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+import plugins
+from relay import config as config_module, hookspecs
+from relay.chain import ENTRY_POINT_GROUP, available_plugins, load_plugins
+from relay.errors import ConfigError
+
+from conftest import ROOT, Relay, backend
+
+BUILTINS = {"dedup", "pairing", "ordering", "dump"}
+
+
+def test_builtins_register_through_the_entry_point_group():
+    found = available_plugins()
+    assert BUILTINS <= set(found)
+    for name in BUILTINS:
+        assert found[name].group == ENTRY_POINT_GROUP
+        assert found[name].value == f"plugins.{name}"
+
+
+def test_top_level_plugins_package_is_this_repos():
+    assert Path(plugins.__file__).resolve().parent == ROOT / "plugins"
+
+
+def test_hook_specs_are_prefixed_and_documented():
+    specs = [name for name, f in inspect.getmembers(hookspecs, inspect.isfunction)
+             if hasattr(f, "relay_spec")]
+    assert len(specs) >= 8
+    for name in specs:
+        assert name.startswith("relay_")
+        doc = inspect.getdoc(getattr(hookspecs, name))
+        assert doc and "Called" in doc, name
+
+
+def test_unknown_plugin_stops_start_up_listing_the_available_ones():
+    with pytest.raises(ConfigError) as e:
+        load_plugins(["dedup", "nope"])
+    message = str(e.value)
+    assert message.startswith("pipeline[1]: unknown plugin 'nope'")
+    for name in BUILTINS:
+        assert name in message
+
+
+@pytest.mark.parametrize("raw,message", [
+    ({}, "backends: required"),
+    ({"backends": [{"name": "a", "url": "http://x"}, {"name": "b"}]}, "backends[1].url: required"),
+    ({"backends": [{"url": "http://x"}]}, "backends[0].name: required"),
+    ({"backends": [{"name": "a", "url": "ftp://x"}]}, "backends[0].url: must be an http"),
+    ({"backends": [{"name": "a", "url": "http://x", "models": "claude-*"}]},
+     "backends[0].models: must be a list"),
+    ({"backends": [{"name": "a", "url": "http://x", "api_key_env": "RELAY_TEST_UNSET"}]},
+     "backends[0].api_key_env: environment variable RELAY_TEST_UNSET is not set"),
+    ({"backends": [{"name": "a", "url": "http://x", "api_key": "sk-literal"}]},
+     "backends[0].api_key: unknown key"),
+    ({"backends": [{"name": "a", "url": "http://x", "timeouts": {"read": -1}}]},
+     "backends[0].timeouts.read: must be a positive number"),
+    ({"backends": [{"name": "a", "url": "http://x"}, {"name": "a", "url": "http://y"}]},
+     "backends[1].name: 'a' is used twice"),
+    ({"server": {"port": "80"}, "backends": [{"name": "a", "url": "http://x"}]},
+     "server.port: must be an integer"),
+    ({"pipeline": "dedup", "backends": [{"name": "a", "url": "http://x"}]},
+     "pipeline: must be a list"),
+    ({"pipeline": ["dedup", "dedup"], "backends": [{"name": "a", "url": "http://x"}]},
+     "pipeline[1]: 'dedup' is listed twice"),
+    ({"plugins": {"dump": "x"}, "backends": [{"name": "a", "url": "http://x"}]},
+     "plugins.dump: must be a mapping"),
+    ({"bakends": []}, "bakends: unknown key"),
+])
+def test_config_errors_name_the_key_path(raw, message):
+    with pytest.raises(ConfigError) as e:
+        config_module.parse(raw, env={})
+    assert str(e.value).startswith(message)
+
+
+def test_key_comes_from_the_environment_only():
+    config = config_module.parse(
+        {"backends": [{"name": "k", "url": "https://k.example/anthropic", "api_key_env": "K"}]},
+        env={"K": "sk-env"})
+    assert config.backends[0].api_key == "sk-env"
+
+
+def test_shipped_relay_yaml_is_valid():
+    config = config_module.load(str(ROOT / "relay.yaml"))
+    assert config.pipeline == ["dedup", "pairing", "ordering", "dump"]
+    assert config.host == "127.0.0.1"
+    assert config.backend_for("claude-sonnet-4-6").name == "anthropic"
+    load_plugins(config.pipeline)
+
+
+@pytest.mark.parametrize("yaml_text,message", [
+    ("backends:\n  - name: a\n", "backends[0].url: required"),
+    ("pipeline: [dedup, nope]\nbackends:\n  - {name: a, url: 'http://x'}\n",
+     "pipeline[1]: unknown plugin 'nope'"),
+    ("backends: [\n", "not valid YAML"),
+])
+def test_cli_exits_non_zero_on_config_errors(tmp_path, yaml_text, message):
+    path = tmp_path / "relay.yaml"
+    path.write_text(yaml_text)
+    proc = subprocess.run([sys.executable, "-m", "relay", "--config", str(path)],
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2
+    assert message in proc.stderr
+
+
+THIRD_PARTY = {
+    "pyproject.toml": """
+        [build-system]
+        requires = ["setuptools>=64"]
+        build-backend = "setuptools.build_meta"
+
+        [project]
+        name = "relay-shout-example"
+        version = "1.0"
+
+        [project.entry-points."relay.plugins"]
+        shout = "relay_shout"
+        """,
+    "relay_shout.py": """
+        from relay.hookspecs import hookimpl
+
+        @hookimpl
+        def relay_request(exchange, options):
+            exchange.response_headers["x-shout"] = options.get("word", "hey")
+        """,
+}
+
+
+def test_third_party_distribution_is_installed_and_loaded_by_name(tmp_path, emulator):
+    source = tmp_path / "src"
+    source.mkdir()
+    for name, text in THIRD_PARTY.items():
+        (source / name).write_text(textwrap.dedent(text))
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
+                    "--no-build-isolation", "--target", str(target), str(source)],
+                   check=True, timeout=120)
+    assert list(target.glob("relay_shout_example-1.0.dist-info"))
+    emu = emulator()
+    relay = Relay({"pipeline": ["shout"], "plugins": {"shout": {"word": "HELLO"}},
+                   "backends": [backend(emu.url)]}, tmp_path, env={"PYTHONPATH": str(target)})
+    try:
+        request = urllib.request.Request(
+            relay.url + "/v1/messages", method="POST", headers={"content-type": "application/json"},
+            data=b'{"model":"m","max_tokens":5,"messages":[{"role":"user","content":"hi"}]}')
+        with urllib.request.urlopen(request, timeout=10) as response:
+            assert response.status == 200
+            assert response.headers["x-shout"] == "HELLO"
+    finally:
+        relay.stop()

@@ -1,0 +1,90 @@
+"""SSE framing: the same events whatever the chunking, line ends or line lengths."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from relay.sse import Event, SSEDecoder
+from test_server import STREAM
+
+
+def frame(stream: bytes, cuts) -> list[Event]:
+    decoder = SSEDecoder()
+    events, previous = [], 0
+    for cut in [*sorted(cuts), len(stream)]:
+        events += decoder.feed(stream[previous:cut])
+        previous = cut
+    return events + decoder.close()
+
+
+def fields(events):
+    return [(e.name, e.data) for e in events]
+
+
+EXPECTED_NAMES = ["message_start", "ping", None, "content_block_start", "content_block_delta",
+                  "brand_new_event", "content_block_stop", "message_delta", "message_stop"]
+
+
+@pytest.mark.parametrize("newline", [b"\n", b"\r\n", b"\r"])
+def test_every_split_point_gives_the_same_events(newline):
+    stream = STREAM.replace(b"\n", newline)
+    whole = frame(stream, [])
+    assert [e.name for e in whole] == EXPECTED_NAMES
+    assert b"".join(e.raw for e in whole) == stream
+    for i in range(len(stream) + 1):
+        assert fields(frame(stream, [i])) == fields(whole), i
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(min_value=0, max_value=len(STREAM)), max_size=12),
+       st.sampled_from([b"\n", b"\r\n", b"\r"]))
+def test_any_chunking_gives_the_same_events_and_bytes(cuts, newline):
+    stream = STREAM.replace(b"\n", newline)
+    events = frame(stream, cuts)
+    assert fields(events) == fields(frame(stream, []))
+    assert b"".join(e.raw for e in events) == stream
+
+
+def test_multi_line_data_comments_and_field_spacing():
+    stream = b": keep-alive\nevent:x\ndata:{\"a\":\ndata: 1}\nid: 7\n\n"
+    (comment_and_event,) = frame(stream, [])
+    assert comment_and_event.name == "x"
+    assert comment_and_event.data == {"a": 1}
+
+
+def test_line_over_one_mebibyte_in_small_chunks():
+    text = "x" * (3 * 1024 * 1024)
+    payload = orjson.dumps({"type": "content_block_delta", "delta": {"text": text}})
+    stream = b"event: content_block_delta\ndata: " + payload + b"\n\nevent: ping\ndata: {}\n\n"
+    cuts = range(0, len(stream), 65536)
+    events = frame(stream, cuts)
+    assert [e.name for e in events] == ["content_block_delta", "ping"]
+    assert events[0].data["delta"]["text"] == text
+    assert events[0].raw == stream[:len(events[0].raw)]
+
+
+def test_last_event_without_blank_line_is_kept_and_blank_lines_between_are_ignored():
+    events = frame(b"\n\nevent: a\ndata: 1\n\n\n\nevent: b\ndata: 2", [3])
+    assert fields(events) == [("a", 1), ("b", 2)]
+
+
+def test_changed_event_is_reserialised_unchanged_is_raw():
+    raw = b'event: content_block_start\ndata: {"type": "content_block_start", "index": 0}\n\n'
+    event = Event(raw)
+    assert event.encode() is raw
+    event.data["index"] = 1
+    event.mark_changed()
+    assert event.encode() == (b'event: content_block_start\n'
+                              b'data: {"type":"content_block_start","index":1}\n\n')
+
+
+def test_non_json_data_parses_to_none():
+    assert Event(b"event: x\ndata: [DONE]\n\n").data is None
+    assert Event(b": only a comment\n\n").name is None
+
+
+def test_stream_ending_in_a_lone_cr_keeps_both_events():
+    events = frame(b"event: a\rdata: 1\r\revent: b\rdata: 2\r", [])
+    assert fields(events) == [("a", 1), ("b", 2)]
