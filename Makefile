@@ -37,7 +37,7 @@ bench: $(VENV)/.installed
 	$(PY) tests/bench/run.py
 
 demo: $(VENV)/.installed
-	$(PY) tests/demo.py
+	$(PY) -m relay.demo
 
 clean:
 	rm -rf $(VENV) .e2e .pytest_cache .hypothesis .bench dumps *.egg-info

@@ -1,0 +1,821 @@
+"""A strict stand-in for Anthropic's Messages API: the upstream of every relay test.
+
+A tolerant upstream would let a broken relay pass its tests, so this one rejects what the real
+API rejects, with the real API's wording (see PROTOCOL.md), and answers from a script decided
+by the request alone: ``turn`` is the number of assistant messages in the history, and the
+options say how many turns end in tool calls, how the tool ids look and which faults to inject.
+
+It imports nothing from the relay on purpose: it stands for the far side of the wire, and it
+runs on its own (``python relay/emulator.py --port 0``).
+
+Validation order, first problem wins: the body's shape (fields, block fields, id patterns,
+which role may hold which block), then content (empty messages and text blocks), then tool_use
+id uniqueness (and, with ``expect_own_ids``, provenance), then tool_use/tool_result pairing,
+then thinking signatures. Within the pairing of one assistant/user pair: an unknown or repeated
+``tool_use_id`` in the leading run of results (a repeat uses the "unexpected" wording, as the
+second result has no tool_use left to answer), then a result placed after other content, then
+tool_use ids left without a result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import binascii
+import dataclasses
+import hashlib
+import hmac
+import itertools
+import os
+import re
+import signal
+import sys
+
+import orjson
+from aiohttp import web
+
+STATUS_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
+
+FAULT_MESSAGES = {
+    400: "Emulated invalid request",
+    401: "invalid x-api-key",
+    403: "Your API key does not have permission to use the specified resource.",
+    404: "Not Found",
+    413: "Request exceeds the maximum allowed number of bytes.",
+    429: "Number of requests has exceeded your per-minute rate limit",
+    500: "Internal server error",
+    504: "Request timed out",
+    529: "Overloaded",
+}
+
+MAX_BODY_BYTES = 32 * 1024 * 1024
+
+# A Kimi-like backend names its calls `functions.Bash:0`; it must accept its own ids back.
+ID_PATTERNS = {"anthropic": "^[a-zA-Z0-9_-]+$", "functions": "^[a-zA-Z0-9_.:-]+$"}
+_ID_REGEXES = {style: re.compile(pattern) for style, pattern in ID_PATTERNS.items()}
+
+MODELS = [
+    {"type": "model", "id": "claude-sonnet-4-5-20250929", "display_name": "Claude Sonnet 4.5",
+     "created_at": "2025-09-29T00:00:00Z"},
+    {"type": "model", "id": "claude-haiku-4-5-20251001", "display_name": "Claude Haiku 4.5",
+     "created_at": "2025-10-15T00:00:00Z"},
+    {"type": "model", "id": "claude-opus-4-1-20250805", "display_name": "Claude Opus 4.1",
+     "created_at": "2025-08-05T00:00:00Z"},
+]
+
+# Sizes of the pieces a ragged stream is cut into; irregular so that over a stream every kind
+# of boundary (inside a line, between \r and \n, across events) gets hit.
+RAGGED_SIZES = (1, 3, 2, 7, 1, 13, 5, 2, 29, 4, 1, 11)
+
+# Signatures are keyed per process unless given: a restarted emulator rejects old histories,
+# just as the real API rejects blocks it did not sign.
+_PROCESS_SECRET = os.urandom(32)
+
+_BASE62 = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+
+
+@dataclasses.dataclass
+class EmulatorOptions:
+    """Every emulator option, named as on the command line (``--tool-turns`` is tool_turns).
+
+    ``fail_status`` alone fails every /v1/messages request; with ``fail_count`` it fails the
+    first C, with ``fail_every`` every K-th (both may be combined). ``cut_after`` and
+    ``stream_error_after`` count stream events, ``ping`` included.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    api_key: str | None = None
+    tool_turns: int = 0
+    parallel: int = 1
+    id_style: str = "anthropic"
+    reuse_ids: bool = False
+    thinking: bool = False
+    redacted_thinking: bool = False
+    expect_own_ids: bool = False
+    signing_secret: str | None = None
+    fail_status: int | None = None
+    fail_count: int = 0
+    fail_every: int = 0
+    cut_after: int | None = None
+    stream_error_after: int | None = None
+    ragged: bool = False
+    crlf: bool = False
+    max_requests: int | None = None
+    delay_ms: int = 0
+    record: bool = True
+
+    @property
+    def signing_key(self) -> bytes:
+        return self.signing_secret.encode() if self.signing_secret else _PROCESS_SECRET
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = EmulatorOptions()
+    parser.add_argument("--host", default=d.host)
+    parser.add_argument("--port", type=int, default=d.port, help="0 picks a free port")
+    parser.add_argument("--api-key", default=d.api_key,
+                        help="require this key (x-api-key or Bearer); default accepts any")
+    parser.add_argument("--tool-turns", type=int, default=d.tool_turns,
+                        help="answer with tool calls while the history has fewer assistant turns")
+    parser.add_argument("--parallel", type=int, default=d.parallel, help="tool calls per tool turn")
+    parser.add_argument("--id-style", choices=("anthropic", "functions"), default=d.id_style,
+                        help="toolu_01... ids, or Kimi-like functions.Name:N ids")
+    parser.add_argument("--reuse-ids", action="store_true",
+                        help="give every turn's i-th call the same id")
+    parser.add_argument("--thinking", action="store_true",
+                        help="start each answer with a signed thinking block")
+    parser.add_argument("--redacted-thinking", action="store_true",
+                        help="add a redacted_thinking block to each answer")
+    parser.add_argument("--expect-own-ids", action="store_true",
+                        help="reject tool_use ids this emulator would not have issued")
+    parser.add_argument("--signing-secret", default=d.signing_secret,
+                        help="key for thinking signatures (default: random per process)")
+    parser.add_argument("--fail-status", type=int, default=d.fail_status,
+                        help="answer /v1/messages with this status (alone: always)")
+    parser.add_argument("--fail-count", type=int, default=d.fail_count,
+                        help="fail only the first C requests")
+    parser.add_argument("--fail-every", type=int, default=d.fail_every,
+                        help="fail every K-th request")
+    parser.add_argument("--cut-after", type=int, default=d.cut_after,
+                        help="streaming: drop the connection after E events")
+    parser.add_argument("--stream-error-after", type=int, default=d.stream_error_after,
+                        help="streaming: send an overloaded error event after E events")
+    parser.add_argument("--ragged", action="store_true",
+                        help="streaming: write the bytes in small irregular pieces")
+    parser.add_argument("--crlf", action="store_true", help="streaming: end lines with \\r\\n")
+    parser.add_argument("--max-requests", type=int, default=d.max_requests,
+                        help="after M requests answer 429 to everything (bounds runaway loops)")
+    parser.add_argument("--delay-ms", type=int, default=d.delay_ms,
+                        help="latency before each /v1/messages answer")
+    parser.add_argument("--no-record", dest="record", action="store_false",
+                        help="keep no request log (long benchmarks)")
+
+
+def options_from_args(args) -> EmulatorOptions:
+    names = [f.name for f in dataclasses.fields(EmulatorOptions)]
+    return EmulatorOptions(**{n: getattr(args, n) for n in names if hasattr(args, n)})
+
+
+# --- validation -------------------------------------------------------------------------------
+
+_BLOCK_FIELDS = {
+    "text": (("text", str),),
+    "tool_use": (("id", str), ("name", str), ("input", dict)),
+    "tool_result": (("tool_use_id", str),),
+    "thinking": (("thinking", str), ("signature", str)),
+    "redacted_thinking": (("data", str),),
+}
+_KIND_NAMES = {str: "string", dict: "dictionary"}
+_ID_FIELDS = {"tool_use": "id", "tool_result": "tool_use_id"}
+# Block types a message of the other role may not hold. The user-side wording mirrors the
+# confirmed assistant-side one; the real API's text for it is unconfirmed.
+_FORBIDDEN_BLOCKS = {"assistant": ("tool_result", "user"), "user": ("tool_use", "assistant")}
+
+
+def find_problem(body, options: EmulatorOptions, *, needs_max_tokens: bool = True) -> str | None:
+    """The real API's 400 message for the first problem in a request body, or None."""
+    problem = _shape_problem(body, options, needs_max_tokens)
+    if problem:
+        return problem
+    convo = [(n, m) for n, m in enumerate(body["messages"]) if m["role"] != "system"]
+    return (_content_problem(convo) or _id_problem(convo, options) or _pairing_problem(convo)
+            or _signature_problem(convo, options.signing_key))
+
+
+def _shape_problem(body, options, needs_max_tokens) -> str | None:
+    if not isinstance(body, dict):
+        return "Input should be a valid dictionary"
+    if "model" not in body:
+        return "model: Field required"
+    if not isinstance(body["model"], str):
+        return "model: Input should be a valid string"
+    if needs_max_tokens:
+        if "max_tokens" not in body:
+            return "max_tokens: Field required"
+        max_tokens = body["max_tokens"]
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool):
+            return "max_tokens: Input should be a valid integer"
+        if max_tokens < 1:
+            return "max_tokens: Input should be greater than or equal to 1"
+    if "messages" not in body:
+        return "messages: Field required"
+    messages = body["messages"]
+    if not isinstance(messages, list):
+        return "messages: Input should be a valid list"
+    if not messages:
+        return "messages: at least one message is required"
+    pattern, regex = ID_PATTERNS[options.id_style], _ID_REGEXES[options.id_style]
+    for n, message in enumerate(messages):
+        problem = _message_shape_problem(n, message, regex, pattern)
+        if problem:
+            return problem
+    if "stream" in body and not isinstance(body["stream"], bool):
+        return "stream: Input should be a valid boolean"
+    return None
+
+
+def _message_shape_problem(n, message, regex, pattern) -> str | None:
+    if not isinstance(message, dict):
+        return f"messages.{n}: Input should be a valid dictionary"
+    if "role" not in message:
+        return f"messages.{n}.role: Field required"
+    role = message["role"]
+    if role == "system":  # Claude Code sends these; the API tolerates them
+        return None
+    if role not in ("user", "assistant"):
+        return f"messages.{n}.role: Input should be 'user' or 'assistant'"
+    if "content" not in message:
+        return f"messages.{n}.content: Field required"
+    content = message["content"]
+    if isinstance(content, str):
+        return None
+    if not isinstance(content, list):
+        return f"messages.{n}.content: Input should be a valid list"
+    for k, block in enumerate(content):
+        loc = f"messages.{n}.content.{k}"
+        if not isinstance(block, dict):
+            return f"{loc}: Input should be a valid dictionary"
+        if not isinstance(block.get("type"), str):
+            return f"{loc}: Unable to extract tag using discriminator 'type'"
+        block_type = block["type"]
+        for field, kind in _BLOCK_FIELDS.get(block_type, ()):
+            if field not in block:
+                return f"{loc}.{block_type}.{field}: Field required"
+            if not isinstance(block[field], kind):
+                return f"{loc}.{block_type}.{field}: Input should be a valid {_KIND_NAMES[kind]}"
+        id_field = _ID_FIELDS.get(block_type)
+        if id_field and not regex.match(block[id_field]):
+            return f"{loc}.{block_type}.{id_field}: String should match pattern '{pattern}'"
+    forbidden, home = _FORBIDDEN_BLOCKS[role]
+    if any(block["type"] == forbidden for block in content):
+        return f"messages.{n}: `{forbidden}` blocks can only be in `{home}` messages"
+    return None
+
+
+def _blocks(message) -> list:
+    content = message["content"]
+    return content if isinstance(content, list) else []
+
+
+def _content_problem(convo) -> str | None:
+    last = len(convo) - 1
+    for pos, (n, message) in enumerate(convo):
+        if not message["content"] and not (pos == last and message["role"] == "assistant"):
+            return (f"messages.{n}: all messages must have non-empty content except for the "
+                    "optional final assistant message")
+        for block in _blocks(message):
+            if block["type"] == "text":
+                if not block["text"]:
+                    return "messages: text content blocks must be non-empty"
+                if block["text"].isspace():
+                    return "messages: text content blocks must contain non-whitespace text"
+    return None
+
+
+def _id_problem(convo, options) -> str | None:
+    # A Kimi-like backend repeats its ids across turns, so only one turn's ids must differ there.
+    per_turn = options.id_style == "functions"
+    seen: set[str] = set()
+    turn = 0
+    for n, message in convo:
+        if message["role"] != "assistant":
+            continue
+        if per_turn:
+            seen = set()
+        for k, block in enumerate(_blocks(message)):
+            if block["type"] != "tool_use":
+                continue
+            if block["id"] in seen:
+                return f"messages.{n}.content.{k}: `tool_use` ids must be unique"
+            seen.add(block["id"])
+            if options.expect_own_ids:
+                own = own_ids(options, turn, block["name"])
+                if block["id"] not in own:
+                    return (f"messages.{n}.content.{k}: unknown `tool_use` id {block['id']}: "
+                            f"this backend issued {', '.join(own)} for turn {turn}")
+        turn += 1
+    return None
+
+
+def _pairing_problem(convo) -> str | None:
+    waiting: tuple[int, list[str]] | None = None  # (assistant index, its tool_use ids)
+    for n, message in convo:
+        if message["role"] == "assistant":
+            if waiting:
+                return _missing_results(*waiting)
+            ids = [b["id"] for b in _blocks(message) if b["type"] == "tool_use"]
+            waiting = (n, ids) if ids else None
+            continue
+        problem = _results_problem(n, _blocks(message), waiting[1] if waiting else [])
+        if problem:
+            return problem
+        if waiting:
+            answered = {b["tool_use_id"] for b in _blocks(message) if b["type"] == "tool_result"}
+            missing = [i for i in waiting[1] if i not in answered]
+            if missing:
+                return _missing_results(waiting[0], missing)
+        waiting = None
+    return _missing_results(*waiting) if waiting else None
+
+
+def _results_problem(n, blocks, expected: list[str]) -> str | None:
+    lead = 0
+    while lead < len(blocks) and blocks[lead]["type"] == "tool_result":
+        lead += 1
+    open_ids = set(expected)
+    for k in range(lead):
+        tool_use_id = blocks[k]["tool_use_id"]
+        if tool_use_id not in open_ids:
+            return _unexpected_result(n, k, tool_use_id)
+        open_ids.discard(tool_use_id)
+    for k in range(lead, len(blocks)):
+        if blocks[k]["type"] == "tool_result":
+            if expected:
+                return (f"messages.{n}: Did not find {len(expected)} `tool_result` block(s) at "
+                        "the beginning of this message. Messages following `tool_use` blocks "
+                        "must begin with a matching number of `tool_result` blocks.")
+            return _unexpected_result(n, k, blocks[k]["tool_use_id"])
+    return None
+
+
+def _unexpected_result(n, k, tool_use_id) -> str:
+    return (f"messages.{n}.content.{k}: unexpected `tool_use_id` found in `tool_result` blocks: "
+            f"{tool_use_id}. Each `tool_result` block must have a corresponding `tool_use` "
+            "block in the previous message.")
+
+
+def _missing_results(n, ids) -> str:
+    return (f"messages.{n}: `tool_use` ids were found without `tool_result` blocks immediately "
+            f"after: {', '.join(ids)}. Each `tool_use` block must have a corresponding "
+            "`tool_result` block in the next message.")
+
+
+def _signature_problem(convo, key: bytes) -> str | None:
+    for n, message in convo:
+        if message["role"] != "assistant":
+            continue
+        for k, block in enumerate(_blocks(message)):
+            if block["type"] == "thinking":
+                if block["signature"] != sign_thinking(key, block["thinking"]):
+                    return f"messages.{n}.content.{k}: Invalid `signature` in `thinking` block"
+            elif block["type"] == "redacted_thinking":
+                if not redacted_data_is_ours(key, block["data"]):
+                    return f"messages.{n}.content.{k}: Invalid `data` in `redacted_thinking` block"
+    return None
+
+
+def sign_thinking(key: bytes, text: str) -> str:
+    return base64.b64encode(hmac.digest(key, b"thinking\0" + text.encode(), "sha256")).decode()
+
+
+def redacted_data(key: bytes, turn: int) -> str:
+    payload = f"emulator-redacted-turn-{turn}".encode()
+    return base64.b64encode(payload + _redacted_mac(key, payload)).decode()
+
+
+def redacted_data_is_ours(key: bytes, data: str) -> bool:
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except binascii.Error:
+        return False
+    payload, mac = raw[:-32], raw[-32:]
+    return bool(payload) and hmac.compare_digest(mac, _redacted_mac(key, payload))
+
+
+def _redacted_mac(key: bytes, payload: bytes) -> bytes:
+    return hmac.digest(key, b"redacted\0" + payload, "sha256")
+
+
+# --- the script -------------------------------------------------------------------------------
+
+def _base62(number: int, length: int) -> str:
+    chars = []
+    for _ in range(length):
+        number, digit = divmod(number, 62)
+        chars.append(_BASE62[digit])
+    return "".join(chars)
+
+
+def tool_id(options: EmulatorOptions, turn: int, index: int, name: str) -> str:
+    """The id of the index-th call of a turn; a pure function of the turn, so no state is kept."""
+    if options.id_style == "functions":
+        counter = index if options.reuse_ids else turn * options.parallel + index
+        return f"functions.{name}:{counter}"
+    if options.reuse_ids:
+        return f"toolu_01ReusedId{index:014d}"
+    digest = hashlib.sha256(f"tool:{turn}:{index}".encode()).digest()
+    return "toolu_01" + _base62(int.from_bytes(digest, "big"), 22)
+
+
+def own_ids(options: EmulatorOptions, turn: int, name: str) -> list[str]:
+    return [tool_id(options, turn, i, name) for i in range(options.parallel)]
+
+
+def _pick_tool(tools) -> dict:
+    # Server tools (web_search and the like) carry no input_schema and are never called here.
+    client_tools = [t for t in tools if isinstance(t, dict) and isinstance(t.get("name"), str)
+                    and isinstance(t.get("input_schema"), dict)] if isinstance(tools, list) else []
+    for tool in client_tools:
+        if tool["name"] == "Bash":
+            return tool
+    return client_tools[0] if client_tools else {"name": "Bash", "input_schema": {}}
+
+
+def _placeholder(property_schema) -> object:
+    kind = property_schema.get("type") if isinstance(property_schema, dict) else None
+    if not isinstance(kind, str):
+        return "x"
+    return {"integer": 0, "number": 0, "boolean": False, "array": [], "object": {}}.get(kind, "x")
+
+
+def _tool_input(tool: dict, turn: int, index: int) -> dict:
+    if tool["name"] == "Bash":
+        return {"command": f"echo relay-turn-{turn}-{index}", "description": "Print a marker"}
+    properties = tool["input_schema"].get("properties")
+    properties = properties if isinstance(properties, dict) else {}
+    required = tool["input_schema"].get("required")
+    if not isinstance(required, list):
+        return {}
+    return {name: _placeholder(properties.get(name)) for name in required if isinstance(name, str)}
+
+
+def plan_reply(body: dict, options: EmulatorOptions) -> tuple[list[dict], str]:
+    """The content blocks and stop_reason the script gives for a (valid) request."""
+    turn = sum(1 for m in body["messages"] if m["role"] == "assistant")
+    tool_turn = turn < options.tool_turns
+    content = []
+    if options.thinking:
+        thought = (f"Turn {turn}: the plan calls for "
+                   f"{'a tool call' if tool_turn else 'a final answer'} now.")
+        content.append({"type": "thinking", "thinking": thought,
+                        "signature": sign_thinking(options.signing_key, thought)})
+    if options.redacted_thinking:
+        content.append({"type": "redacted_thinking",
+                        "data": redacted_data(options.signing_key, turn)})
+    if not tool_turn:
+        content.append({"type": "text", "text": f"All {options.tool_turns} tool turns done."})
+        return content, "end_turn"
+    tool = _pick_tool(body.get("tools"))
+    name = tool["name"]
+    content.append({"type": "text", "text": f"Turn {turn}: calling {name}."})
+    for i in range(options.parallel):
+        content.append({"type": "tool_use", "id": tool_id(options, turn, i, name), "name": name,
+                        "input": _tool_input(tool, turn, i)})
+    return content, "tool_use"
+
+
+def build_message(body: dict, options: EmulatorOptions, input_tokens: int) -> dict:
+    content, stop_reason = plan_reply(body, options)
+    return {
+        "id": "msg_01" + _base62(int.from_bytes(os.urandom(17), "big"), 22),
+        "type": "message",
+        "role": "assistant",
+        "model": body["model"],
+        "content": content,
+        "stop_reason": stop_reason,
+        "stop_sequence": None,
+        "usage": {"input_tokens": input_tokens,
+                  "output_tokens": max(1, len(orjson.dumps(content)) // 4),
+                  "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0},
+    }
+
+
+def _halves(text: str) -> list[str]:
+    middle = len(text) // 2
+    return [text[:middle], text[middle:]] if middle else [text]
+
+
+def _block_events(index: int, block: dict) -> list[dict]:
+    kind = block["type"]
+    if kind == "text":
+        start = {"type": "text", "text": ""}
+        deltas = [{"type": "text_delta", "text": piece} for piece in _halves(block["text"])]
+    elif kind == "thinking":
+        start = {"type": "thinking", "thinking": "", "signature": ""}
+        deltas = [{"type": "thinking_delta", "thinking": p} for p in _halves(block["thinking"])]
+        deltas.append({"type": "signature_delta", "signature": block["signature"]})
+    elif kind == "tool_use":
+        start = dict(block, input={})
+        arguments = orjson.dumps(block["input"]).decode()
+        deltas = [{"type": "input_json_delta", "partial_json": p}
+                  for p in ["", *_halves(arguments)]]
+    else:  # complete in its start event, like redacted_thinking
+        start, deltas = block, []
+    return [
+        {"type": "content_block_start", "index": index, "content_block": start},
+        *({"type": "content_block_delta", "index": index, "delta": d} for d in deltas),
+        {"type": "content_block_stop", "index": index},
+    ]
+
+
+def stream_events(message: dict) -> list[dict]:
+    """The SSE events that carry ``message``, in the API's order."""
+    usage = message["usage"]
+    start = dict(message, content=[], stop_reason=None, stop_sequence=None,
+                 usage=dict(usage, output_tokens=1))
+    events = [{"type": "message_start", "message": start}, {"type": "ping"}]
+    for index, block in enumerate(message["content"]):
+        events.extend(_block_events(index, block))
+    events.append({"type": "message_delta",
+                   "delta": {"stop_reason": message["stop_reason"], "stop_sequence": None},
+                   "usage": usage})
+    events.append({"type": "message_stop"})
+    return events
+
+
+def encode_event(event: dict, crlf: bool = False) -> bytes:
+    eol = b"\r\n" if crlf else b"\n"
+    return b"event: " + event["type"].encode() + eol + b"data: " + orjson.dumps(event) + eol + eol
+
+
+class RaggedSplitter:
+    """Cuts a byte stream into pieces of irregular size, carrying the rest across writes."""
+
+    def __init__(self, sizes=RAGGED_SIZES):
+        self._sizes = itertools.cycle(sizes)
+        self._size = next(self._sizes)
+        self._pending = b""
+
+    def feed(self, data: bytes) -> list[bytes]:
+        self._pending += data
+        pieces = []
+        while len(self._pending) >= self._size:
+            pieces.append(self._pending[:self._size])
+            self._pending = self._pending[self._size:]
+            self._size = next(self._sizes)
+        return pieces
+
+    def flush(self) -> bytes:
+        rest, self._pending = self._pending, b""
+        return rest
+
+
+# --- the server -------------------------------------------------------------------------------
+
+def parse_body(raw: bytes) -> tuple[object, str | None]:
+    """The parsed body, or None and the API's message for bytes that are not JSON."""
+    try:
+        return orjson.loads(raw), None
+    except orjson.JSONDecodeError as exc:
+        # The real API parses with orjson too: its texts ("no low surrogate in string: ...")
+        # are orjson's.
+        return None, f"The request body is not valid JSON: {exc}"
+
+
+def is_fault(number: int, options: EmulatorOptions) -> bool:
+    """Whether the number-th /v1/messages request gets the fail status."""
+    if options.fail_status is None:
+        return False
+    if not (options.fail_count or options.fail_every):
+        return True
+    every = options.fail_every
+    return number <= options.fail_count or bool(every and number % every == 0)
+
+
+@dataclasses.dataclass
+class EmulatorState:
+    options: EmulatorOptions
+    records: list[tuple] = dataclasses.field(default_factory=list)
+    received: int = 0  # every /v1/* request
+    messages: int = 0  # authorised /v1/messages requests: what faults and the budget count
+
+
+STATE = web.AppKey("emulator_state", EmulatorState)
+
+
+@dataclasses.dataclass
+class Incoming:
+    """What the front door learned about a request, for the handler behind it."""
+    request_id: str
+    raw: bytes = b""
+    body: object = None
+    json_problem: str | None = None
+
+
+INCOMING = web.RequestKey("emulator_incoming", Incoming)
+
+
+def error_response(request: web.Request, status: int, message: str, *,
+                   headers: dict | None = None) -> web.Response:
+    error_type = STATUS_TYPES.get(status) or (
+        "invalid_request_error" if status < 500 else "api_error")
+    body = {"type": "error", "error": {"type": error_type, "message": message},
+            "request_id": request[INCOMING].request_id}
+    return web.Response(status=status, body=orjson.dumps(body), content_type="application/json",
+                        headers=headers)
+
+
+def _authorised(request: web.Request, api_key: str | None) -> bool:
+    if api_key is None:
+        return True
+    return (request.headers.get("x-api-key") == api_key
+            or request.headers.get("authorization") == f"Bearer {api_key}")
+
+
+@web.middleware
+async def _front_door(request: web.Request, handler):
+    incoming = request[INCOMING] = Incoming("req_" + os.urandom(12).hex())
+    if not request.path.startswith("/v1/"):
+        return await handler(request)
+    state = request.app[STATE]
+    state.received += 1
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        return error_response(request, 413, FAULT_MESSAGES[413])
+    incoming.raw = raw
+    incoming.body, incoming.json_problem = parse_body(raw)
+    if state.options.record:
+        # The raw bytes, not the parsed body: a list of many large parsed bodies makes every
+        # garbage collection crawl through them, which tripled the cost of a request.
+        state.records.append((incoming.request_id, request.method, request.path,
+                              request.query_string, request.raw_headers, raw))
+    if not _authorised(request, state.options.api_key):
+        return error_response(request, 401, "invalid x-api-key")
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:  # the router's 404 and 405, in the API's error format
+        return error_response(request, exc.status, exc.reason)
+
+
+async def _stamp_headers(request: web.Request, response: web.StreamResponse) -> None:
+    options = request.app[STATE].options
+    response.headers["request-id"] = request[INCOMING].request_id
+    if options.max_requests is None:
+        limit, remaining = 4000, 3999
+    else:
+        limit = options.max_requests
+        remaining = max(0, limit - request.app[STATE].messages)
+    response.headers["anthropic-ratelimit-requests-limit"] = str(limit)
+    response.headers["anthropic-ratelimit-requests-remaining"] = str(remaining)
+
+
+def _checked_body(request: web.Request, options: EmulatorOptions, *, needs_max_tokens: bool):
+    """The request's body, or the 400 response that refuses it."""
+    incoming = request[INCOMING]
+    if incoming.json_problem:
+        return None, error_response(request, 400, incoming.json_problem)
+    body = incoming.body
+    problem = find_problem(body, options, needs_max_tokens=needs_max_tokens)
+    return (None, error_response(request, 400, problem)) if problem else (body, None)
+
+
+async def handle_messages(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    options = state.options
+    state.messages += 1
+    number = state.messages
+    if options.delay_ms:
+        await asyncio.sleep(options.delay_ms / 1000)
+    if options.max_requests is not None and number > options.max_requests:
+        # x-should-retry: false makes SDK clients give up at once instead of retrying.
+        return error_response(request, 429, "request budget exhausted",
+                              headers={"retry-after": "0", "x-should-retry": "false"})
+    if is_fault(number, options):
+        status = options.fail_status
+        headers = {"retry-after": "0"} if status == 429 else None
+        return error_response(request, status, FAULT_MESSAGES.get(status, "Emulated failure"),
+                              headers=headers)
+    body, refusal = _checked_body(request, options, needs_max_tokens=True)
+    if refusal:
+        return refusal
+    message = build_message(body, options, len(request[INCOMING].raw) // 4)
+    if body.get("stream"):
+        return await _stream(request, message, options)
+    return _json(message)
+
+
+async def _stream(request: web.Request, message: dict,
+                  options: EmulatorOptions) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"content-type": "text/event-stream",
+                                           "cache-control": "no-cache"})
+    await response.prepare(request)
+    splitter = RaggedSplitter() if options.ragged else None
+
+    async def send(data: bytes) -> None:
+        if splitter is None:
+            await response.write(data)
+            return
+        for piece in splitter.feed(data):
+            await response.write(piece)
+            await asyncio.sleep(0)  # let each piece leave on its own
+
+    try:
+        for sent, event in enumerate(stream_events(message)):
+            if sent == options.cut_after:
+                if splitter:
+                    await response.write(splitter.flush())
+                # Closing the socket mid-body leaves the chunked response unterminated, which
+                # is what a dropped upstream connection looks like to the client.
+                if request.transport:
+                    request.transport.close()
+                return response
+            if sent == options.stream_error_after:
+                await send(encode_event({"type": "error", "error": {
+                    "type": "overloaded_error", "message": "Overloaded"}}, options.crlf))
+                break
+            await send(encode_event(event, options.crlf))
+        if splitter:
+            await response.write(splitter.flush())
+        await response.write_eof()
+    except ConnectionError:  # the client went away; nothing is left to tell it
+        pass
+    return response
+
+
+async def handle_count_tokens(request: web.Request) -> web.Response:
+    _, refusal = _checked_body(request, request.app[STATE].options, needs_max_tokens=False)
+    if refusal:
+        return refusal
+    return _json({"input_tokens": len(request[INCOMING].raw) // 4})
+
+
+def _json(value) -> web.Response:
+    return web.Response(body=orjson.dumps(value), content_type="application/json")
+
+
+async def handle_models(request: web.Request) -> web.Response:
+    return _json({"data": MODELS, "has_more": False, "first_id": MODELS[0]["id"],
+                              "last_id": MODELS[-1]["id"]})
+
+
+async def handle_model(request: web.Request) -> web.Response:
+    model_id = request.match_info["model_id"]
+    for model in MODELS:
+        if model["id"] == model_id:
+            return _json(model)
+    return error_response(request, 404, f"model: {model_id}")
+
+
+async def handle_records(request: web.Request) -> web.Response:
+    return _json([
+        {"request_id": request_id, "method": method, "path": path, "query": query,
+         "headers": [[k.decode("latin-1"), v.decode("latin-1")] for k, v in raw_headers],
+         "body": parse_body(raw)[0], "body_sha256": hashlib.sha256(raw).hexdigest()}
+        for request_id, method, path, query, raw_headers, raw in request.app[STATE].records
+    ])
+
+
+async def handle_clear_records(request: web.Request) -> web.Response:
+    request.app[STATE].records.clear()
+    return _json({"cleared": True})
+
+
+async def handle_stats(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    return _json({"requests": state.received, "messages": state.messages})
+
+
+def create_app(options: EmulatorOptions) -> web.Application:
+    app = web.Application(middlewares=[_front_door], client_max_size=MAX_BODY_BYTES)
+    app[STATE] = EmulatorState(options)
+    app.on_response_prepare.append(_stamp_headers)
+    app.router.add_post("/v1/messages", handle_messages)
+    app.router.add_post("/v1/messages/count_tokens", handle_count_tokens)
+    app.router.add_get("/v1/models", handle_models)
+    app.router.add_get("/v1/models/{model_id}", handle_model)
+    app.router.add_get("/_emulator/requests", handle_records)
+    app.router.add_delete("/_emulator/requests", handle_clear_records)
+    app.router.add_get("/_emulator/stats", handle_stats)
+    return app
+
+
+async def serve(options: EmulatorOptions) -> None:
+    """Serve until SIGINT or SIGTERM, announcing the bound address on stdout."""
+    runner = web.AppRunner(create_app(options), access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, options.host, options.port)
+        await site.start()
+        port = runner.addresses[0][1]
+        print(f"emulator listening on http://{options.host}:{port}", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, stop.set)
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def main(args) -> int:
+    asyncio.run(serve(options_from_args(args)))
+    return 0
+
+
+if __name__ == "__main__":
+    _parser = argparse.ArgumentParser(description="A strict Anthropic Messages API emulator.")
+    add_arguments(_parser)
+    sys.exit(main(_parser.parse_args()))
