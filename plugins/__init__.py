@@ -1,0 +1,1 @@
+"""The relay's built-in plugins."""

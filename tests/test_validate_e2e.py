@@ -1,0 +1,158 @@
+"""Broken histories through the running relay (pipeline [pairing, ordering]) to the emulator:
+refused with the API's wording before the upstream sees a byte, or repaired into a history the
+strict emulator accepts."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import urllib.error
+import urllib.request
+
+import orjson
+import pytest
+
+from conftest import backend
+
+PIPELINE = ["pairing", "ordering"]
+
+
+def user(*blocks):
+    return {"role": "user", "content": list(blocks)}
+
+
+def assistant(*blocks):
+    return {"role": "assistant", "content": list(blocks)}
+
+
+def text(value="ok"):
+    return {"type": "text", "text": value}
+
+
+def use(id):
+    return {"type": "tool_use", "id": id, "name": "lookup_ticket", "input": {"ticket_id": "DEMO-42"}}
+
+
+def result(id):
+    return {"type": "tool_result", "tool_use_id": id, "content": "resolved"}
+
+
+def body_of(*messages):
+    return {"model": "claude-test", "max_tokens": 64, "messages": [user(text("Look up DEMO-42.")), *messages]}
+
+
+def post(url: str, path: str, raw: bytes) -> tuple[int, dict, dict]:
+    request = urllib.request.Request(url + path, data=raw, method="POST", headers={
+        "content-type": "application/json", "x-api-key": "test", "anthropic-version": "2023-06-01"})
+    try:
+        with urllib.request.urlopen(request, timeout=20) as response:
+            return response.status, dict(response.headers), json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, dict(error.headers), json.loads(error.read())
+
+
+def missing(index, *ids):
+    return (f"messages.{index}: `tool_use` ids were found without `tool_result` blocks immediately "
+            f"after: {', '.join(ids)}. Each `tool_use` block must have a corresponding `tool_result` "
+            f"block in the next message.")
+
+
+def not_first(index, calls):
+    return (f"messages.{index}: Did not find {calls} `tool_result` block(s) at the beginning of this "
+            f"message. Messages following `tool_use` blocks must begin with a matching number of "
+            f"`tool_result` blocks.")
+
+
+BROKEN = {
+    "seed: result with the wrong id": (
+        body_of(assistant(use("toolu_demo_a")), user(result("toolu_wrong_id"))),
+        "messages.2.content.0: unexpected `tool_use_id` found in `tool_result` blocks: toolu_wrong_id. "
+        "Each `tool_result` block must have a corresponding `tool_use` block in the previous message."),
+    "text before the results": (
+        body_of(assistant(use("toolu_a")), user(text("first"), result("toolu_a"))),
+        not_first(2, 1)),
+    "results split by text": (
+        body_of(assistant(use("toolu_a"), use("toolu_b")),
+                user(result("toolu_a"), text("between"), result("toolu_b"))),
+        not_first(2, 2)),
+    "missing result among parallel calls": (
+        body_of(assistant(use("toolu_a"), use("toolu_b")), user(result("toolu_b"), text("go on"))),
+        missing(1, "toolu_a")),
+    "duplicate result": (
+        body_of(assistant(use("toolu_a")), user(result("toolu_a"), result("toolu_a"))),
+        "messages.2.content.1: each tool_use must have a single result. Found multiple "
+        "`tool_result` blocks with id: toolu_a"),
+    "result in an assistant message": (
+        body_of(assistant(use("toolu_a"), result("toolu_a")), user(result("toolu_a"))),
+        "messages.1: `tool_result` blocks can only be in `user` messages"),
+    "trailing tool_use": (
+        body_of(assistant(text("calling"), use("toolu_a"))),
+        missing(1, "toolu_a")),
+}
+
+
+def test_broken_histories_are_refused_before_the_upstream(emulator, relay):
+    emu = emulator()
+    r = relay({"pipeline": PIPELINE, "backends": [backend(emu.url)]})
+    for name, (body, message) in BROKEN.items():
+        for path in ("/v1/messages", "/v1/messages/count_tokens"):
+            sent = dict(body)
+            if path.endswith("count_tokens"):
+                sent.pop("max_tokens")
+            status, _, answer = post(r.url, path, orjson.dumps(sent))
+            assert status == 400, (name, path, answer)
+            assert answer["type"] == "error", name
+            assert answer["error"] == {"type": "invalid_request_error", "message": message}, (name, path)
+    assert emu.requests() == []
+
+
+def test_valid_history_reaches_the_upstream_byte_for_byte(emulator, relay):
+    emu = emulator()
+    r = relay({"pipeline": PIPELINE, "backends": [backend(emu.url)]})
+    # Spacing no serializer of ours would produce: any re-serialisation would show.
+    raw = json.dumps(body_of(
+        assistant(text("calling"), use("toolu_demo_a")),
+        {"role": "system", "content": "a Claude Code reminder"},
+        user(result("toolu_demo_a"), text("Explain this status briefly.")),
+    ), indent=1).encode()
+    status, headers, answer = post(r.url, "/v1/messages", raw)
+    assert status == 200, answer
+    assert "x-relay-repairs" not in {k.lower() for k in headers}
+    received = emu.requests()
+    assert len(received) == 1
+    assert received[0]["body_sha256"] == hashlib.sha256(raw).hexdigest()
+
+
+def test_repair_mode_sends_a_history_the_upstream_accepts(emulator, relay):
+    emu = emulator()
+    r = relay({"pipeline": PIPELINE,
+               "plugins": {"pairing": {"pairing_mode": "repair"}, "ordering": {"ordering_mode": "repair"}},
+               "backends": [backend(emu.url)]})
+    body = body_of(assistant(use("toolu_a"), use("toolu_b")),
+                   user(text("first"), result("toolu_b")),
+                   assistant(use("toolu_c")), assistant(text("moving on")), user(text("and now?")))
+    status, headers, answer = post(r.url, "/v1/messages", orjson.dumps(body))
+    assert status == 200, answer
+    assert {k.lower(): v for k, v in headers.items()}["x-relay-repairs"] == "3"  # 2 results + 1 move
+    received = emu.requests()
+    assert len(received) == 1
+    messages = received[0]["body"]["messages"]
+    assert [b["type"] for b in messages[2]["content"]] == ["tool_result", "tool_result", "text"]
+    assert messages[2]["content"][0]["tool_use_id"] == "toolu_a"
+    assert messages[2]["content"][0]["is_error"] is True
+    assert [m["role"] for m in messages] == ["user", "assistant", "user", "assistant", "user",
+                                             "assistant", "user"]
+    assert messages[4]["content"][0]["tool_use_id"] == "toolu_c"
+
+
+@pytest.mark.parametrize("name", ["seed: result with the wrong id", "duplicate result",
+                                  "trailing tool_use"])
+def test_repair_mode_still_refuses_what_it_must_not_guess(emulator, relay, name):
+    emu = emulator()
+    r = relay({"pipeline": PIPELINE,
+               "plugins": {"pairing": {"pairing_mode": "repair"}, "ordering": {"ordering_mode": "repair"}},
+               "backends": [backend(emu.url)]})
+    body, message = BROKEN[name]
+    status, _, answer = post(r.url, "/v1/messages", orjson.dumps(body))
+    assert (status, answer["error"]["message"]) == (400, message)
+    assert emu.requests() == []
