@@ -12,7 +12,7 @@ from multidict import CIMultiDict
 
 from . import __version__
 from .chain import Chain
-from .errors import RelayError, error_body, invalid_request
+from .errors import RelayError, invalid_request
 from .exchange import Exchange, UpstreamResponse
 from .sse import Event, SSEDecoder
 

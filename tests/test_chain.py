@@ -16,7 +16,7 @@ from relay import config as config_module, hookspecs
 from relay.chain import ENTRY_POINT_GROUP, available_plugins, load_plugins
 from relay.errors import ConfigError
 
-from conftest import ROOT, Relay, backend
+from support import ROOT, Relay, backend
 
 BUILTINS = {"dedup", "pairing", "ordering", "dump"}
 

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from support import ROOT
 
 pytestmark = pytest.mark.e2e
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import anthropic
 import pytest
 
-from conftest import backend
+from support import backend
 
 pytestmark = pytest.mark.e2e
 

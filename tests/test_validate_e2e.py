@@ -12,7 +12,7 @@ import urllib.request
 import orjson
 import pytest
 
-from conftest import backend
+from support import backend
 
 PIPELINE = ["pairing", "ordering"]
 

@@ -1,0 +1,96 @@
+"""Real servers for the tests: the emulator and the relay run as subprocesses on free
+loopback ports, exactly as a user would start them."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+LISTENING = re.compile(r"listening on (http://[\w.\[\]:]+)")
+
+
+class Server:
+    """A subprocess that prints `... listening on http://HOST:PORT` once it is ready."""
+
+    def __init__(self, args: list[str], env: dict | None = None, cwd: str | None = None,
+                 timeout: float = 20.0):
+        self.args = args
+        self.lines: list[str] = []
+        full_env = dict(os.environ, PYTHONUNBUFFERED="1")
+        full_env.pop("RELAY_TRACE", None)
+        full_env.update(env or {})
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "relay", *args], cwd=cwd or ROOT, env=full_env,
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self._ready = threading.Event()
+        self.url: str | None = None
+        threading.Thread(target=self._read, daemon=True).start()
+        if not self._ready.wait(timeout) or self.url is None:
+            self.stop()
+            raise RuntimeError(f"{args[:2]} did not start:\n{self.output()}")
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if self.url is None:
+                match = LISTENING.search(line)
+                if match:
+                    self.url = match.group(1)
+                    self._ready.set()
+        self._ready.set()
+
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for_output(self, text: str, timeout: float = 5.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if text in self.output():
+                return True
+            time.sleep(0.02)
+        return False
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+class Emulator(Server):
+    def _call(self, method: str, path: str):
+        request = urllib.request.Request(self.url + path, method=method)
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return json.loads(response.read() or b"null")
+
+    def requests(self) -> list[dict]:
+        return self._call("GET", "/_emulator/requests")
+
+    def clear(self) -> None:
+        self._call("DELETE", "/_emulator/requests")
+
+
+class Relay(Server):
+    def __init__(self, config: dict, directory: Path, env: dict | None = None, args=()):
+        self.config_path = directory / "relay.yaml"
+        self.config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+        super().__init__(["--config", str(self.config_path), "--port", "0", *args],
+                         env=env, cwd=str(directory))
+
+
+def backend(url: str, name: str = "emu", models=("*",), **extra) -> dict:
+    """A relay.yaml backend entry pointing at a test server."""
+    return {"name": name, "url": url, "models": list(models), **extra}

@@ -1,0 +1,491 @@
+"""The dump plugin: one write-once, secret-free file per failed exchange, never in the way."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import datetime as dt
+import hashlib
+import logging
+import os
+import stat
+import threading
+import time
+from pathlib import Path
+
+import aiohttp
+import orjson
+import pytest
+
+from plugins import dump
+from relay import config as config_module
+from relay import emulator
+from relay.chain import Chain, load_plugins
+from relay.errors import ConfigError, RelayError
+from relay.exchange import Exchange
+from relay.hookspecs import hookimpl
+from relay.server import create_app
+
+BODY = {"model": "claude-test", "max_tokens": 10, "messages": [{"role": "user", "content": "hi"}]}
+CLIENT_KEY = "sk-ant-client-SECRET-5f1e2d3c"
+CLIENT_TOKEN = "oauth-TOKEN-SECRET-9a8b7c"
+BACKEND_KEY = "sk-backend-SECRET-0a1b2c3d"
+def backend(url: str, name: str = "emu", models=("*",), **extra) -> dict:
+    return {"name": name, "url": url, "models": list(models), **extra}
+
+
+REQUIRED_KEYS = {"relay_version", "time", "request_id", "backend", "client_request",
+                 "upstream_request", "upstream_response", "translation", "timeline", "config"}
+
+
+def dump_files(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.glob("*/*.json")) if directory.is_dir() else []
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+async def until(condition, timeout: float = 5.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out waiting")
+        await asyncio.sleep(0.01)
+
+
+# --- options ------------------------------------------------------------------------------
+
+def test_defaults(tmp_path):
+    settings = dump.parse_options({"dir": str(tmp_path)})
+    assert settings.statuses == frozenset(range(400, 500))
+    assert not settings.include_relay_rejections and not settings.include_stream_errors
+    assert settings.max_files is None and settings.max_bytes is None
+
+
+def test_relative_dir_is_fixed_at_start_up(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert dump.parse_options({"dir": "dumps"}).dir == str(tmp_path / "dumps")
+
+
+@pytest.mark.parametrize("statuses,expected", [
+    ([400, 404], {400, 404}),
+    (["400-403", 429], {400, 401, 402, 403, 429}),
+    ("500-502", {500, 501, 502}),
+    (418, {418}),
+])
+def test_statuses(tmp_path, statuses, expected):
+    assert dump.parse_options({"dir": str(tmp_path), "statuses": statuses}).statuses == expected
+
+
+@pytest.mark.parametrize("options,message", [
+    ({}, "plugins.dump.dir: required"),
+    ({"dir": 3}, "plugins.dump.dir: must be a directory path"),
+    ({"dir": " "}, "plugins.dump.dir: must be a directory path"),
+    ({"dir": "d", "statuse": [400]}, "plugins.dump.statuse: unknown key"),
+    ({"dir": "d", "statuses": []}, "plugins.dump.statuses: must name at least one"),
+    ({"dir": "d", "statuses": [400, "4xx"]}, "plugins.dump.statuses[1]: must be a status code"),
+    ({"dir": "d", "statuses": ["499-400"]}, "plugins.dump.statuses[0]: must lie within"),
+    ({"dir": "d", "statuses": [200]}, "plugins.dump.statuses[0]: must lie within"),
+    ({"dir": "d", "statuses": [True]}, "plugins.dump.statuses[0]: must be a status code"),
+    ({"dir": "d", "include_relay_rejections": "yes"},
+     "plugins.dump.include_relay_rejections: must be true or false"),
+    ({"dir": "d", "include_stream_errors": 1}, "plugins.dump.include_stream_errors: must be true"),
+    ({"dir": "d", "max_files": 0}, "plugins.dump.max_files: must be a positive integer"),
+    ({"dir": "d", "max_bytes": "1MB"}, "plugins.dump.max_bytes: must be a positive integer"),
+])
+def test_bad_options(options, message):
+    with pytest.raises(ConfigError) as error:
+        dump.parse_options(options)
+    assert str(error.value).startswith(message)
+
+
+async def test_bad_options_stop_start_up():
+    config = config_module.parse({"pipeline": ["dump"], "plugins": {"dump": {"statuses": [400]}},
+                                  "backends": [backend("http://127.0.0.1:9")]}, env={})
+    chain = Chain(load_plugins(config.pipeline), config)
+    with pytest.raises(ConfigError, match=r"^plugins\.dump\.dir: required"):
+        await chain.startup(config)
+
+
+def test_bad_options_stop_the_relay(relay, tmp_path):
+    with pytest.raises(RuntimeError) as error:
+        relay({"pipeline": ["dump"], "plugins": {"dump": {"dir": str(tmp_path), "max_files": -1}},
+               "backends": [backend("http://127.0.0.1:9")]})
+    assert "plugins.dump.max_files: must be a positive integer" in str(error.value)
+
+
+# --- the writer ---------------------------------------------------------------------------
+
+WHEN = dt.datetime(2025, 3, 7, 9, 5, 2, 123456, tzinfo=dt.timezone.utc)
+
+
+def test_write_once_names_modes_and_clashes(tmp_path):
+    base = tmp_path / "dumps"
+    first = dump.write_dump(str(base), b'{"n": 1}\n', "relay_abc", WHEN)
+    second = dump.write_dump(str(base), b'{"n": 2}\n', "relay_abc", WHEN)
+    third = dump.write_dump(str(base), b'{"n": 3}\n', "relay_abc", WHEN)
+    day = base / "2025-03-07"
+    assert [first, second, third] == [str(day / "090502.123456-relay_abc.json"),
+                                      str(day / "090502.123456-relay_abc-1.json"),
+                                      str(day / "090502.123456-relay_abc-2.json")]
+    assert [Path(p).read_bytes() for p in (first, second, third)] == [
+        b'{"n": 1}\n', b'{"n": 2}\n', b'{"n": 3}\n']
+    assert sorted(os.listdir(day)) == sorted(Path(p).name for p in (first, second, third))
+    assert {mode(Path(p)) for p in (first, second, third)} == {0o600}
+    assert mode(base) == mode(day) == 0o700
+
+
+def test_the_time_is_utc(tmp_path):
+    local = WHEN.astimezone(dt.timezone(dt.timedelta(hours=-8)))  # 2025-03-07 01:05 at -08:00
+    path = dump.write_dump(str(tmp_path), b"{}", "relay_x", local)
+    assert Path(path).relative_to(tmp_path) == Path("2025-03-07/090502.123456-relay_x.json")
+
+
+@pytest.mark.parametrize("request_id", ["../../../etc/passwd", "a/b\\c\0d", "", "x" * 500])
+def test_names_cannot_leave_the_directory(tmp_path, request_id):
+    path = Path(dump.write_dump(str(tmp_path / "d"), b"{}", request_id, WHEN))
+    assert path.parent == tmp_path / "d" / "2025-03-07"
+    assert dump.DUMP_NAME.match(path.name) and len(path.name) < 128
+
+
+def test_a_file_in_the_way_is_an_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(OSError):
+        dump.write_dump(str(blocker / "dumps"), b"{}", "relay_x", WHEN)
+    assert blocker.read_text() == "not a directory"
+
+
+def test_retention_keeps_the_newest_files(tmp_path):
+    keep = dump.Retention(str(tmp_path), max_files=3, max_bytes=None)
+    old = dump.write_dump(str(tmp_path), b"x" * 10, "relay_old", WHEN - dt.timedelta(days=1))
+    written = [old]
+    for i in range(5):
+        when = WHEN + dt.timedelta(seconds=i)
+        written.append(dump.write_dump(str(tmp_path), b"x" * 10, f"relay_{i}", when))
+        keep.add(written[-1], 10)
+    assert [str(p) for p in dump_files(tmp_path)] == written[-3:]
+    assert not (tmp_path / "2025-03-06").exists()  # the emptied day went too
+
+
+def test_retention_by_bytes_counts_files_already_there(tmp_path):
+    for i in range(3):
+        when = WHEN + dt.timedelta(seconds=i)
+        dump.write_dump(str(tmp_path), b"x" * 100, f"relay_before{i}", when)
+    keep = dump.Retention(str(tmp_path), max_files=None, max_bytes=250)
+    newest = dump.write_dump(str(tmp_path), b"x" * 100, "relay_new", WHEN + dt.timedelta(seconds=9))
+    deleted = keep.add(newest, 100)
+    assert len(deleted) == 2
+    assert [p.name for p in dump_files(tmp_path)] == ["090504.123456-relay_before2.json",
+                                                      "090511.123456-relay_new.json"]
+    later = WHEN + dt.timedelta(seconds=10)
+    huge = dump.write_dump(str(tmp_path), b"x" * 1000, "relay_huge", later)
+    keep.add(huge, 1000)
+    assert [str(p) for p in dump_files(tmp_path)] == [huge]  # the newest always stays
+
+
+# --- the document -------------------------------------------------------------------------
+
+def make_exchange(raw: bytes, headers=None) -> Exchange:
+    cfg = config_module.parse({"backends": [backend("http://127.0.0.1:9", name="up",
+                                                     api_key_env="K", quirks={"q": 1})]},
+                              env={"K": BACKEND_KEY})
+    body = orjson.loads(raw) if raw.startswith(b"{") else None
+    exchange = Exchange(endpoint="messages", method="POST", path="/v1/messages", query="beta=true",
+                        headers=headers or {}, raw_body=raw, body=body, backend=cfg.backends[0])
+    return exchange, cfg
+
+
+def test_secrets_are_redacted_everywhere():
+    history = {**BODY, "messages": [
+        {"role": "user", "content": f"my key is {CLIENT_KEY} and {BACKEND_KEY}"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "Bash",
+                                           "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1"}]}]}
+    raw = orjson.dumps(history)
+    exchange, cfg = make_exchange(raw, {
+        "X-Api-Key": CLIENT_KEY, "Authorization": f"Bearer {CLIENT_TOKEN}",
+        "Cookie": "session=abc", "anthropic-version": "2023-06-01"})
+    exchange.upstream_request = {"url": "http://up/v1/messages",
+                                 "headers": {"x-api-key": BACKEND_KEY}, "body": raw}
+    exchange.upstream_response = {
+        "status": 400, "headers": {"Set-Cookie": "s=1", "request-id": "r"},
+        "body": f'{{"echo": "{CLIENT_TOKEN}"}}'.encode()}
+    exchange.translation[f"id-{BACKEND_KEY}"] = {"original": CLIENT_KEY}
+    exchange.note("someplugin", "saw", header=f"Bearer {CLIENT_TOKEN}")
+    dumper = dump.Dumper(cfg, dump.parse_options({"dir": "unused"}))
+    document = dump.build_document(exchange, reason="upstream_error", when=WHEN,
+                                   config=dumper.config_doc, secrets=dumper.secrets)
+    text = dump.encode_document(document)
+    for secret in (CLIENT_KEY, CLIENT_TOKEN, BACKEND_KEY, "session=abc"):
+        assert secret.encode() not in text
+    headers = document["client_request"]["headers"]
+    assert headers == {"X-Api-Key": "[redacted]", "Authorization": "[redacted]",
+                       "Cookie": "[redacted]", "anthropic-version": "2023-06-01"}
+    assert document["upstream_response"]["headers"]["Set-Cookie"] == "[redacted]"
+    assert "my key is [redacted] and [redacted]" in document["client_request"]["body"]
+    assert document["config"]["quirks"] == {"q": 1}
+    assert document["config"]["backends"][0]["api_key_env"] == "K"
+    assert document["timeline"]["messages"] == [
+        {"index": 0, "role": "user", "blocks": [{"type": "text"}]},
+        {"index": 1, "role": "assistant", "blocks": [{"type": "tool_use", "id": "toolu_1"}]},
+        {"index": 2, "role": "user", "blocks": [{"type": "tool_result", "tool_use_id": "toolu_1"}]}]
+    assert document["timeline"]["steps"][0]["step"] == "someplugin"
+
+
+def test_a_body_that_is_not_utf8_is_base64_without_its_secrets():
+    raw = b"\xff\xfe not utf-8 " + BACKEND_KEY.encode()
+    exchange, cfg = make_exchange(raw)
+    document = dump.build_document(exchange, reason="rejected", when=WHEN, config={},
+                                   secrets={BACKEND_KEY})
+    assert "body" not in document["client_request"]
+    stored = base64.b64decode(document["client_request"]["body_base64"])
+    assert stored == b"\xff\xfe not utf-8 [redacted]"
+    assert document["timeline"]["messages"] == []
+
+
+# --- in a relay (in-process) --------------------------------------------------------------
+
+class Relay:
+    def __init__(self, client, config, chain, emulator_url, directory: Path):
+        self.client, self.config, self.chain = client, config, chain
+        self.emulator_url = emulator_url
+        self.dir = directory
+
+    async def received(self) -> list[dict]:
+        """What the emulator received, from its own request log."""
+        async with aiohttp.ClientSession() as session:
+            async with session.get(self.emulator_url + "/_emulator/requests") as response:
+                return await response.json()
+
+    async def post(self, body=BODY, **kwargs):
+        response = await self.client.post("/v1/messages", json=body, **kwargs)
+        return response, await response.read()
+
+    async def stop(self):
+        """Stop as serving does: connections drained, then relay_shutdown."""
+        await self.client.close()
+        await self.chain.shutdown(self.config)
+
+
+@pytest.fixture
+async def start(aiohttp_server, aiohttp_client, tmp_path):
+    started = []
+
+    async def make(dump_options=None, pipeline=("dump",), extra=None, **emulator_options):
+        emu = emulator.create_app(emulator.EmulatorOptions(**emulator_options))
+        server = await aiohttp_server(emu)
+        options = {"dir": str(tmp_path / "dumps"), **(dump_options or {})}
+        raw = {"pipeline": list(pipeline), "plugins": {"dump": options},
+               "backends": [backend(str(server.make_url("")), models=["claude-*"])]}
+        config = config_module.parse(raw, env={})
+        chain = Chain(load_plugins(config.pipeline, extra=extra), config)
+        await chain.startup(config)
+        relay = Relay(await aiohttp_client(create_app(config, chain)), config, chain,
+                      str(server.make_url("")).rstrip("/"), Path(options["dir"]))
+        started.append(relay)
+        return relay
+
+    yield make
+    for relay in started:
+        await relay.stop()
+
+
+async def test_upstream_400_is_dumped_in_process(start):
+    relay = await start(fail_status=400, fail_count=1)
+    response, payload = await relay.post(headers={"x-api-key": CLIENT_KEY})
+    assert response.status == 400
+    ok, _ = await relay.post()
+    assert ok.status == 200
+    await relay.stop()
+    [path] = dump_files(relay.dir)
+    document = orjson.loads(path.read_bytes())
+    assert document["reason"] == "upstream_error" and document["outcome"] == "upstream_error"
+    assert document["request_id"] == response.headers["x-relay-request-id"]
+    assert document["upstream_response"]["status"] == 400
+    assert document["upstream_response"]["body"].encode() == payload
+    assert document["relay_error"] is None and document["stream_error"] is None
+    assert document["timeline"]["steps"][-1]["action"] == "upstream error"
+    assert CLIENT_KEY.encode() not in path.read_bytes()
+
+
+@pytest.mark.parametrize("statuses,fail_status,dumped", [
+    (None, 400, True), (None, 404, True), (None, 429, True), (None, 500, False),
+    ([400, 404], 404, True), ([400, 404], 429, False), (["500-599"], 529, True),
+    (["500-599"], 400, False)])
+async def test_statuses_option(start, statuses, fail_status, dumped):
+    relay = await start({"statuses": statuses} if statuses else {}, fail_status=fail_status)
+    response, _ = await relay.post()
+    assert response.status == fail_status
+    await relay.stop()
+    assert len(dump_files(relay.dir)) == (1 if dumped else 0)
+
+
+@pytest.mark.parametrize("include", [False, True])
+async def test_relay_rejections(start, include):
+    relay = await start({"include_relay_rejections": include})
+    response, payload = await relay.post({**BODY, "model": "gpt-unknown"})
+    assert response.status == 404
+    await relay.stop()
+    files = dump_files(relay.dir)
+    assert len(files) == (1 if include else 0)
+    if include:
+        document = orjson.loads(files[0].read_bytes())
+        assert document["reason"] == "rejected" and document["backend"] is None
+        assert document["upstream_request"] is None and document["upstream_response"] is None
+        assert document["relay_error"]["status"] == 404
+        assert document["relay_error"]["message"] == orjson.loads(payload)["error"]["message"]
+
+
+class Refuse:
+    @staticmethod
+    @hookimpl
+    def relay_request(exchange):
+        raise RelayError(400, "refused by a plugin")
+
+
+async def test_a_plugin_rejection_names_the_backend(start):
+    relay = await start({"include_relay_rejections": True}, pipeline=("refuse", "dump"),
+                        extra={"refuse": Refuse})
+    response, _ = await relay.post()
+    assert response.status == 400
+    await relay.stop()
+    [path] = dump_files(relay.dir)
+    document = orjson.loads(path.read_bytes())
+    assert document["backend"]["name"] == "emu"
+    assert document["relay_error"] == {"status": 400, "type": "invalid_request_error",
+                                       "message": "refused by a plugin"}
+    assert document["config"]["pipeline"] == ["refuse", "dump"]
+    assert await relay.received() == []
+
+
+@pytest.mark.parametrize("include", [False, True])
+async def test_upstream_stream_error_event(start, include):
+    relay = await start({"include_stream_errors": include}, stream_error_after=2)
+    response, payload = await relay.post({**BODY, "stream": True})
+    assert response.status == 200 and b"event: error" in payload
+    await relay.stop()
+    files = dump_files(relay.dir)
+    assert len(files) == (1 if include else 0)
+    if include:
+        document = orjson.loads(files[0].read_bytes())
+        assert document["reason"] == "stream_error"
+        assert document["stream_error"]["error"]["type"] == "overloaded_error"
+
+
+async def test_the_relays_own_stream_error(start):
+    relay = await start({"include_stream_errors": True}, cut_after=3)
+    response, payload = await relay.post({**BODY, "stream": True})
+    assert b"broke off" in payload
+    await relay.stop()
+    [path] = dump_files(relay.dir)
+    document = orjson.loads(path.read_bytes())
+    assert document["reason"] == document["outcome"] == "stream_error"
+    assert document["timeline"]["steps"][-1]["action"] == "stream error"
+
+
+async def test_an_unwritable_dir_leaves_relaying_alone(start, tmp_path, caplog):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    relay = await start({"dir": str(blocker / "dumps")}, fail_status=400)
+    caplog.set_level(logging.ERROR, logger="relay.plugins.dump")
+    response, payload = await relay.post()
+    await relay.stop()
+    assert response.status == 400
+    assert len(await relay.received()) == 1
+    expected = orjson.dumps({"type": "error", "error": {
+        "type": "invalid_request_error", "message": "Emulated invalid request"},
+        "request_id": response.headers["request-id"]})
+    assert payload == expected
+    errors = [r for r in caplog.records if r.name == "relay.plugins.dump"]
+    assert len(errors) == 1 and "could not write the upstream_error dump" in errors[0].getMessage()
+
+
+async def test_the_answer_does_not_wait_for_the_disk(start, monkeypatch):
+    relay = await start(fail_status=400)
+    released = threading.Event()
+    real = dump.write_dump
+
+    def slow_write(*args):
+        released.wait(5)
+        return real(*args)
+    monkeypatch.setattr(dump, "write_dump", slow_write)
+    started = time.monotonic()
+    response, _ = await relay.post()
+    assert response.status == 400 and time.monotonic() - started < 2
+    assert dump_files(relay.dir) == []
+    released.set()
+    await relay.stop()  # relay_shutdown waits for the pending write
+    assert len(dump_files(relay.dir)) == 1
+
+
+async def test_retention_in_a_relay(start):
+    relay = await start({"max_files": 2}, fail_status=400)
+    for _ in range(4):
+        await relay.post()
+    await relay.stop()
+    files = dump_files(relay.dir)
+    assert len(files) == 2
+
+
+async def test_two_relays_in_one_process_keep_their_own_options(start, tmp_path):
+    a = await start({"dir": str(tmp_path / "a")}, fail_status=400)
+    b = await start({"dir": str(tmp_path / "b"), "statuses": [404]}, fail_status=400)
+    await a.post()
+    await b.post()
+    await a.stop()
+    await b.stop()
+    assert len(dump_files(tmp_path / "a")) == 1 and dump_files(tmp_path / "b") == []
+
+
+# --- through the running relay ----------------------------------------------------------
+
+async def test_an_upstream_400_through_the_running_relay(emulator, relay, tmp_path):
+    emu = emulator("--fail-status", "400", "--fail-count", "1", "--api-key", BACKEND_KEY)
+    dumps = tmp_path / "dumps"
+    r = relay({"pipeline": ["dump"], "plugins": {"dump": {"dir": str(dumps)}},
+               "backends": [backend(emu.url, api_key_env="EMU_KEY", quirks={"note_quirk": 1})]},
+              env={"EMU_KEY": BACKEND_KEY})
+    raw = (b'{"model": "claude-test",  "max_tokens": 10,\n '
+           b'"messages": [{"role": "user", "content": "h\xc3\xa9"}]}')
+    headers = {"x-api-key": CLIENT_KEY, "content-type": "application/json",
+               "anthropic-version": "2023-06-01", "cookie": "c=SECRETCOOKIE"}
+    async with aiohttp.ClientSession() as session:
+        url = r.url + "/v1/messages"
+        async with session.post(url + "?beta=true", data=raw, headers=headers) as failed:
+            failed_body = await failed.read()
+        async with session.post(url, data=raw, headers=headers) as ok:
+            assert ok.status == 200
+    assert failed.status == 400
+    await until(lambda: dump_files(dumps))
+    r.stop()
+    [path] = dump_files(dumps)
+    text = path.read_bytes()
+    for secret in (CLIENT_KEY, BACKEND_KEY, "SECRETCOOKIE"):
+        assert secret.encode() not in text
+    assert mode(path) == 0o600 and mode(path.parent) == 0o700 and mode(dumps) == 0o700
+
+    document = orjson.loads(text)
+    assert REQUIRED_KEYS <= set(document)
+    request_id = failed.headers["x-relay-request-id"]
+    assert document["request_id"] == request_id and path.name.endswith(f"-{request_id}.json")
+    assert path.parent.name == document["time"][:10]
+    assert document["backend"] == {"name": "emu", "url": emu.url}
+    client = document["client_request"]
+    assert (client["path"], client["query"]) == ("/v1/messages", "beta=true")
+    assert client["body"].encode() == raw
+    assert client["headers"]["x-api-key"] == "[redacted]"
+    sent = document["upstream_request"]
+    received = emu.requests()
+    assert hashlib.sha256(sent["body"].encode()).hexdigest() == received[0]["body_sha256"]
+    assert sent["headers"]["x-api-key"] == "[redacted]"
+    answer = document["upstream_response"]
+    assert answer["status"] == 400 and answer["body"].encode() == failed_body
+    assert document["translation"] == {}
+    assert document["timeline"]["messages"] == [
+        {"index": 0, "role": "user", "blocks": [{"type": "text"}]}]
+    assert any(step["action"] == "upstream error" for step in document["timeline"]["steps"])
+    assert document["config"]["pipeline"] == ["dump"]
+    assert document["config"]["plugins"] == {"dump": {"dir": str(dumps)}}
+    assert document["config"]["quirks"] == {"note_quirk": 1}

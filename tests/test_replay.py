@@ -1,0 +1,276 @@
+"""`relay replay`: a dump rebuilt from its client request alone, compared with what it recorded."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import orjson
+import pytest
+import yaml
+
+from plugins import dedup
+from relay import cli
+
+ROOT = Path(__file__).resolve().parent.parent
+TOOLS = [{"name": "Bash", "description": "Run a command",
+          "input_schema": {"type": "object", "properties": {"command": {"type": "string"}},
+                           "required": ["command"]}}]
+REUSED = "toolu_01ReusedId00000000000000"  # the emulator's --reuse-ids id for a turn's first call
+BODY = {"model": "claude-test", "max_tokens": 10, "messages": [{"role": "user", "content": "hi"}]}
+
+
+def post(url: str, body: dict, headers: dict | None = None) -> tuple[int, dict, bytes]:
+    request = urllib.request.Request(
+        url + "/v1/messages", data=orjson.dumps(body), method="POST",
+        headers={"content-type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, dict(response.headers), response.read()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()
+
+
+def wait_for_dump(directory: Path, timeout: float = 5.0) -> Path:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        files = sorted(directory.glob("*/*.json"))
+        if files:
+            [path] = files
+            return path
+        time.sleep(0.02)
+    raise AssertionError(f"no dump under {directory}")
+
+
+def replay(capsys, *args) -> tuple[int, str]:
+    status = cli.main(["replay", *map(str, args)])
+    out = capsys.readouterr().out
+    return status, out
+
+
+def tool_call(tool_id: str) -> dict:
+    return {"type": "tool_use", "id": tool_id, "name": "Bash", "input": {"command": "ls"}}
+
+
+def tool_result(tool_id: str) -> dict:
+    return {"type": "tool_result", "tool_use_id": tool_id, "content": "ok"}
+
+
+def backend(url: str, name: str = "emu", models=("*",), **extra) -> dict:
+    return {"name": name, "url": url, "models": list(models), **extra}
+
+
+def dump_config(tmp_path: Path, url: str, pipeline=("dedup", "dump"), **backend_extra) -> dict:
+    return {"pipeline": list(pipeline), "plugins": {"dump": {"dir": str(tmp_path / "dumps")}},
+            "backends": [backend(url, **backend_extra)]}
+
+
+# --- dedup sessions -----------------------------------------------------------------------
+
+def test_a_dedup_session_replays_identically_until_dedup_changes(emulator, relay, tmp_path,
+                                                                  capsys, monkeypatch):
+    emu = emulator("--tool-turns", "5", "--reuse-ids", "--fail-status", "400", "--fail-every", "3")
+    r = relay(dump_config(tmp_path, emu.url))
+    messages = [{"role": "user", "content": "go"}]
+    seen_ids = []
+    for _ in range(3):  # two tool turns, then the emulator's injected 400
+        status, _, payload = post(r.url, {**BODY, "tools": TOOLS, "messages": messages})
+        if status != 200:
+            break
+        content = orjson.loads(payload)["content"]
+        calls = [block["id"] for block in content if block["type"] == "tool_use"]
+        seen_ids += calls
+        messages += [{"role": "assistant", "content": content},
+                     {"role": "user", "content": [tool_result(i) for i in calls]}]
+    assert status == 400
+    assert seen_ids == [REUSED, REUSED + "-2"]  # the session only lives thanks to dedup
+    path = wait_for_dump(tmp_path / "dumps")
+    recorded = orjson.loads(path.read_bytes())
+    assert recorded["translation"] == {REUSED + "-2": {
+        "original": REUSED, "occurrence": 2, "message_index": 3, "direction": "history"}}
+    assert hashlib.sha256(recorded["upstream_request"]["body"].encode()).hexdigest() == \
+        emu.requests()[-1]["body_sha256"]
+
+    status, out = replay(capsys, path)
+    assert status == 0, out
+    assert "== identical to the dump" in out and REUSED + "-2" in out
+
+    # A dedup that no longer recognises its own suffixes would build another table.
+    monkeypatch.setattr(dedup, "split_suffix", lambda tool_id, sep: (tool_id, 1))
+    status, out = replay(capsys, path)
+    assert status == 1
+    assert "--- dump: translation table\n+++ replay: translation table" in out
+    assert f'-  "{REUSED}-2": {{' in out
+    assert "upstream-bound body" not in out.split("== differences from the dump")[1]
+
+
+def test_a_rewritten_history_replays_to_the_same_body(emulator, relay, tmp_path, capsys,
+                                                      monkeypatch):
+    emu = emulator("--fail-status", "400")
+    r = relay(dump_config(tmp_path, emu.url))
+    history = [{"role": "user", "content": "go"},
+               {"role": "assistant", "content": [tool_call("toolu_dup")]},
+               {"role": "user", "content": [tool_result("toolu_dup")]},
+               # an older client sent the duplicate back:
+               {"role": "assistant", "content": [tool_call("toolu_dup")]},
+               {"role": "user", "content": [tool_result("toolu_dup")]}]
+    status, _, _ = post(r.url, {**BODY, "tools": TOOLS, "messages": history})
+    assert status == 400
+    path = wait_for_dump(tmp_path / "dumps")
+    recorded = orjson.loads(path.read_bytes())
+    sent = orjson.loads(recorded["upstream_request"]["body"])
+    assert sent["messages"][3]["content"][0]["id"] == "toolu_dup-2"
+    assert [m["blocks"] for m in recorded["timeline"]["messages"]][3] == [
+        {"type": "tool_use", "id": "toolu_dup-2"}]
+
+    assert replay(capsys, path)[0] == 0
+
+    monkeypatch.setattr(dedup, "DEFAULT_SEPARATOR", "_")
+    status, out = replay(capsys, path)
+    assert status == 1
+    assert "--- dump: upstream-bound body\n+++ replay: upstream-bound body" in out
+    assert '-          "id": "toolu_dup-2",' in out
+    assert '+          "id": "toolu_dup_2",' in out
+    assert '+  "toolu_dup_2": {' in out
+
+
+def test_the_dumped_quirks_are_used_unless_a_config_is_given(emulator, relay, tmp_path, capsys):
+    emu = emulator("--fail-status", "400", "--id-style", "functions")
+    r = relay(dump_config(tmp_path, emu.url, quirks={"restore_original_ids": True}))
+    history = [{"role": "user", "content": "go"},
+               {"role": "assistant", "content": [tool_call("functions.Bash:0")]},
+               {"role": "user", "content": [tool_result("functions.Bash:0")]},
+               {"role": "assistant", "content": [tool_call("functions.Bash:0-2")]},
+               {"role": "user", "content": [tool_result("functions.Bash:0-2")]}]
+    assert post(r.url, {**BODY, "tools": TOOLS, "messages": history})[0] == 400
+    path = wait_for_dump(tmp_path / "dumps")
+    assert orjson.loads(path.read_bytes())["config"]["quirks"] == {"restore_original_ids": True}
+
+    assert replay(capsys, path)[0] == 0
+    assert replay(capsys, path, "--config", r.config_path)[0] == 0
+
+    without = tmp_path / "without-quirks.yaml"
+    without.write_text(yaml.safe_dump(dump_config(tmp_path, emu.url)))
+    status, out = replay(capsys, path, "--config", without)
+    assert status == 1
+    assert '-          "id": "functions.Bash:0",' in out
+    assert '+          "id": "functions.Bash:0-2",' in out
+
+
+# --- rejections and the command line -------------------------------------------------------
+
+def test_a_relay_rejection_replays_from_the_command_line(emulator, relay, tmp_path):
+    emu = emulator()
+    config = dump_config(tmp_path, emu.url, models=["claude-*"])
+    config["plugins"]["dump"]["include_relay_rejections"] = True
+    r = relay(config)
+    assert post(r.url, {**BODY, "model": "gpt-unknown"})[0] == 404
+    path = wait_for_dump(tmp_path / "dumps")
+    run = subprocess.run([sys.executable, "-m", "relay", "replay", str(path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "== relay error (rebuilt)" in run.stdout and "gpt-unknown" in run.stdout
+    assert emu.requests() == []
+
+
+# --- --send -------------------------------------------------------------------------------
+
+def test_send_uses_the_client_key_from_the_environment(emulator, relay, tmp_path, capsys,
+                                                       monkeypatch):
+    emu = emulator("--fail-status", "400", "--fail-count", "1", "--api-key", "sk-client-key")
+    r = relay(dump_config(tmp_path, emu.url))
+    assert post(r.url, BODY, {"x-api-key": "sk-client-key"})[0] == 400
+    path = wait_for_dump(tmp_path / "dumps")
+
+    monkeypatch.setenv("RELAY_REPLAY_API_KEY", "sk-client-key")
+    status, out = replay(capsys, path, "--send")
+    assert status == 0
+    assert "== answer: 200" in out and '"type":"message"' in out
+    first, resent = emu.requests()
+    assert resent["body_sha256"] == first["body_sha256"]
+    assert dict(resent["headers"])["x-api-key"] == "sk-client-key"
+
+    monkeypatch.delenv("RELAY_REPLAY_API_KEY")
+    status, out = replay(capsys, path, "--send")
+    assert status == 0 and "== answer: 401" in out  # sent without a key: never "[redacted]"
+    assert "x-api-key" not in {name.lower() for name, _ in emu.requests()[-1]["headers"]}
+
+
+def test_send_uses_the_backend_key_of_the_given_config(emulator, relay, tmp_path, capsys,
+                                                       monkeypatch):
+    emu = emulator("--fail-status", "400", "--fail-count", "1", "--api-key", "sk-backend-key")
+    r = relay(dump_config(tmp_path, emu.url, api_key_env="EMU_KEY"),
+              env={"EMU_KEY": "sk-backend-key"})
+    assert post(r.url, BODY)[0] == 400
+    path = wait_for_dump(tmp_path / "dumps")
+    assert b"sk-backend-key" not in path.read_bytes()
+    monkeypatch.setenv("EMU_KEY", "sk-backend-key")
+    status, out = replay(capsys, path, "--config", r.config_path, "--send")
+    assert status == 0 and "== answer: 200" in out
+
+
+def test_send_to_an_unreachable_backend_is_2(tmp_path, capsys, unused_tcp_port):
+    path = handmade_dump(tmp_path, url=f"http://127.0.0.1:{unused_tcp_port}")
+    status = cli.main(["replay", str(path), "--send"])
+    assert status == 2 and "could not reach emu" in capsys.readouterr().err
+
+
+# --- unusable input -----------------------------------------------------------------------
+
+def handmade_dump(tmp_path: Path, url: str = "http://127.0.0.1:9", **changes) -> Path:
+    raw = orjson.dumps(BODY).decode()
+    document = {
+        "dump_format": 1, "request_id": "relay_x", "time": "2025-03-07T09:05:02.123456+00:00",
+        "client_request": {"method": "POST", "path": "/v1/messages", "query": "",
+                           "headers": {"content-type": "application/json"}, "body": raw},
+        "upstream_request": {"url": url + "/v1/messages", "headers": {}, "body": raw},
+        "translation": {}, "relay_error": None,
+        "config": {"pipeline": ["dedup"], "plugins": {},
+                   "backends": [{"name": "emu", "url": url, "models": ["*"],
+                                 "api_key_env": "UNSET"}]},
+    }
+    document.update(changes)
+    path = tmp_path / "dump.json"
+    path.write_bytes(orjson.dumps(document))
+    return path
+
+
+def test_a_handmade_dump_replays(tmp_path, capsys):
+    assert replay(capsys, handmade_dump(tmp_path))[0] == 0
+
+
+def test_a_recorded_body_that_differs_is_reported(tmp_path, capsys):
+    other = orjson.dumps({**BODY, "max_tokens": 11}).decode()
+    path = handmade_dump(tmp_path, upstream_request={"url": "u", "headers": {}, "body": other})
+    status, out = replay(capsys, path)
+    assert status == 1
+    assert '-  "max_tokens": 11,\n+  "max_tokens": 10,' in out
+
+
+@pytest.mark.parametrize("content,message", [
+    (None, "cannot read"),
+    (b"{not json", "not valid JSON"),
+    (b"[]", "not a relay dump"),
+    (b'{"client_request": {"path": "/v1/models", "body": "{}"}}', "not a Messages API endpoint"),
+    (b'{"client_request": {"path": "/v1/messages", "body_base64": "%%%"}}', "not valid base64"),
+    (b'{"client_request": {"path": "/v1/messages", "body": "{}"}}', "config: missing"),
+])
+def test_unusable_input_is_2(tmp_path, capsys, content, message):
+    path = tmp_path / "dump.json"
+    if content is not None:
+        path.write_bytes(content)
+    assert cli.main(["replay", str(path)]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_an_unknown_plugin_in_the_dump_is_2(tmp_path, capsys):
+    config = {"pipeline": ["nosuch"], "plugins": {},
+              "backends": [{"name": "emu", "url": "http://127.0.0.1:9"}]}
+    path = handmade_dump(tmp_path, config=config)
+    assert cli.main(["replay", str(path)]) == 2
+    assert "unknown plugin 'nosuch'" in capsys.readouterr().err
