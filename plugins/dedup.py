@@ -1,0 +1,399 @@
+"""Make every tool_use id the client sees unique, without unpairing any result from its call.
+
+Some upstreams draw their tool_use ids from a small space and, deep in a long conversation,
+reuse one. Older clients send the duplicate back and the upstream answers 400; Claude Code
+2.1.x drops the repeated call and asks again forever. So:
+
+- Upstream -> client: an id the client already holds (anywhere in the history it sent, or
+  earlier in the same answer) reaches it as ``<original><sep>N`` — ``toolu_abc``,
+  ``toolu_abc-2``, ``toolu_abc-3`` — N being the occurrence, bumped past any id already taken.
+  When streaming, the rewrite happens on ``content_block_start``, before any delta of the block.
+- Client -> upstream, every request, over the whole ``messages`` array: by default the upstream
+  gets ids unique in the request (``-N`` ids go up as they are; exact duplicates already in the
+  history are rewritten together with the results that answer them). With the
+  ``restore_original_ids`` quirk, ``<id><sep>N`` goes back to ``<id>``, for backends that must
+  see their own ids again.
+
+Any id ending in ``<sep><integer >= 2>`` counts as a rewrite, so recognition survives a
+compaction that dropped the first occurrence. Nothing is kept between requests: every
+decision follows from the request itself, and a decision about ``messages[i]`` only from
+``messages[:i+1]``, so earlier turns never change as the conversation grows (prompt caching
+depends on that).
+
+Options (plugin options or backend quirks): ``dedup_tool_ids`` (default true),
+``dedup_separator`` (default ``-``), ``restore_original_ids`` (default false).
+"""
+
+from __future__ import annotations
+
+from relay.errors import ConfigError
+from relay.hookspecs import hookimpl
+
+PLUGIN = "dedup"
+DEFAULT_SEPARATOR = "-"
+OPTION_TYPES = {"dedup_tool_ids": bool, "dedup_separator": str, "restore_original_ids": bool}
+
+
+def split_suffix(tool_id: str, sep: str) -> tuple[str, int]:
+    """``("toolu_abc", 3)`` for ``toolu_abc-3``; ``(tool_id, 1)`` for an id without a suffix.
+
+    A suffix is the separator and an integer >= 2 without leading zero, after a non-empty head.
+    """
+    if sep not in tool_id:
+        return tool_id, 1
+    head, _, tail = tool_id.rpartition(sep)
+    if tail.isdigit() and tail.isascii() and tail[0] != "0" and tail != "1" and head:
+        return head, int(tail)
+    return tool_id, 1
+
+
+class Ledger:
+    """The ids already taken in a conversation, and how often each original occurred.
+
+    ``fresh`` hands out the next ``<base><sep>N``: N is one more than the occurrences of
+    ``base`` so far (at least 2), bumped past taken ids. ``next_free`` remembers where the
+    last bump ended; ids never leave ``taken``, so the search never rescans the same numbers
+    and a history full of suffixed ids still costs linear time.
+    """
+
+    __slots__ = ("sep", "taken", "counts", "next_free")
+
+    def __init__(self, sep: str):
+        self.sep = sep
+        self.taken: set[str] = set()
+        self.counts: dict[str, int] = {}
+        self.next_free: dict[str, int] = {}
+
+    def fresh(self, base: str) -> tuple[str, int]:
+        n = max(self.counts.get(base, 0) + 1, self.next_free.get(base, 2), 2)
+        candidate = f"{base}{self.sep}{n}"
+        while candidate in self.taken:
+            n += 1
+            candidate = f"{base}{self.sep}{n}"
+        self.next_free[base] = n + 1
+        return candidate, n
+
+    def claim(self, tool_id: str, original: str) -> None:
+        self.taken.add(tool_id)
+        self.counts[original] = self.counts.get(original, 0) + 1
+
+    def issue(self, emitted: str, restore: bool) -> tuple[str, str, int] | None:
+        """Take the id an upstream just emitted; return (new id, original, N) if it must change.
+
+        In restore mode a rewrite is later undone by stripping exactly one suffix, so an
+        emitted id that merely looks like a rewrite (``call-2``) gets a suffix of its own too.
+        """
+        original, _ = split_suffix(emitted, self.sep)
+        if restore:
+            if emitted not in self.taken and original == emitted:
+                self.claim(emitted, original)
+                return None
+            base = emitted
+        elif emitted not in self.taken:
+            self.claim(emitted, original)
+            return None
+        else:
+            base = original
+        new_id, n = self.fresh(base)
+        self.claim(new_id, base)
+        return new_id, base, n
+
+
+class Walk:
+    """What one pass over a request's history did, and the ledger it leaves for the answer."""
+
+    __slots__ = ("ledger", "tool_uses", "tool_results", "recognised")
+
+    def __init__(self, sep: str):
+        self.ledger = Ledger(sep)
+        self.tool_uses: list[tuple[int, str, str, str, int]] = []  # (i, client id, new id, original, N)
+        self.tool_results = 0  # tool_result blocks whose tool_use_id changed
+        self.recognised: list[tuple[int, str, str, int]] = []  # (i, id, original, N) sent as is
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.tool_uses or self.tool_results)
+
+
+def make_unique(messages: list, sep: str = DEFAULT_SEPARATOR) -> Walk:
+    """Rewrite ``messages`` in place so that its tool_use ids are unique (the default mode).
+
+    A tool_use whose id is already taken by an earlier upstream-bound tool_use becomes
+    ``<original><sep>N``; the results in the next user message follow their call, matched
+    per id in order, so two parallel calls sharing an id keep their two results. The walk's
+    ledger ends up holding every id of the history — upstream-bound, as the client sent it,
+    and every tool_result's — for the answer to be checked against.
+    """
+    walk = Walk(sep)
+    ledger = walk.ledger
+    seen = ledger.taken  # while walking: exactly the upstream-bound tool_use ids so far
+    counts = ledger.counts
+    answered = []
+    calls = None  # the previous assistant message's content and renamed blocks, if any changed
+    for i, message in enumerate(messages):
+        if type(message) is not dict:
+            continue
+        role = message.get("role")
+        if role == "assistant":
+            calls = None
+            content = message.get("content")
+            if type(content) is not list:
+                continue
+            renamed = None  # the client's ids of the blocks rewritten here, by id(block)
+            for block in content:
+                if type(block) is not dict or block.get("type") != "tool_use":
+                    continue
+                client_id = block.get("id")
+                if type(client_id) is not str:
+                    continue
+                if sep in client_id:
+                    original, n = split_suffix(client_id, sep)
+                else:  # the common case, without a call
+                    original, n = client_id, 1
+                if client_id in seen:
+                    upstream_id, n = ledger.fresh(original)
+                    block["id"] = upstream_id
+                    walk.tool_uses.append((i, client_id, upstream_id, original, n))
+                    if renamed is None:
+                        renamed = {}
+                        calls = (content, renamed)
+                    renamed[id(block)] = client_id
+                    seen.add(upstream_id)
+                else:
+                    if n > 1:
+                        walk.recognised.append((i, client_id, original, n))
+                    seen.add(client_id)
+                counts[original] = counts.get(original, 0) + 1
+        elif role == "user":
+            content = message.get("content")
+            if type(content) is not list:
+                calls = None
+                continue
+            queues = _result_queues(*calls) if calls is not None else None
+            calls = None
+            for block in content:
+                if type(block) is not dict or block.get("type") != "tool_result":
+                    continue
+                client_id = block.get("tool_use_id")
+                if type(client_id) is not str:
+                    continue
+                answered.append(client_id)
+                if queues:
+                    queue = queues.get(client_id)
+                    if queue:
+                        upstream_id = queue.pop()
+                        if upstream_id != client_id:
+                            block["tool_use_id"] = upstream_id
+                            walk.tool_results += 1
+    ledger.taken.update(answered)
+    return walk
+
+
+def _result_queues(content: list, renamed: dict) -> dict[str, list[str]]:
+    """Per client id, the upstream ids of the calls that carry it, last first (pop() is next)."""
+    queues: dict[str, list[str]] = {}
+    for block in reversed(content):
+        if type(block) is dict and block.get("type") == "tool_use":
+            upstream_id = block.get("id")
+            if type(upstream_id) is str:
+                queues.setdefault(renamed.get(id(block), upstream_id), []).append(upstream_id)
+    return queues
+
+
+def restore_originals(messages: list, sep: str = DEFAULT_SEPARATOR) -> Walk:
+    """Strip one recognised suffix from every tool_use id and tool_result tool_use_id, in place.
+
+    The ledger holds the ids as the client sent them.
+    """
+    walk = Walk(sep)
+    ledger = walk.ledger
+    taken = ledger.taken
+    counts = ledger.counts
+    for i, message in enumerate(messages):
+        if type(message) is not dict:
+            continue
+        role = message.get("role")
+        if role == "assistant":
+            block_type, field = "tool_use", "id"
+        elif role == "user":
+            block_type, field = "tool_result", "tool_use_id"
+        else:
+            continue
+        content = message.get("content")
+        if type(content) is not list:
+            continue
+        for block in content:
+            if type(block) is not dict or block.get("type") != block_type:
+                continue
+            client_id = block.get(field)
+            if type(client_id) is not str:
+                continue
+            taken.add(client_id)
+            original, n = split_suffix(client_id, sep)
+            if role == "assistant":
+                counts[original] = counts.get(original, 0) + 1
+            if n > 1:
+                block[field] = original
+                if role == "assistant":
+                    walk.tool_uses.append((i, client_id, original, original, n))
+                else:
+                    walk.tool_results += 1
+    return walk
+
+
+def duplicate_locations(messages: list) -> list[str]:
+    """Where the history repeats a tool_use id, as the API would name each repeat."""
+    seen = set()
+    found = []
+    for i, message in enumerate(messages):
+        if type(message) is not dict or message.get("role") != "assistant":
+            continue
+        content = message.get("content")
+        if type(content) is not list:
+            continue
+        for k, block in enumerate(content):
+            if type(block) is dict and block.get("type") == "tool_use":
+                tool_id = block.get("id")
+                if type(tool_id) is str:
+                    if tool_id in seen:
+                        found.append(f"messages.{i}.content.{k}")
+                    seen.add(tool_id)
+    return found
+
+
+# --- hooks --------------------------------------------------------------------------------
+
+
+def _settings(options: dict) -> tuple[bool, str, bool]:
+    return (options.get("dedup_tool_ids", True) is not False,
+            options.get("dedup_separator") or DEFAULT_SEPARATOR,
+            bool(options.get("restore_original_ids", False)))
+
+
+def _check(options: dict, path: str) -> None:
+    for key, kind in OPTION_TYPES.items():
+        if key in options and type(options[key]) is not kind:
+            raise ConfigError(f"{path}.{key}: must be {'true or false' if kind is bool else 'a string'}")
+    sep = options.get("dedup_separator")
+    if sep is not None and (not sep or any(c.isdigit() for c in sep)):
+        raise ConfigError(f"{path}.dedup_separator: must be a non-empty string without digits, not {sep!r}")
+
+
+@hookimpl
+def relay_startup(config, options):
+    _check(options, f"plugins.{PLUGIN}")
+    for i, backend in enumerate(config.backends):
+        _check(backend.quirks, f"backends[{i}].quirks")
+
+
+@hookimpl
+def relay_request(exchange, options):
+    enabled, sep, restore = _settings(options)
+    body = exchange.body
+    messages = body.get("messages") if enabled and type(body) is dict else None
+    if type(messages) is not list:
+        return
+    walk = (restore_originals if restore else make_unique)(messages, sep)
+    exchange.state[PLUGIN] = {"ledger": walk.ledger, "restore": restore,
+                              "message_index": len(messages)}
+    table = exchange.translation
+    if restore:
+        for i, client_id, original, _, n in walk.tool_uses:
+            table[client_id] = {"original": original, "occurrence": n, "message_index": i,
+                                "direction": "restored"}
+    else:
+        for i, client_id, original, n in walk.recognised:
+            table[client_id] = {"original": original, "occurrence": n, "message_index": i,
+                                "direction": "history"}
+        for i, _, upstream_id, original, n in walk.tool_uses:
+            table[upstream_id] = {"original": original, "occurrence": n, "message_index": i,
+                                  "direction": "to_upstream"}
+    if walk.changed:
+        exchange.mark_changed()
+        exchange.note(PLUGIN, "restored" if restore else "rewrote",
+                      direction="restored" if restore else "to_upstream",
+                      tool_use_ids=len(walk.tool_uses), tool_result_ids=walk.tool_results)
+
+
+def _answer_state(exchange, sep: str, restore: bool) -> dict:
+    state = exchange.state.get(PLUGIN)
+    if state is None:  # the request hook did not see this exchange: dedup within the answer
+        state = exchange.state[PLUGIN] = {"ledger": Ledger(sep), "restore": restore,
+                                          "message_index": None}
+    return state
+
+
+def _issue(exchange, state: dict, block: dict) -> tuple[str, str] | None:
+    emitted = block.get("id")
+    if type(emitted) is not str:
+        return None
+    issued = state["ledger"].issue(emitted, state["restore"])
+    if issued is None:
+        return None
+    new_id, original, n = issued
+    block["id"] = new_id
+    exchange.translation[new_id] = {"original": original, "occurrence": n,
+                                    "message_index": state["message_index"],
+                                    "direction": "to_client"}
+    return emitted, new_id
+
+
+@hookimpl
+def relay_response(exchange, response, options):
+    enabled, sep, restore = _settings(options)
+    if not enabled or exchange.endpoint != "messages" or b"tool_use" not in response.body:
+        return
+    data = response.data
+    content = data.get("content") if type(data) is dict else None
+    if type(content) is not list:
+        return
+    state = _answer_state(exchange, sep, restore)
+    rewritten = []
+    for block in content:
+        if type(block) is dict and block.get("type") == "tool_use":
+            pair = _issue(exchange, state, block)
+            if pair:
+                rewritten.append(pair)
+    if rewritten:
+        response.mark_changed()
+        exchange.note(PLUGIN, "rewrote", direction="to_client", ids=rewritten)
+
+
+@hookimpl
+def relay_stream_events(exchange, options):
+    enabled, _, _ = _settings(options)
+    return {"content_block_start"} if enabled and exchange.endpoint == "messages" else None
+
+
+@hookimpl
+def relay_stream_event(exchange, event, options):
+    if b"tool_use" not in event.raw:
+        return
+    data = event.data
+    block = data.get("content_block") if type(data) is dict else None
+    if type(block) is not dict or block.get("type") != "tool_use":
+        return
+    _, sep, restore = _settings(options)
+    pair = _issue(exchange, _answer_state(exchange, sep, restore), block)
+    if pair:
+        event.mark_changed()
+        exchange.note(PLUGIN, "rewrote", direction="to_client", ids=[pair], index=data.get("index"))
+
+
+@hookimpl
+def relay_validate(exchange, options, repair):
+    enabled, sep, restore = _settings(options)
+    body = exchange.body
+    messages = body.get("messages") if enabled and not restore and type(body) is dict else None
+    if type(messages) is not list:
+        return None
+    if repair:
+        walk = make_unique(messages, sep)
+        if walk.changed:
+            exchange.mark_changed()
+            exchange.repairs += len(walk.tool_uses)
+            exchange.note(PLUGIN, "rewrote", direction="to_upstream",
+                          tool_use_ids=len(walk.tool_uses), tool_result_ids=walk.tool_results)
+        return []
+    return [{"location": location, "message": "`tool_use` ids must be unique"}
+            for location in duplicate_locations(messages)]
