@@ -58,10 +58,16 @@ def load_plugins(names: list[str], extra: dict | None = None) -> pluggy.PluginMa
         pm.check_pending()
     except pluggy.PluginValidationError as e:
         raise ConfigError(f"plugin {e.plugin!r}: {e}") from e
-    if os.environ.get("RELAY_TRACE"):
-        pm.trace.root.setwriter(log.debug)
-        pm.enable_tracing()
     return pm
+
+
+def _traced(plugin: str, hook: str, function):
+    """Wrap a hook implementation so each call is logged (RELAY_TRACE=1)."""
+    def call(**kwargs):
+        result = function(**kwargs)
+        log.info("trace %s.%s -> %r", plugin, hook, result)
+        return result
+    return call
 
 
 class _Impl:
@@ -104,12 +110,17 @@ class Chain:
         self.pm = pm
         self.pipeline = list(config.pipeline)
         position = {name: i for i, name in enumerate(self.pipeline)}
+        # Each implementation is called by the chain, not through pm.hook, so pluggy's own
+        # tracing would see nothing: RELAY_TRACE wraps the implementations instead.
+        trace = bool(os.environ.get("RELAY_TRACE"))
         self.impls: dict[str, list[_Impl]] = {}
         for spec_name in dir(hookspecs):
             if not spec_name.startswith("relay_"):
                 continue
             caller = getattr(pm.hook, spec_name)
-            impls = [_Impl(h.plugin_name, h.function, tuple(h.argnames))
+            impls = [_Impl(h.plugin_name,
+                           _traced(h.plugin_name, spec_name, h.function) if trace else h.function,
+                           tuple(h.argnames))
                      for h in caller.get_hookimpls()]
             impls.sort(key=lambda impl: position.get(impl.plugin, len(position)),
                        reverse=spec_name in REVERSED)

@@ -23,6 +23,9 @@ def _fields(raw: bytes) -> tuple[str | None, bytes | None]:
     return name, data
 
 
+_UNREAD = object()  # the data lines have not been read yet
+
+
 class Event:
     """One SSE event: its original bytes, its name, and its data parsed on first use."""
 
@@ -30,7 +33,15 @@ class Event:
 
     def __init__(self, raw: bytes):
         self.raw = raw
-        self.name, self._payload = _fields(raw)
+        # Most events open with "event: NAME\n": read the name without splitting every line;
+        # the data is only looked at if a plugin asks for it.
+        end = raw.find(b"\n")
+        if raw.startswith(b"event: ") and end > 0 and raw.find(b"\r", 0, end) < 0 \
+                and raw.find(b"\nevent:", end) < 0:
+            self.name = raw[7:end].decode("utf-8", "replace")
+            self._payload = _UNREAD
+        else:
+            self.name, self._payload = _fields(raw)
         self._data = None
         self._parsed = False
         self._changed = False
@@ -45,6 +56,8 @@ class Event:
         """The parsed JSON data, or None when the event has no data or it is not JSON."""
         if not self._parsed:
             self._parsed = True
+            if self._payload is _UNREAD:
+                self._payload = _fields(self.raw)[1]
             if self._payload is not None:
                 try:
                     self._data = orjson.loads(self._payload)
@@ -149,6 +162,6 @@ class SSEDecoder:
         self._scan = self._line = 0
         if rest:
             event = Event(rest + b"\n\n")
-            if event.name is not None or event._payload is not None:
+            if event.name is not None or _fields(event.raw)[1] is not None:
                 events.append(event)
         return events
