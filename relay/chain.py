@@ -192,9 +192,14 @@ class Chain:
             event_hook = hooks.get(impl.plugin)
             if event_hook is None:
                 continue
-            wanted = impl.call({"exchange": exchange, "options": options[impl.plugin]})
-            if inspect.isawaitable(wanted):
-                wanted = await wanted
+            try:
+                wanted = impl.call({"exchange": exchange, "options": options[impl.plugin]})
+                if inspect.isawaitable(wanted):
+                    wanted = await wanted
+            except Exception:
+                log.exception("plugin %s failed in relay_stream_events; it sees no events",
+                              impl.plugin)
+                continue
             if not wanted:
                 continue
             call = (order, event_hook, options[impl.plugin])

@@ -198,9 +198,11 @@ class Relay:
             except RelayError as error:
                 exchange.outcome, exchange.error = "rejected", error
                 return relay_error(error, exchange.id, exchange.response_headers)
-            except orjson.JSONDecodeError:
-                log.warning("%s: upstream answered %d with a body that is not JSON; relayed as is",
-                            exchange.id, upstream.status)
+            except Exception:
+                # A plugin fault must not cost the client an answer the upstream already gave.
+                log.exception("%s: response chain failed; the upstream's answer goes back as is",
+                              exchange.id)
+                response = UpstreamResponse(upstream.status, upstream.headers, payload)
         return web.Response(status=upstream.status, body=response.final_body(),
                             headers=client_headers(response.headers, exchange.response_headers))
 

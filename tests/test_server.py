@@ -489,3 +489,28 @@ async def test_a_crashing_plugin_is_a_500_not_a_dropped_connection(setup):
     resp = await client.post("/v1/messages", json=BODY)
     assert resp.status == 500 and (await resp.json())["error"]["type"] == "api_error"
     assert upstream.received == []
+
+
+class BrokenOnTheWayBack:
+    @hookimpl
+    def relay_response(self, response):
+        response.data["content"] = None
+        response.mark_changed()
+        raise RuntimeError("bug")
+
+    @hookimpl
+    def relay_stream_events(self):
+        raise RuntimeError("bug")
+
+    @hookimpl
+    def relay_stream_event(self, event):
+        raise AssertionError("never asked for")
+
+
+async def test_a_plugin_fault_on_the_way_back_never_costs_the_answer(setup):
+    client, upstream = await setup(pipeline=["broken"], extra={"broken": BrokenOnTheWayBack})
+    resp = await client.post("/v1/messages", json=BODY)
+    assert resp.status == 200 and await resp.json() == ANSWER
+    upstream.reply = stream_reply([STREAM])
+    resp = await client.post("/v1/messages", json={**BODY, "stream": True})
+    assert await resp.read() == STREAM
