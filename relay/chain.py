@@ -93,11 +93,15 @@ class StreamPlan:
 
     def calls_for(self, name):
         wanted = self.by_name.get(name)
-        if not self.every:
+        if not self.every or wanted is not None:
             return wanted
-        if not wanted:
-            return self.every
-        return sorted(wanted + self.every, key=lambda c: c[0])
+        return self.every
+
+    def merge_every(self) -> None:
+        """Fold the "*" plugins into each named list once, keeping chain order."""
+        if self.every:
+            for name, calls in self.by_name.items():
+                self.by_name[name] = sorted(calls + self.every, key=lambda c: c[0])
 
     def __bool__(self):
         return bool(self.by_name or self.every)
@@ -208,6 +212,7 @@ class Chain:
             else:
                 for name in wanted:
                     plan.by_name.setdefault(name, []).append(call)
+        plan.merge_every()
         return plan
 
     async def stream_event(self, exchange, event, calls) -> None:

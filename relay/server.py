@@ -8,6 +8,7 @@ import logging
 import aiohttp
 import orjson
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 from multidict import CIMultiDict
 
 from . import __version__
@@ -49,7 +50,33 @@ def relay_error(error: RelayError, request_id: str | None = None, headers=None) 
                         content_type="application/json", headers=headers)
 
 
-def parse_body(raw: bytes, endpoint: str) -> dict:
+async def read_body(request: web.Request, limit: int) -> bytes:
+    """The whole request body, decoded; a body that can't be read is the client's 4xx."""
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise too_large(limit) from None
+    except RequestPayloadError as e:
+        cause = e.__cause__ or e
+        reason = getattr(cause, "message", None) or str(cause).strip()
+        raise invalid_request(f"request body could not be read: {reason}") from None
+
+
+def upstream_failure(backend, e: BaseException) -> RelayError:
+    """The relay's own answer when the upstream could not be reached or went silent."""
+    timeout = isinstance(e, asyncio.TimeoutError)
+    what = "timed out" if timeout else "is unreachable"
+    return RelayError(504 if timeout else 502,
+                      f"upstream {backend.name} {what}: {type(e).__name__} {e}".rstrip(),
+                      "timeout_error" if timeout else "api_error")
+
+
+def too_large(limit: int) -> RelayError:
+    return RelayError(413, f"request body exceeds the relay's limit of {limit} bytes",
+                      "request_too_large")
+
+
+def parse_body(raw: bytes) -> dict:
     """The request body as a dict, or a 400 that says what is wrong with it."""
     if not raw:
         raise invalid_request("request body is empty: expected a JSON object")
@@ -69,10 +96,19 @@ def parse_body(raw: bytes, endpoint: str) -> dict:
     return body
 
 
+def _hop_by_hop(headers) -> frozenset:
+    """The fixed hop-by-hop set plus whatever the sender's Connection header names."""
+    named = headers.get("Connection")
+    if not named:
+        return HOP_BY_HOP
+    return HOP_BY_HOP | {token.strip().lower() for token in named.split(",")}
+
+
 def forward_headers(headers, backend) -> CIMultiDict:
     out = CIMultiDict()
+    drop = _hop_by_hop(headers)
     for name, value in headers.items():
-        if name.lower() not in HOP_BY_HOP:
+        if name.lower() not in drop:
             out.add(name, value)
     if backend.api_key:
         for name in AUTH_HEADERS:
@@ -86,8 +122,9 @@ def forward_headers(headers, backend) -> CIMultiDict:
 
 def client_headers(upstream_headers, extra: dict | None = None) -> CIMultiDict:
     out = CIMultiDict()
+    drop = _hop_by_hop(upstream_headers)
     for name, value in upstream_headers.items():
-        if name.lower() not in HOP_BY_HOP:
+        if name.lower() not in drop:
             out.add(name, value)
     if extra:
         out.update(extra)
@@ -102,11 +139,12 @@ async def prepare_exchange(state: RelayState, *, method: str, path: str, query: 
     in is attached as ``error.exchange`` (when one was built) so the end hooks can see it.
     """
     endpoint = ENDPOINTS[path]
-    body = parse_body(raw_body, endpoint)
+    body = parse_body(raw_body)
     model = body["model"]
     backend = state.config.backend_for(model)
     exchange = Exchange(endpoint=endpoint, method=method, path=path, query=query,
                         headers=headers, raw_body=raw_body, body=body, backend=backend)
+    exchange.response_headers["x-relay-request-id"] = exchange.id
     if backend is None:
         error = RelayError(404, f"model: {model} (no backend in the relay's configuration serves it)",
                            "not_found_error")
@@ -122,6 +160,10 @@ async def prepare_exchange(state: RelayState, *, method: str, path: str, query: 
     except RelayError as error:
         error.exchange = exchange
         raise
+    except Exception as e:  # logged by the chain with the plugin's name
+        error = RelayError(500, "the relay failed while preparing this request", "api_error")
+        error.exchange = exchange
+        raise error from e
     return exchange
 
 
@@ -134,13 +176,7 @@ class Relay:
     async def messages(self, request: web.Request) -> web.StreamResponse:
         state = self.state
         try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            return relay_error(RelayError(
-                413, f"request body exceeds the {state.config.max_body_bytes} byte limit",
-                "request_too_large"))
-        exchange = None
-        try:
+            raw = await read_body(request, state.config.max_body_bytes)
             exchange = await prepare_exchange(
                 state, method=request.method, path=request.path, query=request.query_string,
                 headers=request.headers, raw_body=raw)
@@ -148,17 +184,11 @@ class Relay:
             exchange = getattr(error, "exchange", None)
             if exchange is None:
                 return relay_error(error)
-            exchange.outcome, exchange.error = "rejected", error
+            exchange.outcome = "rejected" if error.status < 500 else "relay_error"
+            exchange.error = error
             exchange.note("relay", "rejected", status=error.status, message=error.message)
             await state.chain.end(exchange)
             return relay_error(error, exchange.id, exchange.response_headers)
-        except Exception:
-            log.exception("request chain failed")
-            error = RelayError(500, "the relay failed while preparing this request", "api_error")
-            if exchange is not None:
-                exchange.outcome, exchange.error = "relay_error", error
-                await state.chain.end(exchange)
-            return relay_error(error)
         try:
             return await self._forward(request, exchange)
         except asyncio.CancelledError:
@@ -176,10 +206,11 @@ class Relay:
         headers = forward_headers(request.headers, backend)
         body = exchange.upstream_body()
         exchange.upstream_request = {"url": url, "headers": headers, "body": body}
-        exchange.response_headers["x-relay-request-id"] = exchange.id
         try:
+            # A redirect would turn the POST into a GET and carry the key to another host.
             upstream = await state.session.request(
-                "POST", url, data=body, headers=headers, timeout=state.timeouts[backend.name])
+                "POST", url, data=body, headers=headers, timeout=state.timeouts[backend.name],
+                allow_redirects=False)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             return self._unreachable(exchange, e)
         async with upstream:
@@ -207,11 +238,7 @@ class Relay:
                             headers=client_headers(response.headers, exchange.response_headers))
 
     def _unreachable(self, exchange: Exchange, e: BaseException) -> web.Response:
-        timeout = isinstance(e, asyncio.TimeoutError)
-        error = RelayError(504 if timeout else 502,
-                           f"upstream {exchange.backend.name} "
-                           f"{'timed out' if timeout else 'is unreachable'}: {type(e).__name__} {e}".rstrip(),
-                           "timeout_error" if timeout else "api_error")
+        error = upstream_failure(exchange.backend, e)
         log.warning("%s: %s", exchange.id, error.message)
         exchange.outcome, exchange.error = "upstream_unreachable", error
         return relay_error(error, exchange.id, exchange.response_headers)
@@ -252,8 +279,8 @@ class Relay:
                         calls = plan.calls_for(event.name)
                         if calls:
                             await chain.stream_event(exchange, event, calls)
-                last = events[-1].name
-                finished = last == "message_stop" or last == "error" or finished
+                if not finished:
+                    finished = any(e.name == "message_stop" or e.name == "error" for e in events)
                 if len(events) == 1:
                     await response.write(events[0].encode())
                 else:
@@ -261,7 +288,7 @@ class Relay:
             tail = decoder.close()
             if tail:
                 await response.write(b"".join([event.encode() for event in tail]))
-                finished = finished or tail[-1].name in ("message_stop", "error")
+                finished = finished or any(e.name in ("message_stop", "error") for e in tail)
             if not finished:
                 raise aiohttp.ClientPayloadError("the stream ended before message_stop")
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
@@ -283,19 +310,28 @@ class Relay:
         """Any other /v1/ path goes to the default backend untouched, chain or no chain."""
         backend = self.state.config.default_backend()
         url = backend.url + request.path + ("?" + request.query_string if request.query_string else "")
-        raw = await request.read() if request.can_read_body else None
         try:
+            raw = await read_body(request, self.state.config.max_body_bytes) if request.can_read_body else None
             upstream = await self.state.session.request(
                 request.method, url, data=raw, headers=forward_headers(request.headers, backend),
-                timeout=self.state.timeouts[backend.name])
+                timeout=self.state.timeouts[backend.name], allow_redirects=False)
+        except RelayError as error:
+            return relay_error(error)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-            return relay_error(RelayError(502, f"upstream {backend.name} is unreachable: {e}", "api_error"))
+            return relay_error(upstream_failure(backend, e))
         async with upstream:
             response = web.StreamResponse(status=upstream.status,
                                           headers=client_headers(upstream.headers))
             await response.prepare(request)
-            async for chunk in upstream.content.iter_any():
-                await response.write(chunk)
+            try:
+                async for chunk in upstream.content.iter_any():
+                    await response.write(chunk)
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                # Headers are gone already: closing without the final chunk is how HTTP says
+                # the body is incomplete.
+                log.warning("passthrough %s from %s broke off: %r", request.path, backend.name, e)
+                request.transport.close()
+                return response
             await response.write_eof()
             return response
 
@@ -318,7 +354,7 @@ async def anthropic_errors(request: web.Request, handler):
         if e.status < 400:
             raise
         if e.status == 413:
-            error = RelayError(413, "request body exceeds the relay's byte limit", "request_too_large")
+            error = too_large(request.app[STATE].config.max_body_bytes)
         else:
             error = RelayError(e.status, e.reason, "not_found_error" if e.status == 404 else None)
         return web.Response(status=e.status, body=error.body(), content_type="application/json")
@@ -354,13 +390,11 @@ async def serve(config, chain: Chain, host: str, port: int) -> None:
     # Cancelling the handler when the client goes away is what closes the upstream request.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    for sock in site._server.sockets:
-        bound = sock.getsockname()
-        print(f"relay listening on http://{bound[0]}:{bound[1]}", flush=True)
-        break
     try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        bound = site._server.sockets[0].getsockname()
+        print(f"relay listening on http://{bound[0]}:{bound[1]}", flush=True)
         await asyncio.Event().wait()
     finally:
         await runner.cleanup()

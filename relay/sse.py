@@ -6,6 +6,8 @@ as it arrived; only events a plugin changed are serialised again.
 
 from __future__ import annotations
 
+import re
+
 import orjson
 
 
@@ -23,6 +25,7 @@ def _fields(raw: bytes) -> tuple[str | None, bytes | None]:
     return name, data
 
 
+_LINE_END = re.compile(rb"[\r\n]")
 _UNREAD = object()  # the data lines have not been read yet
 
 
@@ -130,12 +133,14 @@ class SSEDecoder:
         start = 0  # where the current event starts
         line = self._line
         i = self._scan
-        while i < size:
-            byte = buf[i]
-            if byte != 0x0A and byte != 0x0D:
-                i += 1
-                continue
-            if byte == 0x0D:
+        search = _LINE_END.search
+        while True:
+            found = search(buf, i)
+            if found is None:
+                i = size
+                break
+            i = found.start()
+            if buf[i] == 0x0D:
                 if i + 1 == size:
                     if not final:
                         break  # is it "\r" or the first half of "\r\n"? wait for the next chunk

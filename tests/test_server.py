@@ -246,6 +246,40 @@ async def test_bad_input_is_a_clear_400(setup, payload, fragment):
     assert upstream.received == []
 
 
+@pytest.mark.parametrize("encoding", ["gzip", "deflate"])
+async def test_undecodable_body_is_a_400_not_a_500(setup, encoding):
+    client, upstream = await setup()
+    resp = await client.post("/v1/messages", data=b"not compressed at all",
+                             headers={"Content-Encoding": encoding,
+                                      "Content-Type": "application/json"})
+    assert resp.status == 400
+    error = await resp.json()
+    assert error["error"]["type"] == "invalid_request_error"
+    assert "could not be read" in error["error"]["message"]
+    assert upstream.received == []
+
+
+async def test_headers_named_by_connection_are_hop_by_hop(setup):
+    client, upstream = await setup()
+    await client.post("/v1/messages", json=BODY,
+                      headers={"Connection": "keep-alive, X-Hop", "X-Hop": "1", "X-Kept": "2"})
+    headers = upstream.received[0]["headers"]
+    assert "X-Hop" not in headers and headers["X-Kept"] == "2"
+
+
+async def test_upstream_redirect_is_relayed_not_followed(setup):
+    async def redirect(request):
+        if request.path == "/elsewhere":
+            return web.json_response({"followed": True})
+        raise web.HTTPFound("/elsewhere")
+    upstream = Upstream()
+    upstream.reply = redirect
+    client, _ = await setup(upstream=upstream)
+    resp = await client.post("/v1/messages", json=BODY, allow_redirects=False)
+    assert resp.status == 302 and resp.headers["Location"] == "/elsewhere"
+    assert [r["path"] for r in upstream.received] == ["/v1/messages"]
+
+
 async def test_unknown_route_and_method_in_anthropic_format(setup):
     client, _ = await setup()
     resp = await client.get("/nope")
@@ -371,6 +405,14 @@ async def test_upstream_dying_mid_stream_yields_an_error_event(setup):
     assert error["type"] == "error" and error["error"]["type"] == "api_error"
 
 
+async def test_events_after_message_stop_in_the_same_chunk_are_not_a_truncation(setup):
+    upstream = Upstream()
+    upstream.reply = stream_reply([STREAM + b'event: ping\ndata: {"type": "ping"}\n\n'])
+    client, _ = await setup(upstream=upstream)
+    out = await (await client.post("/v1/messages", json={**BODY, "stream": True})).read()
+    assert out == STREAM + b'event: ping\ndata: {"type": "ping"}\n\n'
+
+
 async def test_stream_ending_without_message_stop_is_an_error_not_a_truncation(setup):
     upstream = Upstream()
     upstream.reply = stream_reply([STREAM[:STREAM.index(b"event: message_delta")]])
@@ -485,10 +527,23 @@ class Crash:
 
 
 async def test_a_crashing_plugin_is_a_500_not_a_dropped_connection(setup):
-    client, upstream = await setup(pipeline=["crash"], extra={"crash": Crash})
+    calls: list = []
+    client, upstream = await setup(pipeline=["crash", "rec"],
+                                   extra={"crash": Crash, "rec": recorder("rec", calls)})
     resp = await client.post("/v1/messages", json=BODY)
-    assert resp.status == 500 and (await resp.json())["error"]["type"] == "api_error"
+    assert resp.status == 500
+    error = await resp.json()
+    assert error["error"]["type"] == "api_error"
+    assert error["request_id"] == resp.headers["x-relay-request-id"]
     assert upstream.received == []
+    assert calls == [("end", "rec", "relay_error")]
+
+
+async def test_rejections_carry_the_relay_request_id(setup):
+    client, _ = await setup(pipeline=["refuse"], extra={"refuse": Refuse})
+    resp = await client.post("/v1/messages/count_tokens", json=BODY)
+    assert resp.status == 400
+    assert (await resp.json())["request_id"] == resp.headers["x-relay-request-id"]
 
 
 class BrokenOnTheWayBack:
