@@ -8,6 +8,10 @@ options say how many turns end in tool calls, how the tool ids look and which fa
 It imports nothing from the relay on purpose: it stands for the far side of the wire, and it
 runs on its own (``python relay/emulator.py --port 0``).
 
+A request that offers no client tool (a side request, such as a title or a quota check), or
+forbids calls with ``tool_choice: none``, gets a text answer: a model cannot call a tool it was
+not given.
+
 Validation order, first problem wins: the body's shape (fields, block fields, id patterns,
 which role may hold which block), then content (empty messages and text blocks), then tool_use
 id uniqueness (and, with ``expect_own_ids``, provenance), then tool_use/tool_result pairing,
@@ -104,6 +108,7 @@ class EmulatorOptions:
     thinking: bool = False
     redacted_thinking: bool = False
     expect_own_ids: bool = False
+    reask_dropped: bool = False
     signing_secret: str | None = None
     fail_status: int | None = None
     fail_count: int = 0
@@ -140,6 +145,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="add a redacted_thinking block to each answer")
     parser.add_argument("--expect-own-ids", action="store_true",
                         help="reject tool_use ids this emulator would not have issued")
+    parser.add_argument("--reask-dropped", action="store_true",
+                        help="count only assistant turns that kept their tool calls, so a call "
+                             "the client dropped from its history is asked for again")
     parser.add_argument("--signing-secret", default=d.signing_secret,
                         help="key for thinking signatures (default: random per process)")
     parser.add_argument("--fail-status", type=int, default=d.fail_status,
@@ -284,13 +292,24 @@ def _content_problem(convo) -> str | None:
     return None
 
 
+def is_turn(message, options: EmulatorOptions) -> bool:
+    """Whether a history entry counts as one of the script's turns.
+
+    Every assistant message does; with ``reask_dropped`` only one that still holds its tool
+    calls, like a model that sees its call gone unanswered and makes it again.
+    """
+    if message["role"] != "assistant":
+        return False
+    return not options.reask_dropped or any(b["type"] == "tool_use" for b in _blocks(message))
+
+
 def _id_problem(convo, options) -> str | None:
     # A Kimi-like backend repeats its ids across turns, so only one turn's ids must differ there.
     per_turn = options.id_style == "functions"
     seen: set[str] = set()
     turn = 0
     for n, message in convo:
-        if message["role"] != "assistant":
+        if not is_turn(message, options):
             continue
         if per_turn:
             seen = set()
@@ -423,14 +442,19 @@ def own_ids(options: EmulatorOptions, turn: int, name: str) -> list[str]:
     return [tool_id(options, turn, i, name) for i in range(options.parallel)]
 
 
-def _pick_tool(tools) -> dict:
+def _pick_tool(body: dict) -> dict | None:
+    """The client tool to call: Bash if offered, else the first; None when none may be called."""
+    tools = body.get("tools")
     # Server tools (web_search and the like) carry no input_schema and are never called here.
     client_tools = [t for t in tools if isinstance(t, dict) and isinstance(t.get("name"), str)
                     and isinstance(t.get("input_schema"), dict)] if isinstance(tools, list) else []
+    choice = body.get("tool_choice")
+    if not client_tools or (isinstance(choice, dict) and choice.get("type") == "none"):
+        return None
     for tool in client_tools:
         if tool["name"] == "Bash":
             return tool
-    return client_tools[0] if client_tools else {"name": "Bash", "input_schema": {}}
+    return client_tools[0]
 
 
 def _placeholder(property_schema) -> object:
@@ -453,8 +477,9 @@ def _tool_input(tool: dict, turn: int, index: int) -> dict:
 
 def plan_reply(body: dict, options: EmulatorOptions) -> tuple[list[dict], str]:
     """The content blocks and stop_reason the script gives for a (valid) request."""
-    turn = sum(1 for m in body["messages"] if m["role"] == "assistant")
-    tool_turn = turn < options.tool_turns
+    turn = sum(1 for m in body["messages"] if is_turn(m, options))
+    tool = _pick_tool(body)
+    tool_turn = turn < options.tool_turns and tool is not None
     content = []
     if options.thinking:
         thought = (f"Turn {turn}: the plan calls for "
@@ -464,10 +489,12 @@ def plan_reply(body: dict, options: EmulatorOptions) -> tuple[list[dict], str]:
     if options.redacted_thinking:
         content.append({"type": "redacted_thinking",
                         "data": redacted_data(options.signing_key, turn)})
-    if not tool_turn:
+    if turn >= options.tool_turns:
         content.append({"type": "text", "text": f"All {options.tool_turns} tool turns done."})
         return content, "end_turn"
-    tool = _pick_tool(body.get("tools"))
+    if tool is None:
+        content.append({"type": "text", "text": f"Turn {turn}: no tool to call, so in words."})
+        return content, "end_turn"
     name = tool["name"]
     content.append({"type": "text", "text": f"Turn {turn}: calling {name}."})
     for i in range(options.parallel):

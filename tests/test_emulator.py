@@ -39,6 +39,10 @@ from relay.emulator import (
 
 EMULATOR = os.path.join(os.path.dirname(__file__), "..", "relay", "emulator.py")
 
+BASH = {"name": "Bash", "description": "Run a command",
+        "input_schema": {"type": "object", "properties": {"command": {"type": "string"}},
+                         "required": ["command"]}}
+
 
 def request(*messages, **extra):
     return {"model": "claude-test", "max_tokens": 100, "messages": list(messages), **extra}
@@ -85,10 +89,11 @@ def test_command_line_options_map_onto_the_dataclass():
     assert options_from_args(parser.parse_args([])) == EmulatorOptions()
     args = parser.parse_args(["--tool-turns", "3", "--parallel", "2", "--id-style", "functions",
                               "--reuse-ids", "--fail-status", "529", "--fail-count", "2",
-                              "--cut-after", "5", "--no-record", "--api-key", "k"])
+                              "--cut-after", "5", "--no-record", "--api-key", "k",
+                              "--reask-dropped"])
     assert options_from_args(args) == EmulatorOptions(
         tool_turns=3, parallel=2, id_style="functions", reuse_ids=True, fail_status=529,
-        fail_count=2, cut_after=5, record=False, api_key="k")
+        fail_count=2, cut_after=5, record=False, api_key="k", reask_dropped=True)
 
 
 # --- validation, as plain data ----------------------------------------------------------------
@@ -251,7 +256,11 @@ def test_arbitrary_json_gets_an_answer_never_a_crash(messages, tools, id_style):
     body = {"model": "m", "max_tokens": 5, "messages": messages, "tools": tools}
     if find_problem(body, options) is None:
         assert plan_reply(body, options)[1] in ("tool_use", "end_turn")
-    assert plan_reply(request(user(text()), tools=tools), options)[1] == "tool_use"
+    content, stop = plan_reply(request(user(text()), tools=tools), options)
+    if stop == "tool_use":  # only ever a tool it was offered
+        assert content[-1]["name"] in [t.get("name") for t in tools if isinstance(t, dict)]
+    else:
+        assert stop == "end_turn" and content[-1]["type"] == "text"
 
 
 def test_count_tokens_needs_no_max_tokens():
@@ -262,6 +271,7 @@ def test_count_tokens_needs_no_max_tokens():
 # --- thinking signatures ----------------------------------------------------------------------
 
 def first_answer(options, **extra):
+    extra.setdefault("tools", [BASH])
     content, _ = plan_reply(request(user(text("go")), **extra), options)
     return content
 
@@ -301,6 +311,7 @@ def test_signatures_depend_on_the_secret():
 
 def history(options, turns, **extra):
     """A conversation in which a client faithfully answered each of the emulator's tool turns."""
+    extra.setdefault("tools", [BASH])
     messages = [user(text("go"))]
     for _ in range(turns):
         content, stop = plan_reply(request(*messages, **extra), options)
@@ -372,7 +383,41 @@ def test_tool_choice_and_input():
     assert call([read, bash])["input"] == {"command": "echo relay-turn-0-0", "description": "Print a marker"}
     assert call([web_search, read]) == {"type": "tool_use", "id": tool_id(options, 0, 0, "Read"),
                                         "name": "Read", "input": {"path": "x", "limit": 0}}
-    assert call(None)["name"] == "Bash"
+
+
+
+def test_without_a_tool_to_call_it_answers_in_text():
+    # Claude Code's side requests (a title, a quota check) offer no tools.
+    options = EmulatorOptions(tool_turns=3, thinking=True)
+    web_search = {"type": "web_search_20250305", "name": "web_search"}
+    for extra in ({}, {"tools": []}, {"tools": [web_search]},
+                  {"tools": [BASH], "tool_choice": {"type": "none"}}):
+        content, stop = plan_reply(request(user(text("go")), **extra), options)
+        assert stop == "end_turn", extra
+        assert [b["type"] for b in content] == ["thinking", "text"]
+        assert content[-1]["text"] == "Turn 0: no tool to call, so in words."
+    content, stop = plan_reply(request(user(text("go")), tools=[BASH],
+                                       tool_choice={"type": "auto"}), options)
+    assert stop == "tool_use"
+
+
+def test_reask_dropped_asks_again_for_a_call_the_client_dropped():
+    # Claude Code 2.1.332 drops a call whose id it already holds, keeps the assistant's text and
+    # answers "(no content)". A model that sees its call unanswered makes it again.
+    options = EmulatorOptions(tool_turns=3, reuse_ids=True, reask_dropped=True)
+    body = history(options, 1)
+    first = plan_reply(body, options)[0]
+    assert first[-1]["input"]["command"] == "echo relay-turn-1-0"
+    dropped = [b for b in first if b["type"] != "tool_use"]
+    body["messages"] += [assistant(*dropped), user(text("(no content)"))]
+    again, stop = plan_reply(body, options)
+    assert stop == "tool_use" and again == first
+    assert find_problem(body, options) is None
+    # Without the option every assistant message is a turn, dropped call or not.
+    plain = EmulatorOptions(tool_turns=3, reuse_ids=True)
+    assert plan_reply(body, plain)[0][-1]["input"]["command"] == "echo relay-turn-2-0"
+    # A faithful client sees the same script either way.
+    assert history(options, 3) == history(plain, 3)
 
 
 def test_after_the_tool_turns_it_answers_with_text():
@@ -384,7 +429,7 @@ def test_after_the_tool_turns_it_answers_with_text():
 
 def test_stream_events_rebuild_the_message():
     options = EmulatorOptions(tool_turns=1, parallel=2, thinking=True, redacted_thinking=True)
-    message = build_message(request(user(text("go"))), options, 10)
+    message = build_message(request(user(text("go")), tools=[BASH]), options, 10)
     events = stream_events(message)
     assert [e["type"] for e in events[:2]] == ["message_start", "ping"]
     assert [e["type"] for e in events[-2:]] == ["message_delta", "message_stop"]
@@ -418,7 +463,7 @@ def rebuild(events):
 
 
 def test_deltas_come_in_pieces():
-    message = build_message(request(user(text("go"))), EmulatorOptions(tool_turns=1), 10)
+    message = build_message(request(user(text("go")), tools=[BASH]), EmulatorOptions(tool_turns=1), 10)
     deltas = [e["delta"] for e in stream_events(message) if e["type"] == "content_block_delta"]
     assert sum(d["type"] == "text_delta" for d in deltas) >= 2
     json_pieces = [d["partial_json"] for d in deltas if d["type"] == "input_json_delta"]
@@ -427,7 +472,7 @@ def test_deltas_come_in_pieces():
 
 def test_ragged_pieces_split_lines_and_crlf_pairs():
     data = b"".join(encode_event(e, crlf=True) for e in stream_events(
-        build_message(request(user(text("go"))), EmulatorOptions(tool_turns=1), 10)))
+        build_message(request(user(text("go")), tools=[BASH]), EmulatorOptions(tool_turns=1), 10)))
     splitter = RaggedSplitter()
     pieces = [p for i in range(0, len(data), 100) for p in splitter.feed(data[i:i + 100])]
     pieces.append(splitter.flush())
@@ -466,7 +511,7 @@ def parse_sse(data: bytes) -> list[dict]:
 
 async def test_non_streaming_answer_and_headers(aiohttp_client):
     client = await make_client(aiohttp_client, tool_turns=1)
-    response = await client.post("/v1/messages?beta=true", json=request(user(text("go"))))
+    response = await client.post("/v1/messages?beta=true", json=request(user(text("go")), tools=[BASH]))
     assert response.status == 200
     assert re.fullmatch(r"req_[0-9a-f]+", response.headers["request-id"])
     assert response.headers["anthropic-ratelimit-requests-limit"] == "4000"
@@ -603,7 +648,8 @@ async def test_request_budget(aiohttp_client):
 
 async def test_stream_shape(aiohttp_client):
     client = await make_client(aiohttp_client, tool_turns=1, thinking=True)
-    response = await client.post("/v1/messages", json=request(user(text("go")), stream=True))
+    response = await client.post("/v1/messages",
+                                 json=request(user(text("go")), tools=[BASH], stream=True))
     assert response.headers["content-type"] == "text/event-stream"
     events = parse_sse(await response.read())
     types = [e["type"] for e in events]
@@ -654,7 +700,8 @@ async def test_cut_after(aiohttp_client):
     assert not complete
     assert [e["type"] for e in parse_sse(b"".join(chunks))] == [
         "message_start", "ping", "content_block_start", "content_block_delta"]
-    response = await client.post("/v1/messages", json=request(user(text("go")), stream=True))
+    response = await client.post("/v1/messages",
+                                 json=request(user(text("go")), tools=[BASH], stream=True))
     with pytest.raises(aiohttp.ClientPayloadError):
         await response.read()
 
@@ -667,17 +714,14 @@ async def test_cut_after_with_ragged_sends_every_byte_before_the_cut(aiohttp_cli
 
 async def test_stream_error_after(aiohttp_client):
     client = await make_client(aiohttp_client, stream_error_after=3)
-    response = await client.post("/v1/messages", json=request(user(text("go")), stream=True))
+    response = await client.post("/v1/messages",
+                                 json=request(user(text("go")), tools=[BASH], stream=True))
     events = parse_sse(await response.read())
     assert [e["type"] for e in events] == ["message_start", "ping", "content_block_start", "error"]
     assert events[-1]["error"] == {"type": "overloaded_error", "message": "Overloaded"}
 
 
 # --- real clients -----------------------------------------------------------------------------
-
-BASH = {"name": "Bash", "description": "Run a command",
-        "input_schema": {"type": "object", "properties": {"command": {"type": "string"}},
-                         "required": ["command"]}}
 
 
 async def test_the_official_sdk_talks_to_it(aiohttp_server):
