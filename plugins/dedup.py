@@ -12,7 +12,8 @@ reuse one. Older clients send the duplicate back and the upstream answers 400; C
   gets ids unique in the request (``-N`` ids go up as they are; exact duplicates already in the
   history are rewritten together with the results that answer them). With the
   ``restore_original_ids`` quirk, ``<id><sep>N`` goes back to ``<id>``, for backends that must
-  see their own ids again.
+  see their own ids again, except where that would repeat an id within one message (an
+  upstream that repeated an id inside one answer: see :func:`restore_originals`).
 
 Any id ending in ``<sep><integer >= 2>`` counts as a rewrite, so recognition survives a
 compaction that dropped the first occurrence. Nothing is kept between requests: every
@@ -89,6 +90,10 @@ class Ledger:
                 self.claim(emitted, original)
                 return None
             base = emitted
+            # The upstream will get ``emitted`` back for the id issued now: no later call of
+            # this answer may be issued ``emitted`` itself, or restoring could give one
+            # message two equal ids.
+            self.taken.add(emitted)
         elif emitted not in self.taken:
             self.claim(emitted, original)
             return None
@@ -102,27 +107,29 @@ class Ledger:
 class Walk:
     """What one pass over a request's history did, and the ledger it leaves for the answer."""
 
-    __slots__ = ("ledger", "tool_uses", "tool_results", "recognised")
+    __slots__ = ("kept", "ledger", "recognised", "tool_results", "tool_uses")
 
     def __init__(self, sep: str):
         self.ledger = Ledger(sep)
         self.tool_uses: list[tuple[int, str, str, str, int]] = []  # (i, client id, new id, original, N)
         self.tool_results = 0  # tool_result blocks whose tool_use_id changed
         self.recognised: list[tuple[int, str, str, int]] = []  # (i, id, original, N) sent as is
+        self.kept: list[tuple[int, str]] = []  # restore mode: (i, id) not restored, see there
 
     @property
     def changed(self) -> bool:
         return bool(self.tool_uses or self.tool_results)
 
 
-def make_unique(messages: list, sep: str = DEFAULT_SEPARATOR) -> Walk:
+def make_unique(messages: list, sep: str = DEFAULT_SEPARATOR, answer: bool = True) -> Walk:
     """Rewrite ``messages`` in place so that its tool_use ids are unique (the default mode).
 
     A tool_use whose id is already taken by an earlier upstream-bound tool_use becomes
     ``<original><sep>N``; the results in the next user message follow their call, matched
-    per id in order, so two parallel calls sharing an id keep their two results. The walk's
-    ledger ends up holding every id of the history — upstream-bound, as the client sent it,
-    and every tool_result's — for the answer to be checked against.
+    per id in order, so two parallel calls sharing an id keep their two results. With
+    ``answer`` (an answer with content will follow), the walk's ledger ends up holding every
+    id of the history — upstream-bound, as the client sent it, and every tool_result's — for
+    the answer to be checked against; without it, only what the walk itself needs.
     """
     walk = Walk(sep)
     ledger = walk.ledger
@@ -177,7 +184,8 @@ def make_unique(messages: list, sep: str = DEFAULT_SEPARATOR) -> Walk:
                 client_id = block.get("tool_use_id")
                 if type(client_id) is not str:
                     continue
-                answered.append(client_id)
+                if answer:
+                    answered.append(client_id)
                 if queues:
                     queue = queues.get(client_id)
                     if queue:
@@ -200,45 +208,86 @@ def _result_queues(content: list, renamed: dict) -> dict[str, list[str]]:
     return queues
 
 
-def restore_originals(messages: list, sep: str = DEFAULT_SEPARATOR) -> Walk:
+def restore_originals(messages: list, sep: str = DEFAULT_SEPARATOR, answer: bool = True) -> Walk:
     """Strip one recognised suffix from every tool_use id and tool_result tool_use_id, in place.
 
-    The ledger holds the ids as the client sent them.
+    One exception keeps every message valid: when the upstream repeated an id within one
+    answer, the client got ``X`` and ``X-2`` for it, and sending both back as ``X`` would give
+    one assistant message two equal ids (and its user message two results for one id), which
+    no upstream can pair and the API refuses ("`tool_use` ids must be unique"; a Kimi-like
+    upstream, which repeats ids across turns, still wants them distinct within a message).
+    So a suffixed id whose original already stands in the same message keeps the client's
+    id, and so do the results that answer it in the next user message. Restore mode promises
+    the upstream its own ids back; the upstream never had two calls with one id to match, so
+    nothing it could match is lost.
+
+    With ``answer``, the ledger holds the ids as the client sent them, for the answer.
     """
     walk = Walk(sep)
     ledger = walk.ledger
     taken = ledger.taken
     counts = ledger.counts
+    kept = None  # the ids kept as sent in the last assistant message, for its results
     for i, message in enumerate(messages):
         if type(message) is not dict:
             continue
         role = message.get("role")
         if role == "assistant":
             block_type, field = "tool_use", "id"
+            kept = None
         elif role == "user":
             block_type, field = "tool_result", "tool_use_id"
         else:
             continue
         content = message.get("content")
         if type(content) is not list:
+            if role == "user":
+                kept = None
             continue
+        used = None  # the ids this assistant message sends up, once a suffix is seen
         for block in content:
             if type(block) is not dict or block.get("type") != block_type:
                 continue
             client_id = block.get(field)
             if type(client_id) is not str:
                 continue
-            taken.add(client_id)
+            if answer:
+                taken.add(client_id)
             original, n = split_suffix(client_id, sep)
             if role == "assistant":
-                counts[original] = counts.get(original, 0) + 1
-            if n > 1:
+                if answer:
+                    counts[original] = counts.get(original, 0) + 1
+                if n == 1:
+                    continue
+                if used is None:
+                    used = _unsuffixed_ids(content, sep)
+                if original in used:
+                    used.add(client_id)
+                    if kept is None:
+                        kept = set()
+                    kept.add(client_id)
+                    walk.kept.append((i, client_id))
+                    continue
+                used.add(original)
                 block[field] = original
-                if role == "assistant":
-                    walk.tool_uses.append((i, client_id, original, original, n))
-                else:
-                    walk.tool_results += 1
+                walk.tool_uses.append((i, client_id, original, original, n))
+            elif n > 1 and (kept is None or client_id not in kept):
+                block[field] = original
+                walk.tool_results += 1
+        if role == "user":
+            kept = None
     return walk
+
+
+def _unsuffixed_ids(content: list, sep: str) -> set[str]:
+    """The tool_use ids of an assistant message that go up unchanged in restore mode."""
+    found = set()
+    for block in content:
+        if type(block) is dict and block.get("type") == "tool_use":
+            tool_id = block.get("id")
+            if type(tool_id) is str and split_suffix(tool_id, sep)[1] == 1:
+                found.add(tool_id)
+    return found
 
 
 def duplicate_locations(messages: list) -> list[str]:
@@ -293,9 +342,12 @@ def relay_request(exchange, options):
     messages = body.get("messages") if enabled and type(body) is dict else None
     if type(messages) is not list:
         return
-    walk = (restore_originals if restore else make_unique)(messages, sep)
-    exchange.state[PLUGIN] = {"ledger": walk.ledger, "restore": restore,
-                              "message_index": len(messages)}
+    # A count_tokens answer holds no content, so nothing is kept for it.
+    answer = exchange.endpoint == "messages"
+    walk = (restore_originals if restore else make_unique)(messages, sep, answer)
+    if answer:
+        exchange.state[PLUGIN] = {"ledger": walk.ledger, "restore": restore,
+                                  "message_index": len(messages)}
     table = exchange.translation
     if restore:
         for i, client_id, original, _, n in walk.tool_uses:
@@ -313,6 +365,9 @@ def relay_request(exchange, options):
         exchange.note(PLUGIN, "restored" if restore else "rewrote",
                       direction="restored" if restore else "to_upstream",
                       tool_use_ids=len(walk.tool_uses), tool_result_ids=walk.tool_results)
+    if walk.kept:
+        exchange.note(PLUGIN, "kept", direction="restored", reason="repeated within one message",
+                      ids=[client_id for _, client_id in walk.kept])
 
 
 def _answer_state(exchange, sep: str, restore: bool) -> dict:
@@ -395,5 +450,5 @@ def relay_validate(exchange, options, repair):
             exchange.note(PLUGIN, "rewrote", direction="to_upstream",
                           tool_use_ids=len(walk.tool_uses), tool_result_ids=walk.tool_results)
         return []
-    return [{"location": location, "message": "`tool_use` ids must be unique"}
+    return [{"location": location, "message": f"{location}: `tool_use` ids must be unique"}
             for location in duplicate_locations(messages)]

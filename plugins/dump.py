@@ -19,12 +19,19 @@ in the background: the client never waits for the disk, and a failed write is lo
 raised. Files are created exclusively and appear complete or not at all (written under a
 temporary name, then hard-linked into place); a name clash gets a ``-1``, ``-2`` suffix.
 
-Secrets never reach the disk: the values of the credential headers and every backend's
-``api_key`` are replaced by ``[redacted]`` wherever they occur in the document.
+Secrets never reach the disk. The credential headers (``x-api-key``, ``authorization``,
+``proxy-authorization``, ``cookie``, ``set-cookie``) are redacted by name wherever headers are
+recorded, whatever their value. Elsewhere in the document (bodies, the translation table, the
+timeline) every occurrence of a credential value or a backend's ``api_key`` is replaced by
+``[redacted]`` too, but only for secrets of at least ``MIN_SECRET_LENGTH`` (16) characters,
+and never inside a JSON key: a short value cannot be told apart from ordinary text (a client
+key ``e`` would turn every "e" of the dump, its keys included, into ``[redacted]`` and leave
+nothing to read or replay), and a credential that short protects nothing anyway. Real API
+keys and tokens are far longer, and a 16-character random string does not turn up by chance.
 
-The exchange carries neither the pipeline nor the plugin options, so ``relay_startup`` keeps
-them per :class:`relay.config.Config`; the hooks find theirs through ``exchange.backend``.
-An exchange without a backend (a model no backend serves) belongs to the relay started last.
+The plugin is a class: the host makes one instance per plugin manager, that is per running
+relay, and :meth:`Dump.relay_startup` keeps that relay's options, configuration, writer
+thread and pending writes on the instance. Nothing is shared between relays.
 """
 
 from __future__ import annotations
@@ -63,6 +70,10 @@ UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 DAY_NAME = re.compile(r"^\d{4}-\d{2}-\d{2}$")
 DUMP_NAME = re.compile(r"^\d{6}\.\d{6}-[A-Za-z0-9_-]+\.json$")
 STATUS_RANGE = re.compile(r"^\s*(\d{3})\s*-\s*(\d{3})\s*$")
+ERROR_EVENTS = frozenset({"error"})
+# Secrets shorter than this are redacted by header name only, never searched for in text:
+# see the module docstring.
+MIN_SECRET_LENGTH = 16
 
 
 # --- options ------------------------------------------------------------------------------
@@ -176,7 +187,8 @@ def headers_document(headers) -> dict | None:
 
 
 def header_secrets(headers) -> set[str]:
-    """Credential header values, and the token alone of ``Bearer TOKEN``."""
+    """Credential header values, and the token alone of ``Bearer TOKEN`` (searched for in the
+    rest of the document when long enough)."""
     found = set()
     for name, value in (headers or {}).items():
         if name.lower() in SECRET_HEADERS and value:
@@ -232,14 +244,15 @@ def message_outline(body) -> list[dict]:
 
 
 def redact(value, secrets: list[str]):
-    """A copy of ``value`` with every occurrence of a secret, in keys and strings, replaced."""
+    """A copy of ``value`` with every occurrence of a secret in its strings replaced; keys are
+    left as they are (see the module docstring)."""
     if isinstance(value, str):
         for secret in secrets:
             if secret in value:
                 value = value.replace(secret, REDACTED)
         return value
     if isinstance(value, dict):
-        return {redact(str(k), secrets): redact(v, secrets) for k, v in value.items()}
+        return {k: redact(v, secrets) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [redact(item, secrets) for item in value]
     return value
@@ -258,7 +271,8 @@ def build_document(exchange, *, reason: str, when: dt.datetime, config: dict,
     upstream_request = exchange.upstream_request
     if upstream_request is not None:
         secrets |= header_secrets(upstream_request.get("headers"))
-    secrets = sorted((s for s in secrets if s and s != REDACTED), key=len, reverse=True)
+    secrets = sorted((s for s in secrets if len(s) >= MIN_SECRET_LENGTH and s != REDACTED),
+                     key=len, reverse=True)
 
     backend = exchange.backend
     error = exchange.error
@@ -416,21 +430,67 @@ class Retention:
         return deleted
 
 
-class Dumper:
-    """One relay's dump settings, its writer thread and the writes still in flight."""
+class Dump:
+    """The dump plugin: one instance per relay (the host instantiates the class)."""
 
-    def __init__(self, config, settings: Settings):
-        self.config = config
-        self.settings = settings
+    def __init__(self):
+        self.settings: Settings | None = None
+        self.config_doc: dict = {}
+        self.secrets: set[str] = set()
+        self.retention: Retention | None = None
+        self.executor: ThreadPoolExecutor | None = None
+        self.pending: set[asyncio.Future] = set()
+
+    # --- hooks ----------------------------------------------------------------------------
+
+    @hookimpl
+    def relay_startup(self, config, options):
+        self.settings = settings = parse_options(options)
         self.config_doc = config_document(config)
         self.secrets = {backend.api_key for backend in config.backends if backend.api_key}
         self.retention = (Retention(settings.dir, settings.max_files, settings.max_bytes)
                           if settings.max_files or settings.max_bytes else None)
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relay-dump")
-        self.pending: set[asyncio.Future] = set()
+        if self.executor is None:
+            self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relay-dump")
 
-    def owns(self, backend) -> bool:
-        return any(b is backend for b in self.config.backends)
+    @hookimpl
+    async def relay_shutdown(self, config):
+        if self.pending:
+            _, left = await asyncio.wait(set(self.pending), timeout=SHUTDOWN_TIMEOUT)
+            if left:
+                log.error("%d dump(s) still being written after %.0f s; giving up on them",
+                          len(left), SHUTDOWN_TIMEOUT)
+        if self.executor is not None:
+            self.executor.shutdown(wait=False)
+            self.executor = None
+
+    @hookimpl
+    def relay_upstream_error(self, exchange, response):
+        settings = self.settings
+        if settings is not None and response.status in settings.statuses:
+            exchange.state[PLUGIN] = {"reason": "upstream_error"}
+
+    @hookimpl
+    def relay_stream_events(self, exchange):
+        settings = self.settings
+        return ERROR_EVENTS if settings is not None and settings.include_stream_errors else None
+
+    @hookimpl
+    def relay_stream_event(self, exchange, event):
+        data = event.data
+        if data is None:
+            data = event.raw.decode("utf-8", "replace")
+        exchange.state[PLUGIN] = {"reason": "stream_error", "stream_error": data}
+
+    @hookimpl
+    def relay_exchange_end(self, exchange):
+        if self.settings is None or self.executor is None:
+            return
+        reason = self.reason_for(exchange)
+        if reason is not None:
+            self.submit(exchange, reason)
+
+    # --- the work -------------------------------------------------------------------------
 
     def reason_for(self, exchange) -> str | None:
         noticed = exchange.state.get(PLUGIN)
@@ -445,23 +505,27 @@ class Dumper:
     def submit(self, exchange, reason: str) -> asyncio.Future:
         """Write the exchange's dump in the background; the exchange must be over."""
         when = dt.datetime.now(dt.timezone.utc)
-        noticed = exchange.state.get(PLUGIN) or {}
+        noticed = exchange.state.get(PLUGIN)
+        stream_error = noticed.get("stream_error") if noticed else None
+        if stream_error is None and reason == "stream_error":
+            stream_error = relay_stream_error(exchange)
         future = asyncio.get_running_loop().run_in_executor(
-            self.executor, self.write, exchange, reason, when, noticed.get("stream_error"))
+            self.executor, self.write, exchange, reason, when, stream_error)
         self.pending.add(future)
         future.add_done_callback(self.pending.discard)
         return future
 
     def write(self, exchange, reason: str, when: dt.datetime, stream_error=None) -> str | None:
         """Build, write and account for one dump (in the writer thread). Never raises."""
+        directory = self.settings.dir
         try:
             document = build_document(exchange, reason=reason, when=when, config=self.config_doc,
                                       secrets=self.secrets, stream_error=stream_error)
             data = encode_document(document)
-            path = write_dump(self.settings.dir, data, exchange.id, when)
+            path = write_dump(directory, data, exchange.id, when)
         except OSError as e:
             log.error("%s: could not write the %s dump under %s: %s",
-                      exchange.id, reason, self.settings.dir, e)
+                      exchange.id, reason, directory, e)
             return None
         except Exception:
             log.exception("%s: could not build the %s dump", exchange.id, reason)
@@ -472,74 +536,15 @@ class Dumper:
                 for deleted in self.retention.add(path, len(data)):
                     log.info("retention: deleted %s", deleted)
             except OSError as e:
-                log.warning("retention under %s failed: %s", self.settings.dir, e)
+                log.warning("retention under %s failed: %s", directory, e)
         return path
 
-    async def close(self) -> None:
-        if self.pending:
-            done, left = await asyncio.wait(set(self.pending), timeout=SHUTDOWN_TIMEOUT)
-            if left:
-                log.error("%d dump(s) still being written after %.0f s; giving up on them",
-                          len(left), SHUTDOWN_TIMEOUT)
-        self.executor.shutdown(wait=False)
 
-
-# One Dumper per running relay, keyed by id(config); insertion order is start order.
-_DUMPERS: dict[int, Dumper] = {}
-
-
-def dumper_for(exchange) -> Dumper | None:
-    for dumper in reversed(list(_DUMPERS.values())):
-        if exchange.backend is None or dumper.owns(exchange.backend):
-            return dumper
+def relay_stream_error(exchange) -> dict | None:
+    """The error event the relay itself sent when the upstream's stream broke off, rebuilt
+    from the relay's ``stream error`` timeline note (the event the server writes has this
+    shape)."""
+    for step in reversed(exchange.timeline):
+        if step.get("step") == "relay" and step.get("action") == "stream error":
+            return {"type": "error", "error": {"type": "api_error", "message": step.get("message")}}
     return None
-
-
-# --- hooks --------------------------------------------------------------------------------
-
-
-@hookimpl
-def relay_startup(config, options):
-    settings = parse_options(options)
-    previous = _DUMPERS.pop(id(config), None)
-    if previous is not None:
-        previous.executor.shutdown(wait=False)
-    _DUMPERS[id(config)] = Dumper(config, settings)
-
-
-@hookimpl
-async def relay_shutdown(config):
-    dumper = _DUMPERS.pop(id(config), None)
-    if dumper is not None:
-        await dumper.close()
-
-
-@hookimpl
-def relay_upstream_error(exchange, response):
-    dumper = dumper_for(exchange)
-    if dumper is not None and response.status in dumper.settings.statuses:
-        exchange.state[PLUGIN] = {"reason": "upstream_error"}
-
-
-@hookimpl
-def relay_stream_events(exchange):
-    dumper = dumper_for(exchange)
-    return {"error"} if dumper is not None and dumper.settings.include_stream_errors else None
-
-
-@hookimpl
-def relay_stream_event(exchange, event):
-    data = event.data
-    if data is None:
-        data = event.raw.decode("utf-8", "replace")
-    exchange.state[PLUGIN] = {"reason": "stream_error", "stream_error": data}
-
-
-@hookimpl
-def relay_exchange_end(exchange):
-    dumper = dumper_for(exchange)
-    if dumper is None:
-        return
-    reason = dumper.reason_for(exchange)
-    if reason is not None:
-        dumper.submit(exchange, reason)

@@ -31,6 +31,8 @@ from __future__ import annotations
 import logging
 from typing import NamedTuple
 
+import orjson
+
 from relay.errors import ConfigError, invalid_request
 from relay.hookspecs import hookimpl
 
@@ -69,10 +71,21 @@ def _missing(index: int, ids: list, answer_at: int | None, repairable: bool) -> 
                    index, tuple(ids), answer_at, repairable)
 
 
+def _shown(value) -> str:
+    """An id as a message shows it: a string as it is, anything else in its JSON form (the
+    client sent JSON, so a Python repr such as ``None`` would name nothing it wrote)."""
+    if type(value) is str:
+        return value
+    try:
+        return orjson.dumps(value).decode()
+    except TypeError:
+        return str(value)
+
+
 def _unknown(index: int, k: int, tool_use_id) -> Problem:
     location = f"messages.{index}.content.{k}"
     return Problem(location, f"{location}: unexpected `tool_use_id` found in `tool_result` blocks: "
-                             f"{tool_use_id}. Each `tool_result` block must have a corresponding "
+                             f"{_shown(tool_use_id)}. Each `tool_result` block must have a corresponding "
                              f"`tool_use` block in the previous message.", index)
 
 

@@ -17,7 +17,7 @@ from .errors import ConfigError
 from .exchange import Exchange
 
 COMMANDS = ("serve", "emulate", "validate", "replay")
-DEFAULT_VALIDATE_PIPELINE = ["pairing", "ordering"]
+DEFAULT_VALIDATE_PIPELINE = ("dedup", "pairing", "ordering")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,6 +85,12 @@ def run_serve(args) -> int:
     from .server import serve
     host = args.host or config.host
     port = config.port if args.port is None else args.port
+    if not 0 <= port <= 65535:
+        return fail(f"--port: must be between 0 and 65535, not {port}")
+    for name in config.plugins:
+        if name not in config.pipeline:
+            logging.getLogger("relay").warning(
+                "plugins.%s: options for a plugin that is not in the pipeline", name)
 
     async def run():
         task = asyncio.create_task(serve(config, chain, host, port))
@@ -115,6 +121,13 @@ def read_json_file(name: str):
 
 
 def run_validate(args) -> int:
+    """Check (or ``--repair``) a request body offline with the pipeline's ``relay_validate``.
+
+    The plugins start as in serving (``relay_startup``), so bad plugin options are config
+    errors (exit 2). Every problem is printed as the API words it, its location first; one
+    found by two plugins (dedup and pairing both see a repeated id) is printed once.
+    Exit status: 0 valid (or fully repaired), 1 problems left, 2 unusable input or config.
+    """
     try:
         document = read_json_file(args.file)
     except ValueError as e:
@@ -125,17 +138,34 @@ def run_validate(args) -> int:
         return fail("expected a request body with a messages list, or a messages array")
     try:
         if args.config:
-            config = config_module.load(args.config)
+            config = config_module.load(args.config, require_keys=False)  # offline: no key
         else:
-            config = config_module.Config(backends=[], pipeline=DEFAULT_VALIDATE_PIPELINE)
+            config = config_module.Config(backends=[], pipeline=list(DEFAULT_VALIDATE_PIPELINE))
         chain = Chain(load_plugins(config.pipeline), config)
     except ConfigError as e:
         return fail(f"config error: {e}")
     exchange = Exchange(endpoint="messages", method="POST", path="/v1/messages", query="",
                         headers={}, raw_body=b"", body=body)
+
+    async def check():
+        await chain.startup(config)
+        try:
+            return await chain.run("relay_validate", exchange, repair=args.repair)
+        finally:
+            await chain.shutdown(config)
+
+    try:
+        results = asyncio.run(check())
+    except ConfigError as e:
+        return fail(f"config error: {e}")
     problems = []
-    for found in asyncio.run(chain.run("relay_validate", exchange, repair=args.repair)):
-        problems.extend(found or [])
+    seen = set()
+    for found in results:
+        for problem in found or []:
+            key = (problem.get("location"), problem.get("message"))
+            if key not in seen:
+                seen.add(key)
+                problems.append(problem)
     if args.json and not args.repair:
         print(orjson.dumps({"valid": not problems, "problems": problems},
                            option=orjson.OPT_INDENT_2).decode())

@@ -70,7 +70,7 @@ class Config:
         return self.backends[0] if fallback else None
 
 
-def load(path: str, env=os.environ) -> Config:
+def load(path: str, env=os.environ, require_keys: bool = True) -> Config:
     try:
         with open(path, encoding="utf-8") as f:
             raw = yaml.safe_load(f)
@@ -78,7 +78,7 @@ def load(path: str, env=os.environ) -> Config:
         raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
-    config = parse(raw if raw is not None else {}, env)
+    config = parse(raw if raw is not None else {}, env, require_keys)
     config.source = path
     return config
 
@@ -102,8 +102,12 @@ def _unknown(section: dict, known: set, path: str) -> None:
             raise ConfigError(f"{where}: unknown key (expected one of: {', '.join(sorted(known))})")
 
 
-def parse(raw, env=os.environ) -> Config:
-    """Validate a loaded relay.yaml document and build the :class:`Config`."""
+def parse(raw, env=os.environ, require_keys: bool = True) -> Config:
+    """Validate a loaded relay.yaml document and build the :class:`Config`.
+
+    ``require_keys=False`` is for offline tools (validate, replay without --send): a backend
+    whose ``api_key_env`` variable is unset then simply has no key.
+    """
     _expect(raw, dict, "(top level)", "a mapping")
     _unknown(raw, {"server", "pipeline", "plugins", "backends"}, "")
     config = Config(backends=[])
@@ -141,7 +145,7 @@ def parse(raw, env=os.environ) -> Config:
     _expect(backends, list, "backends", "a list")
     names = set()
     for i, item in enumerate(backends):
-        backend = _backend(item, f"backends[{i}]", env)
+        backend = _backend(item, f"backends[{i}]", env, require_keys)
         if backend.name in names:
             raise ConfigError(f"backends[{i}].name: {backend.name!r} is used twice")
         names.add(backend.name)
@@ -151,7 +155,7 @@ def parse(raw, env=os.environ) -> Config:
     return config
 
 
-def _backend(item, path: str, env) -> Backend:
+def _backend(item, path: str, env, require_keys: bool) -> Backend:
     _expect(item, dict, path, "a mapping")
     _unknown(item, {"name", "url", "models", "default", "rename", "api_key_env", "auth",
                     "quirks", "timeouts"}, path)
@@ -182,9 +186,9 @@ def _backend(item, path: str, env) -> Backend:
     backend.auth = auth
     if "api_key_env" in item:
         var = _expect(item["api_key_env"], str, f"{path}.api_key_env", "an environment variable name")
-        if not env.get(var):
+        if not env.get(var) and require_keys:
             raise ConfigError(f"{path}.api_key_env: environment variable {var} is not set")
-        backend.api_key_env, backend.api_key = var, env[var]
+        backend.api_key_env, backend.api_key = var, env.get(var) or None
     timeouts = _expect(item.get("timeouts", {}) or {}, dict, f"{path}.timeouts", "a mapping")
     _unknown(timeouts, {"connect", "read", "total"}, f"{path}.timeouts")
     for key in ("connect", "read", "total"):

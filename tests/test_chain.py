@@ -26,7 +26,7 @@ def test_builtins_register_through_the_entry_point_group():
     assert BUILTINS <= set(found)
     for name in BUILTINS:
         assert found[name].group == ENTRY_POINT_GROUP
-        assert found[name].value == f"plugins.{name}"
+        assert found[name].module == f"plugins.{name}"
 
 
 def test_top_level_plugins_package_is_this_repos():

@@ -9,8 +9,10 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from plugins import dedup
+from plugins import pairing as pairing_plugin
 from relay.chain import Chain, load_plugins
 from relay.config import Backend, parse
+from relay.emulator import EmulatorOptions, find_problem
 from relay.errors import ConfigError
 from relay.exchange import Exchange, UpstreamResponse
 from relay.sse import Event
@@ -410,6 +412,32 @@ def test_count_tokens_requests_are_made_unique_too():
     ex = make_exchange(history, endpoint="count_tokens")
     dedup.relay_request(exchange=ex, options={})
     assert ex.changed and tool_use_ids(ex.body["messages"]) == ["toolu_a", "toolu_a-2"]
+    assert ex.translation["toolu_a-2"]["direction"] == "to_upstream"
+    # The answer holds no content: no ledger is kept for it.
+    assert "dedup" not in ex.state
+
+
+@pytest.mark.parametrize("options", [{}, RESTORE])
+def test_count_tokens_builds_no_answer_ledger(options, monkeypatch):
+    history = [{"role": "user", "content": "hi"}] + turn("toolu_a") + turn("toolu_a-2", "toolu_b") \
+        + [{"role": "assistant", "content": "text"},
+           {"role": "user", "content": [result("toolu_orphan")]}]
+    ex = make_exchange(copy.deepcopy(history), options, endpoint="count_tokens")
+    built = []
+    real = dedup.Ledger.__init__
+
+    def spy(self, sep):
+        built.append(self)
+        real(self, sep)
+    monkeypatch.setattr(dedup.Ledger, "__init__", spy)
+    dedup.relay_request(exchange=ex, options=options)
+    assert "dedup" not in ex.state
+    [ledger] = built
+    if options:  # restoring needs no ledger at all
+        assert ledger.taken == set() and ledger.counts == {}
+        assert tool_use_ids(ex.body["messages"]) == ["toolu_a", "toolu_a", "toolu_b"]
+    else:  # only the upstream-bound tool_use ids the walk itself needs, no result ids
+        assert ledger.taken == {"toolu_a", "toolu_a-2", "toolu_b"}
 
 
 # --- restore mode ---------------------------------------------------------------------------
@@ -438,11 +466,113 @@ def test_restore_mode_leaves_a_history_without_suffixes_as_it_came():
     assert not ex.changed and ex.translation == {}
 
 
+@pytest.mark.parametrize("streaming", [False, True])
+def test_restore_mode_keeps_a_repeat_within_one_answer_apart(streaming):
+    # A Kimi-like upstream repeats an id inside one answer. Sending both calls back as its
+    # own id would give one message two identical ids (and two results with one id): the
+    # second keeps the id the client holds, so every message still has distinct ids.
+    history = [{"role": "user", "content": "hi"}]
+    ex = make_exchange(copy.deepcopy(history), RESTORE, stream=streaming)
+    dedup.relay_request(exchange=ex, options=RESTORE)
+    content = answer(ex, reply(["functions.Bash:0", "functions.Bash:0"]), RESTORE, streaming)
+    assert tool_use_ids([{"role": "assistant", "content": content}]) == \
+        ["functions.Bash:0", "functions.Bash:0-2"]
+    history += [{"role": "assistant", "content": content}, answered_by_client(content)]
+
+    ex = make_exchange(copy.deepcopy(history), RESTORE, stream=streaming)
+    dedup.relay_request(exchange=ex, options=RESTORE)
+    assert ex.body["messages"] == history and not ex.changed
+    pairing_plugin.relay_request(exchange=ex, options=RESTORE)  # no duplicate-result refusal
+    assert find_problem(ex.body, EmulatorOptions(id_style="functions")) is None
+
+    # The next answer repeats functions.Bash:0 twice again: across messages the upstream gets
+    # its own id back, within the message the repeat stays apart.
+    content = answer(ex, reply(["functions.Bash:0", "functions.Bash:0"]), RESTORE, streaming)
+    assert tool_use_ids([{"role": "assistant", "content": content}]) == \
+        ["functions.Bash:0-3", "functions.Bash:0-4"]
+    history += [{"role": "assistant", "content": content}, answered_by_client(content)]
+    ex = make_exchange(copy.deepcopy(history), RESTORE, stream=streaming)
+    dedup.relay_request(exchange=ex, options=RESTORE)
+    sent = ex.body["messages"]
+    assert tool_use_ids(sent) == ["functions.Bash:0", "functions.Bash:0-2",
+                                  "functions.Bash:0", "functions.Bash:0-4"]
+    assert [b["tool_use_id"] for b in sent[4]["content"]] == ["functions.Bash:0", "functions.Bash:0-4"]
+    pairing_plugin.relay_request(exchange=ex, options=RESTORE)
+    assert find_problem(ex.body, EmulatorOptions(id_style="functions")) is None
+
+
+def test_restore_mode_never_gives_one_message_the_same_id_twice():
+    # An upstream that emits a suffix-like id and a repeat in one answer.
+    ex = make_exchange([{"role": "user", "content": "hi"}], RESTORE)
+    dedup.relay_request(exchange=ex, options=RESTORE)
+    content = answer(ex, reply(["x", "x-2", "x"]), RESTORE, False)
+    got = tool_use_ids([{"role": "assistant", "content": content}])
+    assert len(set(got)) == 3
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": content},
+               answered_by_client(content)]
+    ex = make_exchange(history, RESTORE)
+    dedup.relay_request(exchange=ex, options=RESTORE)
+    sent = tool_use_ids(ex.body["messages"])
+    assert sent[:2] == ["x", "x-2"] and len(set(sent)) == 3
+
+
 def test_restore_mode_suffixes_an_id_that_only_looks_like_a_rewrite():
     ex = make_exchange([{"role": "user", "content": "hi"}], RESTORE)
     dedup.relay_request(exchange=ex, options=RESTORE)
     content = answer(ex, reply(["call-2"]), RESTORE, False)
     assert tool_use_ids([{"role": "assistant", "content": content}]) == ["call-2-2"]
+
+
+async def test_restore_mode_repeat_within_one_answer_through_the_relay(aiohttp_server, aiohttp_client):
+    """A Kimi-like upstream (functions ids, validated like the emulator's functions style) that
+    repeats an id inside one answer: the next turn goes up valid, not refused by pairing."""
+    from aiohttp import web
+
+    from relay.server import create_app
+
+    received = []
+
+    async def messages(request):
+        body = await request.json()
+        received.append(body)
+        problem = find_problem(body, EmulatorOptions(id_style="functions"))
+        if problem:
+            return web.json_response({"type": "error", "error": {
+                "type": "invalid_request_error", "message": problem}}, status=400)
+        turn = sum(1 for m in body["messages"] if m["role"] == "assistant")
+        content = ([call("functions.Bash:0", 0), call("functions.Bash:0", 1)] if turn == 0
+                   else [{"type": "text", "text": "done"}])
+        return web.json_response({"id": "msg_1", "type": "message", "role": "assistant",
+                                  "model": body["model"], "content": content,
+                                  "stop_reason": "tool_use" if turn == 0 else "end_turn",
+                                  "stop_sequence": None,
+                                  "usage": {"input_tokens": 1, "output_tokens": 1}})
+
+    upstream = web.Application()
+    upstream.router.add_post("/v1/messages", messages)
+    server = await aiohttp_server(upstream)
+    config = parse({"pipeline": ["dedup", "pairing", "ordering"],
+                    "backends": [{"name": "kimi", "url": str(server.make_url("")).rstrip("/"),
+                                  "models": ["*"], "quirks": RESTORE}]}, env={})
+    chain = Chain(load_plugins(config.pipeline), config)
+    await chain.startup(config)
+    client = await aiohttp_client(create_app(config, chain))
+    history = [{"role": "user", "content": "go"}]
+    first = await client.post("/v1/messages", json={"model": "kimi-k2", "max_tokens": 10,
+                                                    "messages": history})
+    assert first.status == 200
+    content = (await first.json())["content"]
+    assert tool_use_ids([{"role": "assistant", "content": content}]) == \
+        ["functions.Bash:0", "functions.Bash:0-2"]
+    history += [{"role": "assistant", "content": content}, answered_by_client(content)]
+    second = await client.post("/v1/messages", json={"model": "kimi-k2", "max_tokens": 10,
+                                                     "messages": history})
+    assert second.status == 200, await second.text()
+    sent = received[-1]["messages"]
+    assert tool_use_ids(sent) == ["functions.Bash:0", "functions.Bash:0-2"]
+    assert [b["tool_use_id"] for b in sent[2]["content"]] == ["functions.Bash:0", "functions.Bash:0-2"]
+    await client.close()
+    await chain.shutdown(config)
 
 
 # --- start-up and validate ------------------------------------------------------------------
@@ -467,8 +597,10 @@ def test_validate_reports_and_repairs_duplicates():
     history = [{"role": "user", "content": "hi"}] + turn("toolu_a") + turn("toolu_a", "toolu_a")
     ex = make_exchange(history)
     assert dedup.relay_validate(exchange=ex, options={}, repair=False) == [
-        {"location": "messages.3.content.0", "message": "`tool_use` ids must be unique"},
-        {"location": "messages.3.content.1", "message": "`tool_use` ids must be unique"}]
+        {"location": "messages.3.content.0",
+         "message": "messages.3.content.0: `tool_use` ids must be unique"},
+        {"location": "messages.3.content.1",
+         "message": "messages.3.content.1: `tool_use` ids must be unique"}]
     assert not ex.changed
     assert dedup.relay_validate(exchange=ex, options={}, repair=True) == []
     assert ex.changed and ex.repairs == 2
@@ -564,13 +696,26 @@ def test_restore_mode_round_trips_to_the_ids_the_upstream_emitted(answers, strea
         dedup.relay_request(exchange=ex, options=RESTORE)
         assert ex.body["messages"] == emitted_view
         assert ex.changed == (history != emitted_view)
+        for message in ex.body["messages"]:
+            if message["role"] == "assistant":
+                sent = tool_use_ids([message])
+                assert len(sent) == len(set(sent))
         upstream_content = reply(emitted)
         content = answer(ex, copy.deepcopy(upstream_content), RESTORE, streaming)
         got = tool_use_ids([{"role": "assistant", "content": content}])
         assert len(got) == len(set(got)) and not set(got) & every_id(history)
         history += [{"role": "assistant", "content": content}, answered_by_client(content)]
-        emitted_view += [{"role": "assistant", "content": upstream_content},
-                         answered_by_client(upstream_content)]
+        # The upstream gets its own ids back, except a repeat within one answer, which keeps
+        # the client's id: one message never holds the same id twice.
+        sent_content = copy.deepcopy(upstream_content)
+        first = set()
+        for block, client_block in zip(sent_content, content):
+            if block["type"] == "tool_use":
+                if block["id"] in first:
+                    block["id"] = client_block["id"]
+                first.add(block["id"])
+        emitted_view += [{"role": "assistant", "content": sent_content},
+                         answered_by_client(sent_content)]
 
 
 def _lines_run(function, *args) -> int:

@@ -18,20 +18,20 @@ import orjson
 import pytest
 
 from plugins import dump
+from relay import cli, emulator
 from relay import config as config_module
-from relay import emulator
-from relay.chain import Chain, load_plugins
+from relay.chain import Chain, available_plugins, load_plugins
 from relay.errors import ConfigError, RelayError
 from relay.exchange import Exchange
 from relay.hookspecs import hookimpl
 from relay.server import create_app
 
+from support import backend
+
 BODY = {"model": "claude-test", "max_tokens": 10, "messages": [{"role": "user", "content": "hi"}]}
 CLIENT_KEY = "sk-ant-client-SECRET-5f1e2d3c"
 CLIENT_TOKEN = "oauth-TOKEN-SECRET-9a8b7c"
 BACKEND_KEY = "sk-backend-SECRET-0a1b2c3d"
-def backend(url: str, name: str = "emu", models=("*",), **extra) -> dict:
-    return {"name": name, "url": url, "models": list(models), **extra}
 
 
 REQUIRED_KEYS = {"relay_version", "time", "request_id", "backend", "client_request",
@@ -212,11 +212,11 @@ def test_secrets_are_redacted_everywhere():
     exchange.upstream_response = {
         "status": 400, "headers": {"Set-Cookie": "s=1", "request-id": "r"},
         "body": f'{{"echo": "{CLIENT_TOKEN}"}}'.encode()}
-    exchange.translation[f"id-{BACKEND_KEY}"] = {"original": CLIENT_KEY}
+    exchange.translation["toolu_1"] = {"original": CLIENT_KEY, "seen": f"x{BACKEND_KEY}x"}
     exchange.note("someplugin", "saw", header=f"Bearer {CLIENT_TOKEN}")
-    dumper = dump.Dumper(cfg, dump.parse_options({"dir": "unused"}))
+    plugin = started_dump(cfg, {"dir": "unused"})
     document = dump.build_document(exchange, reason="upstream_error", when=WHEN,
-                                   config=dumper.config_doc, secrets=dumper.secrets)
+                                   config=plugin.config_doc, secrets=plugin.secrets)
     text = dump.encode_document(document)
     for secret in (CLIENT_KEY, CLIENT_TOKEN, BACKEND_KEY, "session=abc"):
         assert secret.encode() not in text
@@ -225,6 +225,7 @@ def test_secrets_are_redacted_everywhere():
                        "Cookie": "[redacted]", "anthropic-version": "2023-06-01"}
     assert document["upstream_response"]["headers"]["Set-Cookie"] == "[redacted]"
     assert "my key is [redacted] and [redacted]" in document["client_request"]["body"]
+    assert document["translation"] == {"toolu_1": {"original": "[redacted]", "seen": "x[redacted]x"}}
     assert document["config"]["quirks"] == {"q": 1}
     assert document["config"]["backends"][0]["api_key_env"] == "K"
     assert document["timeline"]["messages"] == [
@@ -243,6 +244,80 @@ def test_a_body_that_is_not_utf8_is_base64_without_its_secrets():
     stored = base64.b64decode(document["client_request"]["body_base64"])
     assert stored == b"\xff\xfe not utf-8 [redacted]"
     assert document["timeline"]["messages"] == []
+
+
+def started_dump(cfg, options: dict) -> dump.Dump:
+    plugin = dump.Dump()
+    plugin.relay_startup(config=cfg, options=options)
+    return plugin
+
+
+def keys_of(value):
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield key
+            yield from keys_of(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from keys_of(item)
+
+
+@pytest.mark.parametrize("credential", [{"x-api-key": "e"}, {"Authorization": "Bearer a"},
+                                        {"Authorization": "a"}, {"Cookie": "t"}])
+def test_a_short_credential_is_redacted_by_name_only(tmp_path, capsys, credential):
+    history = {**BODY, "messages": [
+        {"role": "user", "content": "a tale of e, a and t"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_e", "name": "Bash",
+                                           "input": {"command": "date"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_e",
+                                      "content": "Tue"}]}]}
+    raw = orjson.dumps(history)
+    exchange, cfg = make_exchange(raw, {**credential, "anthropic-version": "2023-06-01"})
+    exchange.upstream_request = {"url": "http://up/v1/messages", "headers": dict(credential),
+                                 "body": raw}
+    exchange.note("someplugin", "saw", detail="e a t")
+    plugin = started_dump(cfg, {"dir": str(tmp_path)})
+    document = dump.build_document(exchange, reason="upstream_error", when=WHEN,
+                                   config=plugin.config_doc, secrets=plugin.secrets)
+    [name] = credential
+    assert document["client_request"]["headers"][name] == "[redacted]"
+    assert document["upstream_request"]["headers"][name] == "[redacted]"
+    assert document["client_request"]["body"].encode() == raw
+    assert document["upstream_request"]["body"].encode() == raw
+    assert document["timeline"]["steps"][0]["detail"] == "e a t"
+    assert REQUIRED_KEYS <= set(document)
+    assert not [key for key in keys_of(document) if "[redacted]" in str(key)]
+
+    path = tmp_path / "dump.json"
+    path.write_bytes(dump.encode_document(document))
+    assert cli.main(["replay", str(path)]) == 0, capsys.readouterr()
+
+
+def test_only_secrets_long_enough_to_be_unambiguous_are_redacted_in_text():
+    short = "k" * (dump.MIN_SECRET_LENGTH - 1)
+    long = "L" * dump.MIN_SECRET_LENGTH
+    raw = orjson.dumps({**BODY, "messages": [
+        {"role": "user", "content": f"{short} / {long}"}]})
+    exchange, _ = make_exchange(raw, {"x-api-key": short, "authorization": f"Bearer {long}"})
+    document = dump.build_document(exchange, reason="rejected", when=WHEN, config={})
+    assert orjson.loads(document["client_request"]["body"])["messages"][0]["content"] == \
+        f"{short} / [redacted]"
+    assert document["client_request"]["headers"] == {"x-api-key": "[redacted]",
+                                                     "authorization": "[redacted]"}
+
+
+def test_a_secret_is_never_redacted_inside_a_key():
+    exchange, _ = make_exchange(orjson.dumps(BODY))
+    exchange.translation[f"id-{BACKEND_KEY}"] = {"original": BACKEND_KEY}
+    document = dump.build_document(exchange, reason="rejected", when=WHEN, config={},
+                                   secrets={BACKEND_KEY})
+    assert document["translation"] == {f"id-{BACKEND_KEY}": {"original": "[redacted]"}}
+
+
+def test_the_entry_point_is_the_class_and_state_lives_on_the_instance():
+    assert available_plugins()["dump"].load() is dump.Dump
+    assert not hasattr(dump, "_DUMPERS")
+    assert not hasattr(dump, "dumper_for")
 
 
 # --- in a relay (in-process) --------------------------------------------------------------
@@ -383,6 +458,10 @@ async def test_the_relays_own_stream_error(start):
     document = orjson.loads(path.read_bytes())
     assert document["reason"] == document["outcome"] == "stream_error"
     assert document["timeline"]["steps"][-1]["action"] == "stream error"
+    # The error event the client got, as the upstream's own error event would be recorded.
+    sent = payload.split(b"event: error\n")[1].split(b"data: ", 1)[1].split(b"\n", 1)[0]
+    assert document["stream_error"] == orjson.loads(sent)
+    assert document["stream_error"]["error"]["message"].startswith("upstream stream from emu broke off")
 
 
 async def test_an_unwritable_dir_leaves_relaying_alone(start, tmp_path, caplog):
@@ -434,6 +513,16 @@ async def test_two_relays_in_one_process_keep_their_own_options(start, tmp_path)
     b = await start({"dir": str(tmp_path / "b"), "statuses": [404]}, fail_status=400)
     await a.post()
     await b.post()
+    await a.stop()
+    await b.stop()
+    assert len(dump_files(tmp_path / "a")) == 1 and dump_files(tmp_path / "b") == []
+
+
+async def test_a_rejection_without_a_backend_stays_with_its_own_relay(start, tmp_path):
+    a = await start({"dir": str(tmp_path / "a"), "include_relay_rejections": True})
+    b = await start({"dir": str(tmp_path / "b")})  # started last, dumps no rejections
+    response, _ = await a.post({**BODY, "model": "gpt-unknown"})
+    assert response.status == 404
     await a.stop()
     await b.stop()
     assert len(dump_files(tmp_path / "a")) == 1 and dump_files(tmp_path / "b") == []

@@ -207,6 +207,17 @@ def test_malformed_input_is_left_to_the_upstream():
     passes({"model": "m"})
 
 
+@pytest.mark.parametrize("tool_use_id,shown", [
+    (None, "null"), (7, "7"), (True, "true"), ({"id": "toolu_a"}, '{"id":"toolu_a"}'),
+    (["toolu_a"], '["toolu_a"]')])
+def test_a_tool_use_id_that_is_not_a_string_is_shown_as_json(tool_use_id, shown):
+    body = request(user(text("go")), assistant(use("toolu_a")),
+                   user({"type": "tool_result", "tool_use_id": tool_use_id, "content": "x"}))
+    message = rejection(body)
+    assert message.startswith(unexpected_text(2, 0, shown).split(" Each")[0])
+    assert "None" not in message and "'" not in message
+
+
 # --- modes ------------------------------------------------------------------------------------
 
 

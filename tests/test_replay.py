@@ -17,7 +17,8 @@ import yaml
 from plugins import dedup
 from relay import cli
 
-ROOT = Path(__file__).resolve().parent.parent
+from support import ROOT, backend
+
 TOOLS = [{"name": "Bash", "description": "Run a command",
           "input_schema": {"type": "object", "properties": {"command": {"type": "string"}},
                            "required": ["command"]}}]
@@ -59,10 +60,6 @@ def tool_call(tool_id: str) -> dict:
 
 def tool_result(tool_id: str) -> dict:
     return {"type": "tool_result", "tool_use_id": tool_id, "content": "ok"}
-
-
-def backend(url: str, name: str = "emu", models=("*",), **extra) -> dict:
-    return {"name": name, "url": url, "models": list(models), **extra}
 
 
 def dump_config(tmp_path: Path, url: str, pipeline=("dedup", "dump"), **backend_extra) -> dict:
@@ -160,6 +157,60 @@ def test_the_dumped_quirks_are_used_unless_a_config_is_given(emulator, relay, tm
     assert status == 1
     assert '-          "id": "functions.Bash:0",' in out
     assert '+          "id": "functions.Bash:0-2",' in out
+
+
+def test_answer_direction_entries_are_not_compared(emulator, relay, tmp_path, capsys):
+    # The upstream repeats the id the client already holds, in a stream that then breaks off:
+    # the dump records the to_client rewrite, which a rebuild from the request cannot make.
+    emu = emulator("--tool-turns", "3", "--reuse-ids", "--cut-after", "8")
+    config = dump_config(tmp_path, emu.url)
+    config["plugins"]["dump"]["include_stream_errors"] = True
+    r = relay(config)
+    history = [{"role": "user", "content": "go"},
+               {"role": "assistant", "content": [tool_call(REUSED)]},
+               {"role": "user", "content": [tool_result(REUSED)]}]
+    status, _, payload = post(r.url, {**BODY, "tools": TOOLS, "messages": history, "stream": True})
+    assert status == 200 and b"broke off" in payload and f'"{REUSED}-2"'.encode() in payload
+    path = wait_for_dump(tmp_path / "dumps")
+    recorded = orjson.loads(path.read_bytes())
+    assert recorded["outcome"] == "stream_error"
+    assert recorded["translation"] == {REUSED + "-2": {
+        "original": REUSED, "occurrence": 2, "message_index": 3, "direction": "to_client"}}
+    assert recorded["stream_error"]["error"]["message"].startswith("upstream stream from emu")
+
+    status, out = replay(capsys, path)
+    assert status == 0, out
+    assert "== identical to the dump" in out
+
+
+def test_a_handmade_dump_with_answer_entries_replays_identically(tmp_path, capsys):
+    translation = {"toolu_x-2": {"original": "toolu_x", "occurrence": 2, "message_index": None,
+                                 "direction": "to_client"}}
+    assert replay(capsys, handmade_dump(tmp_path, translation=translation))[0] == 0
+    # A request-direction entry the rebuild does not make still counts.
+    translation["toolu_y-2"] = {"original": "toolu_y", "occurrence": 2, "message_index": 1,
+                                "direction": "history"}
+    status, out = replay(capsys, handmade_dump(tmp_path, translation=translation))
+    assert status == 1 and '-  "toolu_y-2": {' in out and "toolu_x-2" not in out.split(
+        "== differences from the dump")[1]
+
+
+def test_a_config_whose_key_variable_is_unset_rebuilds_but_does_not_send(tmp_path, capsys,
+                                                                        monkeypatch):
+    monkeypatch.delenv("RELAY_TEST_UNSET_KEY", raising=False)
+    path = handmade_dump(tmp_path)
+    config = tmp_path / "relay.yaml"
+    config.write_text(yaml.safe_dump({"pipeline": ["dedup"], "backends": [
+        backend("http://127.0.0.1:9", api_key_env="RELAY_TEST_UNSET_KEY")]}))
+    status, out = replay(capsys, path, "--config", config)
+    assert status == 0, out
+    assert "== identical to the dump" in out
+
+    status = cli.main(["replay", str(path), "--config", str(config), "--send"])
+    err = capsys.readouterr().err
+    assert status == 2
+    assert "config error: backends[0].api_key_env: environment variable RELAY_TEST_UNSET_KEY " \
+           "is not set" in err
 
 
 # --- rejections and the command line -------------------------------------------------------

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 
 import orjson
 import pytest
-
-from support import backend
+import yaml
+from support import ROOT, backend
 
 PIPELINE = ["pairing", "ordering"]
 
@@ -156,3 +158,79 @@ def test_repair_mode_still_refuses_what_it_must_not_guess(emulator, relay, name)
     status, _, answer = post(r.url, "/v1/messages", orjson.dumps(body))
     assert (status, answer["error"]["message"]) == (400, message)
     assert emu.requests() == []
+
+
+# --- `relay validate` on the command line -----------------------------------------------------
+
+DUPLICATE = body_of(assistant(use("toolu_a")), user(result("toolu_a")),
+                    assistant(use("toolu_a")), user(result("toolu_a")))
+DUPLICATE_MESSAGE = "messages.3.content.0: `tool_use` ids must be unique"
+
+
+def validate(tmp_path, document, *args) -> subprocess.CompletedProcess:
+    path = tmp_path / "request.json"
+    path.write_bytes(orjson.dumps(document))
+    # From the temporary directory: the shipped relay.yaml's relative dump dir stays there.
+    return subprocess.run([sys.executable, "-m", "relay", "validate", *map(str, args), str(path)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_validate_with_the_shipped_pipeline_prints_a_duplicate_id_once(tmp_path):
+    run = validate(tmp_path, DUPLICATE, "--config", ROOT / "relay.yaml")
+    assert run.returncode == 1, run.stderr
+    assert run.stdout.splitlines() == [DUPLICATE_MESSAGE]
+    assert not (tmp_path / "dumps").exists()
+
+    run = validate(tmp_path, DUPLICATE, "--config", ROOT / "relay.yaml", "--json")
+    assert run.returncode == 1, run.stderr
+    assert json.loads(run.stdout) == {"valid": False, "problems": [
+        {"location": "messages.3.content.0", "message": DUPLICATE_MESSAGE}]}
+
+
+def test_validate_with_the_shipped_pipeline_names_every_location(tmp_path):
+    broken = body_of(assistant(use("toolu_a"), use("toolu_b")),
+                     user(text("first"), result("toolu_b")),
+                     assistant(use("toolu_a")), user(result("toolu_a"), result("toolu_a")))
+    run = validate(tmp_path, broken, "--config", ROOT / "relay.yaml", "--json")
+    assert run.returncode == 1, run.stderr
+    problems = json.loads(run.stdout)["problems"]
+    assert len(problems) == len({(p["location"], p["message"]) for p in problems}) >= 3
+    for problem in problems:
+        assert problem["message"].startswith(problem["location"] + ": "), problem
+    run = validate(tmp_path, broken, "--config", ROOT / "relay.yaml")
+    lines = run.stdout.splitlines()
+    assert lines == [p["message"] for p in problems]
+
+    run = validate(tmp_path, body_of(assistant(use("toolu_a")), user(result("toolu_a"))),
+                   "--config", ROOT / "relay.yaml")
+    assert run.returncode == 0 and run.stdout.endswith("valid (3 messages)\n"), run.stderr
+
+
+def test_validate_repair_by_default_makes_duplicate_ids_unique(tmp_path):
+    run = validate(tmp_path, DUPLICATE)
+    assert run.returncode == 1 and run.stdout.splitlines() == [DUPLICATE_MESSAGE]
+    run = validate(tmp_path, DUPLICATE, "--repair")
+    assert run.returncode == 0, run.stdout + run.stderr
+    repaired = json.loads(run.stdout)
+    assert repaired["messages"][3]["content"][0]["id"] == "toolu_a-2"
+    assert repaired["messages"][4]["content"][0]["tool_use_id"] == "toolu_a-2"
+    assert "1 repair(s) made" in run.stderr
+
+
+@pytest.mark.parametrize("config,message", [
+    ({"pipeline": ["pairing"], "plugins": {"pairing": {"pairing_mode": "bogus"}}},
+     "config error: plugins.pairing.pairing_mode: must be one of reject, repair, off"),
+    ({"pipeline": ["dedup", "dump"], "plugins": {"dump": {"statuses": [400]}}},
+     "config error: plugins.dump.dir: required"),
+    ({"pipeline": ["ordering"],
+      "backends": [{"name": "x", "url": "http://127.0.0.1:9", "quirks": {"ordering_mode": 3}}]},
+     "config error: backends[0].quirks.ordering_mode: must be one of"),
+])
+def test_validate_reports_bad_plugin_options_as_config_errors(tmp_path, config, message):
+    config.setdefault("backends", [{"name": "x", "url": "http://127.0.0.1:9"}])
+    path = tmp_path / "relay.yaml"
+    path.write_text(yaml.safe_dump(config))
+    run = validate(tmp_path, DUPLICATE, "--config", path)
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert run.stderr.startswith("relay: " + message), run.stderr
+    assert run.stdout == ""
