@@ -56,12 +56,20 @@ class Config:
     upstream_connections: int = 512
     log_level: str = "INFO"
     source: str | None = None
+    _routes: dict = field(default_factory=dict, repr=False, compare=False)
 
     def backend_for(self, model: str) -> Backend | None:
-        for backend in self.backends:
-            if backend.serves(model):
-                return backend
-        return self.default_backend(fallback=False)
+        try:
+            return self._routes[model]
+        except KeyError:
+            pass
+        found = next((b for b in self.backends if b.serves(model)), None)
+        if found is None:
+            found = self.default_backend(fallback=False)
+        if len(self._routes) >= 1024:  # model names come from clients: keep the cache bounded
+            self._routes.clear()
+        self._routes[model] = found
+        return found
 
     def default_backend(self, fallback: bool = True) -> Backend | None:
         for backend in self.backends:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from typing import Any
@@ -9,8 +10,13 @@ from typing import Any
 import orjson
 
 
+_PROCESS = os.urandom(6).hex()
+_SEQUENCE = itertools.count()
+
+
 def new_request_id() -> str:
-    return "relay_" + os.urandom(12).hex()
+    """Unique across processes (a random prefix per process) without a syscall per request."""
+    return f"relay_{_PROCESS}{next(_SEQUENCE):012x}"
 
 
 class Exchange:

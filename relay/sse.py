@@ -170,3 +170,49 @@ class SSEDecoder:
             if event.name is not None or _fields(event.raw)[1] is not None:
                 events.append(event)
         return events
+
+
+class LazyFramer:
+    """Frames only the events somebody has to look at.
+
+    A run of complete events in which none of ``needles`` occurs comes back as its bytes,
+    unframed and unparsed: most of a stream is text deltas no plugin asked for, and looking
+    for a few byte strings costs far less than framing every event. A run holding a needle
+    is framed into :class:`Event` objects. A needle may match inside data too (the word
+    "error" in a text delta): that only costs the framing it would have cost anyway.
+    ``needles=None`` frames everything; so does a stream that uses ``\\r`` line ends, where a
+    blank line is not simply ``\\n\\n``.
+    """
+
+    def __init__(self, needles: tuple[bytes, ...] | None):
+        self._needles = needles
+        self._decoder = SSEDecoder()
+        self._buf = bytearray()
+
+    def feed(self, chunk: bytes) -> tuple[bytes, list[Event]]:
+        """(bytes to forward as they are, events to look at): one of them is empty."""
+        if self._needles is None:
+            return b"", self._decoder.feed(chunk)
+        buf = self._buf
+        if b"\r" in chunk:
+            self._needles = None
+            pending = bytes(buf) + chunk
+            buf.clear()
+            return b"", self._decoder.feed(pending)
+        seen = len(buf)
+        buf += chunk
+        # Nothing before `seen` holds a blank line, or it would have been cut there already.
+        end = buf.rfind(b"\n\n", max(seen - 1, 0))
+        if end < 0:
+            return b"", []
+        complete = bytes(buf[:end + 2])
+        del buf[:end + 2]
+        for needle in self._needles:
+            if needle in complete:
+                return b"", self._decoder.feed(complete)
+        return complete, []
+
+    def close(self) -> list[Event]:
+        events = self._decoder.feed(bytes(self._buf)) if self._buf else []
+        self._buf.clear()
+        return events + self._decoder.close()

@@ -6,7 +6,7 @@ import orjson
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from relay.sse import Event, SSEDecoder
+from relay.sse import Event, LazyFramer, SSEDecoder
 from test_server import STREAM
 
 
@@ -88,3 +88,40 @@ def test_non_json_data_parses_to_none():
 def test_stream_ending_in_a_lone_cr_keeps_both_events():
     events = frame(b"event: a\rdata: 1\r\revent: b\rdata: 2\r", [])
     assert fields(events) == [("a", 1), ("b", 2)]
+
+
+def lazy_frame(stream: bytes, cuts, needles):
+    framer = LazyFramer(needles)
+    out, events, previous = [], [], 0
+    for cut in [*sorted(cuts), len(stream)]:
+        raw, found = framer.feed(stream[previous:cut])
+        previous = cut
+        out.append(raw)
+        out.extend(e.raw for e in found)
+        events += found
+    tail = framer.close()
+    out.extend(e.raw for e in tail)
+    return b"".join(out), events + tail
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(min_value=0, max_value=len(STREAM)), max_size=12),
+       st.sampled_from([(), (b"content_block_start",), (b"content_block_delta", b"ping")]),
+       st.sampled_from([b"\n", b"\r\n"]))
+def test_lazy_framing_forwards_every_byte_and_frames_every_wanted_event(cuts, wanted, newline):
+    stream = STREAM.replace(b"\n", newline)
+    needles = (*wanted, b"message_stop", b"error")
+    forwarded, events = lazy_frame(stream, cuts, needles)
+    assert forwarded == stream
+    names = [e.name for e in events]
+    for name in (*wanted, b"message_stop"):
+        assert names.count(name.decode()) == stream.count(b"event: " + name + newline)
+
+
+def test_lazy_framing_leaves_unwanted_runs_unframed():
+    cut = STREAM.index(b"event: content_block_stop")
+    forwarded, events = lazy_frame(STREAM, [cut], (b"message_stop", b"error"))
+    assert forwarded == STREAM
+    assert [e.name for e in events] == ["content_block_stop", "message_delta", "message_stop"]
+    _, everything = lazy_frame(STREAM, [cut], None)
+    assert [e.name for e in everything] == EXPECTED_NAMES

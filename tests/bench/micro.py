@@ -1,0 +1,304 @@
+"""Micro-benchmarks of the relay's pure parts, in-process, CPU time per call.
+
+    python tests/bench/micro.py [--quick]
+
+- The request chain on the ~1 MB, 500-message history, exactly as serving runs it
+  (``relay.server.prepare_exchange``: parse, route, every ``relay_request`` hook), with and
+  without a change to make, plus what follows it per request (``upstream_body``, the end hooks).
+- One SSE event through the stream path as ``relay.server`` runs it: ``SSEDecoder.feed``,
+  ``StreamPlan.calls_for``, the plugins that asked for the event, ``Event.encode``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import os
+import sys
+import tempfile
+import time
+import tracemalloc
+from importlib.metadata import entry_points
+from time import perf_counter, process_time
+
+import orjson
+from multidict import CIMultiDict, CIMultiDictProxy
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import workloads  # noqa: E402
+
+FULL_PIPELINE = ["dedup", "pairing", "ordering", "dump"]
+
+
+def available_pipeline() -> list[str]:
+    """The full pipeline, less any plugin that cannot be imported yet."""
+    found = {ep.name: ep for ep in entry_points(group="relay.plugins")}
+    pipeline = []
+    for name in FULL_PIPELINE:
+        try:
+            found[name].load()
+        except Exception:  # noqa: BLE001 - a plugin still being written
+            continue
+        pipeline.append(name)
+    return pipeline
+
+
+def relay_config(pipeline: list[str], upstream: str, dump_dir: str) -> dict:
+    """The relay.yaml the benchmark runs: the default pipeline, one backend, dumps to a temp dir."""
+    config = {"server": {"host": "127.0.0.1", "port": 0}, "pipeline": pipeline,
+              "backends": [{"name": "mock", "url": upstream, "models": ["*"], "default": True}]}
+    if "dump" in pipeline:
+        config["plugins"] = {"dump": {"dir": dump_dir}}
+    return config
+
+
+class Budget:
+    """Iterate until ``count`` calls or ``seconds`` of wall time, whichever comes first."""
+
+    def __init__(self, count: int, seconds: float):
+        self.count = count
+        self.deadline = perf_counter() + seconds
+        self.done = 0
+
+    def more(self) -> bool:
+        return self.done < self.count and (self.done == 0 or perf_counter() < self.deadline)
+
+
+class GCTime:
+    """Wall time spent in the garbage collector, and collections per generation, while
+    the block runs."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self.counts = [0, 0, 0]
+        self._start = 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = perf_counter()
+        else:
+            self.seconds += perf_counter() - self._start
+            self.counts[info["generation"]] += 1
+
+    def __enter__(self):
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._callback)
+
+
+async def live_memory(prepare, size: int) -> dict:
+    """What one request's path allocates and holds, by tracemalloc (Python allocations only).
+
+    ``parsed_body_bytes``: the parsed body as it lives during the exchange; ``live_peak_x``:
+    the peak over parse, hooks and ``upstream_body``, plus the raw body the server read,
+    over the raw body's size.
+    """
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        exchange = await prepare()
+        parsed = tracemalloc.get_traced_memory()[0] - base
+        exchange.upstream_body()
+        peak = tracemalloc.get_traced_memory()[1] - base
+        del exchange
+    finally:
+        tracemalloc.stop()
+    return {"parsed_body_bytes": parsed, "live_peak_bytes": peak + size,
+            "live_peak_x": round((peak + size) / size, 2)}
+
+
+async def request_benchmarks(state, pipeline, count: int, seconds: float) -> dict:
+    from relay.exchange import Exchange
+    from relay.server import prepare_exchange
+
+    chain = state.chain
+    headers = CIMultiDictProxy(CIMultiDict(workloads.HEADERS))
+    out = {}
+    for case, kind, expect_change in (("changed", "history_reused", True),
+                                      ("unchanged", "history_unique", False),
+                                      ("changed_ascii", "history_reused_ascii", True),
+                                      ("unchanged_ascii", "history_unique_ascii", False)):
+        raw = workloads.body(kind)
+
+        async def prepare():
+            return await prepare_exchange(state, method="POST", path="/v1/messages", query="",
+                                          headers=headers, raw_body=raw)
+
+        exchange = await prepare()
+        sent = exchange.upstream_body()
+        figures = {"bytes": len(raw), "changed": exchange.changed,
+                   "forwarded_verbatim": sent is raw, "as_expected": exchange.changed == expect_change}
+        del exchange, sent
+        figures.update(await live_memory(prepare, len(raw)))
+
+        budget = Budget(count, seconds)
+        cpu = process_time()
+        while budget.more():
+            orjson.loads(raw)
+            budget.done += 1
+        figures["parse_ms"] = (process_time() - cpu) / budget.done * 1000
+
+        budget = Budget(count, seconds)
+        cpu = process_time()
+        while budget.more():
+            await prepare()
+            budget.done += 1
+        figures["chain_ms"] = (process_time() - cpu) / budget.done * 1000
+
+        gc_spent = GCTime()
+        budget = Budget(count, seconds)
+        cpu = process_time()
+        with gc_spent:
+            while budget.more():
+                exchange = await prepare()
+                exchange.upstream_body()
+                exchange.outcome = "ok"
+                await chain.end(exchange)
+                del exchange
+                budget.done += 1
+        figures["request_path_ms"] = (process_time() - cpu) / budget.done * 1000
+        figures["iterations"] = budget.done
+        figures["gc_ms_per_request"] = gc_spent.seconds / budget.done * 1000
+        figures["gc_collections_per_request"] = [round(n / budget.done, 2) for n in gc_spent.counts]
+
+        # Where the time goes: each relay_request hook alone, in pipeline order.
+        spent = {impl.plugin: 0.0 for impl in chain.impls["relay_request"]}
+        serialise = 0.0
+        budget = Budget(count, seconds)
+        options = None
+        while budget.more():
+            body = orjson.loads(raw)  # what prepare_exchange's parse does, timed above
+            exchange = Exchange(endpoint="messages", method="POST", path="/v1/messages", query="",
+                                headers=headers, raw_body=raw, body=body,
+                                backend=state.config.backend_for(body["model"]))
+            options = chain.options_for(exchange)
+            for impl in chain.impls["relay_request"]:
+                cpu = process_time()
+                impl.call({"exchange": exchange, "options": options[impl.plugin]})
+                spent[impl.plugin] += process_time() - cpu
+            cpu = process_time()
+            exchange.upstream_body()
+            serialise += process_time() - cpu
+            budget.done += 1
+        figures["hooks_ms"] = {name: t / budget.done * 1000 for name, t in spent.items()}
+        figures["upstream_body_ms"] = serialise / budget.done * 1000
+        out[case] = figures
+    return out
+
+
+async def sse_benchmarks(state, count: int, seconds: float) -> dict:
+    from relay.server import prepare_exchange
+    from relay.sse import Event, SSEDecoder
+
+    chain = state.chain
+    headers = CIMultiDictProxy(CIMultiDict(workloads.HEADERS))
+    raw_body = workloads.body("stream_with_history_call")
+
+    async def fresh():
+        exchange = await prepare_exchange(state, method="POST", path="/v1/messages", query="",
+                                          headers=headers, raw_body=raw_body)
+        return exchange, await chain.stream_plan(exchange)
+
+    delta = workloads.text_delta("Hello, world")
+    new_ids = [workloads.event("content_block_start", {
+        "type": "content_block_start", "index": 1,
+        "content_block": {"type": "tool_use", "id": f"toolu_01BenchFresh{i:010d}", "name": "Bash",
+                          "input": {}}}) for i in range(500)]
+
+    async def per_event(raws: list[bytes], per_feed: int = 1, batch: int = 500) -> tuple[float, int]:
+        """CPU microseconds per event through the stream path; a fresh exchange per batch."""
+        budget = Budget(count, seconds)
+        cpu_total = 0.0
+        while budget.more():
+            exchange, plan = await fresh()
+            decoder = SSEDecoder()
+            chunks = [b"".join(raws[(i + k) % len(raws)] for k in range(per_feed))
+                      for i in range(0, batch, per_feed)]
+            cpu = process_time()
+            for chunk in chunks:
+                for event in decoder.feed(chunk):
+                    calls = plan.calls_for(event.name)
+                    if calls:
+                        await chain.stream_event(exchange, event, calls)
+                    event.encode()
+            cpu_total += process_time() - cpu
+            budget.done += len(chunks) * per_feed
+        return cpu_total / budget.done * 1e6, budget.done
+
+    # Check the cases do what they claim before timing them.
+    exchange, plan = await fresh()
+    checks = {}
+    for name, raw in (("delta", delta), ("text_start", workloads.TEXT_BLOCK_START),
+                      ("tool_new", new_ids[0]), ("tool_rewrite", workloads.TOOL_BLOCK_START)):
+        event = SSEDecoder().feed(raw)[0]
+        calls = plan.calls_for(event.name)
+        if calls:
+            await chain.stream_event(exchange, event, calls)
+        checks[name] = {"plugins": [c[1].plugin for c in calls or ()], "changed": event.changed}
+
+    out = {"checks": checks}
+    out["passthrough_delta_us"], out["events"] = await per_event([delta])
+    out["passthrough_delta_batched20_us"], _ = await per_event([delta], per_feed=20)
+    out["text_block_start_us"], _ = await per_event([workloads.TEXT_BLOCK_START])
+    out["tool_use_start_new_id_us"], _ = await per_event(new_ids)
+    out["tool_use_start_rewrite_us"], _ = await per_event([workloads.TOOL_BLOCK_START])
+
+    # Parts of the pass-through cost.
+    budget = Budget(count * 10, seconds)
+    decoder = SSEDecoder()
+    cpu = process_time()
+    while budget.more():
+        decoder.feed(delta)
+        budget.done += 1
+    out["decoder_feed_us"] = (process_time() - cpu) / budget.done * 1e6
+    budget = Budget(count * 10, seconds)
+    cpu = process_time()
+    while budget.more():
+        Event(delta).data
+        budget.done += 1
+    out["event_parse_json_us"] = (process_time() - cpu) / budget.done * 1e6
+    return out
+
+
+async def run_async(quick: bool) -> dict:
+    from relay import config as config_module
+    from relay.chain import Chain, load_plugins
+    from relay.server import RelayState
+
+    pipeline = available_pipeline()
+    with tempfile.TemporaryDirectory(prefix="relay-bench-micro-") as tmp:
+        config = config_module.parse(relay_config(pipeline, "http://127.0.0.1:9", tmp), {})
+        chain = Chain(load_plugins(config.pipeline), config)
+        await chain.startup(config)
+        state = RelayState(config, chain)
+        try:
+            count, seconds = (3, 0.5) if quick else (200, 1.5)
+            started = perf_counter()
+            request = await request_benchmarks(state, pipeline, count, seconds)
+            sse = await sse_benchmarks(state, *((1000, 0.3) if quick else (50000, 2.0)))
+        finally:
+            await chain.shutdown(config)
+    return {"pipeline": pipeline, "request": request, "sse": sse,
+            "seconds": perf_counter() - started}
+
+
+def run(quick: bool = False) -> dict:
+    return asyncio.run(run_async(quick))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    t = time.time()
+    result = run(args.quick)
+    print(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
+    print(f"({time.time() - t:.1f} s)", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

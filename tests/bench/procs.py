@@ -1,0 +1,185 @@
+"""Subprocesses for the benchmark, and what /proc says about them (Linux only)."""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+
+import orjson
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+LISTENING = re.compile(r"listening on (http://[\w.\[\]:]+)")
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def child_env() -> dict:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("RELAY_TRACE", None)
+    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+class Server:
+    """A subprocess that prints ``... listening on http://HOST:PORT`` once it is ready."""
+
+    def __init__(self, name: str, argv: list[str], cwd: str = ROOT, env: dict | None = None):
+        self.name = name
+        self.lines: list[str] = []
+        self.url: str | None = None
+        self._ready = threading.Event()
+        self.proc = subprocess.Popen(argv, cwd=cwd, env={**child_env(), **(env or {})},
+                                     stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.pid = self.proc.pid
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            if len(self.lines) < 2000:
+                self.lines.append(line)
+            if self.url is None:
+                match = LISTENING.search(line)
+                if match:
+                    self.url = match.group(1)
+                    self._ready.set()
+        self._ready.set()
+
+    def wait_ready(self, timeout: float = 30.0) -> str:
+        if not self._ready.wait(timeout) or self.url is None:
+            self.stop()
+            raise RuntimeError(f"{self.name} did not start:\n{self.output()}")
+        return self.url
+
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+class LoadWorker:
+    """tests/bench/load.py as a subprocess, driven one JSON line at a time."""
+
+    def __init__(self):
+        self.proc = subprocess.Popen([sys.executable, os.path.join(HERE, "load.py")], cwd=ROOT,
+                                     env=child_env(), stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=None)
+        self.pid = self.proc.pid
+        self.ready = False
+
+    def wait_ready(self) -> None:
+        line = self.proc.stdout.readline()
+        if not line or not orjson.loads(line).get("ready"):
+            raise RuntimeError("the load generator did not start")
+        self.ready = True
+
+    def call(self, **cmd) -> dict:
+        self.proc.stdin.write(orjson.dumps(cmd) + b"\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the load generator died during {cmd.get('op')}")
+        answer = orjson.loads(line)
+        if "exception" in answer:
+            raise RuntimeError(f"load generator {cmd.get('op')}: {answer['exception']}")
+        return answer
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(b'{"op": "quit"}\n')
+                self.proc.stdin.flush()
+                self.proc.wait(10)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time of every thread of ``pid`` so far: nanosecond schedstat where the kernel keeps
+    it, else utime+stime from /proc/<pid>/stat (10 ms ticks)."""
+    total = 0
+    found = False
+    for path in glob.glob(f"/proc/{pid}/task/*/schedstat"):
+        try:
+            with open(path) as f:
+                total += int(f.read().split()[0])
+                found = True
+        except (OSError, ValueError, IndexError):
+            pass
+    if found and total > 0:
+        return total / 1e9
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def status_kib(pid: int, key: str) -> int:
+    """A ``kB`` figure from /proc/<pid>/status: VmRSS, VmHWM, ..."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    raise KeyError(key)
+
+
+def reset_peak(pid: int) -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0, needs the right to write clear_refs)."""
+    try:
+        with open(f"/proc/{pid}/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def loadavg() -> list[float]:
+    with open("/proc/loadavg") as f:
+        return [float(x) for x in f.read().split()[:3]]
+
+
+def busy_processes(exclude: set[int], sample: float = 1.0, limit: int = 8) -> list[dict]:
+    """Other processes that used CPU during a short sample: what else was running."""
+    def snapshot() -> dict[int, tuple[float, str]]:
+        out = {}
+        for stat in glob.glob("/proc/[0-9]*/stat"):
+            try:
+                with open(stat) as f:
+                    text = f.read()
+                pid = int(stat.split("/")[2])
+                name = text[text.index("(") + 1:text.rindex(")")]
+                fields = text.rsplit(")", 1)[1].split()
+                out[pid] = ((int(fields[11]) + int(fields[12])) / CLOCK_TICKS, name)
+            except (OSError, ValueError):
+                pass
+        return out
+
+    before = snapshot()
+    time.sleep(sample)
+    after = snapshot()
+    used = []
+    for pid, (cpu, name) in after.items():
+        if pid in exclude or pid not in before:
+            continue
+        share = (cpu - before[pid][0]) / sample
+        if share > 0.02:
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read().replace(b"\0", b" ").decode("utf-8", "replace").strip()[:120]
+            except OSError:
+                cmd = name
+            used.append({"pid": pid, "cpu_share": round(share, 2), "cmd": cmd or name})
+    used.sort(key=lambda p: -p["cpu_share"])
+    return used[:limit]
