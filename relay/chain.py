@@ -97,12 +97,12 @@ class StreamPlan:
             return wanted
         return self.every
 
-    def needles(self) -> tuple[bytes, ...] | None:
-        """What :class:`relay.sse.LazyFramer` must frame: the events plugins asked for, and
-        the ones that end a stream (the relay watches for them). None: frame every event."""
+    def framed_names(self) -> set[str] | None:
+        """The events :class:`relay.sse.LazyFramer` must frame: those plugins asked for, and
+        those that end a stream (the relay watches for them). None: frame every event."""
         if self.every:
             return None
-        return (*(name.encode() for name in self.by_name), b"message_stop", b"error")
+        return {*self.by_name, "message_stop", "error"}
 
     def merge_every(self) -> None:
         """Fold the "*" plugins into each named list once, keeping chain order."""

@@ -268,27 +268,27 @@ class Relay:
             status=upstream.status,
             headers=client_headers(upstream.headers, exchange.response_headers))
         await response.prepare(request)
-        framer = LazyFramer(plan.needles())
+        framer = LazyFramer(plan.framed_names())
         finished = False  # message_stop or an error event: the stream ended on its own terms
         try:
             async for chunk in upstream.content.iter_any():
-                raw, events = framer.feed(chunk)
-                if raw:
-                    await response.write(raw)
+                parts, events = framer.feed(chunk)
+                if not parts:
                     continue
-                if not events:
-                    continue
-                if plan:
-                    for event in events:
-                        calls = plan.calls_for(event.name)
-                        if calls:
-                            await chain.stream_event(exchange, event, calls)
-                if not finished:
-                    finished = any(e.name == "message_stop" or e.name == "error" for e in events)
-                if len(events) == 1:
-                    await response.write(events[0].encode())
+                if events:
+                    if plan:
+                        for event in events:
+                            calls = plan.calls_for(event.name)
+                            if calls:
+                                await chain.stream_event(exchange, event, calls)
+                    if not finished:
+                        finished = any(e.name == "message_stop" or e.name == "error" for e in events)
+                if len(parts) == 1:
+                    part = parts[0]
+                    await response.write(part if part.__class__ is bytes else part.encode())
                 else:
-                    await response.write(b"".join([event.encode() for event in events]))
+                    await response.write(b"".join(
+                        [part if part.__class__ is bytes else part.encode() for part in parts]))
             tail = framer.close()
             if tail:
                 await response.write(b"".join([event.encode() for event in tail]))

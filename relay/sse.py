@@ -175,44 +175,71 @@ class SSEDecoder:
 class LazyFramer:
     """Frames only the events somebody has to look at.
 
-    A run of complete events in which none of ``needles`` occurs comes back as its bytes,
-    unframed and unparsed: most of a stream is text deltas no plugin asked for, and looking
-    for a few byte strings costs far less than framing every event. A run holding a needle
-    is framed into :class:`Event` objects. A needle may match inside data too (the word
-    "error" in a text delta): that only costs the framing it would have cost anyway.
-    ``needles=None`` frames everything; so does a stream that uses ``\\r`` line ends, where a
-    blank line is not simply ``\\n\\n``.
+    Complete events whose name is not in ``names`` are passed on as their bytes, unframed and
+    unparsed: most of a stream is deltas no plugin asked for, and one regular-expression scan
+    for a few ``event:`` lines costs far less than framing every event. ``names=None`` frames
+    everything; so does a stream that uses ``\r`` line ends, where a blank line is not simply
+    ``\n\n``.
     """
 
-    def __init__(self, needles: tuple[bytes, ...] | None):
-        self._needles = needles
+    def __init__(self, names):
+        # Not anchored at a line start (an anchor makes the scan several times slower): a
+        # data line can't end in "event: NAME", as JSON can't, and a stray match only costs
+        # framing one event.
+        self._wanted = None if names is None else re.compile(
+            rb"event: ?(?:" + b"|".join(re.escape(n.encode()) for n in names) + rb")\n")
         self._decoder = SSEDecoder()
-        self._buf = bytearray()
+        self._pending: list[bytes] = []  # chunks after the last blank line seen
 
-    def feed(self, chunk: bytes) -> tuple[bytes, list[Event]]:
-        """(bytes to forward as they are, events to look at): one of them is empty."""
-        if self._needles is None:
-            return b"", self._decoder.feed(chunk)
-        buf = self._buf
+    def feed(self, chunk: bytes) -> tuple[list, list[Event]]:
+        """The stream so far in order, as ``bytes`` to forward as they are and :class:`Event`
+        objects; and those events alone."""
+        if self._wanted is None:
+            events = self._decoder.feed(chunk)
+            return events, events
+        pending = self._pending
         if b"\r" in chunk:
-            self._needles = None
-            pending = bytes(buf) + chunk
-            buf.clear()
-            return b"", self._decoder.feed(pending)
-        seen = len(buf)
-        buf += chunk
-        # Nothing before `seen` holds a blank line, or it would have been cut there already.
-        end = buf.rfind(b"\n\n", max(seen - 1, 0))
+            self._wanted = None
+            events = self._decoder.feed(b"".join(pending) + chunk)
+            pending.clear()
+            return events, events
+        end = chunk.rfind(b"\n\n")
         if end < 0:
-            return b"", []
-        complete = bytes(buf[:end + 2])
-        del buf[:end + 2]
-        for needle in self._needles:
-            if needle in complete:
-                return b"", self._decoder.feed(complete)
-        return complete, []
+            if not (pending and chunk[:1] == b"\n" and pending[-1][-1:] == b"\n"):
+                pending.append(chunk)
+                return [], []
+            end = -1  # the blank line straddles the two chunks
+        cut = end + 2
+        if pending:
+            complete = b"".join(pending) + chunk[:cut]
+            pending.clear()
+        else:
+            complete = chunk if cut == len(chunk) else chunk[:cut]
+        if cut < len(chunk):
+            pending.append(chunk[cut:])
+        return self._split(complete)
+
+    def _split(self, complete: bytes) -> tuple[list, list[Event]]:
+        parts: list = []
+        events: list[Event] = []
+        pos = 0
+        search = self._wanted.search
+        while (found := search(complete, pos)) is not None:
+            hit = found.start()
+            start = complete.rfind(b"\n\n", pos, hit)
+            start = start + 2 if start >= 0 else pos
+            stop = complete.find(b"\n\n", hit) + 2
+            if start > pos:
+                parts.append(complete[pos:start])
+            framed = self._decoder.feed(complete[start:stop])
+            parts += framed
+            events += framed
+            pos = stop
+        if pos < len(complete):
+            parts.append(complete[pos:])
+        return parts, events
 
     def close(self) -> list[Event]:
-        events = self._decoder.feed(bytes(self._buf)) if self._buf else []
-        self._buf.clear()
+        events = self._decoder.feed(b"".join(self._pending)) if self._pending else []
+        self._pending.clear()
         return events + self._decoder.close()

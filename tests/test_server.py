@@ -569,3 +569,12 @@ async def test_a_plugin_fault_on_the_way_back_never_costs_the_answer(setup):
     upstream.reply = stream_reply([STREAM])
     resp = await client.post("/v1/messages", json={**BODY, "stream": True})
     assert await resp.read() == STREAM
+
+
+async def test_stream_without_space_after_event_colon_still_reaches_plugins(setup):
+    tight = STREAM.replace(b"event: ", b"event:")
+    upstream = Upstream()
+    upstream.reply = stream_reply([tight])
+    client, _ = await setup(pipeline=["upper"], extra={"upper": Upper}, upstream=upstream)
+    out = await (await client.post("/v1/messages", json={**BODY, "stream": True})).read()
+    assert b'"text":"HELLO"' in out and b"event: error" not in out
