@@ -16,8 +16,8 @@ Validation order, first problem wins: the body's shape (fields, block fields, id
 which role may hold which block), then content (empty messages and text blocks), then tool_use
 id uniqueness (and, with ``expect_own_ids``, provenance), then tool_use/tool_result pairing,
 then thinking signatures. Within the pairing of one assistant/user pair: an unknown or repeated
-``tool_use_id`` in the leading run of results (a repeat uses the "unexpected" wording, as the
-second result has no tool_use left to answer), then a result placed after other content, then
+``tool_use_id`` in the leading run of results (a repeat says "each tool_use must have a single
+result", as the API does), then a result placed after other content, then
 tool_use ids left without a result.
 """
 
@@ -357,6 +357,10 @@ def _results_problem(n, blocks, expected: list[str]) -> str | None:
     for k in range(lead):
         tool_use_id = blocks[k]["tool_use_id"]
         if tool_use_id not in open_ids:
+            if tool_use_id in expected:
+                # The API's text as quoted in a public fix; the second sentence is unconfirmed.
+                return (f"messages.{n}.content.{k}: each tool_use must have a single result. "
+                        f"Found multiple `tool_result` blocks with id: {tool_use_id}")
             return _unexpected_result(n, k, tool_use_id)
         open_ids.discard(tool_use_id)
     for k in range(lead, len(blocks)):
