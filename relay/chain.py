@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import sys
 from importlib.metadata import entry_points
 
 import pluggy
@@ -47,6 +48,7 @@ def load_plugins(names: list[str], extra: dict | None = None) -> pluggy.PluginMa
                 plugin = found[name].load()
             except Exception as e:
                 raise ConfigError(f"pipeline[{i}]: plugin {name!r} failed to load: {e}") from e
+            _check_builtins(found[name], i)
         else:
             known = sorted(set(found) | set(extra))
             raise ConfigError(f"pipeline[{i}]: unknown plugin {name!r} "
@@ -59,6 +61,17 @@ def load_plugins(names: list[str], extra: dict | None = None) -> pluggy.PluginMa
     except pluggy.PluginValidationError as e:
         raise ConfigError(f"plugin {e.plugin!r}: {e}") from e
     return pm
+
+
+def _check_builtins(entry_point, index: int) -> None:
+    """A built-in must come from the relay's own ``plugins`` package, not a namesake."""
+    if entry_point.module.split(".")[0] != "plugins":
+        return
+    package = sys.modules["plugins"]
+    if not getattr(package, "RELAY_BUILTINS", False):
+        raise ConfigError(f"pipeline[{index}]: plugin {entry_point.name!r}: the top-level package "
+                          f"'plugins' at {getattr(package, '__file__', '?')} is not the relay's "
+                          f"built-ins; another installed package shadows them")
 
 
 def _traced(plugin: str, hook: str, function):

@@ -181,3 +181,18 @@ def test_relay_trace_logs_every_hook_call(monkeypatch, caplog):
     with caplog.at_level("INFO", logger="relay.chain"):
         asyncio.run(chain.run("relay_request", exchange))
     assert "trace probe.relay_request -> 'seen'" in caplog.text
+
+
+def test_a_namesake_plugins_package_is_reported_not_loaded(tmp_path):
+    fake = tmp_path / "plugins"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("")
+    (fake / "dedup.py").write_text("")
+    config = tmp_path / "relay.yaml"
+    config.write_text("pipeline: [dedup]\nbackends:\n  - {name: a, url: 'http://127.0.0.1:9'}\n")
+    proc = subprocess.run([sys.executable, "-c", "import sys; from relay.cli import main; "
+                           f"sys.path.insert(0, {str(tmp_path)!r}); sys.exit(main())",
+                           "--config", str(config)],
+                          capture_output=True, text=True, timeout=30, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "is not the relay's built-ins" in proc.stderr
