@@ -27,6 +27,7 @@ Options (plugin options or backend quirks): ``dedup_tool_ids`` (default true),
 
 from __future__ import annotations
 
+from relay.config import option_sources
 from relay.errors import ConfigError
 from relay.hookspecs import hookimpl
 
@@ -330,9 +331,8 @@ def _check(options: dict, path: str) -> None:
 
 @hookimpl
 def relay_startup(config, options):
-    _check(options, f"plugins.{PLUGIN}")
-    for i, backend in enumerate(config.backends):
-        _check(backend.quirks, f"backends[{i}].quirks")
+    for where, mapping in option_sources(config, PLUGIN, options):
+        _check(mapping, where)
 
 
 @hookimpl

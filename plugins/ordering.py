@@ -21,7 +21,8 @@ from __future__ import annotations
 import logging
 from typing import NamedTuple
 
-from relay.errors import ConfigError, invalid_request
+from relay.config import check_choice
+from relay.errors import invalid_request
 from relay.hookspecs import hookimpl
 
 log = logging.getLogger("relay.plugins.ordering")
@@ -134,17 +135,9 @@ def _repair(exchange, messages: list, found: list[Problem]) -> None:
                 exchange.id, ", ".join(locations))
 
 
-def _check_mode(value, where: str) -> None:
-    if value not in MODES:
-        raise ConfigError(f"{where}: must be one of {', '.join(MODES)}, not {value!r}")
-
-
 @hookimpl
 def relay_startup(config, options):
-    _check_mode(_mode(options), "plugins.ordering.ordering_mode")
-    for i, backend in enumerate(config.backends):
-        if "ordering_mode" in backend.quirks:
-            _check_mode(backend.quirks["ordering_mode"], f"backends[{i}].quirks.ordering_mode")
+    check_choice(config, "ordering", options, "ordering_mode", MODES)
 
 
 @hookimpl

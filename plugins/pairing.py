@@ -33,7 +33,8 @@ from typing import NamedTuple
 
 import orjson
 
-from relay.errors import ConfigError, invalid_request
+from relay.config import check_choice
+from relay.errors import invalid_request
 from relay.hookspecs import hookimpl
 
 log = logging.getLogger("relay.plugins.pairing")
@@ -305,17 +306,9 @@ def _repair(exchange, messages: list, found: list[Problem]) -> None:
                 "saying none was recorded: %s", exchange.id, len(ids), ", ".join(ids))
 
 
-def _check_mode(value, where: str) -> None:
-    if value not in MODES:
-        raise ConfigError(f"{where}: must be one of {', '.join(MODES)}, not {value!r}")
-
-
 @hookimpl
 def relay_startup(config, options):
-    _check_mode(_mode(options), "plugins.pairing.pairing_mode")
-    for i, backend in enumerate(config.backends):
-        if "pairing_mode" in backend.quirks:
-            _check_mode(backend.quirks["pairing_mode"], f"backends[{i}].quirks.pairing_mode")
+    check_choice(config, "pairing", options, "pairing_mode", MODES)
 
 
 @hookimpl

@@ -94,3 +94,30 @@ class Relay(Server):
 def backend(url: str, name: str = "emu", models=("*",), **extra) -> dict:
     """A relay.yaml backend entry pointing at a test server."""
     return {"name": name, "url": url, "models": list(models), **extra}
+
+
+# --- building message histories ---------------------------------------------------------
+
+
+def request(*messages, **extra) -> dict:
+    return {"model": "claude-test", "max_tokens": 100, "messages": list(messages), **extra}
+
+
+def user(*blocks) -> dict:
+    return {"role": "user", "content": list(blocks)}
+
+
+def assistant(*blocks) -> dict:
+    return {"role": "assistant", "content": list(blocks)}
+
+
+def text(value: str = "ok") -> dict:
+    return {"type": "text", "text": value}
+
+
+def use(id, name: str = "Bash") -> dict:
+    return {"type": "tool_use", "id": id, "name": name, "input": {"command": "ls"}}
+
+
+def result(id, content="done") -> dict:
+    return {"type": "tool_result", "tool_use_id": id, "content": content}

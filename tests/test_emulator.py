@@ -19,6 +19,7 @@ import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support import assistant, request, result, text, use, user
 
 from relay.emulator import (
     EmulatorOptions,
@@ -42,30 +43,6 @@ EMULATOR = os.path.join(os.path.dirname(__file__), "..", "relay", "emulator.py")
 BASH = {"name": "Bash", "description": "Run a command",
         "input_schema": {"type": "object", "properties": {"command": {"type": "string"}},
                          "required": ["command"]}}
-
-
-def request(*messages, **extra):
-    return {"model": "claude-test", "max_tokens": 100, "messages": list(messages), **extra}
-
-
-def user(*blocks):
-    return {"role": "user", "content": list(blocks)}
-
-
-def assistant(*blocks):
-    return {"role": "assistant", "content": list(blocks)}
-
-
-def text(value="ok"):
-    return {"type": "text", "text": value}
-
-
-def use(id, name="Bash"):
-    return {"type": "tool_use", "id": id, "name": name, "input": {"command": "ls"}}
-
-
-def result(id):
-    return {"type": "tool_result", "tool_use_id": id, "content": "done"}
 
 
 def problem(body, **options):

@@ -6,35 +6,12 @@ import logging
 
 import orjson
 import pytest
+from support import assistant, request, result, text, use, user
 
 from plugins import ordering
 from relay.config import Backend, Config
 from relay.errors import ConfigError, RelayError
 from relay.exchange import Exchange
-
-
-def user(*blocks):
-    return {"role": "user", "content": list(blocks)}
-
-
-def assistant(*blocks):
-    return {"role": "assistant", "content": list(blocks)}
-
-
-def text(value="ok"):
-    return {"type": "text", "text": value}
-
-
-def use(id):
-    return {"type": "tool_use", "id": id, "name": "Bash", "input": {"command": "ls"}}
-
-
-def result(id):
-    return {"type": "tool_result", "tool_use_id": id, "content": "done"}
-
-
-def request(*messages):
-    return {"model": "claude-test", "max_tokens": 100, "messages": list(messages)}
 
 
 def exchange_for(body):

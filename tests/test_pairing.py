@@ -14,6 +14,7 @@ import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support import assistant, request, result, text, use, user
 
 from plugins import ordering, pairing
 from relay.config import Backend, Config
@@ -22,30 +23,6 @@ from relay.errors import ConfigError, RelayError
 from relay.exchange import Exchange
 
 # --- building histories -----------------------------------------------------------------------
-
-
-def user(*blocks):
-    return {"role": "user", "content": list(blocks)}
-
-
-def assistant(*blocks):
-    return {"role": "assistant", "content": list(blocks)}
-
-
-def text(value="ok"):
-    return {"type": "text", "text": value}
-
-
-def use(id, name="Bash"):
-    return {"type": "tool_use", "id": id, "name": name, "input": {"command": "ls"}}
-
-
-def result(id, content="done"):
-    return {"type": "tool_result", "tool_use_id": id, "content": content}
-
-
-def request(*messages):
-    return {"model": "claude-test", "max_tokens": 100, "messages": list(messages)}
 
 
 def exchange_for(body, quirks=None):

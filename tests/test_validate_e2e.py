@@ -14,29 +14,9 @@ import urllib.request
 import orjson
 import pytest
 import yaml
-from support import ROOT, backend
+from support import ROOT, assistant, backend, result, text, use, user
 
 PIPELINE = ["pairing", "ordering"]
-
-
-def user(*blocks):
-    return {"role": "user", "content": list(blocks)}
-
-
-def assistant(*blocks):
-    return {"role": "assistant", "content": list(blocks)}
-
-
-def text(value="ok"):
-    return {"type": "text", "text": value}
-
-
-def use(id):
-    return {"type": "tool_use", "id": id, "name": "lookup_ticket", "input": {"ticket_id": "DEMO-42"}}
-
-
-def result(id):
-    return {"type": "tool_result", "tool_use_id": id, "content": "resolved"}
 
 
 def body_of(*messages):
