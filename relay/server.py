@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import time
 
 import aiohttp
 import orjson
@@ -132,6 +133,15 @@ def client_headers(upstream_headers, extra: dict | None = None) -> CIMultiDict:
     return out
 
 
+def log_exchange(exchange: Exchange, status: int | None) -> None:
+    """One line per exchange: what an operator greps for first (the id names any dump)."""
+    if log.isEnabledFor(logging.INFO):
+        log.info("%s %s model=%s backend=%s status=%s outcome=%s repairs=%d %.1fms",
+                 exchange.id, exchange.endpoint, exchange.body.get("model"),
+                 exchange.backend.name if exchange.backend else "-", status or "-",
+                 exchange.outcome, exchange.repairs, (time.time() - exchange.started) * 1000)
+
+
 async def prepare_exchange(state: RelayState, *, method: str, path: str, query: str,
                            headers, raw_body: bytes) -> Exchange:
     """Parse, route and run the request chain: everything before the upstream is called.
@@ -188,16 +198,20 @@ class Relay:
             exchange.outcome = "rejected" if error.status < 500 else "relay_error"
             exchange.error = error
             exchange.note("relay", "rejected", status=error.status, message=error.message)
+            log_exchange(exchange, error.status)
             await state.chain.end(exchange)
             return relay_error(error, exchange.id, exchange.response_headers)
+        response = None
         try:
-            return await self._forward(request, exchange)
+            response = await self._forward(request, exchange)
+            return response
         except asyncio.CancelledError:
             exchange.outcome = "client_disconnected"
             raise
         finally:
             if exchange.outcome is None:
                 exchange.outcome = "ok"
+            log_exchange(exchange, response.status if response is not None else None)
             await state.chain.end(exchange)
 
     async def _forward(self, request: web.Request, exchange: Exchange) -> web.StreamResponse:

@@ -578,3 +578,16 @@ async def test_stream_without_space_after_event_colon_still_reaches_plugins(setu
     client, _ = await setup(pipeline=["upper"], extra={"upper": Upper}, upstream=upstream)
     out = await (await client.post("/v1/messages", json={**BODY, "stream": True})).read()
     assert b'"text":"HELLO"' in out and b"event: error" not in out
+
+
+async def test_one_log_line_per_exchange(setup, caplog):
+    client, _ = await setup(pipeline=["refuse"], extra={"refuse": Refuse})
+    with caplog.at_level("INFO", logger="relay"):
+        ok = await client.post("/v1/messages", json=BODY)
+        refused = await client.post("/v1/messages/count_tokens", json=BODY)
+    lines = [r.getMessage() for r in caplog.records if r.name == "relay"]
+    assert len(lines) == 2
+    assert lines[0].startswith(ok.headers["x-relay-request-id"] + " messages model=claude-test "
+                               "backend=up status=200 outcome=ok")
+    assert lines[1].startswith(refused.headers["x-relay-request-id"] + " count_tokens")
+    assert "status=400 outcome=rejected" in lines[1]
