@@ -229,14 +229,19 @@ class Chain:
             call = (order, event_hook, options[impl.plugin])
             if wanted == "*":
                 plan.every.append(call)
-            else:
-                for name in wanted:
+                continue
+            for name in {wanted} if isinstance(wanted, str) else wanted:
+                if isinstance(name, str):
                     plan.by_name.setdefault(name, []).append(call)
+                else:
+                    log.error("plugin %s: relay_stream_events returned %r, not an event name",
+                              impl.plugin, name)
         plan.merge_every()
         return plan
 
     async def stream_event(self, exchange, event, calls) -> None:
-        """Run the plugins that asked for this event; a failing plugin leaves it as it was."""
+        """Run the plugins that asked for this event. A plugin that raises is logged and the
+        next one runs; whatever it had changed (and marked changed) before raising stays."""
         for _, impl, options in calls:
             try:
                 result = impl.call({"exchange": exchange, "event": event, "options": options})

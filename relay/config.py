@@ -217,5 +217,8 @@ def _backend(item, path: str, env, require_keys: bool) -> Backend:
     _unknown(timeouts, {"connect", "read", "total"}, f"{path}.timeouts")
     for key in ("connect", "read", "total"):
         if key in timeouts:
-            setattr(backend.timeouts, key, _number(timeouts[key], f"{path}.timeouts.{key}"))
+            if key == "total" and timeouts[key] is None:  # null: no limit on a whole exchange
+                backend.timeouts.total = None
+            else:
+                setattr(backend.timeouts, key, _number(timeouts[key], f"{path}.timeouts.{key}"))
     return backend

@@ -60,7 +60,8 @@ def relay_request(exchange, options):
 
 @hookspec
 def relay_response(exchange, response, options):
-    """Called for a successful (2xx) non-streaming upstream answer, in reverse pipeline order.
+    """Called for a successful (2xx) non-streaming ``/v1/messages`` answer (not for
+    count_tokens, whose answer holds no content), in reverse pipeline order.
 
     ``response.data`` is the parsed body. A plugin may change it in place and must then call
     ``response.mark_changed()``; unchanged answers reach the client as the upstream's bytes.

@@ -30,6 +30,9 @@ HOP_BY_HOP = frozenset({
 })
 AUTH_HEADERS = ("x-api-key", "authorization")
 ENDPOINTS = {"/v1/messages": "messages", "/v1/messages/count_tokens": "count_tokens"}
+STREAM_ENDS = ("message_stop", "error")
+# One event larger than this means the upstream stopped framing: give up rather than buffer on.
+MAX_EVENT_BYTES = 64 * 1024 * 1024
 
 STATE = web.AppKey("relay_state", "RelayState")
 
@@ -284,34 +287,45 @@ class Relay:
         await response.prepare(request)
         framer = LazyFramer(plan.framed_names())
         finished = False  # message_stop or an error event: the stream ended on its own terms
+
+        async def relay(parts: list, events: list) -> None:
+            nonlocal finished
+            if events:
+                if plan:
+                    for event in events:
+                        calls = plan.calls_for(event.name)
+                        if calls:
+                            await chain.stream_event(exchange, event, calls)
+                finished = finished or any(e.name in STREAM_ENDS for e in events)
+            if len(parts) == 1:
+                part = parts[0]
+                await response.write(part if part.__class__ is bytes else part.encode())
+            else:
+                await response.write(b"".join(
+                    [part if part.__class__ is bytes else part.encode() for part in parts]))
+
         try:
             async for chunk in upstream.content.iter_any():
                 parts, events = framer.feed(chunk)
-                if not parts:
-                    continue
-                if events:
-                    if plan:
-                        for event in events:
-                            calls = plan.calls_for(event.name)
-                            if calls:
-                                await chain.stream_event(exchange, event, calls)
-                    if not finished:
-                        finished = any(e.name == "message_stop" or e.name == "error" for e in events)
-                if len(parts) == 1:
-                    part = parts[0]
-                    await response.write(part if part.__class__ is bytes else part.encode())
-                else:
-                    await response.write(b"".join(
-                        [part if part.__class__ is bytes else part.encode() for part in parts]))
+                if parts:
+                    await relay(parts, events)
+                if framer.buffered > MAX_EVENT_BYTES:
+                    raise aiohttp.ClientPayloadError(
+                        f"an event grew past {MAX_EVENT_BYTES} bytes without ending")
             tail = framer.close()
             if tail:
-                await response.write(b"".join([event.encode() for event in tail]))
-                finished = finished or any(e.name in ("message_stop", "error") for e in tail)
+                await relay(tail, tail)
             if not finished:
                 raise aiohttp.ClientPayloadError("the stream ended before message_stop")
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             if request.transport is None or request.transport.is_closing():
                 exchange.outcome = "client_disconnected"
+                return response
+            if finished:
+                # Everything the client needs arrived; only the connection's own ending failed.
+                log.info("%s: upstream connection ended uncleanly after the stream: %r",
+                         exchange.id, e)
+                await response.write_eof()
                 return response
             exchange.outcome = "stream_error"
             message = f"upstream stream from {exchange.backend.name} broke off: {type(e).__name__} {e}".rstrip()

@@ -159,15 +159,23 @@ class SSEDecoder:
         self._line = line - start
         return events
 
+    @property
+    def buffered(self) -> int:
+        """Bytes held back: the event (or line) still waiting for its end."""
+        return len(self._buf)
+
     def close(self) -> list[Event]:
-        """Events left when the stream ends: a final event without its blank line counts."""
+        """Events left when the stream ends. A final event without its blank line counts when
+        its data is complete JSON (an upstream that skipped the last blank line); a fragment
+        cut off mid-event is dropped, as a client would drop it: forwarding half an event
+        would hand the client broken JSON instead of the error that follows."""
         events = self._feed_general([], final=True) if self._buf.endswith(b"\r") else []
         rest = bytes(self._buf).strip(b"\r\n")
         self._buf = bytearray()
         self._scan = self._line = 0
         if rest:
             event = Event(rest + b"\n\n")
-            if event.name is not None or _fields(event.raw)[1] is not None:
+            if event.data is not None:
                 events.append(event)
         return events
 
@@ -239,7 +247,12 @@ class LazyFramer:
             parts.append(complete[pos:])
         return parts, events
 
+    @property
+    def buffered(self) -> int:
+        return sum(len(chunk) for chunk in self._pending) + self._decoder.buffered
+
     def close(self) -> list[Event]:
+        """The events left at the end of the stream (see :meth:`SSEDecoder.close`)."""
         events = self._decoder.feed(b"".join(self._pending)) if self._pending else []
         self._pending.clear()
         return events + self._decoder.close()

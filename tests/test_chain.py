@@ -10,6 +10,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import yaml
 
 import plugins
 from relay import config as config_module, hookspecs
@@ -81,6 +82,15 @@ def test_config_errors_name_the_key_path(raw, message):
     with pytest.raises(ConfigError) as e:
         config_module.parse(raw, env={})
     assert str(e.value).startswith(message)
+
+
+def test_readme_backend_example_is_valid():
+    readme = (ROOT / "README.md").read_text()
+    example = readme.split("## Configuration: relay.yaml", 1)[1].split("```yaml", 1)[1].split("```", 1)[0]
+    config = config_module.parse(yaml.safe_load(example), env={"MOONSHOT_API_KEY": "sk-test"})
+    kimi = config.backends[1]
+    assert kimi.timeouts.total is None and kimi.quirks == {"restore_original_ids": True}
+    assert kimi.upstream_model("kimi-latest") == "kimi-k2-0905-preview"
 
 
 def test_key_comes_from_the_environment_only():

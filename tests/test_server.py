@@ -591,3 +591,67 @@ async def test_one_log_line_per_exchange(setup, caplog):
                                "backend=up status=200 outcome=ok")
     assert lines[1].startswith(refused.headers["x-relay-request-id"] + " count_tokens")
     assert "status=400 outcome=rejected" in lines[1]
+
+
+async def test_connection_dropping_after_a_complete_stream_is_not_an_error(setup):
+    async def complete_then_drop(request):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(STREAM)
+        request.transport.close()  # no final chunk: the body never ends properly
+        return resp
+    upstream = Upstream()
+    upstream.reply = complete_then_drop
+    client, _ = await setup(upstream=upstream)
+    out = await (await client.post("/v1/messages", json={**BODY, "stream": True})).read()
+    assert out == STREAM
+
+
+class StopWatcher:
+    seen: list = []
+
+    @hookimpl
+    def relay_stream_events(self):
+        return "message_stop"  # a bare name is one name, not its letters
+
+    @hookimpl
+    def relay_stream_event(self, event):
+        StopWatcher.seen.append(event.name)
+
+
+async def test_a_last_event_without_its_blank_line_still_reaches_plugins(setup):
+    StopWatcher.seen = []
+    upstream = Upstream()
+    upstream.reply = stream_reply([STREAM[:-2]])
+    client, _ = await setup(pipeline=["watch"], extra={"watch": StopWatcher}, upstream=upstream)
+    out = await (await client.post("/v1/messages", json={**BODY, "stream": True})).read()
+    assert StopWatcher.seen == ["message_stop"]
+    assert out == STREAM
+
+
+async def test_an_event_cut_in_half_is_not_forwarded_half(setup):
+    cut = STREAM.index(b'"stop_reason":"end_turn"')
+    upstream = Upstream()
+    upstream.reply = stream_reply([STREAM[:cut]])  # ends cleanly, mid-event
+    client, _ = await setup(upstream=upstream)
+    out = await (await client.post("/v1/messages", json={**BODY, "stream": True})).read()
+    complete = STREAM[:STREAM.index(b"event: message_delta")]
+    assert out.startswith(complete)
+    assert out[len(complete):].startswith(b"event: error\ndata: ")
+
+
+class OddNames:
+    @hookimpl
+    def relay_stream_events(self):
+        return {None, b"ping"}
+
+    @hookimpl
+    def relay_stream_event(self, event):
+        raise AssertionError("asked for nothing usable")
+
+
+async def test_unusable_event_names_are_ignored_not_fatal(setup):
+    upstream = Upstream()
+    upstream.reply = stream_reply([STREAM])
+    client, _ = await setup(pipeline=["odd"], extra={"odd": OddNames}, upstream=upstream)
+    assert await (await client.post("/v1/messages", json={**BODY, "stream": True})).read() == STREAM

@@ -5,8 +5,10 @@
 - The request chain on the ~1 MB, 500-message history, exactly as serving runs it
   (``relay.server.prepare_exchange``: parse, route, every ``relay_request`` hook), with and
   without a change to make, plus what follows it per request (``upstream_body``, the end hooks).
-- One SSE event through the stream path as ``relay.server`` runs it: ``SSEDecoder.feed``,
-  ``StreamPlan.calls_for``, the plugins that asked for the event, ``Event.encode``.
+- One SSE event through the stream path as ``relay.server`` runs it: ``LazyFramer.feed``
+  (which frames only the events some plugin asked for), ``StreamPlan.calls_for``, the plugins
+  that asked for the event, ``Event.encode``; and ``SSEDecoder.feed`` alone, the full framing
+  a stream takes when a plugin asks for every event or uses ``\r`` line ends.
 """
 
 from __future__ import annotations
@@ -192,7 +194,7 @@ async def request_benchmarks(state, pipeline, count: int, seconds: float) -> dic
 
 async def sse_benchmarks(state, count: int, seconds: float) -> dict:
     from relay.server import prepare_exchange
-    from relay.sse import Event, SSEDecoder
+    from relay.sse import Event, LazyFramer, SSEDecoder
 
     chain = state.chain
     headers = CIMultiDictProxy(CIMultiDict(workloads.HEADERS))
@@ -215,16 +217,17 @@ async def sse_benchmarks(state, count: int, seconds: float) -> dict:
         cpu_total = 0.0
         while budget.more():
             exchange, plan = await fresh()
-            decoder = SSEDecoder()
+            framer = LazyFramer(plan.framed_names())
             chunks = [b"".join(raws[(i + k) % len(raws)] for k in range(per_feed))
                       for i in range(0, batch, per_feed)]
             cpu = process_time()
             for chunk in chunks:
-                for event in decoder.feed(chunk):
+                parts, events = framer.feed(chunk)
+                for event in events:
                     calls = plan.calls_for(event.name)
                     if calls:
                         await chain.stream_event(exchange, event, calls)
-                    event.encode()
+                b"".join([p if p.__class__ is bytes else p.encode() for p in parts])
             cpu_total += process_time() - cpu
             budget.done += len(chunks) * per_feed
         return cpu_total / budget.done * 1e6, budget.done

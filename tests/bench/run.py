@@ -525,7 +525,7 @@ def report(result: dict) -> str:
                      f"Python allocations peak {f['live_peak_x']}x the body")
     s = m["sse"]
     lines.append(f"micro SSE event (us): pass-through delta {s['passthrough_delta_us']:.2f} "
-                 f"(20 per chunk {s['passthrough_delta_batched20_us']:.2f}; feed alone {s['decoder_feed_us']:.2f}; "
+                 f"(20 per chunk {s['passthrough_delta_batched20_us']:.2f}; full framing {s['decoder_feed_us']:.2f}; "
                  f"JSON parse would add {s['event_parse_json_us']:.2f}), text block start {s['text_block_start_us']:.2f}, "
                  f"tool_use start {s['tool_use_start_new_id_us']:.2f}, tool_use rewrite {s['tool_use_start_rewrite_us']:.2f}")
     lines.append("")
