@@ -82,6 +82,8 @@ def run_serve(args) -> int:
         return fail(f"config error: {e}")
     logging.basicConfig(level=config.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not config.access_log:
+        logging.getLogger("relay.access").setLevel(logging.WARNING)
     from .server import serve
     host = args.host or config.host
     port = config.port if args.port is None else args.port

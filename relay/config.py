@@ -55,6 +55,7 @@ class Config:
     max_body_bytes: int = MAX_BODY_BYTES
     upstream_connections: int = 512
     log_level: str = "INFO"
+    access_log: bool = False
     source: str | None = None
     _routes: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -137,7 +138,8 @@ def parse(raw, env=os.environ, require_keys: bool = True) -> Config:
     config = Config(backends=[])
 
     server = _expect(raw.get("server", {}) or {}, dict, "server", "a mapping")
-    _unknown(server, {"host", "port", "max_body_bytes", "upstream_connections", "log_level"}, "server")
+    _unknown(server, {"host", "port", "max_body_bytes", "upstream_connections", "log_level",
+                      "access_log"}, "server")
     config.host = _expect(server.get("host", config.host), str, "server.host", "a string")
     port = _expect(server.get("port", config.port), int, "server.port", "an integer")
     if not 0 <= port <= 65535:
@@ -151,6 +153,8 @@ def parse(raw, env=os.environ, require_keys: bool = True) -> Config:
     if level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
         raise ConfigError("server.log_level: must be DEBUG, INFO, WARNING or ERROR")
     config.log_level = level.upper()
+    config.access_log = _expect(server.get("access_log", False), bool, "server.access_log",
+                                "true or false")
 
     pipeline = _expect(raw.get("pipeline", []) or [], list, "pipeline", "a list of plugin names")
     for i, name in enumerate(pipeline):

@@ -206,3 +206,19 @@ def test_a_namesake_plugins_package_is_reported_not_loaded(tmp_path):
                           capture_output=True, text=True, timeout=30, cwd=tmp_path)
     assert proc.returncode == 2
     assert "is not the relay's built-ins" in proc.stderr
+
+
+@pytest.mark.parametrize("access_log", [False, True])
+def test_access_log_is_one_line_per_exchange_when_asked_for(tmp_path, emulator, access_log):
+    emu = emulator()
+    relay = Relay({"server": {"access_log": access_log}, "backends": [backend(emu.url)]},
+                  tmp_path)
+    try:
+        request = urllib.request.Request(
+            relay.url + "/v1/messages", method="POST", headers={"content-type": "application/json"},
+            data=b'{"model":"m","max_tokens":5,"messages":[{"role":"user","content":"hi"}]}')
+        with urllib.request.urlopen(request, timeout=10) as response:
+            request_id = response.headers["x-relay-request-id"]
+        assert relay.wait_for_output(f"{request_id} messages", timeout=2) is access_log
+    finally:
+        relay.stop()

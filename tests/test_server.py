@@ -582,10 +582,10 @@ async def test_stream_without_space_after_event_colon_still_reaches_plugins(setu
 
 async def test_one_log_line_per_exchange(setup, caplog):
     client, _ = await setup(pipeline=["refuse"], extra={"refuse": Refuse})
-    with caplog.at_level("INFO", logger="relay"):
+    with caplog.at_level("INFO", logger="relay.access"):
         ok = await client.post("/v1/messages", json=BODY)
         refused = await client.post("/v1/messages/count_tokens", json=BODY)
-    lines = [r.getMessage() for r in caplog.records if r.name == "relay"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "relay.access"]
     assert len(lines) == 2
     assert lines[0].startswith(ok.headers["x-relay-request-id"] + " messages model=claude-test "
                                "backend=up status=200 outcome=ok")
