@@ -51,6 +51,7 @@ import orjson
 
 from relay import __version__
 from relay.errors import ConfigError
+from relay.exchange import CREDENTIAL_HEADERS
 from relay.hookspecs import hookimpl
 
 log = logging.getLogger("relay.plugins.dump")
@@ -58,8 +59,6 @@ log = logging.getLogger("relay.plugins.dump")
 PLUGIN = "dump"
 FORMAT = 1
 REDACTED = "[redacted]"
-SECRET_HEADERS = frozenset({"x-api-key", "authorization", "proxy-authorization", "cookie",
-                            "set-cookie"})
 OPTIONS = ("dir", "statuses", "include_relay_rejections", "include_stream_errors",
            "max_files", "max_bytes")
 DEFAULT_STATUSES = frozenset(range(400, 500))
@@ -175,7 +174,7 @@ def headers_document(headers) -> dict | None:
     names: dict[str, str] = {}
     for name, value in headers.items():
         lower = name.lower()
-        if lower in SECRET_HEADERS:
+        if lower in CREDENTIAL_HEADERS:
             value = REDACTED
         key = names.setdefault(lower, name)
         if key in doc:
@@ -191,7 +190,7 @@ def header_secrets(headers) -> set[str]:
     rest of the document when long enough)."""
     found = set()
     for name, value in (headers or {}).items():
-        if name.lower() in SECRET_HEADERS and value:
+        if name.lower() in CREDENTIAL_HEADERS and value:
             found.add(value)
             _, _, token = value.partition(" ")
             if token.strip():

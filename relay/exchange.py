@@ -10,6 +10,10 @@ from typing import Any
 import orjson
 
 
+# Headers that carry credentials: never written to disk, never replayed as recorded.
+CREDENTIAL_HEADERS = frozenset({"x-api-key", "authorization", "proxy-authorization", "cookie",
+                                "set-cookie"})
+
 _PROCESS = os.urandom(6).hex()
 _SEQUENCE = itertools.count()
 

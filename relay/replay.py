@@ -32,12 +32,12 @@ from multidict import CIMultiDict
 from . import config as config_module
 from .chain import Chain, load_plugins
 from .errors import ConfigError, RelayError
+from .exchange import CREDENTIAL_HEADERS
 from .server import ENDPOINTS, RelayState, forward_headers, prepare_exchange
 
 log = logging.getLogger("relay.replay")
 
 API_KEY_VARIABLE = "RELAY_REPLAY_API_KEY"
-CREDENTIAL_HEADERS = ("x-api-key", "authorization", "proxy-authorization", "cookie")
 
 
 class UnusableDump(Exception):

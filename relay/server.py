@@ -110,12 +110,18 @@ def _hop_by_hop(headers) -> frozenset:
     return HOP_BY_HOP | {token.strip().lower() for token in named.split(",")}
 
 
-def forward_headers(headers, backend) -> CIMultiDict:
+def end_to_end(headers) -> CIMultiDict:
+    """The headers a proxy passes on: all but the hop-by-hop ones."""
     out = CIMultiDict()
     drop = _hop_by_hop(headers)
     for name, value in headers.items():
         if name.lower() not in drop:
             out.add(name, value)
+    return out
+
+
+def forward_headers(headers, backend) -> CIMultiDict:
+    out = end_to_end(headers)
     if backend.api_key:
         for name in AUTH_HEADERS:
             out.popall(name, None)
@@ -127,11 +133,7 @@ def forward_headers(headers, backend) -> CIMultiDict:
 
 
 def client_headers(upstream_headers, extra: dict | None = None) -> CIMultiDict:
-    out = CIMultiDict()
-    drop = _hop_by_hop(upstream_headers)
-    for name, value in upstream_headers.items():
-        if name.lower() not in drop:
-            out.add(name, value)
+    out = end_to_end(upstream_headers)
     if extra:
         out.update(extra)
     return out
