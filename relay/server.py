@@ -77,6 +77,10 @@ def upstream_failure(backend, e: BaseException) -> RelayError:
                       "timeout_error" if timeout else "api_error")
 
 
+def upstream_url(backend, path: str, query: str) -> str:
+    return backend.url + path + ("?" + query if query else "")
+
+
 def too_large(limit: int) -> RelayError:
     return RelayError(413, f"request body exceeds the relay's limit of {limit} bytes",
                       "request_too_large")
@@ -145,9 +149,10 @@ def log_exchange(exchange: Exchange, status: int | None) -> None:
     a small request."""
     if access_log.isEnabledFor(logging.INFO):
         access_log.info("%s %s model=%s backend=%s status=%s outcome=%s repairs=%d %.1fms",
-                 exchange.id, exchange.endpoint, exchange.body.get("model"),
-                 exchange.backend.name if exchange.backend else "-", status or "-",
-                 exchange.outcome, exchange.repairs, (time.time() - exchange.started) * 1000)
+                        exchange.id, exchange.endpoint, exchange.body.get("model"),
+                        exchange.backend.name if exchange.backend else "-", status or "-",
+                        exchange.outcome, exchange.repairs,
+                        (time.time() - exchange.started) * 1000)
 
 
 async def prepare_exchange(state: RelayState, *, method: str, path: str, query: str,
@@ -225,7 +230,7 @@ class Relay:
     async def _forward(self, request: web.Request, exchange: Exchange) -> web.StreamResponse:
         state = self.state
         backend = exchange.backend
-        url = backend.url + exchange.path + ("?" + exchange.query if exchange.query else "")
+        url = upstream_url(backend, exchange.path, exchange.query)
         headers = forward_headers(request.headers, backend)
         body = exchange.upstream_body()
         exchange.upstream_request = {"url": url, "headers": headers, "body": body}
@@ -333,7 +338,8 @@ class Relay:
                 await response.write_eof()
                 return response
             exchange.outcome = "stream_error"
-            message = f"upstream stream from {exchange.backend.name} broke off: {type(e).__name__} {e}".rstrip()
+            message = (f"upstream stream from {exchange.backend.name} broke off: "
+                       f"{type(e).__name__} {e}").rstrip()
             log.warning("%s: %s", exchange.id, message)
             error = Event.build("error", {"type": "error",
                                           "error": {"type": "api_error", "message": message}})
@@ -346,9 +352,11 @@ class Relay:
     async def passthrough(self, request: web.Request) -> web.StreamResponse:
         """Any other /v1/ path goes to the default backend untouched, chain or no chain."""
         backend = self.state.config.default_backend()
-        url = backend.url + request.path + ("?" + request.query_string if request.query_string else "")
+        url = upstream_url(backend, request.path, request.query_string)
         try:
-            raw = await read_body(request, self.state.config.max_body_bytes) if request.can_read_body else None
+            raw = None
+            if request.can_read_body:
+                raw = await read_body(request, self.state.config.max_body_bytes)
             upstream = await self.state.session.request(
                 request.method, url, data=raw, headers=forward_headers(request.headers, backend),
                 timeout=self.state.timeouts[backend.name], allow_redirects=False)
