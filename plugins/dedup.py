@@ -2,7 +2,7 @@
 
 Some upstreams draw their tool_use ids from a small space and, deep in a long conversation,
 reuse one. Older clients send the duplicate back and the upstream answers 400; Claude Code
-2.1.x drops the repeated call and asks again forever. So:
+2.1.x silently drops the repeated call (its work is lost; a model that asks again loops). So:
 
 - Upstream -> client: an id the client already holds (anywhere in the history it sent, or
   earlier in the same answer) reaches it as ``<original><sep>N`` — ``toolu_abc``,
