@@ -445,10 +445,8 @@ def relay_validate(exchange, options, repair):
     if repair:
         walk = make_unique(messages, sep)
         if walk.changed:
-            exchange.mark_changed()
-            exchange.repairs += len(walk.tool_uses)
-            exchange.note(PLUGIN, "rewrote", direction="to_upstream",
-                          tool_use_ids=len(walk.tool_uses), tool_result_ids=walk.tool_results)
+            exchange.repaired(PLUGIN, len(walk.tool_uses), direction="to_upstream",
+                              tool_use_ids=len(walk.tool_uses), tool_result_ids=walk.tool_results)
         return []
     return [{"location": location, "message": f"{location}: `tool_use` ids must be unique"}
             for location in duplicate_locations(messages)]

@@ -126,11 +126,8 @@ def _mode(options) -> str:
 
 def _repair(exchange, messages: list, found: list[Problem]) -> None:
     move_results_first(messages, found)
-    exchange.repairs += len(found)
-    exchange.response_headers["x-relay-repairs"] = str(exchange.repairs)
-    exchange.mark_changed()
     locations = [problem.location for problem in found]
-    exchange.note("ordering", "repaired", moved_results_first=locations)
+    exchange.repaired("ordering", len(found), moved_results_first=locations)
     log.warning("%s: tool_result blocks did not open their message; moved them first in %s",
                 exchange.id, ", ".join(locations))
 

@@ -297,11 +297,8 @@ def _mode(options) -> str:
 
 def _repair(exchange, messages: list, found: list[Problem]) -> None:
     ids = add_missing_results(messages, found)
-    exchange.repairs += len(ids)
-    exchange.response_headers["x-relay-repairs"] = str(exchange.repairs)
-    exchange.mark_changed()
-    exchange.note("pairing", "repaired", added_error_results=len(ids), tool_use_ids=ids,
-                  locations=[p.location for p in found if p.repairable])
+    exchange.repaired("pairing", len(ids), added_error_results=len(ids), tool_use_ids=ids,
+                      locations=[p.location for p in found if p.repairable])
     log.warning("%s: %d tool call(s) had no tool_result; answered them with is_error results "
                 "saying none was recorded: %s", exchange.id, len(ids), ", ".join(ids))
 

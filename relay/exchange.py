@@ -74,6 +74,15 @@ class Exchange:
             return self.raw_body
         return orjson.dumps(self.body)
 
+    def repaired(self, step: str, count: int, **detail) -> None:
+        """Record ``count`` repairs ``step`` made to ``body`` (changed in place): the body is
+        re-serialised, the client's answer carries ``x-relay-repairs`` with the running total,
+        and the timeline says what was done."""
+        self.repairs += count
+        self.response_headers["x-relay-repairs"] = str(self.repairs)
+        self._changed = True
+        self.note(step, "repaired", count=count, **detail)
+
     def note(self, step: str, action: str, **detail) -> None:
         """Record on the timeline what ``step`` (a plugin name, or "relay") did."""
         entry = {"t": time.time(), "step": step, "action": action}
