@@ -36,14 +36,16 @@ class Exchange:
                  headers, raw_body: bytes, body: dict | None, backend=None):
         self.id = new_request_id()
         self.started = time.time()
-        self.endpoint = endpoint  # "messages", "count_tokens" or "passthrough"
+        self.endpoint = endpoint  # "messages" or "count_tokens"
         self.method = method
         self.path = path
         self.query = query
         self.client_headers = headers
         self.raw_body = raw_body
-        self.body = body
+        self._body = body
+        self._sent: bytes | None = None  # the bytes sent up, once the body is released
         self.backend = backend
+        self.model = body.get("model") if body else None  # as the client asked for it
         self.stream = bool(body.get("stream")) if body else False
         self.translation: dict[str, dict] = {}
         self.timeline: list[dict] = []
@@ -55,6 +57,24 @@ class Exchange:
         self.outcome: str | None = None
         self.error = None
         self._changed = False
+
+    @property
+    def body(self):
+        """The parsed request. Once it has gone upstream the relay lets the parsed form go
+        (a large history is several times its size in objects); asking for it after that
+        parses the bytes that were sent, so the answer is a new, equal object."""
+        if self._body is None and self._sent is not None:
+            self._body = orjson.loads(self._sent)
+        return self._body
+
+    @body.setter
+    def body(self, value) -> None:
+        self._body = value
+
+    def release_body(self, sent: bytes) -> None:
+        """Drop the parsed request; ``sent`` is what went upstream (see :attr:`body`)."""
+        self._sent = sent
+        self._body = None
 
     @property
     def quirks(self) -> dict:
@@ -70,9 +90,11 @@ class Exchange:
 
     def upstream_body(self) -> bytes:
         """The bytes to send up: the client's own unless a plugin changed the body."""
+        if self._sent is not None:
+            return self._sent
         if not self._changed:
             return self.raw_body
-        return orjson.dumps(self.body)
+        return orjson.dumps(self._body)
 
     def repaired(self, step: str, count: int, **detail) -> None:
         """Record ``count`` repairs ``step`` made to ``body`` (changed in place): the body is

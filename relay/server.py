@@ -149,7 +149,7 @@ def log_exchange(exchange: Exchange, status: int | None) -> None:
     a small request."""
     if access_log.isEnabledFor(logging.INFO):
         access_log.info("%s %s model=%s backend=%s status=%s outcome=%s repairs=%d %.1fms",
-                        exchange.id, exchange.endpoint, exchange.body.get("model"),
+                        exchange.id, exchange.endpoint, exchange.model,
                         exchange.backend.name if exchange.backend else "-", status or "-",
                         exchange.outcome, exchange.repairs,
                         (time.time() - exchange.started) * 1000)
@@ -234,6 +234,7 @@ class Relay:
         headers = forward_headers(request.headers, backend)
         body = exchange.upstream_body()
         exchange.upstream_request = {"url": url, "headers": headers, "body": body}
+        exchange.release_body(body)
         try:
             # A redirect would turn the POST into a GET and carry the key to another host.
             upstream = await state.session.request(

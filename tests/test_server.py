@@ -655,3 +655,27 @@ async def test_unusable_event_names_are_ignored_not_fatal(setup):
     upstream.reply = stream_reply([STREAM])
     client, _ = await setup(pipeline=["odd"], extra={"odd": OddNames}, upstream=upstream)
     assert await (await client.post("/v1/messages", json={**BODY, "stream": True})).read() == STREAM
+
+
+class Renamer:
+    """Changes the request, then looks at it again once the answer is in."""
+    seen: list = []
+
+    @hookimpl
+    def relay_request(self, exchange):
+        exchange.body["messages"][0]["content"] = "changed by a plugin"
+        exchange.mark_changed()
+
+    @hookimpl
+    def relay_exchange_end(self, exchange):
+        Renamer.seen.append((exchange._body, exchange.body))
+
+
+async def test_the_parsed_request_is_let_go_once_sent_and_reread_on_demand(setup):
+    Renamer.seen = []
+    client, upstream = await setup(pipeline=["renamer"], extra={"renamer": Renamer})
+    assert (await client.post("/v1/messages", json=BODY)).status == 200
+    released, reread = Renamer.seen[0]
+    assert released is None  # nothing held the parsed history while the upstream worked
+    assert reread == orjson.loads(upstream.received[0]["raw"])
+    assert reread["messages"][0]["content"] == "changed by a plugin"
