@@ -12,9 +12,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import sys
 
 import aiohttp
 from aiohttp import web
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import procs  # noqa: E402
 
 HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
@@ -55,15 +60,7 @@ def make_app(upstream: str) -> web.Application:
 async def serve(upstream: str, host: str, port: int) -> None:
     runner = web.AppRunner(make_app(upstream.rstrip("/")), handler_cancellation=True,
                            access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port, backlog=1024)
-    await site.start()
-    bound = site._server.sockets[0].getsockname()
-    print(f"bare listening on http://{bound[0]}:{bound[1]}", flush=True)
-    try:
-        await asyncio.Event().wait()
-    finally:
-        await runner.cleanup()
+    await procs.serve_app(runner, "bare", host, port)
 
 
 def main() -> None:

@@ -26,6 +26,7 @@ import sys
 from aiohttp import web
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import procs  # noqa: E402
 import workloads  # noqa: E402
 
 JSON_HEADERS = {"content-type": "application/json", "request-id": "req_bench_mock"}
@@ -98,16 +99,7 @@ def make_app() -> web.Application:
 
 
 async def serve(host: str, port: int) -> None:
-    runner = web.AppRunner(make_app(), access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port, backlog=1024)
-    await site.start()
-    bound = site._server.sockets[0].getsockname()
-    print(f"mock listening on http://{bound[0]}:{bound[1]}", flush=True)
-    try:
-        await asyncio.Event().wait()
-    finally:
-        await runner.cleanup()
+    await procs.serve_app(web.AppRunner(make_app(), access_log=None), "mock", host, port)
 
 
 def main() -> None:

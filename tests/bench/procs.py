@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import glob
 import os
 import re
@@ -183,3 +184,18 @@ def busy_processes(exclude: set[int], sample: float = 1.0, limit: int = 8) -> li
             used.append({"pid": pid, "cpu_share": round(share, 2), "cmd": cmd or name})
     used.sort(key=lambda p: -p["cpu_share"])
     return used[:limit]
+
+
+async def serve_app(runner, label: str, host: str, port: int) -> None:
+    """Run an aiohttp AppRunner on host:port until cancelled, announcing the bound address
+    the way the relay does, so :class:`Server` can wait for it."""
+    from aiohttp import web
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, backlog=1024)
+    await site.start()
+    bound = site._server.sockets[0].getsockname()
+    print(f"{label} listening on http://{bound[0]}:{bound[1]}", flush=True)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
