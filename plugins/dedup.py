@@ -338,9 +338,8 @@ def relay_startup(config, options):
 @hookimpl
 def relay_request(exchange, options):
     enabled, sep, restore = _settings(options)
-    body = exchange.body
-    messages = body.get("messages") if enabled and type(body) is dict else None
-    if type(messages) is not list:
+    messages = exchange.messages if enabled else None
+    if messages is None:
         return
     # A count_tokens answer holds no content, so nothing is kept for it.
     answer = exchange.endpoint == "messages"
@@ -438,9 +437,8 @@ def relay_stream_event(exchange, event, options):
 @hookimpl
 def relay_validate(exchange, options, repair):
     enabled, sep, restore = _settings(options)
-    body = exchange.body
-    messages = body.get("messages") if enabled and not restore and type(body) is dict else None
-    if type(messages) is not list:
+    messages = exchange.messages if enabled and not restore else None
+    if messages is None:
         return None
     if repair:
         walk = make_unique(messages, sep)

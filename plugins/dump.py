@@ -212,9 +212,8 @@ def body_fields(raw, secrets: list[str]) -> dict:
         return {"body_base64": base64.b64encode(raw).decode("ascii")}
 
 
-def message_outline(body) -> list[dict]:
+def message_outline(messages) -> list[dict]:
     """Per message: its index, role, and block types with their tool ids."""
-    messages = body.get("messages") if isinstance(body, dict) else None
     if not isinstance(messages, list):
         return []
     outline = []
@@ -302,7 +301,7 @@ def build_document(exchange, *, reason: str, when: dt.datetime, config: dict,
             "message": getattr(error, "message", str(error))},
         "stream_error": stream_error,
         "translation": exchange.translation,
-        "timeline": {"messages": message_outline(exchange.body), "steps": exchange.timeline},
+        "timeline": {"messages": message_outline(exchange.messages), "steps": exchange.timeline},
         "config": {**config, "quirks": backend.quirks if backend else {}},
     }
     return redact(document, secrets)

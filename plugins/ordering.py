@@ -142,7 +142,7 @@ def relay_request(exchange, options):
     mode = _mode(options)
     if mode == "off":
         return
-    messages = exchange.body.get("messages")
+    messages = exchange.messages
     found = problems(messages)
     if not found:
         return
@@ -154,9 +154,9 @@ def relay_request(exchange, options):
 
 @hookimpl
 def relay_validate(exchange, options, repair):
-    if _mode(options) == "off" or not exchange.body:
+    messages = exchange.messages
+    if _mode(options) == "off" or messages is None:
         return None
-    messages = exchange.body.get("messages")
     found = problems(messages)
     if repair and found:
         _repair(exchange, messages, found)

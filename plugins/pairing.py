@@ -313,7 +313,7 @@ def relay_request(exchange, options):
     mode = _mode(options)
     if mode == "off":
         return
-    messages = exchange.body.get("messages")
+    messages = exchange.messages
     found = problems(messages, unique_ids=not options.get("restore_original_ids"))
     if not found:
         return
@@ -328,9 +328,9 @@ def relay_request(exchange, options):
 
 @hookimpl
 def relay_validate(exchange, options, repair):
-    if _mode(options) == "off" or not exchange.body:
+    messages = exchange.messages
+    if _mode(options) == "off" or messages is None:
         return None
-    messages = exchange.body.get("messages")
     unique_ids = not options.get("restore_original_ids")
     found = problems(messages, unique_ids)
     if repair and any(problem.repairable for problem in found):

@@ -9,6 +9,9 @@ from typing import Any
 
 import orjson
 
+from . import skeleton
+from .skeleton import Skeleton
+
 
 # Headers that carry credentials: never written to disk, never replayed as recorded.
 CREDENTIAL_HEADERS = frozenset({"x-api-key", "authorization", "proxy-authorization", "cookie",
@@ -26,14 +29,15 @@ def new_request_id() -> str:
 class Exchange:
     """One client request and everything the relay did with it.
 
-    Plugins read and change the request through ``body``; they share the id
+    Plugins read and change the request through ``messages`` (or ``body``); they share the id
     ``translation`` table and append to ``timeline`` through :meth:`note`. ``state`` holds
     per-plugin scratch data, keyed by plugin name, and dies with the exchange: the relay
     keeps nothing between requests.
     """
 
     def __init__(self, *, endpoint: str, method: str, path: str, query: str,
-                 headers, raw_body: bytes, body: dict | None, backend=None):
+                 headers, raw_body: bytes, body: dict | None = None,
+                 skeleton: Skeleton | None = None, backend=None):
         self.id = new_request_id()
         self.started = time.time()
         self.endpoint = endpoint  # "messages" or "count_tokens"
@@ -42,11 +46,17 @@ class Exchange:
         self.query = query
         self.client_headers = headers
         self.raw_body = raw_body
+        # The request lives in one form at a time: a skeleton (what serving decodes), or the
+        # full parse once something asked for ``body``; ``_sent`` once it has gone upstream.
         self._body = body
-        self._sent: bytes | None = None  # the bytes sent up, once the body is released
+        self._skeleton = skeleton
+        self._sent: bytes | None = None
         self.backend = backend
-        self.model = body.get("model") if body else None  # as the client asked for it
-        self.stream = bool(body.get("stream")) if body else False
+        if skeleton is not None:  # as the client asked for it
+            self.model, self.stream = skeleton.model, skeleton.stream
+        else:
+            self.model = body.get("model") if body else None
+            self.stream = bool(body.get("stream")) if body else False
         self.translation: dict[str, dict] = {}
         self.timeline: list[dict] = []
         self.state: dict[str, Any] = {}
@@ -59,22 +69,51 @@ class Exchange:
         self._changed = False
 
     @property
+    def messages(self) -> list | None:
+        """The request's ``messages``, cheap to read and to change in place (then call
+        :meth:`mark_changed`). In each content block, ``type``, ``id`` and ``tool_use_id`` are
+        Python values; treat every other value as opaque: it is the client's JSON text as a
+        :class:`msgspec.Raw` (see :mod:`relay.skeleton`), or a decoded value once something
+        asked for :attr:`body`. Blocks and messages may be moved, copied, dropped or added.
+        """
+        if self._body is None:
+            if self._skeleton is None and self._sent is not None:
+                self._skeleton = skeleton.decode(self._sent)
+            if self._skeleton is not None:
+                return self._skeleton.messages
+        body = self.body
+        messages = body.get("messages") if type(body) is dict else None
+        return messages if type(messages) is list else None
+
+    @property
     def body(self):
-        """The parsed request. Once it has gone upstream the relay lets the parsed form go
-        (a large history is several times its size in objects); asking for it after that
-        parses the bytes that were sent, so the answer is a new, equal object."""
-        if self._body is None and self._sent is not None:
-            self._body = orjson.loads(self._sent)
+        """The request, fully parsed. The first time a plugin asks, the parse replaces the
+        skeleton that :attr:`messages` gave (so ask here or there within a hook, not both):
+        a plugin that needs only the conversation's shape should use ``messages``. After the
+        request has gone upstream, the answer is parsed again from the bytes that were sent:
+        a new, equal object."""
+        if self._body is None:
+            if self._skeleton is not None:
+                self._body = orjson.loads(self.upstream_body())
+                self._skeleton = None
+            elif self._sent is not None:
+                self._body = orjson.loads(self._sent)
         return self._body
 
-    @body.setter
-    def body(self, value) -> None:
-        self._body = value
-
     def release_body(self, sent: bytes) -> None:
-        """Drop the parsed request; ``sent`` is what went upstream (see :attr:`body`)."""
+        """Drop the decoded request (a large history is several times its size in objects);
+        ``sent`` is what went upstream, decoded again if asked for."""
         self._sent = sent
         self._body = None
+        self._skeleton = None
+
+    def set_model(self, model: str) -> None:
+        """Ask the upstream for ``model`` instead of the model the client named."""
+        if self._body is not None:
+            self._body["model"] = model
+        else:
+            self._skeleton.set_model(model)
+        self._changed = True
 
     @property
     def quirks(self) -> dict:
@@ -85,16 +124,18 @@ class Exchange:
         return self._changed
 
     def mark_changed(self) -> None:
-        """Say that ``body`` was changed in place, so it must be re-serialised."""
+        """Say that the request was changed in place, so it must be re-serialised."""
         self._changed = True
 
     def upstream_body(self) -> bytes:
-        """The bytes to send up: the client's own unless a plugin changed the body."""
+        """The bytes to send up: the client's own unless a plugin changed the request."""
         if self._sent is not None:
             return self._sent
         if not self._changed:
             return self.raw_body
-        return orjson.dumps(self._body)
+        if self._body is not None:
+            return orjson.dumps(self._body)
+        return self._skeleton.encode()
 
     def repaired(self, step: str, count: int, **detail) -> None:
         """Record ``count`` repairs ``step`` made to ``body`` (changed in place): the body is

@@ -48,8 +48,11 @@ def relay_request(exchange, options):
     """Called for each ``/v1/messages`` and ``/v1/messages/count_tokens`` request, after the
     backend is chosen and before anything is sent upstream, in pipeline order.
 
-    ``exchange.body`` is the parsed request. A plugin may change it in place and must then
-    call ``exchange.mark_changed()``; when no plugin does, the client's original bytes go up.
+    ``exchange.messages`` is the conversation as a skeleton (roles, block types and tool ids
+    decoded, everything else left as the client's JSON text); ``exchange.body`` is the whole
+    request, parsed in full on first use, which costs far more on a long history. A plugin
+    may change either in place and must then call ``exchange.mark_changed()``; when no plugin
+    does, the client's original bytes go up.
     Raise :class:`relay.errors.RelayError` to refuse the request: the client gets that error,
     later plugins are skipped and the upstream receives nothing.
     """
@@ -120,8 +123,9 @@ def relay_exchange_end(exchange, options):
 def relay_validate(exchange, options, repair):
     """Called by ``relay validate`` (offline, no upstream) in pipeline order.
 
-    Return every problem this plugin finds in ``exchange.body`` — not only the first — as a
-    list of ``{"location": "messages.6", "message": "..."}`` with the API's wording, or None.
-    When ``repair`` is true, first repair ``exchange.body`` in place where the plugin can
+    Return every problem this plugin finds in the request (``exchange.messages`` or
+    ``exchange.body``) — not only the first — as a list of
+    ``{"location": "messages.6", "message": "..."}`` with the API's wording, or None.
+    When ``repair`` is true, first repair the request in place where the plugin can
     (calling ``exchange.mark_changed()``) and return only the problems left.
     """

@@ -13,10 +13,11 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 from multidict import CIMultiDict
 
-from . import __version__
+from . import __version__, skeleton
 from .chain import Chain
 from .errors import RelayError, invalid_request
 from .exchange import Exchange, UpstreamResponse
+from .skeleton import Skeleton
 from .sse import Event, LazyFramer
 
 log = logging.getLogger("relay")
@@ -86,10 +87,14 @@ def too_large(limit: int) -> RelayError:
                       "request_too_large")
 
 
-def parse_body(raw: bytes) -> dict:
-    """The request body as a dict, or a 400 that says what is wrong with it."""
+def parse_request(raw: bytes) -> Skeleton | dict:
+    """The request body as a skeleton (see :mod:`relay.skeleton`), or when it cannot be one,
+    fully parsed, or a 400 that says what is wrong with it."""
     if not raw:
         raise invalid_request("request body is empty: expected a JSON object")
+    found = skeleton.decode(raw)
+    if found is not None:
+        return found
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as e:
@@ -163,11 +168,15 @@ async def prepare_exchange(state: RelayState, *, method: str, path: str, query: 
     in is attached as ``error.exchange`` (when one was built) so the end hooks can see it.
     """
     endpoint = ENDPOINTS[path]
-    body = parse_body(raw_body)
-    model = body["model"]
-    backend = state.config.backend_for(model)
-    exchange = Exchange(endpoint=endpoint, method=method, path=path, query=query,
-                        headers=headers, raw_body=raw_body, body=body, backend=backend)
+    parsed = parse_request(raw_body)
+    if type(parsed) is dict:
+        exchange = Exchange(endpoint=endpoint, method=method, path=path, query=query,
+                            headers=headers, raw_body=raw_body, body=parsed)
+    else:
+        exchange = Exchange(endpoint=endpoint, method=method, path=path, query=query,
+                            headers=headers, raw_body=raw_body, skeleton=parsed)
+    model = exchange.model
+    backend = exchange.backend = state.config.backend_for(model)
     exchange.response_headers["x-relay-request-id"] = exchange.id
     if backend is None:
         error = RelayError(404, f"model: {model} (no backend in the relay's configuration serves it)",
@@ -176,8 +185,7 @@ async def prepare_exchange(state: RelayState, *, method: str, path: str, query: 
         raise error
     target = backend.upstream_model(model)
     if target is not None and target != model:
-        body["model"] = target
-        exchange.mark_changed()
+        exchange.set_model(target)
         exchange.note("relay", "renamed model", model=model, upstream_model=target)
     try:
         await state.chain.run("relay_request", exchange)

@@ -519,8 +519,8 @@ def report(result: dict) -> str:
     m = result["micro"]
     for case, f in m["request"].items():
         hooks = ", ".join(f"{k} {v:.3f}" for k, v in f["hooks_ms"].items())
-        lines.append(f"micro 1 MB history {case:15}: request path {f['request_path_ms']:.3f} ms CPU: parse "
-                     f"{f['parse_ms']:.3f}, hooks ({hooks}), upstream_body {f['upstream_body_ms']:.3f}, "
+        lines.append(f"micro 1 MB history {case:15}: request path {f['request_path_ms']:.3f} ms CPU: decode "
+                     f"{f['parse_ms']:.3f} (a full parse: {f['full_parse_ms']:.3f}), hooks ({hooks}), upstream_body {f['upstream_body_ms']:.3f}, "
                      f"gc {f['gc_ms_per_request']:.3f}; forwarded verbatim: {f['forwarded_verbatim']}; "
                      f"Python allocations peak {f['live_peak_x']}x the body")
     s = m["sse"]

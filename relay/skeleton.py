@@ -1,0 +1,117 @@
+"""A request's structure, decoded without its bulk.
+
+A long agent history is mostly text: tool results, file contents, thinking. The checks the
+relay makes on every request need only its shape (roles, block types, tool ids), but a full
+parse builds every string (non-ASCII text costs about twice as much), and re-serialising a
+full parse encodes each of them again. So a request is decoded once into a *skeleton*: every
+message a dict with its ``role`` and ``content``; in each content block ``type``, ``id`` and
+``tool_use_id`` are Python values and every other value is a :class:`msgspec.Raw`, the JSON
+text exactly as the client sent it, which encodes back byte for byte. Outside ``messages``
+only ``model`` and ``stream`` are read.
+
+A body the skeleton cannot hold (a block that is not an object, a message field of another
+type, a ``model`` that is not a string...) gets ``None`` from :func:`decode`, and the caller
+parses it in full: that is also where the client's error for a malformed body comes from.
+
+The skeleton does not look inside the values it keeps raw, so it does not check that their
+strings are valid UTF-8: a body with broken text there goes up, and the upstream refuses it.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+from msgspec import UNSET, Raw, UnsetType
+
+Block = dict[str, Raw]
+Message = dict[str, Union[str, list[Block]]]
+
+# The Messages API's top-level fields (API reference and SDK, late 2026). A request with one
+# more still gets a skeleton, through a second, slower decode (see ``decode``).
+KNOWN_FIELDS = ("max_tokens", "system", "metadata", "stop_sequences", "stream", "temperature",
+                "top_k", "top_p", "tools", "tool_choice", "thinking", "service_tier",
+                "container", "mcp_servers", "context_management", "output_config",
+                "output_format", "inference_geo", "speed", "cache_control", "diagnostics")
+
+_Known = msgspec.defstruct(
+    "_Known", [("model", str), ("messages", list[Message])]
+    + [(name, Union[Raw, UnsetType], UNSET) for name in KNOWN_FIELDS],
+    forbid_unknown_fields=True)
+
+_known = msgspec.json.Decoder(_Known)
+_fields = msgspec.json.Decoder(dict[str, Raw])
+_messages = msgspec.json.Decoder(list[Message])
+_model = msgspec.json.Decoder(str)
+_encoder = msgspec.json.Encoder()
+_decode = msgspec.json.decode
+
+# Block types as JSON text, so the common ones cost a dict lookup instead of a decode.
+_TYPES = {f'"{name}"'.encode(): name for name in (
+    "text", "image", "document", "search_result", "tool_use", "tool_result", "thinking",
+    "redacted_thinking", "server_tool_use", "web_search_tool_result", "web_fetch_tool_result",
+    "code_execution_tool_result", "bash_code_execution_tool_result",
+    "text_editor_code_execution_tool_result", "mcp_tool_use", "mcp_tool_result",
+    "container_upload")}
+
+
+class Skeleton:
+    """One request body as a skeleton: ``messages``, ``model``, ``stream``, and the rest raw."""
+
+    __slots__ = ("_top", "messages", "model", "stream")
+
+    def __init__(self, top, messages: list, model: str, stream: bool):
+        self._top = top
+        self.messages = messages
+        self.model = model
+        self.stream = stream
+
+    def set_model(self, model: str) -> None:
+        self.model = model
+        if type(self._top) is dict:
+            self._top["model"] = model
+        else:
+            self._top.model = model
+
+    def encode(self) -> bytes:
+        """The body as JSON: raw values as they came, the structure as it now stands."""
+        return _encoder.encode(self._top)
+
+
+def decode(raw: bytes) -> Skeleton | None:
+    """The skeleton of a request body, or None if it cannot be held as one (see the module)."""
+    try:
+        top = _known.decode(raw)
+        messages = top.messages
+        model = top.model
+        stream = top.stream
+    except msgspec.DecodeError:
+        # A field this module does not list, or a body that is not a request at all.
+        try:
+            top = _fields.decode(raw)
+            messages = top["messages"] = _messages.decode(top["messages"])
+            model = top["model"] = _model.decode(top["model"])
+        except (msgspec.DecodeError, KeyError, TypeError):
+            return None
+        stream = top.get("stream", UNSET)
+    _expose(messages)
+    return Skeleton(top, messages, model, stream is not UNSET and bool(_decode(stream)))
+
+
+def _expose(messages: list) -> None:
+    """Decode the structural values of every content block, in place."""
+    types = _TYPES
+    for message in messages:
+        content = message.get("content")
+        if type(content) is not list:
+            continue
+        for block in content:
+            value = block.get("type")
+            if value is not None:
+                block["type"] = types.get(bytes(value)) or _decode(value)
+            value = block.get("id")
+            if value is not None:
+                block["id"] = _decode(value)
+            value = block.get("tool_use_id")
+            if value is not None:
+                block["tool_use_id"] = _decode(value)
