@@ -111,11 +111,11 @@ class StreamPlan:
         return self.every
 
     def framed_names(self) -> set[str] | None:
-        """The events :class:`relay.sse.LazyFramer` must frame: those plugins asked for, and
-        those that end a stream (the relay watches for them). None: frame every event."""
+        """The events :class:`relay.sse.LazyFramer` must frame: those plugins asked for.
+        None: frame every event."""
         if self.every:
             return None
-        return {*self.by_name, "message_stop", "error"}
+        return set(self.by_name)
 
     def merge_every(self) -> None:
         """Fold the "*" plugins into each named list once, keeping chain order."""

@@ -304,18 +304,14 @@ class Relay:
             status=upstream.status,
             headers=client_headers(upstream.headers, exchange.response_headers))
         await response.prepare(request)
-        framer = LazyFramer(plan.framed_names())
-        finished = False  # message_stop or an error event: the stream ended on its own terms
+        framer = LazyFramer(plan.framed_names(), ends=STREAM_ENDS)
 
         async def relay(parts: list, events: list) -> None:
-            nonlocal finished
-            if events:
-                if plan:
-                    for event in events:
-                        calls = plan.calls_for(event.name)
-                        if calls:
-                            await chain.stream_event(exchange, event, calls)
-                finished = finished or any(e.name in STREAM_ENDS for e in events)
+            if events and plan:
+                for event in events:
+                    calls = plan.calls_for(event.name)
+                    if calls:
+                        await chain.stream_event(exchange, event, calls)
             if len(parts) == 1:
                 part = parts[0]
                 await response.write(part if part.__class__ is bytes else part.encode())
@@ -334,13 +330,14 @@ class Relay:
             tail = framer.close()
             if tail:
                 await relay(tail, tail)
-            if not finished:
+            if not framer.ended:
                 raise aiohttp.ClientPayloadError("the stream ended before message_stop")
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             if request.transport is None or request.transport.is_closing():
                 exchange.outcome = "client_disconnected"
                 return response
-            if finished:
+            # Ended by message_stop or an error event: on the stream's own terms.
+            if framer.ended:
                 # Everything the client needs arrived; only the connection's own ending failed.
                 log.info("%s: upstream connection ended uncleanly after the stream: %r",
                          exchange.id, e)

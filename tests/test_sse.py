@@ -6,7 +6,7 @@ import orjson
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from relay.sse import Event, LazyFramer, SSEDecoder
+from relay.sse import TAIL_BYTES, Event, LazyFramer, SSEDecoder
 from test_server import STREAM
 
 
@@ -90,8 +90,8 @@ def test_stream_ending_in_a_lone_cr_keeps_both_events():
     assert fields(events) == [("a", 1), ("b", 2)]
 
 
-def lazy_frame(stream: bytes, cuts, needles):
-    framer = LazyFramer(needles)
+def lazy_frame(stream: bytes, cuts, needles, framer=None):
+    framer = framer or LazyFramer(needles)
     out, events, previous = [], [], 0
     for cut in [*sorted(cuts), len(stream)]:
         parts, found = framer.feed(stream[previous:cut])
@@ -124,3 +124,42 @@ def test_lazy_framing_leaves_unwanted_runs_unframed():
     assert [e.name for e in events] == ["ping", "message_stop"]
     _, everything = lazy_frame(STREAM, [cut], None)
     assert [e.name for e in everything] == EXPECTED_NAMES
+
+
+def test_event_lines_are_matched_at_a_line_start_with_or_without_the_space():
+    stream = (b'data: not json event: ping\n\n'
+              b'event:ping\ndata: {"n": 1}\n\n'
+              b'id: 7\nevent: ping\ndata: {"n": 2}\n\n'
+              b'event: pingpong\ndata: {"n": 3}\n\n')
+    forwarded, events = lazy_frame(stream, [], {"ping"})
+    assert forwarded == stream
+    assert [(e.name, e.data) for e in events] == [("ping", {"n": 1}), ("ping", {"n": 2})]
+
+
+ENDS = ("message_stop", "error")
+PING = b'event: ping\ndata: {"type": "ping"}\n\n'
+ERROR = b'event: error\ndata: {"type": "error", "error": {"type": "overloaded_error"}}\n\n'
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(min_value=0, max_value=len(STREAM) + len(PING)), max_size=6),
+       st.sampled_from([set(), {"content_block_start"}, {"message_stop"}, None]))
+def test_the_end_of_a_stream_is_seen_without_framing_it(cuts, names):
+    for stream, ended in ((STREAM, True), (STREAM + PING, True), (STREAM[:STREAM.index(b"event: message_stop")], False),
+                          (STREAM[:STREAM.index(b"event: brand_new")] + ERROR, True)):
+        framer = LazyFramer(names, ends=ENDS)
+        forwarded, events = lazy_frame(stream, cuts, names, framer)
+        assert forwarded == stream
+        assert framer.ended is ended
+        if names == set():
+            assert events == []
+
+
+def test_an_end_followed_by_more_than_the_tail_no_longer_counts():
+    many_pings = PING * (TAIL_BYTES // len(PING) + 1)
+    for chunks, ended in (([STREAM, many_pings], False), ([STREAM + many_pings], False),
+                          ([STREAM, PING * 3], True), ([STREAM + PING * 3], True)):
+        framer = LazyFramer(set(), ends=ENDS)
+        for chunk in chunks:
+            framer.feed(chunk)
+        assert framer.ended is ended

@@ -202,7 +202,7 @@ async def request_benchmarks(state, pipeline, count: int, seconds: float) -> dic
 
 
 async def sse_benchmarks(state, count: int, seconds: float) -> dict:
-    from relay.server import prepare_exchange
+    from relay.server import STREAM_ENDS, prepare_exchange
     from relay.sse import Event, LazyFramer, SSEDecoder
 
     chain = state.chain
@@ -226,7 +226,7 @@ async def sse_benchmarks(state, count: int, seconds: float) -> dict:
         cpu_total = 0.0
         while budget.more():
             exchange, plan = await fresh()
-            framer = LazyFramer(plan.framed_names())
+            framer = LazyFramer(plan.framed_names(), ends=STREAM_ENDS)
             chunks = [b"".join(raws[(i + k) % len(raws)] for k in range(per_feed))
                       for i in range(0, batch, per_feed)]
             cpu = process_time()
