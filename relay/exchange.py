@@ -100,6 +100,12 @@ class Exchange:
                 self._body = orjson.loads(self._sent)
         return self._body
 
+    @body.setter
+    def body(self, value) -> None:
+        """Replace the request (call :meth:`mark_changed` too, so that it goes up)."""
+        self._body = value
+        self._skeleton = None
+
     def release_body(self, sent: bytes) -> None:
         """Drop the decoded request (a large history is several times its size in objects);
         ``sent`` is what went upstream, decoded again if asked for."""

@@ -133,6 +133,15 @@ def test_a_change_to_messages_carries_into_body_and_up():
     assert sent["messages"][2]["content"][0]["tool_use_id"] == "toolu_1-2"
 
 
+def test_a_plugin_may_replace_the_whole_body():
+    raw = orjson.dumps(history_body())
+    exchange = exchange_for(raw, skeleton.decode(raw))
+    exchange.body = {"model": "m", "messages": [{"role": "user", "content": "new"}]}
+    exchange.mark_changed()
+    assert exchange.messages == [{"role": "user", "content": "new"}]
+    assert orjson.loads(exchange.upstream_body()) == exchange.body
+
+
 def test_after_release_both_views_are_read_again_from_what_was_sent():
     raw = orjson.dumps(history_body())
     exchange = exchange_for(raw, skeleton.decode(raw))
