@@ -7,9 +7,11 @@ import os
 import time
 from typing import Any
 
+import msgspec
 import orjson
 
 from . import skeleton
+from .errors import invalid_request
 from .skeleton import Skeleton
 
 
@@ -72,9 +74,10 @@ class Exchange:
     def messages(self) -> list | None:
         """The request's ``messages``, cheap to read and to change in place (then call
         :meth:`mark_changed`). In each content block, ``type``, ``id`` and ``tool_use_id`` are
-        Python values; treat every other value as opaque: it is the client's JSON text as a
-        :class:`msgspec.Raw` (see :mod:`relay.skeleton`), or a decoded value once something
-        asked for :attr:`body`. Blocks and messages may be moved, copied, dropped or added.
+        Python values; any other value is the client's JSON text as a :class:`msgspec.Raw`
+        (see :mod:`relay.skeleton`) until something asks for :attr:`body`, and decoded after
+        that: read one with :func:`relay.skeleton.value`. Blocks and messages may be moved,
+        copied, dropped or added, with values of either kind.
         """
         if self._body is None:
             if self._skeleton is None and self._sent is not None:
@@ -87,17 +90,23 @@ class Exchange:
 
     @property
     def body(self):
-        """The request, fully parsed. The first time a plugin asks, the parse replaces the
-        skeleton that :attr:`messages` gave (so ask here or there within a hook, not both):
-        a plugin that needs only the conversation's shape should use ``messages``. After the
-        request has gone upstream, the answer is parsed again from the bytes that were sent:
-        a new, equal object."""
+        """The request, fully decoded. The first time a plugin asks, the values
+        :attr:`messages` kept raw are decoded in place (its lists and dicts stay the ones
+        plugins hold), which on a long history costs several times the skeleton: a plugin
+        that needs only the conversation's shape should use ``messages``. After the request
+        has gone upstream, the answer is decoded again from the bytes that were sent: a new,
+        equal object."""
         if self._body is None:
-            if self._skeleton is not None:
-                self._body = orjson.loads(self.upstream_body())
-                self._skeleton = None
-            elif self._sent is not None:
-                self._body = orjson.loads(self._sent)
+            if self._skeleton is None and self._sent is not None:
+                self._skeleton = skeleton.decode(self._sent)
+            try:
+                if self._skeleton is not None:
+                    self._body = self._skeleton.to_body()
+                    self._skeleton = None
+                elif self._sent is not None:
+                    self._body = orjson.loads(self._sent)
+            except (msgspec.DecodeError, orjson.JSONDecodeError) as e:
+                raise invalid_request(f"request body is not valid JSON: {e}") from None
         return self._body
 
     @body.setter
@@ -115,6 +124,8 @@ class Exchange:
 
     def set_model(self, model: str) -> None:
         """Ask the upstream for ``model`` instead of the model the client named."""
+        if self._sent is not None:
+            raise RuntimeError("the request has already gone upstream")
         if self._body is not None:
             self._body["model"] = model
         else:
@@ -140,7 +151,7 @@ class Exchange:
         if not self._changed:
             return self.raw_body
         if self._body is not None:
-            return orjson.dumps(self._body)
+            return skeleton.encode(self._body)
         return self._skeleton.encode()
 
     def repaired(self, step: str, count: int, **detail) -> None:

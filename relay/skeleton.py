@@ -77,25 +77,57 @@ class Skeleton:
         """The body as JSON: raw values as they came, the structure as it now stands."""
         return _encoder.encode(self._top)
 
+    def to_body(self) -> dict:
+        """The whole request as Python values, decoded in place: ``messages`` stays the same
+        list of the same dicts, so whatever a plugin holds of it stays live. Raises
+        :class:`msgspec.DecodeError` for a value that is not valid JSON after all (broken
+        UTF-8 in a text, a number out of range)."""
+        top = self._top
+        if type(top) is dict:
+            body = top
+        else:
+            body = {name: getattr(top, name) for name in top.__struct_fields__
+                    if getattr(top, name) is not UNSET}
+        for key, item in body.items():
+            if type(item) is Raw:
+                body[key] = _decode(item)
+        for message in self.messages:
+            content = message.get("content")
+            if type(content) is list:
+                for block in content:
+                    for key, item in block.items():
+                        if type(item) is Raw:
+                            block[key] = _decode(item)
+        return body
+
 
 def decode(raw: bytes) -> Skeleton | None:
     """The skeleton of a request body, or None if it cannot be held as one (see the module)."""
     try:
-        top = _known.decode(raw)
-        messages = top.messages
-        model = top.model
-        stream = top.stream
-    except msgspec.DecodeError:
-        # A field this module does not list, or a body that is not a request at all.
         try:
+            top = _known.decode(raw)
+            messages, model, stream = top.messages, top.model, top.stream
+        except msgspec.DecodeError:
+            # A field this module does not list, or a body that is not a request at all.
             top = _fields.decode(raw)
             messages = top["messages"] = _messages.decode(top["messages"])
             model = top["model"] = _model.decode(top["model"])
-        except (msgspec.DecodeError, KeyError, TypeError):
-            return None
-        stream = top.get("stream", UNSET)
-    _expose(messages)
-    return Skeleton(top, messages, model, stream is not UNSET and bool(_decode(stream)))
+            stream = top.get("stream", UNSET)
+        _expose(messages)
+        return Skeleton(top, messages, model, stream is not UNSET and bool(_decode(stream)))
+    except (msgspec.MsgspecError, RecursionError, KeyError, TypeError):
+        # The full parse decides: it holds what this cannot, or writes the client's error.
+        return None
+
+
+def value(item):
+    """``item`` as a Python value, whether it is still raw JSON text or already decoded."""
+    return _decode(item) if type(item) is Raw else item
+
+
+def encode(body) -> bytes:
+    """JSON for a request in any mix of decoded values and :class:`msgspec.Raw` ones."""
+    return _encoder.encode(body)
 
 
 def _expose(messages: list) -> None:

@@ -234,6 +234,15 @@ def test_default_body_limit_is_the_apis_32_mb():
     (b'{"messages": []}', "model: Field required"),
     (b'{"model": 5, "messages": []}', "model: Input should be a valid string"),
     (b"\xff\xfe\x00garbage", "not valid JSON"),
+    # Broken values where the relay reads them: in a structural field, in ``stream``.
+    (b'{"model":"claude-test","messages":[{"role":"user","content":[{"type":"tool_result",'
+     b'"tool_use_id":"\xff"}]}]}', "not valid JSON"),
+    (b'{"model":"claude-test","messages":[{"role":"assistant","content":[{"type":"tool_use",'
+     b'"id":1e400,"name":"n","input":{}}]}]}', "not valid JSON"),
+    (b'{"model":"claude-test","stream":"\xff","messages":[]}', "not valid JSON"),
+    (b'{"model":"claude-test","stream":1e400,"messages":[]}', "not valid JSON"),
+    (b'{"model":"claude-test","messages":[],"metadata":' + b"[" * 2000 + b"]" * 2000 + b"}",
+     "not valid JSON"),
 ])
 async def test_bad_input_is_a_clear_400(setup, payload, fragment):
     client, upstream = await setup()

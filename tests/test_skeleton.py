@@ -133,6 +133,52 @@ def test_a_change_to_messages_carries_into_body_and_up():
     assert sent["messages"][2]["content"][0]["tool_use_id"] == "toolu_1-2"
 
 
+def test_asking_for_body_keeps_what_plugins_hold_of_messages():
+    raw = orjson.dumps(history_body())
+    exchange = exchange_for(raw, skeleton.decode(raw))
+    messages = exchange.messages
+    call = messages[1]["content"][1]
+    call["id"] = "toolu_1-2"  # before body is asked for, marked changed after
+    body = exchange.body
+    assert body["messages"] is messages and exchange.messages is messages
+    messages[2]["content"][0]["tool_use_id"] = "toolu_1-2"  # through the held reference
+    body["messages"][0]["content"] = [{"type": "text", "text": msgspec.Raw(b'"raw text"')}]
+    exchange.mark_changed()
+    sent = orjson.loads(exchange.upstream_body())
+    assert sent["messages"][0]["content"] == [{"type": "text", "text": "raw text"}]
+    assert sent["messages"][1]["content"][1]["id"] == "toolu_1-2"
+    assert sent["messages"][2]["content"][0]["tool_use_id"] == "toolu_1-2"
+    assert sent["messages"][2]["content"][0]["content"] == [{"type": "text", "text": "a.py\nb.py → café"}]
+
+
+def test_value_reads_raw_and_decoded_values_alike():
+    raw = orjson.dumps(history_body())
+    exchange = exchange_for(raw, skeleton.decode(raw))
+    block = exchange.messages[1]["content"][1]
+    assert type(block["input"]) is msgspec.Raw
+    before = skeleton.value(block["input"])
+    exchange.body
+    assert type(block["input"]) is dict and skeleton.value(block["input"]) == before == {
+        "command": "ls", "nested": [1, 2.5, None, True]}
+
+
+def test_broken_text_is_the_clients_400_when_a_plugin_asks_for_body():
+    raw = b'{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"\xff"}]}]}'
+    exchange = exchange_for(raw, skeleton.decode(raw))
+    assert exchange.messages[0]["content"][0]["type"] == "text"
+    with pytest.raises(RelayError) as caught:
+        exchange.body
+    assert caught.value.status == 400 and "not valid JSON" in caught.value.message
+
+
+def test_the_model_cannot_change_once_the_request_is_sent():
+    raw = orjson.dumps(history_body())
+    exchange = exchange_for(raw, skeleton.decode(raw))
+    exchange.release_body(exchange.upstream_body())
+    with pytest.raises(RuntimeError):
+        exchange.set_model("other")
+
+
 def test_a_plugin_may_replace_the_whole_body():
     raw = orjson.dumps(history_body())
     exchange = exchange_for(raw, skeleton.decode(raw))
