@@ -188,17 +188,13 @@ def _needles(names) -> list[bytes]:
     return [name.encode() + b"\n" for name in names]
 
 
-def _event_line(data: bytes, pos: int, needles: list[bytes]) -> int:
-    """Where, from ``pos`` on, the first ``event:`` line naming one of ``needles`` (names
-    with their newline) has its name, or -1."""
-    first = -1
-    for needle in needles:
-        at = data.find(needle, pos)
-        while at >= 0 and not _names_event(data, at):
-            at = data.find(needle, at + 1)
-        if at >= 0 and (first < 0 or at < first):
-            first = at
-    return first
+def _event_line(data: bytes, pos: int, needle: bytes) -> int:
+    """Where, from ``pos`` on, the first ``event:`` line naming ``needle`` (a name with its
+    newline) has the name, or -1."""
+    at = data.find(needle, pos)
+    while at >= 0 and not _names_event(data, at):
+        at = data.find(needle, at + 1)
+    return at
 
 
 def _names_event(data: bytes, at: int) -> bool:
@@ -285,7 +281,14 @@ class LazyFramer:
         parts: list = []
         events: list[Event] = []
         pos = 0
-        while (hit := _event_line(complete, pos, self._wanted)) >= 0:
+        needles = self._wanted
+        # Each name's next event line: a name is searched for again only once passed, so
+        # every name scans the chunk once however many hits the others have.
+        ahead = [_event_line(complete, 0, needle) for needle in needles]
+        while True:
+            hit = ahead[0] if len(ahead) == 1 else min((at for at in ahead if at >= 0), default=-1)
+            if hit < 0:
+                break
             start = complete.rfind(b"\n\n", pos, hit)
             start = start + 2 if start >= 0 else pos
             stop = complete.find(b"\n\n", hit) + 2
@@ -295,6 +298,9 @@ class LazyFramer:
             parts += framed
             events += framed
             pos = stop
+            for i, at in enumerate(ahead):
+                if 0 <= at < stop:
+                    ahead[i] = _event_line(complete, stop, needles[i])
         if pos < len(complete):
             parts.append(complete[pos:])
         return parts, events
@@ -311,7 +317,7 @@ class LazyFramer:
         if self._ended:
             return True
         needles = _needles(self._ends)
-        return any(_event_line(part, 0, needles) >= 0 for part in self._tail)
+        return any(_event_line(part, 0, needle) >= 0 for part in self._tail for needle in needles)
 
     def close(self) -> list[Event]:
         """The events left at the end of the stream (see :meth:`SSEDecoder.close`)."""
