@@ -49,9 +49,10 @@ def relay_request(exchange, options):
     backend is chosen and before anything is sent upstream, in pipeline order.
 
     ``exchange.messages`` is the conversation as a skeleton (roles, block types and tool ids
-    decoded, everything else left as the client's JSON text); ``exchange.body`` is the whole
-    request, parsed in full on first use, which costs far more on a long history. A plugin
-    may change either in place and must then call ``exchange.mark_changed()``; when no plugin
+    decoded, other values left as the client's JSON text until someone asks for the body:
+    read them with ``relay.skeleton.value``); ``exchange.body`` is the whole request,
+    decoded in place on first use, which costs far more on a long history. A plugin may
+    change either in place and must then call ``exchange.mark_changed()``; when no plugin
     does, the client's original bytes go up.
     Raise :class:`relay.errors.RelayError` to refuse the request: the client gets that error,
     later plugins are skipped and the upstream receives nothing.

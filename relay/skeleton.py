@@ -14,7 +14,9 @@ type, a ``model`` that is not a string...) gets ``None`` from :func:`decode`, an
 parses it in full: that is also where the client's error for a malformed body comes from.
 
 The skeleton does not look inside the values it keeps raw, so it does not check that their
-strings are valid UTF-8: a body with broken text there goes up, and the upstream refuses it.
+strings are valid UTF-8: a body with broken text there goes up, and the upstream refuses it
+(unless a plugin asks for the full body first: then the relay refuses it, see
+:meth:`Skeleton.to_body`).
 """
 
 from __future__ import annotations
