@@ -105,7 +105,7 @@ class Exchange:
                     self._skeleton = None
                 elif self._sent is not None:
                     self._body = orjson.loads(self._sent)
-            except (msgspec.DecodeError, orjson.JSONDecodeError) as e:
+            except (msgspec.MsgspecError, ValueError) as e:
                 raise invalid_request(f"request body is not valid JSON: {e}") from None
         return self._body
 

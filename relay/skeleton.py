@@ -82,8 +82,8 @@ class Skeleton:
     def to_body(self) -> dict:
         """The whole request as Python values, decoded in place: ``messages`` stays the same
         list of the same dicts, so whatever a plugin holds of it stays live. Raises
-        :class:`msgspec.DecodeError` for a value that is not valid JSON after all (broken
-        UTF-8 in a text, a number out of range)."""
+        :class:`msgspec.DecodeError` (or ValueError) for a value that is not valid JSON after
+        all (broken UTF-8 in a text, a number out of range)."""
         top = self._top
         if type(top) is dict:
             body = top
@@ -117,8 +117,9 @@ def decode(raw: bytes) -> Skeleton | None:
             stream = top.get("stream", UNSET)
         _expose(messages)
         return Skeleton(top, messages, model, stream is not UNSET and bool(_decode(stream)))
-    except (msgspec.MsgspecError, RecursionError, KeyError, TypeError):
+    except (msgspec.MsgspecError, ValueError, RecursionError, KeyError, TypeError):
         # The full parse decides: it holds what this cannot, or writes the client's error.
+        # (ValueError: msgspec 0.18 reports broken UTF-8 as a UnicodeDecodeError.)
         return None
 
 
