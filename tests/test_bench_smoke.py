@@ -32,7 +32,7 @@ def test_quick_bench_reports_every_figure(tmp_path):
 
     meta = result["meta"]
     assert meta["quick"] is True and meta["workloads"] == list(WORKLOADS)
-    assert meta["targets"][:3] == ["direct", "bare", "relay"]
+    assert meta["targets"][:4] == ["direct", "bare", "bare_skeleton", "relay"]
     assert meta["pipeline"], "the relay ran without plugins"
 
     for workload in WORKLOADS:
@@ -53,7 +53,7 @@ def test_quick_bench_reports_every_figure(tmp_path):
                         assert number(stats[key]), (where, key, stats[key])
                     if workload in STREAMS:
                         assert number(stats["added_ttfb_p50_ms"]), where
-                if target.startswith("relay"):
+                if target.startswith("relay") or target == "bare_skeleton":
                     assert number(stats["rps_vs_bare"]), where
             # A proxy passes the answer through: every target got the same bytes back.
             sizes = {tuple(sorted(entry[t]["response_bytes"])) for t in meta["targets"]}

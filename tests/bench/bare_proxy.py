@@ -1,11 +1,15 @@
 """The yardstick: a bare aiohttp pass-through, with no parsing and no plugins.
 
-    python tests/bench/bare_proxy.py --upstream http://127.0.0.1:PORT [--port 0]
+    python tests/bench/bare_proxy.py --upstream http://127.0.0.1:PORT [--port 0] [--skeleton]
 
 prints ``bare listening on http://127.0.0.1:PORT``. Every request is forwarded to the same
 path and query upstream (hop-by-hop headers dropped, the body as read), and the answer is
 streamed back chunk by chunk as it arrives. Its client session is configured like the
 relay's, so the two differ only in what the relay does on top.
+
+With ``--skeleton`` it also decodes each request body as the relay does
+(``relay.skeleton.decode``) and throws the result away: the least any relay that checks a
+history pays, measured apart from the plugins.
 """
 
 from __future__ import annotations
@@ -29,11 +33,13 @@ HOP_BY_HOP = frozenset({
 SESSION = web.AppKey("session", aiohttp.ClientSession)
 
 
-def make_app(upstream: str) -> web.Application:
+def make_app(upstream: str, decode=None) -> web.Application:
     app = web.Application(client_max_size=64 * 1024 * 1024)
 
     async def forward(request: web.Request) -> web.StreamResponse:
         raw = await request.read()
+        if decode is not None:
+            decode(raw)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
         async with app[SESSION].request(request.method, upstream + request.path_qs, data=raw,
                                         headers=headers) as answer:
@@ -57,8 +63,11 @@ def make_app(upstream: str) -> web.Application:
     return app
 
 
-async def serve(upstream: str, host: str, port: int) -> None:
-    runner = web.AppRunner(make_app(upstream.rstrip("/")), handler_cancellation=True,
+async def serve(upstream: str, host: str, port: int, skeleton: bool) -> None:
+    decode = None
+    if skeleton:
+        from relay.skeleton import decode
+    runner = web.AppRunner(make_app(upstream.rstrip("/"), decode), handler_cancellation=True,
                            access_log=None)
     await procs.serve_app(runner, "bare", host, port)
 
@@ -68,9 +77,11 @@ def main() -> None:
     parser.add_argument("--upstream", required=True)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--skeleton", action="store_true",
+                        help="also decode each request body as the relay does")
     args = parser.parse_args()
     try:
-        asyncio.run(serve(args.upstream, args.host, args.port))
+        asyncio.run(serve(args.upstream, args.host, args.port, args.skeleton))
     except KeyboardInterrupt:
         pass
 

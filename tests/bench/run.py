@@ -5,7 +5,9 @@
 
 Starts a fast mock upstream (mock_upstream.py), the relay with the default full pipeline
 (``python -m relay --config FILE --port 0``, config in a temp dir), a bare aiohttp
-pass-through (bare_proxy.py) and a load generator in a process of its own (load.py). Every
+pass-through (bare_proxy.py), the same pass-through decoding each request's skeleton and
+nothing more (``bare_skeleton``: the floor for any relay that checks histories), and a load
+generator in a process of its own (load.py). Every
 workload (workloads.py: a small request, a ~1 MB 500-message history that dedup rewrites or
 leaves alone, streams of 50 and 2,000 events sent one per write, and the 2,000 sent 50 per
 write) runs at concurrency 1 and 32 direct, through the bare proxy and through the relay,
@@ -163,6 +165,9 @@ class Bench:
             env=env)
         self.servers["bare"] = procs.Server(
             "bare", [py, os.path.join(procs.HERE, "bare_proxy.py"), "--upstream", upstream], env=env)
+        self.servers["bare_skeleton"] = procs.Server(
+            "bare_skeleton", [py, os.path.join(procs.HERE, "bare_proxy.py"), "--upstream", upstream,
+                              "--skeleton"], env=env)
         variants = list(self.args.variant)
         if self.args.uvloop:
             variants.insert(0, "uvloop:--uvloop")
@@ -182,7 +187,8 @@ class Bench:
         self.load.wait_ready()
         self.urls = {"direct": upstream, **{name: s.url for name, s in self.servers.items()
                                              if name != "mock"}}
-        self.targets = ["direct", "bare", "relay"] + [n for n in self.servers if n.startswith("relay_")]
+        self.targets = (["direct", "bare", "bare_skeleton", "relay"]
+                        + [n for n in self.servers if n.startswith("relay_")])
         self.proxies = [t for t in self.targets if t != "direct"]
 
     def stop(self) -> None:
@@ -444,8 +450,10 @@ def targets(result: dict) -> list[dict]:
            0 if result["checks"]["relay.history_reused"]["verbatim"] else 1, 1, "bool",
            higher_is_better=True)
     for workload in ORDER:
+        floor = figure(w, workload, 32, "bare_skeleton", "rps_vs_bare")
         target(f"{workload} c=32: throughput vs bare aiohttp proxy",
-               relay(workload, 32, "rps_vs_bare"), 0.9, "ratio", higher_is_better=True)
+               relay(workload, 32, "rps_vs_bare"), 0.9, "ratio", higher_is_better=True,
+               note=f"bare proxy + skeleton decode alone: {floor}")
     target("RSS at rest", r(mem["rss_at_rest_kib"] / 1024, 1), 60.0, "MiB")
     target("RSS per open idle stream", mem["per_idle_stream_kib"], 64.0, "KiB")
     # A 1 MB request's transient memory, three ways (see the report): the target takes the
