@@ -320,7 +320,17 @@ class Relay:
                     [part if part.__class__ is bytes else part.encode() for part in parts]))
 
         try:
+            first = True
             async for chunk in upstream.content.iter_any():
+                if first:
+                    first = False
+                    # The first event (message_start) goes out before whatever came with it
+                    # is scanned: time to first byte must not grow with how much the
+                    # upstream managed to send before the relay read.
+                    cut = chunk.find(b"\n\n") + 2
+                    if 1 < cut < len(chunk):
+                        await relay(*framer.feed(chunk[:cut]))
+                        chunk = chunk[cut:]
                 parts, events = framer.feed(chunk)
                 if parts:
                     await relay(parts, events)
