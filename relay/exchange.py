@@ -155,7 +155,7 @@ class Exchange:
         return self._skeleton.encode()
 
     def repaired(self, step: str, count: int, **detail) -> None:
-        """Record ``count`` repairs ``step`` made to ``body`` (changed in place): the body is
+        """Record ``count`` repairs ``step`` made to the request (changed in place): it is
         re-serialised, the client's answer carries ``x-relay-repairs`` with the running total,
         and the timeline says what was done."""
         self.repairs += count
