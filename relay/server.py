@@ -334,7 +334,9 @@ class Relay:
                 parts, events = framer.feed(chunk)
                 if parts:
                     await relay(parts, events)
-                if framer.buffered > MAX_EVENT_BYTES:
+                # After a read that let something out, what is held back is part of that
+                # read: only a read that let nothing out, or a huge one, can pass the limit.
+                if (not parts or len(chunk) > MAX_EVENT_BYTES) and framer.buffered > MAX_EVENT_BYTES:
                     raise aiohttp.ClientPayloadError(
                         f"an event grew past {MAX_EVENT_BYTES} bytes without ending")
             tail = framer.close()

@@ -430,6 +430,41 @@ async def test_stream_ending_without_message_stop_is_an_error_not_a_truncation(s
     assert out.rstrip(b"\n").split(b"\n\n")[-1].startswith(b"event: error")
 
 
+@pytest.mark.parametrize("wanted", [False, True])
+@pytest.mark.parametrize("trickle", [False, True])
+async def test_an_event_that_never_ends_is_cut_off_with_an_error(setup, monkeypatch, wanted, trickle):
+    import relay.server
+    monkeypatch.setattr(relay.server, "MAX_EVENT_BYTES", 4096)
+    start = STREAM[:STREAM.index(b"event: content_block_delta")]
+    endless = [b"event: content_block_delta\ndata: {\"text\": \""] + [b"x" * 1000] * 10
+    chunks = [start, *endless, b'"}\n\n', STREAM[len(start):]]
+    gate = asyncio.Event()  # the event's end comes only once the client has its answer
+
+    async def reply(request):
+        # All at once (one read holds the lot), or a read per chunk (the event grows over
+        # reads that let nothing out).
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i, chunk in enumerate(chunks):
+            if i == 1 + len(endless):
+                await gate.wait()
+            await resp.write(chunk)
+            if trickle:
+                await asyncio.sleep(0.01)
+        await resp.write_eof()
+        return resp
+
+    upstream = Upstream()
+    upstream.reply = reply
+    client, _ = await setup(upstream=upstream, pipeline=["dedup"] if wanted else [])
+    resp = await client.post("/v1/messages", json={**BODY, "stream": True})
+    out = await asyncio.wait_for(resp.read(), 10)
+    gate.set()
+    assert out.startswith(start) and b"x" * 1000 not in out
+    last = out.rstrip(b"\n").split(b"\n\n")[-1]
+    assert last.startswith(b"event: error") and b"grew past 4096 bytes" in last
+
+
 async def test_client_disconnect_cancels_the_upstream(setup):
     seen = {"written": 0, "closed": asyncio.Event()}
 
