@@ -106,6 +106,8 @@ class Exchange:
                 elif self._sent is not None:
                     self._body = orjson.loads(self._sent)
             except (msgspec.MsgspecError, ValueError) as e:
+                if self._sent is not None:
+                    raise  # the request is gone: a plugin fault now, not the client's 400
                 raise invalid_request(f"request body is not valid JSON: {e}") from None
         return self._body
 

@@ -171,6 +171,17 @@ def test_broken_text_is_the_clients_400_when_a_plugin_asks_for_body():
     assert caught.value.status == 400 and "not valid JSON" in caught.value.message
 
 
+def test_after_sending_broken_text_is_a_plugin_fault_not_the_clients_400():
+    # Asked for in a response hook, say: the upstream has answered, and that answer must not
+    # turn into the client's 400 (the chain logs the fault and passes the answer on).
+    raw = b'{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"\xff"}]}]}'
+    exchange = exchange_for(raw, skeleton.decode(raw))
+    exchange.release_body(exchange.upstream_body())
+    with pytest.raises(Exception) as caught:
+        exchange.body
+    assert not isinstance(caught.value, RelayError)
+
+
 def test_the_model_cannot_change_once_the_request_is_sent():
     raw = orjson.dumps(history_body())
     exchange = exchange_for(raw, skeleton.decode(raw))
