@@ -178,24 +178,35 @@ async def prepare_exchange(state: RelayState, *, method: str, path: str, query: 
     model = exchange.model
     backend = exchange.backend = state.config.backend_for(model)
     exchange.response_headers["x-relay-request-id"] = exchange.id
-    if backend is None:
-        error = RelayError(404, f"model: {model} (no backend in the relay's configuration serves it)",
-                           "not_found_error")
+
+    def refused(error: RelayError) -> RelayError:
         error.exchange = exchange
-        raise error
+        return error
+
+    if backend is None:
+        raise refused(RelayError(
+            404, f"model: {model} (no backend in the relay's configuration serves it)",
+            "not_found_error"))
     target = backend.upstream_model(model)
     if target is not None and target != model:
         exchange.set_model(target)
         exchange.note("relay", "renamed model", model=model, upstream_model=target)
     try:
         await state.chain.run("relay_request", exchange)
+        # Encoded here, where a request that cannot be is still answered in Anthropic's
+        # format.
+        try:
+            exchange.release_body(exchange.upstream_body())
+        except RecursionError:  # nested deeper than the encoder goes (the parse went deeper)
+            raise invalid_request("request body is nested too deeply to be re-encoded") from None
+        except Exception:
+            log.exception("%s: the changed request could not be encoded", exchange.id)
+            raise
     except RelayError as error:
-        error.exchange = exchange
-        raise
-    except Exception as e:  # logged by the chain with the plugin's name
-        error = RelayError(500, "the relay failed while preparing this request", "api_error")
-        error.exchange = exchange
-        raise error from e
+        raise refused(error)
+    except Exception as e:  # logged by the chain with the plugin's name, or above
+        raise refused(RelayError(500, "the relay failed while preparing this request",
+                                 "api_error")) from e
     return exchange
 
 

@@ -255,6 +255,23 @@ async def test_bad_input_is_a_clear_400(setup, payload, fragment):
     assert upstream.received == []
 
 
+@pytest.mark.parametrize("depth, status", [(900, 200), (1010, 400)])
+async def test_a_changed_request_too_deep_to_encode_is_a_400(setup, depth, status):
+    # Deeper than the skeleton and the encoder go, not than the full parse: held as a dict,
+    # and the rename means it has to be encoded again.
+    content = b"[" * depth + b"]" * depth
+    raw = (b'{"model":"claude-test","max_tokens":10,"messages":[{"role":"user","content":'
+           b'[{"type":"tool_result","tool_use_id":"t","content":' + content + b'}]}]}')
+    client, upstream = await setup(rename={"claude-test": "claude-real"})
+    resp = await client.post("/v1/messages", data=raw, headers={"Content-Type": "application/json"})
+    assert resp.status == status
+    if status == 400:
+        assert (await resp.json())["error"]["type"] == "invalid_request_error"
+        assert upstream.received == []
+    else:
+        assert orjson.loads(upstream.received[0]["raw"])["model"] == "claude-real"
+
+
 @pytest.mark.parametrize("encoding", ["gzip", "deflate"])
 async def test_undecodable_body_is_a_400_not_a_500(setup, encoding):
     client, upstream = await setup()
