@@ -294,6 +294,8 @@ class LazyFramer:
                 break
             start = complete.rfind(b"\n\n", pos, hit)
             start = start + 2 if start >= 0 else pos
+            while complete[start] == 0x0A:  # extra blank lines go out as they came
+                start += 1
             stop = complete.find(b"\n\n", hit) + 2
             if start > pos:
                 parts.append(complete[pos:start])

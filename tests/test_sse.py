@@ -163,3 +163,12 @@ def test_an_end_followed_by_more_than_the_tail_no_longer_counts():
         for chunk in chunks:
             framer.feed(chunk)
         assert framer.ended is ended
+
+
+@pytest.mark.parametrize("cut", [0, 1, 2])
+def test_blank_lines_before_a_framed_event_go_out_as_they_came(cut):
+    first = b'event: message_start\ndata: {"type": "message_start"}\n\n'
+    stream = first + b"\n" * cut + b'\nevent: ping\ndata: {"type": "ping"}\n\n'
+    forwarded, events = lazy_frame(stream, [len(first)], {"ping"})
+    assert forwarded == stream
+    assert [e.name for e in events] == ["ping"]
