@@ -19,35 +19,41 @@ ROOT = Path(__file__).resolve().parent.parent
 LISTENING = re.compile(r"listening on (http://[\w.\[\]:]+)")
 
 
-class Server:
-    """A subprocess that prints `... listening on http://HOST:PORT` once it is ready."""
+class Process:
+    """A subprocess that prints ``... listening on http://HOST:PORT`` once it is ready; its
+    output is kept (up to ``MAX_LINES`` lines, for a long benchmark run)."""
 
-    def __init__(self, args: list[str], env: dict | None = None, cwd: str | None = None,
-                 timeout: float = 20.0):
-        self.args = args
-        self.lines: list[str] = []
+    MAX_LINES = 5000
+
+    def __init__(self, argv: list[str], env: dict | None = None, cwd: str | None = None):
         full_env = dict(os.environ, PYTHONUNBUFFERED="1")
         full_env.pop("RELAY_TRACE", None)
         full_env.update(env or {})
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "relay", *args], cwd=cwd or ROOT, env=full_env,
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self._ready = threading.Event()
+        self.lines: list[str] = []
         self.url: str | None = None
+        self._ready = threading.Event()
+        self.proc = subprocess.Popen(
+            argv, cwd=cwd or ROOT, env=full_env,
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.pid = self.proc.pid
         threading.Thread(target=self._read, daemon=True).start()
-        if not self._ready.wait(timeout) or self.url is None:
-            self.stop()
-            raise RuntimeError(f"{args[:2]} did not start:\n{self.output()}")
 
     def _read(self) -> None:
         for line in self.proc.stdout:
-            self.lines.append(line)
+            if len(self.lines) < self.MAX_LINES:
+                self.lines.append(line)
             if self.url is None:
                 match = LISTENING.search(line)
                 if match:
                     self.url = match.group(1)
                     self._ready.set()
         self._ready.set()
+
+    def wait_ready(self, timeout: float, what: str) -> str:
+        if not self._ready.wait(timeout) or self.url is None:
+            self.stop()
+            raise RuntimeError(f"{what} did not start:\n{self.output()}")
+        return self.url
 
     def output(self) -> str:
         return "".join(self.lines)
@@ -64,10 +70,20 @@ class Server:
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
-                self.proc.wait(5)
+                self.proc.wait(10)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)
+
+
+class Server(Process):
+    """``python -m relay ARGS`` (the relay or the emulator), started and ready."""
+
+    def __init__(self, args: list[str], env: dict | None = None, cwd: str | None = None,
+                 timeout: float = 20.0):
+        self.args = args
+        super().__init__([sys.executable, "-m", "relay", *args], env=env, cwd=cwd)
+        self.wait_ready(timeout, str(args[:2]))
 
 
 class Emulator(Server):

@@ -5,18 +5,18 @@ from __future__ import annotations
 import asyncio
 import glob
 import os
-import re
 import subprocess
 import sys
-import threading
 import time
 
 import orjson
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HERE = os.path.dirname(os.path.abspath(__file__))
-LISTENING = re.compile(r"listening on (http://[\w.\[\]:]+)")
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+sys.path.insert(0, os.path.dirname(HERE))  # tests/, for the subprocess helper the tests use
+import support  # noqa: E402
 
 
 def child_env() -> dict:
@@ -26,48 +26,15 @@ def child_env() -> dict:
     return env
 
 
-class Server:
-    """A subprocess that prints ``... listening on http://HOST:PORT`` once it is ready."""
+class Server(support.Process):
+    """A benchmark process by name: the mock, a proxy, the relay."""
 
     def __init__(self, name: str, argv: list[str], cwd: str = ROOT, env: dict | None = None):
         self.name = name
-        self.lines: list[str] = []
-        self.url: str | None = None
-        self._ready = threading.Event()
-        self.proc = subprocess.Popen(argv, cwd=cwd, env={**child_env(), **(env or {})},
-                                     stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.pid = self.proc.pid
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            if len(self.lines) < 2000:
-                self.lines.append(line)
-            if self.url is None:
-                match = LISTENING.search(line)
-                if match:
-                    self.url = match.group(1)
-                    self._ready.set()
-        self._ready.set()
+        super().__init__(argv, env={**child_env(), **(env or {})}, cwd=cwd)
 
     def wait_ready(self, timeout: float = 30.0) -> str:
-        if not self._ready.wait(timeout) or self.url is None:
-            self.stop()
-            raise RuntimeError(f"{self.name} did not start:\n{self.output()}")
-        return self.url
-
-    def output(self) -> str:
-        return "".join(self.lines)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        return super().wait_ready(timeout, self.name)
 
 
 class LoadWorker:
