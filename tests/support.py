@@ -13,7 +13,14 @@ import time
 import urllib.request
 from pathlib import Path
 
+import orjson
+import pytest
 import yaml
+
+from relay import skeleton
+from relay.config import Backend
+from relay.errors import RelayError
+from relay.exchange import Exchange
 
 ROOT = Path(__file__).resolve().parent.parent
 LISTENING = re.compile(r"listening on (http://[\w.\[\]:]+)")
@@ -110,6 +117,37 @@ class Relay(Server):
 def backend(url: str, name: str = "emu", models=("*",), **extra) -> dict:
     """A relay.yaml backend entry pointing at a test server."""
     return {"name": name, "url": url, "models": list(models), **extra}
+
+
+# --- running a plugin's request hook ----------------------------------------------------
+
+
+def exchange_for(body: dict, quirks=None, endpoint: str = "messages") -> Exchange:
+    """An exchange for ``body`` built as serving builds it: from the skeleton, or from the
+    full parse when the body cannot be one."""
+    raw = orjson.dumps(body)
+    found = skeleton.decode(raw)
+    kind = {"skeleton": found} if found is not None else {"body": body}
+    return Exchange(endpoint=endpoint, method="POST", path="/v1/messages", query="", headers={},
+                    raw_body=raw, backend=Backend(name="b", url="http://x", models=["*"],
+                                                  quirks=quirks or {}), **kind)
+
+
+def rejection(hook, body: dict, options=None) -> str:
+    """The message of the 400 ``hook`` (a plugin's relay_request) refuses ``body`` with."""
+    with pytest.raises(RelayError) as caught:
+        hook(exchange_for(body), options or {})
+    assert caught.value.status == 400 and caught.value.type == "invalid_request_error"
+    return caught.value.message
+
+
+def passes(hook, body: dict, options=None) -> Exchange:
+    """Run ``hook`` on ``body``, which it must leave alone: the client's bytes go up."""
+    exchange = exchange_for(body)
+    hook(exchange, options or {})
+    assert not exchange.changed and exchange.repairs == 0
+    assert exchange.upstream_body() == orjson.dumps(body)
+    return exchange
 
 
 # --- building message histories ---------------------------------------------------------

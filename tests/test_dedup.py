@@ -7,14 +7,15 @@ import orjson
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from support import exchange_for
 
 from plugins import dedup
 from plugins import pairing as pairing_plugin
 from relay.chain import Chain, load_plugins
-from relay.config import Backend, parse
+from relay.config import parse
 from relay.emulator import EmulatorOptions, find_problem
 from relay.errors import ConfigError
-from relay.exchange import Exchange, UpstreamResponse
+from relay.exchange import UpstreamResponse
 from relay.sse import Event
 
 RESTORE = {"restore_original_ids": True}
@@ -31,9 +32,7 @@ def make_exchange(messages, quirks=None, endpoint="messages", stream=False):
     body = {"model": "m", "max_tokens": 10, "messages": messages}
     if stream:
         body["stream"] = True
-    return Exchange(endpoint=endpoint, method="POST", path="/v1/messages", query="", headers={},
-                    raw_body=orjson.dumps(body), body=body,
-                    backend=Backend(name="b", url="http://x", models=["*"], quirks=quirks or {}))
+    return exchange_for(body, quirks, endpoint)
 
 
 def call(tool_id, n=0):

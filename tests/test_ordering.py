@@ -2,42 +2,25 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 
-import orjson
 import pytest
-from support import assistant, request, result, text, use, user
+import support
+from support import assistant, exchange_for, request, result, text, use, user
 
 from plugins import ordering
 from relay.config import Backend, Config
-from relay.errors import ConfigError, RelayError
-from relay.exchange import Exchange
+from relay.errors import ConfigError
 
-
-def exchange_for(body):
-    return Exchange(endpoint="messages", method="POST", path="/v1/messages", query="", headers={},
-                    raw_body=orjson.dumps(body), body=body,
-                    backend=Backend(name="b", url="http://x", models=["*"], quirks={}))
+rejection = functools.partial(support.rejection, ordering.relay_request)
+passes = functools.partial(support.passes, ordering.relay_request)
 
 
 def not_first(index, calls):
     return (f"messages.{index}: Did not find {calls} `tool_result` block(s) at the beginning of this "
             f"message. Messages following `tool_use` blocks must begin with a matching number of "
             f"`tool_result` blocks.")
-
-
-def rejection(body, options=None):
-    with pytest.raises(RelayError) as caught:
-        ordering.relay_request(exchange_for(body), options or {})
-    assert caught.value.status == 400 and caught.value.type == "invalid_request_error"
-    return caught.value.message
-
-
-def passes(body, options=None):
-    exchange = exchange_for(body)
-    ordering.relay_request(exchange, options or {})
-    assert not exchange.changed and exchange.repairs == 0
-    assert exchange.upstream_body() == orjson.dumps(body)
 
 
 def test_results_then_text_passes():
@@ -109,6 +92,7 @@ def test_repair_moves_results_first_and_keeps_everything(caplog):
     exchange = exchange_for(body)
     with caplog.at_level(logging.INFO, logger="relay.plugins.ordering"):
         ordering.relay_request(exchange, {"ordering_mode": "repair"})
+    body = exchange.body  # the request as repaired
     assert body["messages"][2]["content"] == [result("toolu_b"), result("toolu_a"), text("first"),
                                               image, text("last")]
     assert exchange.changed and exchange.repairs == 1
@@ -139,7 +123,7 @@ def test_validate_lists_every_problem_and_repair_leaves_none():
     exchange = exchange_for(body)
     assert ordering.relay_validate(exchange, {}, True) == []
     assert exchange.changed and exchange.repairs == 2
-    assert ordering.relay_validate(exchange_for(body), {}, False) == []
+    assert ordering.relay_validate(exchange_for(exchange.body), {}, False) == []
     assert ordering.relay_validate(exchange_for(body), {"ordering_mode": "off"}, False) is None
 
 

@@ -7,6 +7,7 @@ relay's verdict (pairing, then ordering, as the pipeline runs them) agrees with 
 
 from __future__ import annotations
 
+import functools
 import logging
 from unittest import mock
 
@@ -14,21 +15,19 @@ import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support import assistant, request, result, text, use, user
+import support
+from support import assistant, exchange_for, request, result, text, use, user
 
 from plugins import ordering, pairing
 from relay.config import Backend, Config
 from relay.emulator import EmulatorOptions, find_problem
 from relay.errors import ConfigError, RelayError
-from relay.exchange import Exchange
+
+rejection = functools.partial(support.rejection, pairing.relay_request)
+passes = functools.partial(support.passes, pairing.relay_request)
+
 
 # --- building histories -----------------------------------------------------------------------
-
-
-def exchange_for(body, quirks=None):
-    return Exchange(endpoint="messages", method="POST", path="/v1/messages", query="", headers={},
-                    raw_body=orjson.dumps(body), body=body,
-                    backend=Backend(name="b", url="http://x", models=["*"], quirks=quirks or {}))
 
 
 def missing_text(index, *ids):
@@ -41,21 +40,6 @@ def unexpected_text(index, k, id):
     return (f"messages.{index}.content.{k}: unexpected `tool_use_id` found in `tool_result` blocks: "
             f"{id}. Each `tool_result` block must have a corresponding `tool_use` block in the "
             f"previous message.")
-
-
-def rejection(body, options=None):
-    with pytest.raises(RelayError) as caught:
-        pairing.relay_request(exchange_for(body), options or {})
-    assert caught.value.status == 400 and caught.value.type == "invalid_request_error"
-    return caught.value.message
-
-
-def passes(body, options=None):
-    exchange = exchange_for(body)
-    pairing.relay_request(exchange, options or {})
-    assert not exchange.changed and exchange.repairs == 0
-    assert exchange.upstream_body() == orjson.dumps(body)
-    return exchange
 
 
 # The seed document's two histories.
@@ -217,6 +201,7 @@ def test_repair_adds_an_error_result_with_the_calls_own_id(caplog):
     exchange = exchange_for(body)
     with caplog.at_level(logging.INFO, logger="relay.plugins.pairing"):
         pairing.relay_request(exchange, {"pairing_mode": "repair"})
+    body = exchange.body  # the request as repaired
     added = {"type": "tool_result", "tool_use_id": "toolu_a", "content": pairing.NO_RESULT_RECORDED,
              "is_error": True}
     assert body["messages"][2]["content"] == [added, result("toolu_b"), text("and then")]
@@ -234,8 +219,9 @@ def test_repair_goes_to_the_front_of_a_misplaced_run():
     # The run stays in one piece, so the ordering plugin can still move it whole.
     body = request(user(text("go")), assistant(use("toolu_a"), use("toolu_b")),
                    user(text("first"), result("toolu_b")))
-    pairing.relay_request(exchange_for(body), {"pairing_mode": "repair"})
-    assert [b.get("tool_use_id") for b in body["messages"][2]["content"]] == [None, "toolu_a", "toolu_b"]
+    exchange = exchange_for(body)
+    pairing.relay_request(exchange, {"pairing_mode": "repair"})
+    assert [b.get("tool_use_id") for b in exchange.messages[2]["content"]] == [None, "toolu_a", "toolu_b"]
 
 
 def test_repair_inserts_a_user_message_when_none_answers():
@@ -243,6 +229,7 @@ def test_repair_inserts_a_user_message_when_none_answers():
                    user(text("y")))
     exchange = exchange_for(body)
     pairing.relay_request(exchange, {"pairing_mode": "repair"})
+    body = exchange.body  # the request as repaired
     roles = [m["role"] for m in body["messages"]]
     assert roles == ["user", "assistant", "user", "assistant", "user"]
     assert [b["tool_use_id"] for b in body["messages"][2]["content"]] == ["toolu_a"]
@@ -253,8 +240,9 @@ def test_repair_inserts_a_user_message_when_none_answers():
 
 def test_repair_keeps_a_string_answer_as_text():
     body = request(user(text("go")), assistant(use("toolu_a")), {"role": "user", "content": "next"})
-    pairing.relay_request(exchange_for(body), {"pairing_mode": "repair"})
-    content = body["messages"][2]["content"]
+    exchange = exchange_for(body)
+    pairing.relay_request(exchange, {"pairing_mode": "repair"})
+    content = exchange.body["messages"][2]["content"]
     assert [b["type"] for b in content] == ["tool_result", "text"] and content[1]["text"] == "next"
 
 
