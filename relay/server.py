@@ -251,9 +251,8 @@ class Relay:
         backend = exchange.backend
         url = upstream_url(backend, exchange.path, exchange.query)
         headers = forward_headers(request.headers, backend)
-        body = exchange.upstream_body()
+        body = exchange.upstream_body()  # encoded and released by prepare_exchange
         exchange.upstream_request = {"url": url, "headers": headers, "body": body}
-        exchange.release_body(body)
         try:
             # A redirect would turn the POST into a GET and carry the key to another host.
             upstream = await state.session.request(
