@@ -89,6 +89,10 @@ def run_serve(args) -> int:
     port = config.port if args.port is None else args.port
     if not 0 <= port <= 65535:
         return fail(f"--port: must be between 0 and 65535, not {port}")
+    try:
+        config_module.check_exposure(config, host)
+    except ConfigError as e:
+        return fail(f"config error: {e}")
     for name in config.plugins:
         if name not in config.pipeline:
             logging.getLogger("relay").warning(

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import fnmatch
+import ipaddress
 import os
+import re
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -12,6 +14,13 @@ import yaml
 from .errors import ConfigError
 
 MAX_BODY_BYTES = 32 * 1024 * 1024  # the Messages API's own request limit
+ROUTE_CACHE_BYTES = 256 * 1024
+# What a path segment may hold: RFC 3986's unreserved and sub-delims, ":" and "@"; no "%"
+# (an encoded "/" or "." would let a path leave the backend's base path once decoded), no ";".
+SEGMENT = re.compile(r"[A-Za-z0-9._~@:+=,!$&'()*-]+")
+# Paths passed through to the default backend untouched, as "METHOD /path"; "*" stands for
+# one path segment.
+DEFAULT_PASSTHROUGH = ("GET /v1/models", "GET /v1/models/*")
 
 
 @dataclass
@@ -46,6 +55,38 @@ class Backend:
 
 
 @dataclass
+class InboundKey:
+    """A key a client presents to the relay (``server.auth.keys``): never from relay.yaml
+    itself, and never sent upstream."""
+
+    name: str
+    secret: str = field(repr=False)
+    backends: list[str] | None = None  # the backends it may reach; None: all
+    models: list[str] | None = None  # model name patterns it may ask for; None: all
+
+    def may_use(self, backend: "Backend", model: str | None) -> bool:
+        if self.backends is not None and backend.name not in self.backends:
+            return False
+        if self.models is not None and (model is None or not any(
+                fnmatch.fnmatchcase(model, pattern) for pattern in self.models)):
+            return False
+        return True
+
+
+@dataclass
+class Passthrough:
+    """One pass-through route: a method and a path whose ``*`` segments match any one
+    segment."""
+
+    method: str
+    segments: tuple[str, ...]
+
+    def matches(self, method: str, segments: list[str]) -> bool:
+        return (method == self.method and len(segments) == len(self.segments)
+                and all(want == "*" or want == got for want, got in zip(self.segments, segments)))
+
+
+@dataclass
 class Config:
     backends: list[Backend]
     pipeline: list[str] = field(default_factory=list)
@@ -56,8 +97,17 @@ class Config:
     upstream_connections: int = 512
     log_level: str = "INFO"
     access_log: bool = False
+    max_upstream_body_bytes: int = 64 * 1024 * 1024
+    header_timeout: float = 10.0
+    body_timeout: float = 60.0
+    max_connections: int = 1024
+    allowed_hosts: list[str] = field(default_factory=list)
+    allow_unauthenticated: bool = False
+    passthrough: list[Passthrough] = field(default_factory=list)
+    keys: list[InboundKey] | None = None  # None: inbound auth off
     source: str | None = None
     _routes: dict = field(default_factory=dict, repr=False, compare=False)
+    _routes_bytes: int = field(default=0, repr=False, compare=False)
 
     def backend_for(self, model: str) -> Backend | None:
         try:
@@ -67,9 +117,13 @@ class Config:
         found = next((b for b in self.backends if b.serves(model)), None)
         if found is None:
             found = self.default_backend(fallback=False)
-        if len(self._routes) >= 1024:  # model names come from clients: keep the cache bounded
+        # Model names come from clients: what the cache holds is bounded by bytes, not only
+        # by count.
+        if self._routes_bytes + len(model) > ROUTE_CACHE_BYTES:
             self._routes.clear()
+            self._routes_bytes = 0
         self._routes[model] = found
+        self._routes_bytes += len(model)
         return found
 
     def default_backend(self, fallback: bool = True) -> Backend | None:
@@ -139,7 +193,9 @@ def parse(raw, env=os.environ, require_keys: bool = True) -> Config:
 
     server = _expect(raw.get("server", {}) or {}, dict, "server", "a mapping")
     _unknown(server, {"host", "port", "max_body_bytes", "upstream_connections", "log_level",
-                      "access_log"}, "server")
+                      "access_log", "max_upstream_body_bytes", "header_timeout", "body_timeout",
+                      "max_connections", "allowed_hosts", "allow_unauthenticated", "passthrough",
+                      "auth"}, "server")
     config.host = _expect(server.get("host", config.host), str, "server.host", "a string")
     port = _expect(server.get("port", config.port), int, "server.port", "an integer")
     if not 0 <= port <= 65535:
@@ -155,6 +211,25 @@ def parse(raw, env=os.environ, require_keys: bool = True) -> Config:
     config.log_level = level.upper()
     config.access_log = _expect(server.get("access_log", False), bool, "server.access_log",
                                 "true or false")
+    for key in ("max_upstream_body_bytes", "max_connections"):
+        if key in server:
+            setattr(config, key, int(_number(server[key], f"server.{key}")))
+    for key in ("header_timeout", "body_timeout"):
+        if key in server:
+            setattr(config, key, _number(server[key], f"server.{key}"))
+    hosts = _expect(server.get("allowed_hosts", []) or [], list, "server.allowed_hosts",
+                    "a list of host names")
+    for i, name in enumerate(hosts):
+        _expect(name, str, f"server.allowed_hosts[{i}]", "a host name")
+    config.allowed_hosts = [name.lower() for name in hosts]
+    config.allow_unauthenticated = _expect(server.get("allow_unauthenticated", False), bool,
+                                           "server.allow_unauthenticated", "true or false")
+    routes = _expect(server.get("passthrough", list(DEFAULT_PASSTHROUGH)), list,
+                     "server.passthrough", 'a list of "METHOD /v1/path" entries')
+    config.passthrough = [_passthrough(entry, f"server.passthrough[{i}]")
+                          for i, entry in enumerate(routes)]
+    if "auth" in server:
+        config.keys = _keys(server["auth"], "server.auth", env, require_keys)
 
     pipeline = _expect(raw.get("pipeline", []) or [], list, "pipeline", "a list of plugin names")
     for i, name in enumerate(pipeline):
@@ -181,6 +256,96 @@ def parse(raw, env=os.environ, require_keys: bool = True) -> Config:
     if sum(b.default for b in config.backends) > 1:
         raise ConfigError("backends: only one backend may be the default")
     return config
+
+
+def _passthrough(entry, path: str) -> Passthrough:
+    _expect(entry, str, path, 'a "METHOD /v1/path" string')
+    method, _, route = entry.strip().partition(" ")
+    if not route:
+        method, route = "GET", method
+    route = route.strip()
+    segments = route.split("/")[1:]
+    if (not route.startswith("/v1/") or not method.isalpha() or not method.isupper()
+            or any(s in ("", ".", "..") or not SEGMENT.fullmatch(s) for s in segments if s != "*")):
+        raise ConfigError(f'{path}: must be "METHOD /v1/path" with plain path segments '
+                          f'(or * for one segment), not {entry!r}')
+    return Passthrough(method, tuple(segments))
+
+
+def _keys(raw, path: str, env, require_keys: bool) -> list[InboundKey]:
+    """The inbound keys: each from an environment variable or a file, never from relay.yaml."""
+    _expect(raw, dict, path, "a mapping")
+    _unknown(raw, {"keys"}, path)
+    entries = _expect(raw.get("keys"), list, f"{path}.keys", "a list of keys")
+    if not entries:
+        raise ConfigError(f"{path}.keys: at least one key is required when auth is on")
+    keys, names = [], set()
+    for i, item in enumerate(entries):
+        where = f"{path}.keys[{i}]"
+        _expect(item, dict, where, "a mapping")
+        _unknown(item, {"name", "key_env", "key_file", "backends", "models"}, where)
+        if "name" not in item:
+            raise ConfigError(f"{where}.name: required")
+        name = _expect(item["name"], str, f"{where}.name", "a string")
+        if name in names:
+            raise ConfigError(f"{where}.name: {name!r} is used twice")
+        names.add(name)
+        if ("key_env" in item) == ("key_file" in item):
+            raise ConfigError(f"{where}: give exactly one of key_env or key_file "
+                              f"(a key is never written in relay.yaml)")
+        if "key_env" in item:
+            var = _expect(item["key_env"], str, f"{where}.key_env", "an environment variable name")
+            secret = env.get(var, "")
+            if not secret and require_keys:
+                raise ConfigError(f"{where}.key_env: environment variable {var} is not set")
+        else:
+            file = _expect(item["key_file"], str, f"{where}.key_file", "a file path")
+            try:
+                with open(file, encoding="utf-8") as f:
+                    secret = f.read().strip()
+            except (OSError, UnicodeDecodeError) as e:
+                if require_keys:
+                    raise ConfigError(f"{where}.key_file: cannot read {file}: "
+                                      f"{getattr(e, 'strerror', None) or e}") from None
+                secret = ""
+            if not secret and require_keys:
+                raise ConfigError(f"{where}.key_file: {file} is empty")
+        if secret and len(secret) < 16:
+            raise ConfigError(f"{where}: the key must be at least 16 characters long")
+        restrictions = {}
+        for key in ("backends", "models"):
+            if key in item:
+                values = _expect(item[key], list, f"{where}.{key}", "a list of names")
+                for j, value in enumerate(values):
+                    _expect(value, str, f"{where}.{key}[{j}]", "a string")
+                restrictions[key] = list(values)
+        keys.append(InboundKey(name=name, secret=secret, **restrictions))
+    return keys
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or address to listen on) stays on this machine."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposure(config: Config, host: str) -> None:
+    """Refuse to listen beyond loopback with an operator's key on offer to anyone: a relay
+    with a backend key and no inbound auth would be an open proxy for that key."""
+    if is_loopback(host) or config.keys is not None or config.allow_unauthenticated:
+        return
+    keyed = [b.name for b in config.backends if b.api_key_env]
+    if keyed:
+        raise ConfigError(
+            f"server.host: {host} listens beyond loopback, and backends {', '.join(keyed)} "
+            f"put the operator's key on every request, but inbound auth is off: anyone who can "
+            f"reach {host} could use that key. Set server.auth.keys, listen on 127.0.0.1, or "
+            f"set server.allow_unauthenticated: true if something in front of the relay "
+            f"authenticates clients")
 
 
 def _backend(item, path: str, env, require_keys: bool) -> Backend:

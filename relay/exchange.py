@@ -59,6 +59,7 @@ class Exchange:
         else:
             self.model = body.get("model") if body else None
             self.stream = bool(body.get("stream")) if body else False
+        self.key_name: str | None = None  # the inbound key's name, when auth is on
         self.translation: dict[str, dict] = {}
         self.timeline: list[dict] = []
         self.state: dict[str, Any] = {}

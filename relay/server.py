@@ -11,30 +11,27 @@ import aiohttp
 import orjson
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
-from multidict import CIMultiDict
-
 from . import __version__, skeleton
 from .chain import Chain
+from .config import InboundKey
 from .errors import RelayError, invalid_request
 from .exchange import Exchange, UpstreamResponse
+from .inbound import Gate, check_target, forbidden, host_allowed, is_json, split_target
+from .listen import Listener
 from .skeleton import Skeleton
-from .sse import Event, LazyFramer
+from .sse import Event, LazyFramer, names_events
+from .upstream import client_headers, forward_headers, upstream_url
 
 log = logging.getLogger("relay")
 access_log = logging.getLogger("relay.access")
 
-# RFC 9110 hop-by-hop headers, plus the ones the relay recomputes: aiohttp decodes content
-# encodings on both sides, so a forwarded content-encoding or content-length would be stale.
-HOP_BY_HOP = frozenset({
-    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
-    "te", "trailer", "trailers", "transfer-encoding", "upgrade",
-    "host", "content-length", "content-encoding", "accept-encoding",
-})
-AUTH_HEADERS = ("x-api-key", "authorization")
 ENDPOINTS = {"/v1/messages": "messages", "/v1/messages/count_tokens": "count_tokens"}
 STREAM_ENDS = ("message_stop", "error")
 # One event larger than this means the upstream stopped framing: give up rather than buffer on.
 MAX_EVENT_BYTES = 64 * 1024 * 1024
+# Longer than any model name a backend serves; a client's longer name is refused, not routed
+# (and not cached).
+MAX_MODEL_CHARS = 256
 
 STATE = web.AppKey("relay_state", "RelayState")
 
@@ -45,41 +42,75 @@ class RelayState:
     def __init__(self, config, chain: Chain):
         self.config = config
         self.chain = chain
+        self.gate = Gate(config.keys) if config.keys is not None else None
         self.session: aiohttp.ClientSession | None = None
         self.timeouts = {
             b.name: aiohttp.ClientTimeout(total=b.timeouts.total, connect=b.timeouts.connect,
                                           sock_read=b.timeouts.read)
             for b in config.backends}
 
-
-def relay_error(error: RelayError, request_id: str | None = None, headers=None) -> web.Response:
-    return web.Response(status=error.status, body=error.body(request_id),
-                        content_type="application/json", headers=headers)
+    def upstream_headers(self, headers, backend):
+        return forward_headers(headers, backend, strip_client_auth=self.gate is not None)
 
 
-async def read_body(request: web.Request, limit: int) -> bytes:
-    """The whole request body, decoded; a body that can't be read is the client's 4xx."""
+def relay_error(error: RelayError, request_id: str | None = None, headers=None,
+                close: bool = False) -> web.Response:
+    response = web.Response(status=error.status, body=error.body(request_id),
+                            content_type="application/json", headers=headers)
+    if close:
+        response.force_close()
+    return response
+
+
+async def read_body(request: web.Request, limit: int, timeout: float | None = None) -> bytes:
+    """The whole request body, decoded; a body that can't be read is the client's 4xx. A
+    declared length over the limit is refused before a byte of the body is read."""
+    if request.content_length is not None and request.content_length > limit:
+        raise too_large(limit)
     try:
-        return await request.read()
+        return await asyncio.wait_for(request.read(), timeout)
     except web.HTTPRequestEntityTooLarge:
         raise too_large(limit) from None
+    except asyncio.TimeoutError:
+        raise RelayError(408, f"request body not received within {timeout:g} s",
+                         "timeout_error") from None
     except RequestPayloadError as e:
         cause = e.__cause__ or e
         reason = getattr(cause, "message", None) or str(cause).strip()
         raise invalid_request(f"request body could not be read: {reason}") from None
 
 
+class UpstreamTooLarge(Exception):
+    """An upstream answer longer than ``server.max_upstream_body_bytes`` (decoded)."""
+
+
+async def read_capped(upstream, limit: int) -> bytes:
+    """A whole upstream body, decompressed, but never more than ``limit`` bytes of it."""
+    if upstream.content_length is not None and upstream.content_length > limit \
+            and "Content-Encoding" not in upstream.headers:
+        raise UpstreamTooLarge(limit)
+    parts = []
+    size = 0
+    async for chunk in upstream.content.iter_any():
+        size += len(chunk)
+        if size > limit:
+            raise UpstreamTooLarge(limit)
+        parts.append(chunk)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
 def upstream_failure(backend, e: BaseException) -> RelayError:
-    """The relay's own answer when the upstream could not be reached or went silent."""
+    """The relay's own answer when the upstream could not be reached, went silent or sent
+    more than the relay takes."""
+    if isinstance(e, UpstreamTooLarge):
+        return RelayError(502, f"upstream {backend.name} answered with more than the relay's "
+                               f"limit of {e.args[0]} bytes (server.max_upstream_body_bytes)",
+                          "api_error")
     timeout = isinstance(e, asyncio.TimeoutError)
     what = "timed out" if timeout else "is unreachable"
     return RelayError(504 if timeout else 502,
                       f"upstream {backend.name} {what}: {type(e).__name__} {e}".rstrip(),
                       "timeout_error" if timeout else "api_error")
-
-
-def upstream_url(backend, path: str, query: str) -> str:
-    return backend.url + path + ("?" + query if query else "")
 
 
 def too_large(limit: int) -> RelayError:
@@ -111,43 +142,6 @@ def parse_request(raw: bytes) -> Skeleton | dict:
     return body
 
 
-def _hop_by_hop(headers) -> frozenset:
-    """The fixed hop-by-hop set plus whatever the sender's Connection header names."""
-    named = headers.get("Connection")
-    if not named:
-        return HOP_BY_HOP
-    return HOP_BY_HOP | {token.strip().lower() for token in named.split(",")}
-
-
-def end_to_end(headers) -> CIMultiDict:
-    """The headers a proxy passes on: all but the hop-by-hop ones."""
-    out = CIMultiDict()
-    drop = _hop_by_hop(headers)
-    for name, value in headers.items():
-        if name.lower() not in drop:
-            out.add(name, value)
-    return out
-
-
-def forward_headers(headers, backend) -> CIMultiDict:
-    out = end_to_end(headers)
-    if backend.api_key:
-        for name in AUTH_HEADERS:
-            out.popall(name, None)
-        if backend.auth == "bearer":
-            out["Authorization"] = "Bearer " + backend.api_key
-        else:
-            out["x-api-key"] = backend.api_key
-    return out
-
-
-def client_headers(upstream_headers, extra: dict | None = None) -> CIMultiDict:
-    out = end_to_end(upstream_headers)
-    if extra:
-        out.update(extra)
-    return out
-
-
 def log_exchange(exchange: Exchange, status: int | None) -> None:
     """One line per exchange (``server.access_log``): what an operator greps for first, the
     id naming any dump. Off by default: a log record costs more than the relay's own work on
@@ -161,11 +155,13 @@ def log_exchange(exchange: Exchange, status: int | None) -> None:
 
 
 async def prepare_exchange(state: RelayState, *, method: str, path: str, query: str,
-                           headers, raw_body: bytes) -> Exchange:
+                           headers, raw_body: bytes, key: InboundKey | None = None) -> Exchange:
     """Parse, route and run the request chain: everything before the upstream is called.
 
-    Raises RelayError for a request the client must be refused; the exchange it was refused
-    in is attached as ``error.exchange`` (when one was built) so the end hooks can see it.
+    ``key`` is the inbound key the client authenticated with, if auth is on: a backend or
+    model it may not use is refused here. Raises RelayError for a request the client must be
+    refused; the exchange it was refused in is attached as ``error.exchange`` (when one was
+    built) so the end hooks can see it.
     """
     endpoint = ENDPOINTS[path]
     parsed = parse_request(raw_body)
@@ -175,18 +171,25 @@ async def prepare_exchange(state: RelayState, *, method: str, path: str, query: 
     else:
         exchange = Exchange(endpoint=endpoint, method=method, path=path, query=query,
                             headers=headers, raw_body=raw_body, skeleton=parsed)
-    model = exchange.model
-    backend = exchange.backend = state.config.backend_for(model)
+    exchange.key_name = key.name if key is not None else None
     exchange.response_headers["x-relay-request-id"] = exchange.id
 
     def refused(error: RelayError) -> RelayError:
         error.exchange = exchange
         return error
 
+    model = exchange.model
+    if len(model) > MAX_MODEL_CHARS:
+        exchange.model = model[:MAX_MODEL_CHARS] + "..."
+        raise refused(invalid_request(
+            f"model: String should have at most {MAX_MODEL_CHARS} characters"))
+    backend = exchange.backend = state.config.backend_for(model)
     if backend is None:
         raise refused(RelayError(
             404, f"model: {model} (no backend in the relay's configuration serves it)",
             "not_found_error"))
+    if key is not None and not key.may_use(backend, model):
+        raise refused(forbidden(key, f"model {model!r} (backend {backend.name})"))
     target = backend.upstream_model(model)
     if target is not None and target != model:
         exchange.set_model(target)
@@ -210,35 +213,115 @@ async def prepare_exchange(state: RelayState, *, method: str, path: str, query: 
     return exchange
 
 
+async def stream_failed(exchange: Exchange, response: web.StreamResponse, message: str) -> None:
+    """End a stream whose headers are gone with an ``error`` event, so the client knows it is
+    cut short. Bounded: a client that does not read cannot hold the relay here."""
+    exchange.outcome = "stream_error"
+    exchange.note("relay", "stream error", message=message)
+    error = Event.build("error", {"type": "error", "error": {"type": "api_error",
+                                                              "message": message}})
+    try:
+        await asyncio.wait_for(response.write(error.raw), 5)
+    except Exception as e:  # the client is gone or stuck; nothing more to tell it
+        log.info("%s: could not deliver the stream's error event: %r", exchange.id, e)
+
+
+def not_allowed(method: str, path: str) -> RelayError:
+    return RelayError(405, f"Method {method} is not allowed for {path}",
+                      "invalid_request_error")
+
+
+class Route:
+    """Where a checked request goes: its handler, the path and query as the client sent them,
+    and the inbound key it authenticated with."""
+
+    __slots__ = ("handler", "path", "query", "key")
+
+    def __init__(self, handler, path: str, query: str, key: InboundKey | None):
+        self.handler = handler
+        self.path = path
+        self.query = query
+        self.key = key
+
+
+ROUTE = web.RequestKey("relay_route", Route)
+
+
 class Relay:
     """Request handlers. One instance per app; no state survives an exchange."""
 
     def __init__(self, state: RelayState):
         self.state = state
 
+    async def dispatch(self, request: web.Request) -> web.StreamResponse:
+        """Every request: check the target, the Host, the key, the method and the body's type,
+        then hand over. Only the two Messages endpoints, ``/healthz`` and the configured
+        pass-through routes answer; the client's path is never normalised into another."""
+        try:
+            route = self.route(request)
+        except RelayError as error:
+            return relay_error(error, close=request.can_read_body)
+        request[ROUTE] = route
+        return await route.handler(request)
+
+    def route(self, request: web.Request) -> Route:
+        config = self.state.config
+        path, query = split_target(request.raw_path)
+        segments = check_target(path, query)
+        gate = self.state.gate
+        if gate is None and not host_allowed(request.headers.get("Host"), config):
+            raise RelayError(403, "this relay does not answer to the Host "
+                                  f"{request.headers.get('Host', '')[:200]!r} (see "
+                                  "server.allowed_hosts)", "permission_error")
+        method = request.method
+        if path == "/healthz":
+            if method not in ("GET", "HEAD"):
+                raise not_allowed(method, path)
+            return Route(self.healthz, path, query, None)
+        key = gate.authenticate(request.headers) if gate is not None else None
+        if path in ENDPOINTS:
+            if method != "POST":
+                raise not_allowed(method, path)
+            handler = self.messages
+        elif any(p.matches(method, segments) for p in config.passthrough):
+            backend = config.default_backend()
+            if key is not None and key.backends is not None and backend.name not in key.backends:
+                raise forbidden(key, f"backend {backend.name}")
+            handler = self.passthrough
+        elif any(p.matches(p.method, segments) for p in config.passthrough):
+            raise not_allowed(method, path)
+        else:
+            raise RelayError(404, f"Not found: {method} {path[:200]}", "not_found_error")
+        if request.can_read_body and not is_json(request.headers.get("Content-Type")):
+            raise invalid_request("Content-Type must be application/json")
+        return Route(handler, path, query, key)
+
     async def messages(self, request: web.Request) -> web.StreamResponse:
         state = self.state
+        route = request[ROUTE]
         try:
-            raw = await read_body(request, state.config.max_body_bytes)
+            raw = await read_body(request, state.config.max_body_bytes, state.config.body_timeout)
             exchange = await prepare_exchange(
-                state, method=request.method, path=request.path, query=request.query_string,
-                headers=request.headers, raw_body=raw)
+                state, method=request.method, path=route.path, query=route.query,
+                headers=request.headers, raw_body=raw, key=route.key)
         except RelayError as error:
             exchange = getattr(error, "exchange", None)
+            close = error.status in (408, 413)  # the rest of the body is not worth reading
             if exchange is None:
-                return relay_error(error)
+                return relay_error(error, close=close)
             exchange.outcome = "rejected" if error.status < 500 else "relay_error"
             exchange.error = error
             exchange.note("relay", "rejected", status=error.status, message=error.message)
             log_exchange(exchange, error.status)
             await state.chain.end(exchange)
-            return relay_error(error, exchange.id, exchange.response_headers)
+            return relay_error(error, exchange.id, exchange.response_headers, close=close)
         response = None
         try:
             response = await self._forward(request, exchange)
             return response
         except asyncio.CancelledError:
-            exchange.outcome = "client_disconnected"
+            if exchange.outcome is None:
+                exchange.outcome = "client_disconnected"
             raise
         finally:
             if exchange.outcome is None:
@@ -250,7 +333,7 @@ class Relay:
         state = self.state
         backend = exchange.backend
         url = upstream_url(backend, exchange.path, exchange.query)
-        headers = forward_headers(request.headers, backend)
+        headers = state.upstream_headers(request.headers, backend)
         body = exchange.upstream_body()  # encoded and released by prepare_exchange
         exchange.upstream_request = {"url": url, "headers": headers, "body": body}
         try:
@@ -266,8 +349,8 @@ class Relay:
             if upstream.content_type == "text/event-stream":
                 return await self._stream(request, exchange, upstream)
             try:
-                payload = await upstream.read()
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                payload = await read_capped(upstream, state.config.max_upstream_body_bytes)
+            except (aiohttp.ClientError, asyncio.TimeoutError, UpstreamTooLarge) as e:
                 return self._unreachable(exchange, e)
         response = UpstreamResponse(upstream.status, upstream.headers, payload)
         if exchange.endpoint == "messages" and state.chain.impls["relay_response"]:
@@ -281,7 +364,13 @@ class Relay:
                 log.exception("%s: response chain failed; the upstream's answer goes back as is",
                               exchange.id)
                 response = UpstreamResponse(upstream.status, upstream.headers, payload)
-        return web.Response(status=upstream.status, body=response.final_body(),
+        try:
+            final = response.final_body()
+        except Exception:
+            log.exception("%s: a plugin left an answer that cannot be encoded; the upstream's "
+                          "answer goes back as is", exchange.id)
+            final = payload
+        return web.Response(status=upstream.status, body=final,
                             headers=client_headers(response.headers, exchange.response_headers))
 
     def _unreachable(self, exchange: Exchange, e: BaseException) -> web.Response:
@@ -292,8 +381,8 @@ class Relay:
 
     async def _upstream_error(self, exchange: Exchange, upstream) -> web.Response:
         try:
-            payload = await upstream.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            payload = await read_capped(upstream, self.state.config.max_upstream_body_bytes)
+        except (aiohttp.ClientError, asyncio.TimeoutError, UpstreamTooLarge) as e:
             return self._unreachable(exchange, e)
         exchange.outcome = "upstream_error"
         exchange.upstream_response = {"status": upstream.status, "headers": upstream.headers,
@@ -314,7 +403,7 @@ class Relay:
             status=upstream.status,
             headers=client_headers(upstream.headers, exchange.response_headers))
         await response.prepare(request)
-        framer = LazyFramer(plan.framed_names(), ends=STREAM_ENDS)
+        framer = None
 
         async def relay(parts: list, events: list) -> None:
             if events and plan:
@@ -330,10 +419,18 @@ class Relay:
                     [part if part.__class__ is bytes else part.encode() for part in parts]))
 
         try:
-            first = True
             async for chunk in upstream.content.iter_any():
-                if first:
-                    first = False
+                if framer is None:
+                    if not chunk:
+                        continue
+                    # An upstream that frames without "event:" lines (the type only in the
+                    # data) is framed by that type, and its events get their names back:
+                    # clients drop events without one.
+                    untyped = names_events(chunk) is False
+                    framer = LazyFramer(None if untyped else plan.framed_names(),
+                                        ends=STREAM_ENDS, name_by_type=untyped)
+                    if untyped:
+                        exchange.note("relay", "named untyped stream events")
                     # The first event (message_start) goes out before whatever came with it
                     # is scanned: time to first byte must not grow with how much the
                     # upstream managed to send before the relay read.
@@ -349,6 +446,8 @@ class Relay:
                 if (not parts or len(chunk) > MAX_EVENT_BYTES) and framer.buffered > MAX_EVENT_BYTES:
                     raise aiohttp.ClientPayloadError(
                         f"an event grew past {MAX_EVENT_BYTES} bytes without ending")
+            if framer is None:
+                raise aiohttp.ClientPayloadError("the stream ended before message_start")
             tail = framer.close()
             if tail:
                 await relay(tail, tail)
@@ -359,37 +458,52 @@ class Relay:
                 exchange.outcome = "client_disconnected"
                 return response
             # Ended by message_stop or an error event: on the stream's own terms.
-            if framer.ended:
+            if framer is not None and framer.ended:
                 # Everything the client needs arrived; only the connection's own ending failed.
                 log.info("%s: upstream connection ended uncleanly after the stream: %r",
                          exchange.id, e)
                 await response.write_eof()
                 return response
-            exchange.outcome = "stream_error"
             message = (f"upstream stream from {exchange.backend.name} broke off: "
                        f"{type(e).__name__} {e}").rstrip()
             log.warning("%s: %s", exchange.id, message)
-            error = Event.build("error", {"type": "error",
-                                          "error": {"type": "api_error", "message": message}})
-            exchange.note("relay", "stream error", message=message)
-            await response.write(error.raw)
+            await stream_failed(exchange, response, message)
+            return response
+        except asyncio.CancelledError:
+            # The client went away, or the relay is stopping with this stream still open:
+            # then the client is told, not cut off.
+            if (request.transport is not None and not request.transport.is_closing()
+                    and not (framer is not None and framer.ended)):
+                await stream_failed(exchange, response, "the relay is shutting down")
+            raise
+        except Exception:
+            log.exception("%s: the stream loop failed", exchange.id)
+            if framer is not None and framer.ended:
+                await response.write_eof()
+                return response
+            await stream_failed(exchange, response, "the relay failed while relaying this stream")
             return response
         await response.write_eof()
         return response
 
     async def passthrough(self, request: web.Request) -> web.StreamResponse:
-        """Any other /v1/ path goes to the default backend untouched, chain or no chain."""
-        backend = self.state.config.default_backend()
-        url = upstream_url(backend, request.path, request.query_string)
+        """A configured pass-through route (``server.passthrough``) goes to the default backend
+        untouched, chain or no chain."""
+        state = self.state
+        route = request[ROUTE]
+        backend = state.config.default_backend()
         try:
+            url = upstream_url(backend, route.path, route.query)
             raw = None
             if request.can_read_body:
-                raw = await read_body(request, self.state.config.max_body_bytes)
-            upstream = await self.state.session.request(
-                request.method, url, data=raw, headers=forward_headers(request.headers, backend),
-                timeout=self.state.timeouts[backend.name], allow_redirects=False)
+                raw = await read_body(request, state.config.max_body_bytes,
+                                      state.config.body_timeout)
+            upstream = await state.session.request(
+                request.method, url, data=raw,
+                headers=state.upstream_headers(request.headers, backend),
+                timeout=state.timeouts[backend.name], allow_redirects=False)
         except RelayError as error:
-            return relay_error(error)
+            return relay_error(error, close=error.status in (408, 413))
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             return relay_error(upstream_failure(backend, e))
         async with upstream:
@@ -402,20 +516,18 @@ class Relay:
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 # Headers are gone already: closing without the final chunk is how HTTP says
                 # the body is incomplete.
-                log.warning("passthrough %s from %s broke off: %r", request.path, backend.name, e)
+                log.warning("passthrough %s from %s broke off: %r", route.path, backend.name, e)
                 request.transport.close()
                 return response
             await response.write_eof()
             return response
 
     async def healthz(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "version": __version__,
-                                  "pipeline": self.state.chain.pipeline,
-                                  "backends": [b.name for b in self.state.config.backends]})
-
-    async def not_found(self, request: web.Request) -> web.Response:
-        return relay_error(RelayError(404, f"Not found: {request.method} {request.path}",
-                                      "not_found_error"))
+        body = {"status": "ok", "version": __version__}
+        if self.state.gate is None:  # with auth on, unauthenticated callers learn no more
+            body.update(pipeline=self.state.chain.pipeline,
+                        backends=[b.name for b in self.state.config.backends])
+        return web.json_response(body)
 
 
 @web.middleware
@@ -438,11 +550,7 @@ def create_app(config, chain: Chain) -> web.Application:
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[anthropic_errors])
     app[STATE] = state
     relay = Relay(state)
-    app.router.add_post("/v1/messages", relay.messages)
-    app.router.add_post("/v1/messages/count_tokens", relay.messages)
-    app.router.add_get("/healthz", relay.healthz)
-    app.router.add_route("*", "/v1/{tail:.*}", relay.passthrough)
-    app.router.add_route("*", "/{tail:.*}", relay.not_found)
+    app.router.add_route("*", "/{tail:.*}", relay.dispatch)
 
     async def session_context(app):
         state.session = aiohttp.ClientSession(
@@ -464,9 +572,10 @@ async def serve(config, chain: Chain, host: str, port: int) -> None:
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, host, port)
+        site = Listener(runner, host, port, max_connections=config.max_connections,
+                        header_timeout=config.header_timeout)
         await site.start()
-        bound = site._server.sockets[0].getsockname()
+        bound = runner.addresses[0]
         # Everything alive now lives as long as the process: keep it out of the collector's
         # full passes, which otherwise show up as p99 spikes on large requests.
         gc.collect()

@@ -31,6 +31,7 @@ _LINE_END = re.compile(rb"[\r\n]")
 # last, maybe followed by a ping, but never by this much.
 TAIL_BYTES = 16384
 _UNREAD = object()  # the data lines have not been read yet
+_TYPE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 class Event:
@@ -71,6 +72,15 @@ class Event:
                 except orjson.JSONDecodeError:
                     self._data = None
         return self._data
+
+    def adopt_type(self) -> None:
+        """Name an event that came without an ``event:`` line after its data's ``type``, and
+        give it that line, as Anthropic frames events."""
+        data = self.data
+        kind = data.get("type") if type(data) is dict else None
+        if type(kind) is str and _TYPE_NAME.fullmatch(kind):
+            self.name = kind
+            self.raw = b"event: " + kind.encode() + b"\n" + self.raw
 
     @property
     def changed(self) -> bool:
@@ -216,7 +226,7 @@ class LazyFramer:
     are names the framer does not frame but can say were seen (:attr:`ended`).
     """
 
-    def __init__(self, names, ends=()):
+    def __init__(self, names, ends=(), name_by_type: bool = False):
         # Searched for as "NAME\n" with bytes.find, then checked to end an "event:" line: a
         # regular expression that starts at "event:" stops at every event of the stream,
         # which made the scan a third of the relay's CPU on a fast stream.
@@ -225,6 +235,7 @@ class LazyFramer:
         self._pending: list[bytes] = []  # chunks after the last blank line seen
         self._ends = frozenset(ends)
         self._ended = False  # an event in ``ends`` was framed
+        self._name_by_type = name_by_type
         # The last TAIL_BYTES of what went out unframed, where ``ended`` looks when asked.
         self._tail: collections.deque[bytes] = collections.deque()
         self._tail_size = 0
@@ -263,6 +274,10 @@ class LazyFramer:
         return [complete], []
 
     def _framed(self, events: list[Event]) -> tuple[list, list[Event]]:
+        if self._name_by_type:
+            for event in events:
+                if event.name is None:
+                    event.adopt_type()
         if not self._ended and self._ends:
             self._ended = any(event.name in self._ends for event in events)
         return events, events
@@ -330,3 +345,18 @@ class LazyFramer:
         self._pending.clear()
         events += self._decoder.close()
         return self._framed(events)[0]
+
+
+def names_events(chunk: bytes) -> bool | None:
+    """Whether the stream that starts with ``chunk`` names its events: True when its first
+    event has an ``event:`` line, False when it has data but no name (some upstreams put the
+    type only in the JSON), None when the first event is not complete yet."""
+    end = chunk.find(b"\n\n")
+    if end < 0:
+        end = chunk.find(b"\r\n\r\n")
+    if end < 0:
+        return None
+    first = b"\n" + chunk[:end]
+    if b"\nevent:" in first or b"\revent:" in first:
+        return True
+    return False if (b"\ndata:" in first or b"\rdata:" in first) else None

@@ -310,8 +310,10 @@ async def test_unknown_route_and_method_in_anthropic_format(setup):
     client, _ = await setup()
     resp = await client.get("/nope")
     assert resp.status == 404 and (await resp.json())["error"]["type"] == "not_found_error"
-    resp = await client.get("/v1/messages")  # the GET goes to the passthrough, upstream answers
-    assert resp.status == 200
+    resp = await client.get("/v1/messages")  # known endpoint, wrong method
+    assert resp.status == 405 and (await resp.json())["error"]["type"] == "invalid_request_error"
+    resp = await client.get("/v1/other")  # not on the pass-through allowlist
+    assert resp.status == 404 and (await resp.json())["error"]["type"] == "not_found_error"
     health = await (await client.get("/healthz")).json()
     assert health["status"] == "ok" and health["backends"] == ["up"]
 
