@@ -52,9 +52,14 @@ def host_allowed(host: str | None, config: Config) -> bool:
         return True  # HTTP/1.0 without Host: not a browser
     name = host.strip().lower()
     if name.startswith("["):
-        name = name[:name.find("]") + 1]
+        name, _, port = name.partition("]")
+        if port and not (port.startswith(":") and port[1:].isdigit()):
+            return False
+        name += "]"
     elif name.count(":") == 1:
-        name = name.partition(":")[0]
+        name, _, port = name.partition(":")
+        if not port.isdigit():
+            return False
     if name in LOOPBACK_NAMES or name in config.allowed_hosts:
         return True
     if name == config.host.lower() and config.host not in ("0.0.0.0", "::", ""):

@@ -404,8 +404,14 @@ class Relay:
             headers=client_headers(upstream.headers, exchange.response_headers))
         await response.prepare(request)
         framer = None
+        writing = False  # inside relay(): what the framer saw has not all reached the client
+
+        def ended() -> bool:
+            return framer is not None and not writing and framer.ended
 
         async def relay(parts: list, events: list) -> None:
+            nonlocal writing
+            writing = True
             if events and plan:
                 for event in events:
                     calls = plan.calls_for(event.name)
@@ -417,6 +423,7 @@ class Relay:
             else:
                 await response.write(b"".join(
                     [part if part.__class__ is bytes else part.encode() for part in parts]))
+            writing = False
 
         try:
             async for chunk in upstream.content.iter_any():
@@ -458,7 +465,7 @@ class Relay:
                 exchange.outcome = "client_disconnected"
                 return response
             # Ended by message_stop or an error event: on the stream's own terms.
-            if framer is not None and framer.ended:
+            if ended():
                 # Everything the client needs arrived; only the connection's own ending failed.
                 log.info("%s: upstream connection ended uncleanly after the stream: %r",
                          exchange.id, e)
@@ -473,12 +480,12 @@ class Relay:
             # The client went away, or the relay is stopping with this stream still open:
             # then the client is told, not cut off.
             if (request.transport is not None and not request.transport.is_closing()
-                    and not (framer is not None and framer.ended)):
+                    and not ended()):
                 await stream_failed(exchange, response, "the relay is shutting down")
             raise
         except Exception:
             log.exception("%s: the stream loop failed", exchange.id)
-            if framer is not None and framer.ended:
+            if ended():
                 await response.write_eof()
                 return response
             await stream_failed(exchange, response, "the relay failed while relaying this stream")

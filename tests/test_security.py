@@ -1,0 +1,546 @@
+"""What a shared gateway must refuse: no open proxy, strict routing, bounded resources, no
+silent cuts. Each test fails against a relay that lacks the guard it names."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import socket
+import subprocess
+import sys
+import time
+
+import orjson
+import pytest
+from aiohttp import web
+
+from relay import config as config_module
+from relay.errors import RelayError
+from relay.hookspecs import hookimpl
+from relay.inbound import check_target, host_allowed
+from support import ROOT, backend
+from test_server import (ANSWER, BODY, STREAM, Upstream, setup, start_relay,  # noqa: F401
+                         start_upstream, stream_reply)
+
+KEY_A = "relay-key-alpha-0123456789abcdef"
+KEY_B = "relay-key-bravo-0123456789abcdef"
+BACKEND_KEY = "sk-operator-secret-0123456789abcdef"
+ENV = {"KEY_A": KEY_A, "KEY_B": KEY_B, "UP_KEY": BACKEND_KEY}
+
+
+def is_anthropic_error(doc: dict, status: int) -> bool:
+    from relay.errors import STATUS_TYPES
+    expected = {STATUS_TYPES[status]} if status in STATUS_TYPES else set(STATUS_TYPES.values())
+    return (doc.get("type") == "error" and isinstance(doc.get("error"), dict)
+            and doc["error"].get("type") in expected
+            and isinstance(doc["error"].get("message"), str))
+
+
+async def raw_request(client, data: bytes, read_timeout: float = 5.0) -> tuple[int, dict, bytes]:
+    """Send ``data`` as it is (no client normalises it) and read one answer."""
+    reader, writer = await asyncio.open_connection(client.server.host, client.server.port)
+    try:
+        writer.write(data)
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), read_timeout)
+        lines = head.decode("latin-1").split("\r\n")
+        status = int(lines[0].split()[1])
+        headers = {}
+        for line in lines[1:]:
+            if ":" in line:
+                name, _, value = line.partition(":")
+                headers[name.strip().lower()] = value.strip()
+        body = b""
+        if "content-length" in headers:
+            body = await asyncio.wait_for(reader.readexactly(int(headers["content-length"])),
+                                          read_timeout)
+        return status, headers, body
+    finally:
+        writer.close()
+
+
+def request_bytes(method: str, target: str, body: bytes = b"", host: str = "127.0.0.1",
+                  headers: dict | None = None) -> bytes:
+    lines = [f"{method} {target} HTTP/1.1", f"Host: {host}", "Connection: close"]
+    if body or method == "POST":
+        lines.append(f"Content-Length: {len(body)}")
+    if headers is None:
+        headers = {"Content-Type": "application/json"}
+    for name, value in headers.items():
+        lines.append(f"{name}: {value}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+@pytest.fixture
+async def guarded(aiohttp_server, aiohttp_client):
+    """A relay with inbound keys in front of a keyed backend, and its upstream."""
+    async def make(keys=None, server=None, **backend_extra):
+        upstream = Upstream()
+        up = await start_upstream(aiohttp_server, upstream)
+        raw = {"server": {"auth": {"keys": keys or [
+                   {"name": "alpha", "key_env": "KEY_A"},
+                   {"name": "bravo", "key_env": "KEY_B", "models": ["claude-haiku-*"]}]},
+                   **(server or {})},
+               "backends": [{k: v for k, v in {
+                   "name": "up", "url": str(up.make_url("")), "models": ["claude-*"],
+                   "api_key_env": "UP_KEY", **backend_extra}.items() if v is not None}]}
+        return await start_relay(aiohttp_client, raw, env=ENV), upstream
+    return make
+
+
+# --- inbound keys ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("headers", [{}, {"x-api-key": "wrong-key-0123456789abcdef"},
+                                     {"Authorization": "Bearer wrong-key-0123456789"},
+                                     {"Authorization": "Basic " + KEY_A},
+                                     {"x-api-key": KEY_A[:-1]}])
+async def test_missing_or_wrong_key_is_401_and_nothing_goes_up(guarded, headers):
+    client, upstream = await guarded()
+    resp = await client.post("/v1/messages", json=BODY, headers=headers)
+    assert resp.status == 401 and is_anthropic_error(await resp.json(), 401)
+    resp = await client.get("/v1/models", headers=headers)
+    assert resp.status == 401
+    assert upstream.received == []
+
+
+@pytest.mark.parametrize("headers", [{"x-api-key": KEY_A}, {"Authorization": "Bearer " + KEY_A}])
+async def test_a_relay_key_is_accepted_and_never_forwarded(guarded, headers):
+    client, upstream = await guarded()
+    resp = await client.post("/v1/messages", json=BODY, headers=headers)
+    assert resp.status == 200
+    sent = upstream.received[0]["headers"]
+    assert sent["x-api-key"] == BACKEND_KEY and "Authorization" not in sent
+    assert KEY_A not in str(dict(sent))
+
+
+async def test_without_a_backend_key_the_relay_key_still_stays_home(guarded):
+    client, upstream = await guarded(api_key_env=None)
+    assert (await client.post("/v1/messages", json=BODY, headers={"x-api-key": KEY_A})).status == 200
+    sent = upstream.received[0]["headers"]
+    assert "x-api-key" not in sent and "Authorization" not in sent
+
+
+async def test_a_key_may_be_limited_to_models_and_backends(guarded):
+    client, upstream = await guarded()
+    resp = await client.post("/v1/messages", json=BODY, headers={"x-api-key": KEY_B})
+    assert resp.status == 403 and is_anthropic_error(await resp.json(), 403)
+    assert upstream.received == []
+    resp = await client.post("/v1/messages", json={**BODY, "model": "claude-haiku-4-5"},
+                             headers={"x-api-key": KEY_B})
+    assert resp.status == 200
+    client, upstream = await guarded(keys=[{"name": "other", "key_env": "KEY_A",
+                                            "backends": ["elsewhere"]}])
+    for resp in (await client.post("/v1/messages", json=BODY, headers={"x-api-key": KEY_A}),
+                 await client.get("/v1/models", headers={"x-api-key": KEY_A})):
+        assert resp.status == 403
+    assert upstream.received == []
+
+
+def test_keys_come_from_the_environment_or_a_file_never_from_the_yaml(tmp_path):
+    def parse(keys, env=ENV):
+        return config_module.parse({"server": {"auth": {"keys": keys}},
+                                    "backends": [backend("http://127.0.0.1:1")]}, env)
+    with pytest.raises(config_module.ConfigError, match=r"keys\[0\]\.key: unknown key"):
+        parse([{"name": "a", "key": KEY_A}])
+    with pytest.raises(config_module.ConfigError, match="exactly one of key_env or key_file"):
+        parse([{"name": "a"}])
+    with pytest.raises(config_module.ConfigError, match="KEY_Z is not set"):
+        parse([{"name": "a", "key_env": "KEY_Z"}])
+    with pytest.raises(config_module.ConfigError, match="at least 16"):
+        parse([{"name": "a", "key_env": "SHORT"}], {"SHORT": "abc"})
+    path = tmp_path / "key"
+    path.write_text(KEY_B + "\n")
+    config = parse([{"name": "f", "key_file": str(path)}])
+    assert config.keys[0].secret == KEY_B and KEY_B not in repr(config.keys[0])
+
+
+# --- fail safe ---------------------------------------------------------------------------------
+
+def test_no_listening_beyond_loopback_with_an_operator_key_and_no_auth():
+    config = config_module.parse({"backends": [backend("http://127.0.0.1:1", api_key_env="UP_KEY")]},
+                                 ENV)
+    for host in ("127.0.0.1", "::1", "localhost", "127.0.0.2"):
+        config_module.check_exposure(config, host)
+    for host in ("0.0.0.0", "::", "192.0.2.7"):
+        with pytest.raises(config_module.ConfigError, match="allow_unauthenticated"):
+            config_module.check_exposure(config, host)
+    config.allow_unauthenticated = True
+    config_module.check_exposure(config, "0.0.0.0")
+    unkeyed = config_module.parse({"backends": [backend("http://127.0.0.1:1")]}, ENV)
+    config_module.check_exposure(unkeyed, "0.0.0.0")  # the client's own key goes up
+
+
+def test_the_cli_refuses_to_start_before_listening(tmp_path):
+    (tmp_path / "relay.yaml").write_text(
+        "backends:\n  - {name: up, url: 'http://127.0.0.1:1', models: ['*'], api_key_env: UP_KEY}\n")
+    done = subprocess.run([sys.executable, "-m", "relay", "--config", "relay.yaml",
+                           "--host", "0.0.0.0", "--port", "0"], cwd=tmp_path,
+                          env={"UP_KEY": BACKEND_KEY, "PATH": "/usr/bin:/bin",
+                               "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2 and "listening" not in done.stdout
+    assert "server.host" in done.stderr and "allow_unauthenticated" in done.stderr
+    assert "Traceback" not in done.stderr and BACKEND_KEY not in done.stderr
+
+
+# --- browser-shaped requests -------------------------------------------------------------------
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded",
+                                          "multipart/form-data; boundary=x", None])
+async def test_json_endpoints_want_json(aiohttp_server, aiohttp_client, content_type):
+    upstream = Upstream()
+    up = await start_upstream(aiohttp_server, upstream)
+    client = await start_relay(aiohttp_client, {"backends": [backend(str(up.make_url("")),
+                                                                     api_key_env="UP_KEY")]}, env=ENV)
+    headers = {"Content-Type": content_type} if content_type else {}
+    status, _, body = await raw_request(client, request_bytes(
+        "POST", "/v1/messages", orjson.dumps(BODY), headers=headers))
+    assert status == 400 and is_anthropic_error(orjson.loads(body), 400)
+    assert upstream.received == []
+
+
+@pytest.mark.parametrize("host", ["evil.example", "attacker.test:8787", "127.0.0.1.nip.example",
+                                  "relay.internal"])
+async def test_without_auth_only_hosts_that_name_the_relay(aiohttp_server, aiohttp_client, host):
+    upstream = Upstream()
+    up = await start_upstream(aiohttp_server, upstream)
+    client = await start_relay(aiohttp_client, {
+        "server": {"allowed_hosts": ["relay.example.com"]},
+        "backends": [backend(str(up.make_url("")), api_key_env="UP_KEY")]}, env=ENV)
+    status, _, body = await raw_request(client, request_bytes(
+        "POST", "/v1/messages", orjson.dumps(BODY), host=host))
+    assert status == 403 and is_anthropic_error(orjson.loads(body), 403)
+    for good in ("127.0.0.1:8787", "localhost", "[::1]:8787", "relay.example.com"):
+        status, _, _ = await raw_request(client, request_bytes(
+            "POST", "/v1/messages", orjson.dumps(BODY), host=good))
+        assert status == 200, good
+    assert len(upstream.received) == 4
+
+
+def test_host_names_that_are_not_the_relay():
+    config = config_module.parse({"backends": [backend("http://127.0.0.1:1")]})
+    assert host_allowed("127.9.9.9:1", config) and host_allowed("LOCALHOST:80", config)
+    assert not host_allowed("127.0.0.1.evil.example", config)
+    assert not host_allowed("[::1].evil", config) and not host_allowed("0x7f000001", config)
+
+
+async def test_with_auth_any_host_may_be_used(guarded):
+    client, _ = await guarded()
+    status, _, _ = await raw_request(client, request_bytes(
+        "POST", "/v1/messages", orjson.dumps(BODY), host="relay.example.net",
+        headers={"Content-Type": "application/json", "x-api-key": KEY_A}))
+    assert status == 200
+
+
+# --- strict routing ----------------------------------------------------------------------------
+
+ESCAPES = ["/v1/%2e%2e/%2e%2e/admin/keys", "/v1/%2E%2E/admin", "/v1/models/%2f..%2fadmin",
+           "/v1/./messages", "/v1/x/../messages", "/v1/messages%3Fbeta=true",
+           "/v1/messages%23x", "/v1//messages", "/v1/models;x=y", "/v1/models/..",
+           "/v1/models/a%00b", "/v1/models\\..\\admin", "http://evil.example/v1/models",
+           "//evil.example/v1/models"]
+
+
+@pytest.mark.parametrize("target", ESCAPES)
+@pytest.mark.parametrize("method", ["GET", "POST"])
+async def test_paths_that_could_escape_are_refused_and_nothing_goes_up(
+        aiohttp_server, aiohttp_client, target, method):
+    upstream = Upstream()
+    up = await start_upstream(aiohttp_server, upstream)
+    client = await start_relay(aiohttp_client, {"backends": [
+        backend(str(up.make_url("/base")), api_key_env="UP_KEY")]}, env=ENV)
+    status, _, body = await raw_request(client, request_bytes(
+        method, target, orjson.dumps(BODY) if method == "POST" else b""))
+    assert status in (400, 404, 405), (target, status)
+    assert is_anthropic_error(orjson.loads(body), status)
+    assert upstream.received == []
+
+
+@pytest.mark.parametrize("method,target,status", [
+    ("GET", "/v1/messages", 405), ("PUT", "/v1/messages", 405), ("DELETE", "/v1/messages", 405),
+    ("POST", "/v1/messages/", 400), ("GET", "/v1/messages/batches", 404),
+    ("POST", "/v1/models", 405), ("GET", "/v1/files", 404), ("GET", "/admin", 404),
+    ("GET", "/v1/models/a/b", 404)])
+async def test_known_endpoints_answer_their_methods_and_passthrough_is_an_allowlist(
+        setup, method, target, status):
+    client, upstream = await setup(pipeline=("dedup", "pairing", "ordering"))
+    got, _, body = await raw_request(client, request_bytes(
+        method, target, orjson.dumps(BODY) if method in ("POST", "PUT") else b""))
+    assert got == status and is_anthropic_error(orjson.loads(body), status)
+    assert upstream.received == []
+
+
+async def test_passthrough_allowlist_serves_models_under_the_base_path(aiohttp_server,
+                                                                      aiohttp_client):
+    upstream = Upstream()
+    up = await start_upstream(aiohttp_server, upstream)
+    client = await start_relay(aiohttp_client, {
+        "server": {"passthrough": ["GET /v1/models", "GET /v1/models/*", "POST /v1/extra/*"]},
+        "backends": [backend(str(up.make_url("/base/")))]})
+    for method, target in (("GET", "/v1/models?limit=5"), ("GET", "/v1/models/claude-x"),
+                           ("POST", "/v1/extra/thing")):
+        status, _, _ = await raw_request(client, request_bytes(method, target,
+                                                                b"{}" if method == "POST" else b""))
+        assert status == 200, target
+    assert [(r["method"], r["path"], r["query"]) for r in upstream.received] == [
+        ("GET", "/base/v1/models", "limit=5"), ("GET", "/base/v1/models/claude-x", ""),
+        ("POST", "/base/v1/extra/thing", "")]
+
+
+def test_passthrough_entries_are_checked():
+    for bad in ["/admin", "GET /v1/../admin", "get /v1/models", "GET /v1/%2e/x", "GET /v1//x"]:
+        with pytest.raises(config_module.ConfigError, match="server.passthrough"):
+            config_module.parse({"server": {"passthrough": [bad]},
+                                 "backends": [backend("http://127.0.0.1:1")]})
+
+
+async def test_the_query_goes_up_exactly_as_sent(setup):
+    client, upstream = await setup()
+    status, _, _ = await raw_request(client, request_bytes(
+        "POST", "/v1/messages?q=a%23b&beta=true&x=%2F", orjson.dumps(BODY)))
+    assert status == 200
+    sent = upstream.received[0]
+    assert sent["path"] == "/v1/messages"
+    # aiohttp decodes query_string; the raw target shows the bytes that went up
+    assert sent["query"] == "q=a#b&beta=true&x=/"
+    status, _, _ = await raw_request(client, request_bytes("POST", "/v1/messages?a=<b>",
+                                                           orjson.dumps(BODY)))
+    assert status == 400 and len(upstream.received) == 1
+
+
+def test_check_target_keeps_plain_paths():
+    assert check_target("/v1/models/claude-sonnet-4-5@20250929", "beta=true") == [
+        "v1", "models", "claude-sonnet-4-5@20250929"]
+    with pytest.raises(RelayError):
+        check_target("/v1/models/%41", "")
+
+
+# --- bounded resources ---------------------------------------------------------------------------
+
+async def test_a_declared_length_over_the_limit_is_refused_before_reading(aiohttp_server,
+                                                                         aiohttp_client):
+    upstream = Upstream()
+    up = await start_upstream(aiohttp_server, upstream)
+    client = await start_relay(aiohttp_client, {"server": {"max_body_bytes": 1000},
+                                                "backends": [backend(str(up.make_url("")))]})
+    reader, writer = await asyncio.open_connection(client.server.host, client.server.port)
+    writer.write(b"POST /v1/messages HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
+                 b"\r\nContent-Length: 5000000000\r\n\r\n{")
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)  # no body was sent
+    assert head.startswith(b"HTTP/1.1 413")
+    writer.close()
+    assert upstream.received == []
+
+
+async def test_a_body_that_stalls_gets_408(aiohttp_server, aiohttp_client):
+    upstream = Upstream()
+    up = await start_upstream(aiohttp_server, upstream)
+    client = await start_relay(aiohttp_client, {"server": {"body_timeout": 0.5},
+                                                "backends": [backend(str(up.make_url("")))]})
+    reader, writer = await asyncio.open_connection(client.server.host, client.server.port)
+    writer.write(b"POST /v1/messages HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
+                 b"\r\nContent-Length: 100\r\n\r\n{\"model\"")
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    assert head.startswith(b"HTTP/1.1 408")
+    writer.close()
+    assert upstream.received == []
+
+
+async def test_absurd_model_names_are_refused_and_the_route_cache_stays_small(setup):
+    client, upstream = await setup()
+    resp = await client.post("/v1/messages", json={**BODY, "model": "claude-" + "x" * 5_000_000})
+    assert resp.status == 400 and "at most 256" in (await resp.json())["error"]["message"]
+    config = config_module.parse({"backends": [backend("http://127.0.0.1:1")]})
+    for i in range(5000):
+        config.backend_for(f"claude-{i:0250d}")
+    assert config._routes_bytes <= config_module.ROUTE_CACHE_BYTES
+    assert upstream.received == []
+
+
+async def test_a_huge_upstream_answer_is_502_not_memory(aiohttp_server, aiohttp_client):
+    bomb = gzip.compress(b"{" + b" " * 20_000_000 + b"}")
+
+    async def reply(request):
+        return web.Response(body=bomb, headers={"Content-Encoding": "gzip",
+                                                "Content-Type": "application/json"})
+    upstream = Upstream()
+    upstream.reply = reply
+    up = await start_upstream(aiohttp_server, upstream)
+    client = await start_relay(aiohttp_client, {
+        "server": {"max_upstream_body_bytes": 1_000_000},
+        "backends": [backend(str(up.make_url("")))]})
+    resp = await client.post("/v1/messages", json=BODY)
+    assert resp.status == 502 and is_anthropic_error(await resp.json(), 502)
+    assert "max_upstream_body_bytes" in (await resp.json())["error"]["message"]
+
+
+# --- never a silent cut, never a raw 500 -------------------------------------------------------
+
+class Unencodable:
+    """A plugin that leaves data orjson cannot encode."""
+
+    @hookimpl
+    def relay_response(self, response):
+        response.data["content"].append({"type": "text", "text": object()})
+        response.mark_changed()
+
+    @hookimpl
+    def relay_stream_events(self):
+        return {"content_block_delta"}
+
+    @hookimpl
+    def relay_stream_event(self, event):
+        event.data["delta"]["text"] = {1, 2}
+        event.mark_changed()
+
+
+async def test_an_unencodable_answer_sends_the_upstreams_own(setup):
+    client, _ = await setup(pipeline=("bad",), extra={"bad": Unencodable()})
+    resp = await client.post("/v1/messages", json=BODY)
+    assert resp.status == 200 and await resp.json() == ANSWER
+
+
+async def test_a_stream_loop_fault_ends_with_an_error_event(setup):
+    upstream = Upstream()
+    upstream.reply = stream_reply([STREAM])
+    client, _ = await setup(pipeline=("bad",), extra={"bad": Unencodable()}, upstream=upstream)
+    resp = await client.post("/v1/messages", json={**BODY, "stream": True})
+    text = await resp.read()
+    assert resp.status == 200
+    assert text.rstrip().endswith(b'"type":"api_error","message":"the relay failed while '
+                                  b'relaying this stream"}}')
+    assert b"event: error" in text and b"message_stop" not in text
+
+
+DATA_ONLY = b"".join(
+    b"data: " + orjson.dumps(event) + b"\n\n" for event in [
+        {"type": "message_start", "message": {"id": "msg_1", "type": "message", "role": "assistant",
+                                              "content": [], "model": "m", "stop_reason": None,
+                                              "usage": {"input_tokens": 1, "output_tokens": 0}}},
+        {"type": "content_block_start", "index": 0,
+         "content_block": {"type": "tool_use", "id": "toolu_same", "name": "Bash", "input": {}}},
+        {"type": "content_block_stop", "index": 0},
+        {"type": "message_delta", "delta": {"stop_reason": "tool_use"}, "usage": {"output_tokens": 1}},
+        {"type": "message_stop"}])
+
+
+async def test_data_only_streams_are_framed_by_type(setup):
+    upstream = Upstream()
+    upstream.reply = stream_reply([DATA_ONLY[:40], DATA_ONLY[40:]])
+    client, _ = await setup(pipeline=("dedup",), upstream=upstream)
+    history = {**BODY, "stream": True, "messages": [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_same", "name": "Bash",
+                                           "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_same",
+                                      "content": "ok"}]}]}
+    resp = await client.post("/v1/messages", json=history)
+    text = await resp.read()
+    assert b"event: error" not in text
+    names = [line for line in text.split(b"\n") if line.startswith(b"event:")]
+    assert names == [b"event: message_start", b"event: content_block_start",
+                     b"event: content_block_stop", b"event: message_delta", b"event: message_stop"]
+    assert b'"toolu_same-2"' in text  # the repeated id was seen and rewritten
+
+
+# --- the listening socket (a real relay process) ---------------------------------------------------
+
+def connect(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=10)
+
+
+def read_answer(sock: socket.socket) -> bytes:
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except (ConnectionResetError, socket.timeout):
+        pass
+    return data
+
+
+@pytest.fixture
+def small_relay(relay, emulator):
+    emu = emulator()
+    return relay({"server": {"header_timeout": 1, "max_connections": 20, "access_log": True},
+                  "backends": [backend(emu.url)]})
+
+
+@pytest.mark.parametrize("head,fragment", [
+    (b"POST /v1/messages HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Encoding: br\r\n"
+     b"Content-Type: application/json\r\nContent-Length: 2\r\n\r\n{}", None),
+    (b"FROB /v1/messages HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", None),
+    (b"POST /v1/messages HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: bogus\r\n\r\n", None),
+    (b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Long: " + b"a" * 20000 + b"\r\n\r\n", None),
+])
+def test_requests_aiohttp_cannot_parse_are_answered_in_anthropic_format(small_relay, head,
+                                                                        fragment):
+    with connect(small_relay.url) as sock:
+        sock.sendall(head)
+        answer = read_answer(sock)
+    status = int(answer.split(b" ", 2)[1])
+    assert 400 <= status < 500, answer[:200]
+    body = answer.split(b"\r\n\r\n", 1)[1]
+    assert b"application/json" in answer.split(b"\r\n\r\n", 1)[0].lower()
+    assert is_anthropic_error(orjson.loads(body), status)
+    assert "Traceback" not in small_relay.output()
+
+
+def test_half_sent_headers_are_dropped_after_the_header_timeout(small_relay):
+    with connect(small_relay.url) as sock:
+        sock.sendall(b"POST /v1/messages HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        started = time.monotonic()
+        assert read_answer(sock) == b""  # closed, not answered
+        assert time.monotonic() - started < 8
+
+
+def test_connections_past_the_cap_get_a_clean_529_and_service_resumes(small_relay):
+    held = [connect(small_relay.url) for _ in range(20)]
+    time.sleep(0.3)
+    with connect(small_relay.url) as extra:
+        answer = read_answer(extra)
+    assert answer.startswith(b"HTTP/1.1 529")
+    assert is_anthropic_error(orjson.loads(answer.split(b"\r\n\r\n", 1)[1]), 529)
+    for sock in held:
+        sock.close()
+    deadline = time.monotonic() + 5
+    while True:
+        with connect(small_relay.url) as sock:
+            sock.sendall(request_bytes("POST", "/v1/messages", orjson.dumps(BODY)))
+            answer = read_answer(sock)
+        if answer.startswith(b"HTTP/1.1 200") or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert answer.startswith(b"HTTP/1.1 200")
+    assert "Traceback" not in small_relay.output()
+
+
+def test_planted_secrets_never_reach_a_log_line_or_a_dump(relay, emulator, tmp_path):
+    emu = emulator("--fail-status", "400")
+    planted = "planted-secret-value-0123456789"
+    server = relay({"server": {"access_log": True, "log_level": "DEBUG",
+                               "auth": {"keys": [{"name": "team", "key_env": "KEY_A"}]}},
+                    "pipeline": ["dedup", "pairing", "ordering", "dump"],
+                    "plugins": {"dump": {"dir": str(tmp_path / "dumps")}},
+                    "backends": [backend(emu.url, api_key_env="UP_KEY")]},
+                   env=ENV)
+    import urllib.request
+    for headers in ({"x-api-key": KEY_A, "cookie": "session=" + planted},
+                    {"Authorization": "Bearer " + KEY_A, "proxy-authorization": planted},
+                    {"x-api-key": "wrong-" + planted}):
+        request = urllib.request.Request(server.url + "/v1/messages", data=orjson.dumps(BODY),
+                                         headers={"Content-Type": "application/json", **headers})
+        try:
+            urllib.request.urlopen(request, timeout=10)
+        except urllib.error.HTTPError as e:
+            assert e.code in (400, 401)
+    assert server.wait_for_output("status=400")
+    deadline = time.monotonic() + 10
+    while not (dumps := list((tmp_path / "dumps").rglob("*.json"))) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert dumps
+    for secret in (KEY_A, BACKEND_KEY, planted):
+        assert secret not in server.output()
+        for path in dumps:
+            assert secret not in path.read_text()
