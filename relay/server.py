@@ -19,16 +19,13 @@ from .exchange import Exchange, UpstreamResponse
 from .inbound import Gate, check_target, forbidden, host_allowed, is_json, split_target
 from .listen import Listener
 from .skeleton import Skeleton
-from .sse import Event, LazyFramer, names_events
+from .stream import StreamBroken, StreamRelay, error_event
 from .upstream import client_headers, forward_headers, upstream_url
 
 log = logging.getLogger("relay")
 access_log = logging.getLogger("relay.access")
 
 ENDPOINTS = {"/v1/messages": "messages", "/v1/messages/count_tokens": "count_tokens"}
-STREAM_ENDS = ("message_stop", "error")
-# One event larger than this means the upstream stopped framing: give up rather than buffer on.
-MAX_EVENT_BYTES = 64 * 1024 * 1024
 # Longer than any model name a backend serves; a client's longer name is refused, not routed
 # (and not cached).
 MAX_MODEL_CHARS = 256
@@ -218,10 +215,8 @@ async def stream_failed(exchange: Exchange, response: web.StreamResponse, messag
     cut short. Bounded: a client that does not read cannot hold the relay here."""
     exchange.outcome = "stream_error"
     exchange.note("relay", "stream error", message=message)
-    error = Event.build("error", {"type": "error", "error": {"type": "api_error",
-                                                              "message": message}})
     try:
-        await asyncio.wait_for(response.write(error.raw), 5)
+        await asyncio.wait_for(response.write(error_event(message)), 5)
     except Exception as e:  # the client is gone or stuck; nothing more to tell it
         log.info("%s: could not deliver the stream's error event: %r", exchange.id, e)
 
@@ -397,75 +392,21 @@ class Relay:
                             headers=client_headers(upstream.headers, exchange.response_headers))
 
     async def _stream(self, request: web.Request, exchange: Exchange, upstream) -> web.StreamResponse:
-        chain = self.state.chain
-        plan = await chain.stream_plan(exchange)
+        plan = await self.state.chain.stream_plan(exchange)
         response = web.StreamResponse(
             status=upstream.status,
             headers=client_headers(upstream.headers, exchange.response_headers))
         await response.prepare(request)
-        framer = None
-        writing = False  # inside relay(): what the framer saw has not all reached the client
-
-        def ended() -> bool:
-            return framer is not None and not writing and framer.ended
-
-        async def relay(parts: list, events: list) -> None:
-            nonlocal writing
-            writing = True
-            if events and plan:
-                for event in events:
-                    calls = plan.calls_for(event.name)
-                    if calls:
-                        await chain.stream_event(exchange, event, calls)
-            if len(parts) == 1:
-                part = parts[0]
-                await response.write(part if part.__class__ is bytes else part.encode())
-            else:
-                await response.write(b"".join(
-                    [part if part.__class__ is bytes else part.encode() for part in parts]))
-            writing = False
-
+        stream = StreamRelay(self.state.chain, exchange, plan, response.write)
         try:
             async for chunk in upstream.content.iter_any():
-                if framer is None:
-                    if not chunk:
-                        continue
-                    # An upstream that frames without "event:" lines (the type only in the
-                    # data) is framed by that type, and its events get their names back:
-                    # clients drop events without one.
-                    untyped = names_events(chunk) is False
-                    framer = LazyFramer(None if untyped else plan.framed_names(),
-                                        ends=STREAM_ENDS, name_by_type=untyped)
-                    if untyped:
-                        exchange.note("relay", "named untyped stream events")
-                    # The first event (message_start) goes out before whatever came with it
-                    # is scanned: time to first byte must not grow with how much the
-                    # upstream managed to send before the relay read.
-                    cut = chunk.find(b"\n\n") + 2
-                    if 1 < cut < len(chunk):
-                        await relay(*framer.feed(chunk[:cut]))
-                        chunk = chunk[cut:]
-                parts, events = framer.feed(chunk)
-                if parts:
-                    await relay(parts, events)
-                # After a read that let something out, what is held back is part of that
-                # read: only a read that let nothing out, or a huge one, can pass the limit.
-                if (not parts or len(chunk) > MAX_EVENT_BYTES) and framer.buffered > MAX_EVENT_BYTES:
-                    raise aiohttp.ClientPayloadError(
-                        f"an event grew past {MAX_EVENT_BYTES} bytes without ending")
-            if framer is None:
-                raise aiohttp.ClientPayloadError("the stream ended before message_start")
-            tail = framer.close()
-            if tail:
-                await relay(tail, tail)
-            if not framer.ended:
-                raise aiohttp.ClientPayloadError("the stream ended before message_stop")
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                await stream.feed(chunk)
+            await stream.finish()
+        except (aiohttp.ClientError, asyncio.TimeoutError, StreamBroken) as e:
             if request.transport is None or request.transport.is_closing():
                 exchange.outcome = "client_disconnected"
                 return response
-            # Ended by message_stop or an error event: on the stream's own terms.
-            if ended():
+            if stream.ended:
                 # Everything the client needs arrived; only the connection's own ending failed.
                 log.info("%s: upstream connection ended uncleanly after the stream: %r",
                          exchange.id, e)
@@ -480,12 +421,12 @@ class Relay:
             # The client went away, or the relay is stopping with this stream still open:
             # then the client is told, not cut off.
             if (request.transport is not None and not request.transport.is_closing()
-                    and not ended()):
+                    and not stream.ended):
                 await stream_failed(exchange, response, "the relay is shutting down")
             raise
         except Exception:
             log.exception("%s: the stream loop failed", exchange.id)
-            if ended():
+            if stream.ended:
                 await response.write_eof()
                 return response
             await stream_failed(exchange, response, "the relay failed while relaying this stream")

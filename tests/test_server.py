@@ -452,8 +452,8 @@ async def test_stream_ending_without_message_stop_is_an_error_not_a_truncation(s
 @pytest.mark.parametrize("wanted", [False, True])
 @pytest.mark.parametrize("trickle", [False, True])
 async def test_an_event_that_never_ends_is_cut_off_with_an_error(setup, monkeypatch, wanted, trickle):
-    import relay.server
-    monkeypatch.setattr(relay.server, "MAX_EVENT_BYTES", 4096)
+    import relay.stream
+    monkeypatch.setattr(relay.stream, "MAX_EVENT_BYTES", 4096)
     start = STREAM[:STREAM.index(b"event: content_block_delta")]
     endless = [b"event: content_block_delta\ndata: {\"text\": \""] + [b"x" * 1000] * 10
     chunks = [start, *endless, b'"}\n\n', STREAM[len(start):]]
