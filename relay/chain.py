@@ -165,6 +165,21 @@ class Chain:
             if inspect.isawaitable(result):
                 await result
 
+    def routes(self, config, reserved=()) -> dict:
+        """The plugins' HTTP routes (``relay_routes``), as ``{(method, path): handler}``."""
+        found: dict = {}
+        for impl in self.impls["relay_routes"]:
+            result = impl.call({"config": config, "options": config.plugins.get(impl.plugin, {})})
+            for spec, handler in (result or {}).items():
+                method, _, path = str(spec).partition(" ")
+                where = f"plugin {impl.plugin!r}: route {spec!r}"
+                if not method.isupper() or not path.startswith("/") or "*" in path:
+                    raise ConfigError(f"{where}: must be \"METHOD /path\"")
+                if (method, path) in found or path in reserved:
+                    raise ConfigError(f"{where}: that path is served already")
+                found[method, path] = handler
+        return found
+
     async def shutdown(self, config) -> None:
         for impl in self.impls["relay_shutdown"]:
             try:

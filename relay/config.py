@@ -30,6 +30,21 @@ class Timeouts:
     total: float | None = None
 
 
+RETRY_STATUSES = (429, 500, 502, 503, 504, 529)
+
+
+@dataclass
+class Retries:
+    """How a backend's failures are retried before any byte reaches the client. One attempt
+    (no retries) unless relay.yaml asks: the SDKs and Claude Code retry on their own."""
+
+    attempts: int = 1  # tries in all, the first included
+    backoff: float = 0.5  # the first wait; doubled each time, with jitter
+    max_backoff: float = 8.0  # no wait is longer (a longer retry-after ends the retries)
+    budget: float = 30.0  # seconds for all tries and waits together
+    statuses: frozenset = frozenset(RETRY_STATUSES)
+
+
 @dataclass
 class Backend:
     name: str
@@ -42,6 +57,8 @@ class Backend:
     auth: str = "x-api-key"
     quirks: dict = field(default_factory=dict)
     timeouts: Timeouts = field(default_factory=Timeouts)
+    retries: Retries = field(default_factory=Retries)
+    fallbacks: list[str] = field(default_factory=list)  # backends to try, in order, after this one
 
     def serves(self, model: str) -> bool:
         return any(fnmatch.fnmatchcase(model, pattern) for pattern in self.models)
@@ -125,6 +142,9 @@ class Config:
         self._routes[model] = found
         self._routes_bytes += len(model)
         return found
+
+    def backend(self, name: str) -> Backend:
+        return next(b for b in self.backends if b.name == name)
 
     def default_backend(self, fallback: bool = True) -> Backend | None:
         for backend in self.backends:
@@ -255,6 +275,11 @@ def parse(raw, env=os.environ, require_keys: bool = True) -> Config:
         config.backends.append(backend)
     if sum(b.default for b in config.backends) > 1:
         raise ConfigError("backends: only one backend may be the default")
+    for i, backend in enumerate(config.backends):
+        for j, name in enumerate(backend.fallbacks):
+            if name not in names or name == backend.name:
+                raise ConfigError(f"backends[{i}].fallbacks[{j}]: {name!r} is not another "
+                                  f"configured backend")
     return config
 
 
@@ -351,7 +376,7 @@ def check_exposure(config: Config, host: str) -> None:
 def _backend(item, path: str, env, require_keys: bool) -> Backend:
     _expect(item, dict, path, "a mapping")
     _unknown(item, {"name", "url", "models", "default", "rename", "api_key_env", "auth",
-                    "quirks", "timeouts"}, path)
+                    "quirks", "timeouts", "retries", "fallbacks"}, path)
     for key in ("name", "url"):
         if key not in item:
             raise ConfigError(f"{path}.{key}: required")
@@ -382,6 +407,12 @@ def _backend(item, path: str, env, require_keys: bool) -> Backend:
         if not env.get(var) and require_keys:
             raise ConfigError(f"{path}.api_key_env: environment variable {var} is not set")
         backend.api_key_env, backend.api_key = var, env.get(var) or None
+    backend.retries = _retries(item.get("retries", {}) or {}, f"{path}.retries")
+    fallbacks = _expect(item.get("fallbacks", []) or [], list, f"{path}.fallbacks",
+                        "a list of backend names")
+    for j, name in enumerate(fallbacks):
+        _expect(name, str, f"{path}.fallbacks[{j}]", "a backend name")
+    backend.fallbacks = list(fallbacks)
     timeouts = _expect(item.get("timeouts", {}) or {}, dict, f"{path}.timeouts", "a mapping")
     _unknown(timeouts, {"connect", "read", "total"}, f"{path}.timeouts")
     for key in ("connect", "read", "total"):
@@ -391,3 +422,25 @@ def _backend(item, path: str, env, require_keys: bool) -> Backend:
             else:
                 setattr(backend.timeouts, key, _number(timeouts[key], f"{path}.timeouts.{key}"))
     return backend
+
+
+def _retries(raw, path: str) -> Retries:
+    _expect(raw, dict, path, "a mapping")
+    _unknown(raw, {"attempts", "backoff", "max_backoff", "budget", "statuses"}, path)
+    retries = Retries()
+    if "attempts" in raw:
+        attempts = _expect(raw["attempts"], int, f"{path}.attempts", "an integer")
+        if not 1 <= attempts <= 10:
+            raise ConfigError(f"{path}.attempts: must be between 1 and 10")
+        retries.attempts = attempts
+    for key in ("backoff", "max_backoff", "budget"):
+        if key in raw:
+            setattr(retries, key, _number(raw[key], f"{path}.{key}"))
+    if "statuses" in raw:
+        statuses = _expect(raw["statuses"], list, f"{path}.statuses", "a list of status codes")
+        for j, status in enumerate(statuses):
+            _expect(status, int, f"{path}.statuses[{j}]", "a status code")
+            if not (status == 429 or 500 <= status <= 599):
+                raise ConfigError(f"{path}.statuses[{j}]: only 429 and 5xx answers are retried")
+        retries.statuses = frozenset(statuses)
+    return retries

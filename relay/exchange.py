@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import time
@@ -28,8 +29,51 @@ def new_request_id() -> str:
     return f"relay_{_PROCESS}{next(_SEQUENCE):012x}"
 
 
+@dataclasses.dataclass(slots=True)
+class Attempt:
+    """One try at the upstream: which backend, what came back, how long it took."""
+
+    backend: str
+    url: str
+    status: int | None = None  # the upstream's status; None when it could not be reached
+    error: str | None = None  # why it could not be reached
+    seconds: float = 0.0  # from sending to the upstream's headers (or the failure)
+    waited: float = 0.0  # backoff slept before this attempt
+
+
+@dataclasses.dataclass(slots=True)
+class Timings:
+    """When things happened, in seconds after the request was received (None: never)."""
+
+    upstream_headers: float | None = None  # the upstream's answer began (last attempt)
+    first_byte: float | None = None  # the first byte of the answer was written to the client
+    last_byte: float | None = None  # the answer was complete
+
+
+@dataclasses.dataclass(slots=True)
+class Answer:
+    """What the client got: status, headers and the bytes of the body written."""
+
+    status: int
+    headers: Any
+    size: int = 0
+    stream: bool = False
+
+
 class Exchange:
-    """One client request and everything the relay did with it.
+    """One client request and everything the relay did with it: the complete record of a
+    round trip, on every path (answers, streams, pass-through, refusals, disconnects).
+
+    The request: ``method``, ``path``, ``query`` (as the client sent them), ``client_headers``,
+    ``raw_body``, and ``endpoint`` (``messages``, ``count_tokens``, ``passthrough``, or
+    ``refused`` for a request turned away before it was routed). Routing: ``backend``,
+    ``model``, ``stream``, ``key_name`` (the inbound key, when auth is on). What went up:
+    ``attempts`` (one :class:`Attempt` per try, retries and fallbacks included) and
+    ``upstream_request`` / ``upstream_response`` (the last attempt's, for dumps). What came
+    back: ``answer`` (an :class:`Answer`), ``outcome`` (``ok``, ``rejected``,
+    ``upstream_error``, ``stream_error``, ``upstream_unreachable``, ``client_disconnected``,
+    ``relay_error``), ``error`` (a :class:`RelayError` the relay answered with), and
+    ``received`` (wall-clock time) with ``timings`` (a :class:`Timings`).
 
     Plugins read and change the request through ``messages`` (or ``body``); they share the id
     ``translation`` table and append to ``timeline`` through :meth:`note`. ``state`` holds
@@ -38,11 +82,12 @@ class Exchange:
     """
 
     def __init__(self, *, endpoint: str, method: str, path: str, query: str,
-                 headers, raw_body: bytes, body: dict | None = None,
+                 headers, raw_body: bytes = b"", body: dict | None = None,
                  skeleton: Skeleton | None = None, backend=None):
         self.id = new_request_id()
-        self.started = time.time()
-        self.endpoint = endpoint  # "messages" or "count_tokens"
+        self.started = self.received = time.time()
+        self._clock = time.perf_counter()
+        self.endpoint = endpoint
         self.method = method
         self.path = path
         self.query = query
@@ -69,7 +114,25 @@ class Exchange:
         self.upstream_response: dict | None = None
         self.outcome: str | None = None
         self.error = None
+        self.attempts: list[Attempt] = []
+        self.timings = Timings()
+        self.answer: Answer | None = None
         self._changed = False
+
+    def follow(self, previous: "Exchange") -> None:
+        """Take over from ``previous``, whose backend failed: one client request keeps one id,
+        one clock, and the record of every attempt and step before this one."""
+        self.id = previous.id
+        self.started = self.received = previous.received
+        self._clock = previous._clock
+        self.key_name = previous.key_name
+        self.attempts = previous.attempts + self.attempts
+        self.timeline = previous.timeline + self.timeline
+        self.response_headers["x-relay-request-id"] = self.id
+
+    def elapsed(self) -> float:
+        """Seconds since the request was received."""
+        return time.perf_counter() - self._clock
 
     @property
     def messages(self) -> list | None:

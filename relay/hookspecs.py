@@ -33,6 +33,18 @@ def relay_startup(config, options):
 
 
 @hookspec
+def relay_routes(config, options):
+    """Called once at start-up: return the HTTP routes this plugin serves, as a mapping of
+    ``"METHOD /path"`` to an aiohttp handler (``async def handler(request) -> web.Response``),
+    or None.
+
+    The relay serves them beside its own endpoints, behind the same checks (the request
+    target, the Host, inbound keys). A path is plain (no wildcards) and may not be one the
+    relay or another plugin already serves (a ConfigError at start-up).
+    """
+
+
+@hookspec
 def relay_shutdown(config):
     """Called once when the server stops, after the last exchange has ended.
 
@@ -108,12 +120,17 @@ def relay_upstream_error(exchange, response, options):
 
 @hookspec
 def relay_exchange_end(exchange, options):
-    """Called once when an exchange is over, whatever happened, in reverse pipeline order.
+    """Called once when an exchange is over, whatever happened, in reverse pipeline order:
+    for every request the relay answered, pass-through and refusals included.
 
-    ``exchange.outcome`` says how it ended (``ok``, ``rejected``, ``upstream_error``,
-    ``stream_error``, ``upstream_unreachable``, ``client_disconnected``) and
-    ``exchange.timeline`` what each step did. The client already has its answer: this hook
-    cannot change it. Exceptions are logged and swallowed.
+    It runs after the client has its answer: a complete answer (or a refusal) has been
+    written to the last byte, a stream has ended. ``exchange`` is the complete record (see
+    :class:`relay.exchange.Exchange`): ``endpoint`` (``messages``, ``count_tokens``,
+    ``passthrough``, or ``refused`` for a request turned away before it was routed, such as
+    an auth failure), ``outcome`` (``ok``, ``rejected``, ``refused``, ``upstream_error``,
+    ``stream_error``, ``upstream_unreachable``, ``client_disconnected``, ``relay_error``),
+    ``answer`` (status, headers, size), ``attempts``, ``timings`` and ``timeline``. This hook
+    cannot change the answer. Exceptions are logged and swallowed.
     """
 
 

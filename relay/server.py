@@ -13,14 +13,14 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 from . import __version__, skeleton
 from .chain import Chain
-from .config import InboundKey
+from .config import Backend, InboundKey
 from .errors import RelayError, invalid_request
-from .exchange import Exchange, UpstreamResponse
+from .exchange import Answer, Exchange, UpstreamResponse
 from .inbound import Gate, check_target, forbidden, host_allowed, is_json, split_target
 from .listen import Listener
 from .skeleton import Skeleton
 from .stream import StreamBroken, StreamRelay, error_event
-from .upstream import client_headers, forward_headers, upstream_url
+from .upstream import Unreachable, Upstream, client_headers, forward_headers  # noqa: F401
 
 log = logging.getLogger("relay")
 access_log = logging.getLogger("relay.access")
@@ -40,14 +40,8 @@ class RelayState:
         self.config = config
         self.chain = chain
         self.gate = Gate(config.keys) if config.keys is not None else None
-        self.session: aiohttp.ClientSession | None = None
-        self.timeouts = {
-            b.name: aiohttp.ClientTimeout(total=b.timeouts.total, connect=b.timeouts.connect,
-                                          sock_read=b.timeouts.read)
-            for b in config.backends}
-
-    def upstream_headers(self, headers, backend):
-        return forward_headers(headers, backend, strip_client_auth=self.gate is not None)
+        # With auth on, what a client presents is a relay key: it never goes upstream.
+        self.upstream = Upstream(config, strip_client_auth=self.gate is not None)
 
 
 def relay_error(error: RelayError, request_id: str | None = None, headers=None,
@@ -152,13 +146,14 @@ def log_exchange(exchange: Exchange, status: int | None) -> None:
 
 
 async def prepare_exchange(state: RelayState, *, method: str, path: str, query: str,
-                           headers, raw_body: bytes, key: InboundKey | None = None) -> Exchange:
+                           headers, raw_body: bytes, key: InboundKey | None = None,
+                           backend: Backend | None = None) -> Exchange:
     """Parse, route and run the request chain: everything before the upstream is called.
 
     ``key`` is the inbound key the client authenticated with, if auth is on: a backend or
-    model it may not use is refused here. Raises RelayError for a request the client must be
-    refused; the exchange it was refused in is attached as ``error.exchange`` (when one was
-    built) so the end hooks can see it.
+    model it may not use is refused here. ``backend`` overrides routing (a fallback). Raises
+    RelayError for a request the client must be refused; the exchange it was refused in is
+    attached as ``error.exchange`` (when one was built) so the end hooks can see it.
     """
     endpoint = ENDPOINTS[path]
     parsed = parse_request(raw_body)
@@ -180,7 +175,9 @@ async def prepare_exchange(state: RelayState, *, method: str, path: str, query: 
         exchange.model = model[:MAX_MODEL_CHARS] + "..."
         raise refused(invalid_request(
             f"model: String should have at most {MAX_MODEL_CHARS} characters"))
-    backend = exchange.backend = state.config.backend_for(model)
+    if backend is None:
+        backend = state.config.backend_for(model)
+    exchange.backend = backend
     if backend is None:
         raise refused(RelayError(
             404, f"model: {model} (no backend in the relay's configuration serves it)",
@@ -245,17 +242,19 @@ ROUTE = web.RequestKey("relay_route", Route)
 class Relay:
     """Request handlers. One instance per app; no state survives an exchange."""
 
-    def __init__(self, state: RelayState):
+    def __init__(self, state: RelayState, plugin_routes: dict | None = None):
         self.state = state
+        self.plugin_routes = plugin_routes or {}  # (method, path) -> handler, from relay_routes
 
     async def dispatch(self, request: web.Request) -> web.StreamResponse:
         """Every request: check the target, the Host, the key, the method and the body's type,
-        then hand over. Only the two Messages endpoints, ``/healthz`` and the configured
-        pass-through routes answer; the client's path is never normalised into another."""
+        then hand over. Only the two Messages endpoints, ``/healthz``, the configured
+        pass-through routes and plugins' routes answer; the client's path is never normalised
+        into another."""
         try:
             route = self.route(request)
         except RelayError as error:
-            return relay_error(error, close=request.can_read_body)
+            return await self.refuse(request, error)
         request[ROUTE] = route
         return await route.handler(request)
 
@@ -278,18 +277,39 @@ class Relay:
             if method != "POST":
                 raise not_allowed(method, path)
             handler = self.messages
+        elif (method, path) in self.plugin_routes:
+            handler = self.plugin_routes[method, path]
         elif any(p.matches(method, segments) for p in config.passthrough):
             backend = config.default_backend()
             if key is not None and key.backends is not None and backend.name not in key.backends:
                 raise forbidden(key, f"backend {backend.name}")
             handler = self.passthrough
-        elif any(p.matches(p.method, segments) for p in config.passthrough):
+        elif (any(p.matches(p.method, segments) for p in config.passthrough)
+              or any(known == path for _, known in self.plugin_routes)):
             raise not_allowed(method, path)
         else:
             raise RelayError(404, f"Not found: {method} {path[:200]}", "not_found_error")
         if request.can_read_body and not is_json(request.headers.get("Content-Type")):
             raise invalid_request("Content-Type must be application/json")
         return Route(handler, path, query, key)
+
+    async def refuse(self, request: web.Request, error: RelayError) -> web.StreamResponse:
+        """A request turned away before it was routed still makes an exchange (outcome
+        ``refused``), so that the end hooks see it: an auth failure is worth counting."""
+        path, query = split_target(request.raw_path)
+        exchange = Exchange(endpoint="refused", method=request.method, path=path[:2000],
+                            query=query[:2000], headers=request.headers)
+        exchange.outcome, exchange.error = "refused", error
+        exchange.note("relay", "refused", status=error.status, message=error.message)
+        response = await deliver(request, exchange, relay_error(
+            error, exchange.id, close=request.can_read_body))
+        await self.finish(exchange)
+        return response
+
+    async def finish(self, exchange: Exchange) -> None:
+        """The exchange is over and the client has its answer: log it, run the end hooks."""
+        log_exchange(exchange, exchange.answer.status if exchange.answer else None)
+        await self.state.chain.end(exchange)
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
         state = self.state
@@ -303,57 +323,63 @@ class Relay:
             exchange = getattr(error, "exchange", None)
             close = error.status in (408, 413)  # the rest of the body is not worth reading
             if exchange is None:
-                return relay_error(error, close=close)
+                return await self.refuse(request, error)
             exchange.outcome = "rejected" if error.status < 500 else "relay_error"
             exchange.error = error
             exchange.note("relay", "rejected", status=error.status, message=error.message)
-            log_exchange(exchange, error.status)
-            await state.chain.end(exchange)
-            return relay_error(error, exchange.id, exchange.response_headers, close=close)
-        response = None
-        try:
-            response = await self._forward(request, exchange)
+            response = await deliver(request, exchange, relay_error(
+                error, exchange.id, exchange.response_headers, close=close))
+            await self.finish(exchange)
             return response
+        current = [exchange]  # the exchange in flight: a fallback replaces it
+
+        async def rebuild(previous: Exchange, backend) -> Exchange:
+            following = await prepare_exchange(
+                state, method=request.method, path=route.path, query=route.query,
+                headers=request.headers, raw_body=raw, key=route.key, backend=backend)
+            following.follow(previous)
+            current[0] = following
+            return following
+
+        try:
+            return await self._forward(request, exchange, rebuild)
         except asyncio.CancelledError:
-            if exchange.outcome is None:
-                exchange.outcome = "client_disconnected"
+            if current[0].outcome is None:
+                current[0].outcome = "client_disconnected"
             raise
         finally:
+            exchange = current[0]
             if exchange.outcome is None:
                 exchange.outcome = "ok"
-            log_exchange(exchange, response.status if response is not None else None)
-            await state.chain.end(exchange)
+            await self.finish(exchange)
 
-    async def _forward(self, request: web.Request, exchange: Exchange) -> web.StreamResponse:
+    async def _forward(self, request: web.Request, exchange: Exchange, rebuild) -> web.StreamResponse:
         state = self.state
-        backend = exchange.backend
-        url = upstream_url(backend, exchange.path, exchange.query)
-        headers = state.upstream_headers(request.headers, backend)
-        body = exchange.upstream_body()  # encoded and released by prepare_exchange
-        exchange.upstream_request = {"url": url, "headers": headers, "body": body}
         try:
-            # A redirect would turn the POST into a GET and carry the key to another host.
-            upstream = await state.session.request(
-                "POST", url, data=body, headers=headers, timeout=state.timeouts[backend.name],
-                allow_redirects=False)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-            return self._unreachable(exchange, e)
+            exchange, upstream = await state.upstream.open(exchange, rebuild)
+        except Unreachable as e:
+            return await self._unreachable(request, e.exchange, e.__cause__ or e)
+        except RelayError as error:  # a path the backend's base URL cannot take
+            exchange.outcome, exchange.error = "relay_error", error
+            return await deliver(request, exchange, relay_error(error, exchange.id,
+                                                                exchange.response_headers))
         async with upstream:
             if upstream.status >= 300:
-                return await self._upstream_error(exchange, upstream)
+                return await self._upstream_error(request, exchange, upstream)
             if upstream.content_type == "text/event-stream":
                 return await self._stream(request, exchange, upstream)
             try:
                 payload = await read_capped(upstream, state.config.max_upstream_body_bytes)
             except (aiohttp.ClientError, asyncio.TimeoutError, UpstreamTooLarge) as e:
-                return self._unreachable(exchange, e)
+                return await self._unreachable(request, exchange, e)
         response = UpstreamResponse(upstream.status, upstream.headers, payload)
         if exchange.endpoint == "messages" and state.chain.impls["relay_response"]:
             try:
                 await state.chain.run("relay_response", exchange, response=response)
             except RelayError as error:
                 exchange.outcome, exchange.error = "rejected", error
-                return relay_error(error, exchange.id, exchange.response_headers)
+                return await deliver(request, exchange, relay_error(
+                    error, exchange.id, exchange.response_headers))
             except Exception:
                 # A plugin fault must not cost the client an answer the upstream already gave.
                 log.exception("%s: response chain failed; the upstream's answer goes back as is",
@@ -365,20 +391,22 @@ class Relay:
             log.exception("%s: a plugin left an answer that cannot be encoded; the upstream's "
                           "answer goes back as is", exchange.id)
             final = payload
-        return web.Response(status=upstream.status, body=final,
-                            headers=client_headers(response.headers, exchange.response_headers))
+        return await deliver(request, exchange, web.Response(
+            status=upstream.status, body=final,
+            headers=client_headers(response.headers, exchange.response_headers)))
 
-    def _unreachable(self, exchange: Exchange, e: BaseException) -> web.Response:
+    async def _unreachable(self, request, exchange: Exchange, e: BaseException) -> web.Response:
         error = upstream_failure(exchange.backend, e)
         log.warning("%s: %s", exchange.id, error.message)
         exchange.outcome, exchange.error = "upstream_unreachable", error
-        return relay_error(error, exchange.id, exchange.response_headers)
+        return await deliver(request, exchange, relay_error(error, exchange.id,
+                                                            exchange.response_headers))
 
-    async def _upstream_error(self, exchange: Exchange, upstream) -> web.Response:
+    async def _upstream_error(self, request, exchange: Exchange, upstream) -> web.Response:
         try:
             payload = await read_capped(upstream, self.state.config.max_upstream_body_bytes)
         except (aiohttp.ClientError, asyncio.TimeoutError, UpstreamTooLarge) as e:
-            return self._unreachable(exchange, e)
+            return await self._unreachable(request, exchange, e)
         exchange.outcome = "upstream_error"
         exchange.upstream_response = {"status": upstream.status, "headers": upstream.headers,
                                       "body": payload}
@@ -388,86 +416,120 @@ class Relay:
             await self.state.chain.run("relay_upstream_error", exchange, response=response)
         except Exception:
             pass  # logged by the chain; the client still gets the upstream's own answer
-        return web.Response(status=upstream.status, body=payload,
-                            headers=client_headers(upstream.headers, exchange.response_headers))
+        return await deliver(request, exchange, web.Response(
+            status=upstream.status, body=payload,
+            headers=client_headers(upstream.headers, exchange.response_headers)))
 
     async def _stream(self, request: web.Request, exchange: Exchange, upstream) -> web.StreamResponse:
         plan = await self.state.chain.stream_plan(exchange)
         response = web.StreamResponse(
             status=upstream.status,
             headers=client_headers(upstream.headers, exchange.response_headers))
+        answer = exchange.answer = Answer(response.status, response.headers, stream=True)
         await response.prepare(request)
-        stream = StreamRelay(self.state.chain, exchange, plan, response.write)
+        timings = exchange.timings
+
+        async def write(data: bytes) -> None:
+            if not answer.size:
+                timings.first_byte = exchange.elapsed()
+            answer.size += len(data)
+            await response.write(data)
+
+        stream = StreamRelay(self.state.chain, exchange, plan, write)
         try:
-            async for chunk in upstream.content.iter_any():
-                await stream.feed(chunk)
-            await stream.finish()
-        except (aiohttp.ClientError, asyncio.TimeoutError, StreamBroken) as e:
-            if request.transport is None or request.transport.is_closing():
-                exchange.outcome = "client_disconnected"
-                return response
-            if stream.ended:
-                # Everything the client needs arrived; only the connection's own ending failed.
-                log.info("%s: upstream connection ended uncleanly after the stream: %r",
-                         exchange.id, e)
-                await response.write_eof()
-                return response
-            message = (f"upstream stream from {exchange.backend.name} broke off: "
-                       f"{type(e).__name__} {e}").rstrip()
-            log.warning("%s: %s", exchange.id, message)
-            await stream_failed(exchange, response, message)
+            try:
+                async for chunk in upstream.content.iter_any():
+                    await stream.feed(chunk)
+                await stream.finish()
+            except (aiohttp.ClientError, asyncio.TimeoutError, StreamBroken) as e:
+                if request.transport is None or request.transport.is_closing():
+                    exchange.outcome = "client_disconnected"
+                    return response
+                if stream.ended:
+                    # Everything the client needs arrived; only the connection's own ending
+                    # failed.
+                    log.info("%s: upstream connection ended uncleanly after the stream: %r",
+                             exchange.id, e)
+                else:
+                    message = (f"upstream stream from {exchange.backend.name} broke off: "
+                               f"{type(e).__name__} {e}").rstrip()
+                    log.warning("%s: %s", exchange.id, message)
+                    await stream_failed(exchange, response, message)
+                    return response
+            except asyncio.CancelledError:
+                # The client went away, or the relay is stopping with this stream still open:
+                # then the client is told, not cut off.
+                if (request.transport is not None and not request.transport.is_closing()
+                        and not stream.ended):
+                    await stream_failed(exchange, response, "the relay is shutting down")
+                raise
+            except Exception:
+                log.exception("%s: the stream loop failed", exchange.id)
+                if not stream.ended:
+                    await stream_failed(exchange, response,
+                                        "the relay failed while relaying this stream")
+                    return response
+            await response.write_eof()
             return response
-        except asyncio.CancelledError:
-            # The client went away, or the relay is stopping with this stream still open:
-            # then the client is told, not cut off.
-            if (request.transport is not None and not request.transport.is_closing()
-                    and not stream.ended):
-                await stream_failed(exchange, response, "the relay is shutting down")
-            raise
-        except Exception:
-            log.exception("%s: the stream loop failed", exchange.id)
-            if stream.ended:
-                await response.write_eof()
-                return response
-            await stream_failed(exchange, response, "the relay failed while relaying this stream")
-            return response
-        await response.write_eof()
-        return response
+        finally:
+            timings.last_byte = exchange.elapsed()
 
     async def passthrough(self, request: web.Request) -> web.StreamResponse:
         """A configured pass-through route (``server.passthrough``) goes to the default backend
-        untouched, chain or no chain."""
+        untouched, chain or no chain; it is still an exchange that the end hooks see."""
         state = self.state
         route = request[ROUTE]
         backend = state.config.default_backend()
+        exchange = Exchange(endpoint="passthrough", method=request.method, path=route.path,
+                            query=route.query, headers=request.headers, backend=backend)
+        exchange.key_name = route.key.name if route.key is not None else None
         try:
-            url = upstream_url(backend, route.path, route.query)
+            return await self._passthrough(request, exchange)
+        except asyncio.CancelledError:
+            exchange.outcome = "client_disconnected"
+            raise
+        finally:
+            if exchange.outcome is None:
+                exchange.outcome = "ok"
+            await self.finish(exchange)
+
+    async def _passthrough(self, request: web.Request, exchange: Exchange) -> web.StreamResponse:
+        state = self.state
+        backend = exchange.backend
+        try:
             raw = None
             if request.can_read_body:
-                raw = await read_body(request, state.config.max_body_bytes,
-                                      state.config.body_timeout)
-            upstream = await state.session.request(
-                request.method, url, data=raw,
-                headers=state.upstream_headers(request.headers, backend),
-                timeout=state.timeouts[backend.name], allow_redirects=False)
+                raw = exchange.raw_body = await read_body(
+                    request, state.config.max_body_bytes, state.config.body_timeout)
+            upstream = await state.upstream.send(exchange, backend, body=raw)
         except RelayError as error:
-            return relay_error(error, close=error.status in (408, 413))
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-            return relay_error(upstream_failure(backend, e))
+            exchange.outcome, exchange.error = "rejected", error
+            return await deliver(request, exchange, relay_error(
+                error, exchange.id, close=error.status in (408, 413)))
+        except Unreachable as e:
+            return await self._unreachable(request, exchange, e.__cause__ or e)
         async with upstream:
+            if upstream.status >= 300:
+                exchange.outcome = "upstream_error"
             response = web.StreamResponse(status=upstream.status,
                                           headers=client_headers(upstream.headers))
+            answer = exchange.answer = Answer(response.status, response.headers)
             await response.prepare(request)
+            exchange.timings.first_byte = exchange.elapsed()
             try:
                 async for chunk in upstream.content.iter_any():
+                    answer.size += len(chunk)
                     await response.write(chunk)
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 # Headers are gone already: closing without the final chunk is how HTTP says
                 # the body is incomplete.
-                log.warning("passthrough %s from %s broke off: %r", route.path, backend.name, e)
+                log.warning("passthrough %s from %s broke off: %r", exchange.path,
+                            backend.name, e)
+                exchange.outcome = "stream_error"
                 request.transport.close()
                 return response
             await response.write_eof()
+            exchange.timings.last_byte = exchange.elapsed()
             return response
 
     async def healthz(self, request: web.Request) -> web.Response:
@@ -476,6 +538,17 @@ class Relay:
             body.update(pipeline=self.state.chain.pipeline,
                         backends=[b.name for b in self.state.config.backends])
         return web.json_response(body)
+
+
+async def deliver(request: web.Request, exchange: Exchange, response: web.Response) -> web.Response:
+    """Send a complete answer now, recording it on the exchange, so that whatever runs after
+    (the end hooks) runs once the client has it."""
+    exchange.answer = Answer(response.status, response.headers, len(response.body or b""))
+    await response.prepare(request)
+    exchange.timings.first_byte = exchange.elapsed()
+    await response.write_eof()
+    exchange.timings.last_byte = exchange.elapsed()
+    return response
 
 
 @web.middleware
@@ -497,16 +570,13 @@ def create_app(config, chain: Chain) -> web.Application:
     state = RelayState(config, chain)
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[anthropic_errors])
     app[STATE] = state
-    relay = Relay(state)
+    relay = Relay(state, chain.routes(config, reserved=("/healthz", *ENDPOINTS)))
     app.router.add_route("*", "/{tail:.*}", relay.dispatch)
 
     async def session_context(app):
-        state.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=config.upstream_connections,
-                                           limit_per_host=0, enable_cleanup_closed=True),
-            auto_decompress=True, skip_auto_headers=("User-Agent",))
+        await state.upstream.start()
         yield
-        await state.session.close()
+        await state.upstream.close()
 
     app.cleanup_ctx.append(session_context)
     return app

@@ -7,12 +7,19 @@ appended as it is, and the result is checked again to stay under the base path.
 
 from __future__ import annotations
 
+import asyncio
+import email.utils
+import random
+import time
 from urllib.parse import urlsplit
 
+import aiohttp
 from multidict import CIMultiDict
 from yarl import URL
 
+from .config import Retries
 from .errors import RelayError
+from .exchange import Attempt
 
 # RFC 9110 hop-by-hop headers, plus the ones the relay recomputes: aiohttp decodes content
 # encodings on both sides, so a forwarded content-encoding or content-length would be stale.
@@ -75,3 +82,162 @@ def client_headers(upstream_headers, extra: dict | None = None) -> CIMultiDict:
     if extra:
         out.update(extra)
     return out
+
+
+class Unreachable(Exception):
+    """No answer came back from the upstream (after any retries); ``__cause__`` says why."""
+
+
+def retry_after(headers) -> float | None:
+    """The wait an upstream asks for, in seconds: ``retry-after-ms``, or ``retry-after`` as
+    seconds or an HTTP date."""
+    value = headers.get("retry-after-ms")
+    if value:
+        try:
+            return max(0.0, float(value) / 1000)
+        except ValueError:
+            pass
+    value = headers.get("retry-after")
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
+def backoff(retries: Retries, tried: int, headers, rng=random.random) -> float | None:
+    """How long to wait before the next try after ``tried`` tries, or None when the upstream
+    asks for a longer wait than ``max_backoff``: exponential, with jitter so that clients
+    shed together do not come back together, and the upstream's own retry-after honoured."""
+    asked = retry_after(headers) if headers is not None else None
+    if asked is not None:
+        return asked if asked <= retries.max_backoff else None
+    wait = min(retries.max_backoff, retries.backoff * 2 ** (tried - 1))
+    return wait * (0.5 + rng() / 2)
+
+
+RETRYABLE_ERRORS = (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError)
+
+
+class Upstream:
+    """The one place the relay talks to backends: URL, headers and credentials, timeouts, the
+    redirect policy (never followed: a redirect would turn a POST into a GET and could carry
+    the key to another host), retries and fallback. Serving, pass-through and
+    ``relay replay --send`` all go through it."""
+
+    def __init__(self, config, strip_client_auth: bool = False, sleep=asyncio.sleep):
+        self.config = config
+        self.strip_client_auth = strip_client_auth
+        self.session: aiohttp.ClientSession | None = None
+        self.timeouts = {
+            b.name: aiohttp.ClientTimeout(total=b.timeouts.total, connect=b.timeouts.connect,
+                                          sock_read=b.timeouts.read)
+            for b in config.backends}
+        self._sleep = sleep
+
+    async def start(self) -> None:
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=self.config.upstream_connections,
+                                           limit_per_host=0, enable_cleanup_closed=True),
+            auto_decompress=True, skip_auto_headers=("User-Agent",))
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    def headers(self, client_headers, backend) -> CIMultiDict:
+        return forward_headers(client_headers, backend, self.strip_client_auth)
+
+    async def send(self, exchange, backend, *, body: bytes | None = None,
+                   headers=None) -> aiohttp.ClientResponse:
+        """Send ``exchange``'s request to ``backend``, retrying as the backend's ``retries``
+        say; every try is recorded in ``exchange.attempts``. Returns the upstream's answer
+        (any status: the caller decides what a 4xx means) or raises :class:`Unreachable`.
+        ``body`` defaults to ``exchange.upstream_body()``, ``headers`` to the client's."""
+        url = upstream_url(backend, exchange.path, exchange.query)
+        out_headers = self.headers(exchange.client_headers if headers is None else headers,
+                                   backend)
+        if body is None:
+            body = exchange.upstream_body()
+        exchange.upstream_request = {"url": str(url), "headers": out_headers, "body": body}
+        retries = backend.retries
+        started = time.perf_counter()
+        waited = 0.0
+        while True:
+            attempt = Attempt(backend.name, str(url), waited=waited)
+            exchange.attempts.append(attempt)
+            sent = time.perf_counter()
+            failure = answer = None
+            try:
+                answer = await self.session.request(
+                    exchange.method, url, data=body, headers=out_headers,
+                    timeout=self.timeouts[backend.name], allow_redirects=False)
+            except RETRYABLE_ERRORS as e:
+                failure = e
+                attempt.error = f"{type(e).__name__} {e}".rstrip()
+            attempt.seconds = time.perf_counter() - sent
+            if answer is not None:
+                attempt.status = answer.status
+                if answer.status not in retries.statuses:
+                    exchange.timings.upstream_headers = exchange.elapsed()
+                    return answer
+            tried = sum(1 for a in exchange.attempts if a.backend == backend.name)
+            wait = None
+            if tried < retries.attempts:
+                wait = backoff(retries, tried, answer.headers if answer is not None else None)
+            if wait is None or time.perf_counter() - started + wait > retries.budget:
+                if answer is not None:
+                    exchange.timings.upstream_headers = exchange.elapsed()
+                    return answer
+                raise Unreachable(backend.name) from failure
+            if answer is not None:
+                answer.release()
+            exchange.note("relay", "retrying", backend=backend.name,
+                          status=attempt.status, error=attempt.error, wait=round(wait, 3))
+            await self._sleep(wait)
+            waited = wait
+
+    async def open(self, exchange, rebuild=None):
+        """:meth:`send`, then each of the backend's ``fallbacks`` in order while the answer
+        is one the backend retries (or none came). ``rebuild(exchange, backend)`` makes the
+        exchange for a fallback: the request chain runs again, since quirks differ; a fallback
+        it refuses is skipped. Returns ``(exchange, answer)`` with the exchange that was sent
+        last; raises :class:`Unreachable`, with that exchange as ``.exchange``."""
+        fallbacks = [self.config.backend(name) for name in exchange.backend.fallbacks]
+        while True:
+            failure = None
+            try:
+                answer = await self.send(exchange, exchange.backend)
+            except Unreachable as e:
+                answer, failure = None, e
+            if answer is not None and answer.status not in exchange.backend.retries.statuses:
+                return exchange, answer
+            following = None
+            while rebuild is not None and fallbacks and following is None:
+                target = fallbacks.pop(0)
+                try:
+                    following = await rebuild(exchange, target)
+                except RelayError as refused:
+                    exchange.note("relay", "fallback refused", backend=target.name,
+                                  message=refused.message)
+            if following is None:
+                if answer is None:
+                    failure.exchange = exchange
+                    raise failure
+                if len(exchange.attempts) > 1:
+                    # The relay has retried already: a client retrying on top multiplies it.
+                    exchange.response_headers["x-should-retry"] = "false"
+                return exchange, answer
+            if answer is not None:
+                answer.release()
+            following.note("relay", "fallback", backend=following.backend.name,
+                           after=exchange.backend.name)
+            exchange = following
