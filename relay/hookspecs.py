@@ -124,7 +124,9 @@ def relay_exchange_end(exchange, options):
     for every request the relay answered, pass-through and refusals included.
 
     It runs after the client has its answer: a complete answer (or a refusal) has been
-    written to the last byte, a stream has ended. ``exchange`` is the complete record (see
+    written to the last byte, a stream has ended. It does run before the next request on
+    the same kept-alive connection is read, so keep it quick (hand slow work, such as
+    writing a file, to a thread or a task). ``exchange`` is the complete record (see
     :class:`relay.exchange.Exchange`): ``endpoint`` (``messages``, ``count_tokens``,
     ``passthrough``, or ``refused`` for a request turned away before it was routed, such as
     an auth failure), ``outcome`` (``ok``, ``rejected``, ``refused``, ``upstream_error``,

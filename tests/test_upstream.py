@@ -1,0 +1,240 @@
+"""The upstream seam: retries, fallback, and the exchange as the record of every round trip."""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+import pytest
+from aiohttp import web
+
+from relay import config as config_module
+from relay.config import Retries
+from relay.hookspecs import hookimpl
+from relay.upstream import backoff, retry_after
+from support import backend
+from test_server import (ANSWER, BODY, STREAM, Upstream, start_relay, start_upstream,
+                         stream_reply)
+
+
+class Recorder:
+    """Keeps every exchange the end hook sees, and when it saw it."""
+
+    def __init__(self):
+        self.ended = []
+
+    @hookimpl
+    def relay_exchange_end(self, exchange):
+        self.ended.append(exchange)
+
+
+def scripted(*statuses, headers=None):
+    """An upstream answering with these statuses in turn, then 200s."""
+    left = list(statuses)
+
+    async def reply(request):
+        status = left.pop(0) if left else 200
+        if status == 200:
+            return web.json_response(ANSWER)
+        body = {"type": "error", "error": {"type": "overloaded_error", "message": f"busy {status}"}}
+        return web.json_response(body, status=status, headers=headers or {})
+    return reply
+
+
+async def relay_for(aiohttp_server, aiohttp_client, backends, pipeline=("dedup", "pairing")):
+    """A relay over in-process upstreams: ``backends`` is a list of (Upstream, backend extras)."""
+    recorder = Recorder()
+    entries = []
+    for i, (upstream, extra) in enumerate(backends):
+        server = await start_upstream(aiohttp_server, upstream)
+        entries.append({"name": extra.pop("name", f"b{i}"), "url": str(server.make_url("")),
+                        "models": ["claude-*"] if i == 0 else [], **extra})
+    client = await start_relay(aiohttp_client, {"pipeline": [*pipeline, "rec"], "backends": entries},
+                               extra={"rec": recorder})
+    return client, recorder
+
+
+FAST = {"attempts": 3, "backoff": 0.01, "max_backoff": 0.05, "budget": 5}
+
+
+async def test_retries_answers_the_backend_marks_retryable(aiohttp_server, aiohttp_client):
+    upstream = Upstream()
+    upstream.reply = scripted(529, 429)
+    client, recorder = await relay_for(aiohttp_server, aiohttp_client,
+                                       [(upstream, {"retries": FAST})])
+    resp = await client.post("/v1/messages", json=BODY)
+    assert resp.status == 200 and await resp.json() == ANSWER
+    assert len(upstream.received) == 3
+    assert upstream.received[0]["raw"] == upstream.received[2]["raw"]
+    exchange = recorder.ended[0]
+    assert [(a.backend, a.status) for a in exchange.attempts] == [("b0", 529), ("b0", 429),
+                                                                  ("b0", 200)]
+    assert exchange.attempts[1].waited > 0
+    assert [e["action"] for e in exchange.timeline].count("retrying") == 2
+
+
+async def test_no_retries_unless_configured_and_never_for_a_4xx(aiohttp_server, aiohttp_client):
+    for retries, status, calls in (({}, 529, 1), (FAST, 400, 1), (FAST, 529, 3)):
+        upstream = Upstream()
+        upstream.reply = scripted(status, status, status, status)
+        client, recorder = await relay_for(aiohttp_server, aiohttp_client,
+                                           [(upstream, {"retries": retries})])
+        resp = await client.post("/v1/messages", json=BODY)
+        assert resp.status == status and len(upstream.received) == calls
+        # Having retried already, the relay tells the client not to multiply the retries.
+        assert (resp.headers.get("x-should-retry") == "false") == (calls > 1)
+
+
+async def test_a_retry_after_longer_than_the_relay_waits_ends_the_retries(aiohttp_server,
+                                                                         aiohttp_client):
+    upstream = Upstream()
+    upstream.reply = scripted(429, headers={"retry-after": "120"})
+    client, _ = await relay_for(aiohttp_server, aiohttp_client, [(upstream, {"retries": FAST})])
+    resp = await client.post("/v1/messages", json=BODY)
+    assert resp.status == 429 and resp.headers["retry-after"] == "120"
+    assert len(upstream.received) == 1
+
+
+def test_backoff_grows_with_jitter_and_honours_the_upstream():
+    retries = Retries(attempts=5, backoff=1, max_backoff=8)
+    assert [backoff(retries, n, {}, rng=lambda: 1.0) for n in (1, 2, 3, 4, 5)] == [1, 2, 4, 8, 8]
+    assert backoff(retries, 1, {}, rng=lambda: 0.0) == 0.5
+    assert backoff(retries, 1, {"retry-after-ms": "250"}) == 0.25
+    assert backoff(retries, 1, {"retry-after": "3"}) == 3
+    assert backoff(retries, 1, {"retry-after": "30"}) is None
+    assert retry_after({"retry-after": "Wed, 21 Oct 2015 07:28:00 GMT"}) == 0.0
+    assert retry_after({"retry-after": "soon"}) is None
+
+
+async def test_connection_failures_are_retried_then_502(aiohttp_client, unused_tcp_port_factory):
+    recorder = Recorder()
+    port = unused_tcp_port_factory()
+    client = await start_relay(aiohttp_client, {
+        "pipeline": ["rec"],
+        "backends": [backend(f"http://127.0.0.1:{port}", retries=FAST)]}, extra={"rec": recorder})
+    resp = await client.post("/v1/messages", json=BODY)
+    assert resp.status == 502 and (await resp.json())["error"]["type"] == "api_error"
+    exchange = recorder.ended[0]
+    assert len(exchange.attempts) == 3 and all(a.error and a.status is None
+                                               for a in exchange.attempts)
+    assert exchange.outcome == "upstream_unreachable"
+
+
+async def test_fallback_runs_the_chain_again_with_the_fallbacks_quirks(aiohttp_server,
+                                                                      aiohttp_client):
+    primary, second = Upstream(), Upstream()
+    primary.reply = scripted(529)
+    # A history whose repeated id the primary wants unique and the fallback wants restored.
+    history = {**BODY, "messages": [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_a", "name": "Bash",
+                                           "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_a",
+                                      "content": "1"}]},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_a-2", "name": "Bash",
+                                           "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_a-2",
+                                      "content": "2"}]}]}
+    client, recorder = await relay_for(aiohttp_server, aiohttp_client, [
+        (primary, {"name": "main", "fallbacks": ["spare"]}),
+        (second, {"name": "spare", "rename": {"claude-*": "spare-model"},
+                  "quirks": {"restore_original_ids": True}})])
+    resp = await client.post("/v1/messages", json=history)
+    assert resp.status == 200 and await resp.json() == ANSWER
+    assert "toolu_a-2" in primary.received[0]["raw"].decode()
+    sent = orjson.loads(second.received[0]["raw"])
+    assert sent["model"] == "spare-model"
+    assert sent["messages"][3]["content"][0]["id"] == "toolu_a"  # the fallback's own quirk
+    exchange = recorder.ended[0]
+    assert len(recorder.ended) == 1 and exchange.backend.name == "spare"
+    assert [(a.backend, a.status) for a in exchange.attempts] == [("main", 529), ("spare", 200)]
+    assert resp.headers["x-relay-request-id"] == exchange.id
+    assert any(e["action"] == "fallback" for e in exchange.timeline)
+
+
+async def test_a_fallback_the_key_may_not_use_is_skipped(aiohttp_server, aiohttp_client):
+    primary, second = Upstream(), Upstream()
+    primary.reply = scripted(503)
+    a, b = await start_upstream(aiohttp_server, primary), await start_upstream(aiohttp_server, second)
+    client = await start_relay(aiohttp_client, {
+        "server": {"auth": {"keys": [{"name": "k", "key_env": "K", "backends": ["main"]}]}},
+        "backends": [backend(str(a.make_url("")), name="main", fallbacks=["spare"]),
+                     backend(str(b.make_url("")), name="spare", models=[])]},
+        env={"K": "relay-key-0123456789abcdef"})
+    resp = await client.post("/v1/messages", json=BODY,
+                             headers={"x-api-key": "relay-key-0123456789abcdef"})
+    assert resp.status == 503 and second.received == []
+
+
+async def test_a_stream_that_breaks_after_its_first_byte_is_never_retried(aiohttp_server,
+                                                                          aiohttp_client):
+    upstream = Upstream()
+    upstream.reply = stream_reply([STREAM[:STREAM.index(b"event: content_block_stop")]])
+    client, recorder = await relay_for(aiohttp_server, aiohttp_client,
+                                       [(upstream, {"retries": FAST})])
+    text = await (await client.post("/v1/messages", json={**BODY, "stream": True})).read()
+    assert b"event: error" in text and len(upstream.received) == 1
+    assert recorder.ended[0].outcome == "stream_error"
+
+
+def test_fallbacks_must_name_other_backends():
+    with pytest.raises(config_module.ConfigError, match=r"backends\[0\]\.fallbacks\[0\]"):
+        config_module.parse({"backends": [backend("http://127.0.0.1:1", name="a", fallbacks=["a"])]})
+    with pytest.raises(config_module.ConfigError, match=r"retries\.statuses\[0\]"):
+        config_module.parse({"backends": [backend("http://127.0.0.1:1",
+                                                  retries={"statuses": [404]})]})
+
+
+# --- the exchange record ---------------------------------------------------------------------
+
+async def test_every_path_is_an_exchange_the_end_hooks_see(aiohttp_server, aiohttp_client):
+    upstream = Upstream()
+    client, recorder = await relay_for(aiohttp_server, aiohttp_client, [(upstream, {})])
+    first = await (await client.post("/v1/messages", json=BODY)).read()
+    await client.post("/v1/messages", json={**BODY, "messages": []})  # refused by... nobody
+    await client.get("/v1/models")
+    await client.get("/v1/nothing")
+    bad = {**BODY, "messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_x", "content": "?"}]}]}
+    await client.post("/v1/messages", json=bad)
+    got = [(e.endpoint, e.outcome, e.answer.status) for e in recorder.ended]
+    assert got == [("messages", "ok", 200), ("messages", "ok", 200), ("passthrough", "ok", 200),
+                   ("refused", "refused", 404), ("messages", "rejected", 400)]
+    ok = recorder.ended[0]
+    assert ok.answer.size == len(first) and ok.attempts[0].status == 200
+    t = ok.timings
+    assert 0 <= t.upstream_headers <= t.first_byte <= t.last_byte
+
+
+async def test_stream_record_has_size_and_first_byte(aiohttp_server, aiohttp_client):
+    upstream = Upstream()
+    upstream.reply = stream_reply([STREAM[:100], STREAM[100:]])
+    client, recorder = await relay_for(aiohttp_server, aiohttp_client, [(upstream, {})])
+    text = await (await client.post("/v1/messages", json={**BODY, "stream": True})).read()
+    exchange = recorder.ended[0]
+    assert exchange.answer.stream and exchange.answer.size == len(text) == len(STREAM)
+    assert exchange.timings.first_byte <= exchange.timings.last_byte
+
+
+async def test_end_hooks_run_after_the_client_has_its_answer(aiohttp_server, aiohttp_client):
+    gate = asyncio.Event()
+    answered = []
+
+    class Slow:
+        @hookimpl
+        async def relay_exchange_end(self, exchange):
+            answered.append(exchange.answer.status)
+            await gate.wait()
+
+    upstream = Upstream()
+    server = await start_upstream(aiohttp_server, upstream)
+    client = await start_relay(aiohttp_client, {"pipeline": ["slow"],
+                                                "backends": [backend(str(server.make_url("")))]},
+                               extra={"slow": Slow()})
+    for body in (BODY, {"model": 3}):
+        # (A kept-alive connection would wait for the hook before its next request.)
+        resp = await asyncio.wait_for(client.post("/v1/messages", json=body,
+                                                  headers={"Connection": "close"}), 5)
+        assert (await asyncio.wait_for(resp.read(), 5))  # the end hook is still waiting
+    assert answered == [200, 400]
+    gate.set()
