@@ -204,7 +204,9 @@ class Chain:
                 result = impl.call(kwargs)
                 if inspect.isawaitable(result):
                     result = await result
-            except RelayError:
+            except RelayError as error:
+                if getattr(error, "plugin", None) is None:
+                    error.plugin = impl.plugin  # who refused: for logs, dumps and metrics
                 raise
             except Exception:
                 log.exception("plugin %s failed in %s", impl.plugin, hook)
@@ -229,8 +231,6 @@ class Chain:
         hooks = {impl.plugin: impl for impl in self.impls["relay_stream_event"]}
         for order, impl in enumerate(self.impls["relay_stream_events"]):
             event_hook = hooks.get(impl.plugin)
-            if event_hook is None:
-                continue
             try:
                 wanted = impl.call({"exchange": exchange, "options": options[impl.plugin]})
                 if inspect.isawaitable(wanted):
@@ -239,7 +239,7 @@ class Chain:
                 log.exception("plugin %s failed in relay_stream_events; it sees no events",
                               impl.plugin)
                 continue
-            if not wanted:
+            if not wanted or event_hook is None:
                 continue
             call = (order, event_hook, options[impl.plugin])
             if wanted == "*":

@@ -22,11 +22,14 @@ STATUS_TYPES = {
 class RelayError(Exception):
     """A refusal in Anthropic's error format. Raise it from any hook to answer the client."""
 
-    def __init__(self, status: int, message: str, type: str | None = None):
+    def __init__(self, status: int, message: str, type: str | None = None,
+                 rule: str | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type or STATUS_TYPES.get(status, "api_error")
+        self.rule = rule  # which rule refused, when a plugin names one (metrics count by it)
+        self.plugin: str | None = None  # set by the chain: the plugin that raised it
 
     def body(self, request_id: str | None = None) -> bytes:
         return error_body(self.type, self.message, request_id)

@@ -1,0 +1,149 @@
+"""The metrics plugin: Prometheus text from the exchange record, protected like every route."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+
+import pytest
+from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
+
+from relay import config as config_module
+from support import backend
+from test_server import (BODY, STREAM, Upstream, start_relay, start_upstream,  # noqa: F401
+                         stream_reply)
+
+KEY = "relay-key-metrics-0123456789"
+
+
+def samples(text: str) -> dict:
+    """{(name, frozenset(labels)): value} for every sample."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[sample.name, frozenset(sample.labels.items())] = sample.value
+    return out
+
+
+def value(found: dict, name: str, **labels) -> float:
+    return sum(v for (n, ls), v in found.items()
+               if n == name and all((k, str(x)) in ls for k, x in labels.items()))
+
+
+async def test_counts_what_the_exchange_record_says(aiohttp_server, aiohttp_client):
+    upstream = Upstream()
+    statuses = iter([200, 200, 529, 200, 400])
+
+    async def reply(request):
+        body = await request.json()
+        if body.get("stream"):
+            return await stream_reply([STREAM])(request)
+        status = next(statuses)
+        if status == 200:
+            return await upstream.json_reply(request)
+        return web.json_response({"type": "error", "error": {"type": "x", "message": "no"}},
+                                 status=status)
+    upstream.reply = reply
+    server = await start_upstream(aiohttp_server, upstream)
+    client = await start_relay(aiohttp_client, {
+        "server": {"auth": {"keys": [{"name": "k", "key_env": "K"}]}},
+        "pipeline": ["metrics", "dedup", "pairing", "ordering"],
+        "backends": [backend(str(server.make_url("")), name="main",
+                             retries={"attempts": 2, "backoff": 0.01, "max_backoff": 0.02})]},
+        env={"K": KEY})
+    auth = {"x-api-key": KEY}
+    assert (await client.post("/v1/messages", json=BODY, headers=auth)).status == 200
+    assert (await client.post("/v1/messages", json={**BODY, "model": "claude-secret-name"},
+                              headers=auth)).status == 200
+    assert (await client.post("/v1/messages", json=BODY, headers=auth)).status == 200  # retried
+    assert (await client.post("/v1/messages", json=BODY, headers=auth)).status == 400
+    await (await client.post("/v1/messages", json={**BODY, "stream": True}, headers=auth)).read()
+    broken = {**BODY, "messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_x", "content": "?"}]}]}
+    assert (await client.post("/v1/messages", json=broken, headers=auth)).status == 400
+    assert (await client.post("/v1/messages", json=BODY, headers={"x-api-key": "nope"})).status == 401
+
+    assert (await client.get("/metrics")).status == 401  # protected like the rest
+    resp = await client.get("/metrics", headers=auth)
+    assert resp.status == 200 and resp.content_type == "text/plain"
+    text = await resp.text()
+    found = samples(text)
+    assert value(found, "relay_requests_total", backend="main", status="200", stream="false") == 3
+    assert value(found, "relay_requests_total", backend="main", status="400",
+                 outcome="upstream_error") == 1
+    assert value(found, "relay_requests_total", stream="true", outcome="ok") == 1
+    assert value(found, "relay_requests_total", outcome="rejected") == 1
+    assert value(found, "relay_histories_refused_total", plugin="pairing") == 1
+    assert value(found, "relay_upstream_retries_total", backend="main") == 1
+    assert value(found, "relay_auth_failures_total") == 2  # the /metrics without a key too
+    assert value(found, "relay_active_streams") == 0
+    assert value(found, "relay_time_to_first_byte_seconds_count", stream="true") == 1
+    assert value(found, "relay_upstream_latency_seconds_count", backend="main") == 6
+    assert "claude-secret-name" not in text and "claude-test" not in text
+
+
+async def test_rewrites_and_repairs_are_counted(aiohttp_server, aiohttp_client):
+    upstream = Upstream()
+    server = await start_upstream(aiohttp_server, upstream)
+    client = await start_relay(aiohttp_client, {
+        "pipeline": ["metrics", "dedup", "pairing", "ordering"],
+        "plugins": {"ordering": {"ordering_mode": "repair"}},
+        "backends": [backend(str(server.make_url("")))]})
+    use = {"type": "tool_use", "id": "toolu_a", "name": "Bash", "input": {}}
+    history = {**BODY, "messages": [
+        {"role": "user", "content": "go"}, {"role": "assistant", "content": [use]},
+        {"role": "user", "content": [{"type": "text", "text": "first"},
+                                     {"type": "tool_result", "tool_use_id": "toolu_a",
+                                      "content": "1"}]}]}
+    assert (await client.post("/v1/messages", json=history)).status == 200
+    found = samples(await (await client.get("/metrics")).text())
+    assert value(found, "relay_histories_repaired_total", plugin="ordering") == 1
+
+
+def test_unknown_options_are_refused():
+    from plugins.metrics import Metrics
+    config = config_module.parse({"backends": [backend("http://127.0.0.1:1")]})
+    with pytest.raises(config_module.ConfigError, match="plugins.metrics.pth"):
+        Metrics().relay_startup(config, {"pth": "/m"})
+
+
+def fetch(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return response.read().decode()
+
+
+def post(url: str) -> int:
+    import orjson
+    request = urllib.request.Request(url + "/v1/messages", data=orjson.dumps(BODY),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return response.status
+
+
+def test_processes_sharing_a_multiprocess_dir_add_up(relay, emulator, tmp_path):
+    emu = emulator()
+    shared = tmp_path / "prometheus"
+    shared.mkdir()
+    config = {"pipeline": ["metrics"], "backends": [backend(emu.url)]}
+    env = {"PROMETHEUS_MULTIPROC_DIR": str(shared)}
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    from support import Relay
+    first = Relay(config, tmp_path / "a", env=env)
+    second = Relay(config, tmp_path / "b", env=env)
+    try:
+        for server, count in ((first, 2), (second, 3)):
+            for _ in range(count):
+                assert post(server.url) == 200
+        deadline = time.monotonic() + 5
+        while True:
+            found = samples(fetch(first.url + "/metrics"))
+            total = value(found, "relay_requests_total", status="200")
+            if total == 5 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert total == 5
+    finally:
+        first.stop()
+        second.stop()
