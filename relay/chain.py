@@ -21,9 +21,6 @@ from .errors import ConfigError, RelayError
 ENTRY_POINT_GROUP = "relay.plugins"
 log = logging.getLogger("relay.chain")
 
-# Hooks that carry the answer back run in reverse pipeline order (the onion).
-REVERSED = {"relay_response", "relay_stream_events", "relay_stream_event",
-            "relay_upstream_error", "relay_exchange_end", "relay_shutdown"}
 
 
 def available_plugins() -> dict:
@@ -147,7 +144,7 @@ class Chain:
                            tuple(h.argnames))
                      for h in caller.get_hookimpls()]
             impls.sort(key=lambda impl: position.get(impl.plugin, len(position)),
-                       reverse=spec_name in REVERSED)
+                       reverse=getattr(hookspecs, spec_name).relay_order == hookspecs.REVERSE)
             self.impls[spec_name] = impls
         # Quirks win over plugin options; merged once here rather than on every request.
         self.options: dict[str | None, dict[str, dict]] = {
@@ -255,12 +252,16 @@ class Chain:
         return plan
 
     async def stream_event(self, exchange, event, calls) -> None:
-        """Run the plugins that asked for this event. A plugin that raises is logged and the
-        next one runs; whatever it had changed (and marked changed) before raising stays."""
+        """Run the plugins that asked for this event. A :class:`RelayError` ends the stream
+        (it propagates); any other exception is logged and the next plugin runs, and whatever
+        the plugin had changed (and marked changed) before raising stays."""
         for _, impl, options in calls:
             try:
                 result = impl.call({"exchange": exchange, "event": event, "options": options})
                 if result is not None and inspect.isawaitable(result):
                     await result
+            except RelayError as error:
+                error.plugin = error.plugin or impl.plugin
+                raise
             except Exception:
                 log.exception("plugin %s failed on stream event %s", impl.plugin, event.name)

@@ -20,10 +20,15 @@ STATUS_TYPES = {
 
 
 class RelayError(Exception):
-    """A refusal in Anthropic's error format. Raise it from any hook to answer the client."""
+    """A refusal in Anthropic's error format: ``RelayError(400, "what is wrong")``. ``type``
+    defaults to the API's own for the status (see ``STATUS_TYPES``). Raise it from a hook to
+    answer the client with it; each hook's documentation says what raising it does there."""
 
-    def __init__(self, status: int, message: str, type: str | None = None,
+    def __init__(self, status: int, message: str | None = None, type: str | None = None,
                  rule: str | None = None):
+        if not isinstance(status, int) or message is None:
+            raise TypeError("RelayError(status, message, type=None): the HTTP status comes "
+                            "first, as in RelayError(400, 'what is wrong')")
         super().__init__(message)
         self.status = status
         self.message = message

@@ -13,6 +13,7 @@ import orjson
 
 from . import skeleton
 from .errors import invalid_request
+from .headers import AUTH_HEADERS, end_to_end
 from .skeleton import Skeleton
 
 
@@ -117,7 +118,22 @@ class Exchange:
         self.attempts: list[Attempt] = []
         self.timings = Timings()
         self.answer: Answer | None = None
+        self.shaped_headers = None  # what upstream_headers made, once a plugin asked for it
         self._changed = False
+
+    @property
+    def upstream_headers(self):
+        """The headers the request goes upstream with, for a plugin to add, change or remove
+        (in ``relay_request``): the client's end-to-end headers, without credentials. The
+        backend's credentials are added by the host after the plugins have run; a plugin can
+        neither read nor replace them (an ``x-api-key`` or ``Authorization`` set here is
+        dropped)."""
+        if self.shaped_headers is None:
+            shaped = end_to_end(self.client_headers)
+            for name in AUTH_HEADERS:
+                shaped.popall(name, None)
+            self.shaped_headers = shaped
+        return self.shaped_headers
 
     def follow(self, previous: "Exchange") -> None:
         """Take over from ``previous``, whose backend failed: one client request keeps one id,

@@ -1,4 +1,10 @@
-"""Every hook a relay plugin can implement.
+"""Every hook a relay plugin can implement, each typed and documented once, with the order
+the chain calls its implementations in (``@called_in``).
+
+Errors: :class:`relay.errors.RelayError` (``RelayError(status, message, type=None)``; the
+type defaults to the API's own for the status, e.g. 400 ``invalid_request_error``, 403
+``permission_error``, 429 ``rate_limit_error``) answers the client in Anthropic's error
+format. What raising it does depends on the hook, and each hook below says so.
 
 A plugin is a module or class registered under the ``relay.plugins`` entry-point group.
 The ``pipeline:`` list in relay.yaml is the order a request travels up; everything that
@@ -12,17 +18,39 @@ relay.yaml overlaid with the chosen backend's ``quirks:`` (quirks win). An imple
 may accept any subset of a hook's arguments.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Iterable
+
 import pluggy
+
+if TYPE_CHECKING:
+    from .config import Config
+    from .exchange import Exchange, UpstreamResponse
+    from .sse import Event
 
 hookspec = pluggy.HookspecMarker("relay")
 hookimpl = pluggy.HookimplMarker("relay")
+
+# How the chain calls a hook's implementations: in pipeline order (the request going up), or
+# in reverse (everything coming back, like aiohttp's middleware onion).
+PIPELINE, REVERSE = "pipeline order", "reverse pipeline order"
+
+
+def called_in(order: str):
+    """Declare, next to a hook's spec, the order its implementations are called in."""
+    def mark(spec):
+        spec.relay_order = order
+        return spec
+    return mark
 
 
 # --- start-up ---------------------------------------------------------------------------
 
 
 @hookspec
-def relay_startup(config, options):
+@called_in(PIPELINE)
+def relay_startup(config: Config, options: dict) -> None:
     """Called once per plugin after relay.yaml is loaded and before the server listens.
 
     ``config`` is the whole validated :class:`relay.config.Config`; ``options`` is the plugin's
@@ -33,7 +61,8 @@ def relay_startup(config, options):
 
 
 @hookspec
-def relay_routes(config, options):
+@called_in(PIPELINE)
+def relay_routes(config: Config, options: dict) -> dict[str, Callable] | None:
     """Called once at start-up: return the HTTP routes this plugin serves, as a mapping of
     ``"METHOD /path"`` to an aiohttp handler (``async def handler(request) -> web.Response``),
     or None.
@@ -45,7 +74,8 @@ def relay_routes(config, options):
 
 
 @hookspec
-def relay_shutdown(config):
+@called_in(REVERSE)
+def relay_shutdown(config: Config) -> None:
     """Called once when the server stops, after the last exchange has ended.
 
     Finish or cancel background work (pending writes, open files). Exceptions are logged.
@@ -56,7 +86,8 @@ def relay_shutdown(config):
 
 
 @hookspec
-def relay_request(exchange, options):
+@called_in(PIPELINE)
+def relay_request(exchange: Exchange, options: dict) -> None:
     """Called for each ``/v1/messages`` and ``/v1/messages/count_tokens`` request, after the
     backend is chosen and before anything is sent upstream, in pipeline order.
 
@@ -75,51 +106,63 @@ def relay_request(exchange, options):
 
 
 @hookspec
-def relay_response(exchange, response, options):
+@called_in(REVERSE)
+def relay_response(exchange: Exchange, response: UpstreamResponse, options: dict) -> None:
     """Called for a successful (2xx) non-streaming ``/v1/messages`` answer (not for
     count_tokens, whose answer holds no content), in reverse pipeline order.
 
     ``response.data`` is the parsed body. A plugin may change it in place and must then call
     ``response.mark_changed()``; unchanged answers reach the client as the upstream's bytes.
     ``response.headers`` (upstream headers) and ``exchange.response_headers`` (extra headers
-    for the client) may be changed too.
+    for the client) may be changed too. Raise :class:`relay.errors.RelayError` to answer the
+    client with that error instead; any other exception is logged and the upstream's own
+    answer goes back unchanged.
     """
 
 
 @hookspec
-def relay_stream_events(exchange, options):
+@called_in(REVERSE)
+def relay_stream_events(exchange: Exchange, options: dict) -> Iterable[str] | str | None:
     """Called once when an upstream answers with an event stream, before the first event.
 
     Return the event names (``{"content_block_start"}``) this plugin wants to see through
     :func:`relay_stream_event` for this exchange, ``"*"`` for every event, or ``None`` for
     none. Events no plugin asked for are forwarded as their original bytes, unparsed.
+    Called for every plugin that implements it, so a plugin may also use it to learn that a
+    stream began. An exception is logged and the plugin sees no events of this stream.
     """
 
 
 @hookspec
-def relay_stream_event(exchange, event, options):
+@called_in(REVERSE)
+def relay_stream_event(exchange: Exchange, event: Event, options: dict) -> None:
     """Called for each stream event this plugin asked for, in reverse pipeline order, before
     the event is flushed to the client.
 
     ``event.name`` is the SSE event name and ``event.data`` the parsed JSON. A plugin may
     change ``event.data`` in place and must then call ``event.mark_changed()``; the event is
     re-serialised only then. Keep it quick: the client waits for this event until every
-    plugin has returned.
+    plugin has returned. Raise :class:`relay.errors.RelayError` to end the stream: the
+    client gets an ``error`` event with its type and message instead of this event, and
+    nothing after it. Any other exception is logged and the event goes on.
     """
 
 
 @hookspec
-def relay_upstream_error(exchange, response, options):
+@called_in(REVERSE)
+def relay_upstream_error(exchange: Exchange, response: UpstreamResponse, options: dict) -> None:
     """Called when the upstream answers with a non-2xx status, in reverse pipeline order.
 
     ``response.status``, ``response.headers`` and ``response.body`` (bytes) are what the
     upstream sent; they go back to the client unmodified, since clients match on the wording.
-    For observing (logging, dumps) only: changes are ignored.
+    For observing (logging, dumps) only: changes are ignored, and so is any exception
+    (:class:`relay.errors.RelayError` included), which is logged.
     """
 
 
 @hookspec
-def relay_exchange_end(exchange, options):
+@called_in(REVERSE)
+def relay_exchange_end(exchange: Exchange, options: dict) -> None:
     """Called once when an exchange is over, whatever happened, in reverse pipeline order:
     for every request the relay answered, pass-through and refusals included.
 
@@ -140,7 +183,8 @@ def relay_exchange_end(exchange, options):
 
 
 @hookspec
-def relay_validate(exchange, options, repair):
+@called_in(PIPELINE)
+def relay_validate(exchange: Exchange, options: dict, repair: bool) -> list[dict[str, Any]] | None:
     """Called by ``relay validate`` (offline, no upstream) in pipeline order.
 
     Return every problem this plugin finds in the request (``exchange.messages`` or

@@ -207,13 +207,14 @@ async def prepare_exchange(state: RelayState, *, method: str, path: str, query: 
     return exchange
 
 
-async def stream_failed(exchange: Exchange, response: web.StreamResponse, message: str) -> None:
+async def stream_failed(exchange: Exchange, response: web.StreamResponse, message: str,
+                        kind: str = "api_error") -> None:
     """End a stream whose headers are gone with an ``error`` event, so the client knows it is
     cut short. Bounded: a client that does not read cannot hold the relay here."""
     exchange.outcome = "stream_error"
     exchange.note("relay", "stream error", message=message)
     try:
-        await asyncio.wait_for(response.write(error_event(message)), 5)
+        await asyncio.wait_for(response.write(error_event(message, kind)), 5)
     except Exception as e:  # the client is gone or stuck; nothing more to tell it
         log.info("%s: could not deliver the stream's error event: %r", exchange.id, e)
 
@@ -456,6 +457,10 @@ class Relay:
                     log.warning("%s: %s", exchange.id, message)
                     await stream_failed(exchange, response, message)
                     return response
+            except RelayError as error:  # a stream plugin refused to go on
+                exchange.error = error
+                await stream_failed(exchange, response, error.message, error.type)
+                return response
             except asyncio.CancelledError:
                 # The client went away, or the relay is stopping with this stream still open:
                 # then the client is told, not cut off.

@@ -20,16 +20,7 @@ from yarl import URL
 from .config import Retries
 from .errors import RelayError
 from .exchange import Attempt
-
-# RFC 9110 hop-by-hop headers, plus the ones the relay recomputes: aiohttp decodes content
-# encodings on both sides, so a forwarded content-encoding or content-length would be stale.
-HOP_BY_HOP = frozenset({
-    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
-    "te", "trailer", "trailers", "transfer-encoding", "upgrade",
-    "host", "content-length", "content-encoding", "accept-encoding",
-})
-AUTH_HEADERS = ("x-api-key", "authorization")
-
+from .headers import AUTH_HEADERS, end_to_end
 
 def upstream_url(backend, path: str, query: str) -> URL:
     """``path`` (checked, still percent-encoded as the client sent it) and ``query`` (the
@@ -43,29 +34,23 @@ def upstream_url(backend, path: str, query: str) -> URL:
     return url
 
 
-def _hop_by_hop(headers) -> frozenset:
-    """The fixed hop-by-hop set plus whatever the sender's Connection header names."""
-    named = headers.get("Connection")
-    if not named:
-        return HOP_BY_HOP
-    return HOP_BY_HOP | {token.strip().lower() for token in named.split(",")}
-
-
-def end_to_end(headers) -> CIMultiDict:
-    """The headers a proxy passes on: all but the hop-by-hop ones."""
-    out = CIMultiDict()
-    drop = _hop_by_hop(headers)
-    for name, value in headers.items():
-        if name.lower() not in drop:
-            out.add(name, value)
-    return out
-
-
-def forward_headers(headers, backend, strip_client_auth: bool = False) -> CIMultiDict:
-    """The client's end-to-end headers with the backend's credentials: its own key when it
-    has one, else the client's (unless ``strip_client_auth``: with inbound auth on, what the
-    client presented is the relay's key and never goes up)."""
-    out = end_to_end(headers)
+def forward_headers(headers, backend, strip_client_auth: bool = False,
+                    shaped=None) -> CIMultiDict:
+    """The headers that go upstream: the client's end-to-end ones (or ``shaped``, what the
+    plugins made of them through ``exchange.upstream_headers``), with the backend's
+    credentials: its own key when it has one, else the client's (unless ``strip_client_auth``:
+    with inbound auth on, what the client presented is the relay's key and never goes up).
+    Credentials are the host's alone: a plugin cannot set or read them."""
+    if shaped is None:
+        out = end_to_end(headers)
+    else:
+        out = CIMultiDict(shaped)
+        for name in AUTH_HEADERS:
+            out.popall(name, None)
+        if not backend.api_key and not strip_client_auth:
+            for name in AUTH_HEADERS:
+                for value in headers.getall(name, ()):
+                    out.add(name, value)
     if backend.api_key or strip_client_auth:
         for name in AUTH_HEADERS:
             out.popall(name, None)
@@ -153,8 +138,8 @@ class Upstream:
         if self.session is not None:
             await self.session.close()
 
-    def headers(self, client_headers, backend) -> CIMultiDict:
-        return forward_headers(client_headers, backend, self.strip_client_auth)
+    def headers(self, client_headers, backend, shaped=None) -> CIMultiDict:
+        return forward_headers(client_headers, backend, self.strip_client_auth, shaped)
 
     async def send(self, exchange, backend, *, body: bytes | None = None,
                    headers=None) -> aiohttp.ClientResponse:
@@ -164,7 +149,7 @@ class Upstream:
         ``body`` defaults to ``exchange.upstream_body()``, ``headers`` to the client's."""
         url = upstream_url(backend, exchange.path, exchange.query)
         out_headers = self.headers(exchange.client_headers if headers is None else headers,
-                                   backend)
+                                   backend, exchange.shaped_headers)
         if body is None:
             body = exchange.upstream_body()
         exchange.upstream_request = {"url": str(url), "headers": out_headers, "body": body}

@@ -1,0 +1,33 @@
+"""Which headers a proxy passes on, and which carry credentials."""
+
+from __future__ import annotations
+
+from multidict import CIMultiDict
+
+# RFC 9110 hop-by-hop headers, plus the ones the relay recomputes: aiohttp decodes content
+# encodings on both sides, so a forwarded content-encoding or content-length would be stale.
+HOP_BY_HOP = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
+    "te", "trailer", "trailers", "transfer-encoding", "upgrade",
+    "host", "content-length", "content-encoding", "accept-encoding",
+})
+# What a client authenticates with, and what the relay puts a backend's key in.
+AUTH_HEADERS = ("x-api-key", "authorization")
+
+
+def _hop_by_hop(headers) -> frozenset:
+    """The fixed hop-by-hop set plus whatever the sender's Connection header names."""
+    named = headers.get("Connection")
+    if not named:
+        return HOP_BY_HOP
+    return HOP_BY_HOP | {token.strip().lower() for token in named.split(",")}
+
+
+def end_to_end(headers) -> CIMultiDict:
+    """The headers a proxy passes on: all but the hop-by-hop ones."""
+    out = CIMultiDict()
+    drop = _hop_by_hop(headers)
+    for name, value in headers.items():
+        if name.lower() not in drop:
+            out.add(name, value)
+    return out
