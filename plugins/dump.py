@@ -237,7 +237,10 @@ def redact_url(url: str | None) -> str | None:
     """``url`` without a password in it and with its credential query parameters redacted."""
     if not url:
         return url
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # a netloc that does not parse may still hold a password
+        return REDACTED
     netloc = parts.netloc
     if parts.password is not None:
         netloc = f"{parts.username}:{REDACTED}@{netloc.rpartition('@')[2]}"
@@ -265,6 +268,10 @@ def query_secrets(query: str | None) -> set[str]:
         if equals and value and is_credential_header(unquote(name)):
             found.update({value, unquote(value)})
     return found
+
+
+def url_query(url: str | None) -> str:
+    return (url or "").partition("#")[0].partition("?")[2]
 
 
 def redact_bytes(raw: bytes, secrets) -> bytes:
@@ -381,7 +388,7 @@ def build_document(exchange, *, reason: str, when: dt.datetime, config: dict,
     upstream_request = exchange.upstream_request
     if upstream_request is not None:
         secrets |= header_secrets(upstream_request.get("headers"))
-        secrets |= query_secrets(urlsplit(upstream_request.get("url") or "").query)
+        secrets |= query_secrets(url_query(upstream_request.get("url")))
     secrets = sorted((s for s in secrets if len(s) >= MIN_SECRET_LENGTH and s != REDACTED),
                      key=len, reverse=True)
 

@@ -25,6 +25,7 @@ from relay.errors import ConfigError, RelayError
 from relay.exchange import Exchange
 from relay.hookspecs import hookimpl
 from relay.server import create_app
+from relay.sse import Event
 
 from support import backend
 
@@ -609,6 +610,20 @@ def test_credentials_in_urls_and_queries_are_redacted():
         "beta=true&key=[redacted]&api_key=[redacted]"
     assert dump.redact_url("https://user:pa55word@host:8443/base?key=k&q=1") == \
         "https://user:[redacted]@host:8443/base?key=[redacted]&q=1"
+    assert dump.redact_url("http://user:pw@[::1/x") == "[redacted]"
+
+
+def test_a_long_stream_error_event_is_cut_too(tmp_path):
+    cfg = config_module.parse({"backends": [backend("http://127.0.0.1:9")]}, env={})
+    plugin = started_dump(cfg, {"dir": str(tmp_path), "max_body_bytes": 64,
+                                "include_stream_errors": True})
+    exchange, _ = make_exchange(orjson.dumps(BODY))
+    event = Event.build("error", {"type": "error", "error": {"type": "api_error",
+                                                             "message": "m" * 1000}})
+    plugin.relay_stream_event(exchange=exchange, event=event)
+    recorded = exchange.state["dump"]["stream_error"]
+    assert recorded["event"] == event.raw[:64].decode()
+    assert recorded["event_truncated"]["total_bytes"] == len(event.raw)
 
 
 PLANTED = {  # header: value; each must be gone from the dump, short or long
