@@ -384,7 +384,8 @@ def _utc(timestamp: float | None) -> str | None:
 def build_document(exchange, *, reason: str, when: dt.datetime, config: dict,
                    secrets=(), stream_error=None, max_body_bytes: int = 8 * MiB) -> dict:
     """The dump of one exchange, secrets redacted. ``config`` is :func:`config_document`'s."""
-    secrets = set(secrets) | header_secrets(exchange.client_headers) | query_secrets(exchange.query)
+    secrets = set(secrets) | header_secrets(exchange.client_headers)
+    secrets |= query_secrets(exchange.query)
     upstream_request = exchange.upstream_request
     if upstream_request is not None:
         secrets |= header_secrets(upstream_request.get("headers"))
