@@ -393,11 +393,12 @@ def pretty(value, sort_keys: bool = False) -> str:
     if sort_keys:
         option |= orjson.OPT_SORT_KEYS
     try:
-        return orjson.dumps(value, option=option, default=str).decode()
+        return printable(orjson.dumps(value, option=option, default=str).decode())
     except orjson.JSONEncodeError:
         pass
     try:
-        return json.dumps(value, indent=2, sort_keys=sort_keys, default=str, ensure_ascii=False)
+        return printable(json.dumps(value, indent=2, sort_keys=sort_keys, default=str,
+                                    ensure_ascii=False))
     except (TypeError, ValueError, RecursionError) as e:
         return f"(cannot be shown: {type(e).__name__})"
 

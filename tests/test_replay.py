@@ -598,3 +598,14 @@ def test_a_seeded_mutator_over_a_real_dump_never_raises(emulator, relay, tmp_pat
         statuses[status] += 1
     assert not [r for r in caplog.records if r.exc_info], caplog.text
     assert statuses[2] > 50 and statuses[0] + statuses[1] > 50, statuses
+
+
+def test_control_characters_from_a_dump_never_reach_the_terminal(tmp_path, capsys):
+    body = orjson.dumps({**BODY, "messages": [{"role": "user", "content": "a\x9b31mb"}]})
+    client = {"method": "POST", "path": "/v1/messages", "query": "", "headers": {},
+              "body": body.decode()}
+    path = handmade_dump(tmp_path, request_id="\x1b]0;owned\x07", client_request=client)
+    status, out = replay(capsys, path)
+    assert status == 1  # the handmade upstream body is another one
+    assert "\x1b" not in out and "\x07" not in out and "\x9b" not in out
+    assert "\\x1b]0;owned\\x07" in out and "a\\x9b31mb" in out
