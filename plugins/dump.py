@@ -9,8 +9,14 @@ Options (``plugins.dump``; backend quirks do not change them):
 - ``include_relay_rejections``: also the relay's own refusals (outcome ``rejected``).
 - ``include_stream_errors``: also streams that end in an error, the upstream's
   ``event: error`` or the relay's own when the upstream broke off.
-- ``max_files``, ``max_bytes``: retention; the oldest dumps are deleted first, and the
-  newest one is always kept.
+- ``max_files`` (1000), ``max_bytes`` (1 GiB): retention, always on; the oldest dumps are
+  deleted first, and the newest one is always kept.
+- ``max_body_bytes`` (8 MiB): each body (client request, upstream request, upstream answer,
+  stream error event) keeps at most this many bytes; a longer one keeps its first bytes and
+  says so in ``body_truncated`` (kept and total bytes, sha256 of the whole body).
+- ``max_pending`` (16), ``max_pending_bytes`` (64 MiB): the write queue. A pending dump holds
+  its exchange's bodies in memory, so beyond either limit a dump is dropped and counted
+  (logged when the queue drains), never queued; an empty queue always takes one.
 
 A fault is noticed where it happens (``relay_upstream_error``, the ``error`` stream event) but
 the file is written at ``relay_exchange_end``, so that its timeline holds what every plugin
@@ -18,16 +24,28 @@ did, to the end. Building and writing the document happen in a one-thread execut
 in the background: the client never waits for the disk, and a failed write is logged, never
 raised. Files are created exclusively and appear complete or not at all (written under a
 temporary name, then hard-linked into place); a name clash gets a ``-1``, ``-2`` suffix.
+Below ``dir`` nothing is reached through a symbolic link: day directories and files are
+opened relative to their parent's descriptor with ``O_NOFOLLOW``, so a link planted in the
+tree makes that write fail (logged) rather than land elsewhere; retention deletes the same way.
 
-Secrets never reach the disk. The credential headers (``x-api-key``, ``authorization``,
-``proxy-authorization``, ``cookie``, ``set-cookie``) are redacted by name wherever headers are
-recorded, whatever their value. Elsewhere in the document (bodies, the translation table, the
-timeline) every occurrence of a credential value or a backend's ``api_key`` is replaced by
-``[redacted]`` too, but only for secrets of at least ``MIN_SECRET_LENGTH`` (16) characters,
-and never inside a JSON key: a short value cannot be told apart from ordinary text (a client
-key ``e`` would turn every "e" of the dump, its keys included, into ``[redacted]`` and leave
-nothing to read or replay), and a credential that short protects nothing anyway. Real API
-keys and tokens are far longer, and a 16-character random string does not turn up by chance.
+A body the upstream was sent unchanged is stored once: the upstream request then says
+``"body_same_as": "client_request"``. Bodies are stored as the bytes that crossed the wire
+(UTF-8 text, or ``body_base64``), never re-encoded, so any valid JSON the relay passed on
+(integers beyond 64 bits, deep nesting) is dumped as sent. The relay's own records (the
+translation table, the timeline) are made encodable: integers beyond 64 bits as text, and
+anything nested deeper than ``MAX_DEPTH`` cut there.
+
+Secrets never reach the disk. Every header whose name suggests a credential (see
+:func:`relay.exchange.is_credential_header`: ``x-api-key``, ``authorization``, ``cookie``,
+``anthropic-api-key``, ``x-goog-api-key``, ``x-auth-token``, ...) is redacted wherever headers
+are recorded, whatever its value, and so is such a query parameter, and the password of a URL.
+Elsewhere in the document (bodies, the translation table, the timeline) every occurrence of
+such a value or of a backend's ``api_key`` is replaced by ``[redacted]`` too, but only for
+secrets of at least ``MIN_SECRET_LENGTH`` (16) characters, and never inside a JSON key: a short
+value cannot be told apart from ordinary text (a client key ``e`` would turn every "e" of the
+dump, its keys included, into ``[redacted]`` and leave nothing to read or replay), and a
+credential that short protects nothing anyway. Real API keys and tokens are far longer, and a
+16-character random string does not turn up by chance.
 
 The plugin is a class: the host makes one instance per plugin manager, that is per running
 relay, and :meth:`Dump.relay_startup` keeps that relay's options, configuration, writer
@@ -40,28 +58,37 @@ import asyncio
 import base64
 import copy
 import datetime as dt
+import errno
+import functools
+import hashlib
 import logging
 import os
 import re
+import stat
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
+from urllib.parse import unquote, urlsplit, urlunsplit
 
+import msgspec
 import orjson
 
 from relay import __version__
-from relay.errors import ConfigError
-from relay.exchange import CREDENTIAL_HEADERS
+from relay.errors import ConfigError, RelayError
+from relay.exchange import is_credential_header
 from relay.hookspecs import hookimpl
 
 log = logging.getLogger("relay.plugins.dump")
 
 PLUGIN = "dump"
-FORMAT = 1
+FORMAT = 2
 REDACTED = "[redacted]"
 OPTIONS = ("dir", "statuses", "include_relay_rejections", "include_stream_errors",
-           "max_files", "max_bytes")
+           "max_files", "max_bytes", "max_body_bytes", "max_pending", "max_pending_bytes")
+LIMITS = ("max_files", "max_bytes", "max_body_bytes", "max_pending", "max_pending_bytes")
 DEFAULT_STATUSES = frozenset(range(400, 500))
+MiB = 1024 * 1024
 ID_FIELDS = ("id", "tool_use_id")
 MAX_CLASHES = 1000
 SHUTDOWN_TIMEOUT = 30.0
@@ -73,6 +100,13 @@ ERROR_EVENTS = frozenset({"error"})
 # Secrets shorter than this are redacted by header name only, never searched for in text:
 # see the module docstring.
 MIN_SECRET_LENGTH = 16
+# The relay's own records are cut this deep: well within what the encoder (255) and a replay's
+# decoder (1024) take, and what Python's recursion allows.
+MAX_DEPTH = 100
+TOO_DEEP = f"[nested deeper than {MAX_DEPTH} levels: not recorded]"
+INT64 = (-2 ** 63, 2 ** 64 - 1)  # what JSON encoders take; beyond, an integer is kept as text
+DIRECTORY = os.O_RDONLY | os.O_DIRECTORY
+NOFOLLOW = os.O_NOFOLLOW
 
 
 # --- options ------------------------------------------------------------------------------
@@ -84,8 +118,11 @@ class Settings:
     statuses: frozenset = DEFAULT_STATUSES
     include_relay_rejections: bool = False
     include_stream_errors: bool = False
-    max_files: int | None = None
-    max_bytes: int | None = None
+    max_files: int = 1000
+    max_bytes: int = 1024 * MiB
+    max_body_bytes: int = 8 * MiB
+    max_pending: int = 16
+    max_pending_bytes: int = 64 * MiB
 
 
 def parse_options(options: dict, path: str = f"plugins.{PLUGIN}") -> Settings:
@@ -110,7 +147,7 @@ def parse_options(options: dict, path: str = f"plugins.{PLUGIN}") -> Settings:
             if not isinstance(options[key], bool):
                 raise ConfigError(f"{path}.{key}: must be true or false")
             settings[key] = options[key]
-    for key in ("max_files", "max_bytes"):
+    for key in LIMITS:
         value = options.get(key)
         if value is not None:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -159,7 +196,7 @@ def config_document(config) -> dict:
 def backend_document(backend) -> dict:
     timeouts = {key: getattr(backend.timeouts, key) for key in ("connect", "read", "total")
                 if getattr(backend.timeouts, key) is not None}
-    return {"name": backend.name, "url": backend.url, "models": list(backend.models),
+    return {"name": backend.name, "url": redact_url(backend.url), "models": list(backend.models),
             "default": backend.default, "rename": dict(backend.rename), "auth": backend.auth,
             "api_key_env": backend.api_key_env, "quirks": copy.deepcopy(backend.quirks),
             "timeouts": timeouts}
@@ -173,10 +210,9 @@ def headers_document(headers) -> dict | None:
     doc: dict = {}
     names: dict[str, str] = {}
     for name, value in headers.items():
-        lower = name.lower()
-        if lower in CREDENTIAL_HEADERS:
+        if is_credential_header(name):
             value = REDACTED
-        key = names.setdefault(lower, name)
+        key = names.setdefault(name.lower(), name)
         if key in doc:
             previous = doc[key]
             doc[key] = (previous if isinstance(previous, list) else [previous]) + [value]
@@ -185,12 +221,38 @@ def headers_document(headers) -> dict | None:
     return doc
 
 
+def redact_query(query: str | None) -> str | None:
+    """The query string with the value of every credential-named parameter redacted."""
+    if not query:
+        return query
+    parts = []
+    for part in query.split("&"):
+        name, equals, _ = part.partition("=")
+        parts.append(f"{name}={REDACTED}" if equals and is_credential_header(unquote(name))
+                     else part)
+    return "&".join(parts)
+
+
+def redact_url(url: str | None) -> str | None:
+    """``url`` without a password in it and with its credential query parameters redacted."""
+    if not url:
+        return url
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # a netloc that does not parse may still hold a password
+        return REDACTED
+    netloc = parts.netloc
+    if parts.password is not None:
+        netloc = f"{parts.username}:{REDACTED}@{netloc.rpartition('@')[2]}"
+    return urlunsplit(parts._replace(netloc=netloc, query=redact_query(parts.query)))
+
+
 def header_secrets(headers) -> set[str]:
     """Credential header values, and the token alone of ``Bearer TOKEN`` (searched for in the
     rest of the document when long enough)."""
     found = set()
     for name, value in (headers or {}).items():
-        if name.lower() in CREDENTIAL_HEADERS and value:
+        if is_credential_header(name) and value:
             found.add(value)
             _, _, token = value.partition(" ")
             if token.strip():
@@ -198,18 +260,58 @@ def header_secrets(headers) -> set[str]:
     return found
 
 
-def body_fields(raw, secrets: list[str]) -> dict:
+def query_secrets(query: str | None) -> set[str]:
+    """The values of credential-named query parameters."""
+    found = set()
+    for part in (query or "").split("&"):
+        name, equals, value = part.partition("=")
+        if equals and value and is_credential_header(unquote(name)):
+            found.update({value, unquote(value)})
+    return found
+
+
+def url_query(url: str | None) -> str:
+    return (url or "").partition("#")[0].partition("?")[2]
+
+
+def redact_bytes(raw: bytes, secrets) -> bytes:
+    for secret in secrets:
+        raw = raw.replace(secret.encode("utf-8"), REDACTED.encode())
+    return raw
+
+
+def utf8_prefix(raw: bytes) -> str | None:
+    """``raw`` as text, less a character the cut split in two; None if it is not UTF-8."""
+    for cut in range(4):
+        try:
+            return raw[:len(raw) - cut].decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+    return None
+
+
+def body_fields(raw, secrets, limit: int) -> dict:
     """``{"body": text}`` for UTF-8 bytes (redacted later with the rest), else
-    ``{"body_base64": ...}`` of the bytes with every secret replaced first."""
+    ``{"body_base64": ...}`` of the bytes with every secret replaced first. Beyond ``limit``
+    bytes only a prefix is kept (secrets replaced before the cut, so that none is kept in
+    part), with ``body_truncated`` saying so."""
     if raw is None:
         return {"body": None}
     raw = bytes(raw)
-    try:
-        return {"body": raw.decode("utf-8")}
-    except UnicodeDecodeError:
-        for secret in secrets:
-            raw = raw.replace(secret.encode("utf-8"), REDACTED.encode())
-        return {"body_base64": base64.b64encode(raw).decode("ascii")}
+    if len(raw) <= limit:
+        try:
+            return {"body": raw.decode("utf-8")}
+        except UnicodeDecodeError:
+            return {"body_base64": base64.b64encode(redact_bytes(raw, secrets)).decode("ascii")}
+    whole = hashlib.sha256(raw).hexdigest()
+    kept = redact_bytes(raw, secrets)[:limit]
+    text = utf8_prefix(kept)
+    fields = ({"body_base64": base64.b64encode(kept).decode("ascii")} if text is None
+              else {"body": text})
+    fields["body_truncated"] = {
+        "kept_bytes": len(kept) if text is None else len(text.encode("utf-8")),
+        "total_bytes": len(raw), "sha256": whole, "limit": "plugins.dump.max_body_bytes"}
+    return fields
 
 
 def message_outline(messages) -> list[dict]:
@@ -241,19 +343,36 @@ def message_outline(messages) -> list[dict]:
     return outline
 
 
-def redact(value, secrets: list[str]):
-    """A copy of ``value`` with every occurrence of a secret in its strings replaced; keys are
-    left as they are (see the module docstring)."""
+def exchange_messages(exchange):
+    """The exchange's messages, or None when they cannot be read (the dump still records
+    the bodies as they were sent)."""
+    try:
+        return exchange.messages
+    except (RelayError, ValueError, RecursionError, msgspec.MsgspecError):
+        return None
+
+
+def clean(value, secrets, depth: int = 0):
+    """A copy of ``value`` that any JSON encoder takes, with every occurrence of a secret in
+    its strings replaced; keys are left as they are (see the module docstring)."""
     if isinstance(value, str):
         for secret in secrets:
             if secret in value:
                 value = value.replace(secret, REDACTED)
         return value
+    if value is None or isinstance(value, (bool, float)):
+        return value
+    if isinstance(value, int):
+        return value if INT64[0] <= value <= INT64[1] else str(value)
+    if depth >= MAX_DEPTH:
+        return TOO_DEEP
     if isinstance(value, dict):
-        return {k: redact(v, secrets) for k, v in value.items()}
+        return {str(k): clean(v, secrets, depth + 1) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [redact(item, secrets) for item in value]
-    return value
+        return [clean(item, secrets, depth + 1) for item in value]
+    if isinstance(value, (bytes, bytearray, memoryview, msgspec.Raw)):
+        return clean(bytes(value).decode("utf-8", "replace"), secrets)
+    return clean(str(value), secrets)
 
 
 def _utc(timestamp: float | None) -> str | None:
@@ -263,15 +382,26 @@ def _utc(timestamp: float | None) -> str | None:
 
 
 def build_document(exchange, *, reason: str, when: dt.datetime, config: dict,
-                   secrets=(), stream_error=None) -> dict:
+                   secrets=(), stream_error=None, max_body_bytes: int = 8 * MiB) -> dict:
     """The dump of one exchange, secrets redacted. ``config`` is :func:`config_document`'s."""
     secrets = set(secrets) | header_secrets(exchange.client_headers)
+    secrets |= query_secrets(exchange.query)
     upstream_request = exchange.upstream_request
     if upstream_request is not None:
         secrets |= header_secrets(upstream_request.get("headers"))
+        secrets |= query_secrets(url_query(upstream_request.get("url")))
     secrets = sorted((s for s in secrets if len(s) >= MIN_SECRET_LENGTH and s != REDACTED),
                      key=len, reverse=True)
 
+    def body(raw):
+        return body_fields(raw, secrets, max_body_bytes)
+
+    upstream_body = None if upstream_request is None else upstream_request.get("body")
+    if upstream_body is not None and (upstream_body is exchange.raw_body
+                                      or upstream_body == exchange.raw_body):
+        upstream_body_fields = {"body_same_as": "client_request"}
+    else:
+        upstream_body_fields = body(upstream_body)
     backend = exchange.backend
     error = exchange.error
     document = {
@@ -283,33 +413,35 @@ def build_document(exchange, *, reason: str, when: dt.datetime, config: dict,
         "outcome": exchange.outcome,
         "endpoint": exchange.endpoint,
         "started": _utc(exchange.started),
-        "backend": {"name": backend.name, "url": backend.url} if backend else None,
+        "backend": {"name": backend.name, "url": redact_url(backend.url)} if backend else None,
         "client_request": {
-            "method": exchange.method, "path": exchange.path, "query": exchange.query,
+            "method": exchange.method, "path": exchange.path,
+            "query": redact_query(exchange.query),
             "headers": headers_document(exchange.client_headers),
-            **body_fields(exchange.raw_body, secrets)},
+            **body(exchange.raw_body)},
         "upstream_request": None if upstream_request is None else {
-            "url": upstream_request.get("url"),
+            "url": redact_url(upstream_request.get("url")),
             "headers": headers_document(upstream_request.get("headers")),
-            **body_fields(upstream_request.get("body"), secrets)},
+            **upstream_body_fields},
         "upstream_response": None if exchange.upstream_response is None else {
             "status": exchange.upstream_response.get("status"),
             "headers": headers_document(exchange.upstream_response.get("headers")),
-            **body_fields(exchange.upstream_response.get("body"), secrets)},
+            **body(exchange.upstream_response.get("body"))},
         "relay_error": None if error is None else {
             "status": getattr(error, "status", None), "type": getattr(error, "type", None),
             "message": getattr(error, "message", str(error))},
         "stream_error": stream_error,
         "translation": exchange.translation,
-        "timeline": {"messages": message_outline(exchange.messages), "steps": exchange.timeline},
+        "timeline": {"messages": message_outline(exchange_messages(exchange)),
+                     "steps": exchange.timeline},
         "config": {**config, "quirks": backend.quirks if backend else {}},
     }
-    return redact(document, secrets)
+    return clean(document, secrets)
 
 
 def encode_document(document: dict) -> bytes:
-    return orjson.dumps(document, default=str,
-                        option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS) + b"\n"
+    """The document (made by :func:`build_document`, so encodable) as indented JSON."""
+    return orjson.dumps(document, option=orjson.OPT_INDENT_2) + b"\n"
 
 
 # --- the files ----------------------------------------------------------------------------
@@ -339,6 +471,38 @@ def make_private_dirs(path: str) -> None:
             os.chmod(directory, 0o700)  # whatever the umask
 
 
+@contextmanager
+def opened(path: str, flags: int = DIRECTORY, dir_fd: int | None = None, mode: int = 0o700):
+    fd = os.open(path, flags, mode, dir_fd=dir_fd)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def open_day(base: int, day: str, directory: str, create: bool = False) -> int:
+    """A descriptor for the day directory ``day`` in ``base`` (a descriptor of ``directory``),
+    made 0700 if ``create`` makes it; never through a symbolic link."""
+    created = False
+    if create:
+        try:
+            os.mkdir(day, 0o700, dir_fd=base)
+            created = True
+        except FileExistsError:
+            pass
+    try:
+        fd = os.open(day, DIRECTORY | NOFOLLOW, dir_fd=base)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR) and stat.S_ISLNK(
+                os.stat(day, dir_fd=base, follow_symlinks=False).st_mode):
+            raise OSError(e.errno, f"{os.path.join(directory, day)} is a symbolic link; "
+                                   f"dumps never follow one") from None
+        raise
+    if created:
+        os.fchmod(fd, 0o700)  # whatever the umask
+    return fd
+
+
 def write_dump(directory: str, data: bytes, request_id: str, when: dt.datetime) -> str:
     """Write ``data`` once, as a new file named after ``when`` (UTC) and the request id.
 
@@ -347,30 +511,35 @@ def write_dump(directory: str, data: bytes, request_id: str, when: dt.datetime) 
     clash gets the next free ``-N`` suffix. Returns the path written.
     """
     when = when.astimezone(dt.timezone.utc)
-    day = os.path.join(directory, when.strftime("%Y-%m-%d"))
-    make_private_dirs(day)
+    day = when.strftime("%Y-%m-%d")
+    make_private_dirs(directory)
     stem = f"{when:%H%M%S.%f}-{safe_name(request_id)}"
-    temporary = os.path.join(day, f".{stem}.{os.urandom(6).hex()}.tmp")
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0),
-                 0o600)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        for n in range(MAX_CLASHES):
-            path = os.path.join(day, f"{stem}.json" if n == 0 else f"{stem}-{n}.json")
-            try:
-                os.link(temporary, path)
-            except FileExistsError:
-                continue
-            return path
-        raise FileExistsError(f"{MAX_CLASHES} dumps named {stem} already exist in {day}")
-    finally:
+    temporary = f".{stem}.{os.urandom(6).hex()}.tmp"
+    with opened(directory) as base:
+        day_fd = open_day(base, day, directory, create=True)
         try:
-            os.unlink(temporary)
-        except FileNotFoundError:
-            pass
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW
+            with opened(temporary, flags, dir_fd=day_fd, mode=0o600) as fd:
+                with memoryview(data) as view:
+                    written = 0
+                    while written < len(view):
+                        written += os.write(fd, view[written:])
+                os.fsync(fd)
+            try:
+                for n in range(MAX_CLASHES):
+                    name = f"{stem}.json" if n == 0 else f"{stem}-{n}.json"
+                    try:
+                        os.link(temporary, name, src_dir_fd=day_fd, dst_dir_fd=day_fd,
+                                follow_symlinks=False)
+                    except FileExistsError:
+                        continue
+                    return os.path.join(directory, day, name)
+                raise FileExistsError(f"{MAX_CLASHES} dumps named {stem} already exist in "
+                                      f"{os.path.join(directory, day)}")
+            finally:
+                os.unlink(temporary, dir_fd=day_fd)
+        finally:
+            os.close(day_fd)
 
 
 class Retention:
@@ -378,54 +547,61 @@ class Retention:
 
     The directory is scanned once, on the first write; after that the index follows the
     relay's own writes, so each check is cheap. Dumps written by another process into the
-    same directory are counted from the next start-up.
+    same directory are counted from the next start-up. Like the writer, it never goes
+    through a symbolic link below ``directory``.
     """
 
-    def __init__(self, directory: str, max_files: int | None, max_bytes: int | None):
+    def __init__(self, directory: str, max_files: int, max_bytes: int):
         self.directory = directory
         self.max_files = max_files
         self.max_bytes = max_bytes
-        self.entries: deque | None = None  # (path, size), oldest first
+        self.entries: deque | None = None  # (day, name, size), oldest first
         self.total = 0
 
     def scan(self) -> deque:
         found = []
-        with os.scandir(self.directory) as days:
-            for day in days:
+        with opened(self.directory) as base:
+            for day in os.scandir(base):
                 if not (DAY_NAME.match(day.name) and day.is_dir(follow_symlinks=False)):
                     continue
-                with os.scandir(day.path) as files:
-                    for entry in files:
+                with opened(day.name, DIRECTORY | NOFOLLOW, dir_fd=base) as day_fd:
+                    for entry in os.scandir(day_fd):
                         if DUMP_NAME.match(entry.name) and entry.is_file(follow_symlinks=False):
-                            found.append((f"{day.name}/{entry.name}", entry.path,
+                            found.append((day.name, entry.name,
                                           entry.stat(follow_symlinks=False).st_size))
         found.sort()
-        return deque((path, size) for _, path, size in found)
+        return deque(found)
 
     def add(self, path: str, size: int) -> list[str]:
-        """Count a new dump; delete and return the oldest ones beyond the limits."""
+        """Count a new dump (``path`` as :func:`write_dump` returned it); delete and return
+        the oldest ones beyond the limits."""
         if self.entries is None:
             self.entries = self.scan()  # already holds the new dump
-            self.total = sum(size for _, size in self.entries)
+            self.total = sum(size for _, _, size in self.entries)
         else:
-            self.entries.append((path, size))
+            self.entries.append((os.path.basename(os.path.dirname(path)),
+                                 os.path.basename(path), size))
             self.total += size
         deleted = []
-        while len(self.entries) > 1 and (
-                (self.max_files and len(self.entries) > self.max_files)
-                or (self.max_bytes and self.total > self.max_bytes)):
-            oldest, size = self.entries.popleft()
+        while len(self.entries) > 1 and (len(self.entries) > self.max_files
+                                         or self.total > self.max_bytes):
+            day, name, size = self.entries.popleft()
             self.total -= size
+            self.delete(day, name)
+            deleted.append(os.path.join(self.directory, day, name))
+        return deleted
+
+    def delete(self, day: str, name: str) -> None:
+        with opened(self.directory) as base:
             try:
-                os.unlink(oldest)
+                with opened(day, DIRECTORY | NOFOLLOW, dir_fd=base) as day_fd:
+                    os.unlink(name, dir_fd=day_fd)
             except FileNotFoundError:
                 pass
-            deleted.append(oldest)
             try:
-                os.rmdir(os.path.dirname(oldest))  # only once the day is empty
+                os.rmdir(day, dir_fd=base)  # only once the day is empty
             except OSError:
                 pass
-        return deleted
 
 
 class Dump:
@@ -438,6 +614,9 @@ class Dump:
         self.retention: Retention | None = None
         self.executor: ThreadPoolExecutor | None = None
         self.pending: set[asyncio.Future] = set()
+        self.pending_bytes = 0
+        self.dropped = 0  # since start-up
+        self.unreported = 0  # dropped since the queue last drained
 
     # --- hooks ----------------------------------------------------------------------------
 
@@ -446,8 +625,7 @@ class Dump:
         self.settings = settings = parse_options(options)
         self.config_doc = config_document(config)
         self.secrets = {backend.api_key for backend in config.backends if backend.api_key}
-        self.retention = (Retention(settings.dir, settings.max_files, settings.max_bytes)
-                          if settings.max_files or settings.max_bytes else None)
+        self.retention = Retention(settings.dir, settings.max_files, settings.max_bytes)
         if self.executor is None:
             self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relay-dump")
 
@@ -458,6 +636,7 @@ class Dump:
             if left:
                 log.error("%d dump(s) still being written after %.0f s; giving up on them",
                           len(left), SHUTDOWN_TIMEOUT)
+        self.report_drops()
         if self.executor is not None:
             self.executor.shutdown(wait=False)
             self.executor = None
@@ -475,9 +654,13 @@ class Dump:
 
     @hookimpl
     def relay_stream_event(self, exchange, event):
-        data = event.data
-        if data is None:
-            data = event.raw.decode("utf-8", "replace")
+        if len(event.raw) > self.settings.max_body_bytes:
+            fields = body_fields(event.raw, (), self.settings.max_body_bytes)
+            data = {"event": fields.get("body"), "event_truncated": fields["body_truncated"]}
+        else:
+            data = event.data
+            if data is None:
+                data = event.raw.decode("utf-8", "replace")
         exchange.state[PLUGIN] = {"reason": "stream_error", "stream_error": data}
 
     @hookimpl
@@ -500,8 +683,21 @@ class Dump:
             return "stream_error"
         return None
 
-    def submit(self, exchange, reason: str) -> asyncio.Future:
-        """Write the exchange's dump in the background; the exchange must be over."""
+    def submit(self, exchange, reason: str) -> asyncio.Future | None:
+        """Write the exchange's dump in the background (the exchange must be over), or drop
+        it when the write queue is full: None then."""
+        settings = self.settings
+        size = held_bytes(exchange)
+        if self.pending and (len(self.pending) >= settings.max_pending
+                             or self.pending_bytes + size > settings.max_pending_bytes):
+            self.dropped += 1
+            self.unreported += 1
+            if self.unreported == 1:
+                log.warning("%s: %s dump dropped: the write queue is full (%d dumps, %d bytes "
+                            "pending; plugins.dump.max_pending, max_pending_bytes); further "
+                            "drops are counted until it drains", exchange.id, reason,
+                            len(self.pending), self.pending_bytes)
+            return None
         when = dt.datetime.now(dt.timezone.utc)
         noticed = exchange.state.get(PLUGIN)
         stream_error = noticed.get("stream_error") if noticed else None
@@ -510,32 +706,56 @@ class Dump:
         future = asyncio.get_running_loop().run_in_executor(
             self.executor, self.write, exchange, reason, when, stream_error)
         self.pending.add(future)
-        future.add_done_callback(self.pending.discard)
+        self.pending_bytes += size
+        future.add_done_callback(functools.partial(self.written, size))
         return future
+
+    def written(self, size: int, future: asyncio.Future) -> None:
+        self.pending.discard(future)
+        self.pending_bytes -= size
+        if not self.pending:
+            self.report_drops()
+
+    def report_drops(self) -> None:
+        if self.unreported:
+            log.warning("%d dump(s) dropped while the write queue was full (%d since start-up)",
+                        self.unreported, self.dropped)
+            self.unreported = 0
 
     def write(self, exchange, reason: str, when: dt.datetime, stream_error=None) -> str | None:
         """Build, write and account for one dump (in the writer thread). Never raises."""
-        directory = self.settings.dir
+        settings = self.settings
+        directory = settings.dir
         try:
             document = build_document(exchange, reason=reason, when=when, config=self.config_doc,
-                                      secrets=self.secrets, stream_error=stream_error)
+                                      secrets=self.secrets, stream_error=stream_error,
+                                      max_body_bytes=settings.max_body_bytes)
             data = encode_document(document)
             path = write_dump(directory, data, exchange.id, when)
         except OSError as e:
             log.error("%s: could not write the %s dump under %s: %s",
-                      exchange.id, reason, directory, e)
+                      exchange.id, reason, directory, e.strerror or e)
             return None
         except Exception:
             log.exception("%s: could not build the %s dump", exchange.id, reason)
             return None
         log.info("%s: %s dump written to %s", exchange.id, reason, path)
-        if self.retention is not None:
-            try:
-                for deleted in self.retention.add(path, len(data)):
-                    log.info("retention: deleted %s", deleted)
-            except OSError as e:
-                log.warning("retention under %s failed: %s", directory, e)
+        try:
+            for deleted in self.retention.add(path, len(data)):
+                log.info("retention: deleted %s", deleted)
+        except OSError as e:
+            log.warning("retention under %s failed: %s", directory, e)
         return path
+
+
+def held_bytes(exchange) -> int:
+    """About what a pending dump keeps alive: the exchange's bodies."""
+    size = len(exchange.raw_body or b"")
+    sent = (exchange.upstream_request or {}).get("body")
+    if sent is not None and sent is not exchange.raw_body:
+        size += len(sent)
+    answer = (exchange.upstream_response or {}).get("body")
+    return size + len(answer or b"")
 
 
 def relay_stream_error(exchange) -> dict | None:

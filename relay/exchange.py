@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+import re
 import time
 from typing import Any
 
@@ -20,6 +21,20 @@ from .skeleton import Skeleton
 # Headers that carry credentials: never written to disk, never replayed as recorded.
 CREDENTIAL_HEADERS = frozenset({"x-api-key", "authorization", "proxy-authorization", "cookie",
                                 "set-cookie"})
+# Any other name that suggests one (``anthropic-api-key``, ``x-goog-api-key``, ``x-auth-token``,
+# ``x-amz-security-token``, ``x-hub-signature-256``): gateways and SDKs invent new ones, so the
+# words are matched, not a list of names. Whole words, so that ``anthropic-ratelimit-tokens-*``
+# (counts, not credentials) stay readable.
+CREDENTIAL_WORD = re.compile(
+    r"auth|secret|passw|cookie|credential|signature|apikey|accesskey|privatekey"
+    r"|.(?:token|key)$|^(?:token|key|keys|sig|jwt|bearer|pass|pwd)$")
+
+
+def is_credential_header(name: str) -> bool:
+    """Whether a header (or query parameter) of this name may carry a credential."""
+    name = name.lower()
+    return name in CREDENTIAL_HEADERS or any(
+        CREDENTIAL_WORD.search(word) for word in re.split(r"[^a-z0-9]+", name) if word)
 
 _PROCESS = os.urandom(6).hex()
 _SEQUENCE = itertools.count()

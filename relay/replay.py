@@ -5,12 +5,20 @@ with the pipeline, plugin options and backends the dump recorded, or those of ``
 It prints the translation table and the upstream-bound body it got, then a unified diff of
 each against the dump. Translation entries made on the way back (direction ``to_client``)
 are not compared: the request alone cannot produce them. ``--config`` needs the backends'
-``api_key_env`` variables only with ``--send``. Exit status: 0 identical, 1 different, 2 unusable input (or a
-``--send`` that could not reach the backend).
+``api_key_env`` variables only with ``--send``.
 
-``--send`` sends the rebuilt request to the backend and prints the answer. Credentials are
-never in a dump: the backend's ``api_key_env`` key is used when ``--config`` names one, else
-the client key in ``$RELAY_REPLAY_API_KEY`` (sent the way the client sent its own), else none.
+A dump is data that anyone who could write the file may have made: every part of it is
+checked before use, and one that is not what the dump plugin writes (wrong types, header
+values with line breaks, a body cut short by ``max_body_bytes``) is refused with a message.
+Exit status: 0 identical, 1 different, 2 unusable input (or a ``--send`` that could not
+reach the backend).
+
+``--send`` sends the rebuilt request to a backend of the current configuration (``--config``,
+else ``./relay.yaml``), which then also serves for the rebuild: never to a URL the dump
+names. The path is the endpoint's own, joined under the backend URL's path; the target is
+printed before anything is sent, and a redirect is printed, not followed. Credentials are
+never in a dump: the backend's ``api_key_env`` key is used when it has one, else the client
+key in ``$RELAY_REPLAY_API_KEY`` (sent the way the client sent its own), else none.
 """
 
 from __future__ import annotations
@@ -21,23 +29,38 @@ import base64
 import binascii
 import dataclasses
 import difflib
+import json
 import logging
 import os
+import re
 import sys
+from urllib.parse import quote, urlsplit, urlunsplit
 
 import aiohttp
 import orjson
 from multidict import CIMultiDict
+from yarl import URL
 
 from . import config as config_module
 from .chain import Chain, load_plugins
 from .errors import ConfigError, RelayError
-from .exchange import CREDENTIAL_HEADERS
+from .exchange import is_credential_header
 from .server import ENDPOINTS, RelayState, forward_headers, prepare_exchange
 
 log = logging.getLogger("relay.replay")
 
 API_KEY_VARIABLE = "RELAY_REPLAY_API_KEY"
+DEFAULT_CONFIG = "relay.yaml"
+FORMATS = (1, 2)
+REDACTED = "[redacted]"
+HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")  # RFC 9110 token
+# Any control character but tab: a line break in a value would forge a header when sent.
+CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+# What is printed of a dump goes to a terminal: no control sequences but newline and tab.
+UNPRINTABLE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+# Everything visible in ASCII but "#" stays as the dump has it (percent escapes included);
+# the rest is percent-encoded, so the query cannot end early or reach the path.
+QUERY_SAFE = "".join(chr(c) for c in range(0x21, 0x7f) if chr(c) != "#")
 
 
 class UnusableDump(Exception):
@@ -49,8 +72,9 @@ class ClientRequest:
     method: str
     path: str
     query: str
-    headers: CIMultiDict
+    headers: CIMultiDict  # without the credential headers, which a dump holds redacted
     raw_body: bytes
+    credentials: frozenset = frozenset()  # the credential headers the client sent, by name
 
 
 @dataclasses.dataclass
@@ -85,44 +109,56 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="rebuild with this relay.yaml's pipeline, plugin options "
                                          "and backends instead of the ones the dump recorded")
     parser.add_argument("--send", action="store_true",
-                        help="send the rebuilt request to the backend and print its answer (key: "
-                             f"the backend's api_key_env with --config, else ${API_KEY_VARIABLE})")
+                        help="send the rebuilt request to the backend of the current config "
+                             f"(--config, else ./{DEFAULT_CONFIG}; never a URL from the dump) and "
+                             "print its answer (key: the backend's api_key_env, else "
+                             f"${API_KEY_VARIABLE})")
 
 
 def main(args) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    config_path = args.config
+    if args.send and config_path is None:
+        if not os.path.isfile(DEFAULT_CONFIG):
+            return _fail(f"--send needs the current configuration (--config relay.yaml, or a "
+                         f"./{DEFAULT_CONFIG}): it sends only to a backend configured there, "
+                         f"never to a URL the dump names")
+        config_path = DEFAULT_CONFIG
     try:
         dump = load_dump(args.dump)
         request = client_request(dump)
         recorded = recorded_outcome(dump)
-        if args.config:
-            config = config_module.load(args.config, require_keys=args.send)
+        if config_path:
+            config = config_module.load(config_path, require_keys=args.send)
         else:
             config = dumped_config(dump)
         chain = Chain(load_plugins(config.pipeline), config)
     except UnusableDump as e:
-        return _fail(f"{args.dump}: {e}")
+        return _fail(f"{printable(args.dump)}: {e}")
     except ConfigError as e:
         return _fail(f"config error: {e}")
-    return asyncio.run(_replay(args, dump, request, recorded, config, chain))
+    return asyncio.run(_replay(args, config_path, dump, request, recorded, config, chain))
 
 
-async def _replay(args, dump: dict, request: ClientRequest, recorded: Outcome, config,
-                  chain: Chain) -> int:
+async def _replay(args, config_path, dump: dict, request: ClientRequest, recorded: Outcome,
+                  config, chain: Chain) -> int:
     try:
         await chain.startup(config)
     except ConfigError as e:
         return _fail(f"config error: {e}")
+    except Exception as e:  # a plugin's own check missed options a dump may hold
+        return _fail(f"config error: the plugins could not start with these options: "
+                     f"{type(e).__name__} {e}")
     try:
         exchange, rebuilt = await rebuild(RelayState(config, chain), request)
     finally:
         await chain.shutdown(config)
 
-    source = args.config or "the dump"
-    print(f"replaying {args.dump}: request {dump.get('request_id')} of {dump.get('time')}, "
-          f"pipeline [{', '.join(config.pipeline)}] from {source}")
+    source = config_path or "the dump"
+    print(printable(f"replaying {args.dump}: request {dump.get('request_id')} of "
+                    f"{dump.get('time')}, pipeline [{', '.join(config.pipeline)}] from {source}"))
     if exchange is not None and exchange.backend is not None:
-        print(f"backend: {exchange.backend.name} ({exchange.backend.url})")
+        print(printable(f"backend: {exchange.backend.name} ({exchange.backend.url})"))
     print("\n== translation table (rebuilt)")
     print(pretty(rebuilt.translation))
     if rebuilt.relay_error is not None:
@@ -152,8 +188,7 @@ async def _replay(args, dump: dict, request: ClientRequest, recorded: Outcome, c
             print("\n--send: nothing to send, the relay refused the rebuilt request",
                   file=sys.stderr)
             return 2
-        if not await send(exchange, request, rebuilt.upstream_body,
-                          use_backend_key=bool(args.config)):
+        if not await send(exchange.backend, request, rebuilt.upstream_body, source):
             return 2
     return status
 
@@ -173,19 +208,45 @@ def load_dump(name: str) -> dict:
         raise UnusableDump(f"not valid JSON: {e}") from None
     if not isinstance(dump, dict) or not isinstance(dump.get("client_request"), dict):
         raise UnusableDump("not a relay dump (no client_request)")
+    version = dump.get("dump_format", 1)
+    if version not in FORMATS or isinstance(version, bool):
+        raise UnusableDump(f"dump_format: {shown(version)} is not one this relay reads "
+                           f"({', '.join(map(str, FORMATS))})")
     return dump
 
 
-def body_bytes(section: dict | None, where: str) -> bytes | None:
-    """The body stored in a dump section: UTF-8 text under ``body`` or ``body_base64``."""
-    if not section:
+def section(dump: dict, key: str, required: bool = False) -> dict | None:
+    value = dump.get(key)
+    if value is None and not required:
         return None
-    if isinstance(section.get("body_base64"), str):
+    if not isinstance(value, dict):
+        raise UnusableDump(f"{key}: must be a mapping, not {type_name(value)}")
+    return value
+
+
+def body_bytes(part: dict | None, where: str, client_body: bytes | None = None) -> bytes | None:
+    """The body stored in a dump section: UTF-8 text under ``body``, ``body_base64``, or
+    ``body_same_as`` the client's."""
+    if not part:
+        return None
+    if part.get("body_truncated") is not None:
+        cut = part["body_truncated"]
+        kept = (f" (the first {shown(cut.get('kept_bytes'))} of {shown(cut.get('total_bytes'))} "
+                f"bytes)" if isinstance(cut, dict) else "")
+        raise UnusableDump(f"{where}.body was truncated when dumped{kept}, beyond "
+                           f"plugins.dump.max_body_bytes: a truncated dump cannot be replayed")
+    if part.get("body_same_as") is not None:
+        if part["body_same_as"] != "client_request" or client_body is None:
+            raise UnusableDump(f"{where}.body_same_as: must be \"client_request\"")
+        return client_body
+    if part.get("body_base64") is not None:
+        if not isinstance(part["body_base64"], str):
+            raise UnusableDump(f"{where}.body_base64: must be a string")
         try:
-            return base64.b64decode(section["body_base64"], validate=True)
+            return base64.b64decode(part["body_base64"], validate=True)
         except (binascii.Error, ValueError):
             raise UnusableDump(f"{where}.body_base64: not valid base64") from None
-    body = section.get("body")
+    body = part.get("body")
     if body is None:
         return None
     if not isinstance(body, str):
@@ -193,28 +254,60 @@ def body_bytes(section: dict | None, where: str) -> bytes | None:
     return body.encode("utf-8")
 
 
+def request_headers(value, where: str) -> tuple[CIMultiDict, frozenset]:
+    """The recorded headers without the credential ones (redacted in a dump), and the names
+    of those."""
+    if value is None:
+        return CIMultiDict(), frozenset()
+    if not isinstance(value, dict):
+        raise UnusableDump(f"{where}: must be a mapping of name to value, not {type_name(value)}")
+    headers, credentials = CIMultiDict(), set()
+    for name, values in value.items():
+        if not HEADER_NAME.match(name):
+            raise UnusableDump(f"{where}: {shown(name)} is not a header name")
+        for item in (values if isinstance(values, list) else [values]):
+            if not isinstance(item, str):
+                raise UnusableDump(f"{where}.{name}: must be a string or a list of strings, "
+                                   f"not {type_name(item)}")
+            if CONTROL.search(item):
+                raise UnusableDump(f"{where}.{name}: holds a line break or another control "
+                                   f"character")
+            if is_credential_header(name) or item == REDACTED:
+                credentials.add(name.lower())
+            else:
+                headers.add(name, item)
+    return headers, frozenset(credentials)
+
+
 def client_request(dump: dict) -> ClientRequest:
-    section = dump["client_request"]
-    path = section.get("path")
-    if path not in ENDPOINTS:
-        raise UnusableDump(f"client_request.path: {path!r} is not a Messages API endpoint "
+    part = section(dump, "client_request", required=True)
+    path = part.get("path")
+    if not isinstance(path, str) or path not in ENDPOINTS:
+        raise UnusableDump(f"client_request.path: {shown(path)} is not a Messages API endpoint "
                            f"({', '.join(ENDPOINTS)})")
-    raw = body_bytes(section, "client_request")
+    method = part.get("method") or "POST"
+    if method != "POST":
+        raise UnusableDump(f"client_request.method: {shown(method)}, but {path} takes POST only")
+    query = part.get("query") or ""
+    if not isinstance(query, str):
+        raise UnusableDump(f"client_request.query: must be a string, not {type_name(query)}")
+    raw = body_bytes(part, "client_request")
     if raw is None:
         raise UnusableDump("client_request: no body")
-    headers = CIMultiDict()
-    for name, value in (section.get("headers") or {}).items():
-        for item in (value if isinstance(value, list) else [value]):
-            headers.add(str(name), str(item))
-    return ClientRequest(method=section.get("method") or "POST", path=path,
-                         query=section.get("query") or "", headers=headers, raw_body=raw)
+    headers, credentials = request_headers(part.get("headers"), "client_request.headers")
+    return ClientRequest(method=method, path=path, query=query, headers=headers, raw_body=raw,
+                         credentials=credentials)
 
 
 def recorded_outcome(dump: dict) -> Outcome:
-    upstream = dump.get("upstream_request")
-    return Outcome(translation=dump.get("translation"),
-                   upstream_body=body_bytes(upstream, "upstream_request"),
-                   relay_error=dump.get("relay_error") if upstream is None else None)
+    upstream = section(dump, "upstream_request")
+    translation = dump.get("translation")
+    if translation is not None and not isinstance(translation, dict):
+        raise UnusableDump(f"translation: must be a mapping, not {type_name(translation)}")
+    client_body = body_bytes(dump["client_request"], "client_request")
+    return Outcome(translation=translation,
+                   upstream_body=body_bytes(upstream, "upstream_request", client_body),
+                   relay_error=section(dump, "relay_error") if upstream is None else None)
 
 
 def dumped_config(dump: dict):
@@ -222,21 +315,41 @@ def dumped_config(dump: dict):
 
     Keys are never in a dump, so ``api_key_env`` is left out: the rebuild needs no key.
     """
-    section = dump.get("config")
-    if not isinstance(section, dict) or not section.get("backends"):
+    part = dump.get("config")
+    if not isinstance(part, dict) or not part.get("backends"):
         raise UnusableDump("config: missing (replay with --config relay.yaml)")
+    if not isinstance(part["backends"], list):
+        raise UnusableDump("config.backends: must be a list of mappings")
     backends = []
-    for backend in section["backends"]:
+    for backend in part["backends"]:
         if not isinstance(backend, dict):
             raise UnusableDump("config.backends: must be a list of mappings")
         backends.append({key: value for key, value in backend.items()
                          if key != "api_key_env" and value is not None})
-    raw = {"pipeline": section.get("pipeline") or [], "plugins": section.get("plugins") or {},
+    raw = {"pipeline": part.get("pipeline") or [], "plugins": part.get("plugins") or {},
            "backends": backends}
     try:
         return config_module.parse(raw, env={})
     except ConfigError as e:
         raise UnusableDump(f"config: {e}") from None
+    except (TypeError, ValueError) as e:  # values no relay.yaml could hold (a bad IPv6 URL)
+        raise UnusableDump(f"config: {type(e).__name__} {e}") from None
+
+
+def type_name(value) -> str:
+    return {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean",
+            int: "a number", float: "a number", type(None): "null"}.get(type(value), "a value")
+
+
+def shown(value, limit: int = 80) -> str:
+    """A value from the dump, short and printable, for a message."""
+    text = repr(value) if isinstance(value, str) else pretty(value)
+    return printable(text if len(text) <= limit else text[:limit] + "...")
+
+
+def printable(text: str) -> str:
+    """``text`` without the control characters a terminal would act on."""
+    return UNPRINTABLE.sub(lambda m: f"\\x{ord(m.group()):02x}", str(text))
 
 
 # --- rebuilding and comparing ---------------------------------------------------------------
@@ -259,22 +372,35 @@ async def rebuild(state: RelayState, request: ClientRequest):
 
 
 def _as_json(raw: bytes | None):
-    """Parsed JSON when the bytes are JSON (so key order and spacing do not count), else text."""
+    """Parsed JSON when the bytes are JSON that encodes back (so key order and spacing do not
+    count), else text."""
     if raw is None:
         return None
     try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError:
+        value = orjson.loads(raw)
+        orjson.dumps(value)  # nested too deeply to show: compared as text instead
+        return value
+    except (orjson.JSONDecodeError, orjson.JSONEncodeError):
         return raw.decode("utf-8", "replace")
 
 
 def pretty(value, sort_keys: bool = False) -> str:
+    """JSON for people; what the JSON encoder refuses (integers beyond 64 bits, deep nesting
+    in a hand-made dump) through the standard library's, else a note. Never raises."""
     if isinstance(value, str):
-        return value
+        return printable(value)
     option = orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS
     if sort_keys:
         option |= orjson.OPT_SORT_KEYS
-    return orjson.dumps(value, option=option, default=str).decode()
+    try:
+        return printable(orjson.dumps(value, option=option, default=str).decode())
+    except orjson.JSONEncodeError:
+        pass
+    try:
+        return printable(json.dumps(value, indent=2, sort_keys=sort_keys, default=str,
+                                    ensure_ascii=False))
+    except (TypeError, ValueError, RecursionError) as e:
+        return f"(cannot be shown: {type(e).__name__})"
 
 
 def diff(recorded: Outcome, rebuilt: Outcome) -> str:
@@ -282,50 +408,71 @@ def diff(recorded: Outcome, rebuilt: Outcome) -> str:
     out = []
     before, after = recorded.comparable(), rebuilt.comparable()
     for part in before:
-        if _normalised(before[part]) == _normalised(after[part]):
+        # Printed the same is the same: tuples and lists, say, as the dump stores them.
+        old, new = pretty(before[part], sort_keys=True), pretty(after[part], sort_keys=True)
+        if old == new:
             continue
         out.extend(difflib.unified_diff(
-            (pretty(before[part], sort_keys=True) + "\n").splitlines(keepends=True),
-            (pretty(after[part], sort_keys=True) + "\n").splitlines(keepends=True),
+            (old + "\n").splitlines(keepends=True), (new + "\n").splitlines(keepends=True),
             fromfile=f"dump: {part}", tofile=f"replay: {part}"))
     return "".join(out)
-
-
-def _normalised(value):
-    """JSON round trip, so tuples and lists (and similar) compare as the dump stores them."""
-    return orjson.loads(orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS, default=str))
 
 
 # --- sending --------------------------------------------------------------------------------
 
 
-async def send(exchange, request: ClientRequest, body: bytes, *, use_backend_key: bool) -> bool:
-    """Send the rebuilt request to its backend and print the answer; False if it failed."""
-    backend = exchange.backend
-    headers = CIMultiDict((name, value) for name, value in request.headers.items()
-                          if name.lower() not in CREDENTIAL_HEADERS)
-    key = backend.api_key if use_backend_key else None
+def target_url(backend_url: str, path: str, query: str) -> URL:
+    """``path`` (a Messages API endpoint) under the backend URL's own path, with ``query``
+    percent-encoded wherever it would otherwise end or leave the query."""
+    if path not in ENDPOINTS:
+        raise UnusableDump(f"{shown(path)} is not a Messages API endpoint")
+    base = urlsplit(backend_url)
+    if base.query or base.fragment:
+        raise ConfigError(f"backend URL {backend_url}: has a query or fragment, so nothing can "
+                          f"be joined under its path")
+    joined = base.path.rstrip("/") + path
+    url = URL(urlunsplit((base.scheme, base.netloc, joined, quote(query, safe=QUERY_SAFE), "")),
+              encoded=True)
+    if (url.scheme, url.raw_authority, url.raw_path) != (base.scheme, base.netloc, joined):
+        raise ConfigError(f"backend URL {backend_url}: {path} cannot be joined under it")
+    return url
+
+
+async def send(backend, request: ClientRequest, body: bytes, source: str) -> bool:
+    """Send the rebuilt request to ``backend`` (of the current config) and print the answer;
+    False if it failed."""
+    headers = request.headers.copy()
+    key = backend.api_key
     if key is None and os.environ.get(API_KEY_VARIABLE):
         client_key = os.environ[API_KEY_VARIABLE]
-        if "authorization" in request.headers:
+        if "authorization" in request.credentials:
             headers["Authorization"] = "Bearer " + client_key
         else:
             headers["x-api-key"] = client_key
     headers = forward_headers(headers, dataclasses.replace(backend, api_key=key))
-    url = backend.url + request.path + ("?" + request.query if request.query else "")
+    try:
+        url = target_url(backend.url, request.path, request.query)
+    except ConfigError as e:
+        print(f"relay: config error: {e}", file=sys.stderr)
+        return False
     timeout = aiohttp.ClientTimeout(total=backend.timeouts.total, connect=backend.timeouts.connect,
                                     sock_read=backend.timeouts.read)
-    print(f"\n== sending to {url}")
+    print(printable(f"\n== sending to {url} (backend {backend.name} of {source}; redirects are "
+                    f"not followed)"), flush=True)
     try:
         async with aiohttp.ClientSession(skip_auto_headers=("User-Agent",)) as session:
-            async with session.post(url, data=body, headers=headers, timeout=timeout) as answer:
+            # A redirect would carry the key to wherever the answer points.
+            async with session.post(url, data=body, headers=headers, timeout=timeout,
+                                    allow_redirects=False) as answer:
                 payload = await answer.read()
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-        print(f"relay: could not reach {backend.name}: {type(e).__name__} {e}".rstrip(),
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
+        print(printable(f"relay: could not reach {backend.name}: {type(e).__name__} {e}".rstrip()),
               file=sys.stderr)
         return False
     print(f"== answer: {answer.status}")
-    print(payload.decode("utf-8", "replace"))
+    if 300 <= answer.status < 400:
+        print(printable(f"(a redirect to {answer.headers.get('Location')}: not followed)"))
+    print(printable(payload.decode("utf-8", "replace")))
     return True
 
 

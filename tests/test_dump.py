@@ -25,6 +25,7 @@ from relay.errors import ConfigError, RelayError
 from relay.exchange import Exchange
 from relay.hookspecs import hookimpl
 from relay.server import create_app
+from relay.sse import Event
 
 from support import backend
 
@@ -60,7 +61,10 @@ def test_defaults(tmp_path):
     settings = dump.parse_options({"dir": str(tmp_path)})
     assert settings.statuses == frozenset(range(400, 500))
     assert not settings.include_relay_rejections and not settings.include_stream_errors
-    assert settings.max_files is None and settings.max_bytes is None
+    # Retention is on, each body capped and the write queue bounded, unless said otherwise.
+    assert (settings.max_files, settings.max_bytes) == (1000, 1024 ** 3)
+    assert settings.max_body_bytes == 8 * 1024 ** 2
+    assert (settings.max_pending, settings.max_pending_bytes) == (16, 64 * 1024 ** 2)
 
 
 def test_relative_dir_is_fixed_at_start_up(tmp_path, monkeypatch):
@@ -158,7 +162,7 @@ def test_a_file_in_the_way_is_an_error(tmp_path):
 
 
 def test_retention_keeps_the_newest_files(tmp_path):
-    keep = dump.Retention(str(tmp_path), max_files=3, max_bytes=None)
+    keep = dump.Retention(str(tmp_path), max_files=3, max_bytes=10 ** 9)
     old = dump.write_dump(str(tmp_path), b"x" * 10, "relay_old", WHEN - dt.timedelta(days=1))
     written = [old]
     for i in range(5):
@@ -173,7 +177,7 @@ def test_retention_by_bytes_counts_files_already_there(tmp_path):
     for i in range(3):
         when = WHEN + dt.timedelta(seconds=i)
         dump.write_dump(str(tmp_path), b"x" * 100, f"relay_before{i}", when)
-    keep = dump.Retention(str(tmp_path), max_files=None, max_bytes=250)
+    keep = dump.Retention(str(tmp_path), max_files=1000, max_bytes=250)
     newest = dump.write_dump(str(tmp_path), b"x" * 100, "relay_new", WHEN + dt.timedelta(seconds=9))
     deleted = keep.add(newest, 100)
     assert len(deleted) == 2
@@ -283,7 +287,7 @@ def test_a_short_credential_is_redacted_by_name_only(tmp_path, capsys, credentia
     assert document["client_request"]["headers"][name] == "[redacted]"
     assert document["upstream_request"]["headers"][name] == "[redacted]"
     assert document["client_request"]["body"].encode() == raw
-    assert document["upstream_request"]["body"].encode() == raw
+    assert document["upstream_request"]["body_same_as"] == "client_request"
     assert document["timeline"]["steps"][0]["detail"] == "e a t"
     assert REQUIRED_KEYS <= set(document)
     assert not [key for key in keys_of(document) if "[redacted]" in str(key)]
@@ -567,7 +571,10 @@ async def test_an_upstream_400_through_the_running_relay(emulator, relay, tmp_pa
     assert client["headers"]["x-api-key"] == "[redacted]"
     sent = document["upstream_request"]
     received = emu.requests()
-    assert hashlib.sha256(sent["body"].encode()).hexdigest() == received[0]["body_sha256"]
+    # Sent as received: stored once.
+    assert "body" not in sent and sent["body_same_as"] == "client_request"
+    assert hashlib.sha256(client["body"].encode()).hexdigest() == received[0]["body_sha256"]
+    assert text.count(b'\\"messages\\"') == 1  # the body's own key, escaped in the dump
     assert sent["headers"]["x-api-key"] == "[redacted]"
     answer = document["upstream_response"]
     assert answer["status"] == 400 and answer["body"].encode() == failed_body
@@ -578,3 +585,267 @@ async def test_an_upstream_400_through_the_running_relay(emulator, relay, tmp_pa
     assert document["config"]["pipeline"] == ["dump"]
     assert document["config"]["plugins"] == {"dump": {"dir": str(dumps)}}
     assert document["config"]["quirks"] == {"note_quirk": 1}
+
+
+# --- safe to keep: credentials, size, queue, links, unusual JSON -------------------------
+
+@pytest.mark.parametrize("name", [
+    "x-api-key", "Authorization", "anthropic-api-key", "x-goog-api-key", "api-key",
+    "x-auth-token", "X-Amz-Security-Token", "x-hub-signature-256", "x-access-token",
+    "x-client-secret", "x-apikey", "proxy-authorization", "Set-Cookie", "x-password"])
+def test_every_credential_header_is_redacted_by_name(name):
+    assert dump.headers_document({name: "v", "anthropic-version": "2023-06-01"}) == {
+        name: "[redacted]", "anthropic-version": "2023-06-01"}
+
+
+@pytest.mark.parametrize("name", [
+    "anthropic-ratelimit-tokens-remaining", "anthropic-ratelimit-input-tokens-limit",
+    "anthropic-beta", "x-claude-code-session-id", "x-stainless-retry-count", "request-id"])
+def test_ordinary_headers_stay_readable(name):
+    assert dump.headers_document({name: "12"}) == {name: "12"}
+
+
+def test_credentials_in_urls_and_queries_are_redacted():
+    assert dump.redact_query("beta=true&key=AIzaShort&api_key=x") == \
+        "beta=true&key=[redacted]&api_key=[redacted]"
+    assert dump.redact_url("https://user:pa55word@host:8443/base?key=k&q=1") == \
+        "https://user:[redacted]@host:8443/base?key=[redacted]&q=1"
+    assert dump.redact_url("http://user:pw@[::1/x") == "[redacted]"
+
+
+def test_a_long_stream_error_event_is_cut_too(tmp_path):
+    cfg = config_module.parse({"backends": [backend("http://127.0.0.1:9")]}, env={})
+    plugin = started_dump(cfg, {"dir": str(tmp_path), "max_body_bytes": 64,
+                                "include_stream_errors": True})
+    exchange, _ = make_exchange(orjson.dumps(BODY))
+    event = Event.build("error", {"type": "error", "error": {"type": "api_error",
+                                                             "message": "m" * 1000}})
+    plugin.relay_stream_event(exchange=exchange, event=event)
+    recorded = exchange.state["dump"]["stream_error"]
+    assert recorded["event"] == event.raw[:64].decode()
+    assert recorded["event_truncated"]["total_bytes"] == len(event.raw)
+
+
+PLANTED = {  # header: value; each must be gone from the dump, short or long
+    "anthropic-api-key": "planted-anthropic-key-1f2e3d4c",
+    "x-goog-api-key": "AIzaPlantedGoogleKey-77aa",
+    "x-auth-token": "tok-9z",  # too short to search for: redacted by name only
+    "api-key": "planted-azure-key-0099887766",
+}
+
+
+async def test_planted_secrets_never_appear_in_a_dump(start):
+    relay = await start(fail_status=400)
+    body = {**BODY, "messages": [{"role": "user", "content":
+                                  f"echo {PLANTED['anthropic-api-key']} and "
+                                  f"{PLANTED['x-goog-api-key']} and {CLIENT_KEY}"}]}
+    response = await relay.client.post(
+        "/v1/messages?beta=true&key=planted-query-key-5566778899", json=body,
+        headers={**PLANTED, "x-api-key": CLIENT_KEY})
+    assert response.status == 400
+    await relay.stop()
+    [path] = dump_files(relay.dir)
+    text = path.read_bytes()
+    for secret in [*PLANTED.values(), CLIENT_KEY, "planted-query-key-5566778899"]:
+        assert secret.encode() not in text, secret
+    document = orjson.loads(text)
+    headers = document["client_request"]["headers"]
+    assert {headers[name] for name in PLANTED} == {"[redacted]"}
+    assert document["client_request"]["query"] == "beta=true&key=[redacted]"
+
+
+def test_an_identical_body_is_stored_once_even_when_a_copy():
+    raw = orjson.dumps(BODY)
+    exchange, _ = make_exchange(raw)
+    exchange.upstream_request = {"url": "http://up/v1/messages", "headers": {},
+                                 "body": bytes(bytearray(raw))}
+    document = dump.build_document(exchange, reason="upstream_error", when=WHEN, config={})
+    assert document["upstream_request"] == {"url": "http://up/v1/messages", "headers": {},
+                                            "body_same_as": "client_request"}
+    exchange.upstream_request["body"] = raw.replace(b"hi", b"ho")
+    document = dump.build_document(exchange, reason="upstream_error", when=WHEN, config={})
+    assert document["upstream_request"]["body"].encode() == raw.replace(b"hi", b"ho")
+
+
+def test_a_long_body_keeps_a_prefix_and_the_hash_of_the_whole():
+    # The secret straddles the cut: replaced before cutting, none of it is kept.
+    head = '{"model":"claude-test","max_tokens":10,"messages":[{"role":"user","content":"'
+    filler = "é" * ((990 - len(head)) // 2)
+    raw = (head + filler + BACKEND_KEY + "x" * 4000 + '"}]}').encode()
+    cut = raw.index(BACKEND_KEY.encode()) + 10
+    exchange, _ = make_exchange(raw)
+    document = dump.build_document(exchange, reason="rejected", when=WHEN, config={},
+                                   secrets={BACKEND_KEY}, max_body_bytes=cut)
+    client = document["client_request"]
+    assert client["body_truncated"] == {
+        "kept_bytes": len(client["body"].encode()), "total_bytes": len(raw),
+        "sha256": hashlib.sha256(raw).hexdigest(), "limit": "plugins.dump.max_body_bytes"}
+    assert len(client["body"].encode()) <= cut
+    assert client["body"].startswith(head + filler + "[redacted]")
+    assert BACKEND_KEY[:10] not in dump.encode_document(document).decode()
+
+    # A cut inside a two-byte character keeps the whole characters before it.
+    document = dump.build_document(exchange, reason="rejected", when=WHEN, config={},
+                                   max_body_bytes=len(head) + 3)
+    assert document["client_request"]["body"] == head + "é"
+    assert document["client_request"]["body_truncated"]["kept_bytes"] == len(head) + 2
+
+
+def test_a_long_body_that_is_not_utf8_keeps_a_base64_prefix():
+    raw = b"\xff\xfe" + b"z" * 100
+    exchange, _ = make_exchange(raw)
+    document = dump.build_document(exchange, reason="rejected", when=WHEN, config={},
+                                   max_body_bytes=10)
+    client = document["client_request"]
+    assert base64.b64decode(client["body_base64"]) == raw[:10]
+    assert client["body_truncated"]["total_bytes"] == 102
+
+
+async def test_a_large_failing_request_is_dumped_within_the_cap(start):
+    relay = await start({"max_body_bytes": 4096}, fail_status=400)
+    big = orjson.dumps({**BODY, "messages": [{"role": "user", "content": "y" * 200_000}]})
+    response = await relay.client.post("/v1/messages", data=big,
+                                       headers={"content-type": "application/json"})
+    assert response.status == 400
+    await relay.stop()
+    [path] = dump_files(relay.dir)
+    assert path.stat().st_size < 3 * 4096 + 8192
+    document = orjson.loads(path.read_bytes())
+    assert document["client_request"]["body_truncated"]["total_bytes"] == len(big)
+    assert document["upstream_request"]["body_same_as"] == "client_request"
+
+
+def test_retention_is_on_by_default(tmp_path):
+    cfg = config_module.parse({"backends": [backend("http://127.0.0.1:9")]}, env={})
+    plugin = started_dump(cfg, {"dir": str(tmp_path)})
+    assert (plugin.retention.max_files, plugin.retention.max_bytes) == (1000, 1024 ** 3)
+
+
+def blocked_writes(monkeypatch) -> threading.Event:
+    """Make every dump write wait until the returned event is set."""
+    released = threading.Event()
+    real = dump.write_dump
+
+    def slow_write(*args):
+        released.wait(10)
+        return real(*args)
+    monkeypatch.setattr(dump, "write_dump", slow_write)
+    return released
+
+
+async def test_a_full_write_queue_drops_and_counts(start, monkeypatch, caplog):
+    caplog.set_level(logging.WARNING, logger="relay.plugins.dump")
+    relay = await start({"max_pending": 2}, fail_status=400)
+    plugin = relay.chain.pm.get_plugin("dump")
+    released = blocked_writes(monkeypatch)
+    for _ in range(5):
+        response, _ = await relay.post()
+        assert response.status == 400
+    assert len(plugin.pending) == 2 and plugin.dropped == 3
+    released.set()
+    await relay.stop()
+    assert len(dump_files(relay.dir)) == 2
+    messages = [r.getMessage() for r in caplog.records if r.name == "relay.plugins.dump"]
+    assert len([m for m in messages if "dump dropped: the write queue is full" in m]) == 1
+    assert "3 dump(s) dropped while the write queue was full (3 since start-up)" in messages
+
+
+async def test_the_write_queue_is_bounded_by_bytes_too(start, monkeypatch):
+    relay = await start({"max_pending_bytes": 1000}, fail_status=400)
+    plugin = relay.chain.pm.get_plugin("dump")
+    released = blocked_writes(monkeypatch)
+    for _ in range(3):
+        await relay.post()  # ~100 bytes in, ~150 back: the first is taken, whatever its size
+    large = {**BODY, "messages": [{"role": "user", "content": "z" * 2000}]}
+    await relay.post(large)
+    assert len(plugin.pending) == 3 and plugin.dropped == 1
+    released.set()
+    await relay.stop()
+    assert len(dump_files(relay.dir)) == 3
+
+
+def test_a_planted_day_link_receives_nothing(tmp_path, caplog):
+    base, elsewhere = tmp_path / "dumps", tmp_path / "elsewhere"
+    base.mkdir(mode=0o700)
+    elsewhere.mkdir()
+    (base / "2025-03-07").symlink_to(elsewhere)
+    with pytest.raises(OSError, match="2025-03-07 is a symbolic link; dumps never follow one"):
+        dump.write_dump(str(base), b"{}", "relay_x", WHEN)
+    assert list(elsewhere.iterdir()) == []
+    # In the plugin: logged, nothing written anywhere.
+    cfg = config_module.parse({"backends": [backend("http://127.0.0.1:9")]}, env={})
+    plugin = started_dump(cfg, {"dir": str(base)})
+    exchange, _ = make_exchange(orjson.dumps(BODY))
+    caplog.set_level(logging.ERROR, logger="relay.plugins.dump")
+    assert plugin.write(exchange, "rejected", WHEN) is None
+    assert "is a symbolic link" in caplog.text
+    assert list(elsewhere.iterdir()) == []
+
+
+def test_a_planted_file_link_is_never_written_through(tmp_path):
+    base = tmp_path / "dumps"
+    day = base / "2025-03-07"
+    day.mkdir(parents=True)
+    target = tmp_path / "target"
+    target.write_text("keep me")
+    (day / "090502.123456-relay_x.json").symlink_to(target)
+    path = dump.write_dump(str(base), b'{"n": 1}', "relay_x", WHEN)
+    assert path == str(day / "090502.123456-relay_x-1.json")
+    assert target.read_text() == "keep me"
+
+
+def test_retention_never_follows_a_planted_link(tmp_path):
+    base, elsewhere = tmp_path / "dumps", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    victim = elsewhere / "000000.000000-relay_old.json"
+    victim.write_text("keep me")
+    dump.write_dump(str(base), b"x", "relay_a", WHEN)
+    (base / "2025-03-01").symlink_to(elsewhere)  # sorts before every real day
+    (base / "2025-03-07" / "000000.000000-relay_link.json").symlink_to(victim)
+    keep = dump.Retention(str(base), max_files=1, max_bytes=10 ** 9)
+    newest = dump.write_dump(str(base), b"y", "relay_b", WHEN + dt.timedelta(seconds=1))
+    assert keep.add(newest, 1) == [str(base / "2025-03-07" / "090502.123456-relay_a.json")]
+    assert victim.read_text() == "keep me"
+    assert (base / "2025-03-07" / "000000.000000-relay_link.json").is_symlink()
+
+
+def deeply_nested(depth: int):
+    value = []
+    for _ in range(depth - 1):
+        value = [value]
+    return value
+
+
+def test_unusual_records_are_still_dumped():
+    exchange, _ = make_exchange(orjson.dumps(BODY))
+    exchange.translation["toolu_1"] = {"original": "toolu_1", "occurrence": 2 ** 70}
+    exchange.note("someplugin", "saw", deep=deeply_nested(5000))
+    document = dump.build_document(exchange, reason="rejected", when=WHEN, config={})
+    decoded = orjson.loads(dump.encode_document(document))
+    assert decoded["translation"]["toolu_1"]["occurrence"] == str(2 ** 70)
+    deep, levels = decoded["timeline"]["steps"][0]["deep"], 0
+    while isinstance(deep, list):
+        [deep] = deep
+        levels += 1
+    assert deep == dump.TOO_DEEP and 90 < levels < dump.MAX_DEPTH
+
+
+@pytest.mark.parametrize("tool_id,recorded", [
+    (b"123456789012345678901234567890", b'"123456789012345678901234567890"'),
+    (b"[" * 1000 + b"]" * 1000, dump.TOO_DEEP.encode())])
+async def test_unusual_but_valid_json_is_dumped_as_sent_and_replays(start, tmp_path, capsys,
+                                                                    tool_id, recorded):
+    relay = await start(fail_status=400)
+    raw = (b'{"model": "claude-test", "max_tokens": 10, "messages": ['
+           b'{"role": "user", "content": "go"}, {"role": "assistant", "content": ['
+           b'{"type": "tool_use", "id": ' + tool_id + b', "name": "Bash", "input": {}}]}]}')
+    response = await relay.client.post("/v1/messages", data=raw,
+                                       headers={"content-type": "application/json"})
+    assert response.status == 400
+    await relay.stop()
+    [path] = dump_files(relay.dir)
+    document = orjson.loads(path.read_bytes())
+    assert document["client_request"]["body"].encode() == raw
+    assert recorded in orjson.dumps(document["timeline"]["messages"][1]["blocks"][0]["id"])
+    status = await asyncio.to_thread(cli.main, ["replay", str(path)])
+    assert status == 0, capsys.readouterr()

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import http.server
+import io
+import random
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -16,6 +22,7 @@ import yaml
 
 from plugins import dedup
 from relay import cli
+from relay import replay as replay_module
 
 from support import ROOT, backend
 
@@ -24,6 +31,12 @@ TOOLS = [{"name": "Bash", "description": "Run a command",
                            "required": ["command"]}}]
 REUSED = "toolu_01ReusedId00000000000000"  # the emulator's --reuse-ids id for a turn's first call
 BODY = {"model": "claude-test", "max_tokens": 10, "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.fixture(autouse=True)
+def away_from_the_repository(tmp_path, monkeypatch):
+    """`--send` falls back to ./relay.yaml: each test says which config it means."""
+    monkeypatch.chdir(tmp_path)
 
 
 def post(url: str, body: dict, headers: dict | None = None) -> tuple[int, dict, bytes]:
@@ -90,7 +103,9 @@ def test_a_dedup_session_replays_identically_until_dedup_changes(emulator, relay
     recorded = orjson.loads(path.read_bytes())
     assert recorded["translation"] == {REUSED + "-2": {
         "original": REUSED, "occurrence": 2, "message_index": 3, "direction": "history"}}
-    assert hashlib.sha256(recorded["upstream_request"]["body"].encode()).hexdigest() == \
+    # The client's history went up as it was: the dump stores it once.
+    assert recorded["upstream_request"]["body_same_as"] == "client_request"
+    assert hashlib.sha256(recorded["client_request"]["body"].encode()).hexdigest() == \
         emu.requests()[-1]["body_sha256"]
 
     status, out = replay(capsys, path)
@@ -239,7 +254,7 @@ def test_send_uses_the_client_key_from_the_environment(emulator, relay, tmp_path
     path = wait_for_dump(tmp_path / "dumps")
 
     monkeypatch.setenv("RELAY_REPLAY_API_KEY", "sk-client-key")
-    status, out = replay(capsys, path, "--send")
+    status, out = replay(capsys, path, "--config", r.config_path, "--send")
     assert status == 0
     assert "== answer: 200" in out and '"type":"message"' in out
     first, resent = emu.requests()
@@ -247,7 +262,7 @@ def test_send_uses_the_client_key_from_the_environment(emulator, relay, tmp_path
     assert dict(resent["headers"])["x-api-key"] == "sk-client-key"
 
     monkeypatch.delenv("RELAY_REPLAY_API_KEY")
-    status, out = replay(capsys, path, "--send")
+    status, out = replay(capsys, path, "--config", r.config_path, "--send")
     assert status == 0 and "== answer: 401" in out  # sent without a key: never "[redacted]"
     assert "x-api-key" not in {name.lower() for name, _ in emu.requests()[-1]["headers"]}
 
@@ -266,8 +281,11 @@ def test_send_uses_the_backend_key_of_the_given_config(emulator, relay, tmp_path
 
 
 def test_send_to_an_unreachable_backend_is_2(tmp_path, capsys, unused_tcp_port):
-    path = handmade_dump(tmp_path, url=f"http://127.0.0.1:{unused_tcp_port}")
-    status = cli.main(["replay", str(path), "--send"])
+    path = handmade_dump(tmp_path)
+    config = tmp_path / "relay.yaml"
+    config.write_text(yaml.safe_dump({"pipeline": ["dedup"], "backends": [
+        backend(f"http://127.0.0.1:{unused_tcp_port}")]}))
+    status = cli.main(["replay", str(path), "--config", str(config), "--send"])
     assert status == 2 and "could not reach emu" in capsys.readouterr().err
 
 
@@ -325,3 +343,269 @@ def test_an_unknown_plugin_in_the_dump_is_2(tmp_path, capsys):
     path = handmade_dump(tmp_path, config=config)
     assert cli.main(["replay", str(path)]) == 2
     assert "unknown plugin 'nosuch'" in capsys.readouterr().err
+
+
+# --- --send: only to the current config's backend -----------------------------------------
+
+class Recorder:
+    """A loopback HTTP server that records each request (raw target, headers, body) and gives
+    one fixed answer."""
+
+    def __init__(self, status: int = 200, headers: dict | None = None,
+                 body: bytes = b'{"type": "message"}'):
+        self.requests: list[dict] = []
+        recorder = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                length = int(self.headers.get("content-length") or 0)
+                recorder.requests.append({"target": self.path, "headers": dict(self.headers),
+                                          "body": self.rfile.read(length)})
+                self.send_response(status)
+                for name, value in (headers or {}).items():
+                    self.send_header(name, value)
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def recorder():
+    started = []
+
+    def start(**kwargs) -> Recorder:
+        started.append(Recorder(**kwargs))
+        return started[-1]
+
+    yield start
+    for server in started:
+        server.close()
+
+
+def write_config(path: Path, url: str, **backend_extra) -> Path:
+    path.write_text(yaml.safe_dump({"pipeline": ["dedup"],
+                                    "backends": [backend(url, **backend_extra)]}))
+    return path
+
+
+def test_send_without_a_current_config_sends_nothing(tmp_path, capsys, recorder):
+    named = recorder()
+    path = handmade_dump(tmp_path, url=named.url)
+    assert cli.main(["replay", str(path), "--send"]) == 2
+    assert "--send needs the current configuration" in capsys.readouterr().err
+    assert named.requests == []
+
+
+def test_send_goes_to_the_current_configs_backend_never_the_dumps(tmp_path, capsys, recorder,
+                                                                 monkeypatch):
+    named, configured = recorder(), recorder()
+    headers = {"content-type": "application/json", "anthropic-version": "2023-06-01",
+               "x-api-key": "[redacted]", "anthropic-api-key": "[redacted]"}
+    client = {"method": "POST", "path": "/v1/messages", "query": "beta=true", "headers": headers,
+              "body": orjson.dumps(BODY).decode()}
+    path = handmade_dump(tmp_path, url=named.url, client_request=client)
+    write_config(tmp_path / "relay.yaml", configured.url + "/base/", api_key_env="REPLAY_KEY")
+    monkeypatch.setenv("REPLAY_KEY", "sk-current-config-key")
+    status, out = replay(capsys, path, "--send")  # ./relay.yaml: the current config
+    assert status == 0, out
+    assert named.requests == []
+    [sent] = configured.requests
+    assert sent["target"] == "/base/v1/messages?beta=true"
+    assert sent["body"] == orjson.dumps(BODY)
+    received = {name.lower(): value for name, value in sent["headers"].items()}
+    assert received["x-api-key"] == "sk-current-config-key"
+    assert received["anthropic-version"] == "2023-06-01" and "anthropic-api-key" not in received
+    assert "[redacted]" not in received.values()
+    target = f"== sending to {configured.url}/base/v1/messages?beta=true"
+    assert target in out and out.index(target) < out.index("== answer: 200")
+
+
+def test_send_never_follows_a_redirect(tmp_path, capsys, recorder):
+    elsewhere = recorder()
+    redirecting = recorder(status=307, headers={"Location": elsewhere.url + "/v1/messages"},
+                           body=b"")
+    path = handmade_dump(tmp_path)
+    config = write_config(tmp_path / "other.yaml", redirecting.url)
+    status, out = replay(capsys, path, "--config", config, "--send")
+    assert status == 0, out
+    assert len(redirecting.requests) == 1 and elsewhere.requests == []
+    assert "== answer: 307" in out and "/v1/messages: not followed)" in out
+
+
+@pytest.mark.parametrize("query", ["a=1#/../../admin", "x=%2e%2e/%2e%2e/admin?y=/../z",
+                                   "q=a b\r\nX-Injected: 1"])
+def test_a_query_from_the_dump_stays_in_the_query(tmp_path, capsys, recorder, query):
+    configured = recorder()
+    client = {"method": "POST", "path": "/v1/messages", "query": query, "headers": {},
+              "body": orjson.dumps(BODY).decode()}
+    path = handmade_dump(tmp_path, client_request=client)
+    config = write_config(tmp_path / "other.yaml", configured.url + "/base")
+    status, out = replay(capsys, path, "--config", config, "--send")
+    assert status == 0, out
+    [sent] = configured.requests
+    target_path, _, sent_query = sent["target"].partition("?")
+    assert target_path == "/base/v1/messages"
+    assert urllib.parse.unquote(sent_query) == urllib.parse.unquote(query)
+    assert "x-injected" not in {name.lower() for name in sent["headers"]}
+
+
+def test_target_url_joins_under_the_base_path():
+    assert str(replay_module.target_url("https://h:8443/a/b/", "/v1/messages", "beta=true")) == \
+        "https://h:8443/a/b/v1/messages?beta=true"
+    with pytest.raises(replay_module.UnusableDump):
+        replay_module.target_url("https://h", "/v1/../admin", "")
+
+
+# --- hostile dumps --------------------------------------------------------------------------
+
+def good_client(**changes) -> dict:
+    return {"method": "POST", "path": "/v1/messages", "query": "",
+            "headers": {"content-type": "application/json"}, "body": orjson.dumps(BODY).decode(),
+            **changes}
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"client_request": good_client(headers=[["x-api-key", "k"]])},
+     "client_request.headers: must be a mapping of name to value, not a list"),
+    ({"client_request": good_client(headers={"x-a": "v\r\nX-Injected: 1"})},
+     "client_request.headers.x-a: holds a line break"),
+    ({"client_request": good_client(headers={"bad name": "v"})}, "is not a header name"),
+    ({"client_request": good_client(headers={"x-a": {"b": 1}})},
+     "must be a string or a list of strings, not a mapping"),
+    ({"client_request": good_client(path=["/v1/messages"])}, "is not a Messages API endpoint"),
+    ({"client_request": good_client(path="/v1/../admin")}, "is not a Messages API endpoint"),
+    ({"client_request": good_client(method="GET")}, "takes POST only"),
+    ({"client_request": good_client(query=7)}, "client_request.query: must be a string"),
+    ({"client_request": good_client(body=12)}, "client_request.body: must be a string"),
+    ({"client_request": good_client(body_base64=[1])}, "body_base64: must be a string"),
+    ({"client_request": good_client(body_truncated={"kept_bytes": 5, "total_bytes": 9})},
+     "client_request.body was truncated when dumped (the first 5 of 9 bytes)"),
+    ({"upstream_request": ["x"]}, "upstream_request: must be a mapping, not a list"),
+    ({"upstream_request": {"body_same_as": "elsewhere"}}, "body_same_as: must be"),
+    ({"upstream_request": {"body": "{}", "body_truncated": True}}, "cannot be replayed"),
+    ({"translation": [1, 2]}, "translation: must be a mapping, not a list"),
+    ({"upstream_request": None, "relay_error": "boom"}, "relay_error: must be a mapping"),
+    ({"dump_format": 99}, "dump_format: 99 is not one this relay reads"),
+    ({"config": {"pipeline": ["dedup"], "backends": {"name": "x"}}}, "config.backends: must"),
+    ({"config": {"pipeline": ["dedup"], "backends": [{"name": "x", "url": "http://[::1"}]}},
+     "config: ValueError"),
+    ({"config": {"pipeline": [["dedup"]], "backends": [{"name": "x", "url": "http://h"}]}},
+     "config: pipeline[0]: must be a plugin name"),
+])
+def test_a_hostile_dump_is_2_with_a_message(tmp_path, capsys, changes, message):
+    assert cli.main(["replay", str(handmade_dump(tmp_path, **changes))]) == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+
+
+HOSTILE_FILES = {
+    "deep": b'{"client_request": ' + b'{"a": ' * 5000 + b"1" + b"}" * 5001,
+    "not utf-8": b'{"client_request": {"path": "/v1/messages", "body": "\xff\xfe"}}',
+    "huge numbers": b'{"dump_format": 1e400, "client_request": {"path": "/v1/messages"}}',
+    "huge integer": (b'{"dump_format": 123456789012345678901234567890, '
+                     b'"client_request": {"path": "/v1/messages"}}'),
+    "headers a list": orjson.dumps({"client_request": good_client(headers=[["a", "b"]])}),
+}
+
+
+def test_hostile_files_from_the_command_line_give_2_and_no_traceback(tmp_path):
+    for name, content in HOSTILE_FILES.items():
+        path = tmp_path / "dump.json"
+        path.write_bytes(content)
+        run = subprocess.run([sys.executable, "-m", "relay", "replay", str(path)], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=60)
+        assert run.returncode == 2, (name, run.stderr)
+        assert run.stderr.startswith("relay: ") and "Traceback" not in run.stderr, name
+
+
+RAW_VALUES = [b"123456789012345678901234567890", b"-1e400", b"[" * 3000 + b"1" + b"]" * 3000,
+              b"[" * 600 + b"]" * 600, b'{"a":' * 300 + b"1" + b"}" * 300]
+
+
+def mutations(document: dict, rng: random.Random):
+    """One hostile variant of ``document``: a value somewhere replaced, a key dropped, or the
+    bytes themselves damaged."""
+    hostile_values = [None, True, 0, -1, 1.5, "", "\r\n", "x\r\nX-Injected: 1", "\x00",
+                      "\u202e", [], {}, [["a", "b"]], {"a": {"b": []}},
+                      "[redacted]", "/v1/../admin", "x" * 5000, "%2e%2e/%2fadmin"]
+    text = orjson.dumps(document)
+    kind = rng.randrange(10)
+    if kind == 0:  # damage the bytes
+        data = bytearray(text)
+        for _ in range(rng.randint(1, 5)):
+            data[rng.randrange(len(data))] = rng.randrange(256)
+        return bytes(data)
+    if kind == 1:
+        return text[:rng.randrange(len(text))]
+    copy = orjson.loads(text)
+    # Walk to a random mapping or list and change one entry.
+    node = copy
+    for _ in range(rng.randint(0, 4)):
+        children = list(node.values()) if isinstance(node, dict) else node
+        children = [c for c in children if isinstance(c, (dict, list)) and c]
+        if not children:
+            break
+        node = rng.choice(children)
+    if isinstance(node, dict) and node:
+        key = rng.choice(list(node))
+        if kind == 2:
+            del node[key]
+            return orjson.dumps(copy)
+    elif isinstance(node, list) and node:
+        key = rng.randrange(len(node))
+    else:
+        return orjson.dumps(copy)
+    if kind == 3:  # what the encoder here cannot write: huge numbers, deep nesting
+        marker = "\u2603raw\u2603"
+        node[key] = marker
+        return orjson.dumps(copy).replace(orjson.dumps(marker), rng.choice(RAW_VALUES))
+    node[key] = rng.choice(hostile_values)
+    return orjson.dumps(copy)
+
+
+def test_a_seeded_mutator_over_a_real_dump_never_raises(emulator, relay, tmp_path, caplog):
+    emu = emulator("--fail-status", "400")
+    r = relay(dump_config(tmp_path, emu.url, pipeline=("dedup", "pairing", "ordering", "dump")))
+    history = [{"role": "user", "content": "go"},
+               {"role": "assistant", "content": [tool_call("toolu_dup")]},
+               {"role": "user", "content": [tool_result("toolu_dup")]},
+               {"role": "assistant", "content": [tool_call("toolu_dup")]},
+               {"role": "user", "content": [tool_result("toolu_dup")]}]
+    assert post(r.url, {**BODY, "tools": TOOLS, "messages": history},
+                {"x-api-key": "sk-mutator-client-key-0123456789"})[0] == 400
+    real = orjson.loads(wait_for_dump(tmp_path / "dumps").read_bytes())
+    rng = random.Random(11)
+    statuses = {0: 0, 1: 0, 2: 0}
+    target = tmp_path / "variant.json"
+    for i in range(300):
+        target.write_bytes(mutations(real, rng))
+        stdout, stderr = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            status = cli.main(["replay", str(target)])
+        assert status in statuses, (i, status, stderr.getvalue())
+        assert "Traceback" not in stderr.getvalue(), (i, stderr.getvalue())
+        statuses[status] += 1
+    assert not [r for r in caplog.records if r.exc_info], caplog.text
+    assert statuses[2] > 50 and statuses[0] + statuses[1] > 50, statuses
+
+
+def test_control_characters_from_a_dump_never_reach_the_terminal(tmp_path, capsys):
+    body = orjson.dumps({**BODY, "messages": [{"role": "user", "content": "a\x9b31mb"}]})
+    client = {"method": "POST", "path": "/v1/messages", "query": "", "headers": {},
+              "body": body.decode()}
+    path = handmade_dump(tmp_path, request_id="\x1b]0;owned\x07", client_request=client)
+    status, out = replay(capsys, path)
+    assert status == 1  # the handmade upstream body is another one
+    assert "\x1b" not in out and "\x07" not in out and "\x9b" not in out
+    assert "\\x1b]0;owned\\x07" in out and "a\\x9b31mb" in out
