@@ -57,6 +57,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import copy
+import dataclasses
 import datetime as dt
 import errno
 import functools
@@ -431,6 +432,8 @@ def build_document(exchange, *, reason: str, when: dt.datetime, config: dict,
             "status": getattr(error, "status", None), "type": getattr(error, "type", None),
             "message": getattr(error, "message", str(error))},
         "stream_error": stream_error,
+        "attempts": [dataclasses.asdict(attempt) for attempt in exchange.attempts],
+        "timings": dataclasses.asdict(exchange.timings),
         "translation": exchange.translation,
         "timeline": {"messages": message_outline(exchange_messages(exchange)),
                      "steps": exchange.timeline},
@@ -697,7 +700,9 @@ class Dump:
                             "pending; plugins.dump.max_pending, max_pending_bytes); further "
                             "drops are counted until it drains", exchange.id, reason,
                             len(self.pending), self.pending_bytes)
+            exchange.note(PLUGIN, "dropped", reason=reason)
             return None
+        exchange.note(PLUGIN, "queued", reason=reason)
         when = dt.datetime.now(dt.timezone.utc)
         noticed = exchange.state.get(PLUGIN)
         stream_error = noticed.get("stream_error") if noticed else None

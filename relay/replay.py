@@ -15,8 +15,9 @@ reach the backend).
 
 ``--send`` sends the rebuilt request to a backend of the current configuration (``--config``,
 else ``./relay.yaml``), which then also serves for the rebuild: never to a URL the dump
-names. The path is the endpoint's own, joined under the backend URL's path; the target is
-printed before anything is sent, and a redirect is printed, not followed. Credentials are
+names. It goes through the same seam as serving (:class:`relay.upstream.Upstream`): the path
+and query are checked as the server checks a client's and joined under the backend URL's
+path, the target is printed before anything is sent, and a redirect is printed, not followed. Credentials are
 never in a dump: the backend's ``api_key_env`` key is used when it has one, else the client
 key in ``$RELAY_REPLAY_API_KEY`` (sent the way the client sent its own), else none.
 """
@@ -34,18 +35,18 @@ import logging
 import os
 import re
 import sys
-from urllib.parse import quote, urlsplit, urlunsplit
 
 import aiohttp
 import orjson
 from multidict import CIMultiDict
-from yarl import URL
 
 from . import config as config_module
 from .chain import Chain, load_plugins
 from .errors import ConfigError, RelayError
 from .exchange import is_credential_header
-from .server import ENDPOINTS, RelayState, forward_headers, prepare_exchange
+from .inbound import check_target
+from .server import ENDPOINTS, RelayState, prepare_exchange
+from .upstream import Unreachable, Upstream, upstream_url
 
 log = logging.getLogger("relay.replay")
 
@@ -60,7 +61,6 @@ CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 UNPRINTABLE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 # Everything visible in ASCII but "#" stays as the dump has it (percent escapes included);
 # the rest is percent-encoded, so the query cannot end early or reach the path.
-QUERY_SAFE = "".join(chr(c) for c in range(0x21, 0x7f) if chr(c) != "#")
 
 
 class UnusableDump(Exception):
@@ -101,7 +101,8 @@ def request_entries(translation):
     if not isinstance(translation, dict):
         return translation
     return {key: entry for key, entry in translation.items()
-            if not (isinstance(entry, dict) and entry.get("direction") in ANSWER_DIRECTIONS)}
+            if not (isinstance(entry, dict) and isinstance(entry.get("direction"), str)
+                    and entry["direction"] in ANSWER_DIRECTIONS)}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -188,7 +189,7 @@ async def _replay(args, config_path, dump: dict, request: ClientRequest, recorde
             print("\n--send: nothing to send, the relay refused the rebuilt request",
                   file=sys.stderr)
             return 2
-        if not await send(exchange.backend, request, rebuilt.upstream_body, source):
+        if not await send(config, exchange, request, rebuilt.upstream_body, source):
             return 2
     return status
 
@@ -421,54 +422,40 @@ def diff(recorded: Outcome, rebuilt: Outcome) -> str:
 # --- sending --------------------------------------------------------------------------------
 
 
-def target_url(backend_url: str, path: str, query: str) -> URL:
-    """``path`` (a Messages API endpoint) under the backend URL's own path, with ``query``
-    percent-encoded wherever it would otherwise end or leave the query."""
-    if path not in ENDPOINTS:
-        raise UnusableDump(f"{shown(path)} is not a Messages API endpoint")
-    base = urlsplit(backend_url)
-    if base.query or base.fragment:
-        raise ConfigError(f"backend URL {backend_url}: has a query or fragment, so nothing can "
-                          f"be joined under its path")
-    joined = base.path.rstrip("/") + path
-    url = URL(urlunsplit((base.scheme, base.netloc, joined, quote(query, safe=QUERY_SAFE), "")),
-              encoded=True)
-    if (url.scheme, url.raw_authority, url.raw_path) != (base.scheme, base.netloc, joined):
-        raise ConfigError(f"backend URL {backend_url}: {path} cannot be joined under it")
-    return url
-
-
-async def send(backend, request: ClientRequest, body: bytes, source: str) -> bool:
-    """Send the rebuilt request to ``backend`` (of the current config) and print the answer;
-    False if it failed."""
+async def send(config, exchange, request: ClientRequest, body: bytes, source: str) -> bool:
+    """Send the rebuilt request to its backend (of the current config) through the same seam
+    serving uses (:class:`relay.upstream.Upstream`: the path checked and joined under the
+    backend's base URL, its key, its timeouts and retries, no redirects) and print the
+    answer; False if it could not be sent."""
+    backend = exchange.backend
     headers = request.headers.copy()
-    key = backend.api_key
-    if key is None and os.environ.get(API_KEY_VARIABLE):
+    if backend.api_key is None and os.environ.get(API_KEY_VARIABLE):
         client_key = os.environ[API_KEY_VARIABLE]
         if "authorization" in request.credentials:
             headers["Authorization"] = "Bearer " + client_key
         else:
             headers["x-api-key"] = client_key
-    headers = forward_headers(headers, dataclasses.replace(backend, api_key=key))
     try:
-        url = target_url(backend.url, request.path, request.query)
-    except ConfigError as e:
-        print(f"relay: config error: {e}", file=sys.stderr)
+        check_target(request.path, request.query)
+        url = upstream_url(backend, request.path, request.query)
+    except RelayError as e:
+        print(printable(f"relay: the dump's request cannot be sent: {e.message}"), file=sys.stderr)
         return False
-    timeout = aiohttp.ClientTimeout(total=backend.timeouts.total, connect=backend.timeouts.connect,
-                                    sock_read=backend.timeouts.read)
     print(printable(f"\n== sending to {url} (backend {backend.name} of {source}; redirects are "
                     f"not followed)"), flush=True)
+    upstream = Upstream(config)
+    await upstream.start()
     try:
-        async with aiohttp.ClientSession(skip_auto_headers=("User-Agent",)) as session:
-            # A redirect would carry the key to wherever the answer points.
-            async with session.post(url, data=body, headers=headers, timeout=timeout,
-                                    allow_redirects=False) as answer:
-                payload = await answer.read()
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
-        print(printable(f"relay: could not reach {backend.name}: {type(e).__name__} {e}".rstrip()),
-              file=sys.stderr)
+        answer = await upstream.send(exchange, backend, body=body, headers=headers)
+        async with answer:
+            payload = await answer.read()
+    except (Unreachable, aiohttp.ClientError, asyncio.TimeoutError) as e:
+        cause = e.__cause__ or e
+        print(printable(f"relay: could not reach {backend.name}: {type(cause).__name__} "
+                        f"{cause}".rstrip()), file=sys.stderr)
         return False
+    finally:
+        await upstream.close()
     print(f"== answer: {answer.status}")
     if 300 <= answer.status < 400:
         print(printable(f"(a redirect to {answer.headers.get('Location')}: not followed)"))

@@ -20,7 +20,7 @@ from .inbound import Gate, check_target, forbidden, host_allowed, is_json, split
 from .listen import Listener
 from .skeleton import Skeleton
 from .stream import StreamBroken, StreamRelay, error_event
-from .upstream import Unreachable, Upstream, client_headers, forward_headers  # noqa: F401
+from .upstream import Unreachable, Upstream, client_headers
 
 log = logging.getLogger("relay")
 access_log = logging.getLogger("relay.access")

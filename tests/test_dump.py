@@ -385,7 +385,9 @@ async def test_upstream_400_is_dumped_in_process(start):
     assert document["upstream_response"]["status"] == 400
     assert document["upstream_response"]["body"].encode() == payload
     assert document["relay_error"] is None and document["stream_error"] is None
-    assert document["timeline"]["steps"][-1]["action"] == "upstream error"
+    assert [s["action"] for s in document["timeline"]["steps"]][-2:] == ["upstream error", "queued"]
+    assert [a["status"] for a in document["attempts"]] == [400]
+    assert document["timings"]["upstream_headers"] is not None
     assert CLIENT_KEY.encode() not in path.read_bytes()
 
 
@@ -461,7 +463,7 @@ async def test_the_relays_own_stream_error(start):
     [path] = dump_files(relay.dir)
     document = orjson.loads(path.read_bytes())
     assert document["reason"] == document["outcome"] == "stream_error"
-    assert document["timeline"]["steps"][-1]["action"] == "stream error"
+    assert [s["action"] for s in document["timeline"]["steps"]][-2:] == ["stream error", "queued"]
     # The error event the client got, as the upstream's own error event would be recorded.
     sent = payload.split(b"event: error\n")[1].split(b"data: ", 1)[1].split(b"\n", 1)[0]
     assert document["stream_error"] == orjson.loads(sent)

@@ -31,7 +31,7 @@ def value(found: dict, name: str, **labels) -> float:
                if n == name and all((k, str(x)) in ls for k, x in labels.items()))
 
 
-async def test_counts_what_the_exchange_record_says(aiohttp_server, aiohttp_client):
+async def test_counts_what_the_exchange_record_says(aiohttp_server, aiohttp_client, tmp_path):
     upstream = Upstream()
     statuses = iter([200, 200, 529, 200, 400])
 
@@ -48,7 +48,8 @@ async def test_counts_what_the_exchange_record_says(aiohttp_server, aiohttp_clie
     server = await start_upstream(aiohttp_server, upstream)
     client = await start_relay(aiohttp_client, {
         "server": {"auth": {"keys": [{"name": "k", "key_env": "K"}]}},
-        "pipeline": ["metrics", "dedup", "pairing", "ordering"],
+        "pipeline": ["metrics", "dedup", "pairing", "ordering", "dump"],
+        "plugins": {"dump": {"dir": str(tmp_path / "dumps")}},
         "backends": [backend(str(server.make_url("")), name="main",
                              retries={"attempts": 2, "backoff": 0.01, "max_backoff": 0.02})]},
         env={"K": KEY})
@@ -76,6 +77,7 @@ async def test_counts_what_the_exchange_record_says(aiohttp_server, aiohttp_clie
     assert value(found, "relay_requests_total", outcome="rejected") == 1
     assert value(found, "relay_histories_refused_total", plugin="pairing") == 1
     assert value(found, "relay_upstream_retries_total", backend="main") == 1
+    assert value(found, "relay_dumps_total", result="queued") == 1  # the upstream's 400
     assert value(found, "relay_auth_failures_total") == 2  # the /metrics without a key too
     assert value(found, "relay_active_streams") == 0
     assert value(found, "relay_time_to_first_byte_seconds_count", stream="true") == 1
