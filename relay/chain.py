@@ -7,6 +7,7 @@ options, and awaitables are awaited.
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import logging
 import os
@@ -50,14 +51,46 @@ def load_plugins(names: list[str], extra: dict | None = None) -> pluggy.PluginMa
             known = sorted(set(found) | set(extra))
             raise ConfigError(f"pipeline[{i}]: unknown plugin {name!r} "
                               f"(available: {', '.join(known) or 'none'})")
+        where = f"pipeline[{i}]: plugin {name!r}"
         if inspect.isclass(plugin):
-            plugin = plugin()
-        pm.register(plugin, name=name)
-    try:
-        pm.check_pending()
-    except pluggy.PluginValidationError as e:
-        raise ConfigError(f"plugin {e.plugin!r}: {e}") from e
+            try:
+                plugin = plugin()
+            except Exception as e:
+                raise ConfigError(f"{where}: could not be created (the relay makes one instance "
+                                  f"with no arguments): {type(e).__name__}: {e}") from e
+        _check_hooks(plugin, where)
+        try:
+            pm.register(plugin, name=name)
+        except pluggy.PluginValidationError as e:
+            raise ConfigError(f"{where}: {_validation_message(e)}") from e
     return pm
+
+
+HOOK_NAMES = sorted(name for name in dir(hookspecs) if name.startswith("relay_"))
+
+
+def _check_hooks(plugin, where: str) -> None:
+    """Every ``relay_*`` attribute marked as a hook must name a hook: a misspelt one would
+    otherwise never be called, and nothing would say why."""
+    for attribute in dir(plugin):
+        if not attribute.startswith("relay_") or attribute in HOOK_NAMES:
+            continue
+        function = getattr(plugin, attribute, None)
+        if callable(function) and getattr(function, "relay_impl", None) is not None:
+            close = difflib.get_close_matches(attribute, HOOK_NAMES, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ConfigError(f"{where}: {attribute} is not a relay hook{hint}")
+
+
+def _validation_message(error: pluggy.PluginValidationError) -> str:
+    """pluggy's complaint about a hook implementation, said the relay's way."""
+    text = str(error)
+    hook = next((name for name in HOOK_NAMES if name in text), None)
+    if hook is not None and "Argument(s)" in text:
+        names = text.split("Argument(s)", 1)[1].split("are declared", 1)[0].strip()
+        accepted = ", ".join(inspect.signature(getattr(hookspecs, hook)).parameters)
+        return f"{hook} takes no argument(s) {names} (it may take any of: {accepted})"
+    return text
 
 
 def _check_builtins(entry_point, index: int) -> None:
@@ -72,11 +105,21 @@ def _check_builtins(entry_point, index: int) -> None:
 
 
 def _traced(plugin: str, hook: str, function):
-    """Wrap a hook implementation so each call is logged (RELAY_TRACE=1)."""
+    """Wrap a hook implementation so each call is logged (RELAY_TRACE=1), with the request id
+    and, for an async hook, what it returned once awaited."""
     def call(**kwargs):
+        exchange = kwargs.get("exchange")
+        request_id = exchange.id if exchange is not None else "-"
         result = function(**kwargs)
-        log.info("trace %s.%s -> %r", plugin, hook, result)
+        if inspect.isawaitable(result):
+            async def awaited():
+                value = await result
+                log.info("trace %s %s.%s -> %r", request_id, plugin, hook, value)
+                return value
+            return awaited()
+        log.info("trace %s %s.%s -> %r", request_id, plugin, hook, result)
         return result
+    call.__signature__ = inspect.signature(function)
     return call
 
 
@@ -157,10 +200,19 @@ class Chain:
         return self.options[exchange.backend.name if exchange.backend else None]
 
     async def startup(self, config) -> None:
+        """Each plugin's ``relay_startup``. A :class:`ConfigError` stops start-up as it is (it
+        names its key path); any other exception stops it naming the plugin."""
         for impl in self.impls["relay_startup"]:
-            result = impl.call({"config": config, "options": config.plugins.get(impl.plugin, {})})
-            if inspect.isawaitable(result):
-                await result
+            try:
+                result = impl.call({"config": config,
+                                    "options": config.plugins.get(impl.plugin, {})})
+                if inspect.isawaitable(result):
+                    await result
+            except ConfigError:
+                raise
+            except Exception as e:
+                where = f"pipeline[{self.pipeline.index(impl.plugin)}]: plugin {impl.plugin!r}"
+                raise ConfigError(f"{where}: relay_startup failed: {type(e).__name__}: {e}") from e
 
     def routes(self, config, reserved=()) -> dict:
         """The plugins' HTTP routes (``relay_routes``), as ``{(method, path): handler}``."""

@@ -223,3 +223,67 @@ def test_relay_error_needs_a_status_first():
         RelayError("just a message")
     assert RelayError(429, "slow").type == "rate_limit_error"
 
+
+
+# --- plugin mistakes stop start-up cleanly ------------------------------------------------------
+
+def load(plugin):
+    config = config_module.parse({"pipeline": ["first", "p"],
+                                  "backends": [backend("http://127.0.0.1:1")]})
+    chain = Chain(load_plugins(["first", "p"], extra={"first": object(), "p": plugin}), config)
+    asyncio.run(chain.startup(config))
+
+
+def test_a_misspelt_hook_is_named_with_a_suggestion():
+    class Typo:
+        @hookimpl
+        def relay_reqeust(self, exchange):
+            pass
+    with pytest.raises(ConfigError, match=r"^pipeline\[1\]: plugin 'p': relay_reqeust is not a "
+                                          r"relay hook \(did you mean relay_request\?\)"):
+        load(Typo())
+
+
+def test_a_hook_argument_that_does_not_exist_is_named():
+    class Extra:
+        @hookimpl
+        def relay_request(self, exchange, backend):
+            pass
+    with pytest.raises(ConfigError, match=r"^pipeline\[1\]: plugin 'p': relay_request takes no "
+                                          r"argument\(s\) \{'backend'\} \(it may take any of: "
+                                          r"exchange, options\)"):
+        load(Extra())
+
+
+def test_a_plugin_class_needing_arguments_or_failing_at_startup_is_named():
+    class Needs:
+        def __init__(self, something):
+            pass
+    with pytest.raises(ConfigError, match=r"^pipeline\[1\]: plugin 'p': could not be created"):
+        load(Needs)
+
+    class Boom:
+        @hookimpl
+        def relay_startup(self):
+            raise KeyError("missing")
+    with pytest.raises(ConfigError, match=r"^pipeline\[1\]: plugin 'p': relay_startup failed: "
+                                          r"KeyError"):
+        load(Boom())
+
+
+def test_trace_lines_carry_the_request_id_and_awaited_results(monkeypatch, caplog):
+    monkeypatch.setenv("RELAY_TRACE", "1")
+
+    class Async:
+        @hookimpl
+        async def relay_validate(self, exchange):
+            return [{"location": "messages", "message": "found"}]
+    config = config_module.parse({"pipeline": ["p"], "backends": [backend("http://127.0.0.1:1")]})
+    chain = Chain(load_plugins(["p"], extra={"p": Async()}), config)
+    exchange = Exchange(endpoint="messages", method="POST", path="/v1/messages", query="",
+                        headers={}, body=BODY)
+    with caplog.at_level("INFO", logger="relay.chain"):
+        asyncio.run(chain.run("relay_validate", exchange, repair=False))
+    [line] = [r.getMessage() for r in caplog.records if "trace" in r.getMessage()]
+    assert line == (f"trace {exchange.id} p.relay_validate -> "
+                    "[{'location': 'messages', 'message': 'found'}]")
