@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import inspect
+import re
 import subprocess
 import sys
 import textwrap
 import urllib.request
 from pathlib import Path
-
-import re
 
 import pytest
 import yaml
