@@ -39,5 +39,6 @@ bench: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(PY) -m relay.demo
 
+# Never dumps: they are an operator's record of failures, not build output.
 clean:
-	rm -rf $(VENV) .e2e .pytest_cache .hypothesis .bench dumps *.egg-info
+	rm -rf $(VENV) .e2e .pytest_cache .hypothesis .bench *.egg-info

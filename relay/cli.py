@@ -21,8 +21,13 @@ DEFAULT_VALIDATE_PIPELINE = ("dedup", "pairing", "ordering")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="relay", description=(
-        "A relay for Anthropic's Messages API that repairs tool-use faults on the way through."))
+    parser = argparse.ArgumentParser(
+        prog="relay", usage="relay [serve] [--config relay.yaml] [--host H] [--port P]\n"
+                            "       relay {emulate,validate,replay} ...",
+        description="A relay for Anthropic's Messages API that repairs tool-use faults on the "
+                    "way through.",
+        epilog="Without a command, relay serves: --config names relay.yaml (default: "
+               "./relay.yaml); see `relay serve --help`.")
     parser.add_argument("--version", action="version", version=f"relay {__version__}")
     commands = parser.add_subparsers(dest="command")
 
@@ -54,8 +59,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    # `relay --config relay.yaml` means `relay serve --config relay.yaml`.
-    if not argv or (argv[0] not in COMMANDS and argv[0] not in ("-h", "--help", "--version")):
+    # `relay --config relay.yaml` means `relay serve --config relay.yaml`; a word that is no
+    # command is left for argparse to call an invalid choice.
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version")):
         argv.insert(0, "serve")
     args = build_parser().parse_args(argv)
     if args.command == "serve":

@@ -1,0 +1,41 @@
+"""What the distribution promises: its licence, its command line, its make targets."""
+
+from __future__ import annotations
+
+import configparser
+import subprocess
+import sys
+
+from support import ROOT
+
+
+def relay(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "relay", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_the_licence_file_is_the_declared_one():
+    setup = configparser.ConfigParser()
+    setup.read(ROOT / "setup.cfg")
+    assert setup["metadata"]["license"] == "Apache-2.0"
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+
+
+def test_an_unknown_command_is_an_invalid_choice():
+    done = relay("frobnicate")
+    assert done.returncode == 2
+    assert "invalid choice: 'frobnicate'" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_the_top_level_help_names_the_config_option():
+    done = relay("--help")
+    assert done.returncode == 0 and "--config" in done.stdout and "serve" in done.stdout
+
+
+def test_make_clean_never_deletes_dumps(tmp_path):
+    done = subprocess.run(["make", "-n", "clean"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=30)
+    assert done.returncode == 0 and "rm -rf" in done.stdout
+    removed = done.stdout.split("rm -rf", 1)[1].split()
+    assert "dumps" not in removed and not any("dump" in path for path in removed)
