@@ -361,12 +361,20 @@ def relay_request(exchange, options):
                                   "direction": "to_upstream"}
     if walk.changed:
         exchange.mark_changed()
+        _count(exchange, len(walk.tool_uses))
         exchange.note(PLUGIN, "restored" if restore else "rewrote",
                       direction="restored" if restore else "to_upstream",
                       tool_use_ids=len(walk.tool_uses), tool_result_ids=walk.tool_results)
     if walk.kept:
         exchange.note(PLUGIN, "kept", direction="restored", reason="repeated within one message",
                       ids=[client_id for _, client_id in walk.kept])
+
+
+def _count(exchange, rewritten: int) -> None:
+    """Say in ``x-relay-rewrites`` how many tool ids the relay rewrote (both ways). A stream's
+    headers go out before its events, so there it counts the request's rewrites only."""
+    headers = exchange.response_headers
+    headers["x-relay-rewrites"] = str(int(headers.get("x-relay-rewrites", 0)) + rewritten)
 
 
 def _answer_state(exchange, sep: str, restore: bool) -> dict:
@@ -410,6 +418,7 @@ def relay_response(exchange, response, options):
                 rewritten.append(pair)
     if rewritten:
         response.mark_changed()
+        _count(exchange, len(rewritten))
         exchange.note(PLUGIN, "rewrote", direction="to_client", ids=rewritten)
 
 

@@ -174,9 +174,8 @@ def parse_statuses(value, path: str) -> frozenset:
         else:
             raise ConfigError(f"{where}: must be a status code or a range like \"400-499\", "
                               f"not {item!r}")
-        if not 300 <= low <= high <= 599:
-            raise ConfigError(f"{where}: must lie within 300-599 (non-2xx answers), low to high, "
-                              f"not {item!r}")
+        if not 200 <= low <= high <= 599:
+            raise ConfigError(f"{where}: must lie within 200-599, low to high, not {item!r}")
         statuses.update(range(low, high + 1))
     return frozenset(statuses)
 
@@ -680,6 +679,11 @@ class Dump:
         noticed = exchange.state.get(PLUGIN)
         if noticed:
             return noticed["reason"]
+        answer = exchange.answer
+        if (exchange.outcome == "ok" and answer is not None and 200 <= answer.status < 300
+                and answer.status in self.settings.statuses
+                and exchange.endpoint in ("messages", "count_tokens")):
+            return "ok"  # asked for: successful exchanges too
         if exchange.outcome == "rejected" and self.settings.include_relay_rejections:
             return "rejected"
         if exchange.outcome == "stream_error" and self.settings.include_stream_errors:

@@ -373,6 +373,8 @@ class Relay:
                 payload = await read_capped(upstream, state.config.max_upstream_body_bytes)
             except (aiohttp.ClientError, asyncio.TimeoutError, UpstreamTooLarge) as e:
                 return await self._unreachable(request, exchange, e)
+        exchange.upstream_response = {"status": upstream.status, "headers": upstream.headers,
+                                      "body": payload}
         response = UpstreamResponse(upstream.status, upstream.headers, payload)
         if exchange.endpoint == "messages" and state.chain.impls["relay_response"]:
             try:

@@ -560,6 +560,7 @@ async def test_restore_mode_repeat_within_one_answer_through_the_relay(aiohttp_s
     first = await client.post("/v1/messages", json={"model": "kimi-k2", "max_tokens": 10,
                                                     "messages": history})
     assert first.status == 200
+    assert first.headers["x-relay-rewrites"] == "1"  # the answer's repeated id
     content = (await first.json())["content"]
     assert tool_use_ids([{"role": "assistant", "content": content}]) == \
         ["functions.Bash:0", "functions.Bash:0-2"]
@@ -567,6 +568,7 @@ async def test_restore_mode_repeat_within_one_answer_through_the_relay(aiohttp_s
     second = await client.post("/v1/messages", json={"model": "kimi-k2", "max_tokens": 10,
                                                      "messages": history})
     assert second.status == 200, await second.text()
+    assert "x-relay-rewrites" not in second.headers  # kept: restoring would repeat an id
     sent = received[-1]["messages"]
     assert tool_use_ids(sent) == ["functions.Bash:0", "functions.Bash:0-2"]
     assert [b["tool_use_id"] for b in sent[2]["content"]] == ["functions.Bash:0", "functions.Bash:0-2"]
@@ -760,3 +762,16 @@ def test_cost_stays_linear_when_suffixes_crowd_the_next_numbers():
     sent = history(200)
     dedup.make_unique(sent)
     assert len(set(tool_use_ids(sent))) == 401
+
+
+async def test_rewrites_on_the_way_up_are_counted_in_a_header(aiohttp_server, aiohttp_client):
+    from test_server import BODY, Upstream, start_relay, start_upstream
+    upstream = Upstream()
+    server = await start_upstream(aiohttp_server, upstream)
+    client = await start_relay(aiohttp_client, {"pipeline": ["dedup"], "backends": [
+        {"name": "b", "url": str(server.make_url("")), "models": ["*"]}]})
+    history = [{"role": "user", "content": "hi"}] + turn("toolu_a") + turn("toolu_a")
+    resp = await client.post("/v1/messages", json={**BODY, "messages": history})
+    assert resp.headers["x-relay-rewrites"] == "1"
+    resp = await client.post("/v1/messages", json=BODY)
+    assert "x-relay-rewrites" not in resp.headers

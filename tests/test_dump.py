@@ -90,7 +90,7 @@ def test_statuses(tmp_path, statuses, expected):
     ({"dir": "d", "statuses": []}, "plugins.dump.statuses: must name at least one"),
     ({"dir": "d", "statuses": [400, "4xx"]}, "plugins.dump.statuses[1]: must be a status code"),
     ({"dir": "d", "statuses": ["499-400"]}, "plugins.dump.statuses[0]: must lie within"),
-    ({"dir": "d", "statuses": [200]}, "plugins.dump.statuses[0]: must lie within"),
+    ({"dir": "d", "statuses": [100]}, "plugins.dump.statuses[0]: must lie within"),
     ({"dir": "d", "statuses": [True]}, "plugins.dump.statuses[0]: must be a status code"),
     ({"dir": "d", "include_relay_rejections": "yes"},
      "plugins.dump.include_relay_rejections: must be true or false"),
@@ -389,6 +389,18 @@ async def test_upstream_400_is_dumped_in_process(start):
     assert [a["status"] for a in document["attempts"]] == [400]
     assert document["timings"]["upstream_headers"] is not None
     assert CLIENT_KEY.encode() not in path.read_bytes()
+
+
+async def test_successful_exchanges_are_dumped_when_asked(start):
+    relay = await start(dump_options={"statuses": ["200-299", "400-499"]})
+    response, payload = await relay.post()
+    assert response.status == 200
+    await relay.stop()
+    [path] = dump_files(relay.dir)
+    document = orjson.loads(path.read_bytes())
+    assert document["reason"] == "ok" and document["outcome"] == "ok"
+    assert document["upstream_response"]["status"] == 200
+    assert document["upstream_response"]["body"].encode() == payload
 
 
 @pytest.mark.parametrize("statuses,fail_status,dumped", [
