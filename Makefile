@@ -6,7 +6,7 @@ CLAUDE_CODE_VERSION := 2.1.332
 CLAUDE := .e2e/node_modules/.bin/claude
 PYTEST_ARGS ?=
 
-.PHONY: run test unit e2e bench demo clean
+.PHONY: run try test unit e2e bench demo clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,13 @@ $(CLAUDE):
 
 run: $(VENV)/.installed
 	$(PY) -m relay --config relay.yaml
+
+# The relay in front of the emulator (no key, no network): see examples/try.yaml.
+try: $(VENV)/.installed
+	@$(PY) -m relay emulate --port 8788 --tool-turns 3 --reuse-ids & emulator=$$!; \
+	trap 'kill $$emulator 2>/dev/null' EXIT INT TERM; \
+	echo "try: ANTHROPIC_BASE_URL=http://127.0.0.1:8787 ANTHROPIC_API_KEY=any claude"; \
+	$(PY) -m relay --config examples/try.yaml
 
 test: $(VENV)/.installed $(CLAUDE)
 	RELAY_CLAUDE=$(abspath $(CLAUDE)) $(PY) -m pytest $(PYTEST_ARGS)

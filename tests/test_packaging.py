@@ -39,3 +39,17 @@ def test_make_clean_never_deletes_dumps(tmp_path):
     assert done.returncode == 0 and "rm -rf" in done.stdout
     removed = done.stdout.split("rm -rf", 1)[1].split()
     assert "dumps" not in removed and not any("dump" in path for path in removed)
+
+
+def test_make_try_puts_the_relay_in_front_of_the_emulator_on_loopback():
+    import re
+
+    import yaml
+
+    from relay import config as config_module
+    config = config_module.parse(yaml.safe_load((ROOT / "examples" / "try.yaml").read_text()), {})
+    recipe = (ROOT / "Makefile").read_text().split("\ntry:", 1)[1].split("\n\n", 1)[0]
+    port = re.search(r"relay emulate --port (\d+)", recipe).group(1)
+    assert config.host == "127.0.0.1" and config.keys is None
+    assert config.backends[0].url == f"http://127.0.0.1:{port}" and config.backends[0].default
+    assert "examples/try.yaml" in recipe
