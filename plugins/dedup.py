@@ -21,19 +21,33 @@ decision follows from the request itself, and a decision about ``messages[i]`` o
 ``messages[:i+1]``, so earlier turns never change as the conversation grows (prompt caching
 depends on that).
 
-Options (plugin options or backend quirks): ``dedup_tool_ids`` (default true),
-``dedup_separator`` (default ``-``), ``restore_original_ids`` (default false).
+Options (plugin options or backend quirks): see ``OPTIONS``.
 """
 
 from __future__ import annotations
 
-from relay.config import option_sources
-from relay.errors import ConfigError
 from relay.hookspecs import hookimpl
+from relay.options import Option
 
 PLUGIN = "dedup"
 DEFAULT_SEPARATOR = "-"
-OPTION_TYPES = {"dedup_tool_ids": bool, "dedup_separator": str, "restore_original_ids": bool}
+
+
+def _separator(sep: str) -> str | None:
+    if not sep or any(c.isdigit() for c in sep):
+        return f"must be a non-empty string without digits, not {sep!r}"
+    return None
+
+
+OPTIONS = (
+    Option("dedup_tool_ids", bool, True, "rewrite repeated tool_use ids at all", quirk=True),
+    Option("restore_original_ids", bool, False,
+           "the upstream matches calls against its own ids: `id-N` goes back up as `id`",
+           quirk=True),
+    Option("dedup_separator", str, DEFAULT_SEPARATOR,
+           "the suffix separator, for backends whose own ids contain `-`", quirk=True,
+           check=_separator),
+)
 
 
 def split_suffix(tool_id: str, sep: str) -> tuple[str, int]:
@@ -318,21 +332,6 @@ def _settings(options: dict) -> tuple[bool, str, bool]:
     return (options.get("dedup_tool_ids", True) is not False,
             options.get("dedup_separator") or DEFAULT_SEPARATOR,
             bool(options.get("restore_original_ids", False)))
-
-
-def _check(options: dict, path: str) -> None:
-    for key, kind in OPTION_TYPES.items():
-        if key in options and type(options[key]) is not kind:
-            raise ConfigError(f"{path}.{key}: must be {'true or false' if kind is bool else 'a string'}")
-    sep = options.get("dedup_separator")
-    if sep is not None and (not sep or any(c.isdigit() for c in sep)):
-        raise ConfigError(f"{path}.dedup_separator: must be a non-empty string without digits, not {sep!r}")
-
-
-@hookimpl
-def relay_startup(config, options):
-    for where, mapping in option_sources(config, PLUGIN, options):
-        _check(mapping, where)
 
 
 @hookimpl

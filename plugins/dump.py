@@ -79,14 +79,13 @@ from relay import __version__
 from relay.errors import ConfigError, RelayError
 from relay.exchange import is_credential_header
 from relay.hookspecs import hookimpl
+from relay.options import Option
 
 log = logging.getLogger("relay.plugins.dump")
 
 PLUGIN = "dump"
 FORMAT = 2
 REDACTED = "[redacted]"
-OPTIONS = ("dir", "statuses", "include_relay_rejections", "include_stream_errors",
-           "max_files", "max_bytes", "max_body_bytes", "max_pending", "max_pending_bytes")
 LIMITS = ("max_files", "max_bytes", "max_body_bytes", "max_pending", "max_pending_bytes")
 DEFAULT_STATUSES = frozenset(range(400, 500))
 MiB = 1024 * 1024
@@ -113,6 +112,39 @@ NOFOLLOW = os.O_NOFOLLOW
 # --- options ------------------------------------------------------------------------------
 
 
+def _positive(value) -> str | None:
+    return None if value >= 1 else "must be a positive integer"
+
+
+DECLARED = (
+    Option("dir", str, None, "where dumps go (relative to the directory the relay runs in)"),
+    Option("statuses", (list, int, str), ["400-499"],
+           'upstream statuses to dump: codes and `"lo-hi"` ranges; a 2xx here dumps successful '
+           "exchanges too (a stream's events are not kept, only its request side and headers)"),
+    Option("include_relay_rejections", bool, False,
+           "also the relay's own refusals (pairing, ordering, routing)"),
+    Option("include_stream_errors", bool, False,
+           "also streams that end in `event: error` (the upstream's, or the relay's when the "
+           "upstream broke off)"),
+    Option("max_files", int, 1000,
+           "retention, always on: the oldest dumps are deleted first, the newest is always "
+           "kept; dumps already in `dir` count from the first write", check=_positive),
+    Option("max_bytes", int, 1024 * MiB, "retention by total size (1 GiB), as `max_files`",
+           check=_positive),
+    Option("max_body_bytes", int, 8 * MiB,
+           "per body (client request, upstream request, upstream answer, stream error event; "
+           "8 MiB): a longer one keeps its first bytes, and `body_truncated` gives the kept and "
+           "total bytes and the sha256 of the whole; `relay replay` refuses such a dump",
+           check=_positive),
+    Option("max_pending", int, 16,
+           "the write queue (a pending dump holds its exchange's bodies in memory): beyond it, "
+           "a dump is dropped and counted, with a warning when drops start and their count "
+           "when the queue drains", check=_positive),
+    Option("max_pending_bytes", int, 64 * MiB, "the write queue in bytes (64 MiB), as "
+           "`max_pending`", check=_positive),
+)
+
+
 @dataclass(frozen=True)
 class Settings:
     dir: str
@@ -130,9 +162,10 @@ def parse_options(options: dict, path: str = f"plugins.{PLUGIN}") -> Settings:
     """Check the plugin's options; raise ConfigError naming the key path of the first fault."""
     if not isinstance(options, dict):
         raise ConfigError(f"{path}: must be a mapping")
+    known = [option.name for option in DECLARED]
     for key in options:
-        if key not in OPTIONS:
-            raise ConfigError(f"{path}.{key}: unknown key (expected one of: {', '.join(OPTIONS)})")
+        if key not in known:
+            raise ConfigError(f"{path}.{key}: unknown key (expected one of: {', '.join(known)})")
     directory = options.get("dir")
     if directory is None:
         raise ConfigError(f"{path}.dir: required (the directory dumps are written to)")
@@ -608,6 +641,8 @@ class Retention:
 
 class Dump:
     """The dump plugin: one instance per relay (the host instantiates the class)."""
+
+    OPTIONS = DECLARED
 
     def __init__(self):
         self.settings: Settings | None = None

@@ -17,7 +17,7 @@ relay key with it.
 Put ``metrics`` first in ``pipeline:``: end hooks run in reverse order, so it then sees what
 every other plugin noted (the dump plugin's queued and dropped dumps, say).
 
-Options: ``path`` (default ``/metrics``).
+Options: see ``Metrics.OPTIONS``.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, 
                                generate_latest)
 from prometheus_client import multiprocess
 
-from relay.errors import ConfigError
 from relay.hookspecs import hookimpl
+from relay.options import Option
 
 PLUGIN = "metrics"
 # Upstream latency and time to first byte: from a few ms (a cached answer) to minutes (a long
@@ -45,15 +45,13 @@ class Metrics:
         self.registry: CollectorRegistry | None = None
         self.path = "/metrics"
 
+    OPTIONS = (Option("path", str, "/metrics", "where the metrics are served",
+                      check=lambda path: None if path.startswith("/") and " " not in path
+                      else "must be a path starting with '/'"),)
+
     @hookimpl
     def relay_startup(self, config, options):
-        unknown = set(options) - {"path"}
-        if unknown:
-            raise ConfigError(f"plugins.{PLUGIN}.{sorted(unknown)[0]}: unknown option "
-                              f"(expected: path)")
-        self.path = options.get("path", "/metrics")
-        if not isinstance(self.path, str) or not self.path.startswith("/"):
-            raise ConfigError(f"plugins.{PLUGIN}.path: must be a path starting with '/'")
+        self.path = options["path"]
         registry = self.registry = CollectorRegistry()
         self.requests = Counter(
             "relay_requests", "Exchanges answered, by backend, endpoint, status, stream and "

@@ -18,6 +18,7 @@ import pluggy
 
 from . import hookspecs
 from .errors import ConfigError, RelayError
+from .options import declared, resolve
 
 ENTRY_POINT_GROUP = "relay.plugins"
 log = logging.getLogger("relay.chain")
@@ -26,6 +27,19 @@ log = logging.getLogger("relay.chain")
 
 def available_plugins() -> dict:
     return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def available_quirks() -> set[str]:
+    """The quirks every installed plugin declares (loading each; one that fails to load
+    declares nothing)."""
+    names = set()
+    for entry_point in available_plugins().values():
+        try:
+            plugin = entry_point.load()
+        except Exception:
+            continue
+        names.update(option.name for option in declared(plugin) or () if option.quirk)
+    return names
 
 
 def load_plugins(names: list[str], extra: dict | None = None) -> pluggy.PluginManager:
@@ -189,12 +203,11 @@ class Chain:
             impls.sort(key=lambda impl: position.get(impl.plugin, len(position)),
                        reverse=getattr(hookspecs, spec_name).relay_order == hookspecs.REVERSE)
             self.impls[spec_name] = impls
-        # Quirks win over plugin options; merged once here rather than on every request.
-        self.options: dict[str | None, dict[str, dict]] = {
-            None: {name: dict(config.plugins.get(name, {})) for name in self.pipeline}}
-        for backend in config.backends:
-            self.options[backend.name] = {
-                name: {**config.plugins.get(name, {}), **backend.quirks} for name in self.pipeline}
+        # Checked against the plugins' declarations, and merged with the quirks each plugin
+        # declared, once here rather than on every request.
+        base, per_backend = resolve(config, {name: pm.get_plugin(name) for name in self.pipeline},
+                                    elsewhere=available_quirks)
+        self.options: dict[str | None, dict[str, dict]] = {None: base, **per_backend}
 
     def options_for(self, exchange) -> dict[str, dict]:
         return self.options[exchange.backend.name if exchange.backend else None]
@@ -205,7 +218,7 @@ class Chain:
         for impl in self.impls["relay_startup"]:
             try:
                 result = impl.call({"config": config,
-                                    "options": config.plugins.get(impl.plugin, {})})
+                                    "options": self.options[None][impl.plugin]})
                 if inspect.isawaitable(result):
                     await result
             except ConfigError:
@@ -218,7 +231,7 @@ class Chain:
         """The plugins' HTTP routes (``relay_routes``), as ``{(method, path): handler}``."""
         found: dict = {}
         for impl in self.impls["relay_routes"]:
-            result = impl.call({"config": config, "options": config.plugins.get(impl.plugin, {})})
+            result = impl.call({"config": config, "options": self.options[None][impl.plugin]})
             for spec, handler in (result or {}).items():
                 method, _, path = str(spec).partition(" ")
                 where = f"plugin {impl.plugin!r}: route {spec!r}"

@@ -14,7 +14,6 @@ from plugins import pairing as pairing_plugin
 from relay.chain import Chain, load_plugins
 from relay.config import parse
 from relay.emulator import EmulatorOptions, find_problem
-from relay.errors import ConfigError
 from relay.exchange import UpstreamResponse
 from relay.sse import Event
 
@@ -577,21 +576,6 @@ async def test_restore_mode_repeat_within_one_answer_through_the_relay(aiohttp_s
 
 
 # --- start-up and validate ------------------------------------------------------------------
-
-
-def test_startup_rejects_bad_options():
-    config = parse({"backends": [{"name": "a", "url": "http://127.0.0.1:1", "models": ["*"]},
-                                 {"name": "b", "url": "http://127.0.0.1:1", "models": ["*"],
-                                  "quirks": {"dedup_separator": "-1"}}]})
-    with pytest.raises(ConfigError, match=r"^backends\[1\]\.quirks\.dedup_separator: "):
-        dedup.relay_startup(config=config, options={})
-    config.backends[1].quirks = {"restore_original_ids": "yes"}
-    with pytest.raises(ConfigError, match=r"^backends\[1\]\.quirks\.restore_original_ids: must be true or false"):
-        dedup.relay_startup(config=config, options={})
-    config.backends[1].quirks = {}
-    with pytest.raises(ConfigError, match=r"^plugins\.dedup\.dedup_separator: "):
-        dedup.relay_startup(config=config, options={"dedup_separator": ""})
-    dedup.relay_startup(config=config, options={"dedup_separator": "_r", "dedup_tool_ids": True})
 
 
 def test_validate_reports_and_repairs_duplicates():

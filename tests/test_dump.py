@@ -193,7 +193,7 @@ def test_retention_by_bytes_counts_files_already_there(tmp_path):
 
 def make_exchange(raw: bytes, headers=None) -> Exchange:
     cfg = config_module.parse({"backends": [backend("http://127.0.0.1:9", name="up",
-                                                     api_key_env="K", quirks={"q": 1})]},
+                                                     api_key_env="K", quirks={"dedup_separator": "_"})]},
                               env={"K": BACKEND_KEY})
     body = orjson.loads(raw) if raw.startswith(b"{") else None
     exchange = Exchange(endpoint="messages", method="POST", path="/v1/messages", query="beta=true",
@@ -230,7 +230,7 @@ def test_secrets_are_redacted_everywhere():
     assert document["upstream_response"]["headers"]["Set-Cookie"] == "[redacted]"
     assert "my key is [redacted] and [redacted]" in document["client_request"]["body"]
     assert document["translation"] == {"toolu_1": {"original": "[redacted]", "seen": "x[redacted]x"}}
-    assert document["config"]["quirks"] == {"q": 1}
+    assert document["config"]["quirks"] == {"dedup_separator": "_"}
     assert document["config"]["backends"][0]["api_key_env"] == "K"
     assert document["timeline"]["messages"] == [
         {"index": 0, "role": "user", "blocks": [{"type": "text"}]},
@@ -552,7 +552,7 @@ async def test_an_upstream_400_through_the_running_relay(emulator, relay, tmp_pa
     emu = emulator("--fail-status", "400", "--fail-count", "1", "--api-key", BACKEND_KEY)
     dumps = tmp_path / "dumps"
     r = relay({"pipeline": ["dump"], "plugins": {"dump": {"dir": str(dumps)}},
-               "backends": [backend(emu.url, api_key_env="EMU_KEY", quirks={"note_quirk": 1})]},
+               "backends": [backend(emu.url, api_key_env="EMU_KEY", quirks={"dedup_separator": "_"})]},
               env={"EMU_KEY": BACKEND_KEY})
     raw = (b'{"model": "claude-test",  "max_tokens": 10,\n '
            b'"messages": [{"role": "user", "content": "h\xc3\xa9"}]}')
@@ -598,7 +598,7 @@ async def test_an_upstream_400_through_the_running_relay(emulator, relay, tmp_pa
     assert any(step["action"] == "upstream error" for step in document["timeline"]["steps"])
     assert document["config"]["pipeline"] == ["dump"]
     assert document["config"]["plugins"] == {"dump": {"dir": str(dumps)}}
-    assert document["config"]["quirks"] == {"note_quirk": 1}
+    assert document["config"]["quirks"] == {"dedup_separator": "_"}
 
 
 # --- safe to keep: credentials, size, queue, links, unusual JSON -------------------------

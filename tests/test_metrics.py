@@ -5,11 +5,9 @@ from __future__ import annotations
 import time
 import urllib.request
 
-import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from relay import config as config_module
 from support import backend
 from test_server import (BODY, STREAM, Upstream, start_relay, start_upstream,  # noqa: F401
                          stream_reply)
@@ -101,13 +99,6 @@ async def test_rewrites_and_repairs_are_counted(aiohttp_server, aiohttp_client):
     assert (await client.post("/v1/messages", json=history)).status == 200
     found = samples(await (await client.get("/metrics")).text())
     assert value(found, "relay_histories_repaired_total", plugin="ordering") == 1
-
-
-def test_unknown_options_are_refused():
-    from plugins.metrics import Metrics
-    config = config_module.parse({"backends": [backend("http://127.0.0.1:1")]})
-    with pytest.raises(config_module.ConfigError, match="plugins.metrics.pth"):
-        Metrics().relay_startup(config, {"pth": "/m"})
 
 
 def fetch(url: str) -> str:

@@ -142,7 +142,10 @@ def test_a_rewritten_history_replays_to_the_same_body(emulator, relay, tmp_path,
 
     assert replay(capsys, path)[0] == 0
 
-    monkeypatch.setattr(dedup, "DEFAULT_SEPARATOR", "_")
+    import dataclasses
+    monkeypatch.setattr(dedup, "OPTIONS", tuple(
+        dataclasses.replace(option, default="_") if option.name == "dedup_separator" else option
+        for option in dedup.OPTIONS))
     status, out = replay(capsys, path)
     assert status == 1
     assert "--- dump: upstream-bound body\n+++ replay: upstream-bound body" in out
