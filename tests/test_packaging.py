@@ -53,3 +53,13 @@ def test_make_try_puts_the_relay_in_front_of_the_emulator_on_loopback():
     assert config.host == "127.0.0.1" and config.keys is None
     assert config.backends[0].url == f"http://127.0.0.1:{port}" and config.backends[0].default
     assert "examples/try.yaml" in recipe
+
+
+def test_the_minimum_versions_run_are_the_declared_floors():
+    import re
+    setup = configparser.ConfigParser()
+    setup.read(ROOT / "setup.cfg")
+    floors = dict(re.match(r"([\w-]+)>=([\d.]+)$", line.strip()).groups()
+                  for line in setup["options"]["install_requires"].strip().splitlines())
+    pins = re.search(r"^MIN_PINS := (.+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
+    assert dict(pin.split("==") for pin in pins.split()) == floors
