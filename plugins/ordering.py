@@ -159,10 +159,11 @@ def check(messages) -> tuple[list[Problem], list[tuple[str, str]]]:
             lead = 0
             while lead < len(blocks) and blocks[lead].get("type") == "tool_result":
                 lead += 1
-            late = [b.get("tool_use_id") for b in blocks[lead:]
-                    if b.get("type") == "tool_result" and b.get("tool_use_id") in expected]
-            if late:
-                found.append(_not_after(indexes[0], list(dict.fromkeys(late)), indexes, False))
+            late = {b["tool_use_id"] for b in blocks[lead:] if b.get("type") == "tool_result"
+                    and type(b.get("tool_use_id")) is str and b["tool_use_id"] in expected}
+            if late:  # named in the order of the calls, as the API names unanswered ones
+                found.append(_not_after(indexes[0], [c for c in dict.fromkeys(calls) if c in late],
+                                        indexes, False))
         calls = []
     return found, unsure
 

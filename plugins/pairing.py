@@ -336,7 +336,8 @@ def _check_messages(messages: list, unique_ids: bool, problems: list, unsure: li
                     else:
                         seen.add(tool_use_id)
             elif kind == "server_tool_use":
-                servers.add(block.get("id"))
+                if type(block.get("id")) is str:
+                    servers.add(block["id"])
             elif kind == "tool_result":
                 if not flagged:
                     problems.append(_wrong_role(i, "tool_result", "user"))
@@ -344,7 +345,7 @@ def _check_messages(messages: list, unique_ids: bool, problems: list, unsure: li
             elif type(kind) is str and kind.endswith("_tool_result") \
                     and kind not in _NOT_SERVER_RESULTS:
                 tool_use_id = block.get("tool_use_id")
-                if tool_use_id in servers:
+                if type(tool_use_id) is str and tool_use_id in servers:
                     continue
                 if kind == "advisor_tool_result":
                     problems.append(_server_result_alone(i, k, kind, tool_use_id))

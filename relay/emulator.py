@@ -312,8 +312,8 @@ def _server_result_problem(convo) -> str | None:
     for n, message in convo:
         for k, block in enumerate(_blocks(message)):
             if block["type"] == "server_tool_use":
-                started.add(block.get("id"))
-            elif block["type"] == "advisor_tool_result" and block.get("tool_use_id") not in started:
+                started.add(str(block.get("id")))
+            elif block["type"] == "advisor_tool_result" and str(block.get("tool_use_id")) not in started:
                 kind = block["type"]
                 return (f"messages.{n}.content.{k}: unexpected `tool_use_id` found in `{kind}` "
                         f"blocks: {block.get('tool_use_id')}. Each `{kind}` block must have a "
