@@ -39,6 +39,7 @@ from __future__ import annotations
 import logging
 from typing import NamedTuple
 
+import msgspec
 import orjson
 
 from relay import skeleton
@@ -57,6 +58,10 @@ NO_RESULT_RECORDED = ("No result was recorded for this tool call. The relay that
 
 # Server-tool result blocks that pair with a client call, not a server_tool_use.
 _NOT_SERVER_RESULTS = frozenset({"tool_result", "mcp_tool_result"})
+
+# ``caller`` as models send it on ordinary calls (as the client's JSON text, or decoded).
+_DIRECT = {"type": "direct"}
+_DIRECT_RAW = msgspec.Raw(b'{"type":"direct"}')
 
 # Within one message the API names a wrong result before the calls it leaves unanswered
 # (public reports of id mismatches call the result unexpected rather than name the call).
@@ -176,7 +181,8 @@ def _clean(messages: list, unique_ids: bool) -> bool:
                             tool_use_id = block["id"]
                             if tool_use_id.__class__ is not str:
                                 return False
-                            if "caller" in block:
+                            caller = block.get("caller")
+                            if caller is not None and caller != _DIRECT_RAW and caller != _DIRECT:
                                 programmatic = True
                             if pending is None:
                                 pending = [tool_use_id]
@@ -428,8 +434,8 @@ def add_missing_results(messages: list, found: list[Problem]) -> list[str]:
 
 def split_tool_turns(messages: list) -> list[tuple[int, int]]:
     """The spans ``(first, last)`` of consecutive messages to merge so that a backend pairing
-    message by message sees each tool turn whole: from the first message of an assistant turn
-    holding calls to its last, and from the first message of the answering turn to the last
+    message by message sees each tool turn whole: the messages of an assistant turn from the
+    first to the last holding calls, and from the first message of the answering turn to the last
     holding results. Spans whose messages carry fields besides ``role`` and ``content`` are left
     alone (merging them would lose those fields)."""
     spans = []
@@ -438,7 +444,7 @@ def split_tool_turns(messages: list) -> list[tuple[int, int]]:
         if len(indexes) > 1:
             if role == "assistant":
                 marked = [i for i in indexes if _holds(messages[i], "tool_use")]
-                first, last = (marked[0], indexes[-1]) if marked else (None, None)
+                first, last = (marked[0], marked[-1]) if marked else (None, None)
             else:
                 marked = [i for i in indexes if _holds(messages[i], "tool_result")]
                 first, last = (indexes[0], marked[-1]) if marked and calls_before else (None, None)
@@ -488,9 +494,37 @@ def _repair(exchange, messages: list, found: list[Problem]) -> None:
                 "saying none was recorded: %s", exchange.id, len(ids), ", ".join(ids))
 
 
+def in_place(messages: list) -> bool:
+    """Whether every assistant turn ends with its calls and every turn answering calls opens
+    with its results. Merging changes the message indexes the API's errors name, so a history
+    with calls or results out of place is left for the ``ordering`` plugin to refuse or repair
+    as the client sent it."""
+    calls = False
+    for role, indexes in turns(messages):
+        kinds = [block.get("type") for _, _, block in _blocks(messages, indexes)]
+        if role == "assistant":
+            first = kinds.index("tool_use") if "tool_use" in kinds else len(kinds)
+            if any(kind != "tool_use" for kind in kinds[first:]):
+                return False
+            calls = first < len(kinds)
+            continue
+        if calls:
+            lead = 0
+            while lead < len(kinds) and kinds[lead] == "tool_result":
+                lead += 1
+            if "tool_result" in kinds[lead:]:
+                return False
+        calls = False
+    return True
+
+
 def _merge(exchange, messages: list) -> None:
     spans = split_tool_turns(messages)
-    if spans:
+    if spans and not in_place(messages):
+        exchange.note("pairing", "unsure", location=f"messages.{spans[0][0]}",
+                      reason="a tool turn split over consecutive messages was not merged: its "
+                             "calls or results are out of place")
+    elif spans:
         merge(messages, spans)
         exchange.repaired("pairing", sum(last - first for first, last in spans),
                           merged_consecutive=[f"messages.{first}-{last}" for first, last in spans])

@@ -250,12 +250,31 @@ def test_repair_answers_calls_split_over_consecutive_messages_in_the_answering_t
                    user(text("y")))
     exchange = exchange_for(body)
     pairing.relay_request(exchange, {"pairing_mode": "repair"})
-    body = exchange.body  # the request as repaired, the split calls merged
-    assert [m["role"] for m in body["messages"]] == ["user", "assistant", "user"]
-    assert [b["type"] for b in body["messages"][1]["content"]] == ["tool_use", "text", "tool_use"]
-    assert [b.get("tool_use_id") for b in body["messages"][2]["content"]] == ["toolu_a", "toolu_b", None]
-    assert exchange.repairs == 3 and exchange.response_headers["x-relay-repairs"] == "3"
-    assert [e.get("merged_consecutive") for e in exchange.timeline] == [None, ["messages.1-2"]]
+    messages = exchange.body["messages"]  # the request as repaired
+    assert [b.get("tool_use_id") for b in messages[3]["content"]] == ["toolu_a", "toolu_b", None]
+    assert exchange.repairs == 2 and exchange.response_headers["x-relay-repairs"] == "2"
+    # Text after a call: not merged here (that would move the indexes the errors name); the
+    # ordering plugin refuses it or puts it in place.
+    assert [m["role"] for m in messages] == ["user", "assistant", "assistant", "user"]
+    assert [e["action"] for e in exchange.timeline] == ["repaired", "unsure"]
+    ordering.relay_request(exchange, {"ordering_mode": "repair"})
+    assert [[b["type"] for b in m["content"]] for m in exchange.body["messages"]] == [
+        ["text"], ["text", "tool_use", "tool_use"], ["tool_result", "tool_result", "text"]]
+
+
+def test_split_tool_turns_are_merged_losslessly_and_counted():
+    body = request(user(text("go")), assistant(text("two calls")), assistant(use("toolu_a")),
+                   assistant(use("toolu_b")), user(result("toolu_a")), user(result("toolu_b"), text("on")))
+    exchange = exchange_for(body)
+    pairing.relay_request(exchange, {})
+    messages = exchange.body["messages"]
+    assert messages == [user(text("go")), assistant(text("two calls")),
+                        assistant(use("toolu_a"), use("toolu_b")),
+                        user(result("toolu_a"), result("toolu_b"), text("on"))]
+    assert exchange.repairs == 2 and exchange.response_headers["x-relay-repairs"] == "2"
+    assert exchange.timeline[-1]["merged_consecutive"] == ["messages.2-3", "messages.4-5"]
+    # Off for a backend that reads turns as the API does: the client's bytes go up.
+    passes(body, {"merge_consecutive": False})
 
 
 def test_repair_keeps_a_string_answer_as_text():
@@ -325,3 +344,15 @@ def test_validate_repair_returns_only_what_is_left():
     assert [e["action"] for e in exchange.timeline] == ["unsure", "repaired"]
     assert pairing.relay_validate(exchange_for(request(*SEED_CORRECTED)), {}, True) == []
     assert pairing.relay_validate(exchange_for(request(*SEED_BROKEN)), {"pairing_mode": "off"}, False) is None
+
+
+def test_a_merge_never_moves_the_index_an_error_names():
+    body = request(user(text("go")), assistant(use("toolu_a")), assistant(use("toolu_b")),
+                   user(result("toolu_a"), result("toolu_b")),
+                   assistant(use("toolu_c")), user(text("note"), result("toolu_c")))
+    exchange = exchange_for(body)
+    pairing.relay_request(exchange, {})
+    assert not exchange.changed  # left as sent: the ordering fault comes next
+    with pytest.raises(RelayError) as caught:
+        ordering.relay_request(exchange, {})
+    assert caught.value.message.startswith("messages.5: `tool_use` ids were found without")
