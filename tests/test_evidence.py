@@ -236,3 +236,18 @@ def post_streamed(url: str, raw: bytes) -> tuple[int, dict, dict]:
             return response.status, {}, {}
     except urllib.error.HTTPError as error:
         return error.code, {}, json.loads(error.read())
+
+
+def test_the_emulator_keeps_its_own_copy_of_the_rules():
+    # A shared mistake would pass every test: the emulator imports nothing from the relay or
+    # its plugins, and does not read the evidence table either.
+    import ast
+    source = (ROOT / "relay" / "emulator.py").read_text()
+    imported = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            imported.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            imported.add("." if node.level else node.module.split(".")[0])
+    assert not imported & {".", "relay", "plugins"}, imported
+    assert "open(" not in source and "read_text" not in source
