@@ -153,7 +153,8 @@ def _request_for(raw: bytes, name: str):
     found = skeleton.decode(raw)
     if found is None:
         # A message or block of an unexpected type: the plugins read the full parse instead.
-        found = skeleton.Skeleton({}, msgspec.json.decode(raw)["messages"], "", False)
+        whole = msgspec.json.decode(raw)
+        found = skeleton.Skeleton(whole, whole["messages"], "", False)
     return found, top, bare
 
 
