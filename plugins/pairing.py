@@ -43,8 +43,8 @@ import msgspec
 import orjson
 
 from relay import skeleton
-from relay.config import check_choice
-from relay.errors import invalid_request
+from relay.config import check_choice, option_sources
+from relay.errors import ConfigError, invalid_request
 from relay.hookspecs import hookimpl
 
 log = logging.getLogger("relay.plugins.pairing")
@@ -533,6 +533,10 @@ def _merge(exchange, messages: list) -> None:
 @hookimpl
 def relay_startup(config, options):
     check_choice(config, "pairing", options, "pairing_mode", MODES)
+    for where, mapping in option_sources(config, "pairing", options):
+        value = mapping.get("merge_consecutive", True)
+        if type(value) is not bool:
+            raise ConfigError(f"{where}.merge_consecutive: must be true or false, not {value!r}")
 
 
 @hookimpl

@@ -317,6 +317,9 @@ def test_startup_checks_the_mode_in_options_and_quirks():
         pairing.relay_startup(config, {"pairing_mode": "repair"})
     config.backends[1].quirks["pairing_mode"] = "off"
     pairing.relay_startup(config, {})
+    config.backends[1].quirks["merge_consecutive"] = "no"
+    with pytest.raises(ConfigError, match=r"^backends\[1\]\.quirks\.merge_consecutive: must be true or false"):
+        pairing.relay_startup(config, {"merge_consecutive": False})
 
 
 # --- relay validate ---------------------------------------------------------------------------
