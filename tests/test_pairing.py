@@ -1,8 +1,7 @@
-"""pairing: every client tool_use answered by exactly one tool_result in the next message.
+"""pairing: every client tool_use answered by exactly one tool_result in the next turn.
 
-Plain histories through the plugin's hooks, then property tests on generated histories:
-repair always leaves a history that validates (or only what must not be guessed at), and the
-relay's verdict (pairing, then ordering, as the pipeline runs them) agrees with the emulator's.
+Plain histories through the plugin's hooks. The rules' evidence is exercised in
+test_evidence.py; generated histories with several faults in test_history_properties.py.
 """
 
 from __future__ import annotations
