@@ -150,12 +150,36 @@ def _request_for(raw: bytes, name: str):
     else:
         top = msgspec.json.decode(raw, type=dict[str, msgspec.Raw])
         raw = b'{"model":"","messages":' + bytes(top["messages"]) + b"}"
+    problem = _shape_problem(msgspec.json.decode(raw)["messages"])
+    if problem:
+        raise ValueError(f"{name}: {problem}")
     found = skeleton.decode(raw)
     if found is None:
         # A message or block of an unexpected type: the plugins read the full parse instead.
         whole = msgspec.json.decode(raw)
         found = skeleton.Skeleton(whole, whole["messages"], "", False)
     return found, top, bare
+
+
+def _shape_problem(messages: list) -> str | None:
+    """Where the file is not a conversation at all (a message or block of the wrong type): the
+    tool-use checks would step over it and say nothing, so it is refused outright."""
+    for n, message in enumerate(messages):
+        if type(message) is not dict:
+            return f"messages.{n}: expected an object"
+        if type(message.get("role")) is not str:
+            return f"messages.{n}.role: expected a string"
+        content = message.get("content")
+        if type(content) is str:
+            continue
+        if type(content) is not list:
+            return f"messages.{n}.content: expected a string or a list of blocks"
+        for k, block in enumerate(content):
+            if type(block) is not dict:
+                return f"messages.{n}.content.{k}: expected an object"
+            if type(block.get("type")) is not str:
+                return f"messages.{n}.content.{k}.type: expected a string"
+    return None
 
 
 def run_validate(args) -> int:
@@ -165,7 +189,8 @@ def run_validate(args) -> int:
     errors (exit 2). Every problem is printed as the API words it, in message order across the
     plugins; one found by two plugins (dedup and pairing both see a repeated id) is printed
     once; what the relay is unsure of (see the README's evidence table) is printed as a note.
-    Exit status: 0 no fault found (or all repaired), 1 faults left, 2 unusable input or config.
+    Exit status: 0 no fault found (or all repaired), 1 faults left, 2 unusable input (not JSON,
+    no messages list, a message or block of the wrong type) or config.
     """
     try:
         found, top, bare = _request_for(read_json_file(args.file), args.file)

@@ -289,12 +289,29 @@ def test_hostile_files_get_a_message_not_a_traceback(tmp_path, raw, message):
         assert "Traceback" not in run.stderr
 
 
-def test_wrong_types_inside_messages_are_reported_or_passed_never_a_traceback(tmp_path):
-    odd = {"messages": [1, "x", None, {"role": 5, "content": {}},
-                        {"role": "user", "content": [1, None, {"type": 7}]},
+@pytest.mark.parametrize("messages, message", [
+    ([1, "x"], "messages.0: expected an object"),
+    ([{"role": 5, "content": "x"}], "messages.0.role: expected a string"),
+    ([{"role": "user", "content": "x"}, {"role": "user", "content": {}}],
+     "messages.1.content: expected a string or a list of blocks"),
+    ([{"role": "user"}], "messages.0.content: expected a string or a list of blocks"),
+    ([{"role": "user", "content": [None]}], "messages.0.content.0: expected an object"),
+    ([{"role": "user", "content": [{"type": 7}]}], "messages.0.content.0.type: expected a string"),
+])
+def test_wrong_types_inside_messages_get_a_message_not_a_traceback(tmp_path, messages, message):
+    for document in ({"messages": messages}, messages):
+        for extra in ([], ["--repair"], ["--json"]):
+            run = validate(tmp_path, document, *extra)
+            assert run.returncode == 2, run.stdout + run.stderr
+            assert run.stderr == f"relay: {tmp_path / 'request.json'}: {message}\n"
+
+
+def test_odd_values_where_the_checks_look_are_reported_never_a_traceback(tmp_path):
+    odd = {"messages": [{"role": "user", "content": [{"type": "text", "text": "go"}]},
                         {"role": "assistant", "content": [{"type": "tool_use", "id": {"a": 1}},
                                                           {"type": "tool_use", "id": None}]},
                         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": [1]}]}]}
     for extra in ([], ["--repair"], ["--json"]):
         run = validate(tmp_path, odd, *extra)
-        assert run.returncode in (0, 1) and "Traceback" not in run.stderr, run.stderr
+        assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
+        assert "unexpected `tool_use_id` found in `tool_result` blocks: [1]" in run.stdout + run.stderr
