@@ -1,4 +1,5 @@
-"""Property tests over generated histories, with none, one or several faults.
+"""Property tests over generated histories, with none, one or several faults (and shapes the
+evidence does not settle, which the relay forwards with a note and the emulator accepts).
 
 - The relay's verdict (pairing and ordering, as the pipeline runs them) agrees with the
   emulator's, which keeps its own copy of each rule; with one kind of fault, the emulator's
@@ -25,7 +26,9 @@ from relay.emulator import EmulatorOptions, find_problem
 from relay.errors import RelayError
 
 FAULTS = ("drop_result", "wrong_id", "duplicate_result", "text_first", "text_after_call",
-          "system_between", "empty_message", "use_in_user", "advisor_alone", "reuse_id")
+          "system_between", "empty_message", "use_in_user", "advisor_alone", "reuse_id",
+          # not faults as far as the evidence goes: forwarded, with a note
+          "trailing_call", "system_first", "programmatic_extra")
 SYSTEM = {"role": "system", "content": "a reminder"}
 RUN = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -75,6 +78,20 @@ def _where(messages, role, kind):
 def _inject(draw, messages, fault) -> bool:
     answering = _where(messages, "user", "tool_result")
     calling = _where(messages, "assistant", "tool_use")
+    if fault == "trailing_call":
+        messages.append(assistant(text("one more"), use("toolu_8888")))
+        return True
+    if fault == "system_first":
+        messages.insert(0, dict(SYSTEM))  # before a user message: refused; else only noted
+        return True
+    if fault == "programmatic_extra":
+        if not calling or calling[-1] + 1 >= len(messages) \
+                or messages[calling[-1] + 1]["role"] != "user":
+            return False
+        block = next(b for b in messages[calling[-1]]["content"] if b["type"] == "tool_use")
+        block["caller"] = {"type": "code_execution_20250825", "tool_id": "srvtoolu_9"}
+        messages[calling[-1] + 1]["content"].append(text("and this"))
+        return True
     if fault == "empty_message":
         at = draw(st.integers(0, len(messages) - 1))
         if messages[at]["role"] == "system" or at == len(messages) - 1:
