@@ -1,19 +1,28 @@
-"""ordering: the message that answers tool calls begins with its ``tool_result`` blocks.
+"""ordering: calls end their assistant turn, and results open the turn that answers them.
 
-The Messages API wants the user message after an assistant message with ``tool_use`` blocks
-to open with one contiguous run of ``tool_result`` blocks; ordinary content may follow the
-run but never precede or interrupt it: ``[tool_result, text]`` passes,
-``[text, tool_result]`` and ``[tool_result, text, tool_result]`` do not. A tolerant upstream
-may accept either, so this plugin checks it locally.
+The Messages API pairs calls and results by position: the ``tool_use`` blocks of an assistant
+turn must be followed immediately by their ``tool_result`` blocks, so nothing may come after a
+call in its own turn, and the answering user turn must open with one contiguous run of results
+(ordinary content may follow the run). The API combines consecutive messages of one role into
+one turn, and so does this check. A tolerant upstream may accept either fault, so this plugin
+checks them locally, in the API's words (see ``relay/evidence.json``):
+
+- a ``text`` block after a call in its assistant turn (``[tool_use, text]``) is refused, naming
+  the first message of the answering turn and the calls the text follows, as a recorded real
+  exchange shows; another kind of block after a call is unrecorded, so it is forwarded with an
+  ``unsure`` entry on the timeline;
+- results after other content in the answering turn (``[text, tool_result]``,
+  ``[tool_result, text, tool_result]``) are refused, naming the first message of the turn and
+  the calls not answered in its leading run.
 
 Whether every call has exactly one result is the ``pairing`` plugin's business; this one only
-looks at where the results sit. Entries with other roles (Claude Code's ``role: "system"``
-entries) are stepped over, as ``pairing`` does.
+looks at where calls and results sit. ``role: "system"`` entries are stepped over.
 
 Option (a backend's ``quirks:`` may set the same key and wins):
   ``ordering_mode``: ``reject`` (default) answers 400 with the API's wording; ``repair`` moves
-  the ``tool_result`` blocks to the front, keeping their order and every other block (nothing
-  is lost); ``off`` does nothing.
+  the other blocks before the calls, and the results to the front of their turn, keeping their
+  order and every block (a turn split over consecutive messages is merged into its first
+  message, as the API reads it); ``off`` does nothing.
 """
 
 from __future__ import annotations
@@ -31,105 +40,178 @@ MODES = ("reject", "repair", "off")
 
 
 class Problem(NamedTuple):
-    """A message whose ``tool_result`` blocks do not open it, worded as the API words it."""
+    """A turn whose calls or results are out of place, worded as the API words it."""
 
     location: str
     message: str
-    index: int
+    index: int  # the message the location names
+    turn: tuple  # the message indexes of the turn to reorder
+    calls_first: bool  # an assistant turn (move the other blocks first) or a user one
 
     def as_dict(self) -> dict:
         return {"location": self.location, "message": self.message}
 
 
-def _is_result(block) -> bool:
-    return type(block) is dict and block.get("type") == "tool_result"
-
-
-def _misplaced(index: int, calls: int) -> Problem:
+def _not_after(index: int, ids: list, turn: list, calls: bool) -> Problem:
     location = f"messages.{index}"
-    return Problem(location, f"{location}: Did not find {calls} `tool_result` block(s) at the "
-                             f"beginning of this message. Messages following `tool_use` blocks "
-                             f"must begin with a matching number of `tool_result` blocks.", index)
-
-
-def _calls(message) -> int:
-    content = message.get("content")
-    if type(content) is not list:
-        return 0
-    return sum(1 for block in content if type(block) is dict and block.get("type") == "tool_use")
+    return Problem(location, f"{location}: `tool_use` ids were found without `tool_result` blocks "
+                             f"immediately after: {', '.join(ids)}. Each `tool_use` block must have "
+                             f"a corresponding `tool_result` block in the next message.",
+                   index, tuple(turn), calls)
 
 
 def _clean(messages: list) -> bool:
-    """True when no user message holds a ``tool_result`` after another kind of block; False
+    """True when no call is followed by another block in its message, no user message holds a
+    result after another kind of block, and no two messages in a row share a role; False
     means "look closer". The quick walk every request takes, for well-formed messages."""
     try:
+        previous = None
         for message in messages:
-            if message["role"] == "user":
-                content = message["content"]
-                if content.__class__ is list and len(content) > 1:
-                    other = False
-                    for block in content:
-                        if block["type"] == "tool_result":
-                            if other:
-                                return False
-                        else:
-                            other = True
+            role = message["role"]
+            if role == "system":
+                continue
+            if role == previous:
+                return False
+            previous = role
+            content = message["content"]
+            if content.__class__ is not list or len(content) < 2:
+                continue
+            if role == "user":
+                other = False
+                for block in content:
+                    if block["type"] == "tool_result":
+                        if other:
+                            return False
+                    else:
+                        other = True
+            else:
+                called = False
+                for block in content:
+                    if block["type"] == "tool_use":
+                        called = True
+                    elif called:
+                        return False
         return True
     except (LookupError, AttributeError, TypeError):
         return False
 
 
-def problems(messages) -> list[Problem]:
-    """Every user message that answers tool calls but does not begin with all its
-    ``tool_result`` blocks, in message order."""
-    found: list[Problem] = []
-    if type(messages) is not list or _clean(messages):
-        return found
-    previous = None  # the last user or assistant message
+def _turns(messages: list) -> list[tuple[str, list[int]]]:
+    """Consecutive user or assistant messages combined, as the API combines them."""
+    found: list[tuple[str, list[int]]] = []
     for i, message in enumerate(messages):
-        if type(message) is not dict:
+        if type(message) is not dict or message.get("role") not in ("user", "assistant"):
             continue
-        role = message.get("role")
-        if role == "user":
-            content = message.get("content")
-            if type(content) is list and previous is not None:
-                other = False
-                for block in content:
-                    if type(block) is dict and block.get("type") == "tool_result":
-                        if other:
-                            # Rare: only now is it worth asking whether this message answers
-                            # tool calls (a result with no call before it is pairing's fault).
-                            calls = _calls(previous) if previous.get("role") == "assistant" else 0
-                            if calls:
-                                found.append(_misplaced(i, calls))
-                            break
-                    else:
-                        other = True
-            previous = message
-        elif role == "assistant":
-            previous = message
+        if found and found[-1][0] == message["role"]:
+            found[-1][1].append(i)
+        else:
+            found.append((message["role"], [i]))
     return found
 
 
-def move_results_first(messages: list, found: list[Problem]) -> None:
-    """Move each flagged message's ``tool_result`` blocks to its front, keeping the order of
-    the results and of every other block. Changes ``messages`` in place."""
-    for problem in found:
-        content = messages[problem.index]["content"]
-        content[:] = ([block for block in content if _is_result(block)]
-                      + [block for block in content if not _is_result(block)])
+def _blocks(messages: list, indexes: list[int]) -> list[dict]:
+    found = []
+    for i in indexes:
+        content = messages[i].get("content")
+        if type(content) is list:
+            found.extend(block for block in content if type(block) is dict)
+    return found
+
+
+def check(messages) -> tuple[list[Problem], list[tuple[str, str]]]:
+    """Every turn with calls or results out of place, in message order, and ``(location,
+    reason)`` for what the relay is unsure of."""
+    if type(messages) is not list or _clean(messages):
+        return [], []
+    found: list[Problem] = []
+    unsure: list[tuple[str, str]] = []
+    calls: list[str] = []  # the ids of the last assistant turn
+    turns = _turns(messages)
+    for t, (role, indexes) in enumerate(turns):
+        blocks = _blocks(messages, indexes)
+        following = turns[t + 1][1] if t + 1 < len(turns) else None
+        if role == "assistant":
+            calls = [b["id"] for b in blocks if b.get("type") == "tool_use" and type(b.get("id")) is str]
+            before_text, other, earlier = [], False, []
+            for block in blocks:
+                kind = block.get("type")
+                if kind == "tool_use":
+                    if type(block.get("id")) is str:
+                        earlier.append(block["id"])
+                elif earlier:
+                    if kind == "text":
+                        before_text = list(earlier)
+                    else:
+                        other = True
+            where = f"messages.{following[0]}" if following else f"messages.{indexes[-1]}"
+            if before_text:
+                if following:
+                    found.append(_not_after(following[0], list(dict.fromkeys(before_text)),
+                                            indexes, True))
+                else:
+                    unsure.append((where, "text after a tool call in the last message (a prefill)"))
+            elif other:
+                unsure.append((where, "a block other than text after a tool call: the API's "
+                                      "answer to that is unrecorded"))
+            continue
+        if calls:
+            expected = set(calls)
+            lead = 0
+            while lead < len(blocks) and blocks[lead].get("type") == "tool_result":
+                lead += 1
+            late = {b["tool_use_id"] for b in blocks[lead:] if b.get("type") == "tool_result"
+                    and type(b.get("tool_use_id")) is str and b["tool_use_id"] in expected}
+            if late:  # named in the order of the calls, as the API names unanswered ones
+                found.append(_not_after(indexes[0], [c for c in dict.fromkeys(calls) if c in late],
+                                        indexes, False))
+        calls = []
+    return found, unsure
+
+
+def reorder(messages: list, found: list[Problem]) -> list[Problem]:
+    """Move calls to the end of their turn and results to the front of theirs, keeping the order
+    of each kind and every block; a turn of several messages is merged into its first message
+    first. Changes ``messages`` in place; returns the problems it could not repair (a turn whose
+    messages carry fields besides ``role`` and ``content``)."""
+    left = []
+    for problem in sorted(found, key=lambda p: p.turn[0], reverse=True):
+        turn = problem.turn
+        if len(turn) > 1 and not all(messages[i].keys() <= {"role", "content"} for i in turn):
+            left.append(problem)
+            continue
+        blocks = []
+        for i in turn:
+            content = messages[i].get("content")
+            if type(content) is list:
+                blocks.extend(content)
+            elif content:
+                blocks.append({"type": "text", "text": content})
+        moved = "tool_use" if problem.calls_first else "tool_result"
+        mine = [b for b in blocks if type(b) is dict and b.get("type") == moved]
+        rest = [b for b in blocks if not (type(b) is dict and b.get("type") == moved)]
+        messages[turn[0]]["content"] = rest + mine if problem.calls_first else mine + rest
+        for i in reversed(turn[1:]):
+            del messages[i]
+    return left
 
 
 def _mode(options) -> str:
     return options.get("ordering_mode", "reject")
 
 
-def _repair(exchange, messages: list, found: list[Problem]) -> None:
-    move_results_first(messages, found)
-    locations = [problem.location for problem in found]
-    exchange.repaired("ordering", len(found), moved_results_first=locations)
-    log.warning("%s: tool_result blocks did not open their message; moved them first in %s",
-                exchange.id, ", ".join(locations))
+def _repair(exchange, messages: list, found: list[Problem]) -> list[Problem]:
+    left = reorder(messages, found)
+    done = [problem.location for problem in found if problem not in left]
+    if done:
+        exchange.repaired("ordering", len(done), moved_into_place=done)
+        log.warning("%s: tool calls or results out of place; moved them in %s",
+                    exchange.id, ", ".join(done))
+    return left
+
+
+def _note_unsure(exchange, unsure) -> None:
+    for location, reason in unsure:
+        exchange.note("ordering", "unsure", location=location, reason=reason)
 
 
 @hookimpl
@@ -143,12 +225,14 @@ def relay_request(exchange, options):
     if mode == "off":
         return
     messages = exchange.messages
-    found = problems(messages)
+    found, unsure = check(messages)
+    _note_unsure(exchange, unsure)
     if not found:
         return
     if mode == "repair":
-        _repair(exchange, messages, found)
-        return
+        found = _repair(exchange, messages, found)
+        if not found:
+            return
     raise invalid_request(found[0].message)
 
 
@@ -157,8 +241,8 @@ def relay_validate(exchange, options, repair):
     messages = exchange.messages
     if _mode(options) == "off" or messages is None:
         return None
-    found = problems(messages)
+    found, unsure = check(messages)
+    _note_unsure(exchange, unsure)
     if repair and found:
-        _repair(exchange, messages, found)
-        return []
+        found = _repair(exchange, messages, found)
     return [problem.as_dict() for problem in found]

@@ -1,27 +1,35 @@
-"""pairing: every client ``tool_use`` gets exactly one ``tool_result`` in the next message.
+"""pairing: every client ``tool_use`` is answered by exactly one ``tool_result`` in the next turn.
 
 A tolerant upstream may answer 200 to a broken history, so an upstream's success proves
-nothing; this plugin checks the pairing contract locally, the way the Messages API does, and
-refuses (or repairs) a broken history before any upstream sees it.
+nothing; this plugin checks the history locally, the way the Messages API does, and refuses
+(or repairs) what the API is known to refuse, before any upstream sees it. Each rule, its
+error text and where the evidence for it comes from is listed in ``relay/evidence.json`` and in
+the README ("History rules and their evidence").
 
-The contract, for client tools only: an assistant message's ``tool_use`` blocks must be
-answered by the next message, a user message holding exactly one ``tool_result`` per
-``tool_use`` id (none missing, none unknown, none twice); ``tool_result`` blocks belong in user
-messages only; ``tool_use`` ids are unique in the whole request. Server-side tools
-(``server_tool_use``, ``web_search_tool_result`` and other ``*_tool_result`` blocks,
-``mcp_tool_use``/``mcp_tool_result``) pair inside the assistant message and are never checked
-here; unknown block types pass. Entries with other roles (Claude Code puts ``role: "system"``
-entries in ``messages``) are stepped over: they neither answer nor interrupt a tool call.
+The API combines consecutive ``user`` or ``assistant`` messages into one turn, so pairing is
+judged on turns: the calls of an assistant turn are answered by the user turn after it, one
+``tool_result`` per ``tool_use`` id, wherever in that turn's messages (where the results sit is
+the ``ordering`` plugin's business). Refused here, in the API's words: a call left without a
+result (the error names the first message of the turn that should have answered it), a result
+for no call of the previous turn, a call answered twice, a repeated ``tool_use`` id, a
+``tool_result`` in an assistant message or a ``tool_use`` in a user message, an empty message
+other than a final assistant one, a ``role: "system"`` entry followed by a user message, and an
+``advisor_tool_result`` with no ``server_tool_use`` before it.
 
-Where the ``tool_result`` blocks sit inside the answering message is the ``ordering`` plugin's
-business, not this one's.
+What the API's answer is unknown for is forwarded, with an ``unsure`` entry on the timeline: a
+history ending with unanswered calls (a prefill, which some models refuse in other words), a
+system entry first, other server-tool results without their ``server_tool_use``, and a turn
+answering programmatic calls (``caller`` other than ``direct``) that holds more than results.
 
 Options (a backend's ``quirks:`` may set the same key and wins):
-  ``pairing_mode``: ``reject`` (default) answers 400 with the API's own wording and the first
-  problem in the order the API reports it; ``repair`` answers a tool call that has no result
-  with an ``is_error`` result saying that none was recorded, and still refuses what it cannot
-  repair honestly (unknown or duplicate results, duplicate ``tool_use`` ids, a result in an
-  assistant message, a tool call in the final message); ``off`` does nothing.
+  ``pairing_mode``: ``reject`` (default) answers 400 with the API's wording and the first
+  problem in message order; ``repair`` answers a call that has no result with an ``is_error``
+  result saying that none was recorded, and still refuses what it cannot repair honestly;
+  ``off`` does nothing.
+  ``merge_consecutive`` (default true): some Anthropic-compatible backends pair message by
+  message instead of turn by turn; where a tool turn's calls or results are split over
+  consecutive messages, those messages are merged into one (lossless, and what the API does
+  itself), counted in ``x-relay-repairs``. ``false`` leaves them as sent.
   ``restore_original_ids`` (set by the ``dedup`` plugin's backend quirk): the upstream's own
   repeated ids are sent back on purpose, so request-wide id uniqueness is not checked.
 """
@@ -31,10 +39,12 @@ from __future__ import annotations
 import logging
 from typing import NamedTuple
 
+import msgspec
 import orjson
 
-from relay.config import check_choice
-from relay.errors import invalid_request
+from relay import skeleton
+from relay.config import check_choice, option_sources
+from relay.errors import ConfigError, invalid_request
 from relay.hookspecs import hookimpl
 
 log = logging.getLogger("relay.plugins.pairing")
@@ -46,30 +56,45 @@ MODES = ("reject", "repair", "off")
 NO_RESULT_RECORDED = ("No result was recorded for this tool call. The relay that forwarded "
                       "this conversation cannot tell whether the tool ran or what it did.")
 
+# Server-tool result blocks that pair with a client call, not a server_tool_use.
+_NOT_SERVER_RESULTS = frozenset({"tool_result", "mcp_tool_result"})
+
+# ``caller`` as models send it on ordinary calls (as the client's JSON text, or decoded).
+_DIRECT = {"type": "direct"}
+_DIRECT_RAW = msgspec.Raw(b'{"type":"direct"}')
+
+# Within one message the API names a wrong result before the calls it leaves unanswered
+# (public reports of id mismatches call the result unexpected rather than name the call).
+_AFTER_BLOCKS = 1 << 30
+
 
 class Problem(NamedTuple):
-    """One pairing fault, worded as the Messages API words it."""
+    """One fault, worded as the Messages API words it."""
 
     location: str
     message: str
     index: int = -1  # the message the location names
-    # For a tool call without a result: its ids, the index of the user message that should
-    # have answered (None when the next message is not a user message), and whether
-    # repair mode can add the missing results.
+    block: int = -1  # the block it names; calls without a result sort after their turn's blocks
+    # For calls without a result: their ids; repair adds results to message ``index``.
     missing: tuple = ()
-    answer_at: int | None = None
-    repairable: bool = False
 
     def as_dict(self) -> dict:
         return {"location": self.location, "message": self.message}
 
 
-def _missing(index: int, ids: list, answer_at: int | None, repairable: bool) -> Problem:
+class Unsure(NamedTuple):
+    """Something the API's answer to is not known: forwarded, and noted on the timeline."""
+
+    location: str
+    reason: str
+
+
+def _missing(index: int, ids: list) -> Problem:
     location = f"messages.{index}"
     return Problem(location, f"{location}: `tool_use` ids were found without `tool_result` blocks "
                              f"immediately after: {', '.join(ids)}. Each `tool_use` block must have "
                              f"a corresponding `tool_result` block in the next message.",
-                   index, tuple(ids), answer_at, repairable)
+                   index, _AFTER_BLOCKS, tuple(ids))
 
 
 def _shown(value) -> str:
@@ -87,7 +112,7 @@ def _unknown(index: int, k: int, tool_use_id) -> Problem:
     location = f"messages.{index}.content.{k}"
     return Problem(location, f"{location}: unexpected `tool_use_id` found in `tool_result` blocks: "
                              f"{_shown(tool_use_id)}. Each `tool_result` block must have a corresponding "
-                             f"`tool_use` block in the previous message.", index)
+                             f"`tool_use` block in the previous message.", index, k)
 
 
 # "each tool_use must have a single result" is the API's text as quoted in a public fix
@@ -95,217 +120,423 @@ def _unknown(index: int, k: int, tool_use_id) -> Problem:
 def _duplicate_result(index: int, k: int, tool_use_id) -> Problem:
     location = f"messages.{index}.content.{k}"
     return Problem(location, f"{location}: each tool_use must have a single result. Found multiple "
-                             f"`tool_result` blocks with id: {tool_use_id}", index)
+                             f"`tool_result` blocks with id: {tool_use_id}", index, k)
 
 
-def _result_in_assistant(index: int) -> Problem:
+def _wrong_role(index: int, kind: str, home: str) -> Problem:
     location = f"messages.{index}"
-    return Problem(location, f"{location}: `tool_result` blocks can only be in `user` messages", index)
+    return Problem(location, f"{location}: `{kind}` blocks can only be in `{home}` messages", index)
 
 
 def _duplicate_id(index: int, k: int) -> Problem:
     location = f"messages.{index}.content.{k}"
-    return Problem(location, f"{location}: `tool_use` ids must be unique", index)
+    return Problem(location, f"{location}: `tool_use` ids must be unique", index, k)
+
+
+def _empty(index: int) -> Problem:
+    location = f"messages.{index}"
+    return Problem(location, f"{location}: all messages must have non-empty content except for "
+                             f"the optional final assistant message", index)
+
+
+def _system_misplaced(index: int) -> Problem:
+    location = f"messages.{index}"
+    return Problem(location, f"{location}: role 'system' must precede an 'assistant' message or "
+                             f"end the array", index)
+
+
+def _server_result_alone(index: int, k: int, kind: str, tool_use_id) -> Problem:
+    location = f"messages.{index}.content.{k}"
+    return Problem(location, f"{location}: unexpected `tool_use_id` found in `{kind}` blocks: "
+                             f"{_shown(tool_use_id)}. Each `{kind}` block must have a corresponding "
+                             f"`server_tool_use` block before it.", index, k)
 
 
 def _clean(messages: list, unique_ids: bool) -> bool:
-    """True when ``messages`` certainly pair cleanly; False means "look closer".
+    """True when ``messages`` certainly break no rule of this plugin; False means "look closer".
 
-    The quick walk every request takes: it assumes well-formed messages and results given in
-    the order of their calls, and leaves anything else to :func:`problems`' full walk.
+    The quick walk every request takes: it assumes well-formed, strictly alternating messages
+    with results given in the order of their calls, and leaves anything else (consecutive
+    messages of one role, system entries out of place, server results, ``caller``) to
+    :func:`check`'s full walk.
     """
     try:
         seen = set() if unique_ids else None
+        servers = None
         pending = None
+        programmatic = False
+        previous = None  # the role of the last message
         for message in messages:
             role = message["role"]
+            content = message["content"]
+            if not content:
+                return False
             if role == "assistant":
-                if pending is not None:
+                if previous == "assistant" or pending is not None:
                     return False
-                content = message["content"]
-                if content.__class__ is not list:
-                    continue
-                for block in content:
-                    kind = block["type"]
-                    if kind == "tool_use":
-                        tool_use_id = block["id"]
-                        if tool_use_id.__class__ is not str:
+                if content.__class__ is list:
+                    for block in content:
+                        kind = block["type"]
+                        if kind == "tool_use":
+                            tool_use_id = block["id"]
+                            if tool_use_id.__class__ is not str:
+                                return False
+                            caller = block.get("caller")
+                            if caller is not None and caller != _DIRECT_RAW and caller != _DIRECT:
+                                programmatic = True
+                            if pending is None:
+                                pending = [tool_use_id]
+                            else:
+                                pending.append(tool_use_id)
+                        elif kind == "server_tool_use":
+                            if servers is None:
+                                servers = set()
+                            servers.add(block["id"])
+                        elif "tool_use_id" in block:  # a tool_result, or a server tool's result
+                            if kind == "tool_result" or servers is None \
+                                    or block["tool_use_id"] not in servers:
+                                return False
+                    if pending is not None:
+                        if seen is not None:
+                            size = len(seen)
+                            seen.update(pending)
+                            if len(seen) != size + len(pending):
+                                return False
+                        elif len(pending) > 1 and len(set(pending)) != len(pending):
                             return False
-                        if pending is None:
-                            pending = [tool_use_id]
-                        else:
-                            pending.append(tool_use_id)
-                    elif kind == "tool_result":
-                        return False
-                if pending is None:
-                    continue
-                if seen is not None:
-                    size = len(seen)
-                    seen.update(pending)
-                    if len(seen) != size + len(pending):
-                        return False
-                elif len(pending) > 1 and len(set(pending)) != len(pending):
-                    return False
             elif role == "user":
-                content = message["content"]
+                if previous == "user":
+                    return False
                 if pending is None:
                     if content.__class__ is list:
                         for block in content:
-                            if block["type"] == "tool_result":
+                            kind = block["type"]
+                            if kind == "tool_result" or kind == "tool_use":
                                 return False
-                    continue
-                if content.__class__ is not list:
-                    return False
-                answered = 0
-                for block in content:
-                    if block["type"] == "tool_result":
-                        if block["tool_use_id"] != pending[answered]:
+                else:
+                    if content.__class__ is not list:
+                        return False
+                    answered = 0
+                    for block in content:
+                        kind = block["type"]
+                        if kind == "tool_result":
+                            if answered == len(pending) or block["tool_use_id"] != pending[answered]:
+                                return False
+                            answered += 1
+                        elif kind == "tool_use" or programmatic:
                             return False
-                        answered += 1
-                if answered != len(pending):
+                    if answered != len(pending):
+                        return False
+                    pending = None
+                    programmatic = False
+            elif role == "system":
+                if previous is None:
                     return False
-                pending = None
+            else:
+                return False
+            if previous == "system" and role == "user":
+                return False
+            previous = role
         return pending is None
     except (LookupError, AttributeError, TypeError):
         return False
 
 
-def problems(messages, unique_ids: bool = True) -> list[Problem]:
-    """Every pairing fault in ``messages``, in the order the API reports them.
-
-    One walk collects three kinds, reported kind by kind in the order the API (and the
-    emulator that stands for it) checks them: results in assistant messages (part of the check
-    of each message's shape), then repeated ``tool_use`` ids across the request, then the
-    pairing of each assistant message with the next one. In that last kind, a user message's
-    unknown or repeated results come before the calls it leaves unanswered: public reports of
-    id mismatches show the API calling the result unexpected rather than naming the call.
-    ``unique_ids=False`` skips the id check.
-    """
-    if type(messages) is not list or _clean(messages, unique_ids):
-        return []
-    misplaced: list[Problem] = []
-    repeated: list[Problem] = []
-    unpaired: list[Problem] = []
-    seen = set() if unique_ids else None
-    pending = None  # the client tool_use ids of the last assistant message, if it had any
-    pending_at = -1
+def turns(messages: list) -> list[tuple[str, list[int]]]:
+    """The conversation as the API reads it: consecutive user or assistant messages combined
+    into one turn, ``(role, message indexes)``; system entries and malformed ones stepped over."""
+    found: list[tuple[str, list[int]]] = []
     for i, message in enumerate(messages):
         if type(message) is not dict:
             continue
         role = message.get("role")
-        if role == "user":
-            content = message.get("content")
-            if pending is None:
-                if type(content) is list:
-                    for k, block in enumerate(content):
-                        if type(block) is dict and block.get("type") == "tool_result":
-                            unpaired.append(_unknown(i, k, block.get("tool_use_id")))
-                continue
-            answered = set()
-            if type(content) is list:
-                expected = set(pending)
-                for k, block in enumerate(content):
-                    if type(block) is not dict or block.get("type") != "tool_result":
-                        continue
-                    tool_use_id = block.get("tool_use_id")
-                    if type(tool_use_id) is not str or tool_use_id not in expected:
-                        unpaired.append(_unknown(i, k, tool_use_id))
-                    elif tool_use_id in answered:
-                        unpaired.append(_duplicate_result(i, k, tool_use_id))
-                    else:
-                        answered.add(tool_use_id)
-            unanswered = [x for x in dict.fromkeys(pending) if x not in answered]
-            if unanswered:
-                repairable = content is None or type(content) in (list, str)
-                unpaired.append(_missing(pending_at, unanswered, i, repairable))
-            pending = None
-        elif role == "assistant":
-            if pending is not None:
-                unpaired.append(_missing(pending_at, list(dict.fromkeys(pending)), None, True))
-                pending = None
-            content = message.get("content")
-            if type(content) is not list:
-                continue
-            ids = None
+        if role != "user" and role != "assistant":
+            continue
+        if found and found[-1][0] == role:
+            found[-1][1].append(i)
+        else:
+            found.append((role, [i]))
+    return found
+
+
+def _blocks(messages: list, indexes: list[int]):
+    """``(message index, block index, block)`` for every block of a turn, in order."""
+    for i in indexes:
+        content = messages[i].get("content")
+        if type(content) is list:
             for k, block in enumerate(content):
-                if type(block) is not dict:
-                    continue
-                kind = block.get("type")
-                if kind == "tool_use":
-                    tool_use_id = block.get("id")
-                    if type(tool_use_id) is not str:
-                        continue  # a schema fault: the upstream's own validation names it
-                    if seen is not None:
-                        if tool_use_id in seen:
-                            repeated.append(_duplicate_id(i, k))
-                        else:
-                            seen.add(tool_use_id)
-                    if ids is None:
-                        ids = [tool_use_id]
+                if type(block) is dict:
+                    yield i, k, block
+
+
+def _programmatic(block: dict) -> bool:
+    caller = block.get("caller")
+    if caller is None:
+        return False
+    try:
+        caller = skeleton.value(caller)
+    except ValueError:
+        return False
+    return type(caller) is not dict or caller.get("type") != "direct"
+
+
+def check(messages, unique_ids: bool = True) -> tuple[list[Problem], list[Unsure]]:
+    """Every fault in ``messages`` in message order, and what the relay is unsure of.
+
+    ``unique_ids=False`` skips the request-wide id check."""
+    if type(messages) is not list or _clean(messages, unique_ids):
+        return [], []
+    return _check(messages, unique_ids)
+
+
+def _check(messages: list, unique_ids: bool) -> tuple[list[Problem], list[Unsure]]:
+    problems: list[Problem] = []
+    unsure: list[Unsure] = []
+    _check_messages(messages, unique_ids, problems, unsure)
+    _check_turns(messages, problems, unsure)
+    problems.sort(key=lambda p: (p.index, p.block))
+    return problems, unsure
+
+
+def _check_messages(messages: list, unique_ids: bool, problems: list, unsure: list) -> None:
+    """The rules that look at one message at a time (and the ids seen so far)."""
+    conversational = [i for i, m in enumerate(messages)
+                      if type(m) is dict and m.get("role") in ("user", "assistant")]
+    last = conversational[-1] if conversational else -1
+    seen = set() if unique_ids else None
+    servers: set = set()
+    for i, message in enumerate(messages):
+        if type(message) is not dict:
+            continue
+        role = message.get("role")
+        content = message.get("content")
+        if role == "system":
+            following = messages[i + 1] if i + 1 < len(messages) else None
+            if type(following) is dict and following.get("role") == "user":
+                problems.append(_system_misplaced(i))
+            elif i == 0:
+                unsure.append(Unsure("messages.0", "a system entry comes first: the API documents "
+                                                   "that as refused, but not its error text"))
+            continue
+        if role != "user" and role != "assistant":
+            continue  # a schema fault: the upstream's own validation names it
+        if (content == "" or content == []) and not (i == last and role == "assistant"):
+            problems.append(_empty(i))
+        if type(content) is not list:
+            continue
+        flagged = False
+        for k, block in enumerate(content):
+            if type(block) is not dict:
+                continue
+            kind = block.get("type")
+            if role == "user":
+                if kind == "tool_use" and not flagged:
+                    problems.append(_wrong_role(i, "tool_use", "assistant"))
+                    flagged = True
+                continue
+            if kind == "tool_use":
+                tool_use_id = block.get("id")
+                if seen is not None and type(tool_use_id) is str:
+                    if tool_use_id in seen:
+                        problems.append(_duplicate_id(i, k))
                     else:
-                        ids.append(tool_use_id)
-                elif kind == "tool_result" and (not misplaced or misplaced[-1].index != i):
-                    misplaced.append(_result_in_assistant(i))
-            if ids is not None:
-                pending, pending_at = ids, i
-        # Any other role is stepped over: it neither answers nor interrupts a tool call.
-    if pending is not None:
-        # A request that ends with an assistant message asks the model to continue that very
-        # message (a prefill). Adding a user turn of made-up results behind it would turn the
-        # continuation into a new turn, and the client would splice that answer onto its own
-        # message, so this is refused even in repair mode: only the client knows the results.
-        unpaired.append(_missing(pending_at, list(dict.fromkeys(pending)), None, False))
-    return misplaced + repeated + unpaired
+                        seen.add(tool_use_id)
+            elif kind == "server_tool_use":
+                if type(block.get("id")) is str:
+                    servers.add(block["id"])
+            elif kind == "tool_result":
+                if not flagged:
+                    problems.append(_wrong_role(i, "tool_result", "user"))
+                    flagged = True
+            elif type(kind) is str and kind.endswith("_tool_result") \
+                    and kind not in _NOT_SERVER_RESULTS:
+                tool_use_id = block.get("tool_use_id")
+                if type(tool_use_id) is str and tool_use_id in servers:
+                    continue
+                if kind == "advisor_tool_result":
+                    problems.append(_server_result_alone(i, k, kind, tool_use_id))
+                else:
+                    unsure.append(Unsure(f"messages.{i}.content.{k}",
+                                         f"a {kind} block without a server_tool_use before it: "
+                                         f"only the API's answer for advisor_tool_result is known"))
+
+
+def _check_turns(messages: list, problems: list, unsure: list) -> None:
+    """Pairing, turn by turn: each assistant turn's calls against the user turn after it."""
+    pending: list | None = None  # the client tool_use ids of the last assistant turn
+    programmatic = False
+    for role, indexes in turns(messages):
+        if role == "assistant":
+            calls = [block for _, _, block in _blocks(messages, indexes)
+                     if block.get("type") == "tool_use" and type(block.get("id")) is str]
+            pending = list(dict.fromkeys(block["id"] for block in calls)) or None
+            programmatic = any(_programmatic(block) for block in calls)
+            continue
+        expected = set(pending or ())
+        answered = set()
+        other = False
+        for i, k, block in _blocks(messages, indexes):
+            if block.get("type") != "tool_result":
+                other = True
+                continue
+            tool_use_id = block.get("tool_use_id")
+            if type(tool_use_id) is not str or tool_use_id not in expected:
+                problems.append(_unknown(i, k, tool_use_id))
+            elif tool_use_id in answered:
+                problems.append(_duplicate_result(i, k, tool_use_id))
+            else:
+                answered.add(tool_use_id)
+        if pending:
+            unanswered = [x for x in pending if x not in answered]
+            if unanswered:
+                problems.append(_missing(indexes[0], unanswered))
+            if programmatic and other:
+                unsure.append(Unsure(f"messages.{indexes[0]}",
+                                     "a turn answering programmatic tool calls holds more than "
+                                     "tool_result blocks: documented as refused, error text unknown"))
+        pending, programmatic = None, False
+    if pending:
+        # A request that ends with an assistant message asks the model to continue it (a
+        # prefill): some models refuse that in their own words, others continue the message.
+        # Only the client knows the results, so nothing is added either.
+        unsure.append(Unsure(f"messages.{len(messages) - 1}",
+                             f"the history ends with tool calls and no results "
+                             f"({', '.join(pending)}): a prefill, answered by the model's own rules"))
 
 
 def add_missing_results(messages: list, found: list[Problem]) -> list[str]:
-    """Answer each repairable tool call without a result with an ``is_error`` result that
-    says no result was recorded; return the ids answered. Changes ``messages`` in place.
+    """Answer each call without a result with an ``is_error`` result that says no result was
+    recorded; return the ids answered. Changes ``messages`` in place.
 
-    The results use the tool calls' own ids and go to the front of the answering message's
-    ``tool_result`` run, or into a new user message right after the assistant message when
-    the next message is not a user message. Other problems are left alone.
+    The results use the calls' own ids and go to the front of the ``tool_result`` run of the
+    first message of the answering turn. Other problems are left alone.
     """
     answered = []
-    # From the end, so that an inserted message does not move the ones still to repair.
-    for problem in reversed(found):
-        if not problem.repairable:
+    for problem in found:
+        if not problem.missing:
             continue
         results = [{"type": "tool_result", "tool_use_id": tool_use_id,
                     "content": NO_RESULT_RECORDED, "is_error": True}
                    for tool_use_id in problem.missing]
-        if problem.answer_at is None:
-            messages.insert(problem.index + 1, {"role": "user", "content": results})
+        message = messages[problem.index]
+        content = message.get("content")
+        if type(content) is list:
+            at = next((k for k, block in enumerate(content)
+                       if type(block) is dict and block.get("type") == "tool_result"), 0)
+            content[at:at] = results
+        elif content:  # a plain string: keep it as a text block after the results
+            message["content"] = results + [{"type": "text", "text": content}]
         else:
-            message = messages[problem.answer_at]
+            message["content"] = results
+        answered.extend(problem.missing)
+    return answered
+
+
+def split_tool_turns(messages: list) -> list[tuple[int, int]]:
+    """The spans ``(first, last)`` of consecutive messages to merge so that a backend pairing
+    message by message sees each tool turn whole: the messages of an assistant turn from the
+    first to the last holding calls, and from the first message of the answering turn to the last
+    holding results. Spans whose messages carry fields besides ``role`` and ``content`` are left
+    alone (merging them would lose those fields)."""
+    spans = []
+    calls_before = False
+    for role, indexes in turns(messages):
+        if len(indexes) > 1:
+            if role == "assistant":
+                marked = [i for i in indexes if _holds(messages[i], "tool_use")]
+                first, last = (marked[0], marked[-1]) if marked else (None, None)
+            else:
+                marked = [i for i in indexes if _holds(messages[i], "tool_result")]
+                first, last = (indexes[0], marked[-1]) if marked and calls_before else (None, None)
+            if first is not None and first != last \
+                    and all(messages[i].keys() <= {"role", "content"} for i in range(first, last + 1)):
+                spans.append((first, last))
+        if role == "assistant":
+            calls_before = any(_holds(messages[i], "tool_use") for i in indexes)
+    return spans
+
+
+def _holds(message: dict, kind: str) -> bool:
+    content = message.get("content")
+    return type(content) is list and any(type(b) is dict and b.get("type") == kind
+                                         for b in content)
+
+
+def merge(messages: list, spans: list[tuple[int, int]]) -> None:
+    """Merge each span of consecutive same-role messages into its first message, in place: a
+    string content becomes a text block, every block is kept in order."""
+    for first, last in reversed(spans):
+        merged = []
+        for message in messages[first:last + 1]:
             content = message.get("content")
             if type(content) is list:
-                at = next((k for k, block in enumerate(content)
-                           if type(block) is dict and block.get("type") == "tool_result"), 0)
-                content[at:at] = results
-            elif content:  # a plain string: keep it as a text block after the results
-                message["content"] = results + [{"type": "text", "text": content}]
-            else:
-                message["content"] = results
-        answered[:0] = problem.missing
-    return answered
+                merged.extend(content)
+            elif content:
+                merged.append({"type": "text", "text": content})
+        messages[first]["content"] = merged
+        del messages[first + 1:last + 1]
 
 
 def _mode(options) -> str:
     return options.get("pairing_mode", "reject")
 
 
+def _note_unsure(exchange, unsure: list[Unsure]) -> None:
+    for item in unsure:
+        exchange.note("pairing", "unsure", location=item.location, reason=item.reason)
+
+
 def _repair(exchange, messages: list, found: list[Problem]) -> None:
     ids = add_missing_results(messages, found)
     exchange.repaired("pairing", len(ids), added_error_results=len(ids), tool_use_ids=ids,
-                      locations=[p.location for p in found if p.repairable])
+                      locations=[p.location for p in found if p.missing])
     log.warning("%s: %d tool call(s) had no tool_result; answered them with is_error results "
                 "saying none was recorded: %s", exchange.id, len(ids), ", ".join(ids))
+
+
+def in_place(messages: list) -> bool:
+    """Whether every assistant turn ends with its calls and every turn answering calls opens
+    with its results. Merging changes the message indexes the API's errors name, so a history
+    with calls or results out of place is left for the ``ordering`` plugin to refuse or repair
+    as the client sent it."""
+    calls = False
+    for role, indexes in turns(messages):
+        kinds = [block.get("type") for _, _, block in _blocks(messages, indexes)]
+        if role == "assistant":
+            first = kinds.index("tool_use") if "tool_use" in kinds else len(kinds)
+            if any(kind != "tool_use" for kind in kinds[first:]):
+                return False
+            calls = first < len(kinds)
+            continue
+        if calls:
+            lead = 0
+            while lead < len(kinds) and kinds[lead] == "tool_result":
+                lead += 1
+            if "tool_result" in kinds[lead:]:
+                return False
+        calls = False
+    return True
+
+
+def _merge(exchange, messages: list) -> None:
+    spans = split_tool_turns(messages)
+    if spans and not in_place(messages):
+        exchange.note("pairing", "unsure", location=f"messages.{spans[0][0]}",
+                      reason="a tool turn split over consecutive messages was not merged: its "
+                             "calls or results are out of place")
+    elif spans:
+        merge(messages, spans)
+        exchange.repaired("pairing", sum(last - first for first, last in spans),
+                          merged_consecutive=[f"messages.{first}-{last}" for first, last in spans])
 
 
 @hookimpl
 def relay_startup(config, options):
     check_choice(config, "pairing", options, "pairing_mode", MODES)
+    for where, mapping in option_sources(config, "pairing", options):
+        value = mapping.get("merge_consecutive", True)
+        if type(value) is not bool:
+            raise ConfigError(f"{where}.merge_consecutive: must be true or false, not {value!r}")
 
 
 @hookimpl
@@ -314,16 +545,20 @@ def relay_request(exchange, options):
     if mode == "off":
         return
     messages = exchange.messages
-    found = problems(messages, unique_ids=not options.get("restore_original_ids"))
-    if not found:
+    unique_ids = not options.get("restore_original_ids")
+    if type(messages) is not list or _clean(messages, unique_ids):
         return
-    if mode == "repair":
+    found, unsure = _check(messages, unique_ids)
+    _note_unsure(exchange, unsure)
+    if found:
+        if mode != "repair":
+            raise invalid_request(found[0].message)
         for problem in found:
-            if not problem.repairable:
+            if not problem.missing:
                 raise invalid_request(problem.message)
         _repair(exchange, messages, found)
-        return
-    raise invalid_request(found[0].message)
+    if options.get("merge_consecutive", True):
+        _merge(exchange, messages)
 
 
 @hookimpl
@@ -332,8 +567,12 @@ def relay_validate(exchange, options, repair):
     if _mode(options) == "off" or messages is None:
         return None
     unique_ids = not options.get("restore_original_ids")
-    found = problems(messages, unique_ids)
-    if repair and any(problem.repairable for problem in found):
-        _repair(exchange, messages, found)
-        found = problems(messages, unique_ids)
+    found, unsure = check(messages, unique_ids)
+    _note_unsure(exchange, unsure)
+    if repair:
+        if any(problem.missing for problem in found):
+            _repair(exchange, messages, found)
+            found, _ = check(messages, unique_ids)
+        if options.get("merge_consecutive", True):
+            _merge(exchange, messages)
     return [problem.as_dict() for problem in found]

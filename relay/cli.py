@@ -9,11 +9,12 @@ import logging
 import signal
 import sys
 
+import msgspec
 import orjson
 
-from . import __version__, config as config_module
+from . import __version__, config as config_module, skeleton
 from .chain import Chain, load_plugins
-from .errors import ConfigError
+from .errors import ConfigError, RelayError
 from .exchange import Exchange
 
 COMMANDS = ("serve", "emulate", "validate", "replay")
@@ -121,33 +122,90 @@ def run_serve(args) -> int:
     return 0
 
 
-def read_json_file(name: str):
+def read_json_file(name: str) -> bytes:
+    """The bytes of ``name`` ('-' for stdin), or ValueError saying why they cannot be read."""
     try:
-        raw = sys.stdin.buffer.read() if name == "-" else open(name, "rb").read()
+        if name == "-":
+            return sys.stdin.buffer.read()
+        with open(name, "rb") as file:
+            return file.read()
     except OSError as e:
         raise ValueError(f"cannot read {name}: {e.strerror}") from None
+
+
+def _location_order(problem: dict) -> tuple:
+    """A problem's place in the request, so that problems from several plugins come out in
+    message order; within a message, its blocks' problems before the message's own (calls
+    left without a result), as the API names a wrong result before the calls it leaves."""
+    numbers = [int(part) for part in str(problem.get("location", "")).split(".") if part.isdigit()]
+    if not numbers:
+        return (1 << 62, 0)
+    return (numbers[0], numbers[1] if len(numbers) > 1 else 1 << 62)
+
+
+def _request_for(raw: bytes, name: str):
+    """``(skeleton, top, bare)`` for a saved request body or bare messages array: the skeleton
+    keeps every value the plugins do not look at as the file's own JSON text, so a repaired
+    history writes each number and string back exactly as it was."""
     try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError as e:
+        top = msgspec.json.decode(raw)
+    except (msgspec.DecodeError, RecursionError) as e:
         raise ValueError(f"{name} is not valid JSON: {e}") from None
+    bare = type(top) is list
+    if not (bare or (type(top) is dict and type(top.get("messages")) is list)):
+        raise ValueError("expected a request body with a messages list, or a messages array")
+    if bare:
+        raw = b'{"model":"","messages":' + raw + b"}"
+        top = None
+    else:
+        top = msgspec.json.decode(raw, type=dict[str, msgspec.Raw])
+        raw = b'{"model":"","messages":' + bytes(top["messages"]) + b"}"
+    problem = _shape_problem(msgspec.json.decode(raw)["messages"])
+    if problem:
+        raise ValueError(f"{name}: {problem}")
+    found = skeleton.decode(raw)
+    if found is None:
+        # A message or block of an unexpected type: the plugins read the full parse instead.
+        whole = msgspec.json.decode(raw)
+        found = skeleton.Skeleton(whole, whole["messages"], "", False)
+    return found, top, bare
+
+
+def _shape_problem(messages: list) -> str | None:
+    """Where the file is not a conversation at all (a message or block of the wrong type): the
+    tool-use checks would step over it and say nothing, so it is refused outright."""
+    for n, message in enumerate(messages):
+        if type(message) is not dict:
+            return f"messages.{n}: expected an object"
+        if type(message.get("role")) is not str:
+            return f"messages.{n}.role: expected a string"
+        content = message.get("content")
+        if type(content) is str:
+            continue
+        if type(content) is not list:
+            return f"messages.{n}.content: expected a string or a list of blocks"
+        for k, block in enumerate(content):
+            if type(block) is not dict:
+                return f"messages.{n}.content.{k}: expected an object"
+            if type(block.get("type")) is not str:
+                return f"messages.{n}.content.{k}.type: expected a string"
+    return None
 
 
 def run_validate(args) -> int:
     """Check (or ``--repair``) a request body offline with the pipeline's ``relay_validate``.
 
     The plugins start as in serving (``relay_startup``), so bad plugin options are config
-    errors (exit 2). Every problem is printed as the API words it, its location first; one
-    found by two plugins (dedup and pairing both see a repeated id) is printed once.
-    Exit status: 0 valid (or fully repaired), 1 problems left, 2 unusable input or config.
+    errors (exit 2). Every problem is printed as the API words it, in message order across the
+    plugins; one found by two plugins (dedup and pairing both see a repeated id) is printed
+    once; what the relay is unsure of (see the README's evidence table) is printed as a note.
+    Exit status: 0 no fault found (or all repaired), 1 faults left, 2 unusable input (not JSON,
+    no messages list, a message or block of the wrong type) or config.
     """
     try:
-        document = read_json_file(args.file)
+        found, top, bare = _request_for(read_json_file(args.file), args.file)
     except ValueError as e:
         return fail(str(e))
-    bare = isinstance(document, list)
-    body = {"messages": document} if bare else document
-    if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
-        return fail("expected a request body with a messages list, or a messages array")
     try:
         if args.config:
             config = config_module.load(args.config, require_keys=False)  # offline: no key
@@ -157,7 +215,8 @@ def run_validate(args) -> int:
     except ConfigError as e:
         return fail(f"config error: {e}")
     exchange = Exchange(endpoint="messages", method="POST", path="/v1/messages", query="",
-                        headers={}, raw_body=b"", body=body)
+                        headers={}, raw_body=b"", skeleton=found)
+    count = len(found.messages)
 
     async def check():
         await chain.startup(config)
@@ -170,26 +229,39 @@ def run_validate(args) -> int:
         results = asyncio.run(check())
     except ConfigError as e:
         return fail(f"config error: {e}")
+    except RelayError as e:
+        return fail(e.message)
     problems = []
     seen = set()
-    for found in results:
-        for problem in found or []:
+    for listed in results:
+        for problem in listed or []:
             key = (problem.get("location"), problem.get("message"))
             if key not in seen:
                 seen.add(key)
                 problems.append(problem)
+    problems.sort(key=_location_order)
+    notes = [{"location": entry.get("location"), "plugin": entry["step"], "reason": entry["reason"]}
+             for entry in exchange.timeline if entry.get("action") == "unsure"]
     if args.json and not args.repair:
-        print(orjson.dumps({"valid": not problems, "problems": problems},
+        print(orjson.dumps({"valid": not problems, "checked": "tool-use faults",
+                            "problems": problems, "notes": notes},
                            option=orjson.OPT_INDENT_2).decode())
     else:
         out = sys.stderr if args.repair else sys.stdout
         for problem in problems:
             print(problem["message"], file=out)
+        for note in notes:
+            print(f"note: {note['location']}: {note['reason']} (forwarded as it is)", file=sys.stderr)
         if not problems and not args.repair:
-            print(f"{args.file}: valid ({len(body['messages'])} messages)")
+            print(f"{args.file}: no tool-use faults found ({count} messages)")
     if args.repair:
-        repaired = body["messages"] if bare else body
-        sys.stdout.write(orjson.dumps(repaired, option=orjson.OPT_INDENT_2).decode() + "\n")
+        messages = exchange.messages
+        if bare:
+            written = skeleton.encode(messages)
+        else:
+            top["messages"] = messages
+            written = skeleton.encode(top)
+        sys.stdout.write(written.decode() + "\n")
         if exchange.repairs:
             print(f"relay: {exchange.repairs} repair(s) made", file=sys.stderr)
     return 1 if problems else 0

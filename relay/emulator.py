@@ -13,12 +13,16 @@ forbids calls with ``tool_choice: none``, gets a text answer: a model cannot cal
 not given.
 
 Validation order, first problem wins: the body's shape (fields, block fields, id patterns,
-which role may hold which block), then content (empty messages and text blocks), then tool_use
-id uniqueness (and, with ``expect_own_ids``, provenance), then tool_use/tool_result pairing,
-then thinking signatures. Within the pairing of one assistant/user pair: an unknown or repeated
-``tool_use_id`` in the leading run of results (a repeat says "each tool_use must have a single
-result", as the API does), then a result placed after other content, then
-tool_use ids left without a result.
+which role may hold which block), then where ``role: "system"`` entries stand, then content
+(empty messages and text blocks), then tool_use id uniqueness (and, with ``expect_own_ids``,
+provenance), then server-tool results without their ``server_tool_use``, then pairing, then
+thinking signatures. Pairing is judged the way the API reads a history: consecutive messages of
+one role form one turn; a turn's calls must be its last blocks; the next turn must open with
+their results (an unknown or repeated ``tool_use_id`` is named at its block); a call left
+without a result in that leading run is named at the first message of that turn. A history
+that ends with calls is a prefill, left to the model's own rules. The rules and their evidence
+are listed in ``relay/evidence.json``; this module keeps its own copy of each check, so that a
+mistake in the relay's plugins is not repeated here.
 """
 
 from __future__ import annotations
@@ -197,8 +201,10 @@ def find_problem(body, options: EmulatorOptions, *, needs_max_tokens: bool = Tru
     problem = _shape_problem(body, options, needs_max_tokens)
     if problem:
         return problem
-    convo = [(n, m) for n, m in enumerate(body["messages"]) if m["role"] != "system"]
-    return (_content_problem(convo) or _id_problem(convo, options) or _pairing_problem(convo)
+    messages = body["messages"]
+    convo = [(n, m) for n, m in enumerate(messages) if m["role"] != "system"]
+    return (_system_problem(messages) or _content_problem(convo) or _id_problem(convo, options)
+            or _server_result_problem(convo) or _pairing_problem(convo)
             or _signature_problem(convo, options.signing_key))
 
 
@@ -292,6 +298,29 @@ def _content_problem(convo) -> str | None:
     return None
 
 
+def _system_problem(messages) -> str | None:
+    # claude-code#73821: "role 'system' must precede an 'assistant' message or end the array".
+    for n, message in enumerate(messages[:-1]):
+        if message["role"] == "system" and messages[n + 1]["role"] == "user":
+            return f"messages.{n}: role 'system' must precede an 'assistant' message or end the array"
+    return None
+
+
+def _server_result_problem(convo) -> str | None:
+    # Only the advisor tool's wording is on record (claude-code#64383 and others).
+    started: set = set()
+    for n, message in convo:
+        for k, block in enumerate(_blocks(message)):
+            if block["type"] == "server_tool_use":
+                started.add(str(block.get("id")))
+            elif block["type"] == "advisor_tool_result" and str(block.get("tool_use_id")) not in started:
+                kind = block["type"]
+                return (f"messages.{n}.content.{k}: unexpected `tool_use_id` found in `{kind}` "
+                        f"blocks: {block.get('tool_use_id')}. Each `{kind}` block must have a "
+                        "corresponding `server_tool_use` block before it.")
+    return None
+
+
 def is_turn(message, options: EmulatorOptions) -> bool:
     """Whether a history entry counts as one of the script's turns.
 
@@ -329,47 +358,62 @@ def _id_problem(convo, options) -> str | None:
 
 
 def _pairing_problem(convo) -> str | None:
-    waiting: tuple[int, list[str]] | None = None  # (assistant index, its tool_use ids)
+    """Pairing as the API reads a history: consecutive messages of one role are one turn; the
+    calls of an assistant turn must be its last blocks, and the next turn must open with their
+    results. A fault names the first message of the turn where the results should have been."""
+    merged: list[tuple[str, list[int], list[tuple[int, int, dict]]]] = []
     for n, message in convo:
-        if message["role"] == "assistant":
-            if waiting:
-                return _missing_results(*waiting)
-            ids = [b["id"] for b in _blocks(message) if b["type"] == "tool_use"]
-            waiting = (n, ids) if ids else None
+        blocks = [(n, k, b) for k, b in enumerate(_blocks(message))]
+        if merged and merged[-1][0] == message["role"]:
+            merged[-1][1].append(n)
+            merged[-1][2].extend(blocks)
+        else:
+            merged.append((message["role"], [n], blocks))
+    calls: list[str] = []
+    for position, (role, numbers, blocks) in enumerate(merged):
+        if role == "assistant":
+            calls = [b["id"] for _, _, b in blocks if b["type"] == "tool_use"]
+            if not calls or position + 1 == len(merged):
+                continue  # a history ending in calls is a prefill: the model's rules decide
+            last_text = max((i for i, (_, _, b) in enumerate(blocks) if b["type"] == "text"),
+                            default=0)
+            followed = [b["id"] for _, _, b in blocks[:last_text] if b["type"] == "tool_use"]
+            if followed:
+                return _missing_results(merged[position + 1][1][0], followed)
             continue
-        problem = _results_problem(n, _blocks(message), waiting[1] if waiting else [])
+        problem = _turn_results_problem(numbers[0], blocks, calls)
         if problem:
             return problem
-        if waiting:
-            answered = {b["tool_use_id"] for b in _blocks(message) if b["type"] == "tool_result"}
-            missing = [i for i in waiting[1] if i not in answered]
-            if missing:
-                return _missing_results(waiting[0], missing)
-        waiting = None
-    return _missing_results(*waiting) if waiting else None
+        calls = []
+    return None
 
 
-def _results_problem(n, blocks, expected: list[str]) -> str | None:
+def _turn_results_problem(first: int, blocks, calls: list[str]) -> str | None:
     lead = 0
-    while lead < len(blocks) and blocks[lead]["type"] == "tool_result":
+    while lead < len(blocks) and blocks[lead][2]["type"] == "tool_result":
         lead += 1
-    open_ids = set(expected)
-    for k in range(lead):
-        tool_use_id = blocks[k]["tool_use_id"]
-        if tool_use_id not in open_ids:
-            if tool_use_id in expected:
-                # The API's text as quoted in a public fix; the second sentence is unconfirmed.
-                return (f"messages.{n}.content.{k}: each tool_use must have a single result. "
-                        f"Found multiple `tool_result` blocks with id: {tool_use_id}")
+    waiting = list(calls)
+    for n, k, block in blocks[:lead]:
+        tool_use_id = block["tool_use_id"]
+        if tool_use_id in waiting:
+            waiting.remove(tool_use_id)
+        elif tool_use_id in calls:
+            # The API's text as quoted in a public fix; the second sentence is unconfirmed.
+            return (f"messages.{n}.content.{k}: each tool_use must have a single result. "
+                    f"Found multiple `tool_result` blocks with id: {tool_use_id}")
+        else:
             return _unexpected_result(n, k, tool_use_id)
-        open_ids.discard(tool_use_id)
-    for k in range(lead, len(blocks)):
-        if blocks[k]["type"] == "tool_result":
-            if expected:
-                return (f"messages.{n}: Did not find {len(expected)} `tool_result` block(s) at "
-                        "the beginning of this message. Messages following `tool_use` blocks "
-                        "must begin with a matching number of `tool_result` blocks.")
-            return _unexpected_result(n, k, blocks[k]["tool_use_id"])
+    for n, k, block in blocks[lead:]:
+        if block["type"] != "tool_result":
+            continue
+        tool_use_id = block["tool_use_id"]
+        if tool_use_id not in calls:
+            return _unexpected_result(n, k, tool_use_id)
+        if tool_use_id not in waiting:
+            return (f"messages.{n}.content.{k}: each tool_use must have a single result. "
+                    f"Found multiple `tool_result` blocks with id: {tool_use_id}")
+    if waiting:
+        return _missing_results(first, waiting)
     return None
 
 

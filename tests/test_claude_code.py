@@ -26,7 +26,9 @@ What Claude Code 2.1.332 does, as these tests pin down (and as seen by hand, whe
   due to internal error]"). It does not move a
   `tool_result` that follows other content, so that is the broken history the CLI really
   sends. On the 400 it re-sends the request a few times in other shapes, then prints
-  `API Error: 400 <message>` and exits 1.
+  `API Error: 400 <message>` and exits 1; for the API's "`tool_use` ids were found without
+  `tool_result` blocks immediately after" it prints "API Error: 400 due to tool use
+  concurrency issues." instead, so it matches on that wording.
 """
 
 from __future__ import annotations
@@ -54,9 +56,11 @@ API_KEY = "sk-ant-e2e-test-key"
 PROMPT = "Run the tool until you are done."
 RUN_TIMEOUT = 90  # seconds for one CLI run; each takes one to three
 REUSED = "toolu_01ReusedId00000000000000"
-NOT_AT_START = ("messages.7: Did not find 1 `tool_result` block(s) at the beginning of this "
-                "message. Messages following `tool_use` blocks must begin with a matching "
-                "number of `tool_result` blocks.")
+# A note before the third turn's result: the API names the call it displaced (the older
+# "Did not find 1 `tool_result` block(s)" wording is superseded, see relay/evidence.json).
+NOT_AT_START = ("messages.7: `tool_use` ids were found without `tool_result` blocks immediately "
+                f"after: {REUSED}-3. Each `tool_use` block must have a corresponding `tool_result` "
+                "block in the next message.")
 
 
 @dataclass
@@ -259,6 +263,26 @@ def test_reused_ids_complete_through_the_relay(through_relay, claude, dumps, cas
     assert received[0]["query"] == "beta=true" and received[0]["body"]["stream"] is True
 
 
+@pytest.mark.parametrize("mode", ["reject", "repair", "off"])
+def test_sessions_complete_in_every_built_in_mode(through_relay, claude, dumps, mode):
+    # The CLI's own histories (its `role: system` entries included) break no rule, so every
+    # mode forwards them as they are: nothing refused, nothing repaired, nothing dumped.
+    emu, r = through_relay("--tool-turns", "3", "--parallel", "2",
+                           quirks={"pairing_mode": mode, "ordering_mode": mode})
+    run = claude.run(r.url)
+    assert run.returncode == 0, run
+    assert "All 3 tool turns done." in run.stdout
+    received = agent_requests(emu)
+    assert len(received) == 4
+    assert_every_call_ran(tool_turns(received[-1]["body"]), count=3, parallel=2)
+    assert any(m["role"] == "system" for m in received[-1]["body"]["messages"])
+    last = received[-1]["body"]
+    assert "No result was recorded" not in json.dumps(last)  # no call was answered for the CLI
+    roles = [m["role"] for m in conversation(last)]
+    assert all(a != b for a, b in zip(roles, roles[1:]))  # as the CLI sent it: nothing merged
+    assert dump_files(dumps) == []
+
+
 def test_restored_ids_give_a_kimi_like_upstream_its_own_ids_back(through_relay, claude):
     emu, r = through_relay(*REUSE_CASES["functions-parallel"][0], "--expect-own-ids",
                            "--reask-dropped", "--max-requests", "40",
@@ -369,7 +393,8 @@ def test_a_broken_resumed_history_is_refused_with_the_apis_wording(through_relay
 
     run = claude.run(r.url, "continue", "--resume", session)
     assert run.returncode == 1
-    assert run.stdout.strip() == f"API Error: 400 {NOT_AT_START}"
+    # The CLI knows this wording: it prints its own summary of it instead of the message.
+    assert run.stdout.strip() == "API Error: 400 due to tool use concurrency issues."
     assert emu.requests() == []  # the relay refused every attempt itself
     refused = [json.loads(p.read_text()) for p in dump_files(dumps)]
     assert refused and all(d["reason"] == "rejected" for d in refused)

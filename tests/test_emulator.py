@@ -55,9 +55,6 @@ MISSING = ("messages.{n}: `tool_use` ids were found without `tool_result` blocks
 UNEXPECTED = ("messages.{n}.content.{k}: unexpected `tool_use_id` found in `tool_result` blocks: "
               "{id}. Each `tool_result` block must have a corresponding `tool_use` block in the "
               "previous message.")
-NOT_AT_START = ("messages.{n}: Did not find {count} `tool_result` block(s) at the beginning of this "
-                "message. Messages following `tool_use` blocks must begin with a matching number "
-                "of `tool_result` blocks.")
 
 
 def test_command_line_options_map_onto_the_dataclass():
@@ -111,15 +108,22 @@ def test_functions_style_accepts_ids_repeated_across_turns_but_not_within_one():
     assert problem(twice, id_style="functions") == "messages.1.content.1: `tool_use` ids must be unique"
 
 
-def test_missing_tool_results_name_the_assistant_message():
+def test_missing_tool_results_name_the_message_that_should_hold_them():
+    # As the API does: Mirascope#2503 ([user, assistant tool_use, user text] -> messages.2) and
+    # the recorded exchange in tests/fixtures/recorded (assistant at 0 -> messages.1).
     body = request(user(text()), assistant(use("toolu_a"), use("toolu_b")), user(text("no")))
-    assert problem(body) == MISSING.format(n=1, ids="toolu_a, toolu_b")
+    assert problem(body) == MISSING.format(n=2, ids="toolu_a, toolu_b")
     partial = request(user(text()), assistant(use("toolu_a"), use("toolu_b")), user(result("toolu_a")))
-    assert problem(partial) == MISSING.format(n=1, ids="toolu_b")
-    last = request(user(text()), assistant(text(), use("toolu_a")))
-    assert problem(last) == MISSING.format(n=1, ids="toolu_a")
-    followed_by_assistant = request(user(text()), assistant(use("toolu_a")), assistant(text()))
-    assert problem(followed_by_assistant) == MISSING.format(n=1, ids="toolu_a")
+    assert problem(partial) == MISSING.format(n=2, ids="toolu_b")
+    # A history ending with calls is a prefill: the model's own rules decide, not pairing.
+    assert problem(request(user(text()), assistant(text(), use("toolu_a")))) is None
+    # Consecutive messages of one role are one turn: text after the call, in the next message.
+    followed_by_text = request(user(text()), assistant(use("toolu_a")), assistant(text()),
+                               user(result("toolu_a")))
+    assert problem(followed_by_text) == MISSING.format(n=3, ids="toolu_a")
+    split = request(user(text()), assistant(use("toolu_a")), assistant(use("toolu_b")),
+                    user(result("toolu_a")), user(result("toolu_b"), text()))
+    assert problem(split) is None
 
 
 def test_unexpected_tool_result_ids():
@@ -138,10 +142,10 @@ def test_a_repeated_tool_result_says_so():
 
 def test_tool_results_must_lead_the_message():
     text_first = request(user(text()), assistant(use("toolu_a")), user(text(), result("toolu_a")))
-    assert problem(text_first) == NOT_AT_START.format(n=2, count=1)
+    assert problem(text_first) == MISSING.format(n=2, ids="toolu_a")
     interrupted = request(user(text()), assistant(use("toolu_a"), use("toolu_b")),
                           user(result("toolu_a"), text(), result("toolu_b")))
-    assert problem(interrupted) == NOT_AT_START.format(n=2, count=2)
+    assert problem(interrupted) == MISSING.format(n=2, ids="toolu_b")
 
 
 def test_server_tool_blocks_need_no_tool_result():
@@ -159,11 +163,16 @@ def test_server_tool_blocks_need_no_tool_result():
     assert problem(body) is None
 
 
-def test_system_entries_inside_messages_are_ignored_for_pairing():
-    body = request({"role": "system", "content": "be brief"}, user(text()), assistant(use("toolu_a")),
-                   {"role": "system", "content": [{"type": "text", "text": "reminder"}]},
-                   user(result("toolu_a")))
+def test_system_entries_must_precede_an_assistant_message_or_end_the_array():
+    # Claude Code's shapes: after a user turn, before the assistant's, or last.
+    body = request(user(text()), {"role": "system", "content": "be brief"}, assistant(use("toolu_a")),
+                   user(result("toolu_a")), {"role": "system", "content": [{"type": "text", "text": "r"}]})
     assert problem(body) is None
+    # claude-code#73821: between calls and their results, or before a user message, it is refused.
+    between = request(user(text()), assistant(use("toolu_a")), {"role": "system", "content": "x"},
+                      user(result("toolu_a")))
+    assert problem(between) == ("messages.2: role 'system' must precede an 'assistant' message or "
+                                "end the array")
 
 
 def test_unknown_fields_and_block_types_pass():
@@ -503,12 +512,12 @@ async def test_non_streaming_answer_and_headers(aiohttp_client):
 
 async def test_errors_over_http_carry_the_request_id(aiohttp_client):
     client = await make_client(aiohttp_client)
-    body = request(user(text()), assistant(use("toolu_a")))
+    body = request(user(text()), assistant(use("toolu_a")), user(text()))
     response = await client.post("/v1/messages", json=body)
     assert response.status == 400
     error = await response.json()
     assert error == {"type": "error", "error": {"type": "invalid_request_error",
-                                                "message": MISSING.format(n=1, ids="toolu_a")},
+                                                "message": MISSING.format(n=2, ids="toolu_a")},
                      "request_id": response.headers["request-id"]}
 
 

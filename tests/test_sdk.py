@@ -81,12 +81,13 @@ def test_upstream_4xx_is_the_sdks_typed_error_with_the_upstreams_wording(through
     emu, r = through_relay(pipeline=())
     broken = [{"role": "user", "content": "go"},
               {"role": "assistant", "content": [
-                  {"type": "tool_use", "id": "toolu_demo_a", "name": "Bash", "input": {}}]}]
+                  {"type": "tool_use", "id": "toolu_demo_a", "name": "Bash", "input": {}}]},
+              {"role": "user", "content": "and?"}]
     with pytest.raises(anthropic.BadRequestError) as e:
         sdk(r.url).messages.create(model="claude-test", max_tokens=10, messages=broken)
     assert e.value.status_code == 400
     assert e.value.body["error"]["message"].startswith(
-        "messages.1: `tool_use` ids were found without `tool_result` blocks immediately after")
+        "messages.2: `tool_use` ids were found without `tool_result` blocks immediately after")
     assert len(emu.requests()) == 1
 
 

@@ -235,14 +235,14 @@ BROKEN = {
     "dropped-result": ([ASK,
                         {"role": "assistant", "content": [call("toolu_01A"), call("toolu_01B")]},
                         {"role": "user", "content": [result("toolu_01A"), text("go on")]}],
-                       ("messages.1: `tool_use` ids were found without `tool_result` blocks "
+                       ("messages.2: `tool_use` ids were found without `tool_result` blocks "
                         "immediately after: toolu_01B. Each `tool_use` block must have a "
                         "corresponding `tool_result` block in the next message.")),
     "note-first": ([ASK, {"role": "assistant", "content": [call("toolu_01A")]},
                     {"role": "user", "content": [text("a note"), result("toolu_01A")]}],
-                   ("messages.2: Did not find 1 `tool_result` block(s) at the beginning of "
-                    "this message. Messages following `tool_use` blocks must begin with a "
-                    "matching number of `tool_result` blocks.")),
+                   ("messages.2: `tool_use` ids were found without `tool_result` blocks "
+                    "immediately after: toolu_01A. Each `tool_use` block must have a "
+                    "corresponding `tool_result` block in the next message.")),
 }
 
 

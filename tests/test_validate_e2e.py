@@ -39,10 +39,6 @@ def missing(index, *ids):
             f"block in the next message.")
 
 
-def not_first(index, calls):
-    return (f"messages.{index}: Did not find {calls} `tool_result` block(s) at the beginning of this "
-            f"message. Messages following `tool_use` blocks must begin with a matching number of "
-            f"`tool_result` blocks.")
 
 
 BROKEN = {
@@ -52,14 +48,20 @@ BROKEN = {
         "Each `tool_result` block must have a corresponding `tool_use` block in the previous message."),
     "text before the results": (
         body_of(assistant(use("toolu_a")), user(text("first"), result("toolu_a"))),
-        not_first(2, 1)),
+        missing(2, "toolu_a")),
     "results split by text": (
         body_of(assistant(use("toolu_a"), use("toolu_b")),
                 user(result("toolu_a"), text("between"), result("toolu_b"))),
-        not_first(2, 2)),
+        missing(2, "toolu_b")),
     "missing result among parallel calls": (
         body_of(assistant(use("toolu_a"), use("toolu_b")), user(result("toolu_b"), text("go on"))),
-        missing(1, "toolu_a")),
+        missing(2, "toolu_a")),
+    "text after the call": (
+        body_of(assistant(use("toolu_a"), text("I will check.")), user(result("toolu_a"))),
+        missing(2, "toolu_a")),
+    "system entry between calls and results": (
+        body_of(assistant(use("toolu_a")), {"role": "system", "content": "r"}, user(result("toolu_a"))),
+        "messages.2: role 'system' must precede an 'assistant' message or end the array"),
     "duplicate result": (
         body_of(assistant(use("toolu_a")), user(result("toolu_a"), result("toolu_a"))),
         "messages.2.content.1: each tool_use must have a single result. Found multiple "
@@ -67,9 +69,6 @@ BROKEN = {
     "result in an assistant message": (
         body_of(assistant(use("toolu_a"), result("toolu_a")), user(result("toolu_a"))),
         "messages.1: `tool_result` blocks can only be in `user` messages"),
-    "trailing tool_use": (
-        body_of(assistant(text("calling"), use("toolu_a"))),
-        missing(1, "toolu_a")),
 }
 
 
@@ -93,9 +92,10 @@ def test_valid_history_reaches_the_upstream_byte_for_byte(emulator, relay):
     r = relay({"pipeline": PIPELINE, "backends": [backend(emu.url)]})
     # Spacing no serializer of ours would produce: any re-serialisation would show.
     raw = json.dumps(body_of(
-        assistant(text("calling"), use("toolu_demo_a")),
         {"role": "system", "content": "a Claude Code reminder"},
+        assistant(text("calling"), use("toolu_demo_a")),
         user(result("toolu_demo_a"), text("Explain this status briefly.")),
+        {"role": "system", "content": "another, at the end"},
     ), indent=1).encode()
     status, headers, answer = post(r.url, "/v1/messages", raw)
     assert status == 200, answer
@@ -115,20 +115,21 @@ def test_repair_mode_sends_a_history_the_upstream_accepts(emulator, relay):
                    assistant(use("toolu_c")), assistant(text("moving on")), user(text("and now?")))
     status, headers, answer = post(r.url, "/v1/messages", orjson.dumps(body))
     assert status == 200, answer
-    assert {k.lower(): v for k, v in headers.items()}["x-relay-repairs"] == "3"  # 2 results + 1 move
+    # 2 results added, 2 turns put in order (the split assistant turn merged as it is).
+    assert {k.lower(): v for k, v in headers.items()}["x-relay-repairs"] == "4"
     received = emu.requests()
     assert len(received) == 1
     messages = received[0]["body"]["messages"]
     assert [b["type"] for b in messages[2]["content"]] == ["tool_result", "tool_result", "text"]
     assert messages[2]["content"][0]["tool_use_id"] == "toolu_a"
     assert messages[2]["content"][0]["is_error"] is True
-    assert [m["role"] for m in messages] == ["user", "assistant", "user", "assistant", "user",
-                                             "assistant", "user"]
+    assert [m["role"] for m in messages] == ["user", "assistant", "user", "assistant", "user"]
+    assert [b["type"] for b in messages[3]["content"]] == ["text", "tool_use"]
     assert messages[4]["content"][0]["tool_use_id"] == "toolu_c"
 
 
 @pytest.mark.parametrize("name", ["seed: result with the wrong id", "duplicate result",
-                                  "trailing tool_use"])
+                                  "system entry between calls and results"])
 def test_repair_mode_still_refuses_what_it_must_not_guess(emulator, relay, name):
     emu = emulator()
     r = relay({"pipeline": PIPELINE,
@@ -163,8 +164,8 @@ def test_validate_with_the_shipped_pipeline_prints_a_duplicate_id_once(tmp_path)
 
     run = validate(tmp_path, DUPLICATE, "--config", ROOT / "relay.yaml", "--json")
     assert run.returncode == 1, run.stderr
-    assert json.loads(run.stdout) == {"valid": False, "problems": [
-        {"location": "messages.3.content.0", "message": DUPLICATE_MESSAGE}]}
+    assert json.loads(run.stdout) == {"valid": False, "checked": "tool-use faults", "problems": [
+        {"location": "messages.3.content.0", "message": DUPLICATE_MESSAGE}], "notes": []}
 
 
 def test_validate_with_the_shipped_pipeline_names_every_location(tmp_path):
@@ -183,7 +184,8 @@ def test_validate_with_the_shipped_pipeline_names_every_location(tmp_path):
 
     run = validate(tmp_path, body_of(assistant(use("toolu_a")), user(result("toolu_a"))),
                    "--config", ROOT / "relay.yaml")
-    assert run.returncode == 0 and run.stdout.endswith("valid (3 messages)\n"), run.stderr
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.endswith(": no tool-use faults found (3 messages)\n")
 
 
 def test_validate_repair_by_default_makes_duplicate_ids_unique(tmp_path):
@@ -214,3 +216,102 @@ def test_validate_reports_bad_plugin_options_as_config_errors(tmp_path, config, 
     assert run.returncode == 2, run.stdout + run.stderr
     assert run.stderr.startswith("relay: " + message), run.stderr
     assert run.stdout == ""
+
+
+def test_problems_from_every_plugin_come_in_message_order(tmp_path):
+    broken = body_of(assistant(use("toolu_a")), user(text("first"), result("toolu_a")),
+                     assistant(use("toolu_b")), user(result("toolu_x")))
+    run = validate(tmp_path, broken)
+    assert run.returncode == 1
+    assert run.stdout.splitlines() == [
+        missing(2, "toolu_a"),  # ordering's
+        "messages.4.content.0: unexpected `tool_use_id` found in `tool_result` blocks: toolu_x. "
+        "Each `tool_result` block must have a corresponding `tool_use` block in the previous message.",
+        missing(4, "toolu_b")]  # pairing's
+
+
+def test_validate_notes_what_it_is_unsure_of(tmp_path):
+    run = validate(tmp_path, body_of(assistant(text("calling"), use("toolu_a"))))
+    assert run.returncode == 0, run.stderr
+    assert run.stderr.startswith("note: messages.1: the history ends with tool calls")
+    run = validate(tmp_path, body_of(assistant(text("calling"), use("toolu_a"))), "--json")
+    assert [n["plugin"] for n in json.loads(run.stdout)["notes"]] == ["pairing"]
+
+
+def test_repair_never_invents_a_failure_for_a_result_in_the_next_message(tmp_path):
+    split = body_of(assistant(use("toolu_a"), use("toolu_b")), user(result("toolu_a")),
+                    user(result("toolu_b"), text("go on")))
+    assert validate(tmp_path, split).returncode == 0
+    run = validate(tmp_path, split, "--repair")
+    assert run.returncode == 0, run.stderr
+    repaired = json.loads(run.stdout)["messages"]
+    # Merged into one turn, losslessly: no is_error placeholder anywhere.
+    assert repaired[2]["content"] == [result("toolu_a"), result("toolu_b"), text("go on")]
+    assert "is_error" not in run.stdout
+
+
+def test_repair_writes_every_number_as_it_was_written(tmp_path):
+    raw = (b'{"model":"m","max_tokens":1E+2,"temperature":0.70,"messages":[{"role":"user","content":'
+           b'[{"type":"text","text":"go"}]},{"role":"assistant","content":[{"type":"tool_use","id":'
+           b'"toolu_a","name":"x","input":{"n":123456789012345678901234567890,"f":1E+2,"z":-0.0}}]},'
+           b'{"role":"user","content":[{"type":"text","text":"\\u00e9 caf\xc3\xa9"}]}]}')
+    path = tmp_path / "request.json"
+    path.write_bytes(raw)
+    run = subprocess.run([sys.executable, "-m", "relay", "validate", "--repair", str(path)],
+                         capture_output=True, timeout=60, check=False)
+    assert run.returncode == 0, run.stderr
+    out = run.stdout
+    for literal in (b'"max_tokens":1E+2', b'"temperature":0.70', b"123456789012345678901234567890",
+                    b'"f":1E+2', b'"z":-0.0', b'\\u00e9 caf\xc3\xa9'):
+        assert literal in out, literal
+    assert b'"is_error":true' in out  # the one repair: the call had no result
+    bare = tmp_path / "bare.json"
+    bare.write_bytes(b'[{"role":"user","content":[{"type":"text","text":"x","n":1.50}]}]')
+    run = subprocess.run([sys.executable, "-m", "relay", "validate", "--repair", str(bare)],
+                         capture_output=True, timeout=60, check=False)
+    assert run.returncode == 0 and run.stdout.strip() == bare.read_bytes(), run.stderr
+
+
+@pytest.mark.parametrize("raw, message", [
+    (b"[" * 100000 + b"]" * 100000, "is not valid JSON"),
+    (b'{"messages":' + b"[" * 3000 + b"]" * 3000 + b"}", "is not valid JSON"),
+    (b'{"messages": 5}', "expected a request body with a messages list"),
+    (b'"just a string"', "expected a request body with a messages list"),
+    (b'{"messages": [1, 2', "is not valid JSON"),
+])
+def test_hostile_files_get_a_message_not_a_traceback(tmp_path, raw, message):
+    path = tmp_path / "request.json"
+    path.write_bytes(raw)
+    for extra in ([], ["--repair"], ["--json"]):
+        run = subprocess.run([sys.executable, "-m", "relay", "validate", *extra, str(path)],
+                             capture_output=True, text=True, timeout=60, check=False)
+        assert run.returncode == 2 and message in run.stderr, run.stderr
+        assert "Traceback" not in run.stderr
+
+
+@pytest.mark.parametrize("messages, message", [
+    ([1, "x"], "messages.0: expected an object"),
+    ([{"role": 5, "content": "x"}], "messages.0.role: expected a string"),
+    ([{"role": "user", "content": "x"}, {"role": "user", "content": {}}],
+     "messages.1.content: expected a string or a list of blocks"),
+    ([{"role": "user"}], "messages.0.content: expected a string or a list of blocks"),
+    ([{"role": "user", "content": [None]}], "messages.0.content.0: expected an object"),
+    ([{"role": "user", "content": [{"type": 7}]}], "messages.0.content.0.type: expected a string"),
+])
+def test_wrong_types_inside_messages_get_a_message_not_a_traceback(tmp_path, messages, message):
+    for document in ({"messages": messages}, messages):
+        for extra in ([], ["--repair"], ["--json"]):
+            run = validate(tmp_path, document, *extra)
+            assert run.returncode == 2, run.stdout + run.stderr
+            assert run.stderr == f"relay: {tmp_path / 'request.json'}: {message}\n"
+
+
+def test_odd_values_where_the_checks_look_are_reported_never_a_traceback(tmp_path):
+    odd = {"messages": [{"role": "user", "content": [{"type": "text", "text": "go"}]},
+                        {"role": "assistant", "content": [{"type": "tool_use", "id": {"a": 1}},
+                                                          {"type": "tool_use", "id": None}]},
+                        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": [1]}]}]}
+    for extra in ([], ["--repair"], ["--json"]):
+        run = validate(tmp_path, odd, *extra)
+        assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
+        assert "unexpected `tool_use_id` found in `tool_result` blocks: [1]" in run.stdout + run.stderr
