@@ -30,13 +30,17 @@ from __future__ import annotations
 import logging
 from typing import NamedTuple
 
-from relay.config import check_choice
 from relay.errors import invalid_request
 from relay.hookspecs import hookimpl
+from relay.options import Option
 
 log = logging.getLogger("relay.plugins.ordering")
 
 MODES = ("reject", "repair", "off")
+OPTIONS = (
+    Option("ordering_mode", str, "reject", "what to do with content after a call, or "
+           "tool_results that do not lead their turn", choices=MODES, quirk=True),
+)
 
 
 class Problem(NamedTuple):
@@ -47,6 +51,7 @@ class Problem(NamedTuple):
     index: int  # the message the location names
     turn: tuple  # the message indexes of the turn to reorder
     calls_first: bool  # an assistant turn (move the other blocks first) or a user one
+    rule: str = ""  # its id in relay/evidence.json
 
     def as_dict(self) -> dict:
         return {"location": self.location, "message": self.message}
@@ -57,7 +62,7 @@ def _not_after(index: int, ids: list, turn: list, calls: bool) -> Problem:
     return Problem(location, f"{location}: `tool_use` ids were found without `tool_result` blocks "
                              f"immediately after: {', '.join(ids)}. Each `tool_use` block must have "
                              f"a corresponding `tool_result` block in the next message.",
-                   index, tuple(turn), calls)
+                   index, tuple(turn), calls, "tool-use-then-text" if calls else "results-not-first")
 
 
 def _clean(messages: list) -> bool:
@@ -215,11 +220,6 @@ def _note_unsure(exchange, unsure) -> None:
 
 
 @hookimpl
-def relay_startup(config, options):
-    check_choice(config, "ordering", options, "ordering_mode", MODES)
-
-
-@hookimpl
 def relay_request(exchange, options):
     mode = _mode(options)
     if mode == "off":
@@ -233,7 +233,7 @@ def relay_request(exchange, options):
         found = _repair(exchange, messages, found)
         if not found:
             return
-    raise invalid_request(found[0].message)
+    raise invalid_request(found[0].message, found[0].rule)
 
 
 @hookimpl

@@ -43,13 +43,22 @@ import msgspec
 import orjson
 
 from relay import skeleton
-from relay.config import check_choice, option_sources
-from relay.errors import ConfigError, invalid_request
+from relay.errors import invalid_request
 from relay.hookspecs import hookimpl
+from relay.options import Option
 
 log = logging.getLogger("relay.plugins.pairing")
 
 MODES = ("reject", "repair", "off")
+OPTIONS = (
+    Option("pairing_mode", str, "reject", "what to do with a call without a result, an unknown "
+           "or duplicate result, and the other history rules", choices=MODES, quirk=True),
+    Option("merge_consecutive", bool, True, "merge a tool turn's calls or results split over "
+           "consecutive messages into one message, for backends that pair message by message",
+           quirk=True),
+    Option("restore_original_ids", bool, False, "the upstream wants its own repeated ids back "
+           "(the dedup quirk): request-wide id uniqueness is not checked", quirk=True),
+)
 
 # What a repaired history tells the model about a call whose result never came back: an
 # error, with no claim that the tool ran or did not.
@@ -77,6 +86,7 @@ class Problem(NamedTuple):
     block: int = -1  # the block it names; calls without a result sort after their turn's blocks
     # For calls without a result: their ids; repair adds results to message ``index``.
     missing: tuple = ()
+    rule: str = ""  # its id in relay/evidence.json
 
     def as_dict(self) -> dict:
         return {"location": self.location, "message": self.message}
@@ -94,7 +104,7 @@ def _missing(index: int, ids: list) -> Problem:
     return Problem(location, f"{location}: `tool_use` ids were found without `tool_result` blocks "
                              f"immediately after: {', '.join(ids)}. Each `tool_use` block must have "
                              f"a corresponding `tool_result` block in the next message.",
-                   index, _AFTER_BLOCKS, tuple(ids))
+                   index, _AFTER_BLOCKS, tuple(ids), "unanswered-call")
 
 
 def _shown(value) -> str:
@@ -112,7 +122,8 @@ def _unknown(index: int, k: int, tool_use_id) -> Problem:
     location = f"messages.{index}.content.{k}"
     return Problem(location, f"{location}: unexpected `tool_use_id` found in `tool_result` blocks: "
                              f"{_shown(tool_use_id)}. Each `tool_result` block must have a corresponding "
-                             f"`tool_use` block in the previous message.", index, k)
+                             f"`tool_use` block in the previous message.", index, k,
+                   rule="unknown-result")
 
 
 # "each tool_use must have a single result" is the API's text as quoted in a public fix
@@ -120,36 +131,40 @@ def _unknown(index: int, k: int, tool_use_id) -> Problem:
 def _duplicate_result(index: int, k: int, tool_use_id) -> Problem:
     location = f"messages.{index}.content.{k}"
     return Problem(location, f"{location}: each tool_use must have a single result. Found multiple "
-                             f"`tool_result` blocks with id: {tool_use_id}", index, k)
+                             f"`tool_result` blocks with id: {tool_use_id}", index, k,
+                   rule="duplicate-result")
 
 
 def _wrong_role(index: int, kind: str, home: str) -> Problem:
     location = f"messages.{index}"
-    return Problem(location, f"{location}: `{kind}` blocks can only be in `{home}` messages", index)
+    return Problem(location, f"{location}: `{kind}` blocks can only be in `{home}` messages", index,
+                   rule="result-in-assistant" if kind == "tool_result" else "tool-use-in-user")
 
 
 def _duplicate_id(index: int, k: int) -> Problem:
     location = f"messages.{index}.content.{k}"
-    return Problem(location, f"{location}: `tool_use` ids must be unique", index, k)
+    return Problem(location, f"{location}: `tool_use` ids must be unique", index, k,
+                   rule="duplicate-id")
 
 
 def _empty(index: int) -> Problem:
     location = f"messages.{index}"
     return Problem(location, f"{location}: all messages must have non-empty content except for "
-                             f"the optional final assistant message", index)
+                             f"the optional final assistant message", index, rule="empty-content")
 
 
 def _system_misplaced(index: int) -> Problem:
     location = f"messages.{index}"
     return Problem(location, f"{location}: role 'system' must precede an 'assistant' message or "
-                             f"end the array", index)
+                             f"end the array", index, rule="system-placement")
 
 
 def _server_result_alone(index: int, k: int, kind: str, tool_use_id) -> Problem:
     location = f"messages.{index}.content.{k}"
     return Problem(location, f"{location}: unexpected `tool_use_id` found in `{kind}` blocks: "
                              f"{_shown(tool_use_id)}. Each `{kind}` block must have a corresponding "
-                             f"`server_tool_use` block before it.", index, k)
+                             f"`server_tool_use` block before it.", index, k,
+                   rule="advisor-result-without-use")
 
 
 def _clean(messages: list, unique_ids: bool) -> bool:
@@ -531,15 +546,6 @@ def _merge(exchange, messages: list) -> None:
 
 
 @hookimpl
-def relay_startup(config, options):
-    check_choice(config, "pairing", options, "pairing_mode", MODES)
-    for where, mapping in option_sources(config, "pairing", options):
-        value = mapping.get("merge_consecutive", True)
-        if type(value) is not bool:
-            raise ConfigError(f"{where}.merge_consecutive: must be true or false, not {value!r}")
-
-
-@hookimpl
 def relay_request(exchange, options):
     mode = _mode(options)
     if mode == "off":
@@ -552,10 +558,10 @@ def relay_request(exchange, options):
     _note_unsure(exchange, unsure)
     if found:
         if mode != "repair":
-            raise invalid_request(found[0].message)
+            raise invalid_request(found[0].message, found[0].rule)
         for problem in found:
             if not problem.missing:
-                raise invalid_request(problem.message)
+                raise invalid_request(problem.message, problem.rule)
         _repair(exchange, messages, found)
     if options.get("merge_consecutive", True):
         _merge(exchange, messages)

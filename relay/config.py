@@ -153,22 +153,6 @@ class Config:
         return self.backends[0] if fallback else None
 
 
-def option_sources(config: Config, plugin: str, options: dict):
-    """Where a plugin's option may be set, as (key path, mapping): the plugin's own section,
-    then each backend's quirks, which override it for that backend. For relay_startup checks."""
-    yield f"plugins.{plugin}", options
-    for i, backend in enumerate(config.backends):
-        yield f"backends[{i}].quirks", backend.quirks
-
-
-def check_choice(config: Config, plugin: str, options: dict, key: str, choices) -> None:
-    """Raise ConfigError, with its key path, where ``key`` is set to a value not in ``choices``."""
-    for where, mapping in option_sources(config, plugin, options):
-        if key in mapping and mapping[key] not in choices:
-            raise ConfigError(f"{where}.{key}: must be one of {', '.join(choices)}, "
-                              f"not {mapping[key]!r}")
-
-
 def load(path: str, env=os.environ, require_keys: bool = True) -> Config:
     try:
         with open(path, encoding="utf-8") as f:

@@ -40,8 +40,8 @@ class RelayError(Exception):
         return error_body(self.type, self.message, request_id)
 
 
-def invalid_request(message: str) -> RelayError:
-    return RelayError(400, message, "invalid_request_error")
+def invalid_request(message: str, rule: str | None = None) -> RelayError:
+    return RelayError(400, message, "invalid_request_error", rule=rule)
 
 
 def error_body(type: str, message: str, request_id: str | None = None) -> bytes:

@@ -40,15 +40,15 @@ class Option:
         kinds = self.kind if isinstance(self.kind, tuple) else (self.kind,)
         if value is None and self.default is None:
             return value
+        if self.choices and (isinstance(value, bool) or value not in self.choices):
+            raise ConfigError(f"{path}: must be one of {', '.join(map(str, self.choices))}, "
+                              f"not {value!r}")
         wrong_bool = isinstance(value, bool) and bool not in kinds
         if wrong_bool or not isinstance(value, kinds):
             if float in kinds and isinstance(value, int) and not isinstance(value, bool):
                 return value
             words = " or ".join(_WORDS.get(kind, kind.__name__) for kind in kinds)
             raise ConfigError(f"{path}: must be {words}, not {value!r}")
-        if self.choices and value not in self.choices:
-            raise ConfigError(f"{path}: must be one of {', '.join(map(str, self.choices))}, "
-                              f"not {value!r}")
         problem = self.check(value) if self.check is not None else None
         if problem:
             raise ConfigError(f"{path}: {problem}")
@@ -61,7 +61,8 @@ def declared(plugin) -> tuple[Option, ...] | None:
 
 
 def _unknown(path: str, key, known) -> ConfigError:
-    close = difflib.get_close_matches(str(key), sorted(known), n=1)
+    close = (difflib.get_close_matches(str(key), sorted(known), n=1)
+             or sorted(name for name in known if str(key) in name)[:1])
     hint = f" (did you mean {close[0]}?)" if close else ""
     choices = f"; known: {', '.join(sorted(known))}" if known and not close else ""
     return ConfigError(f"{path}.{key}: unknown option{hint}{choices}")

@@ -5,13 +5,10 @@ from __future__ import annotations
 import functools
 import logging
 
-import pytest
 import support
 from support import assistant, exchange_for, request, result, text, use, user
 
 from plugins import ordering
-from relay.config import Backend, Config
-from relay.errors import ConfigError
 
 rejection = functools.partial(support.rejection, ordering.relay_request)
 passes = functools.partial(support.passes, ordering.relay_request)
@@ -165,12 +162,3 @@ def test_validate_lists_every_problem_and_repair_leaves_none():
     assert ordering.relay_validate(exchange_for(body), {"ordering_mode": "off"}, False) is None
 
 
-def test_startup_checks_the_mode_in_options_and_quirks():
-    config = Config(backends=[Backend(name="a", url="http://x", models=["*"],
-                                      quirks={"ordering_mode": "sort"})])
-    with pytest.raises(ConfigError, match=r"^plugins\.ordering\.ordering_mode: "):
-        ordering.relay_startup(config, {"ordering_mode": "maybe"})
-    with pytest.raises(ConfigError, match=r"^backends\[0\]\.quirks\.ordering_mode: "):
-        ordering.relay_startup(config, {})
-    config.backends[0].quirks["ordering_mode"] = "repair"
-    ordering.relay_startup(config, {"ordering_mode": "off"})

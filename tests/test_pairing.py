@@ -15,8 +15,7 @@ import support
 from support import assistant, exchange_for, request, result, text, use, user
 
 from plugins import ordering, pairing
-from relay.config import Backend, Config
-from relay.errors import ConfigError, RelayError
+from relay.errors import RelayError
 
 rejection = functools.partial(support.rejection, pairing.relay_request)
 passes = functools.partial(support.passes, pairing.relay_request)
@@ -304,21 +303,6 @@ def test_repair_mode_still_refuses_what_it_must_not_guess(messages, message):
         pairing.relay_request(exchange, {"pairing_mode": "repair"})
     assert caught.value.message == message
     assert orjson.dumps(body) == before and not exchange.changed and exchange.repairs == 0
-
-
-def test_startup_checks_the_mode_in_options_and_quirks():
-    config = Config(backends=[Backend(name="a", url="http://x", models=["*"]),
-                              Backend(name="b", url="http://y", models=["*"],
-                                      quirks={"pairing_mode": "fix"})])
-    with pytest.raises(ConfigError, match=r"^plugins\.pairing\.pairing_mode: "):
-        pairing.relay_startup(config, {"pairing_mode": "lenient"})
-    with pytest.raises(ConfigError, match=r"^backends\[1\]\.quirks\.pairing_mode: "):
-        pairing.relay_startup(config, {"pairing_mode": "repair"})
-    config.backends[1].quirks["pairing_mode"] = "off"
-    pairing.relay_startup(config, {})
-    config.backends[1].quirks["merge_consecutive"] = "no"
-    with pytest.raises(ConfigError, match=r"^backends\[1\]\.quirks\.merge_consecutive: must be true or false"):
-        pairing.relay_startup(config, {"merge_consecutive": False})
 
 
 # --- relay validate ---------------------------------------------------------------------------
