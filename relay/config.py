@@ -12,6 +12,7 @@ import yaml
 from .errors import ConfigError
 
 MAX_BODY_BYTES = 32 * 1024 * 1024  # the Messages API's own request limit
+MAX_WORKERS = 256  # a typo, not a machine: each worker holds its own connections and memory
 
 
 @dataclass
@@ -56,6 +57,9 @@ class Config:
     upstream_connections: int = 512
     log_level: str = "INFO"
     access_log: bool = False
+    log_format: str = "text"
+    workers: int = 1
+    drain_seconds: float = 30.0
     source: str | None = None
     _routes: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -139,7 +143,7 @@ def parse(raw, env=os.environ, require_keys: bool = True) -> Config:
 
     server = _expect(raw.get("server", {}) or {}, dict, "server", "a mapping")
     _unknown(server, {"host", "port", "max_body_bytes", "upstream_connections", "log_level",
-                      "access_log"}, "server")
+                      "access_log", "log_format", "workers", "drain_seconds"}, "server")
     config.host = _expect(server.get("host", config.host), str, "server.host", "a string")
     port = _expect(server.get("port", config.port), int, "server.port", "an integer")
     if not 0 <= port <= 65535:
@@ -155,6 +159,18 @@ def parse(raw, env=os.environ, require_keys: bool = True) -> Config:
     config.log_level = level.upper()
     config.access_log = _expect(server.get("access_log", False), bool, "server.access_log",
                                 "true or false")
+    config.log_format = _expect(server.get("log_format", config.log_format), str,
+                                "server.log_format", "text or json")
+    if config.log_format not in ("text", "json"):
+        raise ConfigError("server.log_format: must be text or json")
+    config.workers = _expect(server.get("workers", config.workers), int, "server.workers",
+                             "an integer")
+    if not 1 <= config.workers <= MAX_WORKERS:
+        raise ConfigError(f"server.workers: must be between 1 and {MAX_WORKERS}")
+    drain = server.get("drain_seconds", config.drain_seconds)
+    if isinstance(drain, bool) or not isinstance(drain, (int, float)) or drain < 0:
+        raise ConfigError("server.drain_seconds: must be a number of seconds, 0 or more")
+    config.drain_seconds = float(drain)
 
     pipeline = _expect(raw.get("pipeline", []) or [], list, "pipeline", "a list of plugin names")
     for i, name in enumerate(pipeline):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-import time
+import signal
 
 import aiohttp
 import orjson
@@ -13,7 +13,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 from multidict import CIMultiDict
 
-from . import __version__, skeleton
+from . import __version__, lifecycle, logs, skeleton
 from .chain import Chain
 from .errors import RelayError, invalid_request
 from .exchange import Exchange, UpstreamResponse
@@ -21,7 +21,7 @@ from .skeleton import Skeleton
 from .sse import Event, LazyFramer
 
 log = logging.getLogger("relay")
-access_log = logging.getLogger("relay.access")
+access_log = logs.access_log
 
 # RFC 9110 hop-by-hop headers, plus the ones the relay recomputes: aiohttp decodes content
 # encodings on both sides, so a forwarded content-encoding or content-length would be stale.
@@ -150,14 +150,10 @@ def client_headers(upstream_headers, extra: dict | None = None) -> CIMultiDict:
 
 def log_exchange(exchange: Exchange, status: int | None) -> None:
     """One line per exchange (``server.access_log``): what an operator greps for first, the
-    id naming any dump. Off by default: a log record costs more than the relay's own work on
-    a small request."""
+    id naming any dump; every field escaped and capped (see :mod:`relay.logs`). Off by
+    default: a log record costs more than the relay's own work on a small request."""
     if access_log.isEnabledFor(logging.INFO):
-        access_log.info("%s %s model=%s backend=%s status=%s outcome=%s repairs=%d %.1fms",
-                        exchange.id, exchange.endpoint, exchange.model,
-                        exchange.backend.name if exchange.backend else "-", status or "-",
-                        exchange.outcome, exchange.repairs,
-                        (time.time() - exchange.started) * 1000)
+        logs.log_access(logs.access_fields(exchange, status, lifecycle.response_started()))
 
 
 async def prepare_exchange(state: RelayState, *, method: str, path: str, query: str,
@@ -374,6 +370,16 @@ class Relay:
             exchange.note("relay", "stream error", message=message)
             await response.write(error.raw)
             return response
+        except asyncio.CancelledError:
+            # Cancelled with the client still there: the drain at shutdown ran out of time.
+            if (request.transport is not None and not request.transport.is_closing()
+                    and not framer.ended):
+                exchange.note("relay", "stream error", message=lifecycle.SHUTTING_DOWN)
+                await response.write(Event.build("error", {
+                    "type": "error",
+                    "error": {"type": "api_error", "message": lifecycle.SHUTTING_DOWN}}).raw)
+                await response.write_eof()
+            raise
         await response.write_eof()
         return response
 
@@ -413,6 +419,9 @@ class Relay:
                                   "pipeline": self.state.chain.pipeline,
                                   "backends": [b.name for b in self.state.config.backends]})
 
+    async def readyz(self, request: web.Request) -> web.Response:
+        return lifecycle.readiness_response(request)
+
     async def not_found(self, request: web.Request) -> web.Response:
         return relay_error(RelayError(404, f"Not found: {request.method} {request.path}",
                                       "not_found_error"))
@@ -441,6 +450,7 @@ def create_app(config, chain: Chain) -> web.Application:
     app.router.add_post("/v1/messages", relay.messages)
     app.router.add_post("/v1/messages/count_tokens", relay.messages)
     app.router.add_get("/healthz", relay.healthz)
+    app.router.add_get("/readyz", relay.readyz)
     app.router.add_route("*", "/v1/{tail:.*}", relay.passthrough)
     app.router.add_route("*", "/{tail:.*}", relay.not_found)
 
@@ -456,23 +466,44 @@ def create_app(config, chain: Chain) -> web.Application:
     return app
 
 
-async def serve(config, chain: Chain, host: str, port: int) -> None:
-    """Run until cancelled. Prints the listening address once bound (port 0 picks one)."""
+async def serve(config, chain: Chain, host: str, port: int, worker=None) -> int:
+    """Serve until SIGTERM or SIGINT, then drain (see :mod:`relay.lifecycle`); returns the
+    exit status. Alone, prints the listening address once bound (port 0 picks one); as one
+    of several workers (``worker``, a :class:`relay.workers.WorkerLink`) it shares the port
+    with its siblings and tells the supervisor instead."""
+    loop = asyncio.get_running_loop()
+    state = lifecycle.Lifecycle(config.workers, worker.serving) if worker else lifecycle.Lifecycle()
     await chain.startup(config)
-    app = create_app(config, chain)
-    # Cancelling the handler when the client goes away is what closes the upstream request.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
     try:
-        site = web.TCPSite(runner, host, port)
-        await site.start()
-        bound = site._server.sockets[0].getsockname()
-        # Everything alive now lives as long as the process: keep it out of the collector's
-        # full passes, which otherwise show up as p99 spikes on large requests.
-        gc.collect()
-        gc.freeze()
-        print(f"relay listening on http://{bound[0]}:{bound[1]}", flush=True)
-        await asyncio.Event().wait()
+        app = create_app(config, chain)
+        app[lifecycle.LIFECYCLE] = state
+        # Innermost, so that a request cut by the drain is still answered by the outer ones.
+        app.middlewares.append(state.middleware())
+        app.on_response_prepare.append(lifecycle.mark_response_started)
+        # Cancelling the handler when the client goes away is what closes the upstream
+        # request. The drain is the lifecycle's: by cleanup, nothing is in flight.
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                               shutdown_timeout=1.0)
+        await runner.setup()
+        try:
+            site = web.TCPSite(runner, host, port, reuse_port=worker is not None)
+            await site.start()
+            for sig in worker.signals if worker else (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, state.signal)
+            # Everything alive now lives as long as the process: keep it out of the
+            # collector's full passes, which otherwise show up as p99 spikes on large
+            # requests.
+            gc.collect()
+            gc.freeze()
+            state.listening = True
+            if worker:
+                worker.started(loop, state.signal)
+            else:
+                bound = runner.addresses[0]
+                logs.announce(f"relay listening on http://{bound[0]}:{bound[1]}")
+            await state.stop_requested.wait()
+            return await state.drain(runner, config.drain_seconds)
+        finally:
+            await runner.cleanup()
     finally:
-        await runner.cleanup()
         await chain.shutdown(config)
