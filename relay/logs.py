@@ -8,7 +8,6 @@ error message). Every such value is escaped and capped here, in both formats: a 
 from __future__ import annotations
 
 import datetime
-import json
 import logging
 import re
 import time
@@ -154,8 +153,10 @@ class JSONFormatter(logging.Formatter):
             out["stack"] = self.formatStack(record.stack_info)
         try:
             return orjson.dumps(out).decode()
-        except TypeError:  # a lone surrogate in some value: the standard encoder escapes it
-            return json.dumps(out, ensure_ascii=True, default=str)
+        except TypeError:  # a lone surrogate, which UTF-8 cannot hold: kept as escape text
+            return orjson.dumps({name: value.encode("utf-8", "backslashreplace").decode()
+                                 if isinstance(value, str) else value
+                                 for name, value in out.items()}).decode()
 
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
