@@ -101,7 +101,8 @@ class Lifecycle:
                 # can still be told why, and that a retry (elsewhere) will do.
                 if (self.forced and response_started() is None and request.transport is not None
                         and not request.transport.is_closing()):
-                    task.uncancel()
+                    if hasattr(task, "uncancel"):  # Python 3.11+: the cancel is handled here
+                        task.uncancel()
                     return shutting_down()
                 raise
             finally:

@@ -473,12 +473,15 @@ async def serve(config, chain: Chain, host: str, port: int, worker=None) -> int:
     with its siblings and tells the supervisor instead."""
     loop = asyncio.get_running_loop()
     state = lifecycle.Lifecycle(config.workers, worker.serving) if worker else lifecycle.Lifecycle()
+    # From the start: a signal during start-up drains (nothing) once listening, not a kill.
+    for sig in worker.signals if worker else (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, state.signal)
     await chain.startup(config)
     try:
         app = create_app(config, chain)
         app[lifecycle.LIFECYCLE] = state
-        # Innermost, so that a request cut by the drain is still answered by the outer ones.
-        app.middlewares.append(state.middleware())
+        # Outermost: every request the app is working on counts as in flight for the drain.
+        app.middlewares.insert(0, state.middleware())
         app.on_response_prepare.append(lifecycle.mark_response_started)
         # Cancelling the handler when the client goes away is what closes the upstream
         # request. The drain is the lifecycle's: by cleanup, nothing is in flight.
@@ -488,8 +491,6 @@ async def serve(config, chain: Chain, host: str, port: int, worker=None) -> int:
         try:
             site = web.TCPSite(runner, host, port, reuse_port=worker is not None)
             await site.start()
-            for sig in worker.signals if worker else (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, state.signal)
             # Everything alive now lives as long as the process: keep it out of the
             # collector's full passes, which otherwise show up as p99 spikes on large
             # requests.

@@ -416,3 +416,71 @@ def test_an_idle_relay_stops_at_once_with_status_0(tmp_path, emulator, workers):
     os.kill(relay.pid, signal.SIGINT)  # Ctrl-C, as a terminal sends it
     assert exit_status(relay) == 0
     assert time.monotonic() - started < 10
+
+
+# --- the keys and the states -----------------------------------------------------------------
+
+
+def test_the_server_keys_have_safe_defaults_and_say_what_is_wrong():
+    from relay.config import parse
+    from relay.errors import ConfigError
+
+    minimal = {"backends": [backend("http://127.0.0.1:9")]}
+    config = parse(minimal)
+    assert (config.workers, config.log_format, config.drain_seconds) == (1, "text", 30.0)
+    config = parse({**minimal, "server": {"workers": 4, "log_format": "json", "drain_seconds": 0}})
+    assert (config.workers, config.log_format, config.drain_seconds) == (4, "json", 0.0)
+    for server, message in [
+        ({"workers": 0}, "server.workers: must be between 1 and 256"),
+        ({"workers": "2"}, "server.workers: must be an integer"),
+        ({"workers": True}, "server.workers: must be an integer"),
+        ({"log_format": "xml"}, "server.log_format: must be text or json"),
+        ({"drain_seconds": -1}, "server.drain_seconds: must be a number of seconds, 0 or more"),
+        ({"drain_seconds": "30s"}, "server.drain_seconds: must be a number of seconds, 0 or more"),
+    ]:
+        with pytest.raises(ConfigError) as error:
+            parse({**minimal, "server": server})
+        assert str(error.value) == message
+
+
+def test_workers_on_the_command_line_are_checked(tmp_path):
+    import subprocess
+    (tmp_path / "relay.yaml").write_text("backends: [{name: a, url: 'http://127.0.0.1:9'}]\n")
+    done = subprocess.run([sys.executable, "-m", "relay", "--config", "relay.yaml",
+                           "--workers", "0"], capture_output=True, text=True, timeout=30,
+                          cwd=tmp_path)
+    assert done.returncode == 2
+    assert "--workers: must be between 1 and 256" in done.stderr
+
+
+async def test_readiness_follows_the_process_through_its_life():
+    from relay.lifecycle import Lifecycle, SharedCounter
+
+    serving = SharedCounter()
+    state = Lifecycle(3, serving)
+    assert state.readiness() == (503, {"status": "starting",
+                                       "workers": {"configured": 3, "serving": 0}})
+    state.listening = True
+    serving.value = 3
+    assert state.readiness() == (200, {"status": "ready",
+                                       "workers": {"configured": 3, "serving": 3}})
+    serving.value = 2  # one worker being started again: this one still serves
+    assert state.readiness()[0] == 200
+    state.signal()
+    assert state.stop_requested.is_set() and not state.second_signal.is_set()
+    state.draining = True
+    assert state.readiness() == (503, {"status": "draining",
+                                       "workers": {"configured": 3, "serving": 2}})
+    state.signal()
+    assert state.second_signal.is_set()
+
+
+async def test_an_app_without_the_lifecycle_is_ready_once_it_answers(aiohttp_client):
+    from relay.chain import Chain, load_plugins
+    from relay.config import parse
+    from relay.server import create_app
+
+    config = parse({"backends": [backend("http://127.0.0.1:9")]})
+    client = await aiohttp_client(create_app(config, Chain(load_plugins([]), config)))
+    response = await client.get("/readyz")
+    assert response.status == 200 and await response.json() == {"status": "ready"}
