@@ -35,6 +35,7 @@ log = logging.getLogger("relay")
 
 RESTART_INTERVAL = 1.0  # seconds between two starts of the same worker slot
 KILL_GRACE = 15.0  # seconds past the drain before a worker that hangs is killed
+HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD)
 
 
 class WorkerLink:
@@ -105,7 +106,7 @@ class Supervisor:
         self.alive_r, self.alive_w = os.pipe()
         for fd in (self.wake_r, self.wake_w, self.ready_r):
             os.set_blocking(fd, False)
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD):
+        for sig in HANDLED:
             signal.signal(sig, lambda *_: None)  # the wake-up fd carries the signal
         signal.set_wakeup_fd(self.wake_w, warn_on_full_buffer=False)
         for slot in self.slots:
@@ -117,9 +118,13 @@ class Supervisor:
 
     def start(self, slot: int) -> None:
         self.last_start[slot] = time.monotonic()
+        # Held back across the fork: until the child has handlers of its own, a signal to it
+        # would run the supervisor's and write to the supervisor's wake-up pipe.
+        signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED)
         pid = os.fork()
         if pid == 0:
             self.worker(slot)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, HANDLED)
         self.slots[slot] = pid
         self.pids[pid] = slot
 
@@ -131,6 +136,7 @@ class Supervisor:
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor passes it on
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, HANDLED)
             for fd in (self.wake_r, self.wake_w, self.ready_r, self.alive_w):
                 os.close(fd)
             self.reserved.close()
