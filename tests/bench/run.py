@@ -61,6 +61,7 @@ FULL = {
 # The workers row: one relay process against ``--workers 2``, c=32, interleaved in rounds.
 WORKERS_RUNS = {"full": {"small": (9000, 10), "stream50": (4800, 10)},
                 "quick": {"small": (64, 0.5), "stream50": (32, 0.5)}}
+WORKERS_ROUNDS = {"full": 8, "quick": 2}
 WORKERS = 2
 
 QUICK = {
@@ -343,9 +344,13 @@ class Bench:
     def workers_row(self) -> dict:
         """The relay as one process and as ``--workers 2`` on the same load, c=32: every
         request answered, CPU per request (all processes: the supervisor and its workers),
-        requests per second and requests per CPU-second (what a core buys)."""
+        requests per second and requests per CPU-second (what a core buys).
+
+        The two run back to back in short rounds, in alternating order; each ratio is the
+        median of the rounds' ratios, so that a burst of other work on the machine during
+        one run does not decide it."""
         runs = WORKERS_RUNS["quick" if self.args.quick else "full"]
-        rounds = self.profile["rounds"]
+        rounds = WORKERS_ROUNDS["quick" if self.args.quick else "full"]
         urls = {"relay": self.urls["relay"], "workers": self.workers_url}
         out = {}
         for workload, (count, seconds) in runs.items():
@@ -353,13 +358,21 @@ class Bench:
             for name, url in urls.items():  # warm: both workers see requests
                 self.load.call(op="run", url=url, workload=workload, concurrency=32, count=64,
                                seconds=5)
+            cpu_ratios, rps_ratios = [], []
             for n in range(rounds):
+                this_round = {}
                 for name in (("relay", "workers") if n % 2 == 0 else ("workers", "relay")):
                     before = self.cpu()[name]
                     answer = self.load.call(op="run", url=urls[name], workload=workload,
                                             concurrency=32, count=max(32, round(count / rounds)),
                                             seconds=seconds / rounds)
-                    tallies[name].add(answer, {name: self.cpu()[name] - before})
+                    cpu = self.cpu()[name] - before
+                    tallies[name].add(answer, {name: cpu})
+                    done = len(answer["latencies_ms"])
+                    this_round[name] = (cpu / done if done else None,
+                                        done / answer["elapsed_s"] if answer["elapsed_s"] else None)
+                cpu_ratios.append(ratio(this_round["workers"][0], this_round["relay"][0]))
+                rps_ratios.append(ratio(this_round["workers"][1], this_round["relay"][1]))
             entry = {}
             for name, tally in tallies.items():
                 stats = tally.stats(name)
@@ -369,14 +382,14 @@ class Bench:
                                "p50_ms": stats["p50_ms"], "p99_ms": stats["p99_ms"],
                                "cpu_ms_per_req": stats["proxy_cpu_ms_per_req"],
                                "req_per_cpu_second": r(stats["requests"] / cpu, 1) if cpu else None}
-            entry["rps_ratio"] = ratio(entry["workers"]["rps"], entry["relay"]["rps"])
-            entry["cpu_per_req_ratio"] = ratio(entry["workers"]["cpu_ms_per_req"],
-                                               entry["relay"]["cpu_ms_per_req"])
+            entry["rps_ratio"] = median(rps_ratios)
+            entry["cpu_per_req_ratio"] = median(cpu_ratios)
+            entry["cpu_per_req_ratios"] = cpu_ratios
             out[workload] = entry
             print(f"  workers {workload:10} c=32  1 process {entry['relay']['rps']}/s "
                   f"{entry['relay']['cpu_ms_per_req']} ms CPU/req; {WORKERS} workers "
-                  f"{entry['workers']['rps']}/s {entry['workers']['cpu_ms_per_req']} ms CPU/req",
-                  flush=True)
+                  f"{entry['workers']['rps']}/s {entry['workers']['cpu_ms_per_req']} ms CPU/req; "
+                  f"CPU/req ratio per round {cpu_ratios}", flush=True)
         return out
 
     def run(self) -> dict:
@@ -446,6 +459,11 @@ class Bench:
 
 def sub(a, b):
     return None if a is None or b is None else r(a - b)
+
+
+def median(values: list):
+    values = sorted(v for v in values if v is not None)
+    return values[len(values) // 2] if values else None
 
 
 def ratio(a, b):
@@ -590,7 +608,7 @@ def report(result: dict) -> str:
                      f"{fmt(one['cpu_ms_per_req'], 1, 3)} ms CPU/req, {fmt(one['req_per_cpu_second'], 1, 0)} "
                      f"req per CPU-second; --workers {WORKERS} {fmt(many['rps'], 1, 0)} req/s "
                      f"({fmt(entry['rps_ratio'], 1, 2)}x), {fmt(many['cpu_ms_per_req'], 1, 3)} ms CPU/req "
-                     f"({fmt(entry['cpu_per_req_ratio'], 1, 2)}x), "
+                     f"({fmt(entry['cpu_per_req_ratio'], 1, 2)}x, median of rounds), "
                      f"{fmt(many['req_per_cpu_second'], 1, 0)} req per CPU-second; errors "
                      f"{one['errors']} / {many['errors']}")
     pe = result["per_event"]
