@@ -12,6 +12,8 @@ workload (workloads.py: a small request, a ~1 MB 500-message history that dedup 
 leaves alone, streams of 50 and 2,000 events sent one per write, and the 2,000 sent 50 per
 write) runs at concurrency 1 and 32 direct, through the bare proxy and through the relay,
 interleaved in rounds in the same run, each bounded by a request count and a time limit.
+Then the workers row: the relay as one process against ``--workers 2`` (a second relay,
+started with that flag), small requests and 50-event streams at c=32 in alternating rounds.
 Memory comes from /proc (RSS at rest, per idle stream, peaks), CPU per request from the
 processes' schedstat. Then the pure parts are timed in-process (micro.py). Prints a table
 with PASS/FAIL per target and writes the result as JSON.
