@@ -14,7 +14,6 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -24,6 +23,8 @@ import orjson
 import pytest
 
 from support import Process, Relay, backend
+from test_claude_code import CLAUDE, ClaudeCode
+from test_sdk_e2e import Agent, client
 
 HAPROXY = shutil.which("haproxy") or "/usr/sbin/haproxy"
 SECRET = "sk-ant-e2e-test-key"
@@ -195,8 +196,6 @@ def test_two_replicas_dumping_into_one_directory_never_clobber(replicas, tmp_pat
 @pytest.mark.parametrize("stream", [False, True], ids=["create", "stream"])
 def test_an_sdk_session_alternating_between_replicas_is_sent_up_as_through_one(
         replicas, emulator, relay, tmp_path, stream):
-    from test_sdk_e2e import Agent, client
-
     args = ("--tool-turns", "4", "--reuse-ids", "--parallel", "2", "--max-requests", "40")
     workdir = directory(tmp_path / "work")
     single_emu = emulator(*args)
@@ -216,8 +215,6 @@ def test_an_sdk_session_alternating_between_replicas_is_sent_up_as_through_one(
 @pytest.mark.e2e
 def test_a_claude_code_session_alternating_between_replicas_is_sent_up_as_through_one(
         replicas, emulator, relay, tmp_path):
-    from test_claude_code import CLAUDE, ClaudeCode
-
     if not (CLAUDE.is_file() and os.access(CLAUDE, os.X_OK)):
         pytest.fail(f"the Claude Code CLI is missing at {CLAUDE}: run `make e2e`", pytrace=False)
     args = ("--tool-turns", "4", "--reuse-ids", "--reask-dropped", "--max-requests", "40")

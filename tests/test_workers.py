@@ -12,6 +12,7 @@ import asyncio
 import os
 import signal
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -22,6 +23,11 @@ import orjson
 import pytest
 from aiohttp import web
 
+from relay.chain import Chain, load_plugins
+from relay.config import parse
+from relay.errors import ConfigError
+from relay.lifecycle import Lifecycle, SharedCounter
+from relay.server import create_app
 from support import Relay, backend
 
 BODY = {"model": "claude-test", "max_tokens": 50,
@@ -232,7 +238,6 @@ def test_a_plugin_config_error_in_the_workers_stops_the_relay_with_status_2(tmp_
     relay_yaml.write_text(orjson.dumps({
         "pipeline": ["pairing"], "plugins": {"pairing": {"pairing_mode": "sometimes"}},
         "backends": [backend(emu.url)]}).decode())
-    import subprocess
     done = subprocess.run([sys.executable, "-m", "relay", "--config", str(relay_yaml),
                            "--port", "0", "--workers", "2"],
                           capture_output=True, text=True, timeout=30, cwd=tmp_path)
@@ -284,7 +289,6 @@ def test_the_port_of_a_running_relay_is_not_shared_by_accident(tmp_path, emulato
     first = start_relay(tmp_path, emu.url, workers=2)
     try:
         port = urlsplit(first.url).port
-        import subprocess
         done = subprocess.run([sys.executable, "-m", "relay", "--config",
                                str(first.config_path), "--port", str(port), "--workers", "2"],
                               capture_output=True, text=True, timeout=30, cwd=tmp_path)
@@ -422,9 +426,6 @@ def test_an_idle_relay_stops_at_once_with_status_0(tmp_path, emulator, workers):
 
 
 def test_the_server_keys_have_safe_defaults_and_say_what_is_wrong():
-    from relay.config import parse
-    from relay.errors import ConfigError
-
     minimal = {"backends": [backend("http://127.0.0.1:9")]}
     config = parse(minimal)
     assert (config.workers, config.log_format, config.drain_seconds) == (1, "text", 30.0)
@@ -444,7 +445,6 @@ def test_the_server_keys_have_safe_defaults_and_say_what_is_wrong():
 
 
 def test_workers_on_the_command_line_are_checked(tmp_path):
-    import subprocess
     (tmp_path / "relay.yaml").write_text("backends: [{name: a, url: 'http://127.0.0.1:9'}]\n")
     done = subprocess.run([sys.executable, "-m", "relay", "--config", "relay.yaml",
                            "--workers", "0"], capture_output=True, text=True, timeout=30,
@@ -454,8 +454,6 @@ def test_workers_on_the_command_line_are_checked(tmp_path):
 
 
 async def test_readiness_follows_the_process_through_its_life():
-    from relay.lifecycle import Lifecycle, SharedCounter
-
     serving = SharedCounter()
     state = Lifecycle(3, serving)
     assert state.readiness() == (503, {"status": "starting",
@@ -476,10 +474,6 @@ async def test_readiness_follows_the_process_through_its_life():
 
 
 async def test_an_app_without_the_lifecycle_is_ready_once_it_answers(aiohttp_client):
-    from relay.chain import Chain, load_plugins
-    from relay.config import parse
-    from relay.server import create_app
-
     config = parse({"backends": [backend("http://127.0.0.1:9")]})
     client = await aiohttp_client(create_app(config, Chain(load_plugins([]), config)))
     response = await client.get("/readyz")
