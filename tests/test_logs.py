@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from relay import logs
-from support import Relay, backend
+from support import Relay, backend, exchange_for, request, user, text
 
 SECRET = "sk-ant-api03-planted-secret-0123456789abcdef"
 BACKEND_SECRET = "sk-backend-planted-secret-abcdef0123456789"
@@ -97,6 +97,30 @@ def test_a_json_record_is_one_line_even_with_a_lone_surrogate():
     line = logs.JSONFormatter().format(record)
     assert "\n" not in line
     assert orjson.loads(line)["message"] == "a\\ud800b\nc"
+
+
+def test_the_access_fields_of_an_exchange():
+    exchange = exchange_for(request(user(text("hi")), model="claude-x\n" + "y" * 300,
+                                    stream=True))
+    exchange.outcome, exchange.repairs = "ok", 2
+    exchange.translation = {"a-2": {"direction": "to_client"}, "b-2": {"direction": "to_client"},
+                            "c": {"direction": "to_upstream"}, "d": {"direction": "history"}}
+    exchange.key_name = "team-a"
+    fields = logs.access_fields(exchange, 200, first_byte=exchange.started + 0.25)
+    assert fields["model"] == "claude-x\n" + "y" * 191 + "...[309 chars]"
+    assert fields["ids_rewritten"] == 2 and fields["repairs"] == 2
+    assert fields["key"] == "team-a" and fields["ttfb_ms"] == 250.0
+    assert fields["status"] == 200 and fields["stream"] is True and fields["backend"] == "b"
+    line = logs.access_line(fields)
+    assert line.startswith(f"{exchange.id} messages model=\"claude-x\\n")
+    assert "\n" not in line and " key=team-a" in line and " ttfb_ms=250.0" in line
+
+
+def test_a_field_that_does_not_apply_is_left_out():
+    exchange = exchange_for(request(user(text("hi"))))
+    exchange.backend = None
+    fields = logs.access_fields(exchange, None)
+    assert not {"backend", "status", "outcome", "ttfb_ms", "key"} & set(fields)
 
 
 # --- a real relay ---------------------------------------------------------------------------
@@ -186,3 +210,22 @@ def test_a_warning_in_json_is_one_object_per_line(tmp_path):
         assert next(r for r in records if r["logger"] == "relay.access")["status"] == 502
     finally:
         relay.stop()
+
+
+def test_with_workers_each_text_line_names_its_process(tmp_path, emulator):
+    emu = emulator()
+    relay = Relay({"server": {"access_log": True}, "backends": [backend(emu.url)]}, tmp_path,
+                  args=["--workers", "2"])
+    try:
+        status, headers = post(relay.url, body("claude-x"))
+        assert status == 200
+        line = access_line(relay, headers["x-relay-request-id"])
+        pid = int(line.split("relay.access[", 1)[1].split("]", 1)[0])
+        assert pid != relay.pid and pid in worker_pids(relay.pid)
+    finally:
+        relay.stop()
+
+
+def worker_pids(parent: int) -> list[int]:
+    with open(f"/proc/{parent}/task/{parent}/children") as f:
+        return [int(pid) for pid in f.read().split()]
