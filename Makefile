@@ -4,6 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 CLAUDE_CODE_VERSION := 2.1.332
 CLAUDE := .e2e/node_modules/.bin/claude
+HAPROXY := /usr/sbin/haproxy
 PYTEST_ARGS ?=
 
 .PHONY: run try test test-min unit e2e bench demo clean
@@ -21,6 +22,15 @@ $(CLAUDE):
 	npm install --silent --no-audit --no-fund --prefix .e2e @anthropic-ai/claude-code@$(CLAUDE_CODE_VERSION)
 	$(CLAUDE) --version
 
+# HAProxy, for the replica tests (two relays behind a real load balancer): Debian's package.
+# The test starts its own on loopback with a config it writes; the service is not used.
+$(HAPROXY):
+	@command -v apt-get >/dev/null || { echo "HAProxy is required for the replica tests: install it (Debian/Ubuntu: apt-get install haproxy)" >&2; exit 1; }
+	@echo "installing haproxy from Debian's packages"
+	@apt-get update -qq >/dev/null
+	@DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends haproxy >/dev/null
+	@$(HAPROXY) -v | head -1
+
 run: $(VENV)/.installed
 	$(PY) -m relay --config relay.yaml
 
@@ -31,7 +41,7 @@ try: $(VENV)/.installed
 	echo "try: ANTHROPIC_BASE_URL=http://127.0.0.1:8787 ANTHROPIC_API_KEY=any claude"; \
 	$(PY) -m relay --config examples/try.yaml
 
-test: $(VENV)/.installed $(CLAUDE)
+test: $(VENV)/.installed $(CLAUDE) $(HAPROXY)
 	RELAY_CLAUDE=$(abspath $(CLAUDE)) $(PY) -m pytest $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-min
 
@@ -52,10 +62,10 @@ test-min: $(MIN_VENV)/.installed
 		tests/test_security.py tests/test_upstream.py tests/test_hooks.py tests/test_skeleton.py \
 		tests/test_sse.py tests/test_options.py
 
-unit: $(VENV)/.installed
+unit: $(VENV)/.installed $(HAPROXY)
 	$(PY) -m pytest -m "not e2e" $(PYTEST_ARGS)
 
-e2e: $(VENV)/.installed $(CLAUDE)
+e2e: $(VENV)/.installed $(CLAUDE) $(HAPROXY)
 	RELAY_CLAUDE=$(abspath $(CLAUDE)) $(PY) -m pytest -m e2e $(PYTEST_ARGS)
 
 bench: $(VENV)/.installed

@@ -8,8 +8,9 @@ chooses, such as a model name.
 
 With several worker processes (``relay serve --workers N``) the metrics go through
 prometheus-client's multi-process mode: each worker writes its values under
-``PROMETHEUS_MULTIPROC_DIR`` (the relay sets it for its workers) and ``/metrics``, whichever
-worker answers, adds them all up.
+``PROMETHEUS_MULTIPROC_DIR`` (made here for the workers unless the operator set it) and
+``/metrics``, whichever worker answers, adds them all up. A worker that crashes leaves its
+open streams counted in ``relay_active_streams`` until the relay restarts.
 
 ``/metrics`` sits behind the same checks as every route: the Host check without auth, a
 relay key with it.
@@ -22,12 +23,31 @@ Options: see ``Metrics.OPTIONS``.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 from aiohttp import web
-from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
-                               generate_latest)
-from prometheus_client import multiprocess
+
+
+def _shared_directory() -> None:
+    """With workers coming (``RELAY_WORKERS``, set by ``relay serve`` before it loads plugins
+    and forks), give them one emptied directory for prometheus-client's multi-process mode,
+    before prometheus-client is imported: it chooses its mode at import. The process that
+    made the directory removes it when it exits."""
+    if int(os.environ.get("RELAY_WORKERS", "1")) <= 1 or "PROMETHEUS_MULTIPROC_DIR" in os.environ:
+        return
+    directory = tempfile.mkdtemp(prefix="relay-metrics-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory
+    owner = os.getpid()
+    atexit.register(lambda: os.getpid() == owner and shutil.rmtree(directory, ignore_errors=True))
+
+
+_shared_directory()
+
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter,  # noqa: E402
+                               Gauge, Histogram, generate_latest, multiprocess)
 
 from relay.hookspecs import hookimpl
 from relay.options import Option
@@ -87,6 +107,12 @@ class Metrics:
         self.auth_failures = Counter(
             "relay_auth_failures", "Requests refused for a missing or wrong relay key.",
             registry=registry)
+
+    @hookimpl
+    def relay_shutdown(self):
+        if "PROMETHEUS_MULTIPROC_DIR" in os.environ:
+            # This process's live gauges (open streams) stop counting.
+            multiprocess.mark_process_dead(os.getpid())
 
     @hookimpl
     def relay_routes(self):

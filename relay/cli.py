@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
-import signal
+import os
 import sys
 
 import msgspec
 import orjson
 
-from . import __version__, config as config_module, skeleton
+from . import __version__, config as config_module, logs, skeleton
 from .chain import Chain, load_plugins
 from .errors import ConfigError, RelayError
 from .exchange import Exchange
@@ -56,6 +55,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default="relay.yaml", help="path to relay.yaml")
     parser.add_argument("--host", help="override server.host")
     parser.add_argument("--port", type=int, help="override server.port (0 picks a free port)")
+    parser.add_argument("--workers", type=int, metavar="N",
+                        help="override server.workers: worker processes sharing the port")
+    parser.add_argument("--log-format", choices=("text", "json"),
+                        help="override server.log_format (json: one object per line)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,16 +85,27 @@ def fail(message: str, code: int = 2) -> int:
 
 
 def run_serve(args) -> int:
+    """Serve until stopped. Exit status: 0 after a complete drain, 1 when the drain was cut
+    short (a second signal, or ``server.drain_seconds``), 2 for a config error or a port
+    that cannot be had."""
     try:
         config = config_module.load(args.config)
+    except ConfigError as e:
+        return fail(f"config error: {e}")
+    if args.workers is not None:
+        if not 1 <= args.workers <= config_module.MAX_WORKERS:
+            return fail(f"--workers: must be between 1 and {config_module.MAX_WORKERS}")
+        config.workers = args.workers
+    # Plugins that keep per-process state shared across workers (metrics) set it up when
+    # they load, before the fork: they need to know workers are coming.
+    os.environ["RELAY_WORKERS"] = str(config.workers)
+    try:
         chain = Chain(load_plugins(config.pipeline), config)
     except ConfigError as e:
         return fail(f"config error: {e}")
-    logging.basicConfig(level=config.log_level,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if not config.access_log:
-        logging.getLogger("relay.access").setLevel(logging.WARNING)
-    from .server import serve
+    if args.log_format is not None:
+        config.log_format = args.log_format
+    logs.configure(config.log_level, config.log_format, config.access_log, config.workers)
     host = args.host or config.host
     port = config.port if args.port is None else args.port
     if not 0 <= port <= 65535:
@@ -104,22 +118,16 @@ def run_serve(args) -> int:
         if name not in config.pipeline:
             logging.getLogger("relay").warning(
                 "plugins.%s: options for a plugin that is not in the pipeline", name)
-
-    async def run():
-        task = asyncio.create_task(serve(config, chain, host, port))
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, task.cancel)
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-
     try:
-        asyncio.run(run())
+        if config.workers > 1:
+            from . import workers
+            return workers.run(config, chain, host, port, config.workers)
+        from .server import serve
+        return asyncio.run(serve(config, chain, host, port))
     except ConfigError as e:
         return fail(f"config error: {e}")
     except OSError as e:
         return fail(f"cannot listen on {host}:{port}: {e.strerror or e}")
-    return 0
 
 
 def read_json_file(name: str) -> bytes:

@@ -21,6 +21,7 @@ SEGMENT = re.compile(r"[A-Za-z0-9._~@:+=,!$&'()*-]+")
 # Paths passed through to the default backend untouched, as "METHOD /path"; "*" stands for
 # one path segment.
 DEFAULT_PASSTHROUGH = ("GET /v1/models", "GET /v1/models/*")
+MAX_WORKERS = 256  # a typo, not a machine: each worker holds its own connections and memory
 
 
 @dataclass
@@ -122,6 +123,9 @@ class Config:
     allow_unauthenticated: bool = False
     passthrough: list[Passthrough] = field(default_factory=list)
     keys: list[InboundKey] | None = None  # None: inbound auth off
+    log_format: str = "text"
+    workers: int = 1
+    drain_seconds: float = 30.0
     source: str | None = None
     _routes: dict = field(default_factory=dict, repr=False, compare=False)
     _routes_bytes: int = field(default=0, repr=False, compare=False)
@@ -199,7 +203,7 @@ def parse(raw, env=os.environ, require_keys: bool = True) -> Config:
     _unknown(server, {"host", "port", "max_body_bytes", "upstream_connections", "log_level",
                       "access_log", "max_upstream_body_bytes", "header_timeout", "body_timeout",
                       "max_connections", "allowed_hosts", "allow_unauthenticated", "passthrough",
-                      "auth"}, "server")
+                      "auth", "log_format", "workers", "drain_seconds"}, "server")
     config.host = _expect(server.get("host", config.host), str, "server.host", "a string")
     port = _expect(server.get("port", config.port), int, "server.port", "an integer")
     if not 0 <= port <= 65535:
@@ -234,6 +238,18 @@ def parse(raw, env=os.environ, require_keys: bool = True) -> Config:
                           for i, entry in enumerate(routes)]
     if "auth" in server:
         config.keys = _keys(server["auth"], "server.auth", env, require_keys)
+    config.log_format = _expect(server.get("log_format", config.log_format), str,
+                                "server.log_format", "text or json")
+    if config.log_format not in ("text", "json"):
+        raise ConfigError("server.log_format: must be text or json")
+    config.workers = _expect(server.get("workers", config.workers), int, "server.workers",
+                             "an integer")
+    if not 1 <= config.workers <= MAX_WORKERS:
+        raise ConfigError(f"server.workers: must be between 1 and {MAX_WORKERS}")
+    drain = server.get("drain_seconds", config.drain_seconds)
+    if isinstance(drain, bool) or not isinstance(drain, (int, float)) or drain < 0:
+        raise ConfigError("server.drain_seconds: must be a number of seconds, 0 or more")
+    config.drain_seconds = float(drain)
 
     pipeline = _expect(raw.get("pipeline", []) or [], list, "pipeline", "a list of plugin names")
     for i, name in enumerate(pipeline):

@@ -40,6 +40,17 @@ _PROCESS = os.urandom(6).hex()
 _SEQUENCE = itertools.count()
 
 
+def _new_process() -> None:
+    global _PROCESS, _SEQUENCE
+    _PROCESS = os.urandom(6).hex()
+    _SEQUENCE = itertools.count()
+
+
+# A forked worker is a process of its own: without this its ids (and so its dump file
+# names) would repeat its siblings'.
+os.register_at_fork(after_in_child=_new_process)
+
+
 def new_request_id() -> str:
     """Unique across processes (a random prefix per process) without a syscall per request."""
     return f"relay_{_PROCESS}{next(_SEQUENCE):012x}"

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
-import time
+import signal
 
 import aiohttp
 import orjson
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
-from . import __version__, skeleton
+from . import __version__, lifecycle, logs, skeleton
 from .chain import Chain
 from .config import Backend, InboundKey
 from .errors import RelayError, invalid_request
@@ -23,7 +24,7 @@ from .stream import StreamBroken, StreamRelay, error_event
 from .upstream import Unreachable, Upstream, client_headers
 
 log = logging.getLogger("relay")
-access_log = logging.getLogger("relay.access")
+access_log = logs.access_log
 
 ENDPOINTS = {"/v1/messages": "messages", "/v1/messages/count_tokens": "count_tokens"}
 # Longer than any model name a backend serves; a client's longer name is refused, not routed
@@ -135,14 +136,10 @@ def parse_request(raw: bytes) -> Skeleton | dict:
 
 def log_exchange(exchange: Exchange, status: int | None) -> None:
     """One line per exchange (``server.access_log``): what an operator greps for first, the
-    id naming any dump. Off by default: a log record costs more than the relay's own work on
-    a small request."""
+    id naming any dump; every field escaped and capped (see :mod:`relay.logs`). Off by
+    default: a log record costs more than the relay's own work on a small request."""
     if access_log.isEnabledFor(logging.INFO):
-        access_log.info("%s %s model=%s backend=%s status=%s outcome=%s repairs=%d %.1fms",
-                        exchange.id, exchange.endpoint, exchange.model,
-                        exchange.backend.name if exchange.backend else "-", status or "-",
-                        exchange.outcome, exchange.repairs,
-                        (time.time() - exchange.started) * 1000)
+        logs.log_access(logs.access_fields(exchange, status, lifecycle.response_started()))
 
 
 async def prepare_exchange(state: RelayState, *, method: str, path: str, query: str,
@@ -269,10 +266,10 @@ class Relay:
                                   f"{request.headers.get('Host', '')[:200]!r} (see "
                                   "server.allowed_hosts)", "permission_error")
         method = request.method
-        if path == "/healthz":
+        if path in ("/healthz", "/readyz"):
             if method not in ("GET", "HEAD"):
                 raise not_allowed(method, path)
-            return Route(self.healthz, path, query, None)
+            return Route(self.healthz if path == "/healthz" else self.readyz, path, query, None)
         key = gate.authenticate(request.headers) if gate is not None else None
         if path in ENDPOINTS:
             if method != "POST":
@@ -468,7 +465,10 @@ class Relay:
                 # then the client is told, not cut off.
                 if (request.transport is not None and not request.transport.is_closing()
                         and not stream.ended):
-                    await stream_failed(exchange, response, "the relay is shutting down")
+                    await stream_failed(exchange, response, lifecycle.SHUTTING_DOWN)
+                    # A clean end of the body: a client drops a body cut short, error and all.
+                    with contextlib.suppress(Exception):
+                        await response.write_eof()
                 raise
             except Exception:
                 log.exception("%s: the stream loop failed", exchange.id)
@@ -546,6 +546,8 @@ class Relay:
                         backends=[b.name for b in self.state.config.backends])
         return web.json_response(body)
 
+    async def readyz(self, request: web.Request) -> web.Response:
+        return lifecycle.readiness_response(request)
 
 async def deliver(request: web.Request, exchange: Exchange, response: web.Response) -> web.Response:
     """Send a complete answer now, recording it on the exchange, so that whatever runs after
@@ -577,7 +579,7 @@ def create_app(config, chain: Chain) -> web.Application:
     state = RelayState(config, chain)
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[anthropic_errors])
     app[STATE] = state
-    relay = Relay(state, chain.routes(config, reserved=("/healthz", *ENDPOINTS)))
+    relay = Relay(state, chain.routes(config, reserved=("/healthz", "/readyz", *ENDPOINTS)))
     app.router.add_route("*", "/{tail:.*}", relay.dispatch)
 
     async def session_context(app):
@@ -589,24 +591,46 @@ def create_app(config, chain: Chain) -> web.Application:
     return app
 
 
-async def serve(config, chain: Chain, host: str, port: int) -> None:
-    """Run until cancelled. Prints the listening address once bound (port 0 picks one)."""
+async def serve(config, chain: Chain, host: str, port: int, worker=None) -> int:
+    """Serve until SIGTERM or SIGINT, then drain (see :mod:`relay.lifecycle`); returns the
+    exit status. Alone, prints the listening address once bound (port 0 picks one); as one
+    of several workers (``worker``, a :class:`relay.workers.WorkerLink`) it shares the port
+    with its siblings and tells the supervisor instead."""
+    loop = asyncio.get_running_loop()
+    state = lifecycle.Lifecycle(config.workers, worker.serving) if worker else lifecycle.Lifecycle()
+    # From the start: a signal during start-up drains (nothing) once listening, not a kill.
+    for sig in worker.signals if worker else (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, state.signal)
     await chain.startup(config)
-    app = create_app(config, chain)
-    # Cancelling the handler when the client goes away is what closes the upstream request.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
     try:
-        site = Listener(runner, host, port, max_connections=config.max_connections,
-                        header_timeout=config.header_timeout)
-        await site.start()
-        bound = runner.addresses[0]
-        # Everything alive now lives as long as the process: keep it out of the collector's
-        # full passes, which otherwise show up as p99 spikes on large requests.
-        gc.collect()
-        gc.freeze()
-        print(f"relay listening on http://{bound[0]}:{bound[1]}", flush=True)
-        await asyncio.Event().wait()
+        app = create_app(config, chain)
+        app[lifecycle.LIFECYCLE] = state
+        # Outermost: every request the app is working on counts as in flight for the drain.
+        app.middlewares.insert(0, state.middleware())
+        app.on_response_prepare.append(lifecycle.mark_response_started)
+        # Cancelling the handler when the client goes away is what closes the upstream
+        # request. The drain is the lifecycle's: by cleanup, nothing is in flight.
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                               shutdown_timeout=1.0)
+        await runner.setup()
+        try:
+            site = Listener(runner, host, port, max_connections=config.max_connections,
+                            header_timeout=config.header_timeout, reuse_port=worker is not None)
+            await site.start()
+            # Everything alive now lives as long as the process: keep it out of the
+            # collector's full passes, which otherwise show up as p99 spikes on large
+            # requests.
+            gc.collect()
+            gc.freeze()
+            state.listening = True
+            if worker:
+                worker.started(loop, state.signal)
+            else:
+                bound = runner.addresses[0]
+                logs.announce(f"relay listening on http://{bound[0]}:{bound[1]}")
+            await state.stop_requested.wait()
+            return await state.drain(runner, config.drain_seconds)
+        finally:
+            await runner.cleanup()
     finally:
-        await runner.cleanup()
         await chain.shutdown(config)

@@ -89,6 +89,15 @@ def test_quick_bench_reports_every_figure(tmp_path):
                 "event_parse_json_us"):
         assert number(sse[key]), key
 
-    assert len(result["targets"]) >= 19
+    # The workers row: one process against --workers 2, every request answered.
+    assert set(result["workers"]) == {"small", "stream50"}
+    for workload, entry in result["workers"].items():
+        for name in ("relay", "workers"):
+            assert entry[name]["requests"] > 0 and entry[name]["errors"] == 0, (workload, name)
+            assert number(entry[name]["cpu_ms_per_req"]), (workload, name)
+            assert number(entry[name]["req_per_cpu_second"]), (workload, name)
+        assert number(entry["cpu_per_req_ratio"]) and number(entry["rps_ratio"]), workload
+
+    assert len(result["targets"]) >= 23
     for target in result["targets"]:
         assert number(target["value"]) and isinstance(target["pass"], bool), target

@@ -94,6 +94,26 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
+def children(pid: int) -> list[int]:
+    """The live child processes of ``pid`` (``relay serve --workers N``: its workers)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(child) for child in f.read().split()]
+    except OSError:
+        return []
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU time of ``pid`` and its live children: a supervisor and its workers together."""
+    total = cpu_seconds(pid)
+    for child in children(pid):
+        try:
+            total += cpu_seconds(child)
+        except OSError:  # exited since the listing
+            pass
+    return total
+
+
 def status_kib(pid: int, key: str) -> int:
     """A ``kB`` figure from /proc/<pid>/status: VmRSS, VmHWM, ..."""
     with open(f"/proc/{pid}/status") as f:

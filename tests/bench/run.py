@@ -12,6 +12,8 @@ workload (workloads.py: a small request, a ~1 MB 500-message history that dedup 
 leaves alone, streams of 50 and 2,000 events sent one per write, and the 2,000 sent 50 per
 write) runs at concurrency 1 and 32 direct, through the bare proxy and through the relay,
 interleaved in rounds in the same run, each bounded by a request count and a time limit.
+Then the workers row: the relay as one process against ``--workers 2`` (a second relay,
+started with that flag), small requests and 50-event streams at c=32 in alternating rounds.
 Memory comes from /proc (RSS at rest, per idle stream, peaks), CPU per request from the
 processes' schedstat. Then the pure parts are timed in-process (micro.py). Prints a table
 with PASS/FAIL per target and writes the result as JSON.
@@ -58,6 +60,12 @@ FULL = {
         ("stream2000_burst", 1): (300, 10), ("stream2000_burst", 32): (640, 10),
     },
 }
+# The workers row: one relay process against ``--workers 2``, c=32, interleaved in rounds.
+WORKERS_RUNS = {"full": {"small": (9000, 10), "stream50": (4800, 10)},
+                "quick": {"small": (64, 0.5), "stream50": (32, 0.5)}}
+WORKERS_ROUNDS = {"full": 8, "quick": 2}
+WORKERS = 2
+
 QUICK = {
     "rounds": 1,
     "idle_streams": 10,
@@ -163,6 +171,11 @@ class Bench:
         self.servers["relay"] = procs.Server(
             "relay", [py, "-m", "relay", "--config", config_path, "--port", "0"], cwd=self.tmp.name,
             env=env)
+        # Not a target of every workload: the workers row (workers_row) compares it with the
+        # one-process relay alone.
+        self.servers["workers"] = procs.Server(
+            "workers", [py, "-m", "relay", "--config", config_path, "--port", "0",
+                        "--workers", str(WORKERS)], cwd=self.tmp.name, env=env)
         self.servers["bare"] = procs.Server(
             "bare", [py, os.path.join(procs.HERE, "bare_proxy.py"), "--upstream", upstream], env=env)
         self.servers["bare_skeleton"] = procs.Server(
@@ -187,6 +200,8 @@ class Bench:
         self.load.wait_ready()
         self.urls = {"direct": upstream, **{name: s.url for name, s in self.servers.items()
                                              if name != "mock"}}
+        del self.urls["workers"]
+        self.workers_url = self.servers["workers"].url
         self.targets = (["direct", "bare", "bare_skeleton", "relay"]
                         + [n for n in self.servers if n.startswith("relay_")])
         self.proxies = [t for t in self.targets if t != "direct"]
@@ -204,7 +219,10 @@ class Bench:
         return out
 
     def cpu(self) -> dict[str, float]:
-        return {name: procs.cpu_seconds(pid) for name, pid in self.pids().items()}
+        out = {name: procs.cpu_seconds(pid) for name, pid in self.pids().items()
+               if name != "workers"}
+        out["workers"] = procs.tree_cpu_seconds(self.servers["workers"].pid)
+        return out
 
     def rss(self, name: str) -> int:
         return procs.status_kib(self.servers[name].pid, "VmRSS")
@@ -325,6 +343,57 @@ class Bench:
         self.history_peak = history_peak
         return results
 
+    def workers_row(self) -> dict:
+        """The relay as one process and as ``--workers 2`` on the same load, c=32: every
+        request answered, CPU per request (all processes: the supervisor and its workers),
+        requests per second and requests per CPU-second (what a core buys).
+
+        The two run back to back in short rounds, in alternating order; each ratio is the
+        median of the rounds' ratios, so that a burst of other work on the machine during
+        one run does not decide it."""
+        runs = WORKERS_RUNS["quick" if self.args.quick else "full"]
+        rounds = WORKERS_ROUNDS["quick" if self.args.quick else "full"]
+        urls = {"relay": self.urls["relay"], "workers": self.workers_url}
+        out = {}
+        for workload, (count, seconds) in runs.items():
+            tallies = {name: Tally() for name in urls}
+            for name, url in urls.items():  # warm: both workers see requests
+                self.load.call(op="run", url=url, workload=workload, concurrency=32, count=64,
+                               seconds=5)
+            cpu_ratios, rps_ratios = [], []
+            for n in range(rounds):
+                this_round = {}
+                for name in (("relay", "workers") if n % 2 == 0 else ("workers", "relay")):
+                    before = self.cpu()[name]
+                    answer = self.load.call(op="run", url=urls[name], workload=workload,
+                                            concurrency=32, count=max(32, round(count / rounds)),
+                                            seconds=seconds / rounds)
+                    cpu = self.cpu()[name] - before
+                    tallies[name].add(answer, {name: cpu})
+                    done = len(answer["latencies_ms"])
+                    this_round[name] = (cpu / done if done else None,
+                                        done / answer["elapsed_s"] if answer["elapsed_s"] else None)
+                cpu_ratios.append(ratio(this_round["workers"][0], this_round["relay"][0]))
+                rps_ratios.append(ratio(this_round["workers"][1], this_round["relay"][1]))
+            entry = {}
+            for name, tally in tallies.items():
+                stats = tally.stats(name)
+                cpu = tally.cpu.get(name, 0.0)
+                entry[name] = {"requests": stats["requests"], "errors": stats["errors"],
+                               "first_error": stats["first_error"], "rps": stats["rps"],
+                               "p50_ms": stats["p50_ms"], "p99_ms": stats["p99_ms"],
+                               "cpu_ms_per_req": stats["proxy_cpu_ms_per_req"],
+                               "req_per_cpu_second": r(stats["requests"] / cpu, 1) if cpu else None}
+            entry["rps_ratio"] = median(rps_ratios)
+            entry["cpu_per_req_ratio"] = median(cpu_ratios)
+            entry["cpu_per_req_ratios"] = cpu_ratios
+            out[workload] = entry
+            print(f"  workers {workload:10} c=32  1 process {entry['relay']['rps']}/s "
+                  f"{entry['relay']['cpu_ms_per_req']} ms CPU/req; {WORKERS} workers "
+                  f"{entry['workers']['rps']}/s {entry['workers']['cpu_ms_per_req']} ms CPU/req; "
+                  f"CPU/req ratio per round {cpu_ratios}", flush=True)
+        return out
+
     def run(self) -> dict:
         started = time.time()
         phases = {}
@@ -360,6 +429,8 @@ class Bench:
             phase("idle streams")
             results = self.workloads()
             phase("workloads")
+            workers = self.workers_row()
+            phase("workers")
             for proxy in self.proxies:
                 memory[proxy]["history_c1_peak_delta_kib"] = self.history_peak.get((proxy, 1))
                 c32 = self.history_peak.get((proxy, 32))
@@ -381,7 +452,7 @@ class Bench:
         meta["duration_s"] = r(time.time() - started, 1)
         meta["notes"] = self.notes
         result = {"meta": meta, "checks": checks, "workloads": results, "memory": memory,
-                  "micro": micro_result}
+                  "micro": micro_result, "workers": workers}
         result["per_event"] = {proxy: per_event(results, proxy) for proxy in self.proxies}
         result["targets"] = targets(result)
         result["relay_log_tail"] = relay_log.splitlines()[-20:]
@@ -390,6 +461,11 @@ class Bench:
 
 def sub(a, b):
     return None if a is None or b is None else r(a - b)
+
+
+def median(values: list):
+    values = sorted(v for v in values if v is not None)
+    return values[len(values) // 2] if values else None
 
 
 def ratio(a, b):
@@ -454,6 +530,15 @@ def targets(result: dict) -> list[dict]:
         target(f"{workload} c=32: throughput vs bare aiohttp proxy",
                relay(workload, 32, "rps_vs_bare"), 0.9, "ratio", higher_is_better=True,
                note=f"bare proxy + skeleton decode alone: {floor}")
+    for workload, entry in result["workers"].items():
+        target(f"{workload} c=32, --workers {WORKERS}: every request answered",
+               1 if entry["workers"]["errors"] == 0 and entry["relay"]["errors"] == 0 else 0, 1,
+               "bool", higher_is_better=True,
+               note=f"{entry['workers']['requests']} requests")
+        target(f"{workload} c=32, --workers {WORKERS}: CPU per request vs one process",
+               entry["cpu_per_req_ratio"], 1.1, "x",
+               note=f"req/s vs one process {entry['rps_ratio']}; requests per CPU-second "
+                    f"{entry['workers']['req_per_cpu_second']} vs {entry['relay']['req_per_cpu_second']}")
     target("RSS at rest", r(mem["rss_at_rest_kib"] / 1024, 1), 60.0, "MiB")
     target("RSS per open idle stream", mem["per_idle_stream_kib"], 64.0, "KiB")
     # A 1 MB request's transient memory, three ways (see the report): the target takes the
@@ -519,6 +604,15 @@ def report(result: dict) -> str:
                 "history_c32_peak_delta_per_request_kib", "per_idle_stream_kib", "peak_rss_kib",
                 "rss_after_load_kib"):
         lines.append(f"{key[:-4]:38}" + "".join(fmt(mem[p].get(key), 16, 1) for p in mem))
+    for workload, entry in result["workers"].items():
+        one, many = entry["relay"], entry["workers"]
+        lines.append(f"workers, {workload} c=32: one process {fmt(one['rps'], 1, 0)} req/s, "
+                     f"{fmt(one['cpu_ms_per_req'], 1, 3)} ms CPU/req, {fmt(one['req_per_cpu_second'], 1, 0)} "
+                     f"req per CPU-second; --workers {WORKERS} {fmt(many['rps'], 1, 0)} req/s "
+                     f"({fmt(entry['rps_ratio'], 1, 2)}x), {fmt(many['cpu_ms_per_req'], 1, 3)} ms CPU/req "
+                     f"({fmt(entry['cpu_per_req_ratio'], 1, 2)}x, median of rounds), "
+                     f"{fmt(many['req_per_cpu_second'], 1, 0)} req per CPU-second; errors "
+                     f"{one['errors']} / {many['errors']}")
     pe = result["per_event"]
     lines.append("end-to-end proxy CPU per stream event, c=1 (us): " + "; ".join(
         f"{p} {pe[p]['cpu_us_per_event']} (one event per upstream send), "
@@ -570,6 +664,8 @@ def main() -> int:
         f.write(orjson.dumps(result, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))
     print(f"result written to {args.out}")
     errors = sum(s["errors"] for w in result["workloads"].values() for c in w.values() for s in c.values())
+    errors += sum(entry[name]["errors"] for entry in result["workers"].values()
+                  for name in ("relay", "workers"))
     if errors:
         print(f"{errors} request(s) failed", file=sys.stderr)
         return 1

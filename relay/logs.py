@@ -1,0 +1,196 @@
+"""Log lines an operator and a log shipper can trust: text, or one JSON object per line.
+
+Much of what the relay logs comes from clients and upstreams (a model name, a path, an
+error message). Every such value is escaped and capped here, in both formats: a newline in
+``model`` must not forge a line, and a 5 MB model name must not become a 5 MB line.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import re
+import time
+
+import orjson
+
+MAX_FIELD = 200  # characters of one access-line field
+MAX_MESSAGE = 4000  # characters of any other record's message
+
+access_log = logging.getLogger("relay.access")
+
+# C0 and C1 controls, DEL and the Unicode line separators: anything a terminal, a pager or a
+# log shipper might take for the end of a line.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+# What makes a logfmt value need quotes.
+_QUOTE = re.compile("[\\s\"=\\\\\x00-\x1f\x7f-\x9f\u2028\u2029]")
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape_char(match: re.Match) -> str:
+    char = match.group()
+    named = _NAMED.get(char)
+    if named:
+        return named
+    code = ord(char)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def cap(value: str, limit: int = MAX_FIELD) -> str:
+    """``value`` cut to ``limit`` characters, saying how long it was."""
+    if len(value) <= limit:
+        return value
+    return f"{value[:limit]}...[{len(value)} chars]"
+
+
+def escape(value: str) -> str:
+    """Control characters as visible escapes: the value stays on one line."""
+    return _CONTROL.sub(_escape_char, value)
+
+
+def logfmt_value(value) -> str:
+    """One access-line value for the text format: bare when it is a plain word, else in
+    double quotes with quotes, backslashes and control characters escaped."""
+    if value is True or value is False:
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return str(value)
+    text = cap(str(value))
+    if text and not _QUOTE.search(text):
+        return text
+    text = text.replace("\\", "\\\\").replace('"', '\\"')
+    return f'"{escape(text)}"'
+
+
+def access_fields(exchange, status: int | None, first_byte: float | None = None) -> dict:
+    """What the access line says about an exchange; a field that does not apply is left out.
+    ``first_byte`` is when the answer's headers went out (``time.time()``): the time to
+    first byte of a stream (a complete answer goes out after the line is written).
+
+    Never a secret: no header, no query string, no body; the inbound key by its name only.
+    Stream events are not counted (the stream loop forwards unframed bytes and does not
+    know how many events it passed on without scanning for them).
+    """
+    backend = exchange.backend
+    fields = {
+        "request_id": exchange.id,
+        "endpoint": exchange.endpoint,
+        "model": exchange.model,
+        "backend": backend.name if backend is not None else None,
+        "status": status,
+        "outcome": exchange.outcome,
+        "stream": exchange.stream,
+        "method": exchange.method,
+        "path": exchange.path,
+        "duration_ms": round((time.time() - exchange.started) * 1000, 1),
+        "ttfb_ms": None,
+        "ids_rewritten": sum(1 for entry in exchange.translation.values()
+                             if entry.get("direction") == "to_client"),
+        "repairs": exchange.repairs,
+        "key": getattr(exchange, "key_name", None),
+    }
+    if first_byte is not None and exchange.stream:
+        fields["ttfb_ms"] = round((first_byte - exchange.started) * 1000, 1)
+    return {name: value if value is None or isinstance(value, (bool, int, float))
+            else cap(str(value)) for name, value in fields.items() if value is not None}
+
+
+def access_line(fields: dict) -> str:
+    """The text form: ``id endpoint key=value ...``, every value a logfmt value."""
+    rest = " ".join(f"{name}={logfmt_value(value)}" for name, value in fields.items()
+                    if name not in ("request_id", "endpoint"))
+    return (f"{logfmt_value(fields.get('request_id', '-'))} "
+            f"{logfmt_value(fields.get('endpoint', '-'))} {rest}")
+
+
+def log_access(fields: dict) -> None:
+    access_log.info("%s", access_line(fields), extra={"access": fields})
+
+
+class TextFormatter(logging.Formatter):
+    """``time LEVEL logger: message``, the message escaped onto one line and capped.
+    Tracebacks follow indented, so no line of one starts like a record."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        if getattr(record, "access", None) is None:  # an access line is escaped already
+            record.message = escape(cap(record.message, MAX_MESSAGE))
+        return super().formatMessage(record)
+
+    def formatException(self, ei) -> str:
+        return "  " + escape_lines(super().formatException(ei))
+
+    def formatStack(self, stack_info: str) -> str:
+        return "  " + escape_lines(stack_info)
+
+
+def escape_lines(text: str) -> str:
+    """A multi-line text (a traceback) with every line indented and escaped."""
+    return "\n  ".join(escape(line) for line in text.split("\n"))
+
+
+class JSONFormatter(logging.Formatter):
+    """One JSON object per record, on one line: ``time`` (UTC, ISO 8601), ``level``,
+    ``logger``, ``pid``, ``message``; an access record is ``"message": "exchange"`` with its
+    fields at the top level; ``exc`` holds the traceback when there is one."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {
+            "time": datetime.datetime.fromtimestamp(record.created, datetime.timezone.utc)
+                    .isoformat(timespec="microseconds").replace("+00:00", "Z"),
+            "level": record.levelname,
+            "logger": record.name,
+            "pid": record.process,
+        }
+        fields = getattr(record, "access", None)
+        if fields is not None:
+            out["message"] = "exchange"
+            out.update(fields)
+        else:
+            out["message"] = cap(record.getMessage(), MAX_MESSAGE)
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        if record.stack_info:
+            out["stack"] = self.formatStack(record.stack_info)
+        try:
+            return orjson.dumps(out).decode()
+        except TypeError:  # a lone surrogate, which UTF-8 cannot hold: kept as escape text
+            return orjson.dumps({name: value.encode("utf-8", "backslashreplace").decode()
+                                 if isinstance(value, str) else value
+                                 for name, value in out.items()}).decode()
+
+
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+TEXT_FORMAT_WORKERS = "%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"
+
+
+_format = "text"
+
+
+def announce(text: str) -> None:
+    """A line for whoever started the relay (``relay listening on ...``): on stdout as it
+    is, or with ``json`` a log record like every other line."""
+    if _format == "json":
+        logger = logging.getLogger("relay")
+        # At INFO whatever server.log_level says: whoever started the relay waits for it.
+        logger.handle(logger.makeRecord(logger.name, logging.INFO, __file__, 0, "%s", (text,),
+                                        None))
+    else:
+        print(text, flush=True)
+
+
+def configure(level: str, log_format: str, access: bool, workers: int = 1) -> None:
+    """Send every record to stderr in ``log_format`` (text or json). With several workers
+    the text format names each line's process; JSON lines always carry ``pid``."""
+    global _format
+    _format = log_format
+    handler = logging.StreamHandler()
+    if log_format == "json":
+        handler.setFormatter(JSONFormatter())
+    else:
+        handler.setFormatter(TextFormatter(TEXT_FORMAT_WORKERS if workers > 1 else TEXT_FORMAT))
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(level)
+    access_log.setLevel(logging.INFO if access else logging.WARNING)

@@ -1,0 +1,257 @@
+"""``relay serve --workers N``: N worker processes on one port, pre-forked, with SO_REUSEPORT.
+
+The supervisor (this process) loads the config and the plugins, reserves the port, forks
+the workers and then only watches them: it serves nothing itself. Each worker is a whole
+relay (``server.serve``): it runs the plugins' ``relay_startup`` and ``relay_shutdown``,
+binds the port with SO_REUSEPORT (the kernel spreads new connections evenly over the
+workers' sockets) and drains on its own (see :mod:`relay.lifecycle`).
+
+Signals: SIGTERM or SIGINT to the supervisor is passed on to every worker as SIGTERM (the
+workers ignore SIGINT, so a Ctrl-C to the terminal's process group stops them once, through
+the supervisor); a second one is passed on too and cuts the drains short. The supervisor
+exits 0 when every worker drained completely, 1 otherwise, or with a worker's own status
+when one could not start (2: a config error from a plugin's relay_startup). A worker that
+dies while serving is started again (at most once a second). A worker whose supervisor is
+gone (killed outright) drains and exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import select
+import signal
+import socket
+import sys
+import time
+
+from . import logs
+from .errors import ConfigError
+from .lifecycle import SharedCounter
+
+log = logging.getLogger("relay")
+
+RESTART_INTERVAL = 1.0  # seconds between two starts of the same worker slot
+KILL_GRACE = 15.0  # seconds past the drain before a worker that hangs is killed
+HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD)
+
+
+class WorkerLink:
+    """What a worker shares with its supervisor: the serving count for ``/readyz``, a pipe to
+    say it listens, and a pipe that ends when the supervisor does."""
+
+    signals = (signal.SIGTERM,)
+
+    def __init__(self, slot: int, serving: SharedCounter, ready_fd: int, alive_fd: int):
+        self.slot = slot
+        self.serving = serving
+        self._ready_fd = ready_fd
+        self._alive_fd = alive_fd
+
+    def started(self, loop: asyncio.AbstractEventLoop, stop) -> None:
+        os.write(self._ready_fd, bytes([self.slot]))
+
+        def supervisor_gone() -> None:
+            loop.remove_reader(self._alive_fd)
+            log.warning("worker %d: the supervisor is gone; draining", self.slot)
+            stop()
+
+        loop.add_reader(self._alive_fd, supervisor_gone)
+
+
+def reserve_port(host: str, port: int) -> tuple[socket.socket, tuple]:
+    """Bind (never listen on) ``host:port`` with SO_REUSEPORT: it picks the port when
+    ``port`` is 0 and keeps it for workers started later. A port someone already holds is
+    an error here, even one held with SO_REUSEPORT by the same user (another relay)."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    if port:
+        probe = socket.socket(family, kind, proto)
+        try:
+            probe.bind(address)
+        finally:
+            probe.close()
+    reserved = socket.socket(family, kind, proto)
+    try:
+        reserved.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        reserved.bind(address)
+    except OSError:
+        reserved.close()
+        raise
+    return reserved, reserved.getsockname()
+
+
+class Supervisor:
+    def __init__(self, config, chain, host: str, port: int, workers: int):
+        self.config, self.chain, self.host, self.port = config, chain, host, port
+        self.workers = workers
+        self.serving = SharedCounter()
+        self.slots: dict[int, int | None] = dict.fromkeys(range(workers))  # slot -> pid
+        self.ready: set[int] = set()  # slots whose current worker listens
+        self.pids: dict[int, int] = {}  # pid -> slot
+        self.last_start: dict[int, float] = {}
+        self.announced = False
+        self.stopping = 0  # stop signals received
+        self.stop_deadline: float | None = None
+        self.status = 0
+        self.reserved: socket.socket | None = None
+
+    def run(self) -> int:
+        self.reserved, bound = reserve_port(self.host, self.port)
+        self.port = bound[1]
+        self.wake_r, self.wake_w = os.pipe()
+        self.ready_r, self.ready_w = os.pipe()
+        self.alive_r, self.alive_w = os.pipe()
+        for fd in (self.wake_r, self.wake_w, self.ready_r):
+            os.set_blocking(fd, False)
+        for sig in HANDLED:
+            signal.signal(sig, lambda *_: None)  # the wake-up fd carries the signal
+        signal.set_wakeup_fd(self.wake_w, warn_on_full_buffer=False)
+        for slot in self.slots:
+            self.start(slot)
+        while self.pids or not self.stopping:
+            self.wait()
+        self.reserved.close()
+        return self.status
+
+    def start(self, slot: int) -> None:
+        self.last_start[slot] = time.monotonic()
+        # Held back across the fork: until the child has handlers of its own, a signal to it
+        # would run the supervisor's and write to the supervisor's wake-up pipe.
+        signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED)
+        pid = os.fork()
+        if pid == 0:
+            self.worker(slot)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, HANDLED)
+        self.slots[slot] = pid
+        self.pids[pid] = slot
+
+    def worker(self, slot: int) -> None:
+        """The child's whole life; never returns."""
+        code = 1
+        try:
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor passes it on
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, HANDLED)
+            for fd in (self.wake_r, self.wake_w, self.ready_r, self.alive_w):
+                os.close(fd)
+            self.reserved.close()
+            from .server import serve
+            link = WorkerLink(slot, self.serving, self.ready_w, self.alive_r)
+            code = asyncio.run(serve(self.config, self.chain, self.host, self.port, worker=link))
+        except ConfigError as e:
+            print(f"relay: config error: {e}", file=sys.stderr)
+            code = 2
+        except OSError as e:
+            print(f"relay: worker {slot} cannot listen on {self.host}:{self.port}: "
+                  f"{e.strerror or e}", file=sys.stderr)
+            code = 2
+        except BaseException:
+            log.exception("worker %d failed", slot)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+
+    def wait(self) -> None:
+        timeout = None
+        now = time.monotonic()
+        if self.stop_deadline is not None:
+            timeout = max(0.0, self.stop_deadline - now)
+        elif not self.stopping:
+            waiting = [self.last_start[s] + RESTART_INTERVAL - now
+                       for s, pid in self.slots.items() if pid is None]
+            if waiting:
+                timeout = max(0.0, min(waiting))
+        try:
+            readable, _, _ = select.select([self.wake_r, self.ready_r], [], [], timeout)
+        except InterruptedError:
+            readable = []
+        if self.ready_r in readable:
+            self.read_ready()
+        if self.wake_r in readable:
+            for signum in self.drain_pipe(self.wake_r):
+                if signum in (signal.SIGTERM, signal.SIGINT):
+                    self.stop()
+        self.reap()
+        if self.stop_deadline is not None and time.monotonic() >= self.stop_deadline:
+            for pid in self.pids:
+                log.error("worker pid %d did not stop in time; killing it", pid)
+                os.kill(pid, signal.SIGKILL)
+            self.status = 1
+            self.stop_deadline = None
+        if not self.stopping:
+            for slot, pid in self.slots.items():
+                if pid is None and time.monotonic() >= self.last_start[slot] + RESTART_INTERVAL:
+                    log.warning("starting worker %d again", slot)
+                    self.start(slot)
+
+    @staticmethod
+    def drain_pipe(fd: int) -> bytes:
+        data = b""
+        while True:
+            try:
+                chunk = os.read(fd, 512)
+            except BlockingIOError:
+                return data
+            if not chunk:
+                return data
+            data += chunk
+
+    def read_ready(self) -> None:
+        for slot in self.drain_pipe(self.ready_r):
+            self.ready.add(slot)
+        self.serving.value = len(self.ready)
+        if not self.announced and len(self.ready) == self.workers:
+            self.announced = True
+            logs.announce(f"relay listening on http://{self.host_text()}:{self.port} "
+                          f"({self.workers} workers)")
+
+    def host_text(self) -> str:
+        host = self.reserved.getsockname()[0]
+        return f"[{host}]" if ":" in host else host
+
+    def stop(self) -> None:
+        self.stopping += 1
+        if self.stopping == 1:
+            self.stop_deadline = time.monotonic() + self.config.drain_seconds + KILL_GRACE
+            log.info("stopping %d worker(s): draining for up to %gs", len(self.pids),
+                     self.config.drain_seconds)
+        for pid in self.pids:
+            with contextlib.suppress(ProcessLookupError):  # exited since the last reap
+                os.kill(pid, signal.SIGTERM)
+
+    def reap(self) -> None:
+        while self.pids:
+            try:
+                pid, wait_status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            slot = self.pids.pop(pid)
+            self.slots[slot] = None
+            was_ready = slot in self.ready
+            self.ready.discard(slot)
+            self.serving.value = len(self.ready)
+            code = os.waitstatus_to_exitcode(wait_status)
+            if self.stopping:
+                if code != 0 and not self.status:
+                    self.status = 1
+                continue
+            if not self.announced and not was_ready:
+                # A worker that could not start: the others would fail alike.
+                log.error("worker %d exited with status %d before it listened; stopping", slot,
+                          code)
+                self.status = code if code > 0 else 1
+                self.stop()
+                continue
+            log.error("worker %d (pid %d) exited with status %d while serving", slot, pid, code)
+
+
+def run(config, chain, host: str, port: int, workers: int) -> int:
+    return Supervisor(config, chain, host, port, workers).run()

@@ -1,0 +1,480 @@
+"""`relay serve --workers N` and the drain, end to end: real relay processes, signals sent as
+an operator or an orchestrator sends them, the bytes a client sees.
+
+The slow streams come from a small upstream in the test's own loop that sends the first
+events of an answer and then holds the rest until the test lets it go; slow complete answers
+from the emulator's ``--delay-ms``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import aiohttp
+import orjson
+import pytest
+from aiohttp import web
+
+from relay.chain import Chain, load_plugins
+from relay.config import parse
+from relay.errors import ConfigError
+from relay.lifecycle import Lifecycle, SharedCounter
+from relay.server import create_app
+from support import Relay, backend
+
+BODY = {"model": "claude-test", "max_tokens": 50,
+        "messages": [{"role": "user", "content": "hi"}]}
+STREAM_BODY = {**BODY, "stream": True}
+SHUTTING_DOWN = b"the relay is shutting down"
+WORKER_COUNTS = pytest.mark.parametrize("workers", [1, 2], ids=["one-process", "two-workers"])
+
+
+def sse(name: str, data: dict) -> bytes:
+    return b"event: " + name.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+
+
+HEAD = (sse("message_start", {"type": "message_start", "message": {
+            "id": "msg_1", "type": "message", "role": "assistant", "model": "claude-test",
+            "content": [], "stop_reason": None, "stop_sequence": None,
+            "usage": {"input_tokens": 1, "output_tokens": 1}}})
+        + sse("content_block_start", {"type": "content_block_start", "index": 0,
+                                      "content_block": {"type": "text", "text": ""}}))
+TAIL = (sse("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                    "delta": {"type": "text_delta", "text": "done"}})
+        + sse("content_block_stop", {"type": "content_block_stop", "index": 0})
+        + sse("message_delta", {"type": "message_delta",
+                                "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+                                "usage": {"output_tokens": 2}})
+        + sse("message_stop", {"type": "message_stop"}))
+
+
+class HeldStream:
+    """An upstream whose streams send their first events, then wait for ``release``."""
+
+    def __init__(self):
+        self.release = asyncio.Event()
+        self.started = asyncio.Event()
+        self.url = None
+        self._runner = None
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        await request.read()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(HEAD)
+        self.started.set()
+        try:
+            await asyncio.wait_for(self.release.wait(), 30)
+        except asyncio.TimeoutError:
+            return response
+        await response.write(TAIL)
+        await response.write_eof()
+        return response
+
+    async def __aenter__(self):
+        app = web.Application()
+        app.router.add_post("/v1/messages", self.handle)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        host, port = self._runner.addresses[0][:2]
+        self.url = f"http://{host}:{port}"
+        return self
+
+    async def __aexit__(self, *exc):
+        self.release.set()
+        await self._runner.cleanup()
+
+
+def start_relay(tmp_path: Path, upstream: str, workers: int, **server) -> Relay:
+    config = {"server": {"access_log": True, **server},
+              "pipeline": ["dedup", "pairing", "ordering"],
+              "backends": [backend(upstream)]}
+    return Relay(config, tmp_path, args=["--workers", str(workers), "--log-format", "json"])
+
+
+def exit_status(relay: Relay, timeout: float = 20) -> int:
+    return relay.proc.wait(timeout)
+
+
+def access_lines(relay: Relay) -> list[dict]:
+    lines = []
+    for line in relay.output().splitlines():
+        if line.startswith("{"):
+            record = orjson.loads(line)
+            if record["logger"] == "relay.access":
+                lines.append(record)
+    return lines
+
+
+def refuses_connections(url: str) -> bool:
+    parts = urlsplit(url)
+    try:
+        socket.create_connection((parts.hostname, parts.port), timeout=2).close()
+    except ConnectionRefusedError:
+        return True
+    return False
+
+
+async def until(condition, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if await asyncio.to_thread(condition):
+            return True
+        await asyncio.sleep(0.05)
+    return False
+
+
+# --- workers --------------------------------------------------------------------------------
+
+
+async def test_every_request_is_answered_by_two_workers(tmp_path, emulator):
+    emu = emulator()
+    relay = start_relay(tmp_path, emu.url, workers=2)
+    try:
+        assert "(2 workers)" in relay.output()
+        # A connection of its own for each request: the kernel spreads connections, not
+        # requests, over the workers' sockets.
+        connector = aiohttp.TCPConnector(force_close=True)
+        async with aiohttp.ClientSession(connector=connector) as session:
+            async def ask(stream: bool) -> tuple[int, bytes, str]:
+                async with session.post(relay.url + "/v1/messages",
+                                        json=STREAM_BODY if stream else BODY) as response:
+                    return (response.status, await response.read(),
+                            response.headers["x-relay-request-id"])
+            answers = await asyncio.gather(*(ask(i % 2 == 1) for i in range(64)))
+        assert [status for status, _, _ in answers] == [200] * 64
+        assert all(b"message_stop" in body for _, body, _ in answers[1::2])
+        ids = [request_id for _, _, request_id in answers]
+        assert len(set(ids)) == 64
+        assert await until(lambda: len(access_lines(relay)) == 64)
+        lines = access_lines(relay)
+        pids = {line["pid"] for line in lines}
+        assert len(pids) == 2 and relay.pid not in pids  # the supervisor serves nothing
+        # Each worker numbers its requests with a prefix of its own.
+        assert len({request_id[:18] for request_id in ids}) == 2
+        assert sorted(line["request_id"] for line in lines) == sorted(ids)
+        assert len(emu.requests()) == 64
+    finally:
+        relay.stop()
+    assert exit_status(relay) == 0
+
+
+async def test_readyz_and_healthz_say_the_workers_serve(tmp_path, emulator):
+    emu = emulator()
+    relay = start_relay(tmp_path, emu.url, workers=2)
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.get(relay.url + "/readyz") as response:
+                assert response.status == 200
+                assert await response.json() == {"status": "ready", "workers": {
+                    "configured": 2, "serving": 2}}
+            async with session.get(relay.url + "/healthz") as response:
+                assert response.status == 200
+                assert (await response.json())["status"] == "ok"
+    finally:
+        relay.stop()
+
+
+PROBE = '''
+import os
+from relay.hookspecs import hookimpl
+
+
+def _mark(options, what):
+    with open(os.path.join(options["dir"], f"{what}-{os.getpid()}"), "w"):
+        pass
+
+
+@hookimpl
+def relay_startup(config, options):
+    _mark(options, "startup")
+
+
+@hookimpl
+def relay_shutdown(config):
+    _mark({"dir": os.environ["PROBE_DIR"]}, "shutdown")
+'''
+
+
+def probe_plugin(root: Path) -> dict:
+    """A third-party plugin, installed the way pip installs one (an entry point in a
+    dist-info directory on the path): it leaves a file per process for its start and end."""
+    (root / "relay_probe.py").write_text(PROBE)
+    info = root / "relay_probe-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: relay-probe\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[relay.plugins]\nprobe = relay_probe\n")
+    return {"PYTHONPATH": os.pathsep.join([str(root), *sys.path])}
+
+
+def test_each_worker_runs_the_plugins_startup_and_shutdown(tmp_path, emulator):
+    emu = emulator()
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    (tmp_path / "site").mkdir()
+    env = {**probe_plugin(tmp_path / "site"), "PROBE_DIR": str(marks)}
+    relay = Relay({"pipeline": ["dedup", "probe"], "plugins": {"probe": {"dir": str(marks)}},
+                   "backends": [backend(emu.url)]}, tmp_path, env=env, args=["--workers", "3"])
+    started = {p.name.split("-")[1] for p in marks.glob("startup-*")}
+    assert len(started) == 3 and str(relay.pid) not in started
+    relay.stop()
+    assert exit_status(relay) == 0
+    assert {p.name.split("-")[1] for p in marks.glob("shutdown-*")} == started
+
+
+def test_a_plugin_config_error_in_the_workers_stops_the_relay_with_status_2(tmp_path, emulator):
+    emu = emulator()
+    relay_yaml = tmp_path / "relay.yaml"
+    relay_yaml.write_text(orjson.dumps({
+        "pipeline": ["pairing"], "plugins": {"pairing": {"pairing_mode": "sometimes"}},
+        "backends": [backend(emu.url)]}).decode())
+    done = subprocess.run([sys.executable, "-m", "relay", "--config", str(relay_yaml),
+                           "--port", "0", "--workers", "2"],
+                          capture_output=True, text=True, timeout=30, cwd=tmp_path)
+    assert done.returncode == 2
+    assert "config error: plugins.pairing.pairing_mode" in done.stderr
+    assert "listening" not in done.stdout
+
+
+def test_a_worker_that_dies_is_started_again(tmp_path, emulator):
+    emu = emulator()
+    relay = start_relay(tmp_path, emu.url, workers=2)
+    try:
+        pids = set(worker_pids(relay.pid))
+        assert len(pids) == 2
+        os.kill(next(iter(pids)), signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            now = set(worker_pids(relay.pid))
+            if len(now) == 2 and now != pids:
+                break
+            time.sleep(0.1)
+        assert len(now) == 2 and len(now & pids) == 1
+        assert relay.wait_for_output("exited with status -9 while serving")
+        assert relay.wait_for_output("starting worker")
+    finally:
+        relay.stop()
+
+
+def worker_pids(parent: int) -> list[int]:
+    children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
+    return [int(pid) for pid in children]
+
+
+def test_workers_whose_supervisor_is_killed_drain_and_exit(tmp_path, emulator):
+    emu = emulator()
+    relay = start_relay(tmp_path, emu.url, workers=2)
+    pids = worker_pids(relay.pid)
+    os.kill(relay.pid, signal.SIGKILL)
+    relay.proc.wait(5)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in pids):
+        time.sleep(0.1)
+    assert not any(Path(f"/proc/{pid}").exists() for pid in pids)
+    assert refuses_connections(relay.url)
+
+
+def test_the_port_of_a_running_relay_is_not_shared_by_accident(tmp_path, emulator):
+    emu = emulator()
+    first = start_relay(tmp_path, emu.url, workers=2)
+    try:
+        port = urlsplit(first.url).port
+        done = subprocess.run([sys.executable, "-m", "relay", "--config",
+                               str(first.config_path), "--port", str(port), "--workers", "2"],
+                              capture_output=True, text=True, timeout=30, cwd=tmp_path)
+        assert done.returncode == 2
+        assert f"cannot listen on 127.0.0.1:{port}" in done.stderr
+    finally:
+        first.stop()
+
+
+# --- the drain ------------------------------------------------------------------------------
+
+
+async def read_stream(response) -> bytes:
+    """The body as a client reading event by event has it; ``<cut>`` marks a body that did
+    not end properly."""
+    body = b""
+    try:
+        async for chunk in response.content.iter_any():
+            body += chunk
+    except aiohttp.ClientPayloadError:
+        body += b"<cut>"
+    return body
+
+
+@WORKER_COUNTS
+async def test_sigterm_lets_a_stream_in_flight_finish_and_exits_0(tmp_path, workers):
+    async with HeldStream() as upstream, aiohttp.ClientSession() as session:
+        relay = start_relay(tmp_path, upstream.url, workers=workers)
+        try:
+            async with session.post(relay.url + "/v1/messages", json=STREAM_BODY) as response:
+                assert response.status == 200
+                await upstream.started.wait()
+                os.kill(relay.pid, signal.SIGTERM)
+                # It stops accepting at once, while the stream goes on.
+                assert await until(lambda: refuses_connections(relay.url))
+                upstream.release.set()
+                body = await read_stream(response)
+            assert body == HEAD + TAIL
+            assert await asyncio.to_thread(exit_status, relay) == 0
+        finally:
+            relay.stop()
+
+
+@WORKER_COUNTS
+async def test_a_second_sigterm_ends_open_streams_with_an_error_event_and_exits_1(tmp_path,
+                                                                                 workers):
+    async with HeldStream() as upstream, aiohttp.ClientSession() as session:
+        relay = start_relay(tmp_path, upstream.url, workers=workers)
+        try:
+            async with session.post(relay.url + "/v1/messages", json=STREAM_BODY) as response:
+                await upstream.started.wait()
+                await asyncio.sleep(0.2)  # the first events are through the relay
+                os.kill(relay.pid, signal.SIGTERM)
+                assert await until(lambda: refuses_connections(relay.url))
+                os.kill(relay.pid, signal.SIGTERM)
+                body = await read_stream(response)
+            assert body.startswith(HEAD)
+            assert body[len(HEAD):] == sse("error", {"type": "error", "error": {
+                "type": "api_error", "message": SHUTTING_DOWN.decode()}})
+            assert await asyncio.to_thread(exit_status, relay) == 1
+            assert "drain cut short after a second signal: ending 1 request(s)" in relay.output()
+        finally:
+            relay.stop()
+
+
+@WORKER_COUNTS
+async def test_the_drain_deadline_ends_open_streams_with_an_error_event(tmp_path, workers):
+    async with HeldStream() as upstream, aiohttp.ClientSession() as session:
+        relay = start_relay(tmp_path, upstream.url, workers=workers, drain_seconds=0.5)
+        try:
+            async with session.post(relay.url + "/v1/messages", json=STREAM_BODY) as response:
+                await upstream.started.wait()
+                await asyncio.sleep(0.2)
+                os.kill(relay.pid, signal.SIGTERM)
+                body = await read_stream(response)
+            assert body.endswith(b"event: error\n" + b'data: {"type":"error","error":{'
+                                 b'"type":"api_error","message":"' + SHUTTING_DOWN + b'"}}\n\n')
+            assert body.startswith(HEAD) and b"message_stop" not in body
+            assert await asyncio.to_thread(exit_status, relay) == 1
+            assert "drain cut short after 0.5s" in relay.output()
+        finally:
+            relay.stop()
+
+
+@WORKER_COUNTS
+async def test_a_complete_answer_in_flight_is_waited_for(tmp_path, emulator, workers):
+    emu = emulator("--delay-ms", "1500")
+    relay = start_relay(tmp_path, emu.url, workers=workers)
+    try:
+        async with aiohttp.ClientSession() as session:
+            answer = asyncio.ensure_future(session.post(relay.url + "/v1/messages", json=BODY))
+            assert await until(lambda: len(emu.requests()) == 1)
+            os.kill(relay.pid, signal.SIGTERM)
+            response = await answer
+            assert response.status == 200
+            assert (await response.json())["type"] == "message"
+        assert await asyncio.to_thread(exit_status, relay) == 0
+    finally:
+        relay.stop()
+
+
+@WORKER_COUNTS
+async def test_an_answer_cut_by_the_drain_is_a_503_in_anthropics_format(tmp_path, emulator,
+                                                                        workers):
+    emu = emulator("--delay-ms", "20000")
+    relay = start_relay(tmp_path, emu.url, workers=workers)
+    try:
+        async with aiohttp.ClientSession() as session:
+            answer = asyncio.ensure_future(session.post(relay.url + "/v1/messages", json=BODY))
+            assert await until(lambda: len(emu.requests()) == 1)
+            os.kill(relay.pid, signal.SIGTERM)
+            assert await until(lambda: refuses_connections(relay.url))
+            os.kill(relay.pid, signal.SIGTERM)
+            response = await answer
+            assert response.status == 503
+            assert response.headers["x-should-retry"] == "true"
+            assert await response.json() == {"type": "error", "error": {
+                "type": "api_error", "message": SHUTTING_DOWN.decode()}}
+        assert await asyncio.to_thread(exit_status, relay) == 1
+    finally:
+        relay.stop()
+
+
+@WORKER_COUNTS
+def test_an_idle_relay_stops_at_once_with_status_0(tmp_path, emulator, workers):
+    emu = emulator()
+    relay = start_relay(tmp_path, emu.url, workers=workers)
+    started = time.monotonic()
+    os.kill(relay.pid, signal.SIGINT)  # Ctrl-C, as a terminal sends it
+    assert exit_status(relay) == 0
+    assert time.monotonic() - started < 10
+
+
+# --- the keys and the states -----------------------------------------------------------------
+
+
+def test_the_server_keys_have_safe_defaults_and_say_what_is_wrong():
+    minimal = {"backends": [backend("http://127.0.0.1:9")]}
+    config = parse(minimal)
+    assert (config.workers, config.log_format, config.drain_seconds) == (1, "text", 30.0)
+    config = parse({**minimal, "server": {"workers": 4, "log_format": "json", "drain_seconds": 0}})
+    assert (config.workers, config.log_format, config.drain_seconds) == (4, "json", 0.0)
+    for server, message in [
+        ({"workers": 0}, "server.workers: must be between 1 and 256"),
+        ({"workers": "2"}, "server.workers: must be an integer"),
+        ({"workers": True}, "server.workers: must be an integer"),
+        ({"log_format": "xml"}, "server.log_format: must be text or json"),
+        ({"drain_seconds": -1}, "server.drain_seconds: must be a number of seconds, 0 or more"),
+        ({"drain_seconds": "30s"}, "server.drain_seconds: must be a number of seconds, 0 or more"),
+    ]:
+        with pytest.raises(ConfigError) as error:
+            parse({**minimal, "server": server})
+        assert str(error.value) == message
+
+
+def test_workers_on_the_command_line_are_checked(tmp_path):
+    (tmp_path / "relay.yaml").write_text("backends: [{name: a, url: 'http://127.0.0.1:9'}]\n")
+    done = subprocess.run([sys.executable, "-m", "relay", "--config", "relay.yaml",
+                           "--workers", "0"], capture_output=True, text=True, timeout=30,
+                          cwd=tmp_path)
+    assert done.returncode == 2
+    assert "--workers: must be between 1 and 256" in done.stderr
+
+
+async def test_readiness_follows_the_process_through_its_life():
+    serving = SharedCounter()
+    state = Lifecycle(3, serving)
+    assert state.readiness() == (503, {"status": "starting",
+                                       "workers": {"configured": 3, "serving": 0}})
+    state.listening = True
+    serving.value = 3
+    assert state.readiness() == (200, {"status": "ready",
+                                       "workers": {"configured": 3, "serving": 3}})
+    serving.value = 2  # one worker being started again: this one still serves
+    assert state.readiness()[0] == 200
+    state.signal()
+    assert state.stop_requested.is_set() and not state.second_signal.is_set()
+    state.draining = True
+    assert state.readiness() == (503, {"status": "draining",
+                                       "workers": {"configured": 3, "serving": 2}})
+    state.signal()
+    assert state.second_signal.is_set()
+
+
+async def test_an_app_without_the_lifecycle_is_ready_once_it_answers(aiohttp_client):
+    config = parse({"backends": [backend("http://127.0.0.1:9")]})
+    client = await aiohttp_client(create_app(config, Chain(load_plugins([]), config)))
+    response = await client.get("/readyz")
+    assert response.status == 200 and await response.json() == {"status": "ready"}
