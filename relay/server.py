@@ -169,7 +169,6 @@ async def prepare_exchange(state: RelayState, *, method: str, path: str, query: 
 
     model = exchange.model
     if len(model) > MAX_MODEL_CHARS:
-        exchange.model = model[:MAX_MODEL_CHARS] + "..."
         raise refused(invalid_request(
             f"model: String should have at most {MAX_MODEL_CHARS} characters"))
     if backend is None:
