@@ -60,6 +60,8 @@ async def read_body(request: web.Request, limit: int, timeout: float | None = No
     if request.content_length is not None and request.content_length > limit:
         raise too_large(limit)
     try:
+        if timeout is None or request.content.is_eof():  # all here already: no timer needed
+            return await request.read()
         return await asyncio.wait_for(request.read(), timeout)
     except web.HTTPRequestEntityTooLarge:
         raise too_large(limit) from None

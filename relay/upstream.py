@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import email.utils
+import functools
 import random
 import time
 from urllib.parse import urlsplit
@@ -22,13 +23,17 @@ from .errors import RelayError
 from .exchange import Attempt
 from .headers import AUTH_HEADERS, end_to_end
 
+@functools.lru_cache(maxsize=256)
+def _base_path(url: str) -> str:
+    return urlsplit(url).path.rstrip("/")
+
+
 def upstream_url(backend, path: str, query: str) -> URL:
     """``path`` (checked, still percent-encoded as the client sent it) and ``query`` (the
     client's own bytes) under the backend's base URL, never normalised: what the client sent
     is what goes up. Raises when the result would leave the base path."""
-    base = urlsplit(backend.url).path.rstrip("/")
     url = URL(backend.url + path + ("?" + query if query else ""), encoded=True)
-    if url.raw_path != base + path or url.raw_query_string != query:
+    if url.raw_path != _base_path(backend.url) + path or url.raw_query_string != query:
         raise RelayError(400, f"path {path!r} cannot be sent to backend {backend.name}",
                          "invalid_request_error")
     return url
