@@ -7,7 +7,7 @@ CLAUDE := .e2e/node_modules/.bin/claude
 HAPROXY := /usr/sbin/haproxy
 PYTEST_ARGS ?=
 
-.PHONY: run try test test-min unit e2e bench demo clean
+.PHONY: run try test test-example test-min unit e2e bench demo clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -43,7 +43,12 @@ try: $(VENV)/.installed
 
 test: $(VENV)/.installed $(CLAUDE) $(HAPROXY)
 	RELAY_CLAUDE=$(abspath $(CLAUDE)) $(PY) -m pytest $(PYTEST_ARGS)
-	$(MAKE) --no-print-directory test-min
+	$(MAKE) --no-print-directory test-example test-min
+
+# The example plugin package, installed as its own distribution and tested with relay.testing.
+test-example: $(VENV)/.installed
+	$(PY) -m pip install --quiet --no-deps -e examples/plugin-package
+	cd examples/plugin-package && $(abspath $(PY)) -m pytest -q -p no:cacheprovider tests
 
 # The core suites again at the oldest versions setup.cfg accepts (its floors: a test holds
 # MIN_PINS and the floors equal), so that a floor cannot silently fall out of date. aiohttp
@@ -53,7 +58,7 @@ MIN_VENV := .venv-min
 MIN_PINS := aiohttp==3.14.4 pluggy==1.3.0 orjson==3.9.15 msgspec==0.18.0 pyyaml==6.0.1 prometheus-client==0.20.0
 $(MIN_VENV)/.installed: setup.cfg pyproject.toml Makefile
 	test -x $(MIN_VENV)/bin/python || $(PYTHON) -m venv $(MIN_VENV)
-	$(MIN_VENV)/bin/python -m pip install --quiet $(MIN_PINS) pytest pytest-aiohttp hypothesis
+	$(MIN_VENV)/bin/python -m pip install --quiet $(MIN_PINS) pytest 'pytest-asyncio>=0.24' pytest-aiohttp hypothesis
 	$(MIN_VENV)/bin/python -m pip install --quiet --no-deps -e .
 	touch $@
 

@@ -11,7 +11,6 @@ import difflib
 import inspect
 import logging
 import os
-import sys
 from importlib.metadata import entry_points
 
 import pluggy
@@ -60,7 +59,6 @@ def load_plugins(names: list[str], extra: dict | None = None) -> pluggy.PluginMa
                 plugin = found[name].load()
             except Exception as e:
                 raise ConfigError(f"pipeline[{i}]: plugin {name!r} failed to load: {e}") from e
-            _check_builtins(found[name], i)
         else:
             known = sorted(set(found) | set(extra))
             raise ConfigError(f"pipeline[{i}]: unknown plugin {name!r} "
@@ -105,17 +103,6 @@ def _validation_message(error: pluggy.PluginValidationError) -> str:
         accepted = ", ".join(inspect.signature(getattr(hookspecs, hook)).parameters)
         return f"{hook} takes no argument(s) {names} (it may take any of: {accepted})"
     return text
-
-
-def _check_builtins(entry_point, index: int) -> None:
-    """A built-in must come from the relay's own ``plugins`` package, not a namesake."""
-    if entry_point.module.split(".")[0] != "plugins":
-        return
-    package = sys.modules["plugins"]
-    if not getattr(package, "RELAY_BUILTINS", False):
-        raise ConfigError(f"pipeline[{index}]: plugin {entry_point.name!r}: the top-level package "
-                          f"'plugins' at {getattr(package, '__file__', '?')} is not the relay's "
-                          f"built-ins; another installed package shadows them")
 
 
 def _traced(plugin: str, hook: str, function):

@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="run the relay (the default command)")
     add_serve_arguments(serve)
 
-    from . import emulator
+    from .testing import emulator
     emulate = commands.add_parser("emulate", help="run the strict upstream emulator")
     emulator.add_arguments(emulate)
 
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         return run_serve(args)
     if args.command == "emulate":
-        from . import emulator
+        from .testing import emulator
         return emulator.main(args)
     if args.command == "validate":
         return run_validate(args)

@@ -13,14 +13,11 @@ import time
 import urllib.request
 from pathlib import Path
 
-import orjson
-import pytest
 import yaml
 
-from relay import skeleton
-from relay.config import Backend
-from relay.errors import RelayError
-from relay.exchange import Exchange
+# The plugin test kit the package ships (relay.testing), re-exported for the suites here.
+from relay.testing import (assistant, exchange_for, passes, refuses, request,  # noqa: F401
+                           result, text, use, user)
 
 ROOT = Path(__file__).resolve().parent.parent
 LISTENING = re.compile(r"listening on (http://[\w.\[\]:]+)")
@@ -65,10 +62,10 @@ class Process:
     def output(self) -> str:
         return "".join(self.lines)
 
-    def wait_for_output(self, text: str, timeout: float = 5.0) -> bool:
+    def wait_for_output(self, wanted: str, timeout: float = 5.0) -> bool:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if text in self.output():
+            if wanted in self.output():
                 return True
             time.sleep(0.02)
         return False
@@ -95,8 +92,8 @@ class Server(Process):
 
 class Emulator(Server):
     def _call(self, method: str, path: str):
-        request = urllib.request.Request(self.url + path, method=method)
-        with urllib.request.urlopen(request, timeout=10) as response:
+        call = urllib.request.Request(self.url + path, method=method)
+        with urllib.request.urlopen(call, timeout=10) as response:
             return json.loads(response.read() or b"null")
 
     def requests(self) -> list[dict]:
@@ -118,60 +115,3 @@ def backend(url: str, name: str = "emu", models=("*",), **extra) -> dict:
     """A relay.yaml backend entry pointing at a test server."""
     return {"name": name, "url": url, "models": list(models), **extra}
 
-
-# --- running a plugin's request hook ----------------------------------------------------
-
-
-def exchange_for(body: dict, quirks=None, endpoint: str = "messages") -> Exchange:
-    """An exchange for ``body`` built as serving builds it: from the skeleton, or from the
-    full parse when the body cannot be one."""
-    raw = orjson.dumps(body)
-    found = skeleton.decode(raw)
-    kind = {"skeleton": found} if found is not None else {"body": body}
-    return Exchange(endpoint=endpoint, method="POST", path="/v1/messages", query="", headers={},
-                    raw_body=raw, backend=Backend(name="b", url="http://x", models=["*"],
-                                                  quirks=quirks or {}), **kind)
-
-
-def rejection(hook, body: dict, options=None) -> str:
-    """The message of the 400 ``hook`` (a plugin's relay_request) refuses ``body`` with."""
-    with pytest.raises(RelayError) as caught:
-        hook(exchange_for(body), options or {})
-    assert caught.value.status == 400 and caught.value.type == "invalid_request_error"
-    return caught.value.message
-
-
-def passes(hook, body: dict, options=None) -> Exchange:
-    """Run ``hook`` on ``body``, which it must leave alone: the client's bytes go up."""
-    exchange = exchange_for(body)
-    hook(exchange, options or {})
-    assert not exchange.changed and exchange.repairs == 0
-    assert exchange.upstream_body() == orjson.dumps(body)
-    return exchange
-
-
-# --- building message histories ---------------------------------------------------------
-
-
-def request(*messages, **extra) -> dict:
-    return {"model": "claude-test", "max_tokens": 100, "messages": list(messages), **extra}
-
-
-def user(*blocks) -> dict:
-    return {"role": "user", "content": list(blocks)}
-
-
-def assistant(*blocks) -> dict:
-    return {"role": "assistant", "content": list(blocks)}
-
-
-def text(value: str = "ok") -> dict:
-    return {"type": "text", "text": value}
-
-
-def use(id, name: str = "Bash") -> dict:
-    return {"type": "tool_use", "id": id, "name": name, "input": {"command": "ls"}}
-
-
-def result(id, content="done") -> dict:
-    return {"type": "tool_result", "tool_use_id": id, "content": content}

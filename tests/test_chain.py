@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import os
 import re
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-import plugins
+import relay_builtins
 from relay import config as config_module, hookspecs
 from relay.chain import ENTRY_POINT_GROUP, available_plugins, load_plugins
 from relay.errors import ConfigError
@@ -28,11 +29,11 @@ def test_builtins_register_through_the_entry_point_group():
     assert BUILTINS <= set(found)
     for name in BUILTINS:
         assert found[name].group == ENTRY_POINT_GROUP
-        assert found[name].module == f"plugins.{name}"
+        assert found[name].module == f"relay_builtins.{name}"
 
 
-def test_top_level_plugins_package_is_this_repos():
-    assert Path(plugins.__file__).resolve().parent == ROOT / "plugins"
+def test_the_builtins_install_from_this_repos_plugins_directory():
+    assert Path(relay_builtins.__file__).resolve().parent == ROOT / "plugins"
 
 
 def test_hook_specs_are_prefixed_and_documented():
@@ -196,19 +197,40 @@ def test_relay_trace_logs_every_hook_call(monkeypatch, caplog):
     assert re.search(r"trace relay_\w+ probe.relay_request -> 'seen'", caplog.text)
 
 
-def test_a_namesake_plugins_package_is_reported_not_loaded(tmp_path):
-    fake = tmp_path / "plugins"
-    fake.mkdir()
-    (fake / "__init__.py").write_text("")
-    (fake / "dedup.py").write_text("")
+def test_another_distribution_with_a_plugins_package_collides_with_nothing(tmp_path):
+    """A second distribution that ships a top-level ``plugins`` package, installed beside the
+    relay: both work, each finds its own."""
+    source = tmp_path / "other"
+    (source / "plugins").mkdir(parents=True)
+    (source / "plugins" / "__init__.py").write_text("OWNER = 'other'\n")
+    (source / "plugins" / "dedup.py").write_text("raise ImportError('not the relay')\n")
+    (source / "pyproject.toml").write_text(textwrap.dedent("""\
+        [build-system]
+        requires = ["setuptools>=64"]
+        build-backend = "setuptools.build_meta"
+        [project]
+        name = "other-with-plugins"
+        version = "1.0"
+        [tool.setuptools]
+        packages = ["plugins"]
+        """))
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
+                    "--no-build-isolation", "--target", str(target), str(source)],
+                   check=True, capture_output=True, timeout=120)
     config = tmp_path / "relay.yaml"
-    config.write_text("pipeline: [dedup]\nbackends:\n  - {name: a, url: 'http://127.0.0.1:9'}\n")
-    proc = subprocess.run([sys.executable, "-c", "import sys; from relay.cli import main; "
-                           f"sys.path.insert(0, {str(tmp_path)!r}); sys.exit(main())",
+    config.write_text("pipeline: [dedup, pairing, ordering]\n"
+                      "backends:\n  - {name: a, url: 'http://127.0.0.1:9'}\n")
+    history = tmp_path / "history.json"
+    history.write_text('[{"role": "user", "content": "hi"}]')
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    proc = subprocess.run([sys.executable, "-m", "relay", "validate", str(history),
                            "--config", str(config)],
-                          capture_output=True, text=True, timeout=30, cwd=tmp_path)
-    assert proc.returncode == 2
-    assert "is not the relay's built-ins" in proc.stderr
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr
+    other = subprocess.run([sys.executable, "-c", "import plugins; print(plugins.OWNER)"],
+                           capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
+    assert other.stdout.strip() == "other"
 
 
 @pytest.mark.parametrize("access_log", [False, True])

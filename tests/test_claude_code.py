@@ -44,7 +44,7 @@ from pathlib import Path
 
 import pytest
 
-from relay.emulator import EmulatorOptions, plan_reply
+from relay.testing.emulator import EmulatorOptions, plan_reply
 from support import ROOT, backend
 
 pytestmark = pytest.mark.e2e

@@ -9,11 +9,11 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from support import exchange_for
 
-from plugins import dedup
-from plugins import pairing as pairing_plugin
+from relay_builtins import dedup
+from relay_builtins import pairing as pairing_plugin
 from relay.chain import Chain, load_plugins
 from relay.config import parse
-from relay.emulator import EmulatorOptions, find_problem
+from relay.testing.emulator import EmulatorOptions, find_problem
 from relay.exchange import UpstreamResponse
 from relay.sse import Event
 

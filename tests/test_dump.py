@@ -17,8 +17,9 @@ import aiohttp
 import orjson
 import pytest
 
-from plugins import dump
-from relay import cli, emulator
+from relay_builtins import dump
+from relay import cli
+from relay.testing import emulator
 from relay import config as config_module
 from relay.chain import Chain, available_plugins, load_plugins
 from relay.errors import ConfigError, RelayError

@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from support import assistant, request, result, text, use, user
 
-from relay.emulator import (
+from relay.testing.emulator import (
     EmulatorOptions,
     RaggedSplitter,
     add_arguments,
@@ -38,7 +38,7 @@ from relay.emulator import (
     tool_id,
 )
 
-EMULATOR = os.path.join(os.path.dirname(__file__), "..", "relay", "emulator.py")
+EMULATOR = os.path.join(os.path.dirname(__file__), "..", "relay", "testing", "emulator.py")
 
 BASH = {"name": "Bash", "description": "Run a command",
         "input_schema": {"type": "object", "properties": {"command": {"type": "string"}},

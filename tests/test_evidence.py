@@ -15,9 +15,9 @@ import orjson
 import pytest
 from support import ROOT, backend
 
-from plugins import pairing
+from relay_builtins import pairing
 from relay import cli
-from relay.emulator import EmulatorOptions, find_problem
+from relay.testing.emulator import EmulatorOptions, find_problem
 
 RULES = json.loads((ROOT / "relay" / "evidence.json").read_text())["rules"]
 RECORDED = sorted((ROOT / "tests" / "fixtures" / "recorded").glob("*.json"))
@@ -242,12 +242,12 @@ def test_the_emulator_keeps_its_own_copy_of_the_rules():
     # A shared mistake would pass every test: the emulator imports nothing from the relay or
     # its plugins, and does not read the evidence table either.
     import ast
-    source = (ROOT / "relay" / "emulator.py").read_text()
+    source = (ROOT / "relay" / "testing" / "emulator.py").read_text()
     imported = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             imported.update(alias.name.split(".")[0] for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             imported.add("." if node.level else node.module.split(".")[0])
-    assert not imported & {".", "relay", "plugins"}, imported
+    assert not imported & {".", "relay", "plugins", "relay_builtins"}, imported
     assert "open(" not in source and "read_text" not in source

@@ -21,8 +21,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support import assistant, exchange_for, request, result, text, use, user
 
-from plugins import ordering, pairing
-from relay.emulator import EmulatorOptions, find_problem
+from relay_builtins import ordering, pairing
+from relay.testing.emulator import EmulatorOptions, find_problem
 from relay.errors import RelayError
 
 FAULTS = ("drop_result", "wrong_id", "duplicate_result", "text_first", "text_after_call",

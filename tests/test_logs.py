@@ -110,7 +110,7 @@ def test_the_access_fields_of_an_exchange():
     assert fields["model"] == "claude-x\n" + "y" * 191 + "...[309 chars]"
     assert fields["ids_rewritten"] == 2 and fields["repairs"] == 2
     assert fields["key"] == "team-a" and fields["ttfb_ms"] == 250.0
-    assert fields["status"] == 200 and fields["stream"] is True and fields["backend"] == "b"
+    assert fields["status"] == 200 and fields["stream"] is True and fields["backend"] == "test"
     line = logs.access_line(fields)
     assert line.startswith(f"{exchange.id} messages model=\"claude-x\\n")
     assert "\n" not in line and " key=team-a" in line and " ttfb_ms=250.0" in line

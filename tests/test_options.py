@@ -87,6 +87,8 @@ def test_a_plugin_that_declares_nothing_gets_everything_unchecked():
 def test_the_readme_option_tables_are_the_declarations():
     readme = "\n".join(line.strip() for line in (ROOT / "README.md").read_text().splitlines())
     for name, entry_point in sorted(available_plugins().items()):
+        if not entry_point.module.startswith("relay_builtins."):
+            continue  # another distribution's plugins (the example package) document their own
         options = declared(entry_point.load())
         if options:
             table = markdown_table(options)

@@ -8,9 +8,9 @@ import logging
 import support
 from support import assistant, exchange_for, request, result, text, use, user
 
-from plugins import ordering
+from relay_builtins import ordering
 
-rejection = functools.partial(support.rejection, ordering.relay_request)
+rejection = functools.partial(support.refuses, ordering.relay_request)
 passes = functools.partial(support.passes, ordering.relay_request)
 
 

@@ -14,10 +14,10 @@ import pytest
 import support
 from support import assistant, exchange_for, request, result, text, use, user
 
-from plugins import ordering, pairing
+from relay_builtins import ordering, pairing
 from relay.errors import RelayError
 
-rejection = functools.partial(support.rejection, pairing.relay_request)
+rejection = functools.partial(support.refuses, pairing.relay_request)
 passes = functools.partial(support.passes, pairing.relay_request)
 
 

@@ -20,7 +20,7 @@ import orjson
 import pytest
 import yaml
 
-from plugins import dedup
+from relay_builtins import dedup
 from relay import cli
 from relay import replay as replay_module
 

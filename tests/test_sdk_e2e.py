@@ -14,7 +14,7 @@ from pathlib import Path
 import anthropic
 import pytest
 
-from relay.emulator import EmulatorOptions, plan_reply
+from relay.testing.emulator import EmulatorOptions, plan_reply
 from support import backend
 
 pytestmark = pytest.mark.e2e

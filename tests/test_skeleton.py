@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from plugins import dedup, ordering, pairing
+from relay_builtins import dedup, ordering, pairing
 from relay import skeleton
 from relay.config import Backend
 from relay.errors import RelayError

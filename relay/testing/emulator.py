@@ -6,7 +6,7 @@ by the request alone: ``turn`` is the number of assistant messages in the histor
 options say how many turns end in tool calls, how the tool ids look and which faults to inject.
 
 It imports nothing from the relay on purpose: it stands for the far side of the wire, and it
-runs on its own (``python relay/emulator.py --port 0``).
+runs on its own (``python relay/testing/emulator.py --port 0``).
 
 A request that offers no client tool (a side request, such as a title or a quota check), or
 forbids calls with ``tool_choice: none``, gets a text answer: a model cannot call a tool it was

@@ -1,0 +1,1 @@
+"""Example relay plugins: see the README beside this package."""
