@@ -51,6 +51,7 @@ import datetime
 import itertools
 import os
 
+import msgspec
 import orjson
 
 from ..errors import RelayError, error_body
@@ -122,13 +123,18 @@ def _invalid(where: str, what: str) -> RelayError:
     return RelayError(400, f"{where}: {what}", "invalid_request_error")
 
 
+_decode = msgspec.json.Decoder().decode
+_encode = msgspec.json.Encoder().encode
+
+
 def request_bytes(raw: bytes, backend) -> bytes:
     """The Chat Completions body for an Anthropic request body (bytes to bytes)."""
+    # msgspec, not orjson: integers past 64 bits stay exact both ways.
     try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as e:
+        body = _decode(raw)
+    except msgspec.DecodeError as e:
         raise _invalid("(body)", f"request body is not valid JSON: {e}") from None
-    return orjson.dumps(chat_request(body, backend))
+    return _encode(chat_request(body, backend))
 
 
 def chat_request(body: dict, backend) -> dict:
@@ -314,7 +320,7 @@ def _assistant(out: list, content: list, where: str, backend) -> None:
             if not isinstance(call, str) or not isinstance(name, str):
                 raise _invalid(at, "tool_use needs an id and a name")
             calls.append({"id": call, "type": "function", "function": {
-                "name": name, "arguments": orjson.dumps(block.get("input", {})).decode()}})
+                "name": name, "arguments": _encode(block.get("input", {})).decode()}})
         elif kind in _DROPPED_ASSISTANT:
             if kind == "thinking" and isinstance(block.get("thinking"), str):
                 thoughts.append(block["thinking"])
@@ -427,8 +433,8 @@ def tool_input(arguments, call_id, name, backend_name: str) -> dict:
     if arguments is None or (isinstance(arguments, str) and not arguments.strip()):
         return {}
     try:
-        value = orjson.loads(arguments)
-    except (orjson.JSONDecodeError, TypeError):
+        value = _decode(arguments)
+    except (msgspec.DecodeError, TypeError):
         value = None
     if type(value) is not dict:
         text = arguments if isinstance(arguments, str) else repr(arguments)
@@ -490,7 +496,7 @@ def answer_bytes(payload: bytes, backend_name: str, model: str | None = None) ->
     except orjson.JSONDecodeError:
         raise RelayError(502, f"upstream {backend_name} answered with a body that is not "
                               f"JSON: {payload[:200]!r}", "api_error") from None
-    return orjson.dumps(anthropic_message(chat, backend_name, model))
+    return _encode(anthropic_message(chat, backend_name, model))
 
 
 def error_type(status: int) -> str:
