@@ -55,7 +55,6 @@ import msgspec
 import orjson
 
 from ..errors import RelayError, error_body
-from ..sse import SSEDecoder
 
 FORMAT = "OpenAI Chat Completions"
 
@@ -570,6 +569,28 @@ _PING = _event(b"ping", {"type": "ping"})
 _STOP = _event(b"message_stop", {"type": "message_stop"})
 
 
+def _payload(event: bytes) -> bytes | None:
+    """The data of one event (its lines joined), or None when it has no data line."""
+    if event.startswith(b"data: ") and event.find(b"\n") < 0:
+        return event[6:]
+    data = None
+    for line in event.split(b"\n"):
+        if line.startswith(b"data:"):
+            value = line[6:] if line[5:6] == b" " else line[5:]
+            data = value if data is None else data + b"\n" + value
+    return data
+
+
+_DELTA = b'event: content_block_delta\ndata: {"type":"content_block_delta","index":'
+_TEXT_DELTA = b',"delta":{"type":"text_delta","text":'
+_THINKING_DELTA = b',"delta":{"type":"thinking_delta","thinking":'
+_JSON_DELTA = b',"delta":{"type":"input_json_delta","partial_json":'
+
+
+def _delta(index: int, kind: bytes, value: str) -> bytes:
+    return _DELTA + str(index).encode() + kind + orjson.dumps(value) + b"}}\n\n"
+
+
 class _Call:
     """One streamed tool call: what is known of it, and whether its block is out."""
 
@@ -603,7 +624,8 @@ class StreamTranslator:
     def __init__(self, backend_name: str, model: str | None = None, keep_raw: bool = True):
         self.backend = backend_name
         self.model = model
-        self.decoder = SSEDecoder()
+        self.buf = b""  # the start of an event still coming
+        self.cr = False  # "\r" line ends seen: every chunk is normalised from then on
         self.raw: list[bytes] | None = [] if keep_raw else None
         self.id = message_id()
         self.started = False
@@ -621,37 +643,74 @@ class StreamTranslator:
             self.raw.append(chunk)
         if self.ended:
             return b""
+        buf = self.buf + chunk if self.buf else chunk
+        if self.cr or b"\r" in chunk:
+            # Any line end becomes "\n"; a "\r" at the very end waits for the next chunk to
+            # say whether it was the first half of "\r\n".
+            self.cr = True
+            held = b""
+            if buf.endswith(b"\r"):
+                buf, held = buf[:-1], b"\r"
+            buf = buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n") + held
         out: list[bytes] = []
-        for event in self.decoder.feed(chunk):
-            self._event(event, out)
-            if self.ended:
+        start = 0
+        while not self.ended:
+            end = buf.find(b"\n\n", start)
+            if end < 0:
                 break
+            event = buf[start:end]
+            start = end + 2
+            if event:
+                self._event(event, out)
+        self.buf = buf[start:] if start else buf
+        if len(out) == 1:
+            return out[0]
         return b"".join(out)
 
     def close(self) -> bytes:
         """The upstream has finished: what is left. Without ``[DONE]`` or a finish reason the
-        stream is left unended, for the caller to report as cut."""
+        stream is left unended, for the caller to report as cut. A last event without its
+        blank line counts when it is whole; a fragment cut off mid-event does not."""
         if self.ended:
             return b""
         out: list[bytes] = []
-        for event in self.decoder.close():
-            self._event(event, out)
+        rest = self.buf.strip(b"\r\n")
+        self.buf = b""
+        if rest:
+            payload = _payload(rest)
+            if payload == b"[DONE]":
+                self._end(out)
+            elif payload is not None:
+                try:
+                    data = orjson.loads(payload)
+                except orjson.JSONDecodeError:
+                    data = None
+                if type(data) is dict:
+                    self._data(data, out)
         if not self.ended and self.finish_reason is not None:
             self._end(out)
         return b"".join(out)
 
     # the upstream's events
 
-    def _event(self, event, out: list) -> None:
-        data = event.data
-        if type(data) is not dict:
-            raw = event.raw
-            if b"[DONE]" in raw and data is None:
-                self._end(out)
-            elif b"data:" in raw:
-                self._fail(out, f"upstream {self.backend} sent a stream event that is not a "
-                                f"JSON object: {raw[:200]!r}")
+    def _event(self, event: bytes, out: list) -> None:
+        payload = _payload(event)
+        if payload is None:
             return  # a comment or a keep-alive
+        if payload == b"[DONE]":
+            self._end(out)
+            return
+        try:
+            data = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            data = None
+        if type(data) is not dict:
+            self._fail(out, f"upstream {self.backend} sent a stream event that is not a "
+                            f"JSON object: {event[:200]!r}")
+            return
+        self._data(data, out)
+
+    def _data(self, data: dict, out: list) -> None:
         if "error" in data or data.get("object") == "error":
             self._upstream_error(data, out)
             return
@@ -704,12 +763,8 @@ class StreamTranslator:
             if open_ is not None:
                 self._stop(out)
             self._open(kind, out)
-        if kind == "text":
-            delta = {"type": "text_delta", "text": text}
-        else:
-            delta = {"type": "thinking_delta", "thinking": text}
-        out.append(_event(b"content_block_delta", {
-            "type": "content_block_delta", "index": self.blocks - 1, "delta": delta}))
+        out.append(_delta(self.blocks - 1, _TEXT_DELTA if kind == "text" else _THINKING_DELTA,
+                          text))
 
     def _open(self, kind: str, out: list) -> None:
         block = {"type": "text", "text": ""} if kind == "text" else {
@@ -745,9 +800,7 @@ class StreamTranslator:
         if arguments and isinstance(arguments, str):
             call.parts.append(arguments)
             if self.open is call:
-                out.append(_event(b"content_block_delta", {
-                    "type": "content_block_delta", "index": call.block,
-                    "delta": {"type": "input_json_delta", "partial_json": arguments}}))
+                out.append(_delta(call.block, _JSON_DELTA, arguments))
                 return
         if call.block is not None or self.open is call:
             return
