@@ -153,6 +153,11 @@ def test_reasoning_can_be_sent_back_when_the_backend_wants_it():
         {"type": "thinking", "thinking": "because", "signature": ""}, use("c1")),
         user(result("c1"))]}, reasoning_history="reasoning_content")
     assert out["messages"][1]["reasoning_content"] == "because"
+    # a call turn without thinking still carries the field: DeepSeek refuses one without it
+    out = chat({"messages": [user(text()), assistant(use("c1")), user(result("c1")),
+                             assistant(text("done"))]}, reasoning_history="reasoning_content")
+    assert out["messages"][1]["reasoning_content"] == ""
+    assert "reasoning_content" not in out["messages"][3]
 
 
 def test_mid_conversation_system_messages_and_plain_strings():

@@ -17,8 +17,8 @@ control when its quirks name one.
 
 Dropped because dropping cannot change what the model is told: ``cache_control``,
 ``citations`` on text, the model's own earlier ``thinking`` and ``redacted_thinking`` (its
-reasoning, not the conversation; a quirk can send ``thinking`` back as
-``reasoning_content``), ``top_k`` and other Anthropic-only knobs (``context_management``,
+reasoning, not the conversation; the ``reasoning_history`` quirk sends it back as
+``reasoning_content``, on every call turn, for backends that want it), ``top_k`` and other Anthropic-only knobs (``context_management``,
 ``service_tier``, ``output_config.effort``, unknown top-level fields). Refused with a 400 that
 names the block type and the backend, because dropping would lose part of the conversation:
 server tools and their results, MCP servers, documents other than plain text, and any block
@@ -328,7 +328,8 @@ def _assistant(out: list, content: list, where: str, backend) -> None:
     message = {"role": "assistant", "content": _SEPARATOR.join(texts) if texts else None}
     if calls:
         message["tool_calls"] = calls
-    if thoughts and quirk(backend, "reasoning_history") == "reasoning_content":
+    if (thoughts or calls) and quirk(backend, "reasoning_history") == "reasoning_content":
+        # DeepSeek's thinking mode refuses a call turn without it, even an empty one.
         message["reasoning_content"] = _SEPARATOR.join(thoughts)
     elif not texts and not calls:
         return  # nothing but the model's own reasoning: nothing the model is told
