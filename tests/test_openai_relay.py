@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import orjson
 import pytest
+import yaml
 from aiohttp import web
 
 from relay import config as config_module
@@ -257,3 +259,14 @@ def test_an_openai_backend_defaults_to_bearer_auth():
         {"name": "b", "url": "http://x.invalid"}]})
     assert [(b.format, b.auth) for b in config.backends] == [("openai", "bearer"),
                                                              ("anthropic", "x-api-key")]
+
+
+def test_the_readmes_openai_examples_are_valid():
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    example = readme.split("## OpenAI-format backends", 1)[1].split("```yaml", 1)[1].split(
+        "```", 1)[0]
+    config = config_module.parse(yaml.safe_load(example), env={
+        "OPENROUTER_API_KEY": "sk-or-test", "DEEPSEEK_API_KEY": "sk-ds-test"})
+    assert {b.format for b in config.backends} == {"openai"}
+    assert config.backend("deepseek").quirks == {"reasoning_control": "deepseek",
+                                                 "reasoning_history": "reasoning_content"}
