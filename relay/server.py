@@ -473,7 +473,16 @@ class Relay:
                     async for chunk in upstream.content.iter_any():
                         await stream.feed(chunk)
                 else:
+                    first = True
                     async for chunk in upstream.content.iter_any():
+                        if first:
+                            # message_start goes out before the rest of the first read is
+                            # translated: a burst must not delay the first byte.
+                            first = False
+                            cut = chunk.find(b"\n\n") + 2
+                            if 1 < cut < len(chunk):
+                                await stream.feed(translator.feed(chunk[:cut]))
+                                chunk = chunk[cut:]
                         chunk = translator.feed(chunk)
                         if chunk:
                             await stream.feed(chunk)
