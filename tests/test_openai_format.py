@@ -170,6 +170,17 @@ def test_mid_conversation_system_messages_and_plain_strings():
                                {"role": "assistant", "content": "yo"}]
 
 
+def test_a_tool_reference_names_the_tool_every_function_already_offers():
+    tools = [{"name": "Cron", "input_schema": {"type": "object"}, "defer_loading": True}]
+    out = chat({"tools": tools, "messages": [
+        assistant(use("c1", "ToolSearch", {"query": "cron"})),
+        user(result("c1", [{"type": "tool_reference", "tool_name": "Cron"}]))]})
+    assert out["messages"][1] == {"role": "tool", "tool_call_id": "c1",
+                                  "content": "Tool loaded: Cron"}
+    assert out["tools"] == [{"type": "function", "function": {
+        "name": "Cron", "parameters": {"type": "object"}}}]
+
+
 def test_plain_text_documents_translate():
     doc = {"type": "document", "source": {"type": "text", "media_type": "text/plain",
                                           "data": "the doc"}}

@@ -13,7 +13,8 @@ format has no flag for it); ``tools`` to functions; ``tool_choice`` and
 ``disable_parallel_tool_use``; ``stop_sequences``; ``max_tokens`` (or
 ``max_completion_tokens``); ``temperature``, ``top_p``; ``metadata.user_id`` to ``user``;
 ``output_config.format`` to ``response_format``; ``thinking`` to the backend's reasoning
-control when its quirks name one.
+control when its quirks name one; a ``tool_reference`` in a result to a line naming the tool
+(every tool, deferred or not, is among the functions: ``defer_loading`` has no equivalent).
 
 Dropped because dropping cannot change what the model is told: ``cache_control``,
 ``citations`` on text, the model's own earlier ``thinking`` and ``redacted_thinking`` (its
@@ -302,6 +303,10 @@ def _result_text(content, where: str, backend, images: list) -> str:
             images.append(_image(block, at, backend))
         elif kind == "document":
             texts.append(_document(block, at, backend)["text"])
+        elif kind == "tool_reference" and isinstance(block.get("tool_name"), str):
+            # Anthropic expands it into a deferred tool's definition; here every tool is
+            # among the functions already, so the reference says which one was loaded.
+            texts.append(f"Tool loaded: {block['tool_name']}")
         else:
             raise refuse(backend, at, kind)
     return "\n".join(texts)
