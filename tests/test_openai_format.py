@@ -612,3 +612,55 @@ def test_every_block_with_an_equivalent_survives_the_translation(messages):
             answers = [m["tool_call_id"] for m in out["messages"][n + 1:n + 1 + len(
                 message["tool_calls"])]]
             assert answers == [c["id"] for c in message["tool_calls"]]
+
+
+@st.composite
+def interleavings(draw):
+    """Up to three calls whose fragments arrive in any interleaving that keeps each call's own
+    order, ids and names in the first fragment or later, text and reasoning around them."""
+    calls = []
+    for index in range(draw(st.integers(1, 3))):
+        arguments = msgspec.json.encode(draw(inputs)).decode()
+        cuts = sorted(draw(st.lists(st.integers(0, len(arguments)), max_size=4)))
+        pieces = [arguments[a:b] for a, b in zip([0, *cuts], [*cuts, len(arguments)])]
+        fragments = [{"index": index, "function": {"arguments": p}} for p in pieces]
+        late = draw(st.integers(0, len(fragments) - 1))  # which fragment names the call
+        fragments[late].update(id=f"call_{index}", type="function")
+        fragments[late]["function"]["name"] = f"Tool{index}"
+        calls.append(fragments)
+    order = []
+    queues = [list(f) for f in calls]
+    while any(queues):
+        queue = draw(st.sampled_from([q for q in queues if q]))
+        order.append(queue.pop(0))
+    lead = [chunk({"reasoning_content": "hm"})] if draw(st.booleans()) else []
+    lead += [chunk({"content": t}) for t in draw(st.lists(words, max_size=2))]
+    body = [chunk({"tool_calls": [f]}) for f in order]
+    return calls, sse(chunk({"role": "assistant"}), *lead, *body, chunk({}, "tool_calls"),
+                      chunk(usage=USAGE))
+
+
+@settings(max_examples=200, deadline=None)
+@given(interleavings(), st.lists(st.integers(min_value=1, max_value=64), max_size=40))
+def test_interleaved_calls_always_make_well_formed_blocks(case, sizes):
+    calls, data = case
+    events, ended = translate(data, sizes)
+    assert ended and events[-1]["type"] == "message_stop"
+    blocks, current = [], None
+    for event in events:  # blocks open, fill and close one at a time, indices in order
+        if event["type"] == "content_block_start":
+            assert current is None and event["index"] == len(blocks)
+            current = dict(event["content_block"], partial="")
+        elif event["type"] == "content_block_delta":
+            assert current is not None and event["index"] == len(blocks)
+            current["partial"] += event["delta"].get("partial_json", "")
+        elif event["type"] == "content_block_stop":
+            assert event["index"] == len(blocks)
+            blocks.append(current)
+            current = None
+    got = sorted((b["id"], b["name"], msgspec.json.decode(b["partial"]))
+                 for b in blocks if b["type"] == "tool_use")
+    assert got == [(f"call_{i}", f"Tool{i}", msgspec.json.decode(
+        "".join(f["function"]["arguments"] for f in fragments)))
+        for i, fragments in enumerate(calls)]
+    assert events[-2]["delta"]["stop_reason"] == "tool_use"
