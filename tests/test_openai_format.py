@@ -20,12 +20,22 @@ def backend(**quirks) -> Backend:
 
 
 def chat(body: dict, **quirks) -> dict:
-    return openai.chat_request({"model": "m", "max_tokens": 10, **body}, backend(**quirks))
+    """The translation of ``body``, checked to be the same whether the request comes parsed or
+    as bytes (where the history's bulk stays the client's JSON text)."""
+    body = {"model": "m", "max_tokens": 10, **body}
+    out = openai.chat_request(body, backend(**quirks))
+    assert msgspec.json.decode(openai.request_bytes(msgspec.json.encode(body),
+                                                    backend(**quirks))) == out
+    return out
 
 
 def refusal(body: dict) -> str:
+    body = {"model": "m", "max_tokens": 10, **body}
     with pytest.raises(RelayError) as refused:
-        chat(body)
+        openai.chat_request(body, backend())
+    with pytest.raises(RelayError) as as_bytes:
+        openai.request_bytes(msgspec.json.encode(body), backend())
+    assert as_bytes.value.message == refused.value.message
     assert refused.value.status == 400 and refused.value.type == "invalid_request_error"
     return refused.value.message
 
@@ -71,7 +81,7 @@ def test_a_whole_request_translates():
             user(result("call_0", [text("a"), text("b")]), result("call_1", "oops", is_error=True),
                  text("and now?")),
         ]}
-    assert openai.chat_request(body, backend()) == {
+    assert chat(body) == {
         "model": "deepseek-chat",
         "messages": [
             {"role": "system", "content": "You are terse.\n\nBe kind."},
@@ -211,10 +221,21 @@ def test_what_cannot_be_translated_without_loss_is_refused_by_name(body, named):
     assert "backend oa" in message and "OpenAI Chat Completions" in message
 
 
-def test_request_bytes_refuses_bytes_that_are_not_json():
+@pytest.mark.parametrize("raw", [
+    b"{", b"[1]",
+    # broken UTF-8 where the translation must read the text
+    b'{"model":"m","messages":[{"role":"assistant","content":[{"type":"tool_use","id":"a",'
+    b'"name":"B","input":{"x":"\xff"}}]}]}',
+    b'{"model":"m","messages":[{"role":"user","content":[{"type":"tool_result",'
+    b'"tool_use_id":"a","is_error":true,"content":"\xff"}]}]}',
+    # results that are not blocks
+    b'{"model":"m","messages":[{"role":"user","content":[{"type":"tool_result",'
+    b'"tool_use_id":"a","content":[1]}]}]}',
+])
+def test_request_bytes_refuses_what_is_not_a_request_with_a_400(raw):
     with pytest.raises(RelayError) as refused:
-        openai.request_bytes(b"{", backend())
-    assert refused.value.status == 400
+        openai.request_bytes(raw, backend())
+    assert refused.value.status == 400 and refused.value.type == "invalid_request_error"
 
 
 # --- answers ----------------------------------------------------------------------------------

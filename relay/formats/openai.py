@@ -51,6 +51,7 @@ from __future__ import annotations
 import datetime
 import itertools
 import os
+from typing import Union
 
 import msgspec
 import orjson
@@ -123,18 +124,52 @@ def _invalid(where: str, what: str) -> RelayError:
     return RelayError(400, f"{where}: {what}", "invalid_request_error")
 
 
+# msgspec, not orjson: integers past 64 bits stay exact both ways.
 _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
+Raw = msgspec.Raw
+_Block = dict[str, Raw]
+# A history's bulk (texts, tool results, tool inputs) stays the client's JSON text, which the
+# encoder writes back as it is: a long history is translated without building its strings.
+# The fields the translation reads, in one pass; any other is dropped anyway.
+_READ = ("model", "system", "max_tokens", "temperature", "top_p", "stop_sequences", "metadata",
+         "tools", "tool_choice", "output_config", "thinking", "stream", "mcp_servers",
+         "container")
+_Request = msgspec.defstruct(
+    "_Request", [("messages", Union[list[dict[str, Union[str, list[_Block]]]], Raw],
+                  msgspec.UNSET)]
+    + [(name, Union[Raw, msgspec.UnsetType], msgspec.UNSET) for name in _READ])
+_request = msgspec.json.Decoder(_Request).decode
+_blocks = msgspec.json.Decoder(list[_Block]).decode
+# Block types as JSON text: a dict lookup instead of a decode for each block.
+_KINDS = {f'"{kind}"'.encode(): kind for kind in (
+    "text", "image", "document", "tool_use", "tool_result", "thinking", "redacted_thinking",
+    "tool_reference")}
+
+
+def _value(item):
+    """``item`` as a Python value, whether it is still the client's JSON text or not."""
+    return _decode(item) if type(item) is Raw else item
+
+
+def _is_text(item) -> bool:
+    return isinstance(item, str) or (type(item) is Raw and memoryview(item)[:1] == b'"')
 
 
 def request_bytes(raw: bytes, backend) -> bytes:
     """The Chat Completions body for an Anthropic request body (bytes to bytes)."""
-    # msgspec, not orjson: integers past 64 bits stay exact both ways.
     try:
-        body = _decode(raw)
-    except msgspec.DecodeError as e:
+        try:
+            request = _request(raw)
+        except msgspec.ValidationError:  # a shape the raw path does not hold: decode it all
+            body = _decode(raw)
+        else:
+            body = {name: _value(getattr(request, name)) for name in ("messages", *_READ)
+                    if getattr(request, name) is not msgspec.UNSET}
+        # Text kept raw is decoded only where it must be read: broken UTF-8 shows up here.
+        return _encode(chat_request(body, backend))
+    except (msgspec.DecodeError, UnicodeDecodeError) as e:
         raise _invalid("(body)", f"request body is not valid JSON: {e}") from None
-    return _encode(chat_request(body, backend))
 
 
 def chat_request(body: dict, backend) -> dict:
@@ -195,19 +230,23 @@ def _plain_text(value, where: str, backend) -> str:
         kind = _kind(block, f"{where}.{k}")
         if kind != "text":
             raise refuse(backend, f"{where}.{k}", kind)
-        parts.append(_text(block, f"{where}.{k}"))
+        parts.append(_value(_text(block, f"{where}.{k}")))
     return _SEPARATOR.join(parts)
 
 
 def _kind(block, where: str) -> str:
-    if type(block) is not dict or not isinstance(block.get("type"), str):
+    kind = block.get("type") if type(block) is dict else None
+    if type(kind) is Raw:
+        kind = _KINDS.get(bytes(kind)) or _decode(kind)
+    if not isinstance(kind, str):
         raise _invalid(where, "Input should be a content block with a type")
-    return block["type"]
+    return kind
 
 
-def _text(block: dict, where: str) -> str:
+def _text(block: dict, where: str):
+    """A block's text: a string, or the client's JSON text of one."""
     text = block.get("text")
-    if not isinstance(text, str):
+    if not _is_text(text):
         raise _invalid(f"{where}.text", "Field required")
     return text
 
@@ -235,7 +274,7 @@ def _message(out: list, message, n: int, backend) -> None:
 
 
 def _image(block: dict, where: str, backend) -> dict:
-    source = block.get("source")
+    source = _value(block.get("source"))
     kind = source.get("type") if type(source) is dict else None
     if kind == "base64":
         url = f"data:{source.get('media_type')};base64,{source.get('data')}"
@@ -247,7 +286,7 @@ def _image(block: dict, where: str, backend) -> dict:
 
 
 def _document(block: dict, where: str, backend) -> dict:
-    source = block.get("source")
+    source = _value(block.get("source"))
     if type(source) is dict and source.get("type") == "text" and isinstance(source.get("data"), str):
         return {"type": "text", "text": source["data"]}
     kind = source.get("type") if type(source) is dict else None
@@ -268,12 +307,12 @@ def _user(out: list, content: list, where: str, backend) -> None:
         elif kind == "document":
             parts.append(_document(block, at, backend))
         elif kind == "tool_result":
-            call = block.get("tool_use_id")
+            call = _value(block.get("tool_use_id"))
             if not isinstance(call, str):
                 raise _invalid(f"{at}.tool_use_id", "Field required")
             text = _result_text(block.get("content"), at, backend, result_images)
-            if block.get("is_error"):
-                text = "Error: " + text
+            if _value(block.get("is_error")):
+                text = "Error: " + _value(text)
             out.append({"role": "tool", "tool_call_id": call, "content": text})
         else:
             raise refuse(backend, at, kind)
@@ -286,7 +325,14 @@ def _user(out: list, content: list, where: str, backend) -> None:
         out.append({"role": "user", "content": parts})
 
 
-def _result_text(content, where: str, backend, images: list) -> str:
+def _result_text(content, where: str, backend, images: list):
+    if type(content) is Raw:
+        if _is_text(content):
+            return content
+        try:
+            content = _blocks(content) if memoryview(content)[:1] == b"[" else _decode(content)
+        except msgspec.ValidationError:  # not all blocks: the checks below say what is wrong
+            content = _decode(content)
     if content is None:
         return ""
     if isinstance(content, str):
@@ -303,37 +349,42 @@ def _result_text(content, where: str, backend, images: list) -> str:
             images.append(_image(block, at, backend))
         elif kind == "document":
             texts.append(_document(block, at, backend)["text"])
-        elif kind == "tool_reference" and isinstance(block.get("tool_name"), str):
+        elif kind == "tool_reference" and isinstance(_value(block.get("tool_name")), str):
             # Anthropic expands it into a deferred tool's definition; here every tool is
             # among the functions already, so the reference says which one was loaded.
-            texts.append(f"Tool loaded: {block['tool_name']}")
+            texts.append(f"Tool loaded: {_value(block['tool_name'])}")
         else:
             raise refuse(backend, at, kind)
-    return "\n".join(texts)
+    return texts[0] if len(texts) == 1 else "\n".join(_value(t) for t in texts)
 
 
 def _assistant(out: list, content: list, where: str, backend) -> None:
     texts, calls, thoughts = [], [], []
+    keep_thoughts = quirk(backend, "reasoning_history") == "reasoning_content"
     for k, block in enumerate(content):
         at = f"{where}.content.{k}"
         kind = _kind(block, at)
         if kind == "text":
             texts.append(_text(block, at))
         elif kind == "tool_use":
-            call, name = block.get("id"), block.get("name")
+            call, name = _value(block.get("id")), _value(block.get("name"))
             if not isinstance(call, str) or not isinstance(name, str):
                 raise _invalid(at, "tool_use needs an id and a name")
-            calls.append({"id": call, "type": "function", "function": {
-                "name": name, "arguments": _encode(block.get("input", {})).decode()}})
+            given = block.get("input", {})
+            arguments = bytes(given).decode() if type(given) is Raw else _encode(given).decode()
+            calls.append({"id": call, "type": "function",
+                          "function": {"name": name, "arguments": arguments}})
         elif kind in _DROPPED_ASSISTANT:
-            if kind == "thinking" and isinstance(block.get("thinking"), str):
-                thoughts.append(block["thinking"])
+            if kind == "thinking" and keep_thoughts and _is_text(block.get("thinking")):
+                thoughts.append(_value(block["thinking"]))
         else:
             raise refuse(backend, at, kind)
-    message = {"role": "assistant", "content": _SEPARATOR.join(texts) if texts else None}
+    if len(texts) > 1:
+        texts = [_SEPARATOR.join(_value(t) for t in texts)]
+    message = {"role": "assistant", "content": texts[0] if texts else None}
     if calls:
         message["tool_calls"] = calls
-    if (thoughts or calls) and quirk(backend, "reasoning_history") == "reasoning_content":
+    if (thoughts or calls) and keep_thoughts:
         # DeepSeek's thinking mode refuses a call turn without it, even an empty one.
         message["reasoning_content"] = _SEPARATOR.join(thoughts)
     elif not texts and not calls:
