@@ -439,8 +439,8 @@ def _openai_quirks(quirks: dict, path: str) -> None:
     for key, choices in OPENAI_QUIRKS.items():
         if key in quirks and (quirks[key] not in choices
                               or type(quirks[key]) is not type(choices[0])):
-            raise ConfigError(f"{path}.{key}: must be one of "
-                              f"{', '.join(str(c).lower() if isinstance(c, bool) else c for c in choices)}, "
+            names = [str(c).lower() if isinstance(c, bool) else c for c in choices]
+            raise ConfigError(f"{path}.{key}: must be one of {', '.join(names)}, "
                               f"not {quirks[key]!r}")
 
 

@@ -133,7 +133,8 @@ def _message_problem(n: int, message) -> str | None:
                         f"{', '.join(repr(a) for a in allowed)}. - '{where}.content[{k}].type'")
             if kind == "text" and not isinstance(part.get("text"), str):
                 return f"Missing required parameter: '{where}.content[{k}].text'."
-            if kind == "image_url" and not isinstance((part.get("image_url") or {}).get("url"), str):
+            url = (part.get("image_url") or {}).get("url") if kind == "image_url" else ""
+            if not isinstance(url, str):
                 return f"Missing required parameter: '{where}.content[{k}].image_url.url'."
     if role == "tool" and not isinstance(message.get("tool_call_id"), str):
         return f"Missing required parameter: '{where}.tool_call_id'."

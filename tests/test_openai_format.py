@@ -279,7 +279,8 @@ def test_deepseek_cache_hits_and_the_reasoning_field():
         {"reasoning": "r", "content": "x"},
         usage={"prompt_tokens": 10, "completion_tokens": 1, "prompt_cache_hit_tokens": 4}), "oa")
     assert message["content"][0] == {"type": "thinking", "thinking": "r", "signature": ""}
-    assert message["usage"]["input_tokens"] == 6 and message["usage"]["cache_read_input_tokens"] == 4
+    usage = message["usage"]
+    assert usage["input_tokens"] == 6 and usage["cache_read_input_tokens"] == 4
 
 
 @pytest.mark.parametrize("arguments", ['{"command": "ls"', "[1, 2]", "null", "ls -la"])
@@ -617,7 +618,8 @@ def chat_items(messages: list) -> list:
                 items.append(("text", part["text"]))
             else:
                 items.append(("image", part["image_url"]["url"].split("base64,")[1]))
-        items += [("call", c["id"], c["function"]["name"], msgspec.json.decode(c["function"]["arguments"]))
+        items += [("call", c["id"], c["function"]["name"],
+                   msgspec.json.decode(c["function"]["arguments"]))
                   for c in message.get("tool_calls") or []]
     return items
 

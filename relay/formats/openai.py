@@ -19,8 +19,9 @@ control when its quirks name one; a ``tool_reference`` in a result to a line nam
 Dropped because dropping cannot change what the model is told: ``cache_control``,
 ``citations`` on text, the model's own earlier ``thinking`` and ``redacted_thinking`` (its
 reasoning, not the conversation; the ``reasoning_history`` quirk sends it back as
-``reasoning_content``, on every call turn, for backends that want it), ``top_k`` and other Anthropic-only knobs (``context_management``,
-``service_tier``, ``output_config.effort``, unknown top-level fields). Refused with a 400 that
+``reasoning_content``, on every call turn, for backends that want it), ``top_k`` and other
+Anthropic-only knobs (``context_management``, ``service_tier``, ``output_config.effort``,
+unknown top-level fields). Refused with a 400 that
 names the block type and the backend, because dropping would lose part of the conversation:
 server tools and their results, MCP servers, documents other than plain text, and any block
 type not listed here.
@@ -287,7 +288,8 @@ def _image(block: dict, where: str, backend) -> dict:
 
 def _document(block: dict, where: str, backend) -> dict:
     source = _value(block.get("source"))
-    if type(source) is dict and source.get("type") == "text" and isinstance(source.get("data"), str):
+    if (type(source) is dict and source.get("type") == "text"
+            and isinstance(source.get("data"), str)):
         return {"type": "text", "text": source["data"]}
     kind = source.get("type") if type(source) is dict else None
     raise refuse(backend, where, f"document ({kind} source)",

@@ -553,14 +553,17 @@ def report(result: dict) -> str:
                  f"JSON parse would add {s['event_parse_json_us']:.2f}), text block start {s['text_block_start_us']:.2f}, "
                  f"tool_use start {s['tool_use_start_new_id_us']:.2f}, tool_use rewrite {s['tool_use_start_rewrite_us']:.2f}")
     o = m["openai"]
-    lines.append(f"micro OpenAI backend: request + answer translation {o['per_request_ms'] * 1000:.2f} us "
-                 f"per small request; per streamed chunk {o['openai_chunk_us']:.2f} us against "
+    lines.append(f"micro OpenAI backend: request + answer translation "
+                 f"{o['per_request_ms'] * 1000:.2f} us per small request; per streamed chunk {o['openai_chunk_us']:.2f} us against "
                  f"{o['anthropic_chunk_us']:.2f} us for the Anthropic event (20 per read: "
-                 f"{o['openai_chunk_batched20_us']:.2f} against {o['anthropic_chunk_batched20_us']:.2f})")
-    if "relay_openai" in result["workloads"].get("small", {}).get("c1", {}):
-        lines.append("end to end, relay_openai over relay (c=1, proxy CPU ms/req): " + "; ".join(
-            f"{w} {fmt(sub(figure(result['workloads'], w, 1, 'relay_openai', 'proxy_cpu_ms_per_req'), figure(result['workloads'], w, 1, 'relay', 'proxy_cpu_ms_per_req')), 0, 3).strip()}"
-            for w in result["meta"]["workloads"]))
+                 f"{o['openai_chunk_batched20_us']:.2f} against "
+                 f"{o['anthropic_chunk_batched20_us']:.2f})")
+    w = result["workloads"]
+    added = {name: sub(figure(w, name, 1, "relay_openai", "proxy_cpu_ms_per_req"),
+                       figure(w, name, 1, "relay", "proxy_cpu_ms_per_req"))
+             for name in result["meta"]["workloads"]}
+    lines.append("end to end, relay_openai over relay (c=1, proxy CPU ms/req): "
+                 + "; ".join(f"{name} {value}" for name, value in added.items()))
     lines.append("")
     lines.append(f"{'target':66} {'value':>9} {'limit':>7}  result")
     for t in result["targets"]:

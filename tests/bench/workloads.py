@@ -269,7 +269,8 @@ def chat_chunks(n: int) -> tuple:
     json_deltas = max(1, deltas // 5)
     out = [chat_chunk({"role": "assistant", "content": ""})]
     for _ in range(deltas - json_deltas - 1):
-        out.append(chat_text_delta(" ".join(rng.choice(_WORDS) for _ in range(rng.randrange(1, 6)))))
+        words = rng.randrange(1, 6)
+        out.append(chat_text_delta(" ".join(rng.choice(_WORDS) for _ in range(words))))
     out.append(chat_chunk({"tool_calls": [{"index": 0, "id": "call_bench_0", "type": "function",
                                            "function": {"name": "Bash", "arguments": ""}}]}))
     text = '{"command": "ls -la relay/ && echo ' + "x" * (json_deltas * 4) + '"}'
