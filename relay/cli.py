@@ -34,9 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="run the relay (the default command)")
     add_serve_arguments(serve)
 
-    from .testing import emulator
+    from .testing import emulator, emulator_openai
     emulate = commands.add_parser("emulate", help="run the strict upstream emulator")
     emulator.add_arguments(emulate)
+    emulator_openai.add_arguments(emulate)
 
     validate = commands.add_parser("validate", help="check a saved request or messages array offline")
     validate.add_argument("file", help="a JSON request body or messages array ('-' for stdin)")
@@ -71,8 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         return run_serve(args)
     if args.command == "emulate":
-        from .testing import emulator
-        return emulator.main(args)
+        from .testing import emulator, emulator_openai
+        return (emulator_openai if args.format == "openai" else emulator).main(args)
     if args.command == "validate":
         return run_validate(args)
     from . import replay

@@ -12,6 +12,8 @@ from urllib.parse import urlsplit
 import yaml
 
 from .errors import ConfigError
+from .formats import FORMATS
+from .formats.openai import QUIRKS as OPENAI_QUIRKS
 
 MAX_BODY_BYTES = 32 * 1024 * 1024  # the Messages API's own request limit
 ROUTE_CACHE_BYTES = 256 * 1024
@@ -60,6 +62,7 @@ class Backend:
     timeouts: Timeouts = field(default_factory=Timeouts)
     retries: Retries = field(default_factory=Retries)
     fallbacks: list[str] = field(default_factory=list)  # backends to try, in order, after this one
+    format: str = "anthropic"  # the wire format it speaks (relay.formats.FORMATS)
 
     def serves(self, model: str) -> bool:
         return any(fnmatch.fnmatchcase(model, pattern) for pattern in self.models)
@@ -376,7 +379,7 @@ def check_exposure(config: Config, host: str) -> None:
 def _backend(item, path: str, env, require_keys: bool) -> Backend:
     _expect(item, dict, path, "a mapping")
     _unknown(item, {"name", "url", "models", "default", "rename", "api_key_env", "auth",
-                    "quirks", "timeouts", "retries", "fallbacks"}, path)
+                    "quirks", "timeouts", "retries", "fallbacks", "format"}, path)
     for key in ("name", "url"):
         if key not in item:
             raise ConfigError(f"{path}.{key}: required")
@@ -398,7 +401,15 @@ def _backend(item, path: str, env, require_keys: bool) -> Backend:
         rename={str(k): v for k, v in rename.items()},
         quirks=dict(_expect(item.get("quirks", {}) or {}, dict, f"{path}.quirks", "a mapping")),
     )
-    auth = _expect(item.get("auth", "x-api-key"), str, f"{path}.auth", "a string")
+    backend.format = _expect(item.get("format", "anthropic"), str, f"{path}.format", "a string")
+    if backend.format not in FORMATS:
+        raise ConfigError(f"{path}.format: must be one of {', '.join(FORMATS)}, "
+                          f"not {backend.format!r}")
+    if backend.format == "openai":
+        _openai_quirks(backend.quirks, f"{path}.quirks")
+    # OpenAI-format servers read keys as bearer tokens.
+    auth = _expect(item.get("auth", "bearer" if backend.format == "openai" else "x-api-key"),
+                   str, f"{path}.auth", "a string")
     if auth not in ("x-api-key", "bearer"):
         raise ConfigError(f"{path}.auth: must be x-api-key or bearer")
     backend.auth = auth
@@ -422,6 +433,15 @@ def _backend(item, path: str, env, require_keys: bool) -> Backend:
             else:
                 setattr(backend.timeouts, key, _number(timeouts[key], f"{path}.timeouts.{key}"))
     return backend
+
+
+def _openai_quirks(quirks: dict, path: str) -> None:
+    for key, choices in OPENAI_QUIRKS.items():
+        if key in quirks and (quirks[key] not in choices
+                              or type(quirks[key]) is not type(choices[0])):
+            names = [str(c).lower() if isinstance(c, bool) else c for c in choices]
+            raise ConfigError(f"{path}.{key}: must be one of {', '.join(names)}, "
+                              f"not {quirks[key]!r}")
 
 
 def _retries(raw, path: str) -> Retries:

@@ -17,6 +17,7 @@ from .chain import Chain
 from .config import Backend, InboundKey
 from .errors import RelayError, invalid_request
 from .exchange import Answer, Exchange, UpstreamResponse
+from .formats import openai
 from .inbound import Gate, check_target, forbidden, host_allowed, is_json, split_target
 from .listen import Listener
 from .skeleton import Skeleton
@@ -354,12 +355,16 @@ class Relay:
 
     async def _forward(self, request: web.Request, exchange: Exchange, rebuild) -> web.StreamResponse:
         state = self.state
+        if exchange.endpoint == "count_tokens" and exchange.backend.format == "openai":
+            return await self._estimate(request, exchange)
         try:
             exchange, upstream = await state.upstream.open(exchange, rebuild)
         except Unreachable as e:
             return await self._unreachable(request, e.exchange, e.__cause__ or e)
-        except RelayError as error:  # a path the backend's base URL cannot take
-            exchange.outcome, exchange.error = "relay_error", error
+        except RelayError as error:  # a path the backend's base URL cannot take, or a
+            # request its format cannot carry
+            exchange.outcome = "rejected" if error.status < 500 else "relay_error"
+            exchange.error = error
             return await deliver(request, exchange, relay_error(error, exchange.id,
                                                                 exchange.response_headers))
         async with upstream:
@@ -373,6 +378,13 @@ class Relay:
                 return await self._unreachable(request, exchange, e)
         exchange.upstream_response = {"status": upstream.status, "headers": upstream.headers,
                                       "body": payload}
+        if exchange.backend.format == "openai":
+            try:
+                payload = openai.answer_bytes(payload, exchange.backend.name, exchange.model)
+            except RelayError as error:
+                exchange.outcome, exchange.error = "upstream_error", error
+                return await deliver(request, exchange, relay_error(
+                    error, exchange.id, exchange.response_headers))
         response = UpstreamResponse(upstream.status, upstream.headers, payload)
         if exchange.endpoint == "messages" and state.chain.impls["relay_response"]:
             try:
@@ -403,6 +415,15 @@ class Relay:
         return await deliver(request, exchange, relay_error(error, exchange.id,
                                                             exchange.response_headers))
 
+    async def _estimate(self, request, exchange: Exchange) -> web.Response:
+        """count_tokens for an OpenAI-format backend, which has no such endpoint: an
+        estimate, marked as one (``x-relay-token-count: estimate``)."""
+        count = openai.estimate_tokens(exchange.upstream_body())
+        exchange.note("relay", "estimated token count", input_tokens=count)
+        return await deliver(request, exchange, web.Response(
+            body=orjson.dumps({"input_tokens": count}), content_type="application/json",
+            headers={**exchange.response_headers, "x-relay-token-count": "estimate"}))
+
     async def _upstream_error(self, request, exchange: Exchange, upstream) -> web.Response:
         try:
             payload = await read_capped(upstream, self.state.config.max_upstream_body_bytes)
@@ -412,14 +433,17 @@ class Relay:
         exchange.upstream_response = {"status": upstream.status, "headers": upstream.headers,
                                       "body": payload}
         exchange.note("relay", "upstream error", status=upstream.status)
+        headers = client_headers(upstream.headers, exchange.response_headers)
+        if exchange.backend.format == "openai":  # retry-after and the status stay as sent
+            payload = openai.error_bytes(upstream.status, payload, exchange.id)
+            headers["Content-Type"] = "application/json"
         response = UpstreamResponse(upstream.status, upstream.headers, payload)
         try:
             await self.state.chain.run("relay_upstream_error", exchange, response=response)
         except Exception:
             pass  # logged by the chain; the client still gets the upstream's own answer
         return await deliver(request, exchange, web.Response(
-            status=upstream.status, body=payload,
-            headers=client_headers(upstream.headers, exchange.response_headers)))
+            status=upstream.status, body=payload, headers=headers))
 
     async def _stream(self, request: web.Request, exchange: Exchange, upstream) -> web.StreamResponse:
         plan = await self.state.chain.stream_plan(exchange)
@@ -437,10 +461,33 @@ class Relay:
             await response.write(data)
 
         stream = StreamRelay(self.state.chain, exchange, plan, write)
+        translator = None
+        if exchange.backend.format == "openai":
+            translator = openai.StreamTranslator(exchange.backend.name, exchange.model)
+            exchange.upstream_response = {"status": upstream.status,
+                                          "headers": upstream.headers, "body": translator.raw}
         try:
             try:
-                async for chunk in upstream.content.iter_any():
-                    await stream.feed(chunk)
+                if translator is None:
+                    async for chunk in upstream.content.iter_any():
+                        await stream.feed(chunk)
+                else:
+                    first = True
+                    async for chunk in upstream.content.iter_any():
+                        if first:
+                            # message_start goes out before the rest of the first read is
+                            # translated: a burst must not delay the first byte.
+                            first = False
+                            cut = chunk.find(b"\n\n") + 2
+                            if 1 < cut < len(chunk):
+                                await stream.feed(translator.feed(chunk[:cut]))
+                                chunk = chunk[cut:]
+                        chunk = translator.feed(chunk)
+                        if chunk:
+                            await stream.feed(chunk)
+                    chunk = translator.close()
+                    if chunk:
+                        await stream.feed(chunk)
                 await stream.finish()
             except (aiohttp.ClientError, asyncio.TimeoutError, StreamBroken) as e:
                 if request.transport is None or request.transport.is_closing():
@@ -481,6 +528,8 @@ class Relay:
             return response
         finally:
             timings.last_byte = exchange.elapsed()
+            if translator is not None:
+                exchange.upstream_response["body"] = b"".join(translator.raw)
 
     async def passthrough(self, request: web.Request) -> web.StreamResponse:
         """A configured pass-through route (``server.passthrough``) goes to the default backend
@@ -517,6 +566,8 @@ class Relay:
         except Unreachable as e:
             return await self._unreachable(request, exchange, e.__cause__ or e)
         async with upstream:
+            if backend.format == "openai":
+                return await self._translated_passthrough(request, exchange, upstream)
             if upstream.status >= 300:
                 exchange.outcome = "upstream_error"
             response = web.StreamResponse(status=upstream.status,
@@ -539,6 +590,32 @@ class Relay:
             await response.write_eof()
             exchange.timings.last_byte = exchange.elapsed()
             return response
+
+    async def _translated_passthrough(self, request, exchange: Exchange, upstream) -> web.Response:
+        """A pass-through route on an OpenAI-format backend: the model list in Anthropic's
+        shape, errors in Anthropic's format, anything else as it came."""
+        try:
+            payload = await read_capped(upstream, self.state.config.max_upstream_body_bytes)
+        except (aiohttp.ClientError, asyncio.TimeoutError, UpstreamTooLarge) as e:
+            return await self._unreachable(request, exchange, e)
+        exchange.upstream_response = {"status": upstream.status, "headers": upstream.headers,
+                                      "body": payload}
+        headers = client_headers(upstream.headers)
+        if upstream.status >= 300:
+            exchange.outcome = "upstream_error"
+            payload = openai.error_bytes(upstream.status, payload, exchange.id)
+            headers["Content-Type"] = "application/json"
+        elif exchange.path.startswith("/v1/models"):
+            try:
+                payload = openai.models_bytes(payload)
+            except (ValueError, AttributeError, KeyError):
+                error = RelayError(502, f"upstream {exchange.backend.name} answered "
+                                        f"{exchange.path} with something not a model list",
+                                   "api_error")
+                exchange.outcome, exchange.error = "upstream_error", error
+                return await deliver(request, exchange, relay_error(error, exchange.id))
+        return await deliver(request, exchange, web.Response(
+            status=upstream.status, body=payload, headers=headers))
 
     async def healthz(self, request: web.Request) -> web.Response:
         body = {"status": "ok", "version": __version__}

@@ -22,6 +22,7 @@ from .config import Retries
 from .errors import RelayError
 from .exchange import Attempt
 from .headers import AUTH_HEADERS, end_to_end
+from .formats import openai
 
 @functools.lru_cache(maxsize=256)
 def _base_path(url: str) -> str:
@@ -151,12 +152,23 @@ class Upstream:
         """Send ``exchange``'s request to ``backend``, retrying as the backend's ``retries``
         say; every try is recorded in ``exchange.attempts``. Returns the upstream's answer
         (any status: the caller decides what a 4xx means) or raises :class:`Unreachable`.
-        ``body`` defaults to ``exchange.upstream_body()``, ``headers`` to the client's."""
-        url = upstream_url(backend, exchange.path, exchange.query)
+        ``body`` defaults to ``exchange.upstream_body()``, ``headers`` to the client's. For an
+        OpenAI-format backend the request goes to its Chat Completions path, translated
+        (``exchange.upstream_request["body"]`` is then the translated body), or a RelayError
+        400 says what cannot be translated."""
+        translated = backend.format == "openai"
+        if translated:  # Anthropic's query parameters (?beta=true) mean nothing there
+            url = upstream_url(backend, openai.upstream_path(exchange.path), "")
+        else:
+            url = upstream_url(backend, exchange.path, exchange.query)
         out_headers = self.headers(exchange.client_headers if headers is None else headers,
                                    backend, exchange.shaped_headers)
         if body is None:
             body = exchange.upstream_body()
+            if translated and exchange.endpoint == "messages":
+                body = openai.request_bytes(body, backend)
+        if translated:
+            openai.upstream_headers(out_headers)
         exchange.upstream_request = {"url": str(url), "headers": out_headers, "body": body}
         retries = backend.retries
         started = time.perf_counter()

@@ -52,6 +52,8 @@ class Load:
         body = workloads.body(spec["body"])
         stream = spec["stream"]
         url = cmd["url"] + "/v1/messages?" + spec["query"]
+        # The query again, for the mock's Chat Completions route: the relay sends no query there.
+        headers = {**HEADERS, "x-bench-mock": spec["query"]}
         session = self.session(cmd["url"])
         count = int(cmd["count"])
         concurrency = max(1, min(int(cmd["concurrency"]), count))
@@ -69,7 +71,7 @@ class Load:
                 issued += 1
                 t0 = perf_counter()
                 try:
-                    async with session.post(url, data=body, headers=HEADERS) as response:
+                    async with session.post(url, data=body, headers=headers) as response:
                         content = response.content
                         tail = await content.readany()
                         t1 = perf_counter()
@@ -111,7 +113,8 @@ class Load:
     async def check(self, cmd: dict) -> dict:
         body = workloads.body(cmd["body"])
         async with self.session(cmd["url"]).post(
-                cmd["url"] + "/v1/messages?" + cmd["query"], data=body, headers=HEADERS) as response:
+                cmd["url"] + "/v1/messages?" + cmd["query"], data=body,
+                headers={**HEADERS, "x-bench-mock": cmd["query"]}) as response:
             payload = await response.read()
             return {"status": response.status, "bytes": len(payload),
                     "headers": {k.lower(): v for k, v in response.headers.items()
@@ -123,13 +126,15 @@ class Load:
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, limit_per_host=0),
                                         timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
         self.sessions["idle:" + cmd["url"]] = session
-        url = f"{cmd['url']}/v1/messages?{workloads.IDLE_QUERY}&hold={cmd.get('hold', 30)}"
+        query = f"{workloads.IDLE_QUERY}&hold={cmd.get('hold', 30)}"
+        url = f"{cmd['url']}/v1/messages?{query}"
         body = workloads.body("small_stream")
         failures: list[str] = []
 
         async def hold(ready: asyncio.Event):
             try:
-                async with session.post(url, data=body, headers=HEADERS) as response:
+                async with session.post(url, data=body,
+                                        headers={**HEADERS, "x-bench-mock": query}) as response:
                     if response.status != 200 or not await response.content.readany():
                         failures.append(f"status {response.status}")
                         return

@@ -9,12 +9,15 @@
   (which frames only the events some plugin asked for), ``StreamPlan.calls_for``, the plugins
   that asked for the event, ``Event.encode``; and ``SSEDecoder.feed`` alone, the full framing
   a stream takes when a plugin asks for every event or uses ``\r`` line ends.
+- What an OpenAI-format backend adds: the translations of a small request and its answer, and
+  per streamed chunk the translator with the stream path, against the Anthropic event alone.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gc
 import os
 import sys
@@ -46,10 +49,15 @@ def available_pipeline() -> list[str]:
     return pipeline
 
 
-def relay_config(pipeline: list[str], upstream: str, dump_dir: str) -> dict:
-    """The relay.yaml the benchmark runs: the default pipeline, one backend, dumps to a temp dir."""
+def relay_config(pipeline: list[str], upstream: str, dump_dir: str,
+                 wire_format: str = "anthropic") -> dict:
+    """The relay.yaml the benchmark runs: the default pipeline, one backend, dumps to a temp dir.
+    With ``wire_format`` openai the backend is the mock's Chat Completions side."""
+    backend = {"name": "mock", "url": upstream, "models": ["*"], "default": True}
+    if wire_format == "openai":
+        backend.update(url=upstream + "/v1", format="openai")
     config = {"server": {"host": "127.0.0.1", "port": 0}, "pipeline": pipeline,
-              "backends": [{"name": "mock", "url": upstream, "models": ["*"], "default": True}]}
+              "backends": [backend]}
     if "dump" in pipeline:
         config["plugins"] = {"dump": {"dir": dump_dir}}
     return config
@@ -273,6 +281,70 @@ async def sse_benchmarks(state, count: int, seconds: float) -> dict:
     return out
 
 
+async def openai_benchmarks(state, count: int, seconds: float) -> dict:
+    """What an OpenAI-format backend adds over the Anthropic path: the request and answer
+    translations of a small request, and per streamed chunk, the translator plus the stream
+    path over its Anthropic output against the stream path over the Anthropic event alone."""
+    from relay.formats import openai
+    from relay.server import prepare_exchange
+    from relay.stream import StreamRelay
+
+    backend = dataclasses.replace(state.config.backends[0], format="openai")
+    small = workloads.body("small")
+    out = {}
+    budget = Budget(count * 10, seconds)
+    cpu = process_time()
+    while budget.more():
+        openai.answer_bytes(workloads.CHAT_ANSWER, "mock",
+                            orjson.loads(openai.request_bytes(small, backend))["model"])
+        budget.done += 1
+    out["per_request_ms"] = (process_time() - cpu) / budget.done * 1e3
+
+    chain = state.chain
+    headers = CIMultiDictProxy(CIMultiDict(workloads.HEADERS))
+    raw_body = workloads.body("small_stream")
+
+    async def discard(data: bytes) -> None:
+        pass
+
+    async def per_chunk(translated: bool, per_feed: int = 1, batch: int = 500) -> float:
+        budget = Budget(count * 10, seconds)
+        cpu_total = 0.0
+        anthropic_delta = workloads.text_delta("Hello, world")
+        chat_delta = workloads.chat_text_delta("Hello, world")
+        while budget.more():
+            exchange = await prepare_exchange(state, method="POST", path="/v1/messages",
+                                              query="", headers=headers, raw_body=raw_body)
+            stream = StreamRelay(chain, exchange, await chain.stream_plan(exchange), discard)
+            translator = openai.StreamTranslator("mock", keep_raw=True)
+            if translated:  # primed: started, a text block open
+                await stream.feed(translator.feed(workloads.chat_chunk(
+                    {"role": "assistant", "content": ""}) + chat_delta))
+                chunks = [chat_delta * per_feed] * (batch // per_feed)
+            else:
+                await stream.feed(workloads.MESSAGE_START + workloads.TEXT_BLOCK_START)
+                chunks = [anthropic_delta * per_feed] * (batch // per_feed)
+            cpu = process_time()
+            if translated:
+                for chunk in chunks:
+                    await stream.feed(translator.feed(chunk))
+            else:
+                for chunk in chunks:
+                    await stream.feed(chunk)
+            cpu_total += process_time() - cpu
+            budget.done += len(chunks) * per_feed
+        return cpu_total / budget.done * 1e6
+
+    out["anthropic_chunk_us"] = await per_chunk(False)
+    out["openai_chunk_us"] = await per_chunk(True)
+    out["added_per_chunk_us"] = out["openai_chunk_us"] - out["anthropic_chunk_us"]
+    out["anthropic_chunk_batched20_us"] = await per_chunk(False, 20)
+    out["openai_chunk_batched20_us"] = await per_chunk(True, 20)
+    out["added_per_chunk_batched20_us"] = (out["openai_chunk_batched20_us"]
+                                           - out["anthropic_chunk_batched20_us"])
+    return out
+
+
 async def run_async(quick: bool) -> dict:
     from relay import config as config_module
     from relay.chain import Chain, load_plugins
@@ -289,9 +361,10 @@ async def run_async(quick: bool) -> dict:
             started = perf_counter()
             request = await request_benchmarks(state, pipeline, count, seconds)
             sse = await sse_benchmarks(state, *((1000, 0.3) if quick else (50000, 2.0)))
+            translation = await openai_benchmarks(state, *((100, 0.3) if quick else (5000, 2.0)))
         finally:
             await chain.shutdown(config)
-    return {"pipeline": pipeline, "request": request, "sse": sse,
+    return {"pipeline": pipeline, "request": request, "sse": sse, "openai": translation,
             "seconds": perf_counter() - started}
 
 

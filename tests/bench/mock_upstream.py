@@ -12,6 +12,9 @@ by query string only (the body is never parsed):
   goes away or S seconds (default 30) have passed;
 - ``sha=1`` with any of them: the answer carries ``x-bench-sha256`` and ``x-bench-bytes`` of
   the body exactly as received.
+
+``POST /v1/chat/completions`` gives the same answers as an OpenAI-format server (the relay's
+``format: openai`` backends), chosen by the ``x-bench-mock`` header.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import functools
 import hashlib
 import os
 import sys
+import urllib.parse
 
 from aiohttp import web
 
@@ -38,18 +42,36 @@ MAX_HOLD = 120.0
 async def messages(request: web.Request) -> web.StreamResponse:
     raw = await request.read()
     query = request.query
-    mode = query.get("mock", "json")
     extra = None
     if "sha" in query:
         extra = {"x-bench-sha256": hashlib.sha256(raw).hexdigest(), "x-bench-bytes": str(len(raw))}
+    return await answer(request, query, extra, workloads.ANSWER, framed_stream,
+                        workloads.MESSAGE_START,
+                        workloads.event("message_stop", {"type": "message_stop"}))
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    """The same answers in OpenAI's Chat Completions format. The relay sends no query string
+    to such a backend, so the answer is chosen by the ``x-bench-mock`` header (the query the
+    load generator would have sent)."""
+    await request.read()
+    query = dict(urllib.parse.parse_qsl(request.headers.get("x-bench-mock", "")))
+    return await answer(request, query, None, workloads.CHAT_ANSWER, framed_chat_stream,
+                        workloads.chat_chunk({"role": "assistant", "content": ""}),
+                        b"data: [DONE]\n\n")
+
+
+async def answer(request, query, extra, json_answer: bytes, framed, first_event: bytes,
+                 last_event: bytes) -> web.StreamResponse:
+    mode = query.get("mock", "json")
     if mode == "json":
-        return web.Response(body=workloads.ANSWER,
+        return web.Response(body=json_answer,
                             headers={**JSON_HEADERS, **extra} if extra else JSON_HEADERS)
     response = web.StreamResponse(headers={**SSE_HEADERS, **extra} if extra else SSE_HEADERS)
     await response.prepare(request)
     if mode == "sse":
-        first, rest = framed_stream(int(query.get("events", "50")), int(query.get("per_send", "1")))
-        await response.write(first)  # the headers and message_start go out together
+        first, rest = framed(int(query.get("events", "50")), int(query.get("per_send", "1")))
+        await response.write(first)  # the headers and the first event go out together
         # One send per event, already framed as an HTTP chunk: what aiohttp's write() would
         # do, at half the mock's CPU, so that the mock is not what limits a streaming run.
         transport = request.transport
@@ -60,7 +82,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
         await response.write_eof()
         return response
     if mode == "idle":
-        await response.write(workloads.MESSAGE_START)
+        await response.write(first_event)
         hold = min(float(query.get("hold", "30")), MAX_HOLD)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + hold
@@ -70,7 +92,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
                 return response
             await asyncio.sleep(0.2)
         try:
-            await response.write(workloads.event("message_stop", {"type": "message_stop"}))
+            await response.write(last_event)
             await response.write_eof()
         except (ConnectionError, RuntimeError):
             pass
@@ -78,12 +100,20 @@ async def messages(request: web.Request) -> web.StreamResponse:
     raise web.HTTPBadRequest(text=f"unknown mock mode {mode!r}")
 
 
+def _framed(events: tuple, per_send: int) -> tuple[bytes, tuple[bytes, ...]]:
+    groups = [b"".join(events[i:i + per_send]) for i in range(1, len(events), per_send)]
+    return events[0], tuple(b"%x\r\n%s\r\n" % (len(g), g) for g in groups)
+
+
 @functools.lru_cache(maxsize=None)
 def framed_stream(n: int, per_send: int = 1) -> tuple[bytes, tuple[bytes, ...]]:
     """The first event, and the others ``per_send`` at a time as HTTP/1.1 chunks."""
-    events = workloads.sse_events(n)
-    groups = [b"".join(events[i:i + per_send]) for i in range(1, len(events), per_send)]
-    return events[0], tuple(b"%x\r\n%s\r\n" % (len(g), g) for g in groups)
+    return _framed(workloads.sse_events(n), per_send)
+
+
+@functools.lru_cache(maxsize=None)
+def framed_chat_stream(n: int, per_send: int = 1) -> tuple[bytes, tuple[bytes, ...]]:
+    return _framed(workloads.chat_chunks(n), per_send)
 
 
 async def count_tokens(request: web.Request) -> web.Response:
@@ -95,6 +125,7 @@ def make_app() -> web.Application:
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app.router.add_post("/v1/messages", messages)
     app.router.add_post("/v1/messages/count_tokens", count_tokens)
+    app.router.add_post("/v1/chat/completions", chat_completions)
     return app
 
 
@@ -110,6 +141,7 @@ def main() -> None:
     # Build the canned streams before the first request is timed.
     for n in (50, 2000):
         framed_stream(n)
+        framed_chat_stream(n)
     try:
         asyncio.run(serve(args.host, args.port))
     except KeyboardInterrupt:

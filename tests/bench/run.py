@@ -4,7 +4,8 @@
                               [--out .bench/result.json] [--strict]
 
 Starts a fast mock upstream (mock_upstream.py), the relay with the default full pipeline
-(``python -m relay --config FILE --port 0``, config in a temp dir), a bare aiohttp
+(``python -m relay --config FILE --port 0``, config in a temp dir), the same relay in front of
+the mock's OpenAI Chat Completions side (``relay_openai``: what translation adds), a bare aiohttp
 pass-through (bare_proxy.py), the same pass-through decoding each request's skeleton and
 nothing more (``bare_skeleton``: the floor for any relay that checks histories), and a load
 generator in a process of its own (load.py). Every
@@ -176,6 +177,15 @@ class Bench:
         self.servers["workers"] = procs.Server(
             "workers", [py, "-m", "relay", "--config", config_path, "--port", "0",
                         "--workers", str(WORKERS)], cwd=self.tmp.name, env=env)
+        # The same relay in front of the mock's Chat Completions side: what translation adds.
+        openai_config = os.path.join(self.tmp.name, "relay-openai.yaml")
+        with open(openai_config, "w") as f:
+            yaml.safe_dump(micro.relay_config(self.pipeline, upstream,
+                                              os.path.join(self.tmp.name, "dumps-openai"),
+                                              wire_format="openai"), f, sort_keys=False)
+        self.servers["relay_openai"] = procs.Server(
+            "relay_openai", [py, "-m", "relay", "--config", openai_config, "--port", "0"],
+            cwd=self.tmp.name, env=env)
         self.servers["bare"] = procs.Server(
             "bare", [py, os.path.join(procs.HERE, "bare_proxy.py"), "--upstream", upstream], env=env)
         self.servers["bare_skeleton"] = procs.Server(
@@ -539,6 +549,12 @@ def targets(result: dict) -> list[dict]:
                entry["cpu_per_req_ratio"], 1.1, "x",
                note=f"req/s vs one process {entry['rps_ratio']}; requests per CPU-second "
                     f"{entry['workers']['req_per_cpu_second']} vs {entry['relay']['req_per_cpu_second']}")
+    o = m["openai"]
+    target("OpenAI backend: translation per small request (micro)", r(o["per_request_ms"], 4),
+           0.1, "ms", note="request and answer translated, over the Anthropic path")
+    target("OpenAI backend: added per streamed chunk (micro)", r(o["added_per_chunk_us"], 2),
+           5.0, "us", note=f"{r(o['openai_chunk_us'], 2)} against {r(o['anthropic_chunk_us'], 2)} "
+                           f"us; 20 per read: +{r(o['added_per_chunk_batched20_us'], 2)} us")
     target("RSS at rest", r(mem["rss_at_rest_kib"] / 1024, 1), 60.0, "MiB")
     target("RSS per open idle stream", mem["per_idle_stream_kib"], 64.0, "KiB")
     # A 1 MB request's transient memory, three ways (see the report): the target takes the
@@ -630,6 +646,18 @@ def report(result: dict) -> str:
                  f"(20 per chunk {s['passthrough_delta_batched20_us']:.2f}; full framing {s['decoder_feed_us']:.2f}; "
                  f"JSON parse would add {s['event_parse_json_us']:.2f}), text block start {s['text_block_start_us']:.2f}, "
                  f"tool_use start {s['tool_use_start_new_id_us']:.2f}, tool_use rewrite {s['tool_use_start_rewrite_us']:.2f}")
+    o = m["openai"]
+    lines.append(f"micro OpenAI backend: request + answer translation "
+                 f"{o['per_request_ms'] * 1000:.2f} us per small request; per streamed chunk {o['openai_chunk_us']:.2f} us against "
+                 f"{o['anthropic_chunk_us']:.2f} us for the Anthropic event (20 per read: "
+                 f"{o['openai_chunk_batched20_us']:.2f} against "
+                 f"{o['anthropic_chunk_batched20_us']:.2f})")
+    w = result["workloads"]
+    added = {name: sub(figure(w, name, 1, "relay_openai", "proxy_cpu_ms_per_req"),
+                       figure(w, name, 1, "relay", "proxy_cpu_ms_per_req"))
+             for name in result["meta"]["workloads"]}
+    lines.append("end to end, relay_openai over relay (c=1, proxy CPU ms/req): "
+                 + "; ".join(f"{name} {value}" for name, value in added.items()))
     lines.append("")
     lines.append(f"{'target':66} {'value':>9} {'limit':>7}  result")
     for t in result["targets"]:

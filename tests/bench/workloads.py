@@ -234,3 +234,53 @@ def sse_events(n: int) -> tuple:
     out.append(event("message_stop", {"type": "message_stop"}))
     assert len(out) == n, (len(out), n)
     return tuple(out)
+
+
+# --- the same answers from an OpenAI Chat Completions upstream --------------------------------
+
+CHAT_ANSWER = orjson.dumps({
+    "id": "chatcmpl-bench", "object": "chat.completion", "created": 1, "model": MODEL,
+    "choices": [{"index": 0, "finish_reason": "stop", "message": {
+        "role": "assistant",
+        "content": "Hello! This is a canned answer from the benchmark's mock."}}],
+    "usage": {"prompt_tokens": 21, "completion_tokens": 14, "total_tokens": 35}})
+
+
+def chat_chunk(delta: dict | None, finish_reason=None, **extra) -> bytes:
+    choices = [] if delta is None else [{"index": 0, "delta": delta,
+                                         "finish_reason": finish_reason}]
+    return b"data: " + orjson.dumps({"id": "chatcmpl-bench", "object": "chat.completion.chunk",
+                                     "created": 1, "model": MODEL, "choices": choices,
+                                     **extra}) + b"\n\n"
+
+
+def chat_text_delta(text: str) -> bytes:
+    return chat_chunk({"content": text})
+
+
+@functools.lru_cache(maxsize=None)
+def chat_chunks(n: int) -> tuple:
+    """The stream of :func:`sse_events` as an OpenAI-format server sends it, in exactly ``n``
+    (>= 10) sends: a role chunk, text deltas, a tool call whose arguments come in fragments,
+    the finish reason, the usage chunk and ``[DONE]``."""
+    n = max(n, 10)
+    rng = random.Random(n)
+    deltas = n - 4
+    json_deltas = max(1, deltas // 5)
+    out = [chat_chunk({"role": "assistant", "content": ""})]
+    for _ in range(deltas - json_deltas - 1):
+        words = rng.randrange(1, 6)
+        out.append(chat_text_delta(" ".join(rng.choice(_WORDS) for _ in range(words))))
+    out.append(chat_chunk({"tool_calls": [{"index": 0, "id": "call_bench_0", "type": "function",
+                                           "function": {"name": "Bash", "arguments": ""}}]}))
+    text = '{"command": "ls -la relay/ && echo ' + "x" * (json_deltas * 4) + '"}'
+    step = max(1, len(text) // json_deltas)
+    for i in range(json_deltas):
+        part = text[i * step:(i + 1) * step] if i < json_deltas - 1 else text[i * step:]
+        out.append(chat_chunk({"tool_calls": [{"index": 0, "function": {"arguments": part}}]}))
+    out.append(chat_chunk({}, "tool_calls"))
+    out.append(chat_chunk(None, usage={"prompt_tokens": 21, "completion_tokens": n,
+                                       "total_tokens": 21 + n}))
+    out.append(b"data: [DONE]\n\n")
+    assert len(out) == n, (len(out), n)
+    return tuple(out)

@@ -1,0 +1,7 @@
+"""Wire formats other than Anthropic's, translated at the upstream edge.
+
+The plugin chain only ever sees Anthropic requests and Anthropic stream events; a backend's
+``format`` says which adapter here stands between the chain and the wire.
+"""
+
+FORMATS = ("anthropic", "openai")
