@@ -31,7 +31,7 @@ import time
 import orjson
 from aiohttp import web
 
-from relay import emulator as anthropic
+from relay.testing import emulator as anthropic
 from relay.testing.emulator import (INCOMING, STATE, EmulatorState, Incoming, RaggedSplitter,
                             handle_clear_records, handle_records, handle_stats, is_fault,
                             options_from_args, parse_body)
