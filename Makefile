@@ -6,7 +6,7 @@ CLAUDE_CODE_VERSION := 2.1.332
 CLAUDE := .e2e/node_modules/.bin/claude
 PYTEST_ARGS ?=
 
-.PHONY: run test unit e2e bench demo clean
+.PHONY: run test unit e2e bench load demo clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,8 +36,12 @@ e2e: $(VENV)/.installed $(CLAUDE)
 bench: $(VENV)/.installed
 	$(PY) tests/bench/run.py
 
+# Loopback only, bounded, stops by itself (about five minutes); not part of `make test`.
+load: $(VENV)/.installed
+	$(PY) tests/load/run.py
+
 demo: $(VENV)/.installed
 	$(PY) -m relay.demo
 
 clean:
-	rm -rf $(VENV) .e2e .pytest_cache .hypothesis .bench dumps *.egg-info
+	rm -rf $(VENV) .e2e .pytest_cache .hypothesis .bench .load dumps *.egg-info
