@@ -599,8 +599,10 @@ WIRE = {
     "unknown method": b"BREW /v1/messages HTTP/1.1\r\n",
     "lower-case method": b"post /v1/messages HTTP/1.1\r\n",
     "transfer-encoding foo": b"POST /v1/messages HTTP/1.1\r\nTransfer-Encoding: foo\r\n",
-    "transfer-encoding gzip, chunked": b"POST /v1/messages HTTP/1.1\r\nTransfer-Encoding: gzip, chunked\r\n",
-    "content-length and chunked": b"POST /v1/messages HTTP/1.1\r\nTransfer-Encoding: chunked\r\nContent-Length: 5\r\n",
+    "transfer-encoding gzip, chunked":
+        b"POST /v1/messages HTTP/1.1\r\nTransfer-Encoding: gzip, chunked\r\n",
+    "content-length and chunked":
+        b"POST /v1/messages HTTP/1.1\r\nTransfer-Encoding: chunked\r\nContent-Length: 5\r\n",
     "content-length abc": b"POST /v1/messages HTTP/1.1\r\nContent-Length: abc\r\n",
     "content-length -1": b"POST /v1/messages HTTP/1.1\r\nContent-Length: -1\r\n",
     "two content-lengths": b"POST /v1/messages HTTP/1.1\r\nContent-Length: 2\r\nContent-Length: 3\r\n",

@@ -12,14 +12,13 @@ the benchmark's mock (tests/bench/mock_upstream.py) and the relay runs with the 
   gets is checked against what the mock sent (one stream in five reuses an id of its history,
   so dedup rewrites that block's id: the rewritten event is compared as JSON, every other one
   byte for byte).
-- ``soak``: two minutes of steady mixed load (answers, streams checked byte for byte,
+- ``soak``: three minutes of steady mixed load (answers, streams checked byte for byte,
   rewrites, refused histories that are dumped, client disconnects, count_tokens, 1 MB
-  histories); the relay's RSS and open fds sampled from /proc every 2 s, lines fitted
-  through the two minutes after a one-minute warm-up (RSS climbs to a plateau in the
-  first minute of load, with or without 1 MB bodies) -- for RSS through the lowest sample of each 20 s, what
-  a leak lifts and a request in flight does not -- and a slope beyond the limit flagged; once the load
-  stops, the fds must come back to where they were at rest (after the relay's idle upstream
-  connections expire).
+  histories); the relay's RSS and open fds sampled from /proc every 2 s, and lines fitted
+  through the lowest sample of each 20 s of the last two minutes, which a leak lifts and a
+  request in flight does not. A slope beyond its limit fails, and once the
+  load stops the fds must come back to where they were at rest (after the relay's idle
+  upstream connections expire).
 - ``slow_clients``: 1,100 connections that send half their headers or half their body and
   hold, while a normal client keeps asking; with ``server.header_timeout``,
   ``server.body_timeout`` and ``server.max_connections`` set small, every slow connection
@@ -193,6 +192,15 @@ def slope_per_minute(points: list[tuple[float, float]]) -> float | None:
     sxx = sum((x - mean_x) ** 2 for x, _ in points)
     sxy = sum((x - mean_x) * (y - mean_y) for x, y in points)
     return sxy / sxx * 60 if sxx else None
+
+
+def floors(points: list[tuple[float, float]], start: float, window: float) -> list[tuple[float, float]]:
+    """The lowest value of each ``window`` seconds from ``start``, at the window's middle."""
+    lowest: dict[int, float] = {}
+    for t, value in points:
+        n = int((t - start) // window)
+        lowest[n] = min(value, lowest.get(n, value))
+    return [(start + (n + 0.5) * window, value) for n, value in sorted(lowest.items())]
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -421,20 +429,17 @@ async def scenario_soak(stack: Stack, seconds: float, warmup: float, concurrency
     fds_after, rest_after = stack.fds(), time.monotonic() - stopped
     steady = [s for s in sampler.samples if s[0] >= warmup]
     raw_rss_slope = slope_per_minute([(t, rss / 1024) for t, rss, _ in steady])
-    # A 1 MB request in flight lifts RSS by a few MB for a moment; a leak lifts the floor.
-    # So the line goes through the lowest sample of each window (20 s).
-    floors: dict[int, tuple[float, float]] = {}
-    for t, rss, _ in steady:
-        window = int((t - warmup) // floor_window)
-        if window not in floors or rss / 1024 < floors[window][1]:
-            floors[window] = (warmup + (window + 0.5) * floor_window, rss / 1024)
-    rss_slope = slope_per_minute(list(floors.values()))
-    fd_slope = slope_per_minute([(t, fds) for t, _, fds in steady])
+    # A 1 MB request in flight lifts RSS by a few MB for a moment, and each request in
+    # flight holds two fds; a leak lifts the floor. So the lines go through the lowest
+    # sample of each window (20 s).
+    rss_slope = slope_per_minute(floors([(t, rss / 1024) for t, rss, _ in steady], warmup,
+                                        floor_window))
+    fd_slope = slope_per_minute(floors([(t, fds) for t, _, fds in steady], warmup, floor_window))
     checks = {
         "every answer as expected": counts["failed"] == 0 and counts["requests"] > 0,
         f"RSS floor slope under {RSS_SLOPE_LIMIT_MB_MIN} MB/min":
             rss_slope is not None and rss_slope < RSS_SLOPE_LIMIT_MB_MIN,
-        f"fd slope under {FD_SLOPE_LIMIT_PER_MIN}/min":
+        f"fd floor slope under {FD_SLOPE_LIMIT_PER_MIN}/min":
             fd_slope is not None and fd_slope < FD_SLOPE_LIMIT_PER_MIN,
         f"fds back to rest within {REST_WAIT} s of the load stopping": fds_after <= fds_before + 2,
         "relay healthy": not stack.health(),
@@ -443,12 +448,14 @@ async def scenario_soak(stack: Stack, seconds: float, warmup: float, concurrency
     return {
         "summary": (f"{counts['requests']} requests in {seconds + warmup:.0f} s at c={concurrency}, "
                     f"{counts['failed']} failed; RSS {rss[0] / 1024:.1f} -> {rss[-1] / 1024:.1f} MB, "
-                    f"floor slope {r(rss_slope, 3)} MB/min (raw {r(raw_rss_slope, 3)}); fds slope {r(fd_slope, 3)}/min, "
+                    f"floor slope {r(rss_slope, 3)} MB/min (raw {r(raw_rss_slope, 3)}); "
+                    f"fd floor slope {r(fd_slope, 3)}/min, "
                     f"{fds_before} before / {fds_after} {rest_after:.0f} s after; relay CPU "
                     f"{cpu / max(1, counts['requests']) * 1000:.2f} ms/request"),
         "requests": counts["requests"], "failed": counts["failed"], "seconds": seconds,
         "warmup_s": warmup, "concurrency": concurrency,
-        "rss_floor_slope_mb_per_min": r(rss_slope, 4), "rss_slope_mb_per_min": r(raw_rss_slope, 4), "fd_slope_per_min": r(fd_slope, 4),
+        "rss_floor_slope_mb_per_min": r(rss_slope, 4), "rss_slope_mb_per_min": r(raw_rss_slope, 4),
+        "fd_floor_slope_per_min": r(fd_slope, 4),
         "fds_before": fds_before, "fds_after": fds_after, "fds_rest_after_s": r(rest_after, 1),
         "samples": [{"t": r(t), "rss_kib": rss_kib, "fds": fds} for t, rss_kib, fds in sampler.samples],
         "relay_cpu_ms_per_request": r(cpu / max(1, counts["requests"]) * 1000, 3),
