@@ -128,6 +128,17 @@ class Stack:
     def fds(self) -> int:
         return len(os.listdir(f"/proc/{self.pid}/fd"))
 
+    def newest_dump(self) -> float:
+        """When the last dump file was written (0 when none)."""
+        newest = 0.0
+        for folder, _, files in os.walk(os.path.join(self.tmp.name, "dumps")):
+            for name in files:
+                try:
+                    newest = max(newest, os.stat(os.path.join(folder, name)).st_mtime)
+                except FileNotFoundError:  # deleted by retention meanwhile
+                    pass
+        return newest
+
     def health(self) -> list[str]:
         """What is wrong with the relay process now: exited, or a traceback in its output."""
         problems = []
@@ -348,12 +359,13 @@ async def scenario_streams(stack: Stack, concurrency: int, events: int, rounds: 
 
 # --- b: soak -------------------------------------------------------------------------------
 
-# A history whose tool call has no result: pairing refuses it, dump writes the refusal.
+# A history whose tool call has no result: pairing refuses it, dump writes the refusal. Its
+# 16 KB of text make each dump cost the writer something, as a real session's would.
 UNPAIRED = orjson.dumps({"model": workloads.MODEL, "max_tokens": 10, "messages": [
     {"role": "user", "content": "go"},
     {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_01Unpaired",
                                        "name": "Bash", "input": {}}]},
-    {"role": "user", "content": [{"type": "text", "text": "no result"}]}]})
+    {"role": "user", "content": [{"type": "text", "text": "no result\n" + "0123456789abcdef" * 1024}]}]})
 
 
 async def soak_step(session: aiohttp.ClientSession, base: str, n: int) -> str | None:
@@ -421,12 +433,15 @@ async def scenario_soak(stack: Stack, seconds: float, warmup: float, concurrency
         await asyncio.gather(*(loop(w) for w in range(concurrency)))
         cpu = procs.cpu_seconds(stack.pid) - cpu0
     await session.close()
+    stopped_at = time.time()
     # Back at rest once the relay's idle upstream connections expire (aiohttp keeps them
     # 15 s): what is still open then was leaked.
     stopped = time.monotonic()
     while stack.fds() > fds_before + 2 and time.monotonic() - stopped < REST_WAIT:
         await asyncio.sleep(1)
     fds_after, rest_after = stack.fds(), time.monotonic() - stopped
+    # Dumps still being written after the load stopped are the writer's backlog.
+    backlog = max(0.0, stack.newest_dump() - stopped_at)
     steady = [s for s in sampler.samples if s[0] >= warmup]
     raw_rss_slope = slope_per_minute([(t, rss / 1024) for t, rss, _ in steady])
     # A 1 MB request in flight lifts RSS by a few MB for a moment, and each request in
@@ -450,13 +465,15 @@ async def scenario_soak(stack: Stack, seconds: float, warmup: float, concurrency
                     f"{counts['failed']} failed; RSS {rss[0] / 1024:.1f} -> {rss[-1] / 1024:.1f} MB, "
                     f"floor slope {r(rss_slope, 3)} MB/min (raw {r(raw_rss_slope, 3)}); "
                     f"fd floor slope {r(fd_slope, 3)}/min, "
-                    f"{fds_before} before / {fds_after} {rest_after:.0f} s after; relay CPU "
+                    f"{fds_before} before / {fds_after} {rest_after:.0f} s after; dumps written "
+                    f"until {backlog:.0f} s after; relay CPU "
                     f"{cpu / max(1, counts['requests']) * 1000:.2f} ms/request"),
         "requests": counts["requests"], "failed": counts["failed"], "seconds": seconds,
         "warmup_s": warmup, "concurrency": concurrency,
         "rss_floor_slope_mb_per_min": r(rss_slope, 4), "rss_slope_mb_per_min": r(raw_rss_slope, 4),
         "fd_floor_slope_per_min": r(fd_slope, 4),
         "fds_before": fds_before, "fds_after": fds_after, "fds_rest_after_s": r(rest_after, 1),
+        "dumps_written_until_s_after": r(backlog, 1),
         "samples": [{"t": r(t), "rss_kib": rss_kib, "fds": fds} for t, rss_kib, fds in sampler.samples],
         "relay_cpu_ms_per_request": r(cpu / max(1, counts["requests"]) * 1000, 3),
         "problems": problems[:20] + stack.health(), "checks": checks,
