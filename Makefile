@@ -36,7 +36,7 @@ e2e: $(VENV)/.installed $(CLAUDE)
 bench: $(VENV)/.installed
 	$(PY) tests/bench/run.py
 
-# Loopback only, bounded, stops by itself (about five minutes); not part of `make test`.
+# Loopback only, bounded, stops by itself (about four minutes); not part of `make test`.
 load: $(VENV)/.installed
 	$(PY) tests/load/run.py
 

@@ -3,7 +3,7 @@
     python tests/load/run.py [--only streams,soak,slow_clients,connection_cap] [--quick]
                              [--out-dir .load]
 
-Everything runs on loopback, bounded in count and time, and stops by itself (about five
+Everything runs on loopback, bounded in count and time, and stops by itself (about four
 minutes; ``--quick`` takes seconds and proves only that the scenarios run). The upstream is
 the benchmark's mock (tests/bench/mock_upstream.py) and the relay runs with the full pipeline
 (dedup, pairing, ordering, dump) as a subprocess, as in `make bench`. Scenarios:
