@@ -7,7 +7,7 @@ CLAUDE := .e2e/node_modules/.bin/claude
 HAPROXY := /usr/sbin/haproxy
 PYTEST_ARGS ?=
 
-.PHONY: run try test test-example test-min unit e2e bench demo clean
+.PHONY: run try test test-example test-min unit e2e bench load demo clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -76,9 +76,13 @@ e2e: $(VENV)/.installed $(CLAUDE) $(HAPROXY)
 bench: $(VENV)/.installed
 	$(PY) tests/bench/run.py
 
+# Loopback only, bounded, stops by itself (about four minutes); not part of `make test`.
+load: $(VENV)/.installed
+	$(PY) tests/load/run.py
+
 demo: $(VENV)/.installed
 	$(PY) -m relay.demo
 
 # Never dumps: they are an operator's record of failures, not build output.
 clean:
-	rm -rf $(VENV) $(MIN_VENV) .e2e .pytest_cache .hypothesis .bench *.egg-info
+	rm -rf $(VENV) $(MIN_VENV) .e2e .pytest_cache .hypothesis .bench .load *.egg-info

@@ -6,8 +6,9 @@ prints ``mock listening on http://127.0.0.1:PORT``. ``POST /v1/messages`` reads 
 by query string only (the body is never parsed):
 
 - ``mock=json`` (default): a canned non-streaming message;
-- ``mock=sse&events=N[&per_send=K]``: a canned stream of N events, one send per event (or
-  per K events), no delay;
+- ``mock=sse&events=N[&per_send=K][&gap_ms=G]``: a canned stream of N events, one send per
+  event (or per K events), no delay (or G ms between sends: streams that stay open, for the
+  load runner);
 - ``mock=idle&hold=S``: the headers and ``message_start``, then nothing until the client
   goes away or S seconds (default 30) have passed;
 - ``sha=1`` with any of them: the answer carries ``x-bench-sha256`` and ``x-bench-bytes`` of
@@ -74,8 +75,11 @@ async def answer(request, query, extra, json_answer: bytes, framed, first_event:
         await response.write(first)  # the headers and the first event go out together
         # One send per event, already framed as an HTTP chunk: what aiohttp's write() would
         # do, at half the mock's CPU, so that the mock is not what limits a streaming run.
+        gap = float(query.get("gap_ms", "0")) / 1000
         transport = request.transport
         for chunk in rest:
+            if gap:
+                await asyncio.sleep(gap)
             if transport is None or transport.is_closing():
                 return response
             transport.write(chunk)

@@ -1,0 +1,783 @@
+"""`make load`: what the relay holds under load, over time and against hostile clients.
+
+    python tests/load/run.py [--only streams,soak,slow_clients,connection_cap] [--quick]
+                             [--out-dir .load]
+
+Everything runs on loopback, bounded in count and time, and stops by itself (about four
+minutes; ``--quick`` takes seconds and proves only that the scenarios run). The upstream is
+the benchmark's mock (tests/bench/mock_upstream.py) and the relay runs with the full pipeline
+(dedup, pairing, ordering, dump) as a subprocess, as in `make bench`. Scenarios:
+
+- ``streams``: 500 concurrent streams of 200 events, several rounds; every byte the client
+  gets is checked against what the mock sent (one stream in five reuses an id of its history,
+  so dedup rewrites that block's id: the rewritten event is compared as JSON, every other one
+  byte for byte).
+- ``soak``: three minutes of steady mixed load (answers, streams checked byte for byte,
+  rewrites, refused histories that are dumped, client disconnects, count_tokens, 1 MB
+  histories); the relay's RSS and open fds sampled from /proc every 2 s, and lines fitted
+  through the lowest sample of each 20 s of the last two minutes, which a leak lifts and a
+  request in flight does not. A slope beyond its limit fails, and once the
+  load stops the fds must come back to where they were at rest (after the relay's idle
+  upstream connections expire).
+- ``slow_clients``: 1,100 connections that send half their headers or half their body and
+  hold, while a normal client keeps asking; with ``server.header_timeout``,
+  ``server.body_timeout`` and ``server.max_connections`` set small, every slow connection
+  must be closed within its timeout, the normal client must always get an answer (a 200, or
+  a 529 overloaded_error while the relay is full) and be served again once the slow ones are
+  gone.
+- ``connection_cap``: ``max_connections`` idle keep-alive connections, then more: the extra
+  ones get a 529 overloaded_error or are refused at accept, and normal service resumes once
+  the idle ones close.
+
+Each scenario prints a summary line and writes its result as JSON to ``<out-dir>/NAME.json``
+(all of them in ``result.json``). The exit status is 1 when any check failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import resource
+import sys
+import tempfile
+import time
+
+import aiohttp
+import orjson
+import yaml
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "bench"))
+import micro  # noqa: E402
+import procs  # noqa: E402
+import workloads  # noqa: E402
+
+# What the slow-client and cap scenarios configure (keys under ``server:`` in relay.yaml).
+LIMITS = {"header_timeout": 2, "body_timeout": 3, "max_connections": 200}
+# Time a slow connection may outlive its timeout: the relay's timer granularity and a busy
+# 2-core machine accepting 1,100 connections at once.
+CLOSE_SLACK = 3.0
+# A fitted slope beyond these over the soak is a leak.
+RSS_SLOPE_LIMIT_MB_MIN = 1.0
+FD_SLOPE_LIMIT_PER_MIN = 1.0
+REST_WAIT = 35
+
+FULL = {"streams": {"concurrency": 500, "events": 200, "rounds": 4, "gap_ms": 10},
+        "soak": {"seconds": 120, "warmup": 60, "concurrency": 16, "sample_every": 2,
+                 "floor_window": 20},
+        "slow_clients": {"slow": 1100, "hold": 10},
+        "connection_cap": {"extra": 50}}
+QUICK = {"streams": {"concurrency": 20, "events": 200, "rounds": 1, "gap_ms": 2},
+         "soak": {"seconds": 6, "warmup": 2, "concurrency": 4, "sample_every": 0.5,
+                  "floor_window": 1},
+         "slow_clients": {"slow": 40, "hold": 6},
+         "connection_cap": {"extra": 5}}
+SCENARIOS = ("streams", "soak", "slow_clients", "connection_cap")
+HEADERS = workloads.HEADERS
+
+
+def raise_fd_limit() -> int:
+    """As many fds as the hard limit allows: 1,100 slow clients and 500 streams need them,
+    on this side and (inherited) in the relay."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else 65536
+    if soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+# --- the processes -------------------------------------------------------------------------
+
+
+class Stack:
+    """The mock upstream and a relay with the full pipeline in front of it."""
+
+    def __init__(self, server: dict | None = None, dump: dict | None = None):
+        self.tmp = tempfile.TemporaryDirectory(prefix="relay-load-")
+        py = sys.executable
+        self.mock = procs.Server("mock", [py, os.path.join(procs.HERE, "mock_upstream.py")])
+        self.relay = None
+        upstream = self.mock.wait_ready()
+        pipeline = micro.available_pipeline()
+        config = micro.relay_config(pipeline, upstream, os.path.join(self.tmp.name, "dumps"))
+        config["server"].update(server or {})
+        if dump and "dump" in pipeline:
+            config["plugins"]["dump"].update(dump)
+        self.pipeline = pipeline
+        self.config_path = os.path.join(self.tmp.name, "relay.yaml")
+        with open(self.config_path, "w") as f:
+            yaml.safe_dump(config, f, sort_keys=False)
+        try:
+            self.relay = procs.Server("relay", [py, "-m", "relay", "--config", self.config_path,
+                                                "--port", "0"], cwd=self.tmp.name)
+            self.url = self.relay.wait_ready()
+        except RuntimeError:
+            self.stop()
+            raise
+        self.host, port = self.url.split("//")[1].rsplit(":", 1)
+        self.port = int(port)
+
+    @property
+    def pid(self) -> int:
+        return self.relay.pid
+
+    def rss_kib(self) -> int:
+        return procs.status_kib(self.pid, "VmRSS")
+
+    def fds(self) -> int:
+        return len(os.listdir(f"/proc/{self.pid}/fd"))
+
+    def newest_dump(self) -> float:
+        """When the last dump file was written (0 when none)."""
+        newest = 0.0
+        for folder, _, files in os.walk(os.path.join(self.tmp.name, "dumps")):
+            for name in files:
+                try:
+                    newest = max(newest, os.stat(os.path.join(folder, name)).st_mtime)
+                except FileNotFoundError:  # deleted by retention meanwhile
+                    pass
+        return newest
+
+    def health(self) -> list[str]:
+        """What is wrong with the relay process now: exited, or a traceback in its output."""
+        problems = []
+        if self.relay.proc.poll() is not None:
+            problems.append(f"the relay exited with status {self.relay.proc.returncode}")
+        for marker in ("Traceback", "Too many open files", "Unhandled exception"):
+            count = self.relay.output().count(marker)
+            if count:
+                problems.append(f"{count} x {marker!r} in the relay's output")
+        return problems
+
+    def stop(self) -> None:
+        if self.relay is not None:
+            self.relay.stop()
+        self.mock.stop()
+        self.tmp.cleanup()
+
+
+def limited_stack(limits: dict) -> tuple[Stack, bool]:
+    """A relay with the slow-client limits; when this relay does not know the keys yet, the
+    relay as it is (so the scenario still measures what happens), and False."""
+    try:
+        return Stack(server=limits), True
+    except RuntimeError as e:
+        print(f"  the relay refused the limits {limits}: {str(e).strip().splitlines()[-1]}",
+              flush=True)
+        return Stack(), False
+
+
+class Sampler:
+    """RSS and open fds of the relay every ``every`` seconds, in the background."""
+
+    def __init__(self, stack: Stack, every: float):
+        self.stack, self.every = stack, every
+        self.samples: list[tuple[float, int, int]] = []
+        self.task: asyncio.Task | None = None
+
+    async def _run(self) -> None:
+        start = time.monotonic()
+        while True:
+            self.samples.append((time.monotonic() - start, self.stack.rss_kib(), self.stack.fds()))
+            await asyncio.sleep(self.every)
+
+    def __enter__(self):
+        self.task = asyncio.get_running_loop().create_task(self._run())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.task.cancel()
+
+    def peak_fds(self) -> int:
+        return max((s[2] for s in self.samples), default=0)
+
+
+def slope_per_minute(points: list[tuple[float, float]]) -> float | None:
+    """Least-squares slope of (seconds, value) points, per minute."""
+    if len(points) < 3:
+        return None
+    n = len(points)
+    mean_x = sum(x for x, _ in points) / n
+    mean_y = sum(y for _, y in points) / n
+    sxx = sum((x - mean_x) ** 2 for x, _ in points)
+    sxy = sum((x - mean_x) * (y - mean_y) for x, y in points)
+    return sxy / sxx * 60 if sxx else None
+
+
+def floors(points: list[tuple[float, float]], start: float, window: float) -> list[tuple[float, float]]:
+    """The lowest value of each ``window`` seconds from ``start``, at the window's middle."""
+    lowest: dict[int, float] = {}
+    for t, value in points:
+        n = int((t - start) // window)
+        lowest[n] = min(value, lowest.get(n, value))
+    return [(start + (n + 0.5) * window, value) for n, value in sorted(lowest.items())]
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, min(len(ordered) - 1, round(q / 100 * len(ordered)) - 1))]
+
+
+def r(value, digits: int = 2):
+    return None if value is None else round(value, digits)
+
+
+# --- what the client must receive ----------------------------------------------------------
+
+
+def split_events(data: bytes) -> list[bytes]:
+    return [e + b"\n\n" for e in data.split(b"\n\n") if e]
+
+
+def expected_stream(events: int) -> bytes:
+    return b"".join(workloads.sse_events(events))
+
+
+def stream_problem(got: bytes, events: int, rewritten: bool) -> str | None:
+    """Whether a streamed answer is exactly what the mock sent, but for dedup's rewrite of
+    the one tool id the history already holds (``rewritten``)."""
+    want = expected_stream(events)
+    if got == want and not rewritten:
+        return None
+    if not rewritten:
+        return f"{len(got)} bytes differ from the {len(want)} the mock sent"
+    got_events, want_events = split_events(got), list(workloads.sse_events(events))
+    if len(got_events) != len(want_events):
+        return f"{len(got_events)} events where the mock sent {len(want_events)}"
+    for n, (mine, theirs) in enumerate(zip(got_events, want_events)):
+        if mine == theirs:
+            continue
+        if theirs != workloads.TOOL_BLOCK_START:
+            return f"event {n} differs: {mine[:200]!r}"
+        data = orjson.loads(mine.split(b"data: ", 1)[1])
+        original = orjson.loads(theirs.split(b"data: ", 1)[1])
+        original["content_block"]["id"] = workloads.STREAM_TOOL_ID + "-2"
+        if data != original or not mine.startswith(b"event: content_block_start\ndata: "):
+            return f"the rewritten tool block start is {mine[:300]!r}"
+    if got == want:
+        return "the reused tool id was not rewritten"
+    return None
+
+
+def anthropic_error(status: int, content_type: str, payload: bytes) -> str | None:
+    if content_type != "application/json":
+        return f"{status} with content-type {content_type!r}: {payload[:200]!r}"
+    try:
+        doc = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        doc = None
+    error = doc.get("error") if isinstance(doc, dict) else None
+    if (not isinstance(error, dict) or doc.get("type") != "error"
+            or not isinstance(error.get("message"), str)):
+        return f"{status} not in Anthropic's error format: {payload[:200]!r}"
+    error_type = error.get("type")
+    wanted = {400: "invalid_request_error", 408: None, 413: "request_too_large",
+              529: "overloaded_error"}.get(status)
+    if wanted and error_type != wanted:
+        return f"{status} with error type {error_type!r}"
+    return None
+
+
+# --- a: streams ----------------------------------------------------------------------------
+
+
+async def scenario_streams(stack: Stack, concurrency: int, events: int, rounds: int,
+                           gap_ms: int) -> dict:
+    url = f"{stack.url}/v1/messages?mock=sse&events={events}&gap_ms={gap_ms}"
+    plain, reused = workloads.body("small_stream"), workloads.body("stream_with_history_call")
+    durations: list[float] = []
+    problems: list[str] = []
+    open_now = max_open = 0
+    ok = total_bytes = 0
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
+    async with aiohttp.ClientSession(connector=connector,
+                                     timeout=aiohttp.ClientTimeout(total=120)) as session:
+        async def one(n: int) -> None:
+            nonlocal open_now, max_open, ok, total_bytes
+            rewritten = n % 5 == 4
+            started = time.monotonic()
+            try:
+                async with session.post(url, data=reused if rewritten else plain,
+                                        headers=HEADERS) as response:
+                    open_now += 1
+                    max_open = max(max_open, open_now)
+                    try:
+                        got = await response.read()
+                    finally:
+                        open_now -= 1
+                    status = response.status
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                problems.append(f"stream {n}: {type(e).__name__} {e}")
+                return
+            durations.append(time.monotonic() - started)
+            total_bytes += len(got)
+            problem = (f"status {status}: {got[:200]!r}" if status != 200
+                       else stream_problem(got, events, rewritten))
+            if problem:
+                problems.append(f"stream {n}: {problem}")
+            else:
+                ok += 1
+
+        with Sampler(stack, 0.5) as sampler:
+            cpu0 = procs.cpu_seconds(stack.pid)
+            started = time.monotonic()
+            for round_ in range(rounds):
+                tasks = []
+                # Opened 50 at a time: a burst of 500 SYNs overflows the listen backlog, and
+                # the kernel's retry a second later would hide the concurrency being measured.
+                for n in range(concurrency):
+                    tasks.append(asyncio.create_task(one(round_ * concurrency + n)))
+                    if n % 50 == 49:
+                        await asyncio.sleep(0.05)
+                await asyncio.gather(*tasks)
+            elapsed = time.monotonic() - started
+            cpu = procs.cpu_seconds(stack.pid) - cpu0
+    total = concurrency * rounds
+    checks = {
+        "every stream byte-exact": ok == total,
+        f"at least 90% of {concurrency} streams open at once": max_open >= 0.9 * concurrency,
+        "relay healthy": not stack.health(),
+    }
+    return {
+        "summary": (f"{ok}/{total} streams of {events} events byte-exact "
+                    f"({total * events} events, {total_bytes / 1e6:.1f} MB), up to {max_open} open "
+                    f"at once, p50 {r(percentile(durations, 50))} s p99 {r(percentile(durations, 99))} s, "
+                    f"relay CPU {cpu / total * 1000:.2f} ms/stream, peak {sampler.peak_fds()} fds, "
+                    f"RSS {stack.rss_kib() / 1024:.0f} MB"),
+        "streams": total, "byte_exact": ok, "events_per_stream": events,
+        "max_open_at_once": max_open, "bytes": total_bytes, "elapsed_s": r(elapsed),
+        "p50_s": r(percentile(durations, 50), 3), "p99_s": r(percentile(durations, 99), 3),
+        "relay_cpu_ms_per_stream": r(cpu / total * 1000, 3),
+        "relay_peak_fds": sampler.peak_fds(), "relay_rss_kib_after": stack.rss_kib(),
+        "relay_peak_rss_kib": procs.status_kib(stack.pid, "VmHWM"),
+        "problems": problems[:20] + stack.health(), "checks": checks,
+    }
+
+
+# --- b: soak -------------------------------------------------------------------------------
+
+# A history whose tool call has no result: pairing refuses it, dump writes the refusal. Its
+# 16 KB of text make each dump cost the writer something, as a real session's would.
+UNPAIRED = orjson.dumps({"model": workloads.MODEL, "max_tokens": 10, "messages": [
+    {"role": "user", "content": "go"},
+    {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_01Unpaired",
+                                       "name": "Bash", "input": {}}]},
+    {"role": "user", "content": [{"type": "text", "text": "no result\n" + "0123456789abcdef" * 1024}]}]})
+
+
+async def soak_step(session: aiohttp.ClientSession, base: str, n: int) -> str | None:
+    """One request of the soak's mix (chosen by ``n``); what went wrong, or None."""
+    kind = ("json", "stream", "rewrite", "refused", "disconnect", "count_tokens", "stream",
+            "json")[n % 8]
+    if n % 50 == 49:
+        kind = "history"
+    if kind == "disconnect":
+        # The client goes away after the first event: the relay must cancel the upstream
+        # request and let go of both connections.
+        async with session.post(f"{base}/v1/messages?mock=idle&hold=30",
+                                data=workloads.body("small_stream"), headers=HEADERS) as response:
+            first = await response.content.readany()
+            response.close()
+            return None if response.status == 200 and first else f"disconnect: {response.status}"
+    path, query, body = {
+        "json": ("/v1/messages", "mock=json", workloads.body("small")),
+        "stream": ("/v1/messages", "mock=sse&events=50", workloads.body("small_stream")),
+        "rewrite": ("/v1/messages", "mock=sse&events=50", workloads.body("stream_with_history_call")),
+        "refused": ("/v1/messages", "mock=json", UNPAIRED),
+        "count_tokens": ("/v1/messages/count_tokens", "", workloads.body("small")),
+        "history": ("/v1/messages", "mock=json", workloads.body("history_reused")),
+    }[kind]
+    async with session.post(f"{base}{path}?{query}", data=body, headers=HEADERS) as response:
+        payload = await response.read()
+        status, content_type = response.status, response.content_type
+    if kind == "refused":
+        problem = None if status == 400 else f"status {status}"
+        return problem or anthropic_error(status, content_type, payload)
+    if status != 200:
+        return f"{kind}: status {status}: {payload[:200]!r}"
+    if kind in ("stream", "rewrite"):
+        return stream_problem(payload, 50, kind == "rewrite")
+    if kind == "json" and payload != workloads.ANSWER:
+        return f"json: the answer differs from the mock's: {payload[:200]!r}"
+    return None
+
+
+async def scenario_soak(stack: Stack, seconds: float, warmup: float, concurrency: int,
+                        sample_every: float, floor_window: float) -> dict:
+    problems: list[str] = []
+    counts = {"requests": 0, "failed": 0}
+    await asyncio.sleep(0.5)
+    fds_before = stack.fds()
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
+    session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60))
+    deadline = time.monotonic() + warmup + seconds
+
+    async def loop(worker: int) -> None:
+        n = worker
+        while time.monotonic() < deadline:
+            try:
+                problem = await soak_step(session, stack.url, n)
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                problem = f"{type(e).__name__} {e}"
+            counts["requests"] += 1
+            if problem:
+                counts["failed"] += 1
+                problems.append(problem)
+            n += concurrency
+
+    with Sampler(stack, sample_every) as sampler:
+        cpu0 = procs.cpu_seconds(stack.pid)
+        await asyncio.gather(*(loop(w) for w in range(concurrency)))
+        cpu = procs.cpu_seconds(stack.pid) - cpu0
+    await session.close()
+    stopped_at = time.time()
+    # Back at rest once the relay's idle upstream connections expire (aiohttp keeps them
+    # 15 s): what is still open then was leaked.
+    stopped = time.monotonic()
+    while stack.fds() > fds_before + 2 and time.monotonic() - stopped < REST_WAIT:
+        await asyncio.sleep(1)
+    fds_after, rest_after = stack.fds(), time.monotonic() - stopped
+    # Dumps still being written after the load stopped are the writer's backlog.
+    backlog = max(0.0, stack.newest_dump() - stopped_at)
+    steady = [s for s in sampler.samples if s[0] >= warmup]
+    raw_rss_slope = slope_per_minute([(t, rss / 1024) for t, rss, _ in steady])
+    # A 1 MB request in flight lifts RSS by a few MB for a moment, and each request in
+    # flight holds two fds; a leak lifts the floor. So the lines go through the lowest
+    # sample of each window (20 s).
+    rss_slope = slope_per_minute(floors([(t, rss / 1024) for t, rss, _ in steady], warmup,
+                                        floor_window))
+    fd_slope = slope_per_minute(floors([(t, fds) for t, _, fds in steady], warmup, floor_window))
+    checks = {
+        "every answer as expected": counts["failed"] == 0 and counts["requests"] > 0,
+        f"RSS floor slope under {RSS_SLOPE_LIMIT_MB_MIN} MB/min":
+            rss_slope is not None and rss_slope < RSS_SLOPE_LIMIT_MB_MIN,
+        f"fd floor slope under {FD_SLOPE_LIMIT_PER_MIN}/min":
+            fd_slope is not None and fd_slope < FD_SLOPE_LIMIT_PER_MIN,
+        f"fds back to rest within {REST_WAIT} s of the load stopping": fds_after <= fds_before + 2,
+        "relay healthy": not stack.health(),
+    }
+    rss = [s[1] for s in steady] or [0]
+    return {
+        "summary": (f"{counts['requests']} requests in {seconds + warmup:.0f} s at c={concurrency}, "
+                    f"{counts['failed']} failed; RSS {rss[0] / 1024:.1f} -> {rss[-1] / 1024:.1f} MB, "
+                    f"floor slope {r(rss_slope, 3)} MB/min (raw {r(raw_rss_slope, 3)}); "
+                    f"fd floor slope {r(fd_slope, 3)}/min, "
+                    f"{fds_before} before / {fds_after} {rest_after:.0f} s after; dumps written "
+                    f"until {backlog:.0f} s after; relay CPU "
+                    f"{cpu / max(1, counts['requests']) * 1000:.2f} ms/request"),
+        "requests": counts["requests"], "failed": counts["failed"], "seconds": seconds,
+        "warmup_s": warmup, "concurrency": concurrency,
+        "rss_floor_slope_mb_per_min": r(rss_slope, 4), "rss_slope_mb_per_min": r(raw_rss_slope, 4),
+        "fd_floor_slope_per_min": r(fd_slope, 4),
+        "fds_before": fds_before, "fds_after": fds_after, "fds_rest_after_s": r(rest_after, 1),
+        "dumps_written_until_s_after": r(backlog, 1),
+        "samples": [{"t": r(t), "rss_kib": rss_kib, "fds": fds} for t, rss_kib, fds in sampler.samples],
+        "relay_cpu_ms_per_request": r(cpu / max(1, counts["requests"]) * 1000, 3),
+        "problems": problems[:20] + stack.health(), "checks": checks,
+    }
+
+
+# --- c: slow clients -----------------------------------------------------------------------
+
+
+async def hold_slow(host: str, port: int, kind: str, hold: float) -> dict:
+    """One slow client: half its headers or half its body, then wait for the relay to act."""
+    loop = asyncio.get_running_loop()
+    head = (f"POST /v1/messages HTTP/1.1\r\nHost: {host}:{port}\r\n"
+            f"Content-Type: application/json\r\nx-api-key: load\r\n").encode()
+    partial = (head if kind == "headers"
+               else head + b"Content-Length: 2000\r\n\r\n" + b'{"model": "' + b"x" * 990)
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 10)
+    except (OSError, asyncio.TimeoutError) as e:
+        return {"kind": kind, "outcome": "refused", "after": 0.0, "error": repr(e)}
+    sent = loop.time()
+    data, outcome = b"", "held"
+    try:
+        writer.write(partial)
+        while True:
+            chunk = await asyncio.wait_for(reader.read(65536), max(0.01, sent + hold - loop.time()))
+            if not chunk:
+                outcome = "closed"
+                break
+            data += chunk
+    except asyncio.TimeoutError:
+        outcome = "held"
+    except OSError:
+        outcome = "reset"
+    after = loop.time() - sent
+    writer.close()
+    answer = parse_answer(data) if data else None
+    return {"kind": kind, "outcome": outcome, "after": after, "answer": answer}
+
+
+def parse_answer(data: bytes) -> dict:
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    parts = lines[0].split()
+    status = int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0
+    headers = {k.strip().lower(): v.strip() for k, _, v in (l.partition(":") for l in lines[1:])}
+    content_type = headers.get("content-type", "").split(";")[0].strip()
+    return {"status": status, "problem": anthropic_error(status, content_type, body)}
+
+
+async def normal_client(url: str, until: float, results: list) -> None:
+    """A well-behaved client asking every 0.25 s on a fresh connection, 5 s to answer."""
+    loop = asyncio.get_running_loop()
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(connector=connector,
+                                     timeout=aiohttp.ClientTimeout(total=5)) as session:
+        start = loop.time()
+        while loop.time() < until:
+            asked = loop.time()
+            entry = {"t": asked - start}
+            try:
+                async with session.post(f"{url}/v1/messages?mock=json",
+                                        data=workloads.body("small"), headers=HEADERS) as response:
+                    payload = await response.read()
+                    entry["status"] = response.status
+                    if response.status != 200:
+                        entry["problem"] = anthropic_error(response.status, response.content_type,
+                                                           payload)
+            except asyncio.TimeoutError:
+                entry["status"] = "timeout"
+            except (aiohttp.ClientConnectionError, OSError) as e:
+                entry["status"] = "refused"
+                entry["error"] = f"{type(e).__name__}"
+            entry["seconds"] = loop.time() - asked
+            results.append(entry)
+            await asyncio.sleep(max(0.0, 0.25 - (loop.time() - asked)))
+
+
+async def scenario_slow_clients(slow: int, hold: float) -> dict:
+    stack, limited = limited_stack(LIMITS)
+    try:
+        return await slow_clients(stack, limited, slow, hold)
+    finally:
+        stack.stop()
+
+
+async def slow_clients(stack: Stack, limited: bool, slow: int, hold: float) -> dict:
+    loop = asyncio.get_running_loop()
+    limit = {"headers": LIMITS["header_timeout"], "body": LIMITS["body_timeout"]}
+    normal: list[dict] = []
+    start = loop.time()
+    normal_task = asyncio.create_task(normal_client(stack.url, start + hold + 2, normal))
+    with Sampler(stack, 0.5) as sampler:
+        tasks = []
+        for n in range(slow):
+            tasks.append(asyncio.create_task(
+                hold_slow(stack.host, stack.port, "headers" if n % 2 == 0 else "body",
+                          max(limit.values()) + hold)))
+            if n % 100 == 99:
+                await asyncio.sleep(0.1)
+        all_opened = loop.time() - start
+        slow_results = await asyncio.gather(*tasks)
+        await normal_task
+    outcomes: dict[str, int] = {}
+    late, bad_answers = [], []
+    for entry in slow_results:
+        answered = entry.get("answer")
+        key = f"{entry['kind']}:{entry['outcome']}" + (f":{answered['status']}" if answered else "")
+        outcomes[key] = outcomes.get(key, 0) + 1
+        if entry["outcome"] == "held" or entry["after"] > limit[entry["kind"]] + CLOSE_SLACK:
+            late.append(entry)
+        if answered and (answered["problem"] or answered["status"] not in (400, 408, 413, 529)):
+            bad_answers.append(answered)
+    restored_after = all_opened + max(limit.values()) + CLOSE_SLACK
+    hung = [e for e in normal if e["status"] == "timeout"]
+    odd = [e for e in normal if e["status"] not in (200, 529, "refused", "timeout")
+           or e.get("problem")]
+    after_timeouts = [e for e in normal if e["t"] >= restored_after + 1.0]
+    served = sum(1 for e in normal if e["status"] == 200)
+    checks = {
+        "the relay took the limits (server.header_timeout, body_timeout, max_connections)": limited,
+        "every slow connection closed within its timeout": not late,
+        "every answer to a slow connection is a 4xx/529 in Anthropic's format": not bad_answers,
+        "the normal client never waited 5 s for an answer": not hung,
+        "the normal client got only 200s, clean 529s or refused connections": not odd,
+        "the normal client is served once the slow ones are closed":
+            bool(after_timeouts) and all(e["status"] == 200 for e in after_timeouts),
+        "relay healthy": not stack.health(),
+    }
+    closed = [e["after"] for e in slow_results if e["outcome"] != "held"]
+    return {
+        "summary": (f"{slow} slow connections: {len(slow_results) - len(late)} closed in time, "
+                    f"{len(late)} late or held; outcomes {outcomes}; normal client: {served}/"
+                    f"{len(normal)} served, {len(hung)} hung; peak {sampler.peak_fds()} relay fds"),
+        "limits": LIMITS if limited else None, "slow": slow, "outcomes": outcomes,
+        "late_or_held": len(late), "closed_after_p50_s": r(percentile(closed, 50)),
+        "closed_after_max_s": r(max(closed, default=None)),
+        "normal": {"requests": len(normal), "served": served, "hung": len(hung),
+                   "statuses": {str(s): sum(1 for e in normal if e["status"] == s)
+                                for s in {e["status"] for e in normal}},
+                   "p99_s": r(percentile([e["seconds"] for e in normal], 99), 3)},
+        "relay_peak_fds": sampler.peak_fds(),
+        "problems": ([f"slow {e['kind']} connection {e['outcome']} after {e['after']:.1f} s"
+                      for e in late[:5]] + [str(a) for a in bad_answers[:5]]
+                     + [str(e) for e in (hung + odd)[:5]] + stack.health()),
+        "checks": checks,
+    }
+
+
+# --- d: connection cap ---------------------------------------------------------------------
+
+
+async def keep_alive_healthz(host: str, port: int, timeout: float = 5.0):
+    """A connection that asked /healthz once and stays open; or what happened instead."""
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+    except (OSError, asyncio.TimeoutError) as e:
+        return None, {"outcome": "refused", "error": repr(e)}
+    writer.write(f"GET /healthz HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode())
+    try:
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout)
+        length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                       if line.lower().startswith(b"content-length:")), 0)
+        body = await asyncio.wait_for(reader.readexactly(length), timeout)
+    except asyncio.TimeoutError:
+        writer.close()
+        return None, {"outcome": "hung"}
+    except (asyncio.IncompleteReadError, OSError) as e:
+        writer.close()
+        partial = getattr(e, "partial", b"")
+        if partial:
+            return None, {"outcome": "answered", "answer": parse_answer(partial)}
+        return None, {"outcome": "refused", "error": repr(e)}
+    answer = parse_answer(head + body)
+    if answer["status"] == 200:
+        return writer, {"outcome": "served"}
+    writer.close()
+    return None, {"outcome": "answered", "answer": answer}
+
+
+async def scenario_connection_cap(extra: int) -> dict:
+    # Timeouts long enough that the idle connections outlive the measurement: the cap is
+    # what is tested here.
+    limits = {"header_timeout": 30, "body_timeout": 30,
+              "max_connections": LIMITS["max_connections"]}
+    stack, limited = limited_stack(limits)
+    try:
+        return await connection_cap(stack, limited, limits["max_connections"], extra)
+    finally:
+        stack.stop()
+
+
+async def connection_cap(stack: Stack, limited: bool, cap: int, extra: int) -> dict:
+    idle, first = [], []
+    for _ in range(0, cap, 50):
+        batch = await asyncio.gather(*(keep_alive_healthz(stack.host, stack.port)
+                                       for _ in range(min(50, cap - len(first)))))
+        first += [outcome for _, outcome in batch]
+        idle += [writer for writer, _ in batch if writer is not None]
+    fds_full = stack.fds()
+    beyond = await asyncio.gather(*(keep_alive_healthz(stack.host, stack.port)
+                                    for _ in range(extra)))
+    for writer, _ in beyond:
+        if writer is not None:
+            idle.append(writer)
+    extra_outcomes: dict[str, int] = {}
+    bad = []
+    for _, outcome in beyond:
+        key = outcome["outcome"] + (f":{outcome['answer']['status']}" if "answer" in outcome else "")
+        extra_outcomes[key] = extra_outcomes.get(key, 0) + 1
+        answer = outcome.get("answer")
+        if outcome["outcome"] in ("served", "hung") or (
+                answer and (answer["status"] != 529 or answer["problem"])):
+            bad.append(outcome)
+    for writer in idle:
+        writer.close()
+    await asyncio.sleep(1.0)
+    after = []
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(connector=connector,
+                                     timeout=aiohttp.ClientTimeout(total=5)) as session:
+        for _ in range(20):
+            try:
+                async with session.post(f"{stack.url}/v1/messages?mock=json",
+                                        data=workloads.body("small"), headers=HEADERS) as response:
+                    await response.read()
+                    after.append(response.status)
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                after.append(type(e).__name__)
+    served_first = sum(1 for o in first if o["outcome"] == "served")
+    checks = {
+        "the relay took the limits (server.max_connections)": limited,
+        f"all {cap} connections up to the cap served": served_first == cap,
+        f"the {extra} beyond the cap got a 529 in Anthropic's format or were refused": not bad,
+        "normal service once they closed": after == [200] * len(after),
+        "relay healthy": not stack.health(),
+    }
+    return {
+        "summary": (f"{served_first}/{cap} connections served and held idle; {extra} beyond: "
+                    f"{extra_outcomes}; after closing them {after.count(200)}/{len(after)} served"),
+        "cap": cap if limited else None, "held": served_first, "extra": extra,
+        "extra_outcomes": extra_outcomes, "after": after, "relay_fds_when_full": fds_full,
+        "problems": [str(b) for b in bad[:5]] + stack.health(), "checks": checks,
+    }
+
+
+# --- the run -------------------------------------------------------------------------------
+
+
+async def run(names: list[str], profile: dict) -> dict:
+    results = {}
+    for name in names:
+        print(f"{name} ...", flush=True)
+        started = time.monotonic()
+        params = profile[name]
+        if name in ("streams", "soak"):
+            dump = {"include_relay_rejections": True, "max_files": 100} if name == "soak" else None
+            stack = Stack(dump=dump)
+            try:
+                scenario = scenario_streams if name == "streams" else scenario_soak
+                result = await scenario(stack, **params)
+            finally:
+                stack.stop()
+        elif name == "slow_clients":
+            result = await scenario_slow_clients(**params)
+        else:
+            result = await scenario_connection_cap(**params)
+        result["duration_s"] = r(time.monotonic() - started, 1)
+        result["passed"] = all(result["checks"].values())
+        results[name] = result
+        print(f"{name}: {'PASS' if result['passed'] else 'FAIL'}  {result['summary']}", flush=True)
+        for check, held in result["checks"].items():
+            if not held:
+                print(f"  failed: {check}", flush=True)
+        for problem in result["problems"][:5]:
+            print(f"  {problem[:300]}", flush=True)
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", help="comma-separated scenarios: " + ", ".join(SCENARIOS))
+    parser.add_argument("--quick", action="store_true", help="tiny versions, to check they run")
+    parser.add_argument("--out-dir", default=os.path.join(procs.ROOT, ".load"))
+    args = parser.parse_args()
+    names = [n for n in SCENARIOS if not args.only or n in args.only.split(",")]
+    fds = raise_fd_limit()
+    started = time.time()
+    results = asyncio.run(run(names, QUICK if args.quick else FULL))
+    meta = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+            "duration_s": r(time.time() - started, 1), "quick": args.quick, "fd_limit": fds,
+            "cpus": os.cpu_count(), "loadavg_after": procs.loadavg(),
+            "aiohttp": aiohttp.__version__}
+    os.makedirs(args.out_dir, exist_ok=True)
+    for name, result in results.items():
+        with open(os.path.join(args.out_dir, f"{name}.json"), "wb") as f:
+            f.write(orjson.dumps({"meta": meta, name: result}, option=orjson.OPT_INDENT_2))
+    with open(os.path.join(args.out_dir, "result.json"), "wb") as f:
+        f.write(orjson.dumps({"meta": meta, **results}, option=orjson.OPT_INDENT_2))
+    failed = [name for name, result in results.items() if not result["passed"]]
+    print(f"make load: {len(results) - len(failed)} of {len(results)} scenarios pass "
+          f"({meta['duration_s']} s); results in {args.out_dir}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
