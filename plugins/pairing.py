@@ -464,7 +464,8 @@ def split_tool_turns(messages: list) -> list[tuple[int, int]]:
                 marked = [i for i in indexes if _holds(messages[i], "tool_result")]
                 first, last = (indexes[0], marked[-1]) if marked and calls_before else (None, None)
             if first is not None and first != last \
-                    and all(messages[i].keys() <= {"role", "content"} for i in range(first, last + 1)):
+                    and all(type(messages[i]) is dict and messages[i].keys() <= {"role", "content"}
+                            for i in range(first, last + 1)):
                 spans.append((first, last))
         if role == "assistant":
             calls_before = any(_holds(messages[i], "tool_use") for i in indexes)

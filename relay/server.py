@@ -293,7 +293,8 @@ class Relay:
             raise invalid_request("Content-Type must be application/json")
         return Route(handler, path, query, key)
 
-    async def refuse(self, request: web.Request, error: RelayError) -> web.StreamResponse:
+    async def refuse(self, request: web.Request, error: RelayError,
+                     close: bool | None = None) -> web.StreamResponse:
         """A request turned away before it was routed still makes an exchange (outcome
         ``refused``), so that the end hooks see it: an auth failure is worth counting."""
         path, query = split_target(request.raw_path)
@@ -302,7 +303,7 @@ class Relay:
         exchange.outcome, exchange.error = "refused", error
         exchange.note("relay", "refused", status=error.status, message=error.message)
         response = await deliver(request, exchange, relay_error(
-            error, exchange.id, close=request.can_read_body))
+            error, exchange.id, close=request.can_read_body if close is None else close))
         await self.finish(exchange)
         return response
 
@@ -316,6 +317,11 @@ class Relay:
         route = request[ROUTE]
         try:
             raw = await read_body(request, state.config.max_body_bytes, state.config.body_timeout)
+        except RelayError as error:
+            # Whatever is left of a body that could not be read is not worth reading: the
+            # connection closes rather than trip over it again.
+            return await self.refuse(request, error, close=True)
+        try:
             exchange = await prepare_exchange(
                 state, method=request.method, path=route.path, query=route.query,
                 headers=request.headers, raw_body=raw, key=route.key)
@@ -561,8 +567,7 @@ class Relay:
             upstream = await state.upstream.send(exchange, backend, body=raw)
         except RelayError as error:
             exchange.outcome, exchange.error = "rejected", error
-            return await deliver(request, exchange, relay_error(
-                error, exchange.id, close=error.status in (408, 413)))
+            return await deliver(request, exchange, relay_error(error, exchange.id, close=True))
         except Unreachable as e:
             return await self._unreachable(request, exchange, e.__cause__ or e)
         async with upstream:
@@ -635,6 +640,10 @@ async def deliver(request: web.Request, exchange: Exchange, response: web.Respon
     exchange.timings.first_byte = exchange.elapsed()
     await response.write_eof()
     exchange.timings.last_byte = exchange.elapsed()
+    if response.keep_alive is False and request.protocol is not None:
+        # Closed now, with the answer sent: aiohttp would otherwise read on through what is
+        # left of a body the relay refused (and trip over it again if it cannot be decoded).
+        request.protocol.force_close()
     return response
 
 

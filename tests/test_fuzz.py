@@ -26,7 +26,7 @@ import aiohttp
 import pytest
 from yarl import URL
 
-from relay.emulator import sign_thinking
+from relay.testing.emulator import sign_thinking
 from support import assistant, backend, request, result, text, use, user
 
 SEED = int(os.environ.get("RELAY_FUZZ_SEED", "20261130"))
@@ -75,9 +75,11 @@ def histories() -> list[dict]:
         request(user(text("Search.")),
                 assistant(server_use, server_result, text("Found it.")),
                 user(text("Good."))),
+        # A mid-conversation system entry precedes an assistant message (relay/evidence.json:
+        # "system-placement").
         request(user(text("Go.")),
                 {"role": "system", "content": "The user switched branches."},
-                user(text("Go on."))),
+                assistant(text("On it.")), user(text("Go on."))),
         request(user(text("Think first.")), assistant(thinking, text("Done.")),
                 user(text("Again."))),
         request(user(text("ünïcödé → データ ✓ \"quoted\" back\\slash")),
