@@ -10,7 +10,6 @@ from __future__ import annotations
 import datetime
 import logging
 import re
-import time
 
 import orjson
 
@@ -62,10 +61,10 @@ def logfmt_value(value) -> str:
     return f'"{escape(text)}"'
 
 
-def access_fields(exchange, status: int | None, first_byte: float | None = None) -> dict:
+def access_fields(exchange, status: int | None) -> dict:
     """What the access line says about an exchange; a field that does not apply is left out.
-    ``first_byte`` is when the answer's headers went out (``time.time()``): the time to
-    first byte of a stream (a complete answer goes out after the line is written).
+    ``ttfb_ms`` is the time to the answer's first byte, from the exchange's record (the line
+    is written once the answer has gone).
 
     Never a secret: no header, no query string, no body; the inbound key by its name only.
     Stream events are not counted (the stream loop forwards unframed bytes and does not
@@ -82,15 +81,14 @@ def access_fields(exchange, status: int | None, first_byte: float | None = None)
         "stream": exchange.stream,
         "method": exchange.method,
         "path": exchange.path,
-        "duration_ms": round((time.time() - exchange.started) * 1000, 1),
-        "ttfb_ms": None,
+        "duration_ms": round(exchange.elapsed() * 1000, 1),
+        "ttfb_ms": (round(exchange.timings.first_byte * 1000, 1)
+                    if exchange.timings.first_byte is not None else None),
         "ids_rewritten": sum(1 for entry in exchange.translation.values()
                              if entry.get("direction") == "to_client"),
         "repairs": exchange.repairs,
         "key": getattr(exchange, "key_name", None),
     }
-    if first_byte is not None and exchange.stream:
-        fields["ttfb_ms"] = round((first_byte - exchange.started) * 1000, 1)
     return {name: value if value is None or isinstance(value, (bool, int, float))
             else cap(str(value)) for name, value in fields.items() if value is not None}
 

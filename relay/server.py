@@ -142,7 +142,7 @@ def log_exchange(exchange: Exchange, status: int | None) -> None:
     id naming any dump; every field escaped and capped (see :mod:`relay.logs`). Off by
     default: a log record costs more than the relay's own work on a small request."""
     if access_log.isEnabledFor(logging.INFO):
-        logs.log_access(logs.access_fields(exchange, status, lifecycle.response_started()))
+        logs.log_access(logs.access_fields(exchange, status))
 
 
 async def prepare_exchange(state: RelayState, *, method: str, path: str, query: str,

@@ -106,7 +106,8 @@ def test_the_access_fields_of_an_exchange():
     exchange.translation = {"a-2": {"direction": "to_client"}, "b-2": {"direction": "to_client"},
                             "c": {"direction": "to_upstream"}, "d": {"direction": "history"}}
     exchange.key_name = "team-a"
-    fields = logs.access_fields(exchange, 200, first_byte=exchange.started + 0.25)
+    exchange.timings.first_byte = 0.25
+    fields = logs.access_fields(exchange, 200)
     assert fields["model"] == "claude-x\n" + "y" * 191 + "...[309 chars]"
     assert fields["ids_rewritten"] == 2 and fields["repairs"] == 2
     assert fields["key"] == "team-a" and fields["ttfb_ms"] == 250.0
