@@ -33,7 +33,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import workloads  # noqa: E402
 
-FULL_PIPELINE = ["dedup", "pairing", "ordering", "dump"]
+FULL_PIPELINE = ["metrics", "dedup", "pairing", "ordering", "dump"]
 
 
 def available_pipeline() -> list[str]:
@@ -362,10 +362,35 @@ async def run_async(quick: bool) -> dict:
             request = await request_benchmarks(state, pipeline, count, seconds)
             sse = await sse_benchmarks(state, *((1000, 0.3) if quick else (50000, 2.0)))
             translation = await openai_benchmarks(state, *((100, 0.3) if quick else (5000, 2.0)))
+            ends = await end_benchmarks(state, *((100, 0.3) if quick else (20000, 1.0)))
         finally:
             await chain.shutdown(config)
     return {"pipeline": pipeline, "request": request, "sse": sse, "openai": translation,
-            "seconds": perf_counter() - started}
+            "end": ends, "seconds": perf_counter() - started}
+
+
+async def end_benchmarks(state, count: int, seconds: float) -> dict:
+    """CPU per finished small exchange in the end-of-exchange hooks, per plugin (the metrics
+    plugin's counting is all there)."""
+    from relay.exchange import Answer, Attempt
+    from relay.server import prepare_exchange
+
+    exchange = await prepare_exchange(
+        state, method="POST", path="/v1/messages", query="",
+        headers=CIMultiDictProxy(CIMultiDict(workloads.HEADERS)), raw_body=workloads.body("small"))
+    exchange.answer, exchange.outcome = Answer(200, {}, 300), "ok"
+    exchange.attempts.append(Attempt(exchange.backend.name, "http://127.0.0.1:9", 200, None, 0.01))
+    exchange.timings.upstream_headers = exchange.timings.first_byte = 0.01
+    out = {}
+    for impl in state.chain.impls["relay_exchange_end"]:
+        options = state.chain.options_for(exchange)[impl.plugin]
+        budget = Budget(count, seconds)
+        cpu = process_time()
+        while budget.more():
+            impl.call({"exchange": exchange, "options": options})
+            budget.done += 1
+        out[impl.plugin] = (process_time() - cpu) / budget.done * 1e6
+    return {"per_exchange_us": out}
 
 
 def run(quick: bool = False) -> dict:

@@ -549,6 +549,9 @@ def targets(result: dict) -> list[dict]:
                entry["cpu_per_req_ratio"], 1.1, "x",
                note=f"req/s vs one process {entry['rps_ratio']}; requests per CPU-second "
                     f"{entry['workers']['req_per_cpu_second']} vs {entry['relay']['req_per_cpu_second']}")
+    ends = m["end"]["per_exchange_us"]
+    if "metrics" in ends:
+        target("metrics plugin: per finished exchange (micro)", r(ends["metrics"], 2), 20.0, "us")
     o = m["openai"]
     target("OpenAI backend: translation per small request (micro)", r(o["per_request_ms"], 4),
            0.1, "ms", note="request and answer translated, over the Anthropic path")
