@@ -119,6 +119,7 @@ def run_serve(args) -> int:
         if name not in config.pipeline:
             logging.getLogger("relay").warning(
                 "plugins.%s: options for a plugin that is not in the pipeline", name)
+    logs.announce(describe(config))
     try:
         if config.workers > 1:
             from . import workers
@@ -129,6 +130,18 @@ def run_serve(args) -> int:
         return fail(f"config error: {e}")
     except OSError as e:
         return fail(f"cannot listen on {host}:{port}: {e.strerror or e}")
+
+
+def describe(config) -> str:
+    """What start-up loaded, said once: the config file, the pipeline, the backends (never a
+    key), and whether inbound auth is on."""
+    backends = "; ".join(
+        f"{b.name} {b.url} ({', '.join(b.models) or 'no models'}"
+        f"{', default' if b.default else ''}{', ' + b.format if b.format != 'anthropic' else ''})"
+        for b in config.backends)
+    auth = f"{len(config.keys)} inbound key(s)" if config.keys is not None else "inbound auth off"
+    return (f"relay: config {config.source or '-'}; pipeline [{', '.join(config.pipeline)}]; "
+            f"backends: {backends}; {auth}")
 
 
 def read_json_file(name: str) -> bytes:

@@ -63,3 +63,12 @@ def test_the_minimum_versions_run_are_the_declared_floors():
                   for line in setup["options"]["install_requires"].strip().splitlines())
     pins = re.search(r"^MIN_PINS := (.+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
     assert dict(pin.split("==") for pin in pins.split()) == floors
+
+
+def test_start_up_says_what_it_loaded(relay, emulator):
+    from support import backend
+    emu = emulator()
+    server = relay({"pipeline": ["dedup", "pairing"], "backends": [backend(emu.url, default=True)]})
+    first = server.output().splitlines()[0]
+    assert first.startswith("relay: config ") and "relay.yaml; pipeline [dedup, pairing]" in first
+    assert f"backends: emu {emu.url} (*, default)" in first and "inbound auth off" in first
