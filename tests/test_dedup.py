@@ -526,7 +526,7 @@ async def test_restore_mode_repeat_within_one_answer_through_the_relay(aiohttp_s
     repeats an id inside one answer: the next turn goes up valid, not refused by pairing."""
     from aiohttp import web
 
-    from relay.server import create_app
+    from relay.testing.fixtures import start_relay
 
     received = []
 
@@ -549,12 +549,10 @@ async def test_restore_mode_repeat_within_one_answer_through_the_relay(aiohttp_s
     upstream = web.Application()
     upstream.router.add_post("/v1/messages", messages)
     server = await aiohttp_server(upstream)
-    config = parse({"pipeline": ["dedup", "pairing", "ordering"],
-                    "backends": [{"name": "kimi", "url": str(server.make_url("")).rstrip("/"),
-                                  "models": ["*"], "quirks": RESTORE}]}, env={})
-    chain = Chain(load_plugins(config.pipeline), config)
-    await chain.startup(config)
-    client = await aiohttp_client(create_app(config, chain))
+    client = await start_relay(aiohttp_client, {
+        "pipeline": ["dedup", "pairing", "ordering"],
+        "backends": [{"name": "kimi", "url": str(server.make_url("")).rstrip("/"),
+                      "models": ["*"], "quirks": RESTORE}]})
     history = [{"role": "user", "content": "go"}]
     first = await client.post("/v1/messages", json={"model": "kimi-k2", "max_tokens": 10,
                                                     "messages": history})
@@ -572,7 +570,7 @@ async def test_restore_mode_repeat_within_one_answer_through_the_relay(aiohttp_s
     assert tool_use_ids(sent) == ["functions.Bash:0", "functions.Bash:0-2"]
     assert [b["tool_use_id"] for b in sent[2]["content"]] == ["functions.Bash:0", "functions.Bash:0-2"]
     await client.close()
-    await chain.shutdown(config)
+    await client.chain.shutdown(client.config)
 
 
 # --- start-up and validate ------------------------------------------------------------------

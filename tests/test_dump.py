@@ -25,7 +25,7 @@ from relay.chain import Chain, available_plugins, load_plugins
 from relay.errors import ConfigError, RelayError
 from relay.exchange import Exchange
 from relay.hookspecs import hookimpl
-from relay.server import create_app
+from relay.testing.fixtures import start_relay
 from relay.sse import Event
 
 from support import backend
@@ -359,10 +359,8 @@ async def start(aiohttp_server, aiohttp_client, tmp_path):
         options = {"dir": str(tmp_path / "dumps"), **(dump_options or {})}
         raw = {"pipeline": list(pipeline), "plugins": {"dump": options},
                "backends": [backend(str(server.make_url("")), models=["claude-*"])]}
-        config = config_module.parse(raw, env={})
-        chain = Chain(load_plugins(config.pipeline, extra=extra), config)
-        await chain.startup(config)
-        relay = Relay(await aiohttp_client(create_app(config, chain)), config, chain,
+        client = await start_relay(aiohttp_client, raw, extra)
+        relay = Relay(client, client.config, client.chain,
                       str(server.make_url("")).rstrip("/"), Path(options["dir"]))
         started.append(relay)
         return relay

@@ -11,10 +11,9 @@ import pytest
 from aiohttp import web
 
 from relay import config as config_module
-from relay.chain import Chain, load_plugins
 from relay.errors import RelayError
 from relay.hookspecs import hookimpl
-from relay.server import create_app
+from relay.testing.fixtures import start_relay
 
 BODY = {"model": "claude-test", "max_tokens": 10, "messages": [{"role": "user", "content": "hi"}]}
 ANSWER = {"id": "msg_1", "type": "message", "role": "assistant", "model": "claude-test",
@@ -60,13 +59,6 @@ async def start_upstream(aiohttp_server, upstream: Upstream):
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app.router.add_route("*", "/{tail:.*}", upstream.handle)
     return await aiohttp_server(app)
-
-
-async def start_relay(aiohttp_client, raw_config: dict, extra=None, env=None):
-    config = config_module.parse(raw_config, env or {})
-    chain = Chain(load_plugins(config.pipeline, extra=extra), config)
-    await chain.startup(config)
-    return await aiohttp_client(create_app(config, chain))
 
 
 @pytest.fixture

@@ -40,6 +40,20 @@ def received_headers(client) -> list[dict]:
             for *_, headers, _ in client.upstream.app[emulator.STATE].records]
 
 
+async def start_relay(aiohttp_client, raw_config: dict, extra: dict | None = None,
+                      env: dict | None = None):
+    """A relay made from a whole relay.yaml document (``raw_config``, as a dict), started as
+    serving starts one (plugins found by entry point or given in ``extra``, ``relay_startup``
+    run), behind an aiohttp test client; ``client.chain`` and ``client.config`` are its own.
+    Call ``client.chain.shutdown(client.config)`` when done, as serving does on stop."""
+    config = config_module.parse(raw_config, env or {})
+    chain = Chain(load_plugins(config.pipeline, extra=extra), config)
+    await chain.startup(config)
+    client = await aiohttp_client(create_app(config, chain))
+    client.chain, client.config = chain, config
+    return client
+
+
 @pytest_asyncio.fixture
 async def relay_client(aiohttp_client, aiohttp_server):
     started = []
@@ -52,11 +66,8 @@ async def relay_client(aiohttp_client, aiohttp_server):
         raw = {"pipeline": list(pipeline), "plugins": plugins or {}, "server": server or {},
                "backends": [{"name": "emulator", "url": str(upstream.make_url("")).rstrip("/"),
                              "models": ["*"], "quirks": quirks or {}, **(backend or {})}]}
-        config = config_module.parse(raw, env or {})
-        chain = Chain(load_plugins(config.pipeline, extra=extra), config)
-        await chain.startup(config)
-        client = await aiohttp_client(create_app(config, chain))
-        client.upstream, client.chain, client.config = upstream, chain, config
+        client = await start_relay(aiohttp_client, raw, extra, env)
+        client.upstream = upstream
         started.append(client)
         return client
 
