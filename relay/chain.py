@@ -251,7 +251,7 @@ class Chain:
             kwargs["options"] = options[impl.plugin]
             try:
                 result = impl.call(kwargs)
-                if inspect.isawaitable(result):
+                if result is not None and inspect.isawaitable(result):
                     result = await result
             except RelayError as error:
                 if getattr(error, "plugin", None) is None:
@@ -269,7 +269,7 @@ class Chain:
         for impl in self.impls["relay_exchange_end"]:
             try:
                 result = impl.call({"exchange": exchange, "options": options[impl.plugin]})
-                if inspect.isawaitable(result):
+                if result is not None and inspect.isawaitable(result):
                     await result
             except Exception:
                 log.exception("plugin %s failed in relay_exchange_end", impl.plugin)

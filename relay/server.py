@@ -458,15 +458,7 @@ class Relay:
             headers=client_headers(upstream.headers, exchange.response_headers))
         answer = exchange.answer = Answer(response.status, response.headers, stream=True)
         await response.prepare(request)
-        timings = exchange.timings
-
-        async def write(data: bytes) -> None:
-            if not answer.size:
-                timings.first_byte = exchange.elapsed()
-            answer.size += len(data)
-            await response.write(data)
-
-        stream = StreamRelay(self.state.chain, exchange, plan, write)
+        stream = StreamRelay(self.state.chain, exchange, plan, response.write)
         translator = None
         if exchange.backend.format == "openai":
             translator = openai.StreamTranslator(exchange.backend.name, exchange.model)
@@ -533,7 +525,8 @@ class Relay:
             await response.write_eof()
             return response
         finally:
-            timings.last_byte = exchange.elapsed()
+            answer.size = stream.written
+            exchange.timings.last_byte = exchange.elapsed()
             if translator is not None:
                 exchange.upstream_response["body"] = b"".join(translator.raw)
 

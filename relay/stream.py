@@ -25,7 +25,7 @@ class StreamBroken(Exception):
 class StreamRelay:
     """Relays one stream: :meth:`feed` each upstream chunk, then :meth:`finish`."""
 
-    __slots__ = ("chain", "exchange", "plan", "write", "framer", "writing")
+    __slots__ = ("chain", "exchange", "plan", "write", "framer", "writing", "written")
 
     def __init__(self, chain, exchange, plan, write: Callable[[bytes], Awaitable[None]]):
         self.chain = chain
@@ -34,6 +34,7 @@ class StreamRelay:
         self.write = write
         self.framer: LazyFramer | None = None
         self.writing = False  # inside a write: what the framer saw has not all gone out
+        self.written = 0  # bytes written to the client
 
     @property
     def ended(self) -> bool:
@@ -92,10 +93,13 @@ class StreamRelay:
                     await chain.stream_event(exchange, event, calls)
         if len(parts) == 1:
             part = parts[0]
-            await self.write(part if part.__class__ is bytes else part.encode())
+            data = part if part.__class__ is bytes else part.encode()
         else:
-            await self.write(b"".join(
-                [part if part.__class__ is bytes else part.encode() for part in parts]))
+            data = b"".join([part if part.__class__ is bytes else part.encode() for part in parts])
+        if not self.written:
+            self.exchange.timings.first_byte = self.exchange.elapsed()
+        self.written += len(data)
+        await self.write(data)
         self.writing = False
 
 
