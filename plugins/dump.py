@@ -232,7 +232,7 @@ def backend_document(backend) -> dict:
     return {"name": backend.name, "url": redact_url(backend.url), "models": list(backend.models),
             "default": backend.default, "rename": dict(backend.rename), "auth": backend.auth,
             "api_key_env": backend.api_key_env, "quirks": copy.deepcopy(backend.quirks),
-            "timeouts": timeouts}
+            "timeouts": timeouts, "format": backend.format}
 
 
 def headers_document(headers) -> dict | None:

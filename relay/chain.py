@@ -16,6 +16,7 @@ from importlib.metadata import entry_points
 import pluggy
 
 from . import hookspecs
+from .config import HOST_QUIRKS
 from .errors import ConfigError, RelayError
 from .options import declared, resolve
 
@@ -29,9 +30,9 @@ def available_plugins() -> dict:
 
 
 def available_quirks() -> set[str]:
-    """The quirks every installed plugin declares (loading each; one that fails to load
-    declares nothing)."""
-    names = set()
+    """The quirks the host reads and those every installed plugin declares (loading each;
+    one that fails to load declares nothing)."""
+    names = set(HOST_QUIRKS)
     for entry_point in available_plugins().values():
         try:
             plugin = entry_point.load()

@@ -15,6 +15,8 @@ from .errors import ConfigError
 from .formats import FORMATS
 from .formats.openai import QUIRKS as OPENAI_QUIRKS
 
+# Quirks the host itself reads (the OpenAI format's), beside those plugins declare.
+HOST_QUIRKS = frozenset(OPENAI_QUIRKS)
 MAX_BODY_BYTES = 32 * 1024 * 1024  # the Messages API's own request limit
 ROUTE_CACHE_BYTES = 256 * 1024
 # What a path segment may hold: RFC 3986's unreserved and sub-delims, ":" and "@"; no "%"

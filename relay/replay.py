@@ -44,6 +44,7 @@ from . import config as config_module
 from .chain import Chain, load_plugins
 from .errors import ConfigError, RelayError
 from .exchange import is_credential_header
+from .formats import openai
 from .inbound import check_target
 from .server import ENDPOINTS, RelayState, prepare_exchange
 from .upstream import Unreachable, Upstream, upstream_url
@@ -357,19 +358,23 @@ def printable(text: str) -> str:
 
 
 async def rebuild(state: RelayState, request: ClientRequest):
-    """Run the request through the chain as serving does; return (exchange, Outcome)."""
+    """Run the request through the chain as serving does; return (exchange, Outcome). For an
+    OpenAI-format backend the upstream-bound body is the translated one, as it went up."""
     try:
         exchange = await prepare_exchange(state, method=request.method, path=request.path,
                                           query=request.query, headers=request.headers,
                                           raw_body=request.raw_body)
+        body = exchange.upstream_body()
+        if exchange.backend.format == "openai" and exchange.endpoint == "messages":
+            body = openai.request_bytes(body, exchange.backend)
     except RelayError as error:
         exchange = getattr(error, "exchange", None)
         return exchange, Outcome(
             translation=exchange.translation if exchange is not None else {},
             upstream_body=None,
             relay_error={"status": error.status, "type": error.type, "message": error.message})
-    return exchange, Outcome(translation=exchange.translation,
-                             upstream_body=exchange.upstream_body(), relay_error=None)
+    return exchange, Outcome(translation=exchange.translation, upstream_body=body,
+                             relay_error=None)
 
 
 def _as_json(raw: bytes | None):
@@ -437,7 +442,10 @@ async def send(config, exchange, request: ClientRequest, body: bytes, source: st
             headers["x-api-key"] = client_key
     try:
         check_target(request.path, request.query)
-        url = upstream_url(backend, request.path, request.query)
+        if backend.format == "openai":  # where Upstream.send sends it, translated
+            url = upstream_url(backend, openai.upstream_path(request.path), "")
+        else:
+            url = upstream_url(backend, request.path, request.query)
     except RelayError as e:
         print(printable(f"relay: the dump's request cannot be sent: {e.message}"), file=sys.stderr)
         return False

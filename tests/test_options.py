@@ -51,6 +51,13 @@ def test_mistakes_are_named_with_their_key_path(pipeline, plugins, quirks, messa
         chain_for(pipeline, plugins, quirks)
 
 
+def test_a_quirk_the_host_reads_is_not_a_mistake():
+    config = config_module.parse({"pipeline": ["dedup"], "backends": [backend(
+        "http://127.0.0.1:1", format="openai", quirks={"max_tokens_field": "max_tokens"})]})
+    chain = Chain(load_plugins(["dedup"]), config)
+    assert "max_tokens_field" not in chain.options[config.backends[0].name]["dedup"]
+
+
 def test_a_quirk_of_a_plugin_outside_the_pipeline_is_not_a_mistake():
     chain = chain_for(["metrics"], quirks={"restore_original_ids": True})
     assert chain.options["b"]["metrics"] == {"path": "/metrics"}

@@ -611,3 +611,25 @@ def test_control_characters_from_a_dump_never_reach_the_terminal(tmp_path, capsy
     assert status == 1  # the handmade upstream body is another one
     assert "\x1b" not in out and "\x07" not in out and "\x9b" not in out
     assert "\\x1b]0;owned\\x07" in out and "a\\x9b31mb" in out
+
+
+def test_a_dump_from_an_openai_format_backend_replays_to_the_translated_body(
+        emulator, relay, tmp_path, capsys):
+    emu = emulator("--format", "openai", "--fail-status", "400")
+    r = relay(dump_config(tmp_path, emu.url + "/v1", format="openai"))
+    history = [{"role": "user", "content": "go"},
+               {"role": "assistant", "content": [tool_call("call_0")]},
+               {"role": "user", "content": [tool_result("call_0")]},
+               {"role": "assistant", "content": [tool_call("call_0")]},
+               {"role": "user", "content": [tool_result("call_0")]}]
+    status, _, _ = post(r.url, {**BODY, "tools": TOOLS, "messages": history})
+    assert status == 400
+    path = wait_for_dump(tmp_path / "dumps")
+    recorded = orjson.loads(path.read_bytes())
+    assert recorded["backend"] is not None and recorded["upstream_request"]["url"].endswith(
+        "/chat/completions")
+    sent = orjson.loads(recorded["upstream_request"]["body"])
+    assert [m["role"] for m in sent["messages"]][:2] == ["user", "assistant"]
+    status, out = replay(capsys, path)
+    assert status == 0, out
+    assert "== identical to the dump" in out
