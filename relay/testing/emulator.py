@@ -867,9 +867,10 @@ def create_app(options: EmulatorOptions) -> web.Application:
     return app
 
 
-async def serve(options: EmulatorOptions) -> None:
-    """Serve until SIGINT or SIGTERM, announcing the bound address on stdout."""
-    runner = web.AppRunner(create_app(options), access_log=None)
+async def serve(options: EmulatorOptions, make_app=None) -> None:
+    """Serve until SIGINT or SIGTERM, announcing the bound address on stdout. ``make_app``
+    builds the application from the options (this emulator's, unless another format's)."""
+    runner = web.AppRunner((make_app or create_app)(options), access_log=None)
     await runner.setup()
     try:
         site = web.TCPSite(runner, options.host, options.port)

@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import hashlib
 import os
-import signal
 import sys
 import time
 
@@ -494,25 +493,8 @@ def options_for(args):
     return options
 
 
-async def serve(options) -> None:
-    runner = web.AppRunner(create_app(options), access_log=None)
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, options.host, options.port)
-        await site.start()
-        port = runner.addresses[0][1]
-        print(f"emulator listening on http://{options.host}:{port}", flush=True)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, stop.set)
-        await stop.wait()
-    finally:
-        await runner.cleanup()
-
-
 def main(args) -> int:
-    asyncio.run(serve(options_for(args)))
+    asyncio.run(anthropic.serve(options_for(args), create_app))
     return 0
 
 
