@@ -64,6 +64,7 @@ class Metrics:
     def __init__(self):
         self.registry: CollectorRegistry | None = None
         self.path = "/metrics"
+        self.children: dict = {}
 
     OPTIONS = (Option("path", str, "/metrics", "where the metrics are served",
                       check=lambda path: None if path.startswith("/") and " " not in path
@@ -108,6 +109,15 @@ class Metrics:
             "relay_auth_failures", "Requests refused for a missing or wrong relay key.",
             registry=registry)
 
+    def _child(self, metric, *labels):
+        """``metric.labels(*labels)``, looked up once: every label value is bounded by the
+        configuration, so the cache is too."""
+        key = (metric, labels)
+        child = self.children.get(key)
+        if child is None:
+            child = self.children[key] = metric.labels(*labels)
+        return child
+
     @hookimpl
     def relay_shutdown(self):
         if "PROMETHEUS_MULTIPROC_DIR" in os.environ:
@@ -140,11 +150,11 @@ class Metrics:
         backend = exchange.backend.name if exchange.backend is not None else "-"
         answer = exchange.answer
         stream = "true" if answer is not None and answer.stream else "false"
-        self.requests.labels(backend, exchange.endpoint,
-                             str(answer.status) if answer is not None else "-", stream,
-                             exchange.outcome or "-").inc()
+        self._child(self.requests, backend, exchange.endpoint,
+                    str(answer.status) if answer is not None else "-", stream,
+                    exchange.outcome or "-").inc()
         if exchange.timings.first_byte is not None:
-            self.first_byte.labels(backend, stream).observe(exchange.timings.first_byte)
+            self._child(self.first_byte, backend, stream).observe(exchange.timings.first_byte)
         error = exchange.error
         if exchange.endpoint == "refused":
             if error is not None and error.status == 401:
@@ -153,7 +163,7 @@ class Metrics:
         previous = None
         for attempt in exchange.attempts:
             if attempt.status is not None:
-                self.upstream_latency.labels(attempt.backend).observe(attempt.seconds)
+                self._child(self.upstream_latency, attempt.backend).observe(attempt.seconds)
             if attempt.backend == previous:
                 self.retries.labels(attempt.backend).inc()
             elif previous is not None:

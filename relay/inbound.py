@@ -6,6 +6,7 @@ Pure functions over strings and headers; the server calls them before anything e
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import re
@@ -31,16 +32,29 @@ def check_target(path: str, query: str) -> list[str]:
     or normalised on the way up: dot segments, empty segments, any percent-encoding
     (``%2e``, ``%2f``, ...), ``;`` parameters, or a query with characters a query may not
     hold."""
-    if not path.startswith("/"):
-        raise invalid_request(f"request target must be a path starting with '/': {path[:200]!r}")
-    segments = path[1:].split("/")
-    for segment in segments:
-        if segment in ("", ".", "..") or ";" in segment or not SEGMENT.fullmatch(segment):
+    segments = _plain_segments(path)
+    if segments is None:
+        if not path.startswith("/"):
             raise invalid_request(
-                f"path {path[:200]!r} is not accepted: it must be plain segments "
-                f"(no empty or dot segments, percent-encoding or ';' parameters)")
+                f"request target must be a path starting with '/': {path[:200]!r}")
+        raise invalid_request(
+            f"path {path[:200]!r} is not accepted: it must be plain segments "
+            f"(no empty or dot segments, percent-encoding or ';' parameters)")
     if query and not _QUERY.fullmatch(query):
         raise invalid_request("query string holds characters that are not allowed in a query")
+    return list(segments)
+
+
+# A few paths are asked for over and over; what is cached is bounded (aiohttp caps a request
+# line at 8 KiB).
+@functools.lru_cache(maxsize=128)
+def _plain_segments(path: str) -> tuple[str, ...] | None:
+    if not path.startswith("/"):
+        return None
+    segments = tuple(path[1:].split("/"))
+    for segment in segments:
+        if segment in ("", ".", "..") or ";" in segment or not SEGMENT.fullmatch(segment):
+            return None
     return segments
 
 

@@ -640,24 +640,9 @@ async def deliver(request: web.Request, exchange: Exchange, response: web.Respon
     return response
 
 
-@web.middleware
-async def anthropic_errors(request: web.Request, handler):
-    """aiohttp's own HTTP errors (405, 413 on the wire, ...) in Anthropic's format."""
-    try:
-        return await handler(request)
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        if e.status == 413:
-            error = too_large(request.app[STATE].config.max_body_bytes)
-        else:
-            error = RelayError(e.status, e.reason, "not_found_error" if e.status == 404 else None)
-        return web.Response(status=e.status, body=error.body(), content_type="application/json")
-
-
 def create_app(config, chain: Chain) -> web.Application:
     state = RelayState(config, chain)
-    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[anthropic_errors])
+    app = web.Application(client_max_size=config.max_body_bytes)
     app[STATE] = state
     relay = Relay(state, chain.routes(config, reserved=("/healthz", "/readyz", *ENDPOINTS)))
     app.router.add_route("*", "/{tail:.*}", relay.dispatch)

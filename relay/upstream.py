@@ -169,12 +169,13 @@ class Upstream:
                 body = openai.request_bytes(body, backend)
         if translated:
             openai.upstream_headers(out_headers)
-        exchange.upstream_request = {"url": str(url), "headers": out_headers, "body": body}
+        where = str(url)
+        exchange.upstream_request = {"url": where, "headers": out_headers, "body": body}
         retries = backend.retries
         started = time.perf_counter()
         waited = 0.0
         while True:
-            attempt = Attempt(backend.name, str(url), waited=waited)
+            attempt = Attempt(backend.name, where, waited=waited)
             exchange.attempts.append(attempt)
             sent = time.perf_counter()
             failure = answer = None
