@@ -58,7 +58,7 @@ MIN_VENV := .venv-min
 MIN_PINS := aiohttp==3.14.4 pluggy==1.3.0 orjson==3.9.15 msgspec==0.18.0 pyyaml==6.0.1 prometheus-client==0.20.0
 $(MIN_VENV)/.installed: setup.cfg pyproject.toml Makefile
 	test -x $(MIN_VENV)/bin/python || $(PYTHON) -m venv $(MIN_VENV)
-	$(MIN_VENV)/bin/python -m pip install --quiet $(MIN_PINS) pytest 'pytest-asyncio>=0.24' pytest-aiohttp hypothesis
+	$(MIN_VENV)/bin/python -m pip install --quiet $(MIN_PINS) pytest pytest-aiohttp hypothesis
 	$(MIN_VENV)/bin/python -m pip install --quiet --no-deps -e .
 	touch $@
 
