@@ -24,8 +24,9 @@ will really go up) and makes the history fit that backend:
   it cannot judge. When thinking is enabled and the final assistant message, a tool-use turn
   whose results follow, does not start with a thinking block (the API refuses that: "When
   `thinking` is enabled, a final `assistant` message must start with a thinking block"),
-  that one request goes up with ``thinking: {"type": "disabled"}``: the model answers
-  without extended thinking this once. Every drop and that switch are counted in
+  that one request goes up with ``thinking: {"type": "disabled"}`` (and without the
+  ``clear_thinking_*`` context-management edits, which only apply with thinking on): the
+  model answers without extended thinking this once. Every drop and that switch are counted in
   ``x-relay-repairs`` and noted on the timeline; id translations are counted in
   ``x-relay-rewrites``.
 
@@ -324,6 +325,24 @@ def needs_thinking_off(messages: list, thinking) -> int | None:
 # --- the plugin -----------------------------------------------------------------------------
 
 
+def _without_thinking_edits(body: dict) -> None:
+    """Drop the context-management edits that manage thinking (``clear_thinking_*``): with
+    thinking off they have nothing to manage, and the API documents them for requests with
+    thinking on. The other edits stay."""
+    management = body.get("context_management")
+    edits = management.get("edits") if type(management) is dict else None
+    if type(edits) is not list:
+        return
+    kept = [e for e in edits if not (type(e) is dict and str(e.get("type", "")).startswith(
+        "clear_thinking"))]
+    if len(kept) == len(edits):
+        return
+    if kept:
+        management["edits"] = kept
+    else:
+        del body["context_management"]
+
+
 def _checks_signatures(options: dict, backend) -> bool:
     if backend is not None and backend.format == "openai":
         return False
@@ -396,7 +415,9 @@ class Portable:
                               removed_messages=removed)
         final = needs_thinking_off(messages, exchange.field("thinking"))
         if final is not None:
-            exchange.body["thinking"] = {"type": "disabled"}
+            body = exchange.body
+            body["thinking"] = {"type": "disabled"}
+            _without_thinking_edits(body)
             exchange.repaired(PLUGIN, 1, what="thinking off", message_index=final,
                               reason="the final assistant turn has no thinking block of "
                                      "this backend's")

@@ -179,6 +179,26 @@ def test_thinking_from_another_backend_is_dropped_and_the_tool_turn_goes_without
     assert not exchange.changed and sent["messages"] == messages
 
 
+def test_thinking_off_takes_the_thinking_edits_with_it_and_keeps_the_others():
+    made = plugin()
+    mine = thought(KEY_A)
+    answer(made, "a", "model-a", mine)
+    body = {"model": "model-k", "max_tokens": 2048, "messages": history("t", thinking=mine),
+            "thinking": {"type": "adaptive"},
+            "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"},
+                                             {"type": "clear_tool_uses_20250919"}]}}
+    exchange = exchange_for(body)
+    exchange.backend = Backend(name="k", url="http://127.0.0.1:9", models=["*"])
+    made.relay_request(exchange, {})
+    sent = orjson.loads(exchange.upstream_body())
+    assert sent["context_management"] == {"edits": [{"type": "clear_tool_uses_20250919"}]}
+    del body["context_management"]["edits"][1]
+    exchange = exchange_for(body)
+    exchange.backend = Backend(name="k", url="http://127.0.0.1:9", models=["*"])
+    made.relay_request(exchange, {})
+    assert "context_management" not in orjson.loads(exchange.upstream_body())
+
+
 def test_the_final_turn_keeps_thinking_on_when_its_own_issuer_gets_it():
     made = plugin()
     other, mine = thought(KEY_K, "k"), thought(KEY_A, "a")
