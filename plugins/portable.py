@@ -367,9 +367,10 @@ class Portable:
     def relay_shutdown(self):
         self.provenance.close()
 
-    def _fit(self, exchange, options: dict) -> list[dict]:
+    def _fit(self, exchange, options: dict, switch_thinking: bool = True) -> list[dict]:
         """Make the history fit the exchange's backend, in place; return what was done (as
-        validate reports it)."""
+        validate reports it). Without ``switch_thinking`` a request that would go with
+        thinking off is only reported so (validate writes back the messages alone)."""
         messages = exchange.messages
         if messages is None:
             return []
@@ -414,17 +415,18 @@ class Portable:
                               reasons=sorted({why for *_, why in foreign}),
                               removed_messages=removed)
         final = needs_thinking_off(messages, exchange.field("thinking"))
-        if final is not None:
+        if final is not None and not switch_thinking:
+            done.append({"location": f"messages.{final}",
+                         "message": f"messages.{final}: the final assistant tool turn has no "
+                                    "thinking block valid here: the relay sends this request "
+                                    "with thinking disabled"})
+        elif final is not None:
             body = exchange.body
             body["thinking"] = {"type": "disabled"}
             _without_thinking_edits(body)
             exchange.repaired(PLUGIN, 1, what="thinking off", message_index=final,
                               reason="the final assistant turn has no thinking block of "
                                      "this backend's")
-            done.append({"location": "thinking",
-                         "message": f"thinking: messages.{final} (the final assistant tool "
-                                    "turn) has no thinking block valid here: sent with "
-                                    "thinking disabled"})
         return done
 
     @hookimpl
@@ -435,8 +437,10 @@ class Portable:
     def relay_validate(self, exchange, options, repair):
         if exchange.backend is None:
             return None  # without --target, no backend to fit
-        done = self._fit(exchange, options)
-        return [] if repair else done
+        done = self._fit(exchange, options, switch_thinking=False)
+        if repair:
+            return [p for p in done if "thinking disabled" in p["message"]]
+        return done
 
     # --- answers: who issued each block --------------------------------------------------
 

@@ -295,3 +295,53 @@ def test_the_emulator_requires_the_final_tool_turns_thinking_only_with_thinking_
                                                                       "text": "ok"}]},
                                    {"role": "user", "content": [{"type": "text", "text": "k"}]}]
     assert find_problem(body, EmulatorOptions()) is None
+
+
+# --- relay validate --target ------------------------------------------------------------------
+
+
+def validate(tmp_path, capsys, document, *args):
+    from relay import cli
+    import yaml
+    config = tmp_path / "relay.yaml"
+    config.write_text(yaml.safe_dump({
+        "pipeline": ["dedup", "pairing", "ordering", "portable"],
+        "plugins": {"portable": {"provenance_db": str(tmp_path / "p.db")}},
+        "backends": [{"name": "anthropic", "url": "http://127.0.0.1:9", "models": ["claude-*"]},
+                     {"name": "kimi", "url": "http://127.0.0.1:9", "models": ["kimi-*"],
+                      "quirks": {"tool_id_pattern": FUNCTIONS}}]}))
+    path = tmp_path / "request.json"
+    path.write_bytes(orjson.dumps(document))
+    code = cli.main(["validate", "--config", str(config), *args, str(path)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_validate_says_what_a_history_needs_to_go_to_a_target(tmp_path, capsys):
+    kimi_thought = thought(KEY_K)
+    portable.Provenance(str(tmp_path / "p.db")).record(
+        [(portable.block_key(kimi_thought), "kimi", "kimi-test")])
+    document = {"model": "claude-x", "max_tokens": 2048,
+                "thinking": {"type": "enabled", "budget_tokens": 1024},
+                "messages": history("functions.Bash:0", thinking=kimi_thought)}
+    code, out, _ = validate(tmp_path, capsys, document, "--target", "anthropic")
+    assert code == 1
+    assert out.splitlines() == [
+        "messages.1.content.0: thinking block issued by kimi/kimi-test: dropped",
+        "messages.1.content.2.tool_use: id functions.Bash:0 does not fit '^[a-zA-Z0-9_-]+$': "
+        f"sent as {portable.encode_id('functions.Bash:0')}",
+        "messages.1: the final assistant tool turn has no thinking block valid here: the relay "
+        "sends this request with thinking disabled",
+        "messages.2.content.0.tool_result: id functions.Bash:0 does not fit '^[a-zA-Z0-9_-]+$': "
+        f"sent as {portable.encode_id('functions.Bash:0')}"]
+    # Its own backend needs nothing.
+    code, out, _ = validate(tmp_path, capsys, dict(document, model="kimi-test"), "--target", "kimi")
+    assert code == 0, out
+    # Repaired, the history fits; the thinking switch is what the relay does on the way.
+    code, out, err = validate(tmp_path, capsys, document, "--target", "anthropic", "--repair")
+    repaired = orjson.loads(out)
+    assert find_problem(dict(repaired, thinking={"type": "disabled"}),
+                        EmulatorOptions(signing_secret="secret-a")) is None
+    assert "thinking disabled" in err and code == 1
+    code, _, err = validate(tmp_path, capsys, document, "--target", "nowhere")
+    assert code == 2 and "no backend named 'nowhere'" in err
