@@ -21,9 +21,11 @@ will really go up) and makes the history fit that backend:
   way up, a block known to come from another issuer, or unsigned (an OpenAI-format backend's
   reasoning: only the issuer can sign), is dropped: the API does not require thinking from
   earlier turns. A block of unknown issuer goes up as it is, so the relay never alters what
-  it cannot judge. When thinking is enabled and the final assistant message, a tool-use turn
-  whose results follow, does not start with a thinking block (the API refuses that: "When
-  `thinking` is enabled, a final `assistant` message must start with a thinking block"),
+  it cannot judge. When thinking is enabled with a budget (``type: enabled``) and the final
+  assistant message, a tool-use turn whose results follow, does not start with a thinking
+  block (the API refuses that: "When `thinking` is enabled, a final `assistant` message must
+  start with a thinking block"; with adaptive thinking that rule is unconfirmed, so the
+  request goes as it is, noted ``unsure``),
   that one request goes up with ``thinking: {"type": "disabled"}`` (and without the
   ``clear_thinking_*`` context-management edits, which only apply with thinking on): the
   model answers without extended thinking this once. Every drop and that switch are counted in
@@ -301,12 +303,9 @@ def _is_thinking(block) -> bool:
     return type(block) is dict and block.get("type") in THINKING
 
 
-def needs_thinking_off(messages: list, thinking) -> int | None:
-    """The index of the final assistant message when thinking is on and that message, a
-    tool-use turn whose results follow, does not start with a thinking block (the API
-    refuses such a request); None otherwise."""
-    if type(thinking) is not dict or thinking.get("type") not in ("enabled", "adaptive"):
-        return None
+def final_tool_turn_without_thinking(messages: list) -> int | None:
+    """The index of the final assistant message when it is a tool-use turn whose results
+    follow and does not start with a thinking block; None otherwise."""
     for i in range(len(messages) - 1, -1, -1):
         message = messages[i]
         if type(message) is not dict or message.get("role") != "assistant":
@@ -414,7 +413,18 @@ class Portable:
                               blocks=[f"messages.{i}.content.{k}" for i, k, _ in foreign],
                               reasons=sorted({why for *_, why in foreign}),
                               removed_messages=removed)
-        final = needs_thinking_off(messages, exchange.field("thinking"))
+        final = final_tool_turn_without_thinking(messages)
+        thinking = exchange.field("thinking") if final is not None else None
+        mode = thinking.get("type") if type(thinking) is dict else None
+        if mode == "adaptive" and any(i == final for i, _, _ in foreign):
+            # The API's rule is on record for budgeted thinking; with adaptive thinking the
+            # model may skip thinking in a turn, and whether such a turn is accepted is not:
+            # the request goes as it is, noted.
+            exchange.note(PLUGIN, "unsure", location=f"messages.{final}",
+                          reason="adaptive thinking, and the final tool turn's thinking was "
+                                 "another issuer's: sent without it")
+        if mode != "enabled":
+            final = None
         if final is not None and not switch_thinking:
             done.append({"location": f"messages.{final}",
                          "message": f"messages.{final}: the final assistant tool turn has no "

@@ -184,7 +184,7 @@ def test_thinking_off_takes_the_thinking_edits_with_it_and_keeps_the_others():
     mine = thought(KEY_A)
     answer(made, "a", "model-a", mine)
     body = {"model": "model-k", "max_tokens": 2048, "messages": history("t", thinking=mine),
-            "thinking": {"type": "adaptive"},
+            "thinking": {"type": "enabled", "budget_tokens": 1024},
             "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"},
                                              {"type": "clear_tool_uses_20250919"}]}}
     exchange = exchange_for(body)
@@ -345,3 +345,19 @@ def test_validate_says_what_a_history_needs_to_go_to_a_target(tmp_path, capsys):
     assert "thinking disabled" in err and code == 1
     code, _, err = validate(tmp_path, capsys, document, "--target", "nowhere")
     assert code == 2 and "no backend named 'nowhere'" in err
+
+
+def test_with_adaptive_thinking_the_request_keeps_it_and_says_it_is_unsure():
+    made = plugin()
+    mine = thought(KEY_A)
+    answer(made, "a", "model-a", mine)
+    body = {"model": "model-k", "max_tokens": 2048, "messages": history("t", thinking=mine),
+            "thinking": {"type": "adaptive"}}
+    exchange = exchange_for(body)
+    exchange.backend = Backend(name="k", url="http://127.0.0.1:9", models=["*"])
+    made.relay_request(exchange, {})
+    sent = orjson.loads(exchange.upstream_body())
+    assert sent["thinking"] == {"type": "adaptive"}
+    assert sent["messages"][1]["content"][0]["type"] == "text"
+    assert [e["action"] for e in exchange.timeline] == ["repaired", "unsure"]
+    assert exchange.repairs == 1

@@ -445,9 +445,10 @@ def _signature_problem(convo, key: bytes) -> str | None:
 
 
 def _final_thinking_problem(convo, thinking) -> str | None:
-    # n8n-io/n8n#22550, anthropics/claude-code#20705: with thinking on, a final assistant
-    # tool-use turn whose results follow must open with its thinking.
-    if not isinstance(thinking, dict) or thinking.get("type") not in ("enabled", "adaptive"):
+    # n8n-io/n8n#22550, anthropics/claude-code#20705: with budgeted thinking on, a final
+    # assistant tool-use turn whose results follow must open with its thinking. (Adaptive
+    # thinking may skip a turn's thinking; the API's rule there is not on record.)
+    if not isinstance(thinking, dict) or thinking.get("type") != "enabled":
         return None
     for pos in range(len(convo) - 1, -1, -1):
         n, message = convo[pos]
