@@ -303,22 +303,27 @@ def _is_thinking(block) -> bool:
     return type(block) is dict and block.get("type") in THINKING
 
 
+def _role(message) -> str | None:
+    return message.get("role") if type(message) is dict else None
+
+
 def final_tool_turn_without_thinking(messages: list) -> int | None:
-    """The index of the final assistant message when it is a tool-use turn whose results
-    follow and does not start with a thinking block; None otherwise."""
-    for i in range(len(messages) - 1, -1, -1):
-        message = messages[i]
-        if type(message) is not dict or message.get("role") != "assistant":
-            continue
-        if i == len(messages) - 1:
-            return None  # a prefill: the model's own rules
-        content = message.get("content")
-        if type(content) is not list or not content:
-            return None
-        if not any(type(b) is dict and b.get("type") == "tool_use" for b in content):
-            return None
-        return None if _is_thinking(content[0]) else i
-    return None
+    """Where the final assistant turn starts, when that turn (consecutive assistant messages
+    are one turn to the API) holds calls whose results follow and does not start with a
+    thinking block; None otherwise."""
+    end = len(messages) - 1
+    while end >= 0 and _role(messages[end]) != "assistant":
+        end -= 1
+    if end < 0 or end == len(messages) - 1:
+        return None  # no assistant turn, or a prefill: the model's own rules
+    start = end
+    while start > 0 and _role(messages[start - 1]) == "assistant":
+        start -= 1
+    turn = [b for m in messages[start:end + 1] if type(m.get("content")) is list
+            for b in m["content"]]
+    if not any(type(b) is dict and b.get("type") == "tool_use" for b in turn):
+        return None
+    return None if _is_thinking(turn[0]) else start
 
 
 # --- the plugin -----------------------------------------------------------------------------
@@ -408,6 +413,7 @@ class Portable:
             done += [{"location": f"messages.{i}.content.{k}",
                       "message": f"messages.{i}.content.{k}: thinking block {why}: dropped"}
                      for i, k, why in foreign]
+            touched = {id(messages[i]) for i, _, _ in foreign}
             removed = drop_blocks(messages, foreign)
             exchange.repaired(PLUGIN, len(foreign), what="dropped thinking",
                               blocks=[f"messages.{i}.content.{k}" for i, k, _ in foreign],
@@ -416,7 +422,7 @@ class Portable:
         final = final_tool_turn_without_thinking(messages)
         thinking = exchange.field("thinking") if final is not None else None
         mode = thinking.get("type") if type(thinking) is dict else None
-        if mode == "adaptive" and any(i == final for i, _, _ in foreign):
+        if mode == "adaptive" and foreign and id(messages[final]) in touched:
             # The API's rule is on record for budgeted thinking; with adaptive thinking the
             # model may skip thinking in a turn, and whether such a turn is accepted is not:
             # the request goes as it is, noted.

@@ -361,3 +361,19 @@ def test_with_adaptive_thinking_the_request_keeps_it_and_says_it_is_unsure():
     assert sent["messages"][1]["content"][0]["type"] == "text"
     assert [e["action"] for e in exchange.timeline] == ["repaired", "unsure"]
     assert exchange.repairs == 1
+
+
+def test_a_final_turn_split_over_messages_is_judged_as_one_turn():
+    made = plugin()
+    mine = thought(KEY_A)
+    answer(made, "a", "model-a", mine)
+    messages = [{"role": "user", "content": [{"type": "text", "text": "go"}]},
+                {"role": "assistant", "content": [mine, {"type": "text", "text": "calling"}]},
+                {"role": "assistant", "content": [
+                    {"type": "tool_use", "id": "t", "name": "Bash", "input": {}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t"}]}]
+    exchange, sent = request_to(made, "a", "model-a", messages)
+    assert not exchange.changed  # the turn opens with its own thinking
+    exchange, sent = request_to(made, "k", "model-k", messages)
+    assert sent["thinking"] == {"type": "disabled"}
+    assert exchange.timeline[-1]["message_index"] == 1

@@ -450,23 +450,26 @@ def _final_thinking_problem(convo, thinking) -> str | None:
     # thinking may skip a turn's thinking; the API's rule there is not on record.)
     if not isinstance(thinking, dict) or thinking.get("type") != "enabled":
         return None
-    for pos in range(len(convo) - 1, -1, -1):
-        n, message = convo[pos]
-        if message["role"] != "assistant":
-            continue
-        blocks = _blocks(message)
-        if pos == len(convo) - 1 or not any(b["type"] == "tool_use" for b in blocks):
-            return None
-        if blocks[0]["type"] in ("thinking", "redacted_thinking"):
-            return None
-        return (f"messages.{n}.content.0.type: Expected `thinking` or `redacted_thinking`, but "
-                f"found `{blocks[0]['type']}`. When `thinking` is enabled, a final `assistant` "
-                "message must start with a thinking block (preceeding the lastmost set of "
-                "`tool_use` and `tool_result` blocks). We recommend you include thinking blocks "
-                "from previous turns. To avoid this requirement, disable `thinking`. Please "
-                "consult our documentation at "
-                "https://docs.claude.com/en/docs/build-with-claude/extended-thinking")
-    return None
+    end = len(convo) - 1
+    while end >= 0 and convo[end][1]["role"] != "assistant":
+        end -= 1
+    if end < 0 or end == len(convo) - 1:
+        return None
+    start = end  # consecutive assistant messages are one turn
+    while start > 0 and convo[start - 1][1]["role"] == "assistant":
+        start -= 1
+    blocks = [b for _, message in convo[start:end + 1] for b in _blocks(message)]
+    if not any(b["type"] == "tool_use" for b in blocks):
+        return None
+    if blocks[0]["type"] in ("thinking", "redacted_thinking"):
+        return None
+    return (f"messages.{convo[start][0]}.content.0.type: Expected `thinking` or "
+            f"`redacted_thinking`, but found `{blocks[0]['type']}`. When `thinking` is enabled, "
+            "a final `assistant` message must start with a thinking block (preceeding the "
+            "lastmost set of `tool_use` and `tool_result` blocks). We recommend you include "
+            "thinking blocks from previous turns. To avoid this requirement, disable "
+            "`thinking`. Please consult our documentation at "
+            "https://docs.claude.com/en/docs/build-with-claude/extended-thinking")
 
 
 def sign_thinking(key: bytes, text: str) -> str:
