@@ -415,7 +415,7 @@ class Portable:
                      for i, k, why in foreign]
             touched = {id(messages[i]) for i, _, _ in foreign}
             removed = drop_blocks(messages, foreign)
-            exchange.repaired(PLUGIN, len(foreign), what="dropped thinking",
+            exchange.repaired(PLUGIN, len(foreign), rule="foreign-thinking",
                               blocks=[f"messages.{i}.content.{k}" for i, k, _ in foreign],
                               reasons=sorted({why for *_, why in foreign}),
                               removed_messages=removed)
@@ -440,7 +440,7 @@ class Portable:
             body = exchange.body
             body["thinking"] = {"type": "disabled"}
             _without_thinking_edits(body)
-            exchange.repaired(PLUGIN, 1, what="thinking off", message_index=final,
+            exchange.repaired(PLUGIN, 1, rule="thinking-off", message_index=final,
                               reason="the final assistant turn has no thinking block of "
                                      "this backend's")
         return done

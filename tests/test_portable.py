@@ -171,8 +171,8 @@ def test_thinking_from_another_backend_is_dropped_and_the_tool_turn_goes_without
     assert sent["thinking"] == {"type": "disabled"}
     assert find_problem(sent, EmulatorOptions(signing_secret="secret-k")) is None
     assert exchange.response_headers["x-relay-repairs"] == "2"
-    steps = [(e["step"], e.get("what")) for e in exchange.timeline]
-    assert steps == [("portable", "dropped thinking"), ("portable", "thinking off")]
+    steps = [(e["step"], e.get("rule")) for e in exchange.timeline]
+    assert steps == [("portable", "foreign-thinking"), ("portable", "thinking-off")]
 
     # Back to its issuer, the block goes up as it is, and the request is left alone.
     exchange, sent = request_to(made, "a", "model-a", messages)
