@@ -1,7 +1,8 @@
 """One session, many backends, end to end with the anthropic SDK: a tool loop whose every
 turn goes to another backend (Anthropic-format with its own signing secret, Kimi-like with
 ``functions.Name:N`` ids and its own secret, OpenAI-format), thinking on and off, parallel
-calls, reused ids. Through the relay with the portable plugin every session completes, and
+calls, reused ids, a fallback mid-loop. Through the relay with the portable plugin every
+session completes, and
 what each backend receives of earlier turns never changes from one of its requests to the
 next; without the plugin the same steps fail as the real API fails them.
 """
@@ -165,3 +166,34 @@ def test_without_the_plugin_the_same_session_fails(backends, relay, tmp_path, ca
     with pytest.raises(anthropic.BadRequestError) as refused:
         session.run()
     assert refused.value.body["error"]["message"] == error
+
+
+@pytest.mark.parametrize("portable", [True, False], ids=["portable", "without"])
+def test_a_fallback_to_another_backend_mid_loop_keeps_the_session(emulator, relay, tmp_path,
+                                                                  portable):
+    """The Anthropic-like backend is overloaded every second request; its fallback is the
+    Kimi-like one, which then gets the other's history (and the client never chose it)."""
+    strict = emulator("--signing-secret", "secret-of-a", "--thinking", "--tool-turns",
+                      str(TURNS), "--fail-status", "529", "--fail-every", "2")
+    kimi = emulator("--id-style", "functions", "--signing-secret", "secret-of-k", "--thinking",
+                    "--tool-turns", str(TURNS), "--reuse-ids")
+    backends = {"anthropic": (strict, backend(strict.url, name="anthropic", models=["model-*"],
+                                              fallbacks=["kimi"])),
+                "kimi": (kimi, backend(kimi.url, name="kimi", models=["kimi-*"],
+                                       quirks={"tool_id_pattern": FUNCTIONS}))}
+    pipeline = PIPELINE if portable else WITHOUT
+    r = relay(config(backends, pipeline, tmp_path))
+    session = Session([r.url], ["model-a"], tmp_path, True, False)
+    if not portable:
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            session.run()
+        assert refused.value.body["error"]["message"] == (
+            "messages.1.content.0: Invalid `signature` in `thinking` block")
+        return
+    assert session.run().stop_reason == "end_turn"
+    assert len(session.calls) == TURNS
+    served = [record["body"] for record in kimi.requests()]
+    assert len(served) == (TURNS + 1) // 2  # every second turn fell back
+    assert all(body["thinking"] == {"type": "disabled"} for body in served)
+    for emu, _ in backends.values():
+        assert_earlier_turns_stable(emu)
