@@ -2,9 +2,8 @@
 turn goes to another backend (Anthropic-format with its own signing secret, Kimi-like with
 ``functions.Name:N`` ids and its own secret, OpenAI-format), thinking on and off, parallel
 calls, reused ids, a fallback mid-loop. Through the relay with the portable plugin every
-session completes, and
-what each backend receives of earlier turns never changes from one of its requests to the
-next; without the plugin the same steps fail as the real API fails them.
+session completes, and what each backend receives of earlier turns never changes from one of
+its requests to the next; without the plugin the same steps fail as the real API fails them.
 """
 
 from __future__ import annotations
