@@ -167,14 +167,17 @@ def translate_ids(messages: list, pattern: str | None) -> list[tuple[int, int, s
 
 def block_key(block: dict) -> str | None:
     """What identifies a thinking block's issue: a hash of its signature (or, redacted, its
-    data); None for a block no backend signed."""
+    data); ``""`` for an empty one (no backend signed it); None when there is no string to
+    judge (a malformed block, left for the upstream to refuse)."""
     kind = block.get("type")
     field = "signature" if kind == "thinking" else "data" if kind == "redacted_thinking" else None
     if field is None:
         return None
     value = skeleton.value(block.get(field))
-    if type(value) is not str or not value:
+    if type(value) is not str:
         return None
+    if not value:
+        return ""
     return hashlib.sha256(f"{kind}\0{value}".encode()).hexdigest()[:32]
 
 
@@ -251,10 +254,10 @@ def foreign_thinking(messages: list, issuers: dict, backend: str, model: str,
             if type(block) is not dict or block.get("type") not in THINKING:
                 continue
             key = block_key(block)
-            if key is None:
+            if key == "":
                 found.append((i, k, "unsigned"))
                 continue
-            issuer = issuers.get(key)
+            issuer = issuers.get(key) if key else None
             if issuer is None:
                 continue
             if issuer[0] != backend or (scope == "model" and issuer[1] != model):
@@ -271,7 +274,7 @@ def keys_in(messages: list) -> list[str]:
                 for block in content:
                     if type(block) is dict and block.get("type") in THINKING:
                         key = block_key(block)
-                        if key is not None:
+                        if key:
                             keys.append(key)
     return keys
 
@@ -405,7 +408,12 @@ class Portable:
         if not _checks_signatures(options, backend):
             return done
         keys = keys_in(messages)
-        issuers = self.provenance.lookup(keys) if keys else {}
+        try:
+            issuers = self.provenance.lookup(keys) if keys else {}
+        except sqlite3.Error:
+            # Without the record nothing is known: every block goes as the client sent it.
+            log.exception("could not read thinking provenance")
+            issuers = {}
         name = backend.name if backend is not None else ""
         foreign = foreign_thinking(messages, issuers, name, exchange.model or "",
                                    options.get("thinking_scope") or "model")

@@ -377,3 +377,20 @@ def test_a_final_turn_split_over_messages_is_judged_as_one_turn():
     exchange, sent = request_to(made, "k", "model-k", messages)
     assert sent["thinking"] == {"type": "disabled"}
     assert exchange.timeline[-1]["message_index"] == 1
+
+
+def test_a_malformed_block_is_left_for_the_upstream_and_a_broken_record_judges_nothing(tmp_path):
+    made = plugin(tmp_path)
+    mine = thought(KEY_A)
+    answer(made, "a", "model-a", mine)
+    odd = {"type": "thinking", "thinking": "x", "signature": 7}
+    messages = history("t1", thinking=odd) + history("t2", thinking=mine)[1:]
+    _, sent = request_to(made, "k", "model-k", messages, thinking=False)
+    assert sent["messages"][1]["content"][0] == odd
+    assert sent["messages"][3]["content"][0]["type"] == "text"
+    made.provenance.close()
+    for path in tmp_path.glob("p.db*"):
+        path.unlink()
+    (tmp_path / "p.db").write_bytes(b"not a database")
+    exchange, sent = request_to(made, "k", "model-k", messages, thinking=False)
+    assert not exchange.changed  # unknown now: as the client sent it
