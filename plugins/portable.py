@@ -119,6 +119,9 @@ def _grammar(pattern: str):
     return re.compile(pattern)
 
 
+# A pure function of its arguments, asked the same questions by every request of a session:
+# remembering the answers saves re-encoding a long history's ids each time.
+@functools.lru_cache(maxsize=1 << 16)
 def id_for(tool_id: str, pattern: str | None) -> str:
     """The id ``tool_id`` goes up as to a backend whose ids match ``pattern`` (None: any)."""
     original = decode_id(tool_id)
@@ -176,8 +179,11 @@ def block_key(block: dict) -> str | None:
     value = skeleton.value(block.get(field))
     if type(value) is not str:
         return None
-    if not value:
-        return ""
+    return _key(kind, value) if value else ""
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _key(kind: str, value: str) -> str:
     return hashlib.sha256(f"{kind}\0{value}".encode()).hexdigest()[:32]
 
 
@@ -374,10 +380,10 @@ class Portable:
     def relay_shutdown(self):
         self.provenance.close()
 
-    def _fit(self, exchange, options: dict, switch_thinking: bool = True) -> list[dict]:
-        """Make the history fit the exchange's backend, in place; return what was done (as
-        validate reports it). Without ``switch_thinking`` a request that would go with
-        thinking off is only reported so (validate writes back the messages alone)."""
+    def _fit(self, exchange, options: dict, validating: bool = False) -> list[dict]:
+        """Make the history fit the exchange's backend, in place. ``validating``: also return
+        what was done, as validate reports it, and only report a request that would go with
+        thinking off (validate writes back the messages alone)."""
         messages = exchange.messages
         if messages is None:
             return []
@@ -399,12 +405,14 @@ class Portable:
             exchange.note(PLUGIN, "translated ids", direction="to_upstream", pattern=pattern,
                           ids=sorted({(client_id, upstream_id)
                                       for *_, client_id, upstream_id in changed}))
-            done += [{"location": f"messages.{i}.content.{k}",
-                      "message": f"messages.{i}.content.{k}.{kind}: id {client_id} "
-                                 + (f"does not fit '{pattern}': " if decode_id(client_id) is None
-                                    else "is the relay's encoding: ")
-                                 + f"sent as {upstream_id}"}
-                     for i, k, kind, client_id, upstream_id in changed]
+            if validating:
+                done += [{"location": f"messages.{i}.content.{k}",
+                          "message": f"messages.{i}.content.{k}.{kind}: id {client_id} "
+                                     + (f"does not fit '{pattern}': "
+                                        if decode_id(client_id) is None
+                                        else "is the relay's encoding: ")
+                                     + f"sent as {upstream_id}"}
+                         for i, k, kind, client_id, upstream_id in changed]
         if not _checks_signatures(options, backend):
             return done
         keys = keys_in(messages)
@@ -439,7 +447,7 @@ class Portable:
                                  "another issuer's: sent without it")
         if mode != "enabled":
             final = None
-        if final is not None and not switch_thinking:
+        if final is not None and validating:
             done.append({"location": f"messages.{final}",
                          "message": f"messages.{final}: the final assistant tool turn has no "
                                     "thinking block valid here: the relay sends this request "
@@ -461,7 +469,7 @@ class Portable:
     def relay_validate(self, exchange, options, repair):
         if exchange.backend is None:
             return None  # without --target, no backend to fit
-        done = self._fit(exchange, options, switch_thinking=False)
+        done = self._fit(exchange, options, validating=True)
         if repair:
             return [p for p in done if "thinking disabled" in p["message"]]
         return done
