@@ -21,16 +21,15 @@ will really go up) and makes the history fit that backend:
   way up, a block known to come from another issuer, or unsigned (an OpenAI-format backend's
   reasoning: only the issuer can sign), is dropped: the API does not require thinking from
   earlier turns. A block of unknown issuer goes up as it is, so the relay never alters what
-  it cannot judge. When thinking is enabled with a budget (``type: enabled``) and the final
-  assistant message, a tool-use turn whose results follow, does not start with a thinking
-  block (the API refuses that: "When `thinking` is enabled, a final `assistant` message must
-  start with a thinking block"; with adaptive thinking that rule is unconfirmed, so the
-  request goes as it is, noted ``unsure``),
-  that one request goes up with ``thinking: {"type": "disabled"}`` (and without the
-  ``clear_thinking_*`` context-management edits, which only apply with thinking on): the
-  model answers without extended thinking this once. Every drop and that switch are counted in
-  ``x-relay-repairs`` and noted on the timeline; id translations are counted in
-  ``x-relay-rewrites``.
+  it cannot judge. When thinking is on with a budget (``type: enabled``) and the final
+  assistant turn, calls whose results follow, does not start with a thinking block (the API
+  refuses that: "When `thinking` is enabled, a final `assistant` message must start with a
+  thinking block"), that one request goes up with ``thinking: {"type": "disabled"}`` and
+  without the ``clear_thinking_*`` context-management edits (they apply to thinking that is
+  on): the model answers without extended thinking this once. With adaptive thinking that
+  rule is not on record, so the request keeps its thinking, noted ``unsure``. Every drop and
+  that switch are counted in ``x-relay-repairs`` and noted on the timeline; id translations
+  are counted in ``x-relay-rewrites``.
 
 The record is bounded (``provenance_rows``) and lives in process memory, or in a SQLite file
 (``provenance_db``) that survives a restart and is shared by every worker and replica on the
