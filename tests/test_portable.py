@@ -16,6 +16,7 @@ from relay.config import Backend
 from relay.exchange import UpstreamResponse
 from relay.sse import Event
 from relay.testing.emulator import EmulatorOptions, find_problem, sign_thinking
+from relay.testing.fixtures import relay_client  # noqa: F401  (the fixture)
 from relay_builtins import dedup, portable
 
 PROPERTY = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -394,3 +395,27 @@ def test_a_malformed_block_is_left_for_the_upstream_and_a_broken_record_judges_n
     (tmp_path / "p.db").write_bytes(b"not a database")
     exchange, sent = request_to(made, "k", "model-k", messages, thinking=False)
     assert not exchange.changed  # unknown now: as the client sent it
+
+
+# --- in a relay: header, timeline, dump -------------------------------------------------------
+
+async def test_what_was_translated_shows_in_the_header_the_timeline_and_the_dump(relay_client,
+                                                                                  tmp_path):
+    client = await relay_client(["dedup", "portable", "dump"], {
+        "dump": {"dir": str(tmp_path / "dumps"), "statuses": ["200-299"]}})
+    body = {"model": "claude-test", "max_tokens": 64,
+            "messages": history("functions.Bash:0", "functions.Bash:0")}
+    response = await client.post("/v1/messages", json=body, headers={
+        "x-api-key": "test", "anthropic-version": "2023-06-01"})
+    assert response.status == 200, await response.text()
+    # dedup renamed the repeat (one), portable translated both calls (two).
+    assert response.headers["x-relay-rewrites"] == "3"
+    await client.close()
+    await client.chain.shutdown(client.config)  # the pending dump is written
+    (path,) = (tmp_path / "dumps").rglob("*.json")
+    document = orjson.loads(path.read_bytes())
+    (step,) = [s for s in document["timeline"]["steps"] if s["step"] == "portable"]
+    assert step["action"] == "translated ids" and step["pattern"] == portable.ANTHROPIC_IDS
+    encoded = portable.encode_id("functions.Bash:0-2")
+    assert document["translation"][encoded]["original"] == "functions.Bash:0-2"
+    assert document["translation"]["functions.Bash:0-2"]["original"] == "functions.Bash:0"
