@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("--json", action="store_true", help="print the verdict as JSON")
     validate.add_argument("--repair", action="store_true",
                           help="repair what can be repaired and write the result to stdout")
+    validate.add_argument("--target", metavar="BACKEND",
+                          help="check as for this backend of --config: its quirks, and what "
+                               "the history would need to be sent there (portable plugin)")
 
     from . import replay
     replay_parser = commands.add_parser("replay", help="rebuild a dumped exchange and compare")
@@ -181,7 +184,11 @@ def _request_for(raw: bytes, name: str):
         top = None
     else:
         top = msgspec.json.decode(raw, type=dict[str, msgspec.Raw])
-        raw = b'{"model":"","messages":' + bytes(top["messages"]) + b"}"
+        # The model and thinking settings matter to what a --target backend accepts.
+        model = top.get("model")
+        model = bytes(model) if model is not None and bytes(model).startswith(b'"') else b'""'
+        thinking = b',"thinking":' + bytes(top["thinking"]) if "thinking" in top else b""
+        raw = b'{"model":' + model + b',"messages":' + bytes(top["messages"]) + thinking + b"}"
     problem = _shape_problem(msgspec.json.decode(raw)["messages"])
     if problem:
         raise ValueError(f"{name}: {problem}")
@@ -236,8 +243,15 @@ def run_validate(args) -> int:
         chain = Chain(load_plugins(config.pipeline), config)
     except ConfigError as e:
         return fail(f"config error: {e}")
+    target = None
+    if args.target is not None:
+        names = [b.name for b in config.backends]
+        if args.target not in names:
+            return fail(f"--target: no backend named {args.target!r} in the config "
+                        f"(backends: {', '.join(names) or 'none; give --config'})")
+        target = config.backend(args.target)
     exchange = Exchange(endpoint="messages", method="POST", path="/v1/messages", query="",
-                        headers={}, raw_body=b"", skeleton=found)
+                        headers={}, raw_body=b"", skeleton=found, backend=target)
     count = len(found.messages)
 
     async def check():

@@ -217,6 +217,14 @@ class Exchange:
                 raise invalid_request(f"request body is not valid JSON: {e}") from None
         return self._body
 
+    def field(self, name: str):
+        """A top-level field of the request (``thinking``, ``tools``), decoded, without
+        decoding the whole history; None when the request has none."""
+        if self._body is None and self._skeleton is not None:
+            return self._skeleton.field(name)
+        body = self.body
+        return body.get(name) if type(body) is dict else None
+
     @body.setter
     def body(self, value) -> None:
         """Replace the request (call :meth:`mark_changed` too, so that it goes up)."""

@@ -131,6 +131,8 @@ def markdown_table(options: tuple[Option, ...]) -> str:
 def _yaml(value) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
+    if value == "":
+        return '""'
     if isinstance(value, list):
         return "[" + ", ".join(f'"{v}"' if isinstance(v, str) else str(v) for v in value) + "]"
     return str(value)

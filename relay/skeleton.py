@@ -75,6 +75,12 @@ class Skeleton:
         else:
             self._top.model = model
 
+    def field(self, name: str):
+        """A top-level field's value (decoded), or None when the request has none."""
+        top = self._top
+        item = top.get(name) if type(top) is dict else getattr(top, name, None)
+        return None if item is None or item is UNSET else value(item)
+
     def encode(self) -> bytes:
         """The body as JSON: raw values as they came, the structure as it now stands."""
         return _encoder.encode(self._top)

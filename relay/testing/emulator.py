@@ -205,7 +205,8 @@ def find_problem(body, options: EmulatorOptions, *, needs_max_tokens: bool = Tru
     convo = [(n, m) for n, m in enumerate(messages) if m["role"] != "system"]
     return (_system_problem(messages) or _content_problem(convo) or _id_problem(convo, options)
             or _server_result_problem(convo) or _pairing_problem(convo)
-            or _signature_problem(convo, options.signing_key))
+            or _signature_problem(convo, options.signing_key)
+            or _final_thinking_problem(convo, body.get("thinking")))
 
 
 def _shape_problem(body, options, needs_max_tokens) -> str | None:
@@ -443,6 +444,34 @@ def _signature_problem(convo, key: bytes) -> str | None:
     return None
 
 
+def _final_thinking_problem(convo, thinking) -> str | None:
+    # n8n-io/n8n#22550, anthropics/claude-code#20705: with budgeted thinking on, a final
+    # assistant tool-use turn whose results follow must open with its thinking. (Adaptive
+    # thinking may skip a turn's thinking; the API's rule there is not on record.)
+    if not isinstance(thinking, dict) or thinking.get("type") != "enabled":
+        return None
+    end = len(convo) - 1
+    while end >= 0 and convo[end][1]["role"] != "assistant":
+        end -= 1
+    if end < 0 or end == len(convo) - 1:
+        return None
+    start = end  # consecutive assistant messages are one turn
+    while start > 0 and convo[start - 1][1]["role"] == "assistant":
+        start -= 1
+    blocks = [b for _, message in convo[start:end + 1] for b in _blocks(message)]
+    if not any(b["type"] == "tool_use" for b in blocks):
+        return None
+    if blocks[0]["type"] in ("thinking", "redacted_thinking"):
+        return None
+    return (f"messages.{convo[start][0]}.content.0.type: Expected `thinking` or "
+            f"`redacted_thinking`, but found `{blocks[0]['type']}`. When `thinking` is enabled, "
+            "a final `assistant` message must start with a thinking block (preceeding the "
+            "lastmost set of `tool_use` and `tool_result` blocks). We recommend you include "
+            "thinking blocks from previous turns. To avoid this requirement, disable "
+            "`thinking`. Please consult our documentation at "
+            "https://docs.claude.com/en/docs/build-with-claude/extended-thinking")
+
+
 def sign_thinking(key: bytes, text: str) -> str:
     return base64.b64encode(hmac.digest(key, b"thinking\0" + text.encode(), "sha256")).decode()
 
@@ -529,12 +558,15 @@ def plan_reply(body: dict, options: EmulatorOptions) -> tuple[list[dict], str]:
     tool = _pick_tool(body)
     tool_turn = turn < options.tool_turns and tool is not None
     content = []
-    if options.thinking:
+    thinking = body.get("thinking")
+    # A request that turns thinking off gets none, as from the real API.
+    thinks = not (isinstance(thinking, dict) and thinking.get("type") == "disabled")
+    if options.thinking and thinks:
         thought = (f"Turn {turn}: the plan calls for "
                    f"{'a tool call' if tool_turn else 'a final answer'} now.")
         content.append({"type": "thinking", "thinking": thought,
                         "signature": sign_thinking(options.signing_key, thought)})
-    if options.redacted_thinking:
+    if options.redacted_thinking and thinks:
         content.append({"type": "redacted_thinking",
                         "data": redacted_data(options.signing_key, turn)})
     if turn >= options.tool_turns:
