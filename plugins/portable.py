@@ -55,6 +55,7 @@ from relay.hookspecs import hookimpl
 from relay.options import Option
 
 PLUGIN = "portable"
+THINKING_ASKED = "portable.thinking"  # exchange.state: whether the request asked for thinking
 ANTHROPIC_IDS = "^[a-zA-Z0-9_-]+$"
 PREFIX = "relayid_"
 THINKING = ("thinking", "redacted_thinking")
@@ -462,6 +463,11 @@ class Portable:
 
     @hookimpl
     def relay_request(self, exchange, options):
+        # Read now, while the request's skeleton is at hand: the answer holds thinking blocks
+        # to record only when the request asked for thinking.
+        thinking = exchange.field("thinking")
+        exchange.state[THINKING_ASKED] = type(thinking) is dict and thinking.get("type") not in (
+            None, "disabled")
         self._fit(exchange, options)
 
     @hookimpl
@@ -494,8 +500,8 @@ class Portable:
 
     @hookimpl
     def relay_stream_events(self, exchange):
-        if exchange.endpoint != "messages":
-            return None
+        if exchange.endpoint != "messages" or not exchange.state.get(THINKING_ASKED, True):
+            return None  # no thinking asked for: no block to record, no delta framed
         return {"content_block_start", "content_block_delta", "content_block_stop"}
 
     @hookimpl
