@@ -33,7 +33,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import workloads  # noqa: E402
 
-FULL_PIPELINE = ["metrics", "dedup", "pairing", "ordering", "dump"]
+FULL_PIPELINE = ["metrics", "dedup", "pairing", "ordering", "portable", "dump"]
 
 
 def available_pipeline() -> list[str]:
