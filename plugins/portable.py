@@ -124,6 +124,20 @@ def _grammar(pattern: str):
 @functools.lru_cache(maxsize=1 << 16)
 def id_for(tool_id: str, pattern: str | None) -> str:
     """The id ``tool_id`` goes up as to a backend whose ids match ``pattern`` (None: any)."""
+    if pattern is None:
+        original = decode_id(tool_id)
+        return tool_id if original is None else original
+    # The same ids come back in every request of a conversation: remember the answer for
+    # ids of ordinary length (what is cached stays bounded).
+    return _id_for_cached(tool_id, pattern) if len(tool_id) <= 128 else _id_for(tool_id, pattern)
+
+
+@functools.lru_cache(maxsize=8192)
+def _id_for_cached(tool_id: str, pattern: str) -> str:
+    return _id_for(tool_id, pattern)
+
+
+def _id_for(tool_id: str, pattern: str | None) -> str:
     original = decode_id(tool_id)
     if original is not None:
         return original if pattern is None or _grammar(pattern).fullmatch(original) else tool_id

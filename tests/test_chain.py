@@ -177,7 +177,7 @@ def test_third_party_distribution_is_installed_and_loaded_by_name(tmp_path, emul
 def test_relay_trace_logs_every_hook_call(monkeypatch, caplog):
     import asyncio
     from relay.chain import Chain
-    from relay.exchange import Exchange
+    from relay.testing import exchange_for
     from relay.hookspecs import hookimpl
 
     class Probe:
@@ -189,9 +189,7 @@ def test_relay_trace_logs_every_hook_call(monkeypatch, caplog):
     config = config_module.parse({"pipeline": ["probe"],
                                   "backends": [{"name": "a", "url": "http://x"}]})
     chain = Chain(load_plugins(config.pipeline, extra={"probe": Probe}), config)
-    exchange = Exchange(endpoint="messages", method="POST", path="/v1/messages", query="",
-                        headers={}, raw_body=b"{}", body={"messages": []},
-                        backend=config.backends[0])
+    exchange = exchange_for({"messages": []}, backend=config.backends[0])
     with caplog.at_level("INFO", logger="relay.chain"):
         asyncio.run(chain.run("relay_request", exchange))
     assert re.search(r"trace relay_\w+ probe.relay_request -> 'seen'", caplog.text)

@@ -15,8 +15,8 @@ from relay import config as config_module
 from relay import hookspecs
 from relay.chain import Chain, load_plugins
 from relay.errors import ConfigError, RelayError
-from relay.exchange import Exchange
 from relay.hookspecs import hookimpl
+from relay.testing import exchange_for
 from support import ROOT, backend
 from test_server import BODY, STREAM, Upstream, start_relay, start_upstream, stream_reply
 
@@ -154,7 +154,7 @@ async def test_hook_relay_upstream_error(aiohttp_server, aiohttp_client):
 
 
 async def test_hook_relay_exchange_end(aiohttp_server, aiohttp_client):
-    ended: list[Exchange] = []
+    ended = []
 
     class Record:
         @hookimpl
@@ -198,8 +198,7 @@ def test_hook_relay_validate():
             return [{"location": "messages.0", "message": "messages.0: too polite"}]
     config = config_module.parse({"pipeline": ["p"], "backends": [backend("http://127.0.0.1:1")]})
     chain = Chain(load_plugins(["p"], extra={"p": Lint()}), config)
-    exchange = Exchange(endpoint="messages", method="POST", path="/v1/messages", query="",
-                        headers={}, body=BODY)
+    exchange = exchange_for(BODY, backend=config.backends[0])
     assert asyncio.run(chain.run("relay_validate", exchange, repair=False)) == [
         [{"location": "messages.0", "message": "messages.0: too polite"}]]
 
@@ -280,8 +279,7 @@ def test_trace_lines_carry_the_request_id_and_awaited_results(monkeypatch, caplo
             return [{"location": "messages", "message": "found"}]
     config = config_module.parse({"pipeline": ["p"], "backends": [backend("http://127.0.0.1:1")]})
     chain = Chain(load_plugins(["p"], extra={"p": Async()}), config)
-    exchange = Exchange(endpoint="messages", method="POST", path="/v1/messages", query="",
-                        headers={}, body=BODY)
+    exchange = exchange_for(BODY, backend=config.backends[0])
     with caplog.at_level("INFO", logger="relay.chain"):
         asyncio.run(chain.run("relay_validate", exchange, repair=False))
     [line] = [r.getMessage() for r in caplog.records if "trace" in r.getMessage()]

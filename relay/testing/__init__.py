@@ -58,16 +58,19 @@ def result(id, content="done") -> dict:
 # --- running a plugin's request hook --------------------------------------------------------
 
 
-def exchange_for(body: dict, quirks: dict | None = None, endpoint: str = "messages") -> Exchange:
+def exchange_for(body: dict, quirks: dict | None = None, endpoint: str = "messages",
+                 backend: Backend | None = None) -> Exchange:
     """An exchange for ``body``, built as serving builds it: from the request's skeleton (or,
-    for a body that cannot be one, from the full parse), routed to a backend with
-    ``quirks``."""
+    for a body that cannot be one, from the full parse), routed to ``backend`` (by default a
+    test backend with ``quirks``)."""
     raw = orjson.dumps(body)
     found = skeleton.decode(raw)
     kind = {"skeleton": found} if found is not None else {"body": body}
+    if backend is None:
+        backend = Backend(name="test", url="http://127.0.0.1:9", models=["*"],
+                          quirks=quirks or {})
     return Exchange(endpoint=endpoint, method="POST", path="/v1/messages", query="", headers={},
-                    raw_body=raw, backend=Backend(name="test", url="http://127.0.0.1:9",
-                                                  models=["*"], quirks=quirks or {}), **kind)
+                    raw_body=raw, backend=backend, **kind)
 
 
 def refuses(hook, body: dict, options: dict | None = None, status: int = 400) -> str:
