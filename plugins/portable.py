@@ -153,10 +153,12 @@ def target_pattern(options: dict, backend) -> str | None:
     return None if backend is not None and backend.format == "openai" else ANTHROPIC_IDS
 
 
-def translate_ids(messages: list, pattern: str | None) -> list[tuple[int, int, str, str, str]]:
+def translate_ids(messages: list, pattern: str | None,
+                  thinking: list | None = None) -> list[tuple[int, int, str, str, str]]:
     """Rewrite, in place, every tool_use id and tool_result tool_use_id that does not fit
     ``pattern``; return ``(message, block, block type, client id, upstream id)`` for each
-    change."""
+    change. ``thinking``, when given, gets True appended if any block is a thinking block
+    (the walk that follows is then worth taking)."""
     changed = []
     for i, message in enumerate(messages):
         if type(message) is not dict:
@@ -168,6 +170,8 @@ def translate_ids(messages: list, pattern: str | None) -> list[tuple[int, int, s
             if type(block) is not dict:
                 continue
             kind = block.get("type")
+            if thinking is not None and not thinking and kind in THINKING:
+                thinking.append(True)
             field = "id" if kind == "tool_use" else "tool_use_id" if kind == "tool_result" else None
             client_id = block.get(field) if field else None
             if type(client_id) is not str:
@@ -404,7 +408,8 @@ class Portable:
         backend = exchange.backend
         done = []
         pattern = target_pattern(options, backend)
-        changed = translate_ids(messages, pattern)
+        thinking_blocks: list = []
+        changed = translate_ids(messages, pattern, thinking_blocks)
         if changed:
             exchange.mark_changed()
             tool_uses = 0
@@ -429,6 +434,9 @@ class Portable:
                          for i, k, kind, client_id, upstream_id in changed]
         if not _checks_signatures(options, backend):
             return done
+        if not thinking_blocks:
+            # No thinking block to judge, none to drop; the final turn may still lack one.
+            return self._thinking_off(exchange, messages, done, validating, [], set())
         keys = keys_in(messages)
         try:
             issuers = self.provenance.lookup(keys) if keys else {}
@@ -439,6 +447,7 @@ class Portable:
         name = backend.name if backend is not None else ""
         foreign = foreign_thinking(messages, issuers, name, exchange.model or "",
                                    options.get("thinking_scope") or "model")
+        touched: set = set()
         if foreign:
             done += [{"location": f"messages.{i}.content.{k}",
                       "message": f"messages.{i}.content.{k}: thinking block {why}: dropped"}
@@ -449,6 +458,12 @@ class Portable:
                               blocks=[f"messages.{i}.content.{k}" for i, k, _ in foreign],
                               reasons=sorted({why for *_, why in foreign}),
                               removed_messages=removed)
+        return self._thinking_off(exchange, messages, done, validating, foreign, touched)
+
+    def _thinking_off(self, exchange, messages: list, done: list, validating: bool,
+                      foreign: list, touched: set) -> list[dict]:
+        """With thinking enabled, a final assistant tool turn that has no thinking block valid
+        here is refused by the API: that request goes with thinking disabled."""
         final = final_tool_turn_without_thinking(messages)
         thinking = exchange.field("thinking") if final is not None else None
         mode = thinking.get("type") if type(thinking) is dict else None
