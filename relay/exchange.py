@@ -79,12 +79,14 @@ class Timings:
 
 @dataclasses.dataclass(slots=True)
 class Answer:
-    """What the client got: status, headers and the bytes of the body written."""
+    """What the client got: status, headers, the bytes of the body written and, for a stream,
+    its events."""
 
     status: int
     headers: Any
     size: int = 0
     stream: bool = False
+    events: int | None = None  # a stream's events written to the client
 
 
 class Exchange:

@@ -67,8 +67,6 @@ def access_fields(exchange, status: int | None) -> dict:
     is written once the answer has gone).
 
     Never a secret: no header, no query string, no body; the inbound key by its name only.
-    Stream events are not counted (the stream loop forwards unframed bytes and does not
-    know how many events it passed on without scanning for them).
     """
     backend = exchange.backend
     fields = {
@@ -84,6 +82,7 @@ def access_fields(exchange, status: int | None) -> dict:
         "duration_ms": round(exchange.elapsed() * 1000, 1),
         "ttfb_ms": (round(exchange.timings.first_byte * 1000, 1)
                     if exchange.timings.first_byte is not None else None),
+        "events": exchange.answer.events if exchange.answer is not None else None,
         "ids_rewritten": sum(1 for entry in exchange.translation.values()
                              if entry.get("direction") == "to_client"),
         "repairs": exchange.repairs,

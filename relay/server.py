@@ -525,7 +525,7 @@ class Relay:
             await response.write_eof()
             return response
         finally:
-            answer.size = stream.written
+            answer.size, answer.events = stream.written, stream.events
             exchange.timings.last_byte = exchange.elapsed()
             if translator is not None:
                 exchange.upstream_response["body"] = b"".join(translator.raw)

@@ -25,7 +25,7 @@ class StreamBroken(Exception):
 class StreamRelay:
     """Relays one stream: :meth:`feed` each upstream chunk, then :meth:`finish`."""
 
-    __slots__ = ("chain", "exchange", "plan", "write", "framer", "writing", "written")
+    __slots__ = ("chain", "exchange", "plan", "write", "framer", "writing", "written", "events")
 
     def __init__(self, chain, exchange, plan, write: Callable[[bytes], Awaitable[None]]):
         self.chain = chain
@@ -35,6 +35,7 @@ class StreamRelay:
         self.framer: LazyFramer | None = None
         self.writing = False  # inside a write: what the framer saw has not all gone out
         self.written = 0  # bytes written to the client
+        self.events = 0  # events written to the client, counted by the blank lines ending them
 
     @property
     def ended(self) -> bool:
@@ -99,6 +100,7 @@ class StreamRelay:
         if not self.written:
             self.exchange.timings.first_byte = self.exchange.elapsed()
         self.written += len(data)
+        self.events += data.count(b"\n\n") + data.count(b"\r\n\r\n")
         await self.write(data)
         self.writing = False
 

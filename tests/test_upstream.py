@@ -238,3 +238,11 @@ async def test_end_hooks_run_after_the_client_has_its_answer(aiohttp_server, aio
         assert (await asyncio.wait_for(resp.read(), 5))  # the end hook is still waiting
     assert answered == [200, 400]
     gate.set()
+
+
+async def test_a_streams_record_counts_its_events(aiohttp_server, aiohttp_client):
+    upstream = Upstream()
+    upstream.reply = stream_reply([STREAM[:70], STREAM[70:300], STREAM[300:]])
+    client, recorder = await relay_for(aiohttp_server, aiohttp_client, [(upstream, {})])
+    await (await client.post("/v1/messages", json={**BODY, "stream": True})).read()
+    assert recorder.ended[0].answer.events == STREAM.count(b"\n\n")
