@@ -81,7 +81,7 @@ def summarise(raw_path: str, top: int) -> str:
 
 
 def short(path: str) -> str:
-    for marker in ("site-packages/", "/work/main/", "lib/python3"):
+    for marker in ("site-packages/", str(procs.ROOT) + "/", "lib/python3"):
         if marker in path:
             return path.split(marker, 1)[1]
     return path

@@ -106,7 +106,7 @@ def history_messages(reuse: bool, result_size: int = RESULT_SIZE, ascii_only: bo
                                   "description": "Search the relay for a word"}}
             else:
                 tool = {"type": "tool_use", "id": tool_id, "name": "Read",
-                        "input": {"file_path": f"/work/main/relay/{rng.choice(_WORDS)}.py",
+                        "input": {"file_path": f"/srv/project/relay/{rng.choice(_WORDS)}.py",
                                   "offset": rng.randrange(1, 400), "limit": 200}}
             uses.append(tool)
             size = rng.randrange(result_size // 2, result_size * 3 // 2)
@@ -130,7 +130,7 @@ def history_messages(reuse: bool, result_size: int = RESULT_SIZE, ascii_only: bo
 
 def history_request(reuse: bool, result_size: int | None = None, ascii_only: bool = False) -> dict:
     return {"model": MODEL, "max_tokens": 32000,
-            "system": [{"type": "text", "text": "You are a coding agent working in /work/main."}],
+            "system": [{"type": "text", "text": "You are a coding agent working in /srv/project."}],
             "tools": [{"name": "Bash", "description": "Run a shell command",
                        "input_schema": {"type": "object",
                                         "properties": {"command": {"type": "string"},
