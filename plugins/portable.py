@@ -387,12 +387,17 @@ class Portable:
 
     def __init__(self):
         self.provenance = Provenance()
+        self.recording = True  # until relay_startup knows the backends
 
     @hookimpl
-    def relay_startup(self, options):
+    def relay_startup(self, config, options):
         self.provenance.close()
         self.provenance = Provenance(options.get("provenance_db") or "",
                                      options.get("provenance_rows") or 100000)
+        # Who issued a thinking block matters only where there is another backend to carry it
+        # to, now or after a restart with another configuration (a record kept on disk): else
+        # recording would cost every thinking stream its deltas' framing for nothing.
+        self.recording = len(config.backends) > 1 or bool(options.get("provenance_db"))
 
     @hookimpl
     def relay_shutdown(self):
@@ -520,7 +525,8 @@ class Portable:
 
     @hookimpl
     def relay_response(self, exchange, response):
-        if exchange.endpoint != "messages" or b"thinking" not in response.body:
+        if (exchange.endpoint != "messages" or not self.recording
+                or b"thinking" not in response.body):
             return
         data = response.data
         content = data.get("content") if type(data) is dict else None
@@ -529,8 +535,9 @@ class Portable:
 
     @hookimpl
     def relay_stream_events(self, exchange):
-        if exchange.endpoint != "messages" or not exchange.state.get(THINKING_ASKED, True):
-            return None  # no thinking asked for: no block to record, no delta framed
+        if (exchange.endpoint != "messages" or not self.recording
+                or not exchange.state.get(THINKING_ASKED, True)):
+            return None  # nothing to record: no delta framed
         return {"content_block_start", "content_block_delta", "content_block_stop"}
 
     @hookimpl

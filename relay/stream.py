@@ -100,7 +100,7 @@ class StreamRelay:
         if not self.written:
             self.exchange.timings.first_byte = self.exchange.elapsed()
         self.written += len(data)
-        self.events += data.count(b"\n\n") + data.count(b"\r\n\r\n")
+        self.events += data.count(b"\n\n") or data.count(b"\r\n\r\n")
         await self.write(data)
         self.writing = False
 

@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support import exchange_for
 
+from relay import config as config_module
 from relay.config import Backend
 from relay.exchange import UpstreamResponse
 from relay.sse import Event
@@ -114,7 +115,9 @@ def thought(key: bytes, text: str = "because") -> dict:
 
 def plugin(tmp_path=None) -> portable.Portable:
     made = portable.Portable()
-    made.relay_startup({"provenance_db": str(tmp_path / "p.db") if tmp_path else ""})
+    two = config_module.parse({"backends": [{"name": "a", "url": "http://127.0.0.1:1"},
+                                             {"name": "b", "url": "http://127.0.0.1:2"}]})
+    made.relay_startup(two, {"provenance_db": str(tmp_path / "p.db") if tmp_path else ""})
     return made
 
 
@@ -419,3 +422,19 @@ async def test_what_was_translated_shows_in_the_header_the_timeline_and_the_dump
     encoded = portable.encode_id("functions.Bash:0-2")
     assert document["translation"][encoded]["original"] == "functions.Bash:0-2"
     assert document["translation"]["functions.Bash:0-2"]["original"] == "functions.Bash:0"
+
+
+def test_with_one_backend_there_is_nothing_to_record_and_no_delta_is_framed():
+    one = config_module.parse({"backends": [{"name": "a", "url": "http://127.0.0.1:1"}]})
+    made = portable.Portable()
+    made.relay_startup(one, {})
+    exchange = exchange_for({"model": "m", "max_tokens": 9, "thinking": {"type": "enabled",
+                                                                          "budget_tokens": 9},
+                             "messages": [{"role": "user", "content": "hi"}]})
+    made.relay_request(exchange, {})
+    assert made.relay_stream_events(exchange) is None
+    made.relay_startup(config_module.parse({"backends": [
+        {"name": "a", "url": "http://127.0.0.1:1"}, {"name": "b", "url": "http://127.0.0.1:2"}]}),
+        {})
+    assert made.relay_stream_events(exchange) == {"content_block_start", "content_block_delta",
+                                                  "content_block_stop"}
