@@ -731,30 +731,41 @@ def _authorised(request: web.Request, api_key: str | None) -> bool:
             or request.headers.get("authorization") == f"Bearer {api_key}")
 
 
-@web.middleware
-async def _front_door(request: web.Request, handler):
-    incoming = request[INCOMING] = Incoming("req_" + os.urandom(12).hex())
-    if not request.path.startswith("/v1/"):
-        return await handler(request)
-    state = request.app[STATE]
-    state.received += 1
-    try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        return error_response(request, 413, FAULT_MESSAGES[413])
-    incoming.raw = raw
-    incoming.body, incoming.json_problem = parse_body(raw)
-    if state.options.record:
-        # The raw bytes, not the parsed body: a list of many large parsed bodies makes every
-        # garbage collection crawl through them, which tripled the cost of a request.
-        state.records.append((incoming.request_id, request.method, request.path,
-                              request.query_string, request.raw_headers, raw))
-    if not _authorised(request, state.options.api_key):
-        return error_response(request, 401, "invalid x-api-key")
-    try:
-        return await handler(request)
-    except web.HTTPException as exc:  # the router's 404 and 405, in the API's error format
-        return error_response(request, exc.status, exc.reason)
+def front_door(authorised, refuse, unauthorised):
+    """The middleware an emulated API puts first: it names each request, records it, reads
+    and parses its body, and checks its key. ``authorised(request, api_key)`` says whether the
+    key is good, ``unauthorised(request)`` answers when it is not, and ``refuse(request,
+    status, message)`` answers in that API's error format (too large a body, the router's 404
+    and 405)."""
+    @web.middleware
+    async def door(request: web.Request, handler):
+        incoming = request[INCOMING] = Incoming("req_" + os.urandom(12).hex())
+        if not request.path.startswith("/v1/"):
+            return await handler(request)
+        state = request.app[STATE]
+        state.received += 1
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return refuse(request, 413, FAULT_MESSAGES[413])
+        incoming.raw = raw
+        incoming.body, incoming.json_problem = parse_body(raw)
+        if state.options.record:
+            # The raw bytes, not the parsed body: a list of many large parsed bodies makes
+            # every garbage collection crawl through them, which tripled a request's cost.
+            state.records.append((incoming.request_id, request.method, request.path,
+                                  request.query_string, request.raw_headers, raw))
+        if not authorised(request, state.options.api_key):
+            return unauthorised(request)
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:  # the router's 404 and 405, in the API's format
+            return refuse(request, exc.status, exc.reason)
+    return door
+
+
+_front_door = front_door(_authorised, error_response,
+                         lambda request: error_response(request, 401, "invalid x-api-key"))
 
 
 async def _stamp_headers(request: web.Request, response: web.StreamResponse) -> None:

@@ -31,9 +31,9 @@ import orjson
 from aiohttp import web
 
 from relay.testing import emulator as anthropic
-from relay.testing.emulator import (INCOMING, STATE, EmulatorState, Incoming, RaggedSplitter,
-                            handle_clear_records, handle_records, handle_stats, is_fault,
-                            options_from_args, parse_body)
+from relay.testing.emulator import (INCOMING, STATE, EmulatorState, RaggedSplitter,
+                                    handle_clear_records, handle_records, handle_stats, is_fault,
+                                    options_from_args)
 
 # Request fields OpenAI's Chat Completions endpoint knows; any other is refused, as OpenAI
 # refuses it ("Unrecognized request argument supplied").
@@ -359,28 +359,9 @@ def _authorised(request: web.Request, api_key: str | None) -> bool:
     return api_key is None or request.headers.get("authorization") == f"Bearer {api_key}"
 
 
-@web.middleware
-async def _front_door(request: web.Request, handler):
-    incoming = request[INCOMING] = Incoming("req_" + os.urandom(12).hex())
-    if not request.path.startswith("/v1/"):
-        return await handler(request)
-    state = request.app[STATE]
-    state.received += 1
-    try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        return error_response(request, 413, FAULT_MESSAGES[413])
-    incoming.raw = raw
-    incoming.body, incoming.json_problem = parse_body(raw)
-    if state.options.record:
-        state.records.append((incoming.request_id, request.method, request.path,
-                              request.query_string, request.raw_headers, raw))
-    if not _authorised(request, state.options.api_key):
-        return error_response(request, 401, FAULT_MESSAGES[401], code="invalid_api_key")
-    try:
-        return await handler(request)
-    except web.HTTPException as exc:
-        return error_response(request, exc.status, exc.reason)
+_front_door = anthropic.front_door(
+    _authorised, error_response,
+    lambda request: error_response(request, 401, FAULT_MESSAGES[401], code="invalid_api_key"))
 
 
 async def _stamp_headers(request: web.Request, response: web.StreamResponse) -> None:
