@@ -790,7 +790,11 @@ def _checked_body(request: web.Request, options: EmulatorOptions, *, needs_max_t
     return (None, error_response(request, 400, problem)) if problem else (body, None)
 
 
-async def handle_messages(request: web.Request) -> web.StreamResponse:
+async def admit(request: web.Request, refuse=None) -> web.Response | None:
+    """What every answering request goes through first, in any emulated format: it counts,
+    waits ``delay_ms``, and meets the request budget and the scripted faults; the refusal
+    (made by ``refuse``, that format's ``error_response``) or None to go on."""
+    refuse = refuse or error_response
     state = request.app[STATE]
     options = state.options
     state.messages += 1
@@ -799,13 +803,20 @@ async def handle_messages(request: web.Request) -> web.StreamResponse:
         await asyncio.sleep(options.delay_ms / 1000)
     if options.max_requests is not None and number > options.max_requests:
         # x-should-retry: false makes SDK clients give up at once instead of retrying.
-        return error_response(request, 429, "request budget exhausted",
-                              headers={"retry-after": "0", "x-should-retry": "false"})
+        return refuse(request, 429, "request budget exhausted",
+                      headers={"retry-after": "0", "x-should-retry": "false"})
     if is_fault(number, options):
         status = options.fail_status
-        headers = {"retry-after": "0"} if status == 429 else None
-        return error_response(request, status, FAULT_MESSAGES.get(status, "Emulated failure"),
-                              headers=headers)
+        return refuse(request, status, FAULT_MESSAGES.get(status, "Emulated failure"),
+                      headers={"retry-after": "0"} if status == 429 else None)
+    return None
+
+
+async def handle_messages(request: web.Request) -> web.StreamResponse:
+    refusal = await admit(request)
+    if refusal:
+        return refusal
+    options = request.app[STATE].options
     body, refusal = _checked_body(request, options, needs_max_tokens=True)
     if refusal:
         return refusal

@@ -32,7 +32,7 @@ from aiohttp import web
 
 from relay.testing import emulator as anthropic
 from relay.testing.emulator import (INCOMING, STATE, EmulatorState, RaggedSplitter,
-                                    handle_clear_records, handle_records, handle_stats, is_fault,
+                                    handle_clear_records, handle_records, handle_stats,
                                     options_from_args)
 
 # Request fields OpenAI's Chat Completions endpoint knows; any other is refused, as OpenAI
@@ -369,19 +369,10 @@ async def _stamp_headers(request: web.Request, response: web.StreamResponse) -> 
 
 
 async def handle_completions(request: web.Request) -> web.StreamResponse:
-    state = request.app[STATE]
-    options = state.options
-    state.messages += 1
-    number = state.messages
-    if options.delay_ms:
-        await asyncio.sleep(options.delay_ms / 1000)
-    if options.max_requests is not None and number > options.max_requests:
-        return error_response(request, 429, "request budget exhausted",
-                              headers={"retry-after": "0", "x-should-retry": "false"})
-    if is_fault(number, options):
-        status = options.fail_status
-        return error_response(request, status, FAULT_MESSAGES.get(status, "Emulated failure"),
-                              headers={"retry-after": "0"} if status == 429 else None)
+    refusal = await anthropic.admit(request, error_response)
+    if refusal:
+        return refusal
+    options = request.app[STATE].options
     incoming = request[INCOMING]
     problem = incoming.json_problem or find_problem(incoming.body)
     if problem:
