@@ -445,7 +445,7 @@ def build_document(exchange, *, reason: str, when: dt.datetime, config: dict,
         "reason": reason,
         "outcome": exchange.outcome,
         "endpoint": exchange.endpoint,
-        "started": _utc(exchange.started),
+        "started": _utc(exchange.received),
         "backend": {"name": backend.name, "url": redact_url(backend.url)} if backend else None,
         "client_request": {
             "method": exchange.method, "path": exchange.path,

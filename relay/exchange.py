@@ -114,7 +114,7 @@ class Exchange:
                  headers, raw_body: bytes = b"", body: dict | None = None,
                  skeleton: Skeleton | None = None, backend=None):
         self.id = new_request_id()
-        self.started = self.received = time.time()
+        self.received = time.time()
         self._clock = time.perf_counter()
         self.endpoint = endpoint
         self.method = method
@@ -167,7 +167,7 @@ class Exchange:
         """Take over from ``previous``, whose backend failed: one client request keeps one id,
         one clock, and the record of every attempt and step before this one."""
         self.id = previous.id
-        self.started = self.received = previous.received
+        self.received = previous.received
         self._clock = previous._clock
         self.key_name = previous.key_name
         self.attempts = previous.attempts + self.attempts
