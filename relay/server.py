@@ -18,7 +18,8 @@ from .config import Backend, InboundKey
 from .errors import RelayError, invalid_request
 from .exchange import Answer, Exchange, UpstreamResponse
 from .formats import openai
-from .inbound import Gate, check_target, forbidden, host_allowed, is_json, split_target
+from .inbound import (AdminGate, AdminRoute, Gate, check_target, forbidden, host_allowed,
+                      is_json, split_target)
 from .listen import Listener
 from .skeleton import Skeleton
 from .stream import StreamBroken, StreamRelay, error_event
@@ -245,6 +246,10 @@ class Relay:
     def __init__(self, state: RelayState, plugin_routes: dict | None = None):
         self.state = state
         self.plugin_routes = plugin_routes or {}  # (method, path) -> handler, from relay_routes
+        # The operator's routes: authenticated by the admin key, not by the client gate.
+        self.admin_routes = {
+            spec: (route.handler, AdminGate(route, state.config.admin_key, state.gate))
+            for spec, route in self.plugin_routes.items() if isinstance(route, AdminRoute)}
 
     async def dispatch(self, request: web.Request) -> web.StreamResponse:
         """Every request: check the target, the Host, the key, the method and the body's type,
@@ -272,8 +277,14 @@ class Relay:
             if method not in ("GET", "HEAD"):
                 raise not_allowed(method, path)
             return Route(self.healthz if path == "/healthz" else self.readyz, path, query, None)
-        key = gate.authenticate(request.headers) if gate is not None else None
-        if path in ENDPOINTS:
+        admin = self.admin_routes.get((method, path))
+        if admin is not None:
+            key = admin[1].authenticate(request.headers, path)
+        else:
+            key = gate.authenticate(request.headers) if gate is not None else None
+        if admin is not None:
+            handler = admin[0]
+        elif path in ENDPOINTS:
             if method != "POST":
                 raise not_allowed(method, path)
             handler = self.messages
@@ -303,7 +314,8 @@ class Relay:
         exchange.outcome, exchange.error = "refused", error
         exchange.note("relay", "refused", status=error.status, message=error.message)
         response = await deliver(request, exchange, relay_error(
-            error, exchange.id, close=request.can_read_body if close is None else close))
+            error, exchange.id, {"x-relay-request-id": exchange.id},
+            close=request.can_read_body if close is None else close))
         await self.finish(exchange)
         return response
 
