@@ -263,9 +263,20 @@ class Relay:
         request[ROUTE] = route
         return await route.handler(request)
 
+    @web.middleware
+    async def unrouted(self, request: web.Request, handler) -> web.StreamResponse:
+        """Middleware: a target aiohttp's router matches to nothing (``OPTIONS *``, a
+        ``CONNECT`` authority, a path that decodes to a line break) is dispatched all the
+        same, so that it is answered in Anthropic's format like any other."""
+        if request.match_info.http_exception is not None:
+            return await self.dispatch(request)
+        return await handler(request)
+
     def route(self, request: web.Request) -> Route:
         config = self.state.config
         path, query = split_target(request.raw_path)
+        if request.method == "CONNECT" or (request.method == "OPTIONS" and path == "*"):
+            raise not_allowed(request.method, path[:200])  # a server, not a proxy
         segments = check_target(path, query)
         gate = self.state.gate
         if gate is None and not host_allowed(request.headers.get("Host"), config):
@@ -658,6 +669,7 @@ def create_app(config, chain: Chain) -> web.Application:
     app[STATE] = state
     relay = Relay(state, chain.routes(config, reserved=("/healthz", "/readyz", *ENDPOINTS)))
     app.router.add_route("*", "/{tail:.*}", relay.dispatch)
+    app.middlewares.append(relay.unrouted)
 
     async def session_context(app):
         await state.upstream.start()
