@@ -201,7 +201,7 @@ def test_the_admin_and_scrape_keys_are_no_client_keys(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="not both"):
         config_module.parse(both, {"K": KEY, "ADMIN": ADMIN_KEY})
     assert ADMIN_KEY not in repr(config_module.parse(raw, {"K": KEY, "ADMIN": ADMIN_KEY}))
-    from plugins.metrics import scrape_keys
+    from relay_builtins.metrics import scrape_keys
     config = config_module.parse(raw, {"K": KEY, "ADMIN": ADMIN_KEY})
     monkeypatch.setenv("SCRAPE", KEY)
     with pytest.raises(ConfigError, match="scrape key must differ"):
