@@ -27,24 +27,84 @@ Options: see ``Metrics.OPTIONS``.
 from __future__ import annotations
 
 import atexit
+import logging
 import os
+import re
 import shutil
+import stat
 import tempfile
 
 from aiohttp import web
+
+log = logging.getLogger("relay.plugins.metrics")
+
+# relay-metrics-<pid of the process that made it>-<mkdtemp's random part>
+SHARED_NAME = re.compile(r"relay-metrics-(\d+)-\w+")
+# prometheus-client's files in it: <metric type>_<pid of the writer>.db
+WRITER_FILE = re.compile(r"\w+_(\d+)\.db")
 
 
 def _shared_directory() -> None:
     """With workers coming (``RELAY_WORKERS``, set by ``relay serve`` before it loads plugins
     and forks), give them one emptied directory for prometheus-client's multi-process mode,
     before prometheus-client is imported: it chooses its mode at import. The process that
-    made the directory removes it when it exits."""
+    made the directory removes it when it exits; one killed outright cannot, so the next
+    start removes the directories whose maker and writers are all gone."""
     if int(os.environ.get("RELAY_WORKERS", "1")) <= 1 or "PROMETHEUS_MULTIPROC_DIR" in os.environ:
         return
-    directory = tempfile.mkdtemp(prefix="relay-metrics-")
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory
+    parent = tempfile.gettempdir()
+    remove_stale_directories(parent)
     owner = os.getpid()
+    directory = tempfile.mkdtemp(prefix=f"relay-metrics-{owner}-", dir=parent)
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory
     atexit.register(lambda: os.getpid() == owner and shutil.rmtree(directory, ignore_errors=True))
+
+
+def remove_stale_directories(parent: str) -> list[str]:
+    """Remove this user's shared directories in ``parent`` that no live process uses: the
+    process that made one (named in it) and every worker that wrote to it (named in its
+    files) are gone. Returns what was removed."""
+    removed = []
+    try:
+        entries = list(os.scandir(parent))
+    except OSError:
+        return removed
+    for entry in entries:
+        match = SHARED_NAME.fullmatch(entry.name)
+        if match is None:
+            continue
+        try:
+            info = entry.stat(follow_symlinks=False)
+            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+                continue
+            users = {int(match.group(1))}
+            for name in os.listdir(entry.path):
+                writer = WRITER_FILE.fullmatch(name)
+                if writer is not None:
+                    users.add(int(writer.group(1)))
+        except OSError:
+            continue
+        if not any(_alive(pid) for pid in users):
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.path)
+    if removed:
+        log.warning("removed %d metrics director%s left by relays that were killed: %s",
+                    len(removed), "y" if len(removed) == 1 else "ies", ", ".join(removed))
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: alive
+        return True
+    try:  # a zombie (exited, not yet reaped: where nothing reaps orphans) writes nothing
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
 
 
 _shared_directory()
