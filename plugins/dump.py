@@ -639,7 +639,10 @@ class Retention:
                         if not ((temporary or DUMP_NAME.match(entry.name))
                                 and entry.is_file(follow_symlinks=False)):
                             continue
-                        info = entry.stat(follow_symlinks=False)
+                        try:
+                            info = entry.stat(follow_symlinks=False)
+                        except FileNotFoundError:  # deleted by another worker's scan
+                            continue
                         if temporary and info.st_mtime < stale_before:
                             with suppress(FileNotFoundError):
                                 os.unlink(entry.name, dir_fd=day_fd)
