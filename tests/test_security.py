@@ -614,13 +614,15 @@ def test_both_of_aiohttps_parsers_errors_are_redacted(parser):
     assert redact_parser_message(plain) == plain  # nothing secret: left as it is
 
 
+CLOSE = b"Connection: close\r\n"
 ODD_TARGETS = [
-    (b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n", 405),
-    (b"OPTIONS * HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", 405),
-    (b"GET /v1/models%0d%0aX-Injected:%20yes HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", 400),
-    (b"GET /%0a HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n", 400),
-    (b"POST /v1/messages%0D%0A HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 2\r\n"
-     b"Content-Type: application/json\r\n\r\n{}", 400),
+    (b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n" + CLOSE + b"\r\n", 405),
+    (b"OPTIONS * HTTP/1.1\r\nHost: 127.0.0.1\r\n" + CLOSE + b"\r\n", 405),
+    (b"GET /v1/models%0d%0aX-Injected:%20yes HTTP/1.1\r\nHost: 127.0.0.1\r\n" + CLOSE
+     + b"\r\n", 400),
+    (b"GET /%0a HTTP/1.1\r\nHost: 127.0.0.1\r\n" + CLOSE + b"\r\n", 400),
+    (b"POST /v1/messages%0D%0A HTTP/1.1\r\nHost: 127.0.0.1\r\n" + CLOSE
+     + b"Content-Length: 2\r\nContent-Type: application/json\r\n\r\n{}", 400),
 ]
 
 
