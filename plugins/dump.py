@@ -23,7 +23,9 @@ the file is written at ``relay_exchange_end``, so that its timeline holds what e
 did, to the end. Building and writing the document happen in a one-thread executor per relay,
 in the background: the client never waits for the disk, and a failed write is logged, never
 raised. Files are created exclusively and appear complete or not at all (written under a
-temporary name, then hard-linked into place); a name clash gets a ``-1``, ``-2`` suffix.
+temporary name, then hard-linked into place); a name clash gets a ``-1``, ``-2`` suffix. A
+write that fails (a full disk) removes its temporary file; at start-up the writer thread scans
+``dir`` for retention and deletes temporary files a writer that died left behind.
 Below ``dir`` nothing is reached through a symbolic link: day directories and files are
 opened relative to their parent's descriptor with ``O_NOFOLLOW``, so a link planted in the
 tree makes that write fail (logged) rather than land elsewhere; retention deletes the same way.
@@ -66,9 +68,10 @@ import logging
 import os
 import re
 import stat
+import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit, urlunsplit
 
@@ -95,6 +98,10 @@ SHUTDOWN_TIMEOUT = 30.0
 UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 DAY_NAME = re.compile(r"^\d{4}-\d{2}-\d{2}$")
 DUMP_NAME = re.compile(r"^\d{6}\.\d{6}-[A-Za-z0-9_-]+\.json$")
+TEMPORARY_NAME = re.compile(r"^\.\d{6}\.\d{6}-[A-Za-z0-9_-]+\.[0-9a-f]{12}\.tmp$")
+# A write under way takes well under a second (a dump is at most a few bodies of
+# max_body_bytes); a temporary file this old was left by a writer that died.
+STALE_SECONDS = 300.0
 STATUS_RANGE = re.compile(r"^\s*(\d{3})\s*-\s*(\d{3})\s*$")
 ERROR_EVENTS = frozenset({"error"})
 # Secrets shorter than this are redacted by header name only, never searched for in text:
@@ -128,7 +135,7 @@ DECLARED = (
            "upstream broke off)"),
     Option("max_files", int, 1000,
            "retention, always on: the oldest dumps are deleted first, the newest is always "
-           "kept; dumps already in `dir` count from the first write", check=_positive),
+           "kept; dumps already in `dir` count from start-up", check=_positive),
     Option("max_bytes", int, 1024 * MiB, "retention by total size (1 GiB), as `max_files`",
            check=_positive),
     Option("max_body_bytes", int, 8 * MiB,
@@ -554,13 +561,18 @@ def write_dump(directory: str, data: bytes, request_id: str, when: dt.datetime) 
         day_fd = open_day(base, day, directory, create=True)
         try:
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW
-            with opened(temporary, flags, dir_fd=day_fd, mode=0o600) as fd:
-                with memoryview(data) as view:
-                    written = 0
-                    while written < len(view):
-                        written += os.write(fd, view[written:])
-                os.fsync(fd)
+            fd = os.open(temporary, flags, 0o600, dir_fd=day_fd)
             try:
+                # Removed whatever happens from here on (a full disk, say): a failed write
+                # leaves nothing behind.
+                try:
+                    with memoryview(data) as view:
+                        written = 0
+                        while written < len(view):
+                            written += os.write(fd, view[written:])
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
                 for n in range(MAX_CLASHES):
                     name = f"{stem}.json" if n == 0 else f"{stem}-{n}.json"
                     try:
@@ -580,10 +592,13 @@ def write_dump(directory: str, data: bytes, request_id: str, when: dt.datetime) 
 class Retention:
     """Deletes the oldest dumps beyond ``max_files`` / ``max_bytes``.
 
-    The directory is scanned once, on the first write; after that the index follows the
-    relay's own writes, so each check is cheap. Dumps written by another process into the
-    same directory are counted from the next start-up. Like the writer, it never goes
-    through a symbolic link below ``directory``.
+    The directory is scanned once, at start-up (:meth:`prepare`, in the writer thread) or
+    else on the first write; after that the index follows the relay's own writes, so each
+    check is cheap. Dumps written by another process into the same directory are counted
+    from the next start-up. Temporary files count too: one older than ``STALE_SECONDS`` is
+    what a writer left when it died mid-write, and is deleted by the scan; a younger one may
+    be another process's write under way, and counts against the limits like a dump. Like
+    the writer, it never goes through a symbolic link below ``directory``.
     """
 
     def __init__(self, directory: str, max_files: int, max_bytes: int):
@@ -592,18 +607,48 @@ class Retention:
         self.max_bytes = max_bytes
         self.entries: deque | None = None  # (day, name, size), oldest first
         self.total = 0
+        self.stale = 0  # temporary files the scan deleted
+
+    def prepare(self) -> None:
+        """The start-up scan; a directory not made yet holds nothing."""
+        try:
+            self.entries = self.scan()
+        except (FileNotFoundError, NotADirectoryError):
+            self.entries = deque()
+            return
+        except OSError as e:
+            log.warning("retention under %s could not scan it at start-up: %s", self.directory,
+                        e.strerror or e)
+            return
+        self.total = sum(size for _, _, size in self.entries)
+        if self.stale:
+            log.warning("retention: deleted %d temporary file(s) under %s left by writes that "
+                        "never finished", self.stale, self.directory)
+        self.trim()
 
     def scan(self) -> deque:
         found = []
+        stale_before = time.time() - STALE_SECONDS
         with opened(self.directory) as base:
             for day in os.scandir(base):
                 if not (DAY_NAME.match(day.name) and day.is_dir(follow_symlinks=False)):
                     continue
                 with opened(day.name, DIRECTORY | NOFOLLOW, dir_fd=base) as day_fd:
                     for entry in os.scandir(day_fd):
-                        if DUMP_NAME.match(entry.name) and entry.is_file(follow_symlinks=False):
-                            found.append((day.name, entry.name,
-                                          entry.stat(follow_symlinks=False).st_size))
+                        temporary = TEMPORARY_NAME.match(entry.name)
+                        if not ((temporary or DUMP_NAME.match(entry.name))
+                                and entry.is_file(follow_symlinks=False)):
+                            continue
+                        try:
+                            info = entry.stat(follow_symlinks=False)
+                        except FileNotFoundError:  # deleted by another worker's scan
+                            continue
+                        if temporary and info.st_mtime < stale_before:
+                            with suppress(FileNotFoundError):
+                                os.unlink(entry.name, dir_fd=day_fd)
+                            self.stale += 1
+                            continue
+                        found.append((day.name, entry.name, info.st_size))
         found.sort()
         return deque(found)
 
@@ -617,6 +662,9 @@ class Retention:
             self.entries.append((os.path.basename(os.path.dirname(path)),
                                  os.path.basename(path), size))
             self.total += size
+        return self.trim()
+
+    def trim(self) -> list[str]:
         deleted = []
         while len(self.entries) > 1 and (len(self.entries) > self.max_files
                                          or self.total > self.max_bytes):
@@ -665,6 +713,8 @@ class Dump:
         self.retention = Retention(settings.dir, settings.max_files, settings.max_bytes)
         if self.executor is None:
             self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relay-dump")
+        # In the writer thread, ahead of any write: the loop never waits on the scan.
+        self.executor.submit(self.retention.prepare)
 
     @hookimpl
     async def relay_shutdown(self, config):

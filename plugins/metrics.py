@@ -3,8 +3,8 @@
 Everything here is read off the finished exchange (:class:`relay.exchange.Exchange`) in
 ``relay_exchange_end``, plus one gauge for the streams open now: the plugin needs nothing
 from the host but the record. Labels are only what the operator's configuration bounds
-(backend names, endpoints, statuses, plugin and rule names), never a value the client
-chooses, such as a model name.
+(backend names, inbound key names, endpoints, statuses, plugin and rule names), never a
+value the client chooses, such as a model name.
 
 With several worker processes (``relay serve --workers N``) the metrics go through
 prometheus-client's multi-process mode: each worker writes its values under
@@ -12,8 +12,11 @@ prometheus-client's multi-process mode: each worker writes its values under
 ``/metrics``, whichever worker answers, adds them all up. A worker that crashes leaves its
 open streams counted in ``relay_active_streams`` until the relay restarts.
 
-``/metrics`` sits behind the same checks as every route: the Host check without auth, a
-relay key with it.
+``/metrics`` is the operator's (a :class:`relay.inbound.AdminRoute`): it takes the admin key
+(``server.auth.admin_key_env``) or the plugin's own scrape key (``scrape_key_env``), never a
+client's relay key, since every backend's and every key's traffic is in it. Only a relay with
+neither inbound keys nor either of those serves it to anyone who passes the Host check, as it
+serves every route then.
 
 Put ``metrics`` first in ``pipeline:``: end hooks run in reverse order, so it then sees what
 every other plugin noted (the dump plugin's queued and dropped dumps, say).
@@ -24,24 +27,84 @@ Options: see ``Metrics.OPTIONS``.
 from __future__ import annotations
 
 import atexit
+import logging
 import os
+import re
 import shutil
+import stat
 import tempfile
 
 from aiohttp import web
+
+log = logging.getLogger("relay.plugins.metrics")
+
+# relay-metrics-<pid of the process that made it>-<mkdtemp's random part>
+SHARED_NAME = re.compile(r"relay-metrics-(\d+)-\w+")
+# prometheus-client's files in it: <metric type>_<pid of the writer>.db
+WRITER_FILE = re.compile(r"\w+_(\d+)\.db")
 
 
 def _shared_directory() -> None:
     """With workers coming (``RELAY_WORKERS``, set by ``relay serve`` before it loads plugins
     and forks), give them one emptied directory for prometheus-client's multi-process mode,
     before prometheus-client is imported: it chooses its mode at import. The process that
-    made the directory removes it when it exits."""
+    made the directory removes it when it exits; one killed outright cannot, so the next
+    start removes the directories whose maker and writers are all gone."""
     if int(os.environ.get("RELAY_WORKERS", "1")) <= 1 or "PROMETHEUS_MULTIPROC_DIR" in os.environ:
         return
-    directory = tempfile.mkdtemp(prefix="relay-metrics-")
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory
+    parent = tempfile.gettempdir()
+    remove_stale_directories(parent)
     owner = os.getpid()
+    directory = tempfile.mkdtemp(prefix=f"relay-metrics-{owner}-", dir=parent)
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory
     atexit.register(lambda: os.getpid() == owner and shutil.rmtree(directory, ignore_errors=True))
+
+
+def remove_stale_directories(parent: str) -> list[str]:
+    """Remove this user's shared directories in ``parent`` that no live process uses: the
+    process that made one (named in it) and every worker that wrote to it (named in its
+    files) are gone. Returns what was removed."""
+    removed = []
+    try:
+        entries = list(os.scandir(parent))
+    except OSError:
+        return removed
+    for entry in entries:
+        match = SHARED_NAME.fullmatch(entry.name)
+        if match is None:
+            continue
+        try:
+            info = entry.stat(follow_symlinks=False)
+            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+                continue
+            users = {int(match.group(1))}
+            for name in os.listdir(entry.path):
+                writer = WRITER_FILE.fullmatch(name)
+                if writer is not None:
+                    users.add(int(writer.group(1)))
+        except OSError:
+            continue
+        if not any(_alive(pid) for pid in users):
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.path)
+    if removed:
+        log.warning("removed %d metrics director%s left by relays that were killed: %s",
+                    len(removed), "y" if len(removed) == 1 else "ies", ", ".join(removed))
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: alive
+        return True
+    try:  # a zombie (exited, not yet reaped: where nothing reaps orphans) writes nothing
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
 
 
 _shared_directory()
@@ -49,10 +112,14 @@ _shared_directory()
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter,  # noqa: E402
                                Gauge, Histogram, generate_latest, multiprocess)
 
+from relay.config import InboundKey
+from relay.errors import ConfigError
 from relay.hookspecs import hookimpl
+from relay.inbound import AdminRoute
 from relay.options import Option
 
 PLUGIN = "metrics"
+MIN_KEY_CHARS = 16  # as for relay keys
 # Upstream latency and time to first byte: from a few ms (a cached answer) to minutes (a long
 # generation before its first token).
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -65,18 +132,24 @@ class Metrics:
         self.registry: CollectorRegistry | None = None
         self.path = "/metrics"
         self.children: dict = {}
+        self.scrape_keys: tuple[InboundKey, ...] = ()
 
     OPTIONS = (Option("path", str, "/metrics", "where the metrics are served",
                       check=lambda path: None if path.startswith("/") and " " not in path
-                      else "must be a path starting with '/'"),)
+                      else "must be a path starting with '/'"),
+               Option("scrape_key_env", str, "",
+                      "an environment variable holding a key that may read the metrics "
+                      "(a scraper's), besides the admin key; never a client's relay key"))
 
     @hookimpl
     def relay_startup(self, config, options):
         self.path = options["path"]
+        self.scrape_keys = scrape_keys(options["scrape_key_env"], config)
         registry = self.registry = CollectorRegistry()
         self.requests = Counter(
-            "relay_requests", "Exchanges answered, by backend, endpoint, status, stream and "
-            "outcome.", ["backend", "endpoint", "status", "stream", "outcome"], registry=registry)
+            "relay_requests", "Exchanges answered, by backend, inbound key, endpoint, status, "
+            "stream and outcome.", ["backend", "key", "endpoint", "status", "stream", "outcome"],
+            registry=registry)
         self.upstream_latency = Histogram(
             "relay_upstream_latency_seconds", "From sending a request upstream to its answer's "
             "headers (each attempt).", ["backend"], buckets=BUCKETS, registry=registry)
@@ -126,7 +199,7 @@ class Metrics:
 
     @hookimpl
     def relay_routes(self):
-        return {f"GET {self.path}": self.serve}
+        return {f"GET {self.path}": AdminRoute(self.serve, self.scrape_keys)}
 
     async def serve(self, request: web.Request) -> web.Response:
         if "PROMETHEUS_MULTIPROC_DIR" in os.environ:
@@ -150,7 +223,9 @@ class Metrics:
         backend = exchange.backend.name if exchange.backend is not None else "-"
         answer = exchange.answer
         stream = "true" if answer is not None and answer.stream else "false"
-        self._child(self.requests, backend, exchange.endpoint,
+        # A key's name comes from relay.yaml (the key the client authenticated with), never
+        # from the request.
+        self._child(self.requests, backend, exchange.key_name or "-", exchange.endpoint,
                     str(answer.status) if answer is not None else "-", stream,
                     exchange.outcome or "-").inc()
         if exchange.timings.first_byte is not None:
@@ -185,3 +260,18 @@ class Metrics:
                 self.dumps.labels(action).inc()
         if exchange.outcome == "rejected" and error is not None and error.plugin is not None:
             self.refused.labels(error.plugin, error.rule or error.plugin).inc()
+
+
+def scrape_keys(variable: str, config) -> tuple[InboundKey, ...]:
+    """The scrape key named by ``scrape_key_env``: set, long enough, and no client's key."""
+    if not variable:
+        return ()
+    where = f"plugins.{PLUGIN}.scrape_key_env"
+    secret = os.environ.get(variable, "")
+    if not secret:
+        raise ConfigError(f"{where}: environment variable {variable} is not set")
+    if len(secret) < MIN_KEY_CHARS:
+        raise ConfigError(f"{where}: the key must be at least {MIN_KEY_CHARS} characters long")
+    if any(key.secret == secret for key in config.keys or ()):
+        raise ConfigError(f"{where}: the scrape key must differ from every inbound key")
+    return (InboundKey("metrics scrape key", secret),)

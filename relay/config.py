@@ -128,6 +128,7 @@ class Config:
     allow_unauthenticated: bool = False
     passthrough: list[Passthrough] = field(default_factory=list)
     keys: list[InboundKey] | None = None  # None: inbound auth off
+    admin_key: str | None = field(default=None, repr=False)  # server.auth.admin_key_env/_file
     log_format: str = "text"
     workers: int = 1
     drain_seconds: float = 30.0
@@ -243,6 +244,8 @@ def parse(raw, env=os.environ, require_keys: bool = True) -> Config:
                           for i, entry in enumerate(routes)]
     if "auth" in server:
         config.keys = _keys(server["auth"], "server.auth", env, require_keys)
+        config.admin_key = _admin_key(server["auth"], "server.auth", env, require_keys,
+                                      config.keys)
     config.log_format = _expect(server.get("log_format", config.log_format), str,
                                 "server.log_format", "text or json")
     if config.log_format not in ("text", "json"):
@@ -305,7 +308,7 @@ def _passthrough(entry, path: str) -> Passthrough:
 def _keys(raw, path: str, env, require_keys: bool) -> list[InboundKey]:
     """The inbound keys: each from an environment variable or a file, never from relay.yaml."""
     _expect(raw, dict, path, "a mapping")
-    _unknown(raw, {"keys"}, path)
+    _unknown(raw, {"keys", *ADMIN_KEYS}, path)
     entries = _expect(raw.get("keys"), list, f"{path}.keys", "a list of keys")
     if not entries:
         raise ConfigError(f"{path}.keys: at least one key is required when auth is on")
@@ -323,25 +326,7 @@ def _keys(raw, path: str, env, require_keys: bool) -> list[InboundKey]:
         if ("key_env" in item) == ("key_file" in item):
             raise ConfigError(f"{where}: give exactly one of key_env or key_file "
                               f"(a key is never written in relay.yaml)")
-        if "key_env" in item:
-            var = _expect(item["key_env"], str, f"{where}.key_env", "an environment variable name")
-            secret = env.get(var, "")
-            if not secret and require_keys:
-                raise ConfigError(f"{where}.key_env: environment variable {var} is not set")
-        else:
-            file = _expect(item["key_file"], str, f"{where}.key_file", "a file path")
-            try:
-                with open(file, encoding="utf-8") as f:
-                    secret = f.read().strip()
-            except (OSError, UnicodeDecodeError) as e:
-                if require_keys:
-                    raise ConfigError(f"{where}.key_file: cannot read {file}: "
-                                      f"{getattr(e, 'strerror', None) or e}") from None
-                secret = ""
-            if not secret and require_keys:
-                raise ConfigError(f"{where}.key_file: {file} is empty")
-        if secret and len(secret) < 16:
-            raise ConfigError(f"{where}: the key must be at least 16 characters long")
+        secret = _secret(item, where, env, require_keys)
         restrictions = {}
         for key in ("backends", "models"):
             if key in item:
@@ -351,6 +336,48 @@ def _keys(raw, path: str, env, require_keys: bool) -> list[InboundKey]:
                 restrictions[key] = list(values)
         keys.append(InboundKey(name=name, secret=secret, **restrictions))
     return keys
+
+
+def _secret(item: dict, where: str, env, require_keys: bool, prefix: str = "") -> str:
+    """A key from ``<prefix>key_env`` or ``<prefix>key_file``, whichever ``item`` names."""
+    env_key, file_key = f"{prefix}key_env", f"{prefix}key_file"
+    if env_key in item:
+        var = _expect(item[env_key], str, f"{where}.{env_key}", "an environment variable name")
+        secret = env.get(var, "")
+        if not secret and require_keys:
+            raise ConfigError(f"{where}.{env_key}: environment variable {var} is not set")
+    else:
+        file = _expect(item[file_key], str, f"{where}.{file_key}", "a file path")
+        try:
+            with open(file, encoding="utf-8") as f:
+                secret = f.read().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            if require_keys:
+                raise ConfigError(f"{where}.{file_key}: cannot read {file}: "
+                                  f"{getattr(e, 'strerror', None) or e}") from None
+            secret = ""
+        if not secret and require_keys:
+            raise ConfigError(f"{where}.{file_key}: {file} is empty")
+    if secret and len(secret) < 16:
+        raise ConfigError(f"{where}: the key must be at least 16 characters long")
+    return secret
+
+
+ADMIN_KEYS = ("admin_key_env", "admin_key_file")
+
+
+def _admin_key(raw: dict, path: str, env, require_keys: bool,
+               keys: list[InboundKey]) -> str | None:
+    """The operator's key for admin routes (``/metrics``): like an inbound key, from an
+    environment variable or a file, and never one a client holds."""
+    if not any(name in raw for name in ADMIN_KEYS):
+        return None
+    if all(name in raw for name in ADMIN_KEYS):
+        raise ConfigError(f"{path}: give one of admin_key_env or admin_key_file, not both")
+    secret = _secret(raw, path, env, require_keys, prefix="admin_")
+    if secret and any(key.secret == secret for key in keys):
+        raise ConfigError(f"{path}: the admin key must differ from every inbound key")
+    return secret or None
 
 
 def is_loopback(host: str) -> bool:

@@ -68,8 +68,10 @@ def relay_routes(config: Config, options: dict) -> dict[str, Callable] | None:
     or None.
 
     The relay serves them beside its own endpoints, behind the same checks (the request
-    target, the Host, inbound keys). A path is plain (no wildcards) and may not be one the
-    relay or another plugin already serves (a ConfigError at start-up).
+    target, the Host, inbound keys); a handler wrapped in :class:`relay.inbound.AdminRoute`
+    is the operator's and takes the admin key instead of a relay key. A path is plain (no
+    wildcards) and may not be one the relay or another plugin already serves (a ConfigError
+    at start-up).
     """
 
 

@@ -1,5 +1,6 @@
 """What a client request must be before the relay acts on it: a plain path, a Host that names
-this relay, JSON where JSON is expected, and (when ``server.auth`` is on) a relay key.
+this relay, JSON where JSON is expected, and (when ``server.auth`` is on) a relay key; for the
+operator's routes (:class:`AdminRoute`), the admin key instead.
 
 Pure functions over strings and headers; the server calls them before anything else.
 """
@@ -10,6 +11,8 @@ import functools
 import hashlib
 import hmac
 import re
+from dataclasses import dataclass
+from typing import Callable
 
 from .config import SEGMENT, Config, InboundKey, is_loopback
 from .errors import RelayError, invalid_request
@@ -127,3 +130,49 @@ class Gate:
 
 def forbidden(key: InboundKey, what: str) -> RelayError:
     return RelayError(403, f"the relay key {key.name!r} may not use {what}", "permission_error")
+
+
+@dataclass(frozen=True)
+class AdminRoute:
+    """A plugin route for the operator, not for clients: return it from ``relay_routes`` in
+    place of a bare handler (``{"GET /metrics": AdminRoute(handler)}``). It takes the admin
+    key (``server.auth.admin_key_env`` or ``admin_key_file``) or one of ``keys``, the route's
+    own (a scraper's), and never a client's relay key."""
+
+    handler: Callable
+    keys: tuple[InboundKey, ...] = ()
+
+
+class AdminGate:
+    """Who may use an :class:`AdminRoute`: the admin key and the route's own keys, compared
+    like relay keys (:class:`Gate`). With none of them configured, the route is open only
+    where every route is (no inbound keys); otherwise it is closed."""
+
+    def __init__(self, route: AdminRoute, admin_key: str | None, clients: Gate | None):
+        keys = [InboundKey("admin", admin_key)] if admin_key else []
+        keys += [key for key in route.keys if key.secret]
+        self.admins = Gate(keys) if keys else None
+        self.clients = clients
+
+    def authenticate(self, headers, what: str) -> InboundKey | None:
+        if self.admins is None and self.clients is None:
+            return None
+        if presented_key(headers) is None:
+            raise RelayError(401, f"{what} takes the admin key: x-api-key header is required "
+                                  f"(or Authorization: Bearer)", "authentication_error")
+        if self.admins is not None:
+            try:
+                return self.admins.authenticate(headers)
+            except RelayError:
+                pass
+        if self.clients is not None:
+            try:
+                self.clients.authenticate(headers)
+            except RelayError:
+                pass
+            else:
+                configured = ("" if self.admins is not None else
+                              " (none is configured: see server.auth.admin_key_env)")
+                raise RelayError(403, f"{what} takes the admin key{configured}, not a relay "
+                                      f"key", "permission_error")
+        raise RelayError(401, "invalid x-api-key", "authentication_error")

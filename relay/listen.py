@@ -3,14 +3,17 @@
 aiohttp answers requests its parser refuses (a bad method, an unknown ``Content-Encoding``, a
 broken ``Transfer-Encoding``) with plain-text pages before any handler runs; the relay's
 connections use a :class:`RequestHandler` whose ``handle_error`` answers in Anthropic's
-error format instead. Connections past ``server.max_connections`` get a complete ``529
-overloaded_error`` and are closed before aiohttp sees them.
+error format instead, with credential header values taken out of the parser's excerpt of
+the request (:func:`redact_parser_message`). Connections past ``server.max_connections`` get
+a complete ``529 overloaded_error`` and are closed before aiohttp sees them.
 """
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import logging
+import re
 from http import HTTPStatus
 
 from aiohttp import web
@@ -18,6 +21,7 @@ from aiohttp.http_exceptions import BadHttpMethod
 from aiohttp.web_protocol import RequestHandler
 
 from .errors import STATUS_TYPES, error_body
+from .exchange import is_credential_header, new_request_id
 
 log = logging.getLogger("relay")
 
@@ -27,6 +31,48 @@ _OVERLOADED_RESPONSE = (
     b"HTTP/1.1 529 Site Overloaded\r\nContent-Type: application/json\r\n"
     b"Connection: close\r\nContent-Length: " + str(len(OVERLOADED)).encode() + b"\r\n\r\n"
     + OVERLOADED)
+
+
+# A bytes literal as aiohttp's parser errors quote the request (``{data!r}``).
+_LITERAL = re.compile(r"b'(?:[^'\\]|\\.)*'" r'|b"(?:[^"\\]|\\.)*"')
+_HEADER_LINE = re.compile(rb"([!#$%&'*+.^_`|~0-9A-Za-z-]+)[ \t]*:")
+_REQUEST_LINE = re.compile(rb"[A-Z]+ [^ ?]*")
+_LINE_ENDS = re.compile(rb"(\r\n|\n)")
+# The caret under the excerpt, which points at the wrong place once it is redacted.
+_POINTER = re.compile(r"\n *\^\s*$")
+# A request target quoted as text (the pure-Python parser's InvalidURLError).
+_QUERY = re.compile(r"(/[^\s?'\"]*)\?[^\s'\"]*")
+REDACTED = b"[redacted]"
+
+
+def redact_parser_message(text: str) -> str:
+    """A parser error's text without the secrets in its excerpt of the request: the value of
+    a credential header (:func:`relay.exchange.is_credential_header`) is replaced, and so is
+    any other fragment that is neither a header line nor a request line (aiohttp quotes some
+    header values alone, without their name: ``Got more than 8190 bytes when reading:
+    b'...'``), and a request line's query."""
+    def literal(match: re.Match) -> str:
+        try:
+            data = ast.literal_eval(match.group(0))
+        except (ValueError, SyntaxError):
+            return REDACTED.decode()
+        return repr(b"".join(_redact_line(part) for part in _LINE_ENDS.split(data)))
+
+    redacted = _QUERY.sub(r"\1?[redacted]", _LITERAL.sub(literal, text))
+    return _POINTER.sub("", redacted) if redacted != text else text
+
+
+def _redact_line(line: bytes) -> bytes:
+    if line in (b"", b"\r\n", b"\n"):
+        return line
+    header = _HEADER_LINE.match(line)
+    if header is not None:
+        name = header.group(1).decode("latin-1")
+        return header.group(0) + b" " + REDACTED if is_credential_header(name) else line
+    request = _REQUEST_LINE.match(line)
+    if request is not None:
+        return request.group(0) + (b"?" + REDACTED if b"?" in line else line[request.end():])
+    return REDACTED
 
 
 class AnthropicErrors(RequestHandler):
@@ -45,19 +91,22 @@ class AnthropicErrors(RequestHandler):
             self._on_close = None
 
     def handle_error(self, request, status: int = 500, exc=None, message=None):
+        request_id = new_request_id()
         if status >= 500 or not isinstance(exc, Exception):
-            self.log_exception("Error handling request", exc_info=exc)
-        elif not isinstance(exc, BadHttpMethod):
-            log.info("refused a request aiohttp could not parse: %s", message or exc)
+            self.log_exception("%s: error handling request", request_id, exc_info=exc)
+        text = redact_parser_message(getattr(exc, "message", None) or message
+                                     or HTTPStatus(status).phrase)
+        if status < 500 and isinstance(exc, Exception) and not isinstance(exc, BadHttpMethod):
+            log.info("%s: refused a request aiohttp could not parse: %s", request_id, text)
         if request.writer.output_size > 0:
             raise ConnectionError("the response was already started")
         if status >= 500:
             text = "the relay failed while handling this request"
-        else:
-            text = (getattr(exc, "message", None) or message
-                    or HTTPStatus(status).phrase).replace("\n", " ")[:500]
-        response = web.Response(status=status, content_type="application/json",
-                                body=error_body(STATUS_TYPES.get(status, "api_error"), text))
+        response = web.Response(
+            status=status, content_type="application/json",
+            headers={"x-relay-request-id": request_id},
+            body=error_body(STATUS_TYPES.get(status, "api_error"),
+                            text.replace("\n", " ")[:500], request_id))
         response.force_close()
         return response
 

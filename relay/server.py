@@ -18,7 +18,8 @@ from .config import Backend, InboundKey
 from .errors import RelayError, invalid_request
 from .exchange import Answer, Exchange, UpstreamResponse
 from .formats import openai
-from .inbound import Gate, check_target, forbidden, host_allowed, is_json, split_target
+from .inbound import (AdminGate, AdminRoute, Gate, check_target, forbidden, host_allowed,
+                      is_json, split_target)
 from .listen import Listener
 from .skeleton import Skeleton
 from .stream import StreamBroken, StreamRelay, error_event
@@ -245,6 +246,10 @@ class Relay:
     def __init__(self, state: RelayState, plugin_routes: dict | None = None):
         self.state = state
         self.plugin_routes = plugin_routes or {}  # (method, path) -> handler, from relay_routes
+        # The operator's routes: authenticated by the admin key, not by the client gate.
+        self.admin_routes = {
+            spec: (route.handler, AdminGate(route, state.config.admin_key, state.gate))
+            for spec, route in self.plugin_routes.items() if isinstance(route, AdminRoute)}
 
     async def dispatch(self, request: web.Request) -> web.StreamResponse:
         """Every request: check the target, the Host, the key, the method and the body's type,
@@ -258,9 +263,20 @@ class Relay:
         request[ROUTE] = route
         return await route.handler(request)
 
+    @web.middleware
+    async def unrouted(self, request: web.Request, handler) -> web.StreamResponse:
+        """Middleware: a target aiohttp's router matches to nothing (``OPTIONS *``, a
+        ``CONNECT`` authority, a path that decodes to a line break) is dispatched all the
+        same, so that it is answered in Anthropic's format like any other."""
+        if request.match_info.http_exception is not None:
+            return await self.dispatch(request)
+        return await handler(request)
+
     def route(self, request: web.Request) -> Route:
         config = self.state.config
         path, query = split_target(request.raw_path)
+        if request.method == "CONNECT" or (request.method == "OPTIONS" and path == "*"):
+            raise not_allowed(request.method, path[:200])  # a server, not a proxy
         segments = check_target(path, query)
         gate = self.state.gate
         if gate is None and not host_allowed(request.headers.get("Host"), config):
@@ -272,8 +288,14 @@ class Relay:
             if method not in ("GET", "HEAD"):
                 raise not_allowed(method, path)
             return Route(self.healthz if path == "/healthz" else self.readyz, path, query, None)
-        key = gate.authenticate(request.headers) if gate is not None else None
-        if path in ENDPOINTS:
+        admin = self.admin_routes.get((method, path))
+        if admin is not None:
+            key = admin[1].authenticate(request.headers, path)
+        else:
+            key = gate.authenticate(request.headers) if gate is not None else None
+        if admin is not None:
+            handler = admin[0]
+        elif path in ENDPOINTS:
             if method != "POST":
                 raise not_allowed(method, path)
             handler = self.messages
@@ -303,7 +325,8 @@ class Relay:
         exchange.outcome, exchange.error = "refused", error
         exchange.note("relay", "refused", status=error.status, message=error.message)
         response = await deliver(request, exchange, relay_error(
-            error, exchange.id, close=request.can_read_body if close is None else close))
+            error, exchange.id, {"x-relay-request-id": exchange.id},
+            close=request.can_read_body if close is None else close))
         await self.finish(exchange)
         return response
 
@@ -646,6 +669,7 @@ def create_app(config, chain: Chain) -> web.Application:
     app[STATE] = state
     relay = Relay(state, chain.routes(config, reserved=("/healthz", "/readyz", *ENDPOINTS)))
     app.router.add_route("*", "/{tail:.*}", relay.dispatch)
+    app.middlewares.append(relay.unrouted)
 
     async def session_context(app):
         await state.upstream.start()

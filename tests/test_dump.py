@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import datetime as dt
+import errno
 import hashlib
 import logging
 import os
@@ -862,3 +863,96 @@ async def test_unusual_but_valid_json_is_dumped_as_sent_and_replays(start, tmp_p
     assert recorded in orjson.dumps(document["timeline"]["messages"][1]["blocks"][0]["id"])
     status = await asyncio.to_thread(cli.main, ["replay", str(path)])
     assert status == 0, capsys.readouterr()
+
+
+# --- a full disk, and what writers that died left -------------------------------------------
+
+def no_space(*args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def temporary_files(directory: Path) -> list[Path]:
+    return sorted(directory.glob("*/.*.tmp")) if directory.is_dir() else []
+
+
+@pytest.mark.parametrize("failing", ["write", "fsync", "link"])
+def test_a_failed_write_leaves_no_temporary_file(tmp_path, monkeypatch, failing):
+    monkeypatch.setattr(os, failing, no_space)
+    for i in range(20):
+        with pytest.raises(OSError) as raised:
+            dump.write_dump(str(tmp_path), b"x" * 100, f"relay_{i}", WHEN)
+        assert raised.value.errno == errno.ENOSPC
+    monkeypatch.undo()
+    assert temporary_files(tmp_path) == [] and dump_files(tmp_path) == []
+    assert (tmp_path / "2025-03-07").is_dir()  # the day directory was made: files were tried
+
+
+async def test_writes_failing_on_a_full_disk_leave_nothing_behind(start, monkeypatch, caplog):
+    real_write = os.write
+
+    def full_for_dumps(fd, data):  # the writer thread's writes only; the loop's go on
+        if threading.current_thread().name.startswith("relay-dump"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(fd, data)
+    relay = await start({"max_pending": 100}, fail_status=400)
+    monkeypatch.setattr(os, "write", full_for_dumps)
+    caplog.set_level(logging.ERROR, logger="relay.plugins.dump")
+    for _ in range(20):
+        response, _ = await relay.post()
+        assert response.status == 400
+    await relay.stop()
+    monkeypatch.undo()
+    failures = [r for r in caplog.records if "No space left on device" in r.getMessage()]
+    assert len(failures) == 20
+    assert temporary_files(relay.dir) == [] and dump_files(relay.dir) == []
+
+
+def plant_temporary(directory: Path, day: str, name: str, age: float, size: int = 10) -> Path:
+    (directory / day).mkdir(parents=True, exist_ok=True)
+    path = directory / day / name
+    path.write_bytes(b"x" * size)
+    when = time.time() - age
+    os.utime(path, (when, when))
+    return path
+
+
+def test_retention_deletes_stale_temporary_files_and_counts_fresh_ones(tmp_path, caplog):
+    for i in range(2):
+        dump.write_dump(str(tmp_path), b"x" * 10, f"relay_{i}", WHEN + dt.timedelta(seconds=i))
+    stale = plant_temporary(tmp_path, "2025-03-07", ".090503.123456-relay_dead.0123456789ab.tmp",
+                            age=dump.STALE_SECONDS + 60)
+    fresh = plant_temporary(tmp_path, "2025-03-07", ".090510.123456-relay_busy.ba9876543210.tmp",
+                            age=1, size=30)
+    other = plant_temporary(tmp_path, "2025-03-07", ".not-ours.tmp", age=10 ** 6)
+    keep = dump.Retention(str(tmp_path), max_files=3, max_bytes=10 ** 9)
+    caplog.set_level(logging.WARNING, logger="relay.plugins.dump")
+    keep.prepare()
+    assert not stale.exists() and keep.stale == 1
+    assert "deleted 1 temporary file(s)" in caplog.text
+    assert fresh.exists() and other.exists()  # young, or not a name the writer makes
+    assert len(keep.entries) == 3 and keep.total == 50  # the fresh one counts
+    newest = dump.write_dump(str(tmp_path), b"x" * 10, "relay_new", WHEN + dt.timedelta(seconds=9))
+    deleted = keep.add(newest, 10)
+    assert [os.path.basename(p) for p in deleted] == [fresh.name]  # oldest name of its day
+    assert len(dump_files(tmp_path)) == 3
+
+
+def test_retention_at_start_up_of_a_directory_not_made_yet(tmp_path):
+    keep = dump.Retention(str(tmp_path / "not-yet"), max_files=3, max_bytes=10 ** 9)
+    keep.prepare()
+    assert list(keep.entries) == [] and not (tmp_path / "not-yet").exists()
+
+
+async def test_a_relay_cleans_what_dead_writers_left_at_start_up(start, tmp_path):
+    directory = tmp_path / "dumps"
+    stale = plant_temporary(directory, "2025-03-07", ".090503.123456-relay_dead.0123456789ab.tmp",
+                            age=dump.STALE_SECONDS + 60)
+    for i in range(3):
+        dump.write_dump(str(directory), b"x" * 10, f"relay_{i}", WHEN + dt.timedelta(seconds=i))
+    await start({"max_files": 2})  # no request: start-up alone
+    deadline = time.monotonic() + 5
+    while (stale.exists() or len(dump_files(directory)) > 2) and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    assert not stale.exists()
+    assert [p.name for p in dump_files(directory)] == ["090503.123456-relay_1.json",
+                                                       "090504.123456-relay_2.json"]

@@ -1,10 +1,12 @@
-"""The metrics plugin: Prometheus text from the exchange record, protected like every route."""
+"""The metrics plugin: Prometheus text from the exchange record, for the operator's eyes only."""
 
 from __future__ import annotations
 
 import time
 import urllib.request
 
+import orjson
+import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -12,7 +14,13 @@ from support import backend
 from test_server import (BODY, STREAM, Upstream, start_relay, start_upstream,  # noqa: F401
                          stream_reply)
 
+from relay import config as config_module
+from relay.errors import ConfigError
+
 KEY = "relay-key-metrics-0123456789"
+OTHER_KEY = "relay-key-metrics-other-0123456789"
+ADMIN_KEY = "relay-admin-key-0123456789abcdef"
+SCRAPE_KEY = "relay-scrape-key-0123456789abcdef"
 
 
 def samples(text: str) -> dict:
@@ -45,12 +53,12 @@ async def test_counts_what_the_exchange_record_says(aiohttp_server, aiohttp_clie
     upstream.reply = reply
     server = await start_upstream(aiohttp_server, upstream)
     client = await start_relay(aiohttp_client, {
-        "server": {"auth": {"keys": [{"name": "k", "key_env": "K"}]}},
+        "server": {"auth": {"keys": [{"name": "k", "key_env": "K"}], "admin_key_env": "ADMIN"}},
         "pipeline": ["metrics", "dedup", "pairing", "ordering", "dump"],
         "plugins": {"dump": {"dir": str(tmp_path / "dumps")}},
         "backends": [backend(str(server.make_url("")), name="main",
                              retries={"attempts": 2, "backoff": 0.01, "max_backoff": 0.02})]},
-        env={"K": KEY})
+        env={"K": KEY, "ADMIN": ADMIN_KEY})
     auth = {"x-api-key": KEY}
     assert (await client.post("/v1/messages", json=BODY, headers=auth)).status == 200
     assert (await client.post("/v1/messages", json={**BODY, "model": "claude-secret-name"},
@@ -63,12 +71,13 @@ async def test_counts_what_the_exchange_record_says(aiohttp_server, aiohttp_clie
     assert (await client.post("/v1/messages", json=broken, headers=auth)).status == 400
     assert (await client.post("/v1/messages", json=BODY, headers={"x-api-key": "nope"})).status == 401
 
-    assert (await client.get("/metrics")).status == 401  # protected like the rest
-    resp = await client.get("/metrics", headers=auth)
+    assert (await client.get("/metrics")).status == 401
+    resp = await client.get("/metrics", headers={"x-api-key": ADMIN_KEY})
     assert resp.status == 200 and resp.content_type == "text/plain"
     text = await resp.text()
     found = samples(text)
-    assert value(found, "relay_requests_total", backend="main", status="200", stream="false") == 3
+    assert value(found, "relay_requests_total", backend="main", status="200", stream="false",
+                 key="k") == 3
     assert value(found, "relay_requests_total", backend="main", status="400",
                  outcome="upstream_error") == 1
     assert value(found, "relay_requests_total", stream="true", outcome="ok") == 1
@@ -99,6 +108,107 @@ async def test_rewrites_and_repairs_are_counted(aiohttp_server, aiohttp_client):
     assert (await client.post("/v1/messages", json=history)).status == 200
     found = samples(await (await client.get("/metrics")).text())
     assert value(found, "relay_histories_repaired_total", plugin="ordering") == 1
+    assert value(found, "relay_requests_total", key="-", status="200") == 1  # no keys: no name
+
+
+async def metrics_relay(aiohttp_server, aiohttp_client, auth: dict, env: dict, pipeline=None):
+    server = await start_upstream(aiohttp_server, Upstream())
+    return await start_relay(aiohttp_client, {
+        "server": {"auth": auth}, "pipeline": pipeline or ["metrics"],
+        "backends": [backend(str(server.make_url("")), name="main")]}, env=env)
+
+
+async def test_only_the_admin_key_reads_the_metrics(aiohttp_server, aiohttp_client, tmp_path):
+    admin_file = tmp_path / "admin-key"
+    admin_file.write_text(ADMIN_KEY + "\n")
+    client = await metrics_relay(aiohttp_server, aiohttp_client, {
+        "keys": [{"name": "team-a", "key_env": "K"},
+                 {"name": "nothing", "key_env": "OTHER", "backends": []}],
+        "admin_key_file": str(admin_file)}, {"K": KEY, "OTHER": OTHER_KEY})
+    for presented in (KEY, OTHER_KEY):  # a client key, even one that reaches nothing
+        for headers in ({"x-api-key": presented}, {"Authorization": f"Bearer {presented}"}):
+            resp = await client.get("/metrics", headers=headers)
+            assert resp.status == 403
+            doc = orjson.loads(await resp.read())
+            assert doc["type"] == "error" and doc["error"]["type"] == "permission_error"
+            assert "admin key" in doc["error"]["message"]
+            assert resp.headers["x-relay-request-id"] == doc["request_id"]
+    for headers in ({}, {"x-api-key": "relay-wrong-key-0123456789abcdef"}):
+        resp = await client.get("/metrics", headers=headers)
+        assert resp.status == 401
+        assert orjson.loads(await resp.read())["error"]["type"] == "authentication_error"
+    resp = await client.get("/metrics", headers={"x-api-key": ADMIN_KEY})
+    assert resp.status == 200 and resp.content_type == "text/plain"
+    text = await resp.text()
+    assert value(samples(text), "relay_auth_failures_total") == 2
+    assert ADMIN_KEY not in text and KEY not in text
+    await client.chain.shutdown(client.config)
+
+
+async def test_a_scrape_key_reads_the_metrics_and_nothing_else(aiohttp_server, aiohttp_client,
+                                                                monkeypatch):
+    monkeypatch.setenv("SCRAPE", SCRAPE_KEY)
+    server = await start_upstream(aiohttp_server, Upstream())
+    client = await start_relay(aiohttp_client, {
+        "server": {"auth": {"keys": [{"name": "team-a", "key_env": "K"},
+                                     {"name": "team-b", "key_env": "OTHER"}]}},
+        "pipeline": ["metrics"], "plugins": {"metrics": {"scrape_key_env": "SCRAPE"}},
+        "backends": [backend(str(server.make_url("")), name="main")]},
+        env={"K": KEY, "OTHER": OTHER_KEY})
+    for key, count in ((KEY, 2), (OTHER_KEY, 1)):
+        for _ in range(count):
+            assert (await client.post("/v1/messages", json=BODY,
+                                      headers={"x-api-key": key})).status == 200
+    # The scrape key is no relay key: the Messages API refuses it.
+    assert (await client.post("/v1/messages", json=BODY,
+                              headers={"x-api-key": SCRAPE_KEY})).status == 401
+    resp = await client.get("/metrics", headers={"Authorization": f"Bearer {SCRAPE_KEY}"})
+    assert resp.status == 200
+    found = samples(await resp.text())
+    assert value(found, "relay_requests_total", key="team-a", status="200") == 2
+    assert value(found, "relay_requests_total", key="team-b", status="200") == 1
+    assert {dict(labels)["key"] for name, labels in found
+            if name == "relay_requests_total"} == {"team-a", "team-b", "-"}
+    resp = await client.get("/metrics", headers={"x-api-key": KEY})
+    assert resp.status == 403
+    await client.chain.shutdown(client.config)
+
+
+async def test_with_inbound_keys_and_no_admin_key_the_metrics_are_closed(aiohttp_server,
+                                                                         aiohttp_client):
+    client = await metrics_relay(aiohttp_server, aiohttp_client,
+                                 {"keys": [{"name": "team-a", "key_env": "K"}]}, {"K": KEY})
+    resp = await client.get("/metrics", headers={"x-api-key": KEY})
+    assert resp.status == 403
+    assert "server.auth.admin_key_env" in orjson.loads(await resp.read())["error"]["message"]
+    assert (await client.get("/metrics")).status == 401
+    await client.chain.shutdown(client.config)
+
+
+def test_the_admin_and_scrape_keys_are_no_client_keys(tmp_path, monkeypatch):
+    keys = [{"name": "team-a", "key_env": "K"}]
+    raw = {"server": {"auth": {"keys": keys, "admin_key_env": "ADMIN"}},
+           "backends": [backend("http://127.0.0.1:9")]}
+    with pytest.raises(ConfigError, match="admin key must differ"):
+        config_module.parse(raw, {"K": KEY, "ADMIN": KEY})
+    with pytest.raises(ConfigError, match="server.auth.admin_key_env: environment variable"):
+        config_module.parse(raw, {"K": KEY})
+    with pytest.raises(ConfigError, match="at least 16"):
+        config_module.parse(raw, {"K": KEY, "ADMIN": "short"})
+    both = {"server": {"auth": {"keys": keys, "admin_key_env": "ADMIN",
+                                "admin_key_file": str(tmp_path / "k")}},
+            "backends": raw["backends"]}
+    with pytest.raises(ConfigError, match="not both"):
+        config_module.parse(both, {"K": KEY, "ADMIN": ADMIN_KEY})
+    assert ADMIN_KEY not in repr(config_module.parse(raw, {"K": KEY, "ADMIN": ADMIN_KEY}))
+    from relay_builtins.metrics import scrape_keys
+    config = config_module.parse(raw, {"K": KEY, "ADMIN": ADMIN_KEY})
+    monkeypatch.setenv("SCRAPE", KEY)
+    with pytest.raises(ConfigError, match="scrape key must differ"):
+        scrape_keys("SCRAPE", config)
+    monkeypatch.delenv("SCRAPE")
+    with pytest.raises(ConfigError, match="SCRAPE is not set"):
+        scrape_keys("SCRAPE", config)
 
 
 def fetch(url: str) -> str:

@@ -60,7 +60,7 @@ def test_a_quirk_the_host_reads_is_not_a_mistake():
 
 def test_a_quirk_of_a_plugin_outside_the_pipeline_is_not_a_mistake():
     chain = chain_for(["metrics"], quirks={"restore_original_ids": True})
-    assert chain.options["b"]["metrics"] == {"path": "/metrics"}
+    assert chain.options["b"]["metrics"] == {"path": "/metrics", "scrape_key_env": ""}
 
 
 def test_a_plugin_sees_its_own_options_with_defaults_and_its_own_quirks_only():

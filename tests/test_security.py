@@ -544,3 +544,98 @@ def test_planted_secrets_never_reach_a_log_line_or_a_dump(relay, emulator, tmp_p
         assert secret not in server.output()
         for path in dumps:
             assert secret not in path.read_text()
+
+
+SECRET_KEY = "sk-secret-key-value-0123456789abcdef"
+
+
+PARSER_REFUSES = [
+    # a control character in the key: aiohttp's parser quotes the header line it refuses
+    b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nx-api-key: " + SECRET_KEY.encode()
+    + b"\x01rest\r\n\r\n",
+    b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + SECRET_KEY.encode()
+    + b"\x7f\r\n\r\n",
+    # the key fine, the next line broken
+    b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nx-api-key: " + SECRET_KEY.encode()
+    + b"\nX-Bad\x01: v\r\n\r\n",
+    # a value too long: quoted without its header's name
+    b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nCookie: " + SECRET_KEY.encode() * 300
+    + b"\r\n\r\n",
+    b"GET /v1/models?key=" + SECRET_KEY.encode() + b"\x01 HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
+]
+
+
+def test_a_request_the_parser_refuses_never_echoes_or_logs_its_credentials(relay, emulator):
+    emu = emulator()
+    server = relay({"server": {"access_log": True, "log_level": "DEBUG"},
+                    "backends": [backend(emu.url)]})
+    for head in PARSER_REFUSES:
+        with connect(server.url) as sock:
+            sock.sendall(head)
+            answer = read_answer(sock)
+        status = int(answer.split(b" ", 2)[1])
+        assert status == 400, answer[:300]
+        doc = orjson.loads(answer.split(b"\r\n\r\n", 1)[1])
+        assert is_anthropic_error(doc, 400) and doc["request_id"].startswith("relay_")
+        assert f"x-relay-request-id: {doc['request_id']}".encode() in answer
+        assert server.wait_for_output(doc["request_id"])  # the refusal is logged, by id
+        for fragment in (SECRET_KEY, SECRET_KEY[:16], "0123456789abcdef"):
+            assert fragment.encode() not in answer
+    time.sleep(0.2)
+    for fragment in (SECRET_KEY, SECRET_KEY[:16], "0123456789abcdef"):
+        assert fragment not in server.output()
+
+
+@pytest.mark.parametrize("parser", ["HttpRequestParser", "HttpRequestParserPy"])
+def test_both_of_aiohttps_parsers_errors_are_redacted(parser):
+    """The C parser (what serving uses) and the pure-Python one (AIOHTTP_NO_EXTENSIONS)
+    quote a refused request differently; neither quote keeps a credential."""
+    from unittest import mock
+
+    from aiohttp import http_parser
+
+    from relay.listen import redact_parser_message
+    loop = asyncio.new_event_loop()
+    try:
+        for head in (b"GET / HTTP/1.1\r\nx-api-key: " + SECRET_KEY.encode() + b"\x01\r\n\r\n",
+                     b"GET / HTTP/1.1\r\nx-api-key: " + SECRET_KEY.encode() * 400 + b"\r\n\r\n",
+                     b"GET /?token=" + SECRET_KEY.encode() + b"\x01 HTTP/1.1\r\n\r\n"):
+            found = getattr(http_parser, parser)(mock.Mock(), loop, 2 ** 16,
+                                                 max_line_size=8190, max_field_size=8190)
+            with pytest.raises(http_parser.BadHttpMessage) as raised:
+                found.feed_data(head)
+            text = raised.value.message
+            assert SECRET_KEY[:16] in text  # what aiohttp says, unredacted
+            assert SECRET_KEY[:16] not in redact_parser_message(text)
+            assert "[redacted]" in redact_parser_message(text)
+    finally:
+        loop.close()
+    plain = "Invalid header token:\n\n  b'Host: 127.0.0.1'\n     ^"
+    assert redact_parser_message(plain) == plain  # nothing secret: left as it is
+
+
+CLOSE = b"Connection: close\r\n"
+ODD_TARGETS = [
+    (b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n" + CLOSE + b"\r\n", 405),
+    (b"OPTIONS * HTTP/1.1\r\nHost: 127.0.0.1\r\n" + CLOSE + b"\r\n", 405),
+    (b"GET /v1/models%0d%0aX-Injected:%20yes HTTP/1.1\r\nHost: 127.0.0.1\r\n" + CLOSE
+     + b"\r\n", 400),
+    (b"GET /%0a HTTP/1.1\r\nHost: 127.0.0.1\r\n" + CLOSE + b"\r\n", 400),
+    (b"POST /v1/messages%0D%0A HTTP/1.1\r\nHost: 127.0.0.1\r\n" + CLOSE
+     + b"Content-Length: 2\r\nContent-Type: application/json\r\n\r\n{}", 400),
+]
+
+
+def test_targets_the_router_matches_to_nothing_are_answered_in_anthropic_format(small_relay):
+    for head, status in ODD_TARGETS:
+        with connect(small_relay.url) as sock:
+            sock.sendall(head)
+            answer = read_answer(sock)
+        assert int(answer.split(b" ", 2)[1]) == status, answer[:300]
+        headers, body = answer.split(b"\r\n\r\n", 1)
+        assert b"application/json" in headers.lower()
+        doc = orjson.loads(body)
+        assert is_anthropic_error(doc, status)
+        assert f"x-relay-request-id: {doc['request_id']}".encode() in headers
+        assert b"X-Injected" not in headers
+    assert "Traceback" not in small_relay.output()

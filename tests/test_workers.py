@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -282,6 +283,47 @@ def test_workers_whose_supervisor_is_killed_drain_and_exit(tmp_path, emulator):
         time.sleep(0.1)
     assert not any(Path(f"/proc/{pid}").exists() for pid in pids)
     assert refuses_connections(relay.url)
+
+
+def metrics_dirs(parent: Path) -> list[Path]:
+    return sorted(parent.glob("relay-metrics-*"))
+
+
+def test_a_killed_supervisors_metrics_directory_is_removed_at_the_next_start(tmp_path,
+                                                                             emulator):
+    emu = emulator()
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    # Directories still in use are kept: one whose maker lives (this test), one whose maker is
+    # gone but whose writer lives.
+    alive = temp / f"relay-metrics-{os.getpid()}-alive"
+    alive.mkdir()
+    orphan = temp / "relay-metrics-999999999-orphan"
+    orphan.mkdir()
+    (orphan / f"counter_{os.getpid()}.db").write_bytes(b"")
+    config = {"pipeline": ["metrics"], "backends": [backend(emu.url)]}
+    first = Relay(config, tmp_path, env={"TMPDIR": str(temp)}, args=["--workers", "2"])
+    pids = worker_pids(first.pid)
+    with urllib.request.urlopen(first.url + "/metrics", timeout=10) as response:
+        assert response.status == 200  # the workers have written into their directory
+    (left,) = [d for d in metrics_dirs(temp) if d not in (alive, orphan)]
+    assert left.name.startswith(f"relay-metrics-{first.pid}-")
+    os.kill(first.pid, signal.SIGKILL)
+    first.proc.wait(5)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in pids):
+        time.sleep(0.1)
+    assert left.is_dir()  # nothing could remove it
+    second = Relay(config, tmp_path, env={"TMPDIR": str(temp)}, args=["--workers", "2"])
+    try:
+        assert not left.exists()
+        assert alive.is_dir() and orphan.is_dir()
+        (mine,) = [d for d in metrics_dirs(temp) if d not in (alive, orphan)]
+        assert mine.name.startswith(f"relay-metrics-{second.pid}-")
+        assert "removed 1 metrics directory left by relays that were killed" in second.output()
+    finally:
+        second.stop()
+    assert metrics_dirs(temp) == [alive, orphan]  # a clean stop removes its own
 
 
 def test_the_port_of_a_running_relay_is_not_shared_by_accident(tmp_path, emulator):

@@ -924,7 +924,10 @@ def create_app(options: EmulatorOptions) -> web.Application:
 async def serve(options: EmulatorOptions, make_app=None) -> None:
     """Serve until SIGINT or SIGTERM, announcing the bound address on stdout. ``make_app``
     builds the application from the options (this emulator's, unless another format's)."""
-    runner = web.AppRunner((make_app or create_app)(options), access_log=None)
+    # A stopping emulator does not wait for answers held back by --delay-ms (aiohttp's
+    # default waits up to 60 s for handlers).
+    runner = web.AppRunner((make_app or create_app)(options), access_log=None,
+                           shutdown_timeout=1.0)
     await runner.setup()
     try:
         site = web.TCPSite(runner, options.host, options.port)
