@@ -307,14 +307,21 @@ def _system_problem(messages) -> str | None:
     return None
 
 
+# The server-tool results whose refusal without a server_tool_use is on record: the advisor's
+# (claude-code#64383 and others) and web search's (quoted in greenthread-ai/klaudia).
+_RESULTS_NEEDING_A_USE = ("advisor_tool_result", "web_search_tool_result")
+
+
 def _server_result_problem(convo) -> str | None:
-    # Only the advisor tool's wording is on record (claude-code#64383 and others).
+    # Any earlier server_tool_use will do, in this turn or before: the API answers a server tool
+    # called beside client tools on the next request, in the next assistant turn.
     started: set = set()
     for n, message in convo:
         for k, block in enumerate(_blocks(message)):
             if block["type"] == "server_tool_use":
                 started.add(str(block.get("id")))
-            elif block["type"] == "advisor_tool_result" and str(block.get("tool_use_id")) not in started:
+            elif block["type"] in _RESULTS_NEEDING_A_USE \
+                    and str(block.get("tool_use_id")) not in started:
                 kind = block["type"]
                 return (f"messages.{n}.content.{k}: unexpected `tool_use_id` found in `{kind}` "
                         f"blocks: {block.get('tool_use_id')}. Each `{kind}` block must have a "
