@@ -169,6 +169,76 @@ def test_server_tools_and_system_entries_pass():
     assert [(n["action"], n["location"]) for n in exchange.timeline] == [("unsure", "messages.1.content.5")]
 
 
+def server_use(tool_use_id, name="web_search"):
+    return {"type": "server_tool_use", "id": tool_use_id, "name": name, "input": {}}
+
+
+def server_result(tool_use_id, kind="web_search_tool_result"):
+    return {"type": kind, "tool_use_id": tool_use_id, "content": []}
+
+
+def alone_text(index, k, kind, id):
+    return (f"messages.{index}.content.{k}: unexpected `tool_use_id` found in `{kind}` blocks: "
+            f"{id}. Each `{kind}` block must have a corresponding `server_tool_use` block before it.")
+
+
+@pytest.mark.parametrize("mode", ["reject", "repair"])
+@pytest.mark.parametrize("messages, k", [
+    ([user(text("news?")), assistant(server_result("srvtoolu_1"), text("Based on that"))], 0),
+    # Before its own call in the message (greenthread-ai/klaudia: "a result that precedes its
+    # call is rejected").
+    ([user(text("news?")), assistant(text("x"), server_result("srvtoolu_1"), server_use("srvtoolu_1"))], 1),
+    # A server result does not pair with a client call of the same id.
+    ([user(text("news?")), assistant(use("srvtoolu_1")), user(result("srvtoolu_1")),
+      assistant(server_result("srvtoolu_1"))], 0),
+])
+def test_a_web_search_result_with_no_call_before_it_is_refused(messages, k, mode):
+    body = request(*messages)
+    index = len(messages) - 1
+    assert rejection(body, {"pairing_mode": mode}) == alone_text(index, k, "web_search_tool_result",
+                                                                 "srvtoolu_1")
+
+
+def test_a_server_result_in_the_turn_after_its_deferred_call_passes_without_a_note():
+    # The API runs a server tool called beside client tools on the next request (docs: server
+    # tools), and a programmatic run ends in a code_execution_tool_result turns later.
+    body = request(user(text("search and look")),
+                   assistant(server_use("srvtoolu_1"), use("toolu_a")), user(result("toolu_a")),
+                   assistant(server_result("srvtoolu_1"), server_use("srvtoolu_2", "code_execution"),
+                             {**use("toolu_b"), "caller": {"type": "code_execution_20260120",
+                                                           "tool_id": "srvtoolu_2"}}),
+                   user(result("toolu_b")),
+                   assistant(server_result("srvtoolu_2", "code_execution_tool_result"), text("done")))
+    assert passes(body).timeline == []
+
+
+def test_a_server_result_split_from_a_turn_without_client_calls_goes_up_noted():
+    # The shape of the advisor reports (claude-code#65938 and others), whose refused requests
+    # may have lost the server_tool_use on the way: forwarded, noted at the result.
+    body = request(user(text("ask")), assistant(text("asking"), server_use("srvtoolu_1", "advisor")),
+                   user(text("The user named this session.")),
+                   assistant(server_result("srvtoolu_1", "advisor_tool_result"), text("done")))
+    exchange = passes(body)
+    assert [(n["action"], n["location"]) for n in exchange.timeline] == [("unsure", "messages.3.content.0")]
+    assert "earlier assistant turn" in exchange.timeline[0]["reason"]
+    # A pause_turn continuation in the next assistant message is the same turn: nothing to note.
+    body = request(user(text("research")), assistant(text("searching"), server_use("srvtoolu_1")),
+                   assistant(server_result("srvtoolu_1"), text("found")))
+    assert passes(body).timeline == []
+
+
+@pytest.mark.parametrize("kind", ["web_fetch_tool_result", "bash_code_execution_tool_result",
+                                  "text_editor_code_execution_tool_result",
+                                  "tool_search_tool_result", "mcp_tool_result"])
+def test_other_server_results_without_a_call_go_up_noted(kind):
+    exchange = passes(request(user(text("go")), assistant(text("x"), server_result("srvtoolu_1", kind))))
+    assert [(n["action"], n["location"]) for n in exchange.timeline] == [("unsure", "messages.1.content.1")]
+    assert passes(request(user(text("go")), assistant(
+        {"type": "mcp_tool_use", "id": "mcptoolu_1", "name": "f", "server_name": "s", "input": {}}
+        if kind == "mcp_tool_result" else server_use("srvtoolu_1"),
+        server_result("mcptoolu_1" if kind == "mcp_tool_result" else "srvtoolu_1", kind)))).timeline == []
+
+
 def test_a_system_entry_must_precede_an_assistant_message_or_end_the_array():
     # claude-code#73821; so nothing may stand between calls and their results.
     body = request(user(text("go")), assistant(use("toolu_a")),
