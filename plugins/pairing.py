@@ -13,8 +13,11 @@ the ``ordering`` plugin's business). Refused here, in the API's words: a call le
 result (the error names the first message of the turn that should have answered it), a result
 for no call of the previous turn, a call answered twice, a repeated ``tool_use`` id, a
 ``tool_result`` in an assistant message or a ``tool_use`` in a user message, an empty message
-other than a final assistant one, a ``role: "system"`` entry followed by a user message, and an
-``advisor_tool_result`` or ``web_search_tool_result`` with no ``server_tool_use`` before it.
+other than a final assistant one, a ``role: "system"`` entry followed by a user message, an
+``advisor_tool_result`` or ``web_search_tool_result`` with no ``server_tool_use`` before it, and
+a ``web_search`` or ``web_fetch`` call left without its result by a user turn that closes its
+turn: any user turn after a paused call, and one that adds to the results of client calls made
+beside a deferred call.
 
 A server tool's result may come in a later assistant turn than its ``server_tool_use``: the API
 defers a server tool called alongside client tools to the next request, and programmatic calls
@@ -25,8 +28,8 @@ What the API's answer is unknown for is forwarded, with an ``unsure`` entry on t
 history ending with unanswered calls (a prefill, which some models refuse in other words), a
 system entry first, other server-tool results without their ``server_tool_use``, a result whose
 ``server_tool_use`` is in an earlier turn that made no client call (nothing there for the API to
-defer), and a turn answering programmatic calls (``caller`` other than ``direct``) that holds
-more than results.
+defer), other server calls closed without their result, and a turn answering programmatic calls
+(``caller`` other than ``direct``) that holds more than results.
 
 Options (a backend's ``quirks:`` may set the same key and wins):
   ``pairing_mode``: ``reject`` (default) answers 400 with the API's wording and the first
@@ -79,6 +82,9 @@ _SERVER_USES = frozenset({"server_tool_use", "mcp_tool_use"})
 # result only a note is made.
 _REFUSED_WITHOUT_USE = {"advisor_tool_result": "advisor-result-without-use",
                         "web_search_tool_result": "web-search-result-without-use"}
+# Server tools whose call closed without a result the API is known to refuse, in its words (the
+# docs quote web_fetch's, public reports web_search's); for the others only a note is made.
+_OPEN_CALL_REFUSED = frozenset({"web_search", "web_fetch"})
 
 # ``caller`` as models send it on ordinary calls (as the client's JSON text, or decoded).
 _DIRECT = {"type": "direct"}
@@ -179,6 +185,13 @@ def _server_result_alone(index: int, k: int, kind: str, tool_use_id) -> Problem:
                    rule=_REFUSED_WITHOUT_USE[kind])
 
 
+def _open_server_call(index: int, k: int, name: str, tool_use_id: str, rule: str) -> Problem:
+    location = f"messages.{index}"
+    return Problem(location, f"{location}: `{name}` tool use with id `{tool_use_id}` was found "
+                             f"without a corresponding `{name}_tool_result` block", index, k,
+                   rule=rule)
+
+
 def _clean(messages: list, unique_ids: bool) -> bool:
     """True when ``messages`` certainly break no rule of this plugin; False means "look closer".
 
@@ -224,6 +237,9 @@ def _clean(messages: list, unique_ids: bool) -> bool:
                             if kind == "tool_result" or servers is None \
                                     or block["tool_use_id"] not in servers:
                                 return False
+                            servers.discard(block["tool_use_id"])
+                    if servers:  # a server call left open (deferred, or paused): the full walk's
+                        return False
                     if pending is not None:
                         if seen is not None:
                             size = len(seen)
@@ -322,6 +338,7 @@ def _check(messages: list, unique_ids: bool) -> tuple[list[Problem], list[Unsure
     unsure: list[Unsure] = []
     _check_messages(messages, unique_ids, problems, unsure)
     _check_server_results(messages, problems, unsure)
+    _check_open_server_calls(messages, problems, unsure)
     _check_turns(messages, problems, unsure)
     problems.sort(key=lambda p: (p.index, p.block))
     return problems, unsure
@@ -413,6 +430,96 @@ def _judge_server_result(i: int, k: int, kind: str, tool_use_id, turn: int, uses
         unsure.append(Unsure(location, f"a {kind} block whose server_tool_use is in an earlier "
                                        f"assistant turn that made no client call: the API's "
                                        f"answer is not known"))
+
+
+def _check_open_server_calls(messages: list, problems: list, unsure: list) -> None:
+    """Server tool calls with no result after them, in an assistant turn the next user turn
+    closes. The API runs a server call left open (``pause_turn``, or deferred beside client calls)
+    at the start of the next request only if that request ends with the paused turn, or with a
+    user turn of nothing but the client calls' results (docs: server tools, "Mixing server tools
+    and client tools in one turn")."""
+    results: dict = {}  # a server result's tool_use_id -> where its last result is
+    for i, message in enumerate(messages):
+        if type(message) is dict and message.get("role") == "assistant":
+            for _, k, block in _blocks(messages, [i]):
+                kind = block.get("type")
+                if type(kind) is str and kind.endswith("_tool_result") and kind != "tool_result" \
+                        and type(block.get("tool_use_id")) is str:
+                    results[block["tool_use_id"]] = (i, k)
+    found = turns(messages)
+    for position, (role, indexes) in enumerate(found[:-1]):
+        if role != "assistant":
+            continue
+        blocks = list(_blocks(messages, indexes))
+        # Server calls made from code execution are the programmatic run's business.
+        open_calls = [(i, k, block) for i, k, block in blocks
+                      if _kind(block) in _SERVER_USES and type(block.get("id")) is str
+                      and results.get(block["id"], (-1, -1)) <= (i, k) and not _programmatic(block)]
+        if not open_calls:
+            continue
+        closed = _closes(messages, blocks, found[position + 1][1])
+        if closed is None:
+            continue
+        for i, k, block in open_calls:
+            name = _decoded(block.get("name"))
+            if not closed:
+                # Continued: the call runs now, or its result leads the next assistant turn.
+                if position + 2 < len(found) and block["id"] not in results:
+                    unsure.append(Unsure(f"messages.{i}", f"a {block.get('type')} deferred beside "
+                                                          f"client calls has no result after their "
+                                                          f"results: the API's answer is not known"))
+            elif block["type"] == "server_tool_use" and type(name) is str \
+                    and name in _OPEN_CALL_REFUSED:
+                problems.append(_open_server_call(i, k, name, block["id"], closed))
+            else:
+                unsure.append(Unsure(f"messages.{i}", f"a {block.get('type')} left open before a "
+                                                      f"user turn: the API's words are recorded only "
+                                                      f"for {' and '.join(sorted(_OPEN_CALL_REFUSED))}"))
+
+
+def _decoded(item):
+    """A block's value as JSON gives it (the skeleton leaves names as raw JSON text)."""
+    try:
+        return skeleton.value(item)
+    except ValueError:
+        return None
+
+
+def _kind(block: dict) -> str | None:
+    kind = block.get("type")
+    return kind if type(kind) is str else None
+
+
+def _closes(messages: list, blocks: list, answering: list[int]) -> str | None:
+    """The rule by which the user turn at ``answering`` closes an assistant turn holding an open
+    server call (its id in relay/evidence.json); ``""`` when it continues the turn (nothing but
+    the client calls' results); None when the client calls' own pairing is at fault (the API
+    names that first)."""
+    calls = []
+    for _, _, block in blocks:
+        kind = block.get("type")
+        if kind == "tool_use":
+            calls.append(block.get("id"))
+        elif kind == "text" and calls:
+            return None  # text after a client call: the client call's error comes first
+    if not calls:
+        return "paused-server-call-not-last"
+    kinds = []
+    answered = []
+    for i in answering:
+        content = messages[i].get("content")
+        if type(content) is str:
+            kinds.append("text")
+        for _, _, block in _blocks(messages, [i]):
+            kinds.append(block.get("type"))
+            if block.get("type") == "tool_result":
+                answered.append(block.get("tool_use_id"))
+    lead = 0
+    while lead < len(kinds) and kinds[lead] == "tool_result":
+        lead += 1
+    if lead != len(answered) or sorted(map(str, answered)) != sorted(map(str, calls)):
+        return None
+    return "deferred-server-call-closed" if lead < len(kinds) else ""
 
 
 def _check_turns(messages: list, problems: list, unsure: list) -> None:

@@ -239,6 +239,59 @@ def test_other_server_results_without_a_call_go_up_noted(kind):
         server_result("mcptoolu_1" if kind == "mcp_tool_result" else "srvtoolu_1", kind)))).timeline == []
 
 
+def open_text(index, name, id):
+    return (f"messages.{index}: `{name}` tool use with id `{id}` was found without a corresponding "
+            f"`{name}_tool_result` block")
+
+
+def deferred(*answer, name="web_fetch"):
+    """A server call deferred beside a client call (docs: server tools, "Mixing server tools and
+    client tools in one turn"), then the user turn ``answer``."""
+    return request(user(text("fetch it and run it")),
+                   assistant(text("both"), server_use("srvtoolu_1", name), use("toolu_a")), *answer)
+
+
+@pytest.mark.parametrize("mode", ["reject", "repair"])
+@pytest.mark.parametrize("answer", [
+    [user(result("toolu_a"), text("What next?"))],
+    [user(result("toolu_a")), user(text("and this"))],  # peer user messages are the same turn
+    [user(result("toolu_a")), {"role": "user", "content": "a plain string too"}],
+])
+def test_a_user_turn_that_adds_to_the_results_of_a_deferred_call_is_refused(answer, mode):
+    assert rejection(deferred(*answer), {"pairing_mode": mode}) == open_text(1, "web_fetch", "srvtoolu_1")
+
+
+def test_a_deferred_call_continued_by_the_results_alone_passes():
+    assert passes(deferred(user(result("toolu_a")))).timeline == []
+    # The client's pairing faults come first, in the client tool's words (the docs say so too).
+    rules = [[p.rule for p in pairing.check(deferred(answer)["messages"])[0]]
+             for answer in (user(text("first"), result("toolu_a")), user(text("no results")))]
+    assert rules == [[], ["unanswered-call"]]  # the first is ordering's to refuse
+    # Its result missing from the turn after: unknown, noted.
+    exchange = passes(deferred(user(result("toolu_a")), assistant(text("done")), user(text("ok"))))
+    assert [(n["action"], n["location"]) for n in exchange.timeline] == [("unsure", "messages.1")]
+
+
+def test_a_paused_server_call_must_stay_the_last_message():
+    paused = [user(text("research")), assistant(text("searching"), server_use("srvtoolu_1"))]
+    assert passes(request(*paused)).timeline == []  # the pause_turn continuation
+    assert rejection(request(*paused, user(text("never mind")))) == open_text(1, "web_search", "srvtoolu_1")
+    # Its result later in the same turn, or a call from code execution: nothing to say.
+    passes(request(*paused, assistant(server_result("srvtoolu_1"), text("found")), user(text("ok"))))
+    from_code = {**server_use("srvtoolu_2"), "caller": {"type": "code_execution_20260120",
+                                                        "tool_id": "srvtoolu_3"}}
+    assert passes(request(user(text("go")), assistant(from_code), user(text("ok")))).timeline == []
+
+
+@pytest.mark.parametrize("block", [server_use("srvtoolu_1", "advisor"),
+                                   server_use("srvtoolu_1", "code_execution"),
+                                   {"type": "mcp_tool_use", "id": "srvtoolu_1", "name": "f",
+                                    "server_name": "s", "input": {}}])
+def test_other_server_calls_left_open_go_up_noted(block):
+    exchange = passes(request(user(text("go")), assistant(text("x"), block), user(text("next"))))
+    assert [(n["action"], n["location"]) for n in exchange.timeline] == [("unsure", "messages.1")]
+
+
 def test_a_system_entry_must_precede_an_assistant_message_or_end_the_array():
     # claude-code#73821; so nothing may stand between calls and their results.
     body = request(user(text("go")), assistant(use("toolu_a")),
