@@ -438,9 +438,11 @@ def _check_open_server_calls(messages: list, problems: list, unsure: list) -> No
     at the start of the next request only if that request ends with the paused turn, or with a
     user turn of nothing but the client calls' results (docs: server tools, "Mixing server tools
     and client tools in one turn")."""
-    results: dict = {}  # a server result's tool_use_id -> where its last result is
+    # A server result's tool_use_id -> where its last result is; one misplaced in a user message
+    # counts too, as that fault is the API's to word.
+    results: dict = {}
     for i, message in enumerate(messages):
-        if type(message) is dict and message.get("role") == "assistant":
+        if type(message) is dict:
             for _, k, block in _blocks(messages, [i]):
                 kind = block.get("type")
                 if type(kind) is str and kind.endswith("_tool_result") and kind != "tool_result" \

@@ -345,12 +345,11 @@ def _open_server_call_problem(convo) -> str | None:
             groups[-1][1].append((n, message))
         else:
             groups.append([message["role"], [(n, message)]])
-    answered_at = {}
+    answered_at = {}  # a result in a user message answers too: its fault is worded elsewhere
     for n, message in convo:
-        if message["role"] == "assistant":
-            for k, block in enumerate(_blocks(message)):
-                if block["type"].endswith("_tool_result") and block["type"] != "tool_result":
-                    answered_at[str(block.get("tool_use_id"))] = (n, k)
+        for k, block in enumerate(_blocks(message)):
+            if block["type"].endswith("_tool_result") and block["type"] != "tool_result":
+                answered_at[str(block.get("tool_use_id"))] = (n, k)
     for g in range(len(groups) - 1):
         role, members = groups[g]
         if role != "assistant":
