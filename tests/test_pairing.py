@@ -239,6 +239,31 @@ def test_other_server_results_without_a_call_go_up_noted(kind):
         server_result("mcptoolu_1" if kind == "mcp_tool_result" else "srvtoolu_1", kind)))).timeline == []
 
 
+def sdk_result_kinds() -> set[str]:
+    """The server-tool result block types the installed anthropic SDK declares."""
+    import importlib.util
+    import re
+    from pathlib import Path
+
+    kinds = set()
+    # Found, not imported: importing the SDK takes seconds.
+    types = Path(importlib.util.find_spec("anthropic").origin).parent / "types"
+    for path in [*types.glob("*tool_result_block*.py"), *types.glob("beta/*tool_result_block*.py")]:
+        kinds.update(re.findall(r'Literal\["([a-z_]+_tool_result)"\]', path.read_text()))
+    return kinds - {"tool_result"}
+
+
+def test_every_server_result_kind_the_sdk_declares_is_refused_or_noted_when_alone():
+    kinds = sdk_result_kinds()
+    assert {"advisor_tool_result", "web_search_tool_result", "code_execution_tool_result"} <= kinds
+    for kind in sorted(kinds):
+        body = request(user(text("go")), assistant(text("x"), server_result("srvtoolu_1", kind)))
+        if kind in ("advisor_tool_result", "web_search_tool_result"):
+            assert rejection(body) == alone_text(1, 1, kind, "srvtoolu_1")
+        else:
+            assert [n["location"] for n in passes(body).timeline] == ["messages.1.content.1"], kind
+
+
 def open_text(index, name, id):
     return (f"messages.{index}: `{name}` tool use with id `{id}` was found without a corresponding "
             f"`{name}_tool_result` block")
