@@ -7,7 +7,10 @@ test_evidence.py; generated histories with several faults in test_history_proper
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
+import re
+from pathlib import Path
 
 import orjson
 import pytest
@@ -241,10 +244,6 @@ def test_other_server_results_without_a_call_go_up_noted(kind):
 
 def sdk_result_kinds() -> set[str]:
     """The server-tool result block types the installed anthropic SDK declares."""
-    import importlib.util
-    import re
-    from pathlib import Path
-
     kinds = set()
     # Found, not imported: importing the SDK takes seconds.
     types = Path(importlib.util.find_spec("anthropic").origin).parent / "types"
