@@ -13,13 +13,23 @@ the ``ordering`` plugin's business). Refused here, in the API's words: a call le
 result (the error names the first message of the turn that should have answered it), a result
 for no call of the previous turn, a call answered twice, a repeated ``tool_use`` id, a
 ``tool_result`` in an assistant message or a ``tool_use`` in a user message, an empty message
-other than a final assistant one, a ``role: "system"`` entry followed by a user message, and an
-``advisor_tool_result`` with no ``server_tool_use`` before it.
+other than a final assistant one, a ``role: "system"`` entry followed by a user message, an
+``advisor_tool_result`` or ``web_search_tool_result`` with no ``server_tool_use`` before it, and
+a ``web_search`` or ``web_fetch`` call left without its result by a user turn that closes its
+turn: any user turn after a paused call, and one that adds to the results of client calls made
+beside a deferred call.
+
+A server tool's result may come in a later assistant turn than its ``server_tool_use``: the API
+defers a server tool called alongside client tools to the next request, and programmatic calls
+end in a ``code_execution_tool_result`` turns later. So a result is judged against every
+``server_tool_use`` (or ``mcp_tool_use``) before it, not only its own turn's.
 
 What the API's answer is unknown for is forwarded, with an ``unsure`` entry on the timeline: a
 history ending with unanswered calls (a prefill, which some models refuse in other words), a
-system entry first, other server-tool results without their ``server_tool_use``, and a turn
-answering programmatic calls (``caller`` other than ``direct``) that holds more than results.
+system entry first, other server-tool results without their ``server_tool_use``, a result whose
+``server_tool_use`` is in an earlier turn that made no client call (nothing there for the API to
+defer), other server calls closed without their result, and a turn answering programmatic calls
+(``caller`` other than ``direct``) that holds more than results.
 
 Options (a backend's ``quirks:`` may set the same key and wins):
   ``pairing_mode``: ``reject`` (default) answers 400 with the API's wording and the first
@@ -65,8 +75,16 @@ OPTIONS = (
 NO_RESULT_RECORDED = ("No result was recorded for this tool call. The relay that forwarded "
                       "this conversation cannot tell whether the tool ran or what it did.")
 
-# Server-tool result blocks that pair with a client call, not a server_tool_use.
-_NOT_SERVER_RESULTS = frozenset({"tool_result", "mcp_tool_result"})
+# Blocks a server tool's result pairs with.
+_SERVER_USES = frozenset({"server_tool_use", "mcp_tool_use"})
+# Server-tool results the API is known to refuse with no server_tool_use before them (anywhere
+# earlier in the request), each with its id in relay/evidence.json; for the other kinds of
+# result only a note is made.
+_REFUSED_WITHOUT_USE = {"advisor_tool_result": "advisor-result-without-use",
+                        "web_search_tool_result": "web-search-result-without-use"}
+# Server tools whose call closed without a result the API is known to refuse, in its words (the
+# docs quote web_fetch's, public reports web_search's); for the others only a note is made.
+_OPEN_CALL_REFUSED = frozenset({"web_search", "web_fetch"})
 
 # ``caller`` as models send it on ordinary calls (as the client's JSON text, or decoded).
 _DIRECT = {"type": "direct"}
@@ -164,7 +182,14 @@ def _server_result_alone(index: int, k: int, kind: str, tool_use_id) -> Problem:
     return Problem(location, f"{location}: unexpected `tool_use_id` found in `{kind}` blocks: "
                              f"{_shown(tool_use_id)}. Each `{kind}` block must have a corresponding "
                              f"`server_tool_use` block before it.", index, k,
-                   rule="advisor-result-without-use")
+                   rule=_REFUSED_WITHOUT_USE[kind])
+
+
+def _open_server_call(index: int, k: int, name: str, tool_use_id: str, rule: str) -> Problem:
+    location = f"messages.{index}"
+    return Problem(location, f"{location}: `{name}` tool use with id `{tool_use_id}` was found "
+                             f"without a corresponding `{name}_tool_result` block", index, k,
+                   rule=rule)
 
 
 def _clean(messages: list, unique_ids: bool) -> bool:
@@ -177,7 +202,6 @@ def _clean(messages: list, unique_ids: bool) -> bool:
     """
     try:
         seen = set() if unique_ids else None
-        servers = None
         pending = None
         programmatic = False
         previous = None  # the role of the last message
@@ -189,6 +213,8 @@ def _clean(messages: list, unique_ids: bool) -> bool:
             if role == "assistant":
                 if previous == "assistant" or pending is not None:
                     return False
+                # A result paired with an earlier turn's server_tool_use is for the full walk.
+                servers = None
                 if content.__class__ is list:
                     for block in content:
                         kind = block["type"]
@@ -203,7 +229,7 @@ def _clean(messages: list, unique_ids: bool) -> bool:
                                 pending = [tool_use_id]
                             else:
                                 pending.append(tool_use_id)
-                        elif kind == "server_tool_use":
+                        elif kind == "server_tool_use" or kind == "mcp_tool_use":
                             if servers is None:
                                 servers = set()
                             servers.add(block["id"])
@@ -211,6 +237,9 @@ def _clean(messages: list, unique_ids: bool) -> bool:
                             if kind == "tool_result" or servers is None \
                                     or block["tool_use_id"] not in servers:
                                 return False
+                            servers.discard(block["tool_use_id"])
+                    if servers:  # a server call left open (deferred, or paused): the full walk's
+                        return False
                     if pending is not None:
                         if seen is not None:
                             size = len(seen)
@@ -308,6 +337,8 @@ def _check(messages: list, unique_ids: bool) -> tuple[list[Problem], list[Unsure
     problems: list[Problem] = []
     unsure: list[Unsure] = []
     _check_messages(messages, unique_ids, problems, unsure)
+    _check_server_results(messages, problems, unsure)
+    _check_open_server_calls(messages, problems, unsure)
     _check_turns(messages, problems, unsure)
     problems.sort(key=lambda p: (p.index, p.block))
     return problems, unsure
@@ -319,7 +350,6 @@ def _check_messages(messages: list, unique_ids: bool, problems: list, unsure: li
                       if type(m) is dict and m.get("role") in ("user", "assistant")]
     last = conversational[-1] if conversational else -1
     seen = set() if unique_ids else None
-    servers: set = set()
     for i, message in enumerate(messages):
         if type(message) is not dict:
             continue
@@ -356,24 +386,142 @@ def _check_messages(messages: list, unique_ids: bool, problems: list, unsure: li
                         problems.append(_duplicate_id(i, k))
                     else:
                         seen.add(tool_use_id)
-            elif kind == "server_tool_use":
-                if type(block.get("id")) is str:
-                    servers.add(block["id"])
             elif kind == "tool_result":
                 if not flagged:
                     problems.append(_wrong_role(i, "tool_result", "user"))
                     flagged = True
-            elif type(kind) is str and kind.endswith("_tool_result") \
-                    and kind not in _NOT_SERVER_RESULTS:
-                tool_use_id = block.get("tool_use_id")
-                if type(tool_use_id) is str and tool_use_id in servers:
-                    continue
-                if kind == "advisor_tool_result":
-                    problems.append(_server_result_alone(i, k, kind, tool_use_id))
-                else:
-                    unsure.append(Unsure(f"messages.{i}.content.{k}",
-                                         f"a {kind} block without a server_tool_use before it: "
-                                         f"only the API's answer for advisor_tool_result is known"))
+
+
+def _check_server_results(messages: list, problems: list, unsure: list) -> None:
+    """Each server tool's result in an assistant turn against the ``server_tool_use`` (or
+    ``mcp_tool_use``) blocks before it, in this turn or an earlier one."""
+    uses: dict = {}  # id -> (its turn, whether that turn made client calls)
+    for turn, (role, indexes) in enumerate(turns(messages)):
+        if role != "assistant":
+            continue
+        blocks = list(_blocks(messages, indexes))
+        calls = any(block.get("type") == "tool_use" for _, _, block in blocks)
+        for i, k, block in blocks:
+            kind = block.get("type")
+            if type(kind) is not str:
+                continue
+            if kind in _SERVER_USES:
+                if type(block.get("id")) is str:
+                    uses.setdefault(block["id"], (turn, calls))
+            elif kind.endswith("_tool_result") and kind != "tool_result":
+                _judge_server_result(i, k, kind, block.get("tool_use_id"), turn, uses, problems,
+                                     unsure)
+
+
+def _judge_server_result(i: int, k: int, kind: str, tool_use_id, turn: int, uses: dict,
+                         problems: list, unsure: list) -> None:
+    found = uses.get(tool_use_id) if type(tool_use_id) is str else None
+    location = f"messages.{i}.content.{k}"
+    if found is None:
+        if kind in _REFUSED_WITHOUT_USE:
+            problems.append(_server_result_alone(i, k, kind, tool_use_id))
+        else:
+            unsure.append(Unsure(location, f"a {kind} block without a server_tool_use before it: "
+                                           f"the API's answer is recorded only for "
+                                           f"{' and '.join(_REFUSED_WITHOUT_USE)}"))
+    elif found[0] != turn and not found[1]:
+        # Claude Code reports 400s for advisor results split from their call by an injected user
+        # message, but not whether the refused requests still held the server_tool_use.
+        unsure.append(Unsure(location, f"a {kind} block whose server_tool_use is in an earlier "
+                                       f"assistant turn that made no client call: the API's "
+                                       f"answer is not known"))
+
+
+def _check_open_server_calls(messages: list, problems: list, unsure: list) -> None:
+    """Server tool calls with no result after them, in an assistant turn the next user turn
+    closes. The API runs a server call left open (``pause_turn``, or deferred beside client calls)
+    at the start of the next request only if that request ends with the paused turn, or with a
+    user turn of nothing but the client calls' results (docs: server tools, "Mixing server tools
+    and client tools in one turn")."""
+    # A server result's tool_use_id -> where its last result is; one misplaced in a user message
+    # counts too, as that fault is the API's to word.
+    results: dict = {}
+    for i, message in enumerate(messages):
+        if type(message) is dict:
+            for _, k, block in _blocks(messages, [i]):
+                kind = block.get("type")
+                if type(kind) is str and kind.endswith("_tool_result") and kind != "tool_result" \
+                        and type(block.get("tool_use_id")) is str:
+                    results[block["tool_use_id"]] = (i, k)
+    found = turns(messages)
+    for position, (role, indexes) in enumerate(found[:-1]):
+        if role != "assistant":
+            continue
+        blocks = list(_blocks(messages, indexes))
+        # Server calls made from code execution are the programmatic run's business.
+        open_calls = [(i, k, block) for i, k, block in blocks
+                      if _kind(block) in _SERVER_USES and type(block.get("id")) is str
+                      and results.get(block["id"], (-1, -1)) <= (i, k) and not _programmatic(block)]
+        if not open_calls:
+            continue
+        closed = _closes(messages, blocks, found[position + 1][1])
+        if closed is None:
+            continue
+        for i, k, block in open_calls:
+            name = _decoded(block.get("name"))
+            if not closed:
+                # Continued: the call runs now, or its result leads the next assistant turn.
+                if position + 2 < len(found) and block["id"] not in results:
+                    unsure.append(Unsure(f"messages.{i}", f"a {block.get('type')} deferred beside "
+                                                          f"client calls has no result after their "
+                                                          f"results: the API's answer is not known"))
+            elif block["type"] == "server_tool_use" and type(name) is str \
+                    and name in _OPEN_CALL_REFUSED:
+                problems.append(_open_server_call(i, k, name, block["id"], closed))
+            else:
+                unsure.append(Unsure(f"messages.{i}", f"a {block.get('type')} left open before a "
+                                                      f"user turn: the API's words are recorded only "
+                                                      f"for {' and '.join(sorted(_OPEN_CALL_REFUSED))}"))
+
+
+def _decoded(item):
+    """A block's value as JSON gives it (the skeleton leaves names as raw JSON text)."""
+    try:
+        return skeleton.value(item)
+    except ValueError:
+        return None
+
+
+def _kind(block: dict) -> str | None:
+    kind = block.get("type")
+    return kind if type(kind) is str else None
+
+
+def _closes(messages: list, blocks: list, answering: list[int]) -> str | None:
+    """The rule by which the user turn at ``answering`` closes an assistant turn holding an open
+    server call (its id in relay/evidence.json); ``""`` when it continues the turn (nothing but
+    the client calls' results); None when the client calls' own pairing is at fault (the API
+    names that first)."""
+    calls = []
+    for _, _, block in blocks:
+        kind = block.get("type")
+        if kind == "tool_use":
+            calls.append(block.get("id"))
+        elif kind == "text" and calls:
+            return None  # text after a client call: the client call's error comes first
+    if not calls:
+        return "paused-server-call-not-last"
+    kinds = []
+    answered = []
+    for i in answering:
+        content = messages[i].get("content")
+        if type(content) is str:
+            kinds.append("text")
+        for _, _, block in _blocks(messages, [i]):
+            kinds.append(block.get("type"))
+            if block.get("type") == "tool_result":
+                answered.append(block.get("tool_use_id"))
+    lead = 0
+    while lead < len(kinds) and kinds[lead] == "tool_result":
+        lead += 1
+    if lead != len(answered) or sorted(map(str, answered)) != sorted(map(str, calls)):
+        return None
+    return "deferred-server-call-closed" if lead < len(kinds) else ""
 
 
 def _check_turns(messages: list, problems: list, unsure: list) -> None:

@@ -163,6 +163,38 @@ def test_server_tool_blocks_need_no_tool_result():
     assert problem(body) is None
 
 
+def test_advisor_and_web_search_results_need_a_server_tool_use_before_them():
+    search = {"type": "server_tool_use", "id": "srvtoolu_01", "name": "web_search", "input": {}}
+    for kind in ("advisor_tool_result", "web_search_tool_result"):
+        found = {"type": kind, "tool_use_id": "srvtoolu_01", "content": []}
+        assert problem(request(user(text()), assistant(text("x"), found))) == (
+            f"messages.1.content.1: unexpected `tool_use_id` found in `{kind}` blocks: srvtoolu_01. "
+            f"Each `{kind}` block must have a corresponding `server_tool_use` block before it.")
+        assert problem(request(user(text()), assistant(found, search))) is not None
+        # Deferred beside a client call, the result comes in the next assistant turn.
+        assert problem(request(user(text()), assistant(search, use("toolu_a")), user(result("toolu_a")),
+                               assistant(found, text("done")))) is None
+    fetched = {"type": "web_fetch_tool_result", "tool_use_id": "srvtoolu_02", "content": {}}
+    assert problem(request(user(text()), assistant(text("x"), fetched))) is None  # unknown: accepted
+
+
+def test_a_server_call_closed_without_its_result_is_refused():
+    fetch = {"type": "server_tool_use", "id": "srvtoolu_01", "name": "web_fetch", "input": {}}
+    words = ("messages.1: `web_fetch` tool use with id `srvtoolu_01` was found without a "
+             "corresponding `web_fetch_tool_result` block")
+    mixed = [user(text()), assistant(fetch, use("toolu_a"))]
+    assert problem(request(*mixed, user(result("toolu_a")))) is None  # deferred: runs now
+    assert problem(request(*mixed, user(result("toolu_a"), text("and?")))) == words
+    assert problem(request(*mixed, user(result("toolu_a")), {"role": "user", "content": "x"})) == words
+    assert problem(request(*mixed, user(text("first"), result("toolu_a")))) == MISSING.format(
+        n=2, ids="toolu_a")  # the client call's error comes first
+    paused = [user(text()), assistant(text("looking"), fetch)]
+    assert problem(request(*paused)) is None
+    assert problem(request(*paused, user(text("never mind")))) == words
+    advisor = dict(fetch, name="advisor")
+    assert problem(request(user(text()), assistant(advisor), user(text("x")))) is None  # unknown
+
+
 def test_system_entries_must_precede_an_assistant_message_or_end_the_array():
     # Claude Code's shapes: after a user turn, before the assistant's, or last.
     body = request(user(text()), {"role": "system", "content": "be brief"}, assistant(use("toolu_a")),

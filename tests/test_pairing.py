@@ -7,7 +7,10 @@ test_evidence.py; generated histories with several faults in test_history_proper
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
+import re
+from pathlib import Path
 
 import orjson
 import pytest
@@ -167,6 +170,150 @@ def test_server_tools_and_system_entries_pass():
     # code_execution_tool_result without its server_tool_use: only the advisor's refusal is
     # recorded, so this one goes up, noted.
     assert [(n["action"], n["location"]) for n in exchange.timeline] == [("unsure", "messages.1.content.5")]
+
+
+def server_use(tool_use_id, name="web_search"):
+    return {"type": "server_tool_use", "id": tool_use_id, "name": name, "input": {}}
+
+
+def server_result(tool_use_id, kind="web_search_tool_result"):
+    return {"type": kind, "tool_use_id": tool_use_id, "content": []}
+
+
+def alone_text(index, k, kind, id):
+    return (f"messages.{index}.content.{k}: unexpected `tool_use_id` found in `{kind}` blocks: "
+            f"{id}. Each `{kind}` block must have a corresponding `server_tool_use` block before it.")
+
+
+@pytest.mark.parametrize("mode", ["reject", "repair"])
+@pytest.mark.parametrize("messages, k", [
+    ([user(text("news?")), assistant(server_result("srvtoolu_1"), text("Based on that"))], 0),
+    # Before its own call in the message (greenthread-ai/klaudia: "a result that precedes its
+    # call is rejected").
+    ([user(text("news?")), assistant(text("x"), server_result("srvtoolu_1"), server_use("srvtoolu_1"))], 1),
+    # A server result does not pair with a client call of the same id.
+    ([user(text("news?")), assistant(use("srvtoolu_1")), user(result("srvtoolu_1")),
+      assistant(server_result("srvtoolu_1"))], 0),
+])
+def test_a_web_search_result_with_no_call_before_it_is_refused(messages, k, mode):
+    body = request(*messages)
+    index = len(messages) - 1
+    assert rejection(body, {"pairing_mode": mode}) == alone_text(index, k, "web_search_tool_result",
+                                                                 "srvtoolu_1")
+
+
+def test_a_server_result_in_the_turn_after_its_deferred_call_passes_without_a_note():
+    # The API runs a server tool called beside client tools on the next request (docs: server
+    # tools), and a programmatic run ends in a code_execution_tool_result turns later.
+    body = request(user(text("search and look")),
+                   assistant(server_use("srvtoolu_1"), use("toolu_a")), user(result("toolu_a")),
+                   assistant(server_result("srvtoolu_1"), server_use("srvtoolu_2", "code_execution"),
+                             {**use("toolu_b"), "caller": {"type": "code_execution_20260120",
+                                                           "tool_id": "srvtoolu_2"}}),
+                   user(result("toolu_b")),
+                   assistant(server_result("srvtoolu_2", "code_execution_tool_result"), text("done")))
+    assert passes(body).timeline == []
+
+
+def test_a_server_result_split_from_a_turn_without_client_calls_goes_up_noted():
+    # The shape of the advisor reports (claude-code#65938 and others), whose refused requests
+    # may have lost the server_tool_use on the way: forwarded, noted at the result.
+    body = request(user(text("ask")), assistant(text("asking"), server_use("srvtoolu_1", "advisor")),
+                   user(text("The user named this session.")),
+                   assistant(server_result("srvtoolu_1", "advisor_tool_result"), text("done")))
+    exchange = passes(body)
+    assert [(n["action"], n["location"]) for n in exchange.timeline] == [("unsure", "messages.3.content.0")]
+    assert "earlier assistant turn" in exchange.timeline[0]["reason"]
+    # A pause_turn continuation in the next assistant message is the same turn: nothing to note.
+    body = request(user(text("research")), assistant(text("searching"), server_use("srvtoolu_1")),
+                   assistant(server_result("srvtoolu_1"), text("found")))
+    assert passes(body).timeline == []
+
+
+@pytest.mark.parametrize("kind", ["web_fetch_tool_result", "bash_code_execution_tool_result",
+                                  "text_editor_code_execution_tool_result",
+                                  "tool_search_tool_result", "mcp_tool_result"])
+def test_other_server_results_without_a_call_go_up_noted(kind):
+    exchange = passes(request(user(text("go")), assistant(text("x"), server_result("srvtoolu_1", kind))))
+    assert [(n["action"], n["location"]) for n in exchange.timeline] == [("unsure", "messages.1.content.1")]
+    assert passes(request(user(text("go")), assistant(
+        {"type": "mcp_tool_use", "id": "mcptoolu_1", "name": "f", "server_name": "s", "input": {}}
+        if kind == "mcp_tool_result" else server_use("srvtoolu_1"),
+        server_result("mcptoolu_1" if kind == "mcp_tool_result" else "srvtoolu_1", kind)))).timeline == []
+
+
+def sdk_result_kinds() -> set[str]:
+    """The server-tool result block types the installed anthropic SDK declares."""
+    kinds = set()
+    # Found, not imported: importing the SDK takes seconds.
+    types = Path(importlib.util.find_spec("anthropic").origin).parent / "types"
+    for path in [*types.glob("*tool_result_block*.py"), *types.glob("beta/*tool_result_block*.py")]:
+        kinds.update(re.findall(r'Literal\["([a-z_]+_tool_result)"\]', path.read_text()))
+    return kinds - {"tool_result"}
+
+
+def test_every_server_result_kind_the_sdk_declares_is_refused_or_noted_when_alone():
+    kinds = sdk_result_kinds()
+    assert {"advisor_tool_result", "web_search_tool_result", "code_execution_tool_result"} <= kinds
+    for kind in sorted(kinds):
+        body = request(user(text("go")), assistant(text("x"), server_result("srvtoolu_1", kind)))
+        if kind in ("advisor_tool_result", "web_search_tool_result"):
+            assert rejection(body) == alone_text(1, 1, kind, "srvtoolu_1")
+        else:
+            assert [n["location"] for n in passes(body).timeline] == ["messages.1.content.1"], kind
+
+
+def open_text(index, name, id):
+    return (f"messages.{index}: `{name}` tool use with id `{id}` was found without a corresponding "
+            f"`{name}_tool_result` block")
+
+
+def deferred(*answer, name="web_fetch"):
+    """A server call deferred beside a client call (docs: server tools, "Mixing server tools and
+    client tools in one turn"), then the user turn ``answer``."""
+    return request(user(text("fetch it and run it")),
+                   assistant(text("both"), server_use("srvtoolu_1", name), use("toolu_a")), *answer)
+
+
+@pytest.mark.parametrize("mode", ["reject", "repair"])
+@pytest.mark.parametrize("answer", [
+    [user(result("toolu_a"), text("What next?"))],
+    [user(result("toolu_a")), user(text("and this"))],  # peer user messages are the same turn
+    [user(result("toolu_a")), {"role": "user", "content": "a plain string too"}],
+])
+def test_a_user_turn_that_adds_to_the_results_of_a_deferred_call_is_refused(answer, mode):
+    assert rejection(deferred(*answer), {"pairing_mode": mode}) == open_text(1, "web_fetch", "srvtoolu_1")
+
+
+def test_a_deferred_call_continued_by_the_results_alone_passes():
+    assert passes(deferred(user(result("toolu_a")))).timeline == []
+    # The client's pairing faults come first, in the client tool's words (the docs say so too).
+    rules = [[p.rule for p in pairing.check(deferred(answer)["messages"])[0]]
+             for answer in (user(text("first"), result("toolu_a")), user(text("no results")))]
+    assert rules == [[], ["unanswered-call"]]  # the first is ordering's to refuse
+    # Its result missing from the turn after: unknown, noted.
+    exchange = passes(deferred(user(result("toolu_a")), assistant(text("done")), user(text("ok"))))
+    assert [(n["action"], n["location"]) for n in exchange.timeline] == [("unsure", "messages.1")]
+
+
+def test_a_paused_server_call_must_stay_the_last_message():
+    paused = [user(text("research")), assistant(text("searching"), server_use("srvtoolu_1"))]
+    assert passes(request(*paused)).timeline == []  # the pause_turn continuation
+    assert rejection(request(*paused, user(text("never mind")))) == open_text(1, "web_search", "srvtoolu_1")
+    # Its result later in the same turn, or a call from code execution: nothing to say.
+    passes(request(*paused, assistant(server_result("srvtoolu_1"), text("found")), user(text("ok"))))
+    from_code = {**server_use("srvtoolu_2"), "caller": {"type": "code_execution_20260120",
+                                                        "tool_id": "srvtoolu_3"}}
+    assert passes(request(user(text("go")), assistant(from_code), user(text("ok")))).timeline == []
+
+
+@pytest.mark.parametrize("block", [server_use("srvtoolu_1", "advisor"),
+                                   server_use("srvtoolu_1", "code_execution"),
+                                   {"type": "mcp_tool_use", "id": "srvtoolu_1", "name": "f",
+                                    "server_name": "s", "input": {}}])
+def test_other_server_calls_left_open_go_up_noted(block):
+    exchange = passes(request(user(text("go")), assistant(text("x"), block), user(text("next"))))
+    assert [(n["action"], n["location"]) for n in exchange.timeline] == [("unsure", "messages.1")]
 
 
 def test_a_system_entry_must_precede_an_assistant_message_or_end_the_array():

@@ -16,7 +16,7 @@ Validation order, first problem wins: the body's shape (fields, block fields, id
 which role may hold which block), then where ``role: "system"`` entries stand, then content
 (empty messages and text blocks), then tool_use id uniqueness (and, with ``expect_own_ids``,
 provenance), then server-tool results without their ``server_tool_use``, then pairing, then
-thinking signatures. Pairing is judged the way the API reads a history: consecutive messages of
+server calls a user turn closed without their result, then thinking signatures. Pairing is judged the way the API reads a history: consecutive messages of
 one role form one turn; a turn's calls must be its last blocks; the next turn must open with
 their results (an unknown or repeated ``tool_use_id`` is named at its block); a call left
 without a result in that leading run is named at the first message of that turn. A history
@@ -205,6 +205,7 @@ def find_problem(body, options: EmulatorOptions, *, needs_max_tokens: bool = Tru
     convo = [(n, m) for n, m in enumerate(messages) if m["role"] != "system"]
     return (_system_problem(messages) or _content_problem(convo) or _id_problem(convo, options)
             or _server_result_problem(convo) or _pairing_problem(convo)
+            or _open_server_call_problem(convo)
             or _signature_problem(convo, options.signing_key)
             or _final_thinking_problem(convo, body.get("thinking")))
 
@@ -307,18 +308,73 @@ def _system_problem(messages) -> str | None:
     return None
 
 
+# The server-tool results whose refusal without a server_tool_use is on record: the advisor's
+# (claude-code#64383 and others) and web search's (quoted in greenthread-ai/klaudia).
+_RESULTS_NEEDING_A_USE = ("advisor_tool_result", "web_search_tool_result")
+
+
 def _server_result_problem(convo) -> str | None:
-    # Only the advisor tool's wording is on record (claude-code#64383 and others).
+    # Any earlier server_tool_use will do, in this turn or before: the API answers a server tool
+    # called beside client tools on the next request, in the next assistant turn.
     started: set = set()
     for n, message in convo:
         for k, block in enumerate(_blocks(message)):
             if block["type"] == "server_tool_use":
                 started.add(str(block.get("id")))
-            elif block["type"] == "advisor_tool_result" and str(block.get("tool_use_id")) not in started:
+            elif block["type"] in _RESULTS_NEEDING_A_USE \
+                    and str(block.get("tool_use_id")) not in started:
                 kind = block["type"]
                 return (f"messages.{n}.content.{k}: unexpected `tool_use_id` found in `{kind}` "
                         f"blocks: {block.get('tool_use_id')}. Each `{kind}` block must have a "
                         "corresponding `server_tool_use` block before it.")
+    return None
+
+
+# The server tools whose call closed without a result is refused in recorded words: web_fetch
+# (the server tools docs) and web_search (public reports).
+_CALLS_NEEDING_A_RESULT = ("web_search", "web_fetch")
+
+
+def _open_server_call_problem(convo) -> str | None:
+    """A server call with no result after it, in an assistant turn that a user turn closes:
+    the API continues such a turn only from a user turn of nothing but the client results (a
+    deferred call) or, with no client call in the turn (a paused one), not at all."""
+    groups: list[list] = []  # consecutive messages of one role: [role, [(n, message)]]
+    for n, message in convo:
+        if groups and groups[-1][0] == message["role"]:
+            groups[-1][1].append((n, message))
+        else:
+            groups.append([message["role"], [(n, message)]])
+    answered_at = {}  # a result in a user message answers too: its fault is worded elsewhere
+    for n, message in convo:
+        for k, block in enumerate(_blocks(message)):
+            if block["type"].endswith("_tool_result") and block["type"] != "tool_result":
+                answered_at[str(block.get("tool_use_id"))] = (n, k)
+    for g in range(len(groups) - 1):
+        role, members = groups[g]
+        if role != "assistant":
+            continue
+        made_calls = any(b["type"] == "tool_use" for _, m in members for b in _blocks(m))
+        closing = groups[g + 1][1]
+        if made_calls:
+            rest = []
+            for _, m in closing:
+                rest += [b["type"] for b in _blocks(m)] if isinstance(m["content"], list) else ["text"]
+            while rest and rest[0] == "tool_result":
+                rest.pop(0)
+            if not rest:
+                continue  # only the client results: the deferred call runs now
+        for n, m in members:
+            for k, block in enumerate(_blocks(m)):
+                caller = block.get("caller")
+                if block["type"] != "server_tool_use" or block.get("name") not in _CALLS_NEEDING_A_RESULT \
+                        or (caller is not None
+                            and not (isinstance(caller, dict) and caller.get("type") == "direct")):
+                    continue
+                if answered_at.get(str(block.get("id")), (-1, -1)) < (n, k):
+                    name = block["name"]
+                    return (f"messages.{n}: `{name}` tool use with id `{block.get('id')}` was found "
+                            f"without a corresponding `{name}_tool_result` block")
     return None
 
 
