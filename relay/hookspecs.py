@@ -173,7 +173,8 @@ def relay_exchange_end(exchange: Exchange, options: dict) -> None:
     :class:`relay.exchange.Exchange`): ``endpoint`` (``messages``, ``count_tokens``,
     ``passthrough``, or ``refused`` for a request turned away before it was routed, such as
     an auth failure), ``outcome`` (``ok``, ``rejected``, ``refused``, ``upstream_error``,
-    ``stream_error``, ``upstream_unreachable``, ``client_disconnected``, ``relay_error``),
+    ``upstream_malformed``, ``stream_error``, ``upstream_unreachable``,
+    ``client_disconnected``, ``relay_error``),
     ``answer`` (status, headers, size), ``attempts``, ``timings`` and ``timeline``. This hook
     cannot change the answer. Exceptions are logged and swallowed.
     """
