@@ -30,7 +30,14 @@ Answers. ``reasoning_content`` / ``reasoning`` become ``thinking`` blocks (with 
 signature: only Anthropic can sign), text a ``text`` block, ``tool_calls`` ``tool_use``
 blocks with their arguments parsed. Arguments that are not a JSON object are never passed on
 as something else: the answer becomes an ``api_error`` (502 when not streaming, an ``error``
-event in a stream) naming the call and quoting the arguments.
+event in a stream) naming the call and quoting the arguments. So does any answer or chunk
+whose fields of the format's own (``choices``, ``message``/``delta``, ``content`` and its
+parts' ``text``, ``refusal``, ``tool_calls`` and their ``index``, ``id``, ``function``,
+``name``, ``arguments``, ``finish_reason``, ``model``, ``usage`` and its counts) are not of
+their type, naming where (``choices[0].message.tool_calls[0] is not an object``): a value of
+the wrong type never reaches the client, and null is taken as absent. An integral float
+count (``12.0``) is its integer. Extensions (``reasoning_content``, ``reasoning``) are read
+when they are text and otherwise left alone.
 
 Streams. The first upstream chunk becomes ``message_start`` at once; text and thinking stream
 live. One tool call at a time streams live (its ``input_json_delta`` fragments go out as they
@@ -44,7 +51,10 @@ a new call (Ollama numbers every call of a parallel batch 0). ``message_delta`` 
 usage from the last chunk) and ``message_stop`` go out at ``data: [DONE]``, or when the
 connection ends after a ``finish_reason``; a stream cut before either gets no
 ``message_stop``, so the relay ends it with its own ``error`` event. An ``error`` object in
-the stream becomes an ``error`` event.
+the stream becomes an ``error`` event. Memory is bounded whatever the upstream sends: an
+event still coming may grow to ``MAX_EVENT_BYTES`` (the Anthropic path's limit), what waits
+behind a live call to ``MAX_HELD_BYTES``, and past either the stream ends with an ``error``
+event; the copy kept for the record is a head and a tail (:class:`relay.bounded.HeadTail`).
 """
 
 from __future__ import annotations
