@@ -484,8 +484,8 @@ class Relay:
                         chunk = translator.feed(chunk)
                         if chunk:
                             await stream.feed(chunk)
-                        if translator.ended:
-                            break  # what an upstream sends after its end is not read
+                        if translator.fault is not None:
+                            break  # the relay ended the stream: the rest is not read
                     chunk = translator.close()
                     if chunk:
                         await stream.feed(chunk)
