@@ -1,6 +1,6 @@
 """`make load`: what the relay holds under load, over time and against hostile clients.
 
-    python tests/load/run.py [--only streams,soak,slow_clients,connection_cap] [--quick]
+    python tests/load/run.py [--only streams,soak,slow_clients,connection_cap,endless] [--quick]
                              [--out-dir .load]
 
 Everything runs on loopback, bounded in count and time, and stops by itself (about four
@@ -28,6 +28,11 @@ the benchmark's mock (tests/bench/mock_upstream.py) and the relay runs with the 
 - ``connection_cap``: ``max_connections`` idle keep-alive connections, then more: the extra
   ones get a 529 overloaded_error or are refused at accept, and normal service resumes once
   the idle ones close.
+- ``endless``: the hostile upstream (relay.testing.hostile) behind an Anthropic-format and
+  an OpenAI-format backend: per format, endless streams read for tens of megabytes each, and
+  lines that never end, which the relay must cut with ``event: error`` at its 64 MiB event
+  limit; several rounds, with the relay's RSS sampled throughout. An endless stream must not
+  lift RSS while it runs, and RSS between rounds must be flat once the first has warmed up.
 
 Each scenario prints a summary line and writes its result as JSON to ``<out-dir>/NAME.json``
 (all of them in ``result.json``). The exit status is 1 when any check failed.
