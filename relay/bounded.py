@@ -8,8 +8,6 @@ says how much is missing.
 
 from __future__ import annotations
 
-import collections
-
 # Each end; a stream shorter than both together is kept whole. Small, since every stream in
 # flight holds one.
 HEAD_BYTES = 64 * 1024
@@ -17,8 +15,9 @@ TAIL_BYTES = 64 * 1024
 
 
 class HeadTail:
-    """The first ``head`` and last ``tail`` bytes of the chunks :meth:`add` was given, in
-    time and memory linear in the chunks, however long the stream."""
+    """The first ``head`` and last ``tail`` bytes of the chunks :meth:`add` was given: time
+    linear in the chunks, memory at most ``head`` and twice ``tail`` (and one chunk),
+    however long the stream."""
 
     __slots__ = ("head_limit", "tail_limit", "_head", "_head_size", "_tail", "_tail_size",
                  "total")
@@ -28,7 +27,7 @@ class HeadTail:
         self.tail_limit = tail
         self._head: list[bytes] = []
         self._head_size = 0
-        self._tail: collections.deque[bytes] = collections.deque()
+        self._tail: list[bytes] = []
         self._tail_size = 0
         self.total = 0  # every byte added, kept or not
 
@@ -43,16 +42,14 @@ class HeadTail:
             self._head.append(chunk[:room])
             self._head_size = self.head_limit
             chunk = chunk[room:]
-        if len(chunk) >= self.tail_limit:
-            self._tail.clear()
-            chunk = chunk[-self.tail_limit:]
-            self._tail_size = 0
-        tail = self._tail
-        tail.append(chunk)
+        self._tail.append(chunk)
         self._tail_size += len(chunk)
-        # Whole chunks leave the front; the first one left is cut to size when read.
-        while self._tail_size - len(tail[0]) >= self.tail_limit:
-            self._tail_size -= len(tail.popleft())
+        # Cut back to size now and then, not on every chunk: this runs for every chunk of a
+        # stream, and each byte is copied at most twice this way.
+        if self._tail_size > 2 * self.tail_limit:
+            kept = b"".join(self._tail)[-self.tail_limit:]
+            self._tail = [kept]
+            self._tail_size = len(kept)
 
     @property
     def omitted(self) -> int:

@@ -288,8 +288,7 @@ def stream_ends_well(raw: bytes) -> bool:
     return bool(events) and events[-1].name in ("message_stop", "error")
 
 
-answers = st.one_of(malformed(MESSAGE), malformed(COMPLETION), values,
-                    st.binary(max_size=40).map(lambda raw: raw))
+answers = st.one_of(malformed(MESSAGE), malformed(COMPLETION), values, st.binary(max_size=40))
 
 
 @settings(max_examples=120, deadline=None,

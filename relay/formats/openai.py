@@ -52,8 +52,8 @@ usage from the last chunk) and ``message_stop`` go out at ``data: [DONE]``, or w
 connection ends after a ``finish_reason``; a stream cut before either gets no
 ``message_stop``, so the relay ends it with its own ``error`` event. An ``error`` object in
 the stream becomes an ``error`` event. Memory is bounded whatever the upstream sends: an
-event still coming may grow to ``MAX_EVENT_BYTES`` (the Anthropic path's limit), what waits
-behind a live call to ``MAX_HELD_BYTES``, and past either the stream ends with an ``error``
+event still coming may grow to ``MAX_EVENT_BYTES`` (the Anthropic path's limit), the tool
+calls' arguments with what waits behind a live call to ``MAX_HELD_BYTES``, and past either the stream ends with an ``error``
 event; the copy kept for the record is a head and a tail (:class:`relay.bounded.HeadTail`).
 """
 
@@ -782,22 +782,24 @@ class _Held:
         self.parts = [text]
 
 
-# What one stream may hold back at once: the event still coming, and what waits while a tool
-# call streams live (text, other calls' fragments; each call counts CALL_BYTES besides). The
+# What one stream may hold back at once: the event still coming, and the tool calls'
+# arguments with what waits while one streams live (text, other calls; each call counts
+# CALL_BYTES besides). The
 # same bound as the Anthropic path's (relay.stream): past it the upstream has stopped making
 # sense, and the stream ends with an ``error`` event rather than the relay's memory.
 MAX_EVENT_BYTES = MAX_HELD_BYTES = 64 * 1024 * 1024
 CALL_BYTES = 256
+_EMPTY: dict = {}  # read, never written
 
 
 class StreamTranslator:
     """One Chat Completions stream as Anthropic SSE bytes: :meth:`feed` each upstream chunk
     (any boundaries) and send on what it returns; :meth:`close` when the upstream is done.
 
-    ``ended`` says the translated stream is complete (``message_stop`` or ``error`` out): the
-    caller stops reading then. ``fault`` is ``(outcome, message)`` when the translator ended
-    the stream itself with an ``error`` event (``upstream_malformed`` for a chunk of the wrong
-    shape, ``stream_error`` for one that grew past the limits). ``raw`` keeps the upstream's
+    ``ended`` says the translated stream is complete (``message_stop`` or ``error`` out).
+    ``fault`` is ``(outcome, message)`` when the translator ended the stream itself with an
+    ``error`` event (``upstream_malformed`` for a chunk of the wrong shape, ``stream_error``
+    for one that grew past the limits): the caller need read no more of the upstream then. ``raw`` keeps the upstream's
     own bytes for the record, bounded (a :class:`relay.bounded.HeadTail`). Time and memory
     are linear in the stream: an event that takes many chunks is appended to, never copied,
     until it ends."""
@@ -935,24 +937,41 @@ class StreamTranslator:
 
     def _chunk(self, data: dict, out: list) -> None:
         # Read and checked whole before any of it goes out: nothing of a malformed chunk does.
-        model = _optional_text(data.get("model"), "model")
+        # The checks are written out: this runs for every chunk of every stream.
+        model = data.get("model")
+        if model is not None and model.__class__ is not str:
+            raise Malformed("model is not a string")
         usage = data.get("usage")
-        usage = anthropic_usage(usage) if usage else None
-        choices = _optional(data.get("choices"), list, "choices", "a list")
-        choice = _optional(choices[0], dict, "choices[0]", "an object") or {} if choices else {}
-        delta = _optional(choice.get("delta"), dict, "choices[0].delta", "an object") or {}
-        content = _content_text(delta.get("content"), "choices[0].delta.content")
-        calls = _optional(delta.get("tool_calls"), list, "choices[0].delta.tool_calls",
-                          "a list") or ()
-        fragments = [self._fragment(call, position) for position, call in enumerate(calls)]
-        reason = _optional_text(choice.get("finish_reason"), "choices[0].finish_reason")
+        if usage is not None:
+            usage = anthropic_usage(usage) if usage or usage.__class__ is not dict else None
+        choices = data.get("choices")
+        choice = delta = _EMPTY
+        if choices is not None:
+            if choices.__class__ is not list:
+                raise Malformed("choices is not a list")
+            if choices:
+                choice = _optional(choices[0], dict, "choices[0]", "an object") or _EMPTY
+                delta = choice.get("delta")
+                if delta.__class__ is not dict:
+                    delta = _optional(delta, dict, "choices[0].delta", "an object") or _EMPTY
+        content = delta.get("content")
+        if content is not None and content.__class__ is not str:
+            content = _content_text(content, "choices[0].delta.content")
+        calls = delta.get("tool_calls")
+        fragments = [self._fragment(call, position) for position, call in enumerate(
+            _optional(calls, list, "choices[0].delta.tool_calls", "a list"))] \
+            if calls is not None else ()
+        reason = choice.get("finish_reason")
+        if reason is not None and reason.__class__ is not str:
+            raise Malformed("choices[0].finish_reason is not a string")
         if not self.started:
             self._start(model, out)
         if usage:
             self.usage = usage
-        reasoning = _reasoning_text(delta)
-        if reasoning:
-            self._text("thinking", reasoning, out)
+        if "reasoning_content" in delta or "reasoning" in delta:
+            reasoning = _reasoning_text(delta)
+            if reasoning:
+                self._text("thinking", reasoning, out)
         if content:
             self._text("text", content, out)
         for fragment in fragments:
