@@ -111,7 +111,8 @@ def relay_response(exchange: Exchange, response: UpstreamResponse, options: dict
     """Called for a successful (2xx) non-streaming ``/v1/messages`` answer (not for
     count_tokens, whose answer holds no content), in reverse pipeline order.
 
-    ``response.data`` is the parsed body. A plugin may change it in place and must then call
+    ``response.data`` is the parsed body (None for one that is not JSON, which goes back as
+    the upstream sent it). A plugin may change it in place and must then call
     ``response.mark_changed()``; unchanged answers reach the client as the upstream's bytes.
     ``response.headers`` (upstream headers) and ``exchange.response_headers`` (extra headers
     for the client) may be changed too. Raise :class:`relay.errors.RelayError` to answer the

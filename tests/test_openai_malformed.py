@@ -288,10 +288,17 @@ def stream_ends_well(raw: bytes) -> bool:
     return bool(events) and events[-1].name in ("message_stop", "error")
 
 
-answers = st.one_of(malformed(MESSAGE), malformed(COMPLETION), values, st.binary(max_size=40))
+def cut_short(doc):
+    """``doc``'s JSON cut off somewhere: not JSON, though it names what a plugin looks for."""
+    raw = orjson.dumps(doc)
+    return st.integers(1, len(raw) - 1).map(lambda n: raw[:n])
 
 
-@settings(max_examples=120, deadline=None,
+answers = st.one_of(malformed(MESSAGE), malformed(COMPLETION), values, st.binary(max_size=40),
+                    cut_short(MESSAGE), cut_short(COMPLETION))
+
+
+@settings(max_examples=150, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.sampled_from(["anthropic", "openai"]), answers)
 def test_a_relay_never_fails_on_a_malformed_answer(live, wire, answer):
@@ -323,7 +330,7 @@ def malformed_events(draw):
                     for name, data in events[:cut])
 
 
-@settings(max_examples=120, deadline=None,
+@settings(max_examples=150, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.one_of(st.tuples(st.just("anthropic"), malformed_events()),
                  st.tuples(st.just("openai"), st.tuples(malformed_chunks(), st.booleans()).map(
