@@ -534,6 +534,7 @@ class Relay:
                 exchange.upstream_response["body"] = translator.raw.value()
                 if translator.fault is not None and exchange.outcome is None:
                     exchange.outcome, message = translator.fault
+                    log.warning("%s: %s", exchange.id, message)
                     exchange.error = RelayError(502, message, "api_error")
                     exchange.note("relay", "stream error", message=message)
 
