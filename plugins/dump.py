@@ -9,6 +9,9 @@ Options (``plugins.dump``; backend quirks do not change them):
 - ``include_relay_rejections``: also the relay's own refusals (outcome ``rejected``).
 - ``include_stream_errors``: also streams that end in an error, the upstream's
   ``event: error`` or the relay's own when the upstream broke off.
+- An answer the relay could not translate because it was malformed (outcome
+  ``upstream_malformed``: a chat completion or stream chunk of the wrong shape) is always
+  dumped, with the upstream's answer (a stream's first and last bytes).
 - ``max_files`` (1000), ``max_bytes`` (1 GiB): retention, always on; the oldest dumps are
   deleted first, and the newest one is always kept.
 - ``max_body_bytes`` (8 MiB): each body (client request, upstream request, upstream answer,
@@ -769,6 +772,8 @@ class Dump:
                 and answer.status in self.settings.statuses
                 and exchange.endpoint in ("messages", "count_tokens")):
             return "ok"  # asked for: successful exchanges too
+        if exchange.outcome == "upstream_malformed":
+            return "upstream_malformed"  # a fault of the upstream's, like its 4xx
         if exchange.outcome == "rejected" and self.settings.include_relay_rejections:
             return "rejected"
         if exchange.outcome == "stream_error" and self.settings.include_stream_errors:

@@ -100,8 +100,8 @@ class Exchange:
     ``attempts`` (one :class:`Attempt` per try, retries and fallbacks included) and
     ``upstream_request`` / ``upstream_response`` (the last attempt's, for dumps). What came
     back: ``answer`` (an :class:`Answer`), ``outcome`` (``ok``, ``rejected``,
-    ``upstream_error``, ``stream_error``, ``upstream_unreachable``, ``client_disconnected``,
-    ``relay_error``), ``error`` (a :class:`RelayError` the relay answered with), and
+    ``upstream_error``, ``upstream_malformed`` (an answer or stream chunk of the wrong shape),
+    ``stream_error``, ``upstream_unreachable``, ``client_disconnected``, ``relay_error``), ``error`` (a :class:`RelayError` the relay answered with), and
     ``received`` (wall-clock time) with ``timings`` (a :class:`Timings`).
 
     Plugins read and change the request through ``messages`` (or ``body``); they share the id
@@ -292,19 +292,26 @@ class Exchange:
 class UpstreamResponse:
     """A complete (non-streaming) upstream answer, as the response hooks see it."""
 
-    __slots__ = ("status", "headers", "body", "_data", "_changed")
+    __slots__ = ("status", "headers", "body", "_data", "_parsed", "_changed")
 
     def __init__(self, status: int, headers, body: bytes):
         self.status = status
         self.headers = headers
         self.body = body
         self._data = None
+        self._parsed = False
         self._changed = False
 
     @property
     def data(self):
-        if self._data is None:
-            self._data = orjson.loads(self.body)
+        """The parsed body, or None when it is not JSON (an upstream's fault, passed on as it
+        came: no plugin has anything to read in it)."""
+        if self._data is None and not self._parsed:
+            self._parsed = True
+            try:
+                self._data = orjson.loads(self.body)
+            except orjson.JSONDecodeError:
+                self._data = None
         return self._data
 
     @property

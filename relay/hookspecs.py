@@ -113,7 +113,8 @@ def relay_response(exchange: Exchange, response: UpstreamResponse, options: dict
     """Called for a successful (2xx) non-streaming ``/v1/messages`` answer (not for
     count_tokens, whose answer holds no content), in reverse pipeline order.
 
-    ``response.data`` is the parsed body. A plugin may change it in place and must then call
+    ``response.data`` is the parsed body (None for one that is not JSON, which goes back as
+    the upstream sent it). A plugin may change it in place and must then call
     ``response.mark_changed()``; unchanged answers reach the client as the upstream's bytes.
     ``response.headers`` (upstream headers) and ``exchange.response_headers`` (extra headers
     for the client) may be changed too. Raise :class:`relay.errors.RelayError` to answer the
@@ -175,7 +176,8 @@ def relay_exchange_end(exchange: Exchange, options: dict) -> None:
     :class:`relay.exchange.Exchange`): ``endpoint`` (``messages``, ``count_tokens``,
     ``passthrough``, or ``refused`` for a request turned away before it was routed, such as
     an auth failure), ``outcome`` (``ok``, ``rejected``, ``refused``, ``upstream_error``,
-    ``stream_error``, ``upstream_unreachable``, ``client_disconnected``, ``relay_error``),
+    ``upstream_malformed``, ``stream_error``, ``upstream_unreachable``,
+    ``client_disconnected``, ``relay_error``),
     ``answer`` (status, headers, size), ``attempts``, ``timings`` and ``timeline``. This hook
     cannot change the answer. Exceptions are logged and swallowed.
     """

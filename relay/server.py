@@ -410,8 +410,9 @@ class Relay:
         if exchange.backend.format == "openai":
             try:
                 payload = openai.answer_bytes(payload, exchange.backend.name, exchange.model)
-            except RelayError as error:
-                exchange.outcome, exchange.error = "upstream_error", error
+            except RelayError as error:  # not a chat completion: the record says why
+                log.warning("%s: %s", exchange.id, error.message)
+                exchange.outcome, exchange.error = "upstream_malformed", error
                 return await deliver(request, exchange, relay_error(
                     error, exchange.id, exchange.response_headers))
         response = UpstreamResponse(upstream.status, upstream.headers, payload)
@@ -506,6 +507,8 @@ class Relay:
                         chunk = translator.feed(chunk)
                         if chunk:
                             await stream.feed(chunk)
+                        if translator.fault is not None:
+                            break  # the relay ended the stream: the rest is not read
                     chunk = translator.close()
                     if chunk:
                         await stream.feed(chunk)
@@ -551,7 +554,12 @@ class Relay:
             answer.size, answer.events = stream.written, stream.events
             exchange.timings.last_byte = exchange.elapsed()
             if translator is not None:
-                exchange.upstream_response["body"] = b"".join(translator.raw)
+                exchange.upstream_response["body"] = translator.raw.value()
+                if translator.fault is not None and exchange.outcome is None:
+                    exchange.outcome, message = translator.fault
+                    log.warning("%s: %s", exchange.id, message)
+                    exchange.error = RelayError(502, message, "api_error")
+                    exchange.note("relay", "stream error", message=message)
 
     async def passthrough(self, request: web.Request) -> web.StreamResponse:
         """A configured pass-through route (``server.passthrough``) goes to the default backend
@@ -628,13 +636,11 @@ class Relay:
             headers["Content-Type"] = "application/json"
         elif exchange.path.startswith("/v1/models"):
             try:
-                payload = openai.models_bytes(payload)
-            except (ValueError, AttributeError, KeyError):
-                error = RelayError(502, f"upstream {exchange.backend.name} answered "
-                                        f"{exchange.path} with something not a model list",
-                                   "api_error")
-                exchange.outcome, exchange.error = "upstream_error", error
-                return await deliver(request, exchange, relay_error(error, exchange.id))
+                payload = openai.models_bytes(payload, exchange.backend.name)
+            except RelayError as error:
+                exchange.outcome, exchange.error = "upstream_malformed", error
+                return await deliver(request, exchange, relay_error(
+                    error, exchange.id, {"x-relay-request-id": exchange.id}))
         return await deliver(request, exchange, web.Response(
             status=upstream.status, body=payload, headers=headers))
 

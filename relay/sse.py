@@ -233,6 +233,7 @@ class LazyFramer:
         self._wanted = None if names is None else _needles(names)
         self._decoder = SSEDecoder()
         self._pending: list[bytes] = []  # chunks after the last blank line seen
+        self._pending_size = 0  # kept as they come: summing them per chunk would be quadratic
         self._ends = frozenset(ends)
         self._ended = False  # an event in ``ends`` was framed
         self._name_by_type = name_by_type
@@ -252,21 +253,25 @@ class LazyFramer:
             self._wanted = None
             events = self._decoder.feed(b"".join(pending) + chunk)
             pending.clear()
+            self._pending_size = 0
             return self._framed(events)
         end = chunk.rfind(b"\n\n")
         if end < 0:
             if not (pending and chunk[:1] == b"\n" and pending[-1][-1:] == b"\n"):
                 pending.append(chunk)
+                self._pending_size += len(chunk)
                 return [], []
             end = -1  # the blank line straddles the two chunks
         cut = end + 2
         if pending:
             complete = b"".join(pending) + chunk[:cut]
             pending.clear()
+            self._pending_size = 0
         else:
             complete = chunk if cut == len(chunk) else chunk[:cut]
         if cut < len(chunk):
             pending.append(chunk[cut:])
+            self._pending_size = len(chunk) - cut
         self._keep(complete)
         for needle in self._wanted:
             if needle in complete:
@@ -327,7 +332,7 @@ class LazyFramer:
 
     @property
     def buffered(self) -> int:
-        return sum(len(chunk) for chunk in self._pending) + self._decoder.buffered
+        return self._pending_size + self._decoder.buffered
 
     @property
     def ended(self) -> bool:
@@ -343,6 +348,7 @@ class LazyFramer:
         """The events left at the end of the stream (see :meth:`SSEDecoder.close`)."""
         events = self._decoder.feed(b"".join(self._pending)) if self._pending else []
         self._pending.clear()
+        self._pending_size = 0
         events += self._decoder.close()
         return self._framed(events)[0]
 

@@ -687,3 +687,79 @@ def test_interleaved_calls_always_make_well_formed_blocks(case, sizes):
         "".join(f["function"]["arguments"] for f in fragments)))
         for i, fragments in enumerate(calls)]
     assert events[-2]["delta"]["stop_reason"] == "tool_use"
+
+
+# --- malformed answers ------------------------------------------------------------------------
+
+def test_nulls_are_absent_and_integral_float_counts_are_integers():
+    message = openai.anthropic_message({
+        "model": None, "choices": [{"message": {"content": None, "refusal": None,
+                                                "tool_calls": None}, "finish_reason": None}],
+        "usage": {"prompt_tokens": 12.0, "completion_tokens": None,
+                  "prompt_tokens_details": None}}, "oa", "asked")
+    assert message["model"] == "asked" and message["content"] == []
+    assert message["usage"]["input_tokens"] == 12 and type(message["usage"]["input_tokens"]) is int
+    assert message["usage"]["output_tokens"] == 0
+
+
+def test_content_parts_without_text_add_none():
+    message = openai.anthropic_message(completion({"content": [
+        {"type": "thinking", "thinking": [{"type": "text", "text": "hm"}]},
+        {"type": "text", "text": "Hello"}]}), "oa")
+    assert message["content"] == [{"type": "text", "text": "Hello"}]
+
+
+@pytest.mark.parametrize("change, where", [
+    ({"usage": {"prompt_tokens": -1}}, "usage.prompt_tokens is not a token count"),
+    ({"usage": {"completion_tokens": 1.5}}, "usage.completion_tokens is not a token count"),
+    ({"usage": {"prompt_tokens": True}}, "usage.prompt_tokens is not a token count"),
+    ({"choices": [1]}, "choices[0] is not an object"),
+    ({"choices": [{"message": []}]}, "choices[0].message is not an object"),
+    ({"choices": [{"message": {"content": 5}}]}, "choices[0].message.content is not a string"),
+    ({"choices": [{"message": {"content": [1]}}]}, "choices[0].message.content[0] is not an "
+                                                   "object"),
+    ({"choices": [{"message": {"refusal": {}}}]}, "choices[0].message.refusal is not a string"),
+    ({"choices": [{"message": {"tool_calls": {}}}]}, "choices[0].message.tool_calls is not a "
+                                                     "list"),
+    ({"choices": [{"message": {"tool_calls": [{"function": {"name": "x", "arguments": 1}}]}}]},
+     "choices[0].message.tool_calls[0].function.arguments is not a string"),
+])
+def test_a_value_of_the_wrong_type_is_a_502_naming_where(change, where):
+    with pytest.raises(RelayError) as failed:
+        openai.anthropic_message({**completion({"content": "x"}), **change}, "oa")
+    assert failed.value.status == 502 and failed.value.type == "api_error"
+    assert failed.value.message == (f"upstream oa answered with a malformed chat completion: "
+                                    f"{where}")
+
+
+def test_a_stream_chunk_of_the_wrong_shape_ends_the_stream_and_none_of_it_goes_out():
+    events, ended = translate(sse(chunk({"content": "a"}), {"choices": [
+        {"delta": {"content": "never sent", "tool_calls": [{"index": "0"}]}}]}, done=False))
+    assert ended and summary(events)[-1][0] == "error"
+    assert [e["delta"]["text"] for e in events if e["type"] == "content_block_delta"] == ["a"]
+    assert events[-1]["error"]["message"] == (
+        "upstream oa sent a malformed stream chunk: choices[0].delta.tool_calls[0].index is not "
+        "an integer")
+
+
+def test_an_event_that_never_ends_is_cut_at_the_limit(monkeypatch):
+    monkeypatch.setattr(openai, "MAX_EVENT_BYTES", 1000)
+    translator = openai.StreamTranslator("oa")
+    assert translator.feed(sse(chunk({"content": "a"}), done=False)).startswith(
+        b"event: message_start")
+    out = b""
+    for _ in range(20):
+        out += translator.feed(b"x" * 100 if out or translator.pending else b'data: {"x": "')
+    assert out.startswith(b"event: error\n") and b"grew past 1000 bytes" in out
+    assert translator.ended and translator.fault[0] == "stream_error"
+    assert translator.pending == [] and translator.pending_size <= 1100
+
+
+def test_what_waits_behind_a_live_call_is_bounded(monkeypatch):
+    monkeypatch.setattr(openai, "MAX_HELD_BYTES", 1000)
+    translator = openai.StreamTranslator("oa")
+    out = translator.feed(sse(chunk(call(0, id="c1", name="Bash", arguments="{")), done=False))
+    for _ in range(20):
+        out += translator.feed(sse(chunk({"content": "y" * 100}), done=False))
+    assert b"event: error\n" in out and translator.fault[0] == "stream_error"
+    assert translator.held == []

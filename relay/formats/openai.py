@@ -30,7 +30,14 @@ Answers. ``reasoning_content`` / ``reasoning`` become ``thinking`` blocks (with 
 signature: only Anthropic can sign), text a ``text`` block, ``tool_calls`` ``tool_use``
 blocks with their arguments parsed. Arguments that are not a JSON object are never passed on
 as something else: the answer becomes an ``api_error`` (502 when not streaming, an ``error``
-event in a stream) naming the call and quoting the arguments.
+event in a stream) naming the call and quoting the arguments. So does any answer or chunk
+whose fields of the format's own (``choices``, ``message``/``delta``, ``content`` and its
+parts' ``text``, ``refusal``, ``tool_calls`` and their ``index``, ``id``, ``function``,
+``name``, ``arguments``, ``finish_reason``, ``model``, ``usage`` and its counts) are not of
+their type, naming where (``choices[0].message.tool_calls[0] is not an object``): a value of
+the wrong type never reaches the client, and null is taken as absent. An integral float
+count (``12.0``) is its integer. Extensions (``reasoning_content``, ``reasoning``) are read
+when they are text and otherwise left alone.
 
 Streams. The first upstream chunk becomes ``message_start`` at once; text and thinking stream
 live. One tool call at a time streams live (its ``input_json_delta`` fragments go out as they
@@ -44,7 +51,10 @@ a new call (Ollama numbers every call of a parallel batch 0). ``message_delta`` 
 usage from the last chunk) and ``message_stop`` go out at ``data: [DONE]``, or when the
 connection ends after a ``finish_reason``; a stream cut before either gets no
 ``message_stop``, so the relay ends it with its own ``error`` event. An ``error`` object in
-the stream becomes an ``error`` event.
+the stream becomes an ``error`` event. Memory is bounded whatever the upstream sends: an
+event still coming may grow to ``MAX_EVENT_BYTES`` (the Anthropic path's limit), the tool
+calls' arguments with what waits behind a live call to ``MAX_HELD_BYTES``, and past either the stream ends with an ``error``
+event; the copy kept for the record is a head and a tail (:class:`relay.bounded.HeadTail`).
 """
 
 from __future__ import annotations
@@ -57,6 +67,7 @@ from typing import Union
 import msgspec
 import orjson
 
+from ..bounded import HeadTail
 from ..errors import RelayError, error_body
 
 FORMAT = "OpenAI Chat Completions"
@@ -464,16 +475,49 @@ def _reasoning(out: dict, body: dict, backend) -> None:
 
 # --- answers ----------------------------------------------------------------------------------
 
-def anthropic_usage(usage) -> dict:
-    """Chat Completions usage as Anthropic's: cached prompt tokens are not input tokens there."""
-    if type(usage) is not dict:
-        usage = {}
-    prompt = usage.get("prompt_tokens") or 0
-    details = usage.get("prompt_tokens_details")
-    cached = ((details.get("cached_tokens") if type(details) is dict else None)
-              or usage.get("prompt_cache_hit_tokens") or 0)
+class Malformed(Exception):
+    """A value of the wrong type where an answer's shape says what it must be: its text is
+    where, then what is wrong (``choices[0].message.content is not a string``)."""
+
+
+# Past this, a "token count" is no count: no context holds 2**53 tokens, and JavaScript
+# clients lose integers beyond it.
+MAX_COUNT = 2 ** 53
+
+
+def _optional(value, kind, where: str, what: str):
+    """``value`` when it is of ``kind``; None for null or absent; anything else is malformed."""
+    if value is None or type(value) is kind:
+        return value
+    raise Malformed(f"{where} is not {what}")
+
+
+def _optional_text(value, where: str):
+    return _optional(value, str, where, "a string")
+
+
+def _count(value, where: str) -> int:
+    """A token count as an integer: null is 0, an integral float (``12.0``) is its integer."""
+    if value is None:
+        return 0
+    if type(value) is float and value.is_integer():
+        value = int(value)
+    if type(value) is not int or not 0 <= value <= MAX_COUNT:
+        raise Malformed(f"{where} is not a token count")
+    return value
+
+
+def anthropic_usage(usage, where: str = "usage") -> dict:
+    """Chat Completions usage as Anthropic's: cached prompt tokens are not input tokens there.
+    Counts must be counts (Malformed otherwise): a string or a fraction is never passed on."""
+    usage = _optional(usage, dict, where, "an object") or {}
+    prompt = _count(usage.get("prompt_tokens"), f"{where}.prompt_tokens")
+    details = _optional(usage.get("prompt_tokens_details"), dict,
+                        f"{where}.prompt_tokens_details", "an object") or {}
+    cached = (_count(details.get("cached_tokens"), f"{where}.prompt_tokens_details.cached_tokens")
+              or _count(usage.get("prompt_cache_hit_tokens"), f"{where}.prompt_cache_hit_tokens"))
     return {"input_tokens": max(0, prompt - cached),
-            "output_tokens": usage.get("completion_tokens") or 0,
+            "output_tokens": _count(usage.get("completion_tokens"), f"{where}.completion_tokens"),
             "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
 
 
@@ -503,6 +547,7 @@ def tool_input(arguments, call_id, name, backend_name: str) -> dict:
 
 
 def _reasoning_text(message: dict):
+    # Extensions, not the format's own fields: read when they are text, else left alone.
     for key in ("reasoning_content", "reasoning"):
         value = message.get(key)
         if isinstance(value, str) and value:
@@ -510,50 +555,96 @@ def _reasoning_text(message: dict):
     return None
 
 
+def _content_text(content, where: str) -> str | None:
+    """``content`` as one string: a string, or the text of a list of parts (parts without
+    text, such as Mistral's thinking parts, add none)."""
+    if type(content) is not list:
+        return _optional_text(content, where)
+    texts = []
+    for k, part in enumerate(content):
+        part = _optional(part, dict, f"{where}[{k}]", "an object")
+        text = _optional_text(part.get("text"), f"{where}[{k}].text") if part else None
+        if text:
+            texts.append(text)
+    return "".join(texts)
+
+
+def _function(call, where: str) -> dict:
+    call = _optional(call, dict, where, "an object")
+    if call is None:
+        raise Malformed(f"{where} is not an object")
+    _optional_text(call.get("id"), f"{where}.id")
+    function = _optional(call.get("function"), dict, f"{where}.function", "an object") or {}
+    _optional_text(function.get("name"), f"{where}.function.name")
+    if type(function.get("arguments")) is not dict:
+        _optional_text(function.get("arguments"), f"{where}.function.arguments")
+    return function
+
+
 def anthropic_message(chat, backend_name: str, model: str | None = None) -> dict:
     """A Chat Completions answer as an Anthropic message (RelayError 502 for tool arguments
-    that are not a JSON object, or an answer that is not a chat completion)."""
-    choices = chat.get("choices") if type(chat) is dict else None
-    if not choices or type(choices[0]) is not dict:
+    that are not a JSON object, or an answer that is not a chat completion, naming what is
+    wrong with it)."""
+    try:
+        return _message_of(chat, backend_name, model)
+    except Malformed as e:
+        raise RelayError(502, f"upstream {backend_name} answered with a malformed chat "
+                              f"completion: {e}", "api_error", rule="openai_malformed") from None
+
+
+def _message_of(chat, backend_name: str, model: str | None) -> dict:
+    if type(chat) is not dict:
+        raise Malformed("the answer is not a JSON object")
+    choices = _optional(chat.get("choices"), list, "choices", "a list")
+    if not choices:
         raise RelayError(502, f"upstream {backend_name} answered without a choice",
-                         "api_error")
-    choice = choices[0]
-    message = choice.get("message") if type(choice.get("message")) is dict else {}
+                         "api_error", rule="openai_malformed")
+    choice = _optional(choices[0], dict, "choices[0]", "an object")
+    if choice is None:
+        raise Malformed("choices[0] is not an object")
+    message = _optional(choice.get("message"), dict, "choices[0].message", "an object") or {}
+    finish_reason = _optional_text(choice.get("finish_reason"), "choices[0].finish_reason")
+    answered_model = _optional_text(chat.get("model"), "model")
+    usage = anthropic_usage(chat.get("usage"))
     content: list[dict] = []
     reasoning = _reasoning_text(message)
     if reasoning:
         content.append({"type": "thinking", "thinking": reasoning, "signature": ""})
-    text = message.get("content")
-    if type(text) is list:
-        text = "".join(p.get("text", "") for p in text if type(p) is dict)
-    if isinstance(text, str) and text:
+    text = _content_text(message.get("content"), "choices[0].message.content")
+    if text:
         content.append({"type": "text", "text": text})
-    if isinstance(message.get("refusal"), str) and message["refusal"]:
-        content.append({"type": "text", "text": message["refusal"]})
+    refusal = _optional_text(message.get("refusal"), "choices[0].message.refusal")
+    if refusal:
+        content.append({"type": "text", "text": refusal})
     msg_id = message_id()
-    calls = message.get("tool_calls") or []
+    calls = _optional(message.get("tool_calls"), list, "choices[0].message.tool_calls",
+                      "a list") or []
     for i, call in enumerate(calls):
-        function = call.get("function") or {}
+        function = _function(call, f"choices[0].message.tool_calls[{i}]")
         call_id = call.get("id") or f"call_{msg_id}_{i}"
         name = function.get("name")
-        if not isinstance(name, str) or not name:
+        if not name:
             raise RelayError(502, f"upstream {backend_name} sent tool call {call_id} without "
                                   "a name", "api_error", rule="openai_arguments")
         content.append({"type": "tool_use", "id": call_id, "name": name,
                         "input": tool_input(function.get("arguments"), call_id, name,
                                             backend_name)})
     return {"id": msg_id, "type": "message", "role": "assistant",
-            "model": chat.get("model") or model, "content": content,
-            "stop_reason": stop_reason(choice.get("finish_reason"), bool(calls)),
-            "stop_sequence": None, "usage": anthropic_usage(chat.get("usage"))}
+            "model": answered_model or model, "content": content,
+            "stop_reason": stop_reason(finish_reason, bool(calls)),
+            "stop_sequence": None, "usage": usage}
 
 
 def answer_bytes(payload: bytes, backend_name: str, model: str | None = None) -> bytes:
+    """A Chat Completions answer body as an Anthropic message body; a RelayError 502 naming
+    what is wrong when it is not a chat completion (every such answer is one: the relay
+    translates it or says why not, never fails on it)."""
     try:
         chat = orjson.loads(payload)
     except orjson.JSONDecodeError:
         raise RelayError(502, f"upstream {backend_name} answered with a body that is not "
-                              f"JSON: {payload[:200]!r}", "api_error") from None
+                              f"JSON: {payload[:200]!r}", "api_error",
+                         rule="openai_malformed") from None
     return _encode(anthropic_message(chat, backend_name, model))
 
 
@@ -587,26 +678,44 @@ def error_bytes(status: int, payload: bytes, request_id: str | None = None) -> b
     return error_body(error_type(status), error_message(payload, status), request_id)
 
 
-def _created(value) -> str:
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
+def _created(value, where: str) -> str:
+    """``created`` (Unix seconds) as Anthropic's ``created_at``; none is the epoch."""
+    if value is None:
+        value = 0
+    if type(value) not in (int, float):
+        raise Malformed(f"{where} is not a time")
+    try:
         moment = datetime.datetime.fromtimestamp(value, datetime.timezone.utc)
-    else:
-        moment = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
+    except (OverflowError, OSError, ValueError):
+        raise Malformed(f"{where} is not a time") from None
     return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def _model(entry: dict) -> dict:
+def _model(entry, where: str) -> dict:
+    entry = _optional(entry, dict, where, "an object")
+    if entry is None or type(entry.get("id")) is not str:
+        raise Malformed(f"{where}.id is not a string")
     return {"type": "model", "id": entry["id"], "display_name": entry["id"],
-            "created_at": _created(entry.get("created"))}
+            "created_at": _created(entry.get("created"), f"{where}.created")}
 
 
-def models_bytes(payload: bytes) -> bytes:
-    """``GET /models`` (a list, or one model) in Anthropic's shape."""
-    doc = orjson.loads(payload)
-    if type(doc) is dict and isinstance(doc.get("id"), str):
-        return orjson.dumps(_model(doc))
-    data = doc.get("data") if type(doc) is dict else None
-    models = [_model(m) for m in data or [] if type(m) is dict and isinstance(m.get("id"), str)]
+def models_bytes(payload: bytes, backend_name: str = "") -> bytes:
+    """``GET /models`` (a list, or one model) in Anthropic's shape; a RelayError 502 naming
+    what is wrong when it is neither."""
+    try:
+        doc = orjson.loads(payload)
+        if type(doc) is dict and "data" not in doc and "id" in doc:
+            return orjson.dumps(_model(doc, "(the model)"))
+        if type(doc) is not dict:
+            raise Malformed("the answer is not a JSON object")
+        data = _optional(doc.get("data"), list, "data", "a list") or []
+        models = [_model(m, f"data[{n}]") for n, m in enumerate(data)]
+    except orjson.JSONDecodeError:
+        raise RelayError(502, f"upstream {backend_name} answered with a model list that is "
+                              "not JSON", "api_error", rule="openai_malformed") from None
+    except Malformed as e:
+        raise RelayError(502, f"upstream {backend_name} answered with a malformed model "
+                              f"list: {e}", "api_error", rule="openai_malformed") from None
     return orjson.dumps({"data": models, "has_more": False,
                          "first_id": models[0]["id"] if models else None,
                          "last_id": models[-1]["id"] if models else None})
@@ -673,44 +782,69 @@ class _Held:
         self.parts = [text]
 
 
+# What one stream may hold back at once: the event still coming, and the tool calls'
+# arguments with what waits while one streams live (text, other calls; each call counts
+# CALL_BYTES besides). The
+# same bound as the Anthropic path's (relay.stream): past it the upstream has stopped making
+# sense, and the stream ends with an ``error`` event rather than the relay's memory.
+MAX_EVENT_BYTES = MAX_HELD_BYTES = 64 * 1024 * 1024
+CALL_BYTES = 256
+_EMPTY: dict = {}  # read, never written
+
+
 class StreamTranslator:
     """One Chat Completions stream as Anthropic SSE bytes: :meth:`feed` each upstream chunk
     (any boundaries) and send on what it returns; :meth:`close` when the upstream is done.
 
-    ``ended`` says the translated stream is complete (``message_stop`` or ``error`` out);
-    ``raw`` keeps the upstream's own bytes for the record."""
+    ``ended`` says the translated stream is complete (``message_stop`` or ``error`` out).
+    ``fault`` is ``(outcome, message)`` when the translator ended the stream itself with an
+    ``error`` event (``upstream_malformed`` for a chunk of the wrong shape, ``stream_error``
+    for one that grew past the limits): the caller need read no more of the upstream then. ``raw`` keeps the upstream's
+    own bytes for the record, bounded (a :class:`relay.bounded.HeadTail`). Time and memory
+    are linear in the stream: an event that takes many chunks is appended to, never copied,
+    until it ends."""
 
     def __init__(self, backend_name: str, model: str | None = None, keep_raw: bool = True):
         self.backend = backend_name
         self.model = model
-        self.buf = b""  # the start of an event still coming
+        self.pending: list[bytes] = []  # the start of an event still coming
+        self.pending_size = 0
         self.cr = False  # "\r" line ends seen: every chunk is normalised from then on
-        self.raw: list[bytes] | None = [] if keep_raw else None
+        self.held_cr = False  # a chunk ended in "\r": is it half of "\r\n"?
+        self.raw: HeadTail | None = HeadTail() if keep_raw else None
         self.id = message_id()
         self.started = False
         self.ended = False
+        self.fault: tuple[str, str] | None = None
         self.blocks = 0  # Anthropic blocks started so far
         self.open = None  # the live block: "text", "thinking", a _Call, or None
         self.calls: dict = {}  # upstream index -> its current _Call
         self.called = False
         self.held: list = []  # _Held and _Call items waiting, in arrival order
+        self.held_bytes = 0  # what the calls and ``held`` keep
         self.finish_reason = None
-        self.usage = None
+        self.usage = None  # Anthropic's usage, from the last chunk that had one
 
     def feed(self, chunk: bytes) -> bytes:
         if self.raw is not None:
-            self.raw.append(chunk)
+            self.raw.add(chunk)
         if self.ended:
             return b""
-        buf = self.buf + chunk if self.buf else chunk
         if self.cr or b"\r" in chunk:
-            # Any line end becomes "\n"; a "\r" at the very end waits for the next chunk to
-            # say whether it was the first half of "\r\n".
-            self.cr = True
-            held = b""
-            if buf.endswith(b"\r"):
-                buf, held = buf[:-1], b"\r"
-            buf = buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n") + held
+            chunk = self._line_feeds(chunk)
+        if not chunk:
+            return b""
+        pending = self.pending
+        if pending:
+            # Joined only once the event ends: its blank line in this chunk, or straddling
+            # the two ("\n" | "\n").
+            if b"\n\n" not in chunk and not (chunk[0] == 0x0A and pending[-1][-1] == 0x0A):
+                return self._hold_back(chunk)
+            buf = b"".join(pending) + chunk
+            pending.clear()
+            self.pending_size = 0
+        else:
+            buf = chunk
         out: list[bytes] = []
         start = 0
         while not self.ended:
@@ -721,10 +855,32 @@ class StreamTranslator:
             start = end + 2
             if event:
                 self._event(event, out)
-        self.buf = buf[start:] if start else buf
+        if not self.ended and start < len(buf):
+            out.append(self._hold_back(buf[start:] if start else buf))
         if len(out) == 1:
             return out[0]
         return b"".join(out)
+
+    def _line_feeds(self, chunk: bytes) -> bytes:
+        """Any line end as "\n"; a "\r" at the very end waits for the next chunk to say
+        whether it was the first half of "\r\n"."""
+        self.cr = True
+        if self.held_cr:
+            chunk = b"\r" + chunk
+        self.held_cr = chunk.endswith(b"\r")
+        if self.held_cr:
+            chunk = chunk[:-1]
+        return chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+
+    def _hold_back(self, part: bytes) -> bytes:
+        self.pending.append(part)
+        self.pending_size += len(part)
+        if self.pending_size <= MAX_EVENT_BYTES:
+            return b""
+        out: list[bytes] = []
+        self._fail(out, f"upstream stream from {self.backend} broke off: an event grew past "
+                        f"{MAX_EVENT_BYTES} bytes without ending", fault="stream_error")
+        return out[0]
 
     def close(self) -> bytes:
         """The upstream has finished: what is left. Without ``[DONE]`` or a finish reason the
@@ -733,8 +889,8 @@ class StreamTranslator:
         if self.ended:
             return b""
         out: list[bytes] = []
-        rest = self.buf.strip(b"\r\n")
-        self.buf = b""
+        rest = b"".join(self.pending).strip(b"\r\n")
+        self.pending.clear()
         if rest:
             payload = _payload(rest)
             if payload == b"[DONE]":
@@ -765,7 +921,7 @@ class StreamTranslator:
             data = None
         if type(data) is not dict:
             self._fail(out, f"upstream {self.backend} sent a stream event that is not a "
-                            f"JSON object: {event[:200]!r}")
+                            f"JSON object: {event[:200]!r}", fault="upstream_malformed")
             return
         self._data(data, out)
 
@@ -773,45 +929,97 @@ class StreamTranslator:
         if "error" in data or data.get("object") == "error":
             self._upstream_error(data, out)
             return
-        if not self.started:
-            self._start(data, out)
+        try:
+            self._chunk(data, out)
+        except Malformed as e:
+            self._fail(out, f"upstream {self.backend} sent a malformed stream chunk: {e}",
+                       fault="upstream_malformed")
+
+    def _chunk(self, data: dict, out: list) -> None:
+        # Read and checked whole before any of it goes out: nothing of a malformed chunk does.
+        # The checks are written out: this runs for every chunk of every stream.
+        model = data.get("model")
+        if model is not None and model.__class__ is not str:
+            raise Malformed("model is not a string")
         usage = data.get("usage")
+        if usage is not None:
+            usage = anthropic_usage(usage) if usage or usage.__class__ is not dict else None
+        choices = data.get("choices")
+        choice = delta = _EMPTY
+        if choices is not None:
+            if choices.__class__ is not list:
+                raise Malformed("choices is not a list")
+            if choices:
+                choice = _optional(choices[0], dict, "choices[0]", "an object") or _EMPTY
+                delta = choice.get("delta")
+                if delta.__class__ is not dict:
+                    delta = _optional(delta, dict, "choices[0].delta", "an object") or _EMPTY
+        content = delta.get("content")
+        if content is not None and content.__class__ is not str:
+            content = _content_text(content, "choices[0].delta.content")
+        calls = delta.get("tool_calls")
+        fragments = [self._fragment(call, position) for position, call in enumerate(
+            _optional(calls, list, "choices[0].delta.tool_calls", "a list"))] \
+            if calls is not None else ()
+        reason = choice.get("finish_reason")
+        if reason is not None and reason.__class__ is not str:
+            raise Malformed("choices[0].finish_reason is not a string")
+        if not self.started:
+            self._start(model, out)
         if usage:
             self.usage = usage
-        choices = data.get("choices")
-        if not choices:
-            return
-        choice = choices[0]
-        delta = choice.get("delta")
-        if delta:
-            reasoning = delta.get("reasoning_content") or delta.get("reasoning")
-            if reasoning and isinstance(reasoning, str):
+        if "reasoning_content" in delta or "reasoning" in delta:
+            reasoning = _reasoning_text(delta)
+            if reasoning:
                 self._text("thinking", reasoning, out)
-            content = delta.get("content")
-            if content and isinstance(content, str):
-                self._text("text", content, out)
-            calls = delta.get("tool_calls")
-            if calls:
-                for position, call in enumerate(calls):
-                    self._call(call, position, out)
-                    if self.ended:
-                        return
-        reason = choice.get("finish_reason")
+        if content:
+            self._text("text", content, out)
+        for fragment in fragments:
+            self._call(*fragment, out)
+            if self.ended:
+                return
         if reason:
             self.finish_reason = reason
 
-    def _start(self, data: dict, out: list) -> None:
+    @staticmethod
+    def _fragment(fragment, position: int) -> tuple:
+        """One tool call fragment, checked: its index, id, name and arguments."""
+        where = f"choices[0].delta.tool_calls[{position}]"
+        function = _function(fragment, where)
+        index = fragment.get("index")
+        if index is None:
+            index = position
+        elif type(index) is not int:
+            raise Malformed(f"{where}.index is not an integer")
+        arguments = function.get("arguments")
+        if type(arguments) is dict:
+            arguments = orjson.dumps(arguments).decode()
+        return index, fragment.get("id") or None, function.get("name"), arguments
+
+    def _start(self, model: str | None, out: list) -> None:
         self.started = True
         message = {"id": self.id, "type": "message", "role": "assistant",
-                   "model": data.get("model") or self.model, "content": [],
+                   "model": model or self.model, "content": [],
                    "stop_reason": None, "stop_sequence": None,
                    "usage": {"input_tokens": 0, "output_tokens": 0}}
         out.append(_event(b"message_start", {"type": "message_start", "message": message}))
         out.append(_PING)
 
+    def _hold(self, size: int, out: list) -> bool:
+        """Count ``size`` more bytes held; False (the stream ended) past the limit."""
+        self.held_bytes += size
+        if self.held_bytes <= MAX_HELD_BYTES:
+            return True
+        self._fail(out, f"upstream {self.backend} sent more than {MAX_HELD_BYTES} bytes of "
+                        "tool calls (and text while one streamed) in one answer",
+                   fault="stream_error")
+        return False
+
     def _text(self, kind: str, text: str, out: list) -> None:
         open_ = self.open
         if open_.__class__ is _Call:
+            if not self._hold(len(text), out):
+                return
             held = self.held
             if held and held[-1].__class__ is _Held and held[-1].kind == kind:
                 held[-1].parts.append(text)
@@ -833,16 +1041,11 @@ class StreamTranslator:
         self.blocks += 1
         self.open = kind
 
-    def _call(self, fragment, position: int, out: list) -> None:
-        if type(fragment) is not dict:
-            return
-        index = fragment.get("index", position)
-        function = fragment.get("function")
-        if type(function) is not dict:
-            function = {}
-        new_id = fragment.get("id") or None
+    def _call(self, index, new_id, name, arguments, out: list) -> None:
         call = self.calls.get(index)
         if call is None or (new_id and call.id and new_id != call.id):
+            if not self._hold(CALL_BYTES, out):
+                return
             call = self.calls[index] = _Call(index)
             self.called = True
             fresh = True
@@ -850,13 +1053,11 @@ class StreamTranslator:
             fresh = False
         if new_id and call.id is None:
             call.id = new_id
-        name = function.get("name")
         if name and call.name is None:
             call.name = name
-        arguments = function.get("arguments")
-        if type(arguments) is dict:
-            arguments = orjson.dumps(arguments).decode()
-        if arguments and isinstance(arguments, str):
+        if arguments:
+            if not self._hold(len(arguments), out):
+                return
             call.parts.append(arguments)
             if self.open is call:
                 out.append(_delta(call.block, _JSON_DELTA, arguments))
@@ -900,7 +1101,7 @@ class StreamTranslator:
             try:
                 tool_input("".join(open_.parts), open_.id, open_.name, self.backend)
             except RelayError as e:
-                self._fail(out, e.message)
+                self._fail(out, e.message, fault="upstream_malformed")
                 return
         out.append(_event(b"content_block_stop", {"type": "content_block_stop",
                                                   "index": index}))
@@ -909,7 +1110,7 @@ class StreamTranslator:
     def _end(self, out: list) -> None:
         """The upstream is done: close the live block, send what was held, then the stop."""
         if not self.started:
-            self._start({}, out)
+            self._start(None, out)
         for item in self.held:
             if self.open is not None:
                 self._stop(out)
@@ -920,7 +1121,7 @@ class StreamTranslator:
                 continue
             if not item.name:
                 self._fail(out, f"upstream {self.backend} sent tool call {item.id or item.index} "
-                                "without a name")
+                                "without a name", fault="upstream_malformed")
                 return
             if not item.id:
                 item.id = f"call_{self.id}_{item.index}"
@@ -936,7 +1137,7 @@ class StreamTranslator:
             "type": "message_delta",
             "delta": {"stop_reason": stop_reason(self.finish_reason, self.called),
                       "stop_sequence": None},
-            "usage": anthropic_usage(self.usage)}))
+            "usage": self.usage or anthropic_usage(None)}))
         out.append(_STOP)
         self.ended = True
 
@@ -954,7 +1155,13 @@ class StreamTranslator:
             message = orjson.dumps(data).decode()[:2000]
         self._fail(out, message, error_type(status) if status else "api_error")
 
-    def _fail(self, out: list, message: str, kind: str = "api_error") -> None:
+    def _fail(self, out: list, message: str, kind: str = "api_error",
+              fault: str | None = None) -> None:
         out.append(_event(b"error", {"type": "error",
                                      "error": {"type": kind, "message": message}}))
         self.ended = True
+        if fault is not None:
+            self.fault = (fault, message)
+        # Nothing more will be read: what was held for the stream's end goes now.
+        self.pending.clear()
+        self.held, self.calls = [], {}

@@ -10,6 +10,15 @@
 For a whole relay in process, in front of the strict emulator (``relay.testing.emulator``),
 load the pytest fixture with one line in a ``conftest.py``: ``pytest_plugins =
 ["relay.testing.fixtures"]`` (it needs pytest-aiohttp), then ask for ``relay_client``.
+
+The far sides of the wire: ``relay.testing.emulator`` (Anthropic's API, strict) and
+``relay.testing.emulator_openai`` (an OpenAI Chat Completions server), both run by ``relay
+emulate``; and ``relay.testing.hostile`` (``python -m relay.testing.hostile``), a backend that
+misbehaves in either format as the request's model says: a stream or an answer that never
+ends, a line that never ends, answers and stream chunks of the wrong shape
+(``malformed-usage-strings``, ``malformed-tool-calls-number``, ...), a model list with
+``created: 1e300``, and the credential it was sent echoed back (``echo-key``). Its
+``create_app()`` serves in process, behind ``aiohttp_server``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`make load`: what the relay holds under load, over time and against hostile clients.
 
-    python tests/load/run.py [--only streams,soak,slow_clients,connection_cap] [--quick]
+    python tests/load/run.py [--only streams,soak,slow_clients,connection_cap,endless] [--quick]
                              [--out-dir .load]
 
 Everything runs on loopback, bounded in count and time, and stops by itself (about four
@@ -28,6 +28,11 @@ the benchmark's mock (tests/bench/mock_upstream.py) and the relay runs with the 
 - ``connection_cap``: ``max_connections`` idle keep-alive connections, then more: the extra
   ones get a 529 overloaded_error or are refused at accept, and normal service resumes once
   the idle ones close.
+- ``endless``: the hostile upstream (relay.testing.hostile) behind an Anthropic-format and
+  an OpenAI-format backend: per format, endless streams read for tens of megabytes each, and
+  lines that never end, which the relay must cut with ``event: error`` at its 64 MiB event
+  limit; several rounds, with the relay's RSS sampled throughout. An endless stream must not
+  lift RSS while it runs, and RSS between rounds must be flat once the first has warmed up.
 
 Each scenario prints a summary line and writes its result as JSON to ``<out-dir>/NAME.json``
 (all of them in ``result.json``). The exit status is 1 when any check failed.
@@ -67,13 +72,15 @@ FULL = {"streams": {"concurrency": 500, "events": 200, "rounds": 4, "gap_ms": 10
         "soak": {"seconds": 120, "warmup": 60, "concurrency": 16, "sample_every": 2,
                  "floor_window": 20},
         "slow_clients": {"slow": 1100, "hold": 10},
-        "connection_cap": {"extra": 50}}
+        "connection_cap": {"extra": 50},
+        "endless": {"streams": 4, "megabytes": 30, "lines": 2, "rounds": 4}}
 QUICK = {"streams": {"concurrency": 20, "events": 200, "rounds": 1, "gap_ms": 2},
          "soak": {"seconds": 6, "warmup": 2, "concurrency": 4, "sample_every": 0.5,
                   "floor_window": 1},
          "slow_clients": {"slow": 40, "hold": 6},
-         "connection_cap": {"extra": 5}}
-SCENARIOS = ("streams", "soak", "slow_clients", "connection_cap")
+         "connection_cap": {"extra": 5},
+         "endless": {"streams": 1, "megabytes": 2, "lines": 1, "rounds": 2}}
+SCENARIOS = ("streams", "soak", "slow_clients", "connection_cap", "endless")
 HEADERS = workloads.HEADERS
 
 
@@ -720,6 +727,153 @@ async def connection_cap(stack: Stack, limited: bool, cap: int, extra: int) -> d
     }
 
 
+# --- e: what never ends ---------------------------------------------------------------------
+
+
+class HostileStack(Stack):
+    """The hostile upstream (relay.testing.hostile) behind a relay with the full pipeline,
+    once as an Anthropic-format backend and once as an OpenAI-format one: the model names
+    the format (``anthropic/...``, ``openai/...``) and, renamed, the hostile mode."""
+
+    def __init__(self):
+        self.tmp = tempfile.TemporaryDirectory(prefix="relay-load-")
+        py = sys.executable
+        self.mock = procs.Server("hostile", [py, "-m", "relay.testing.hostile", "--port", "0"])
+        self.relay = None
+        upstream = self.mock.wait_ready()
+        pipeline = micro.available_pipeline()
+        config = micro.relay_config(pipeline, upstream, os.path.join(self.tmp.name, "dumps"))
+        if "dump" in pipeline:
+            config["plugins"]["dump"].update(include_stream_errors=True, max_files=100)
+        modes = ("endless", "endless-line")
+        config["backends"] = [
+            {"name": wire, "url": upstream + ("/v1" if wire == "openai" else ""),
+             "format": wire, "models": [f"{wire}/*"], "default": wire == "anthropic",
+             "rename": {f"{wire}/{mode}": mode for mode in modes}}
+            for wire in ("anthropic", "openai")]
+        self.pipeline = pipeline
+        self.config_path = os.path.join(self.tmp.name, "relay.yaml")
+        with open(self.config_path, "w") as f:
+            yaml.safe_dump(config, f, sort_keys=False)
+        try:
+            self.relay = procs.Server("relay", [py, "-m", "relay", "--config", self.config_path,
+                                                "--port", "0"], cwd=self.tmp.name)
+            self.url = self.relay.wait_ready()
+        except RuntimeError:
+            self.stop()
+            raise
+        self.host, port = self.url.split("//")[1].rsplit(":", 1)
+        self.port = int(port)
+
+
+def hostile_body(model: str) -> bytes:
+    return orjson.dumps({"model": model, "max_tokens": 10, "stream": True,
+                         "messages": [{"role": "user", "content": "hi"}]})
+
+
+async def read_endless(session: aiohttp.ClientSession, url: str, model: str,
+                       megabytes: float) -> str | None:
+    """Read ``megabytes`` of a stream that never ends, then hang up; what went wrong, if
+    anything."""
+    want = int(megabytes * 1e6)
+    async with session.post(url, data=hostile_body(model), headers=HEADERS) as response:
+        if response.status != 200:
+            return f"status {response.status}"
+        first = await response.content.readuntil(b"\n\n")
+        if not first.startswith(b"event: message_start\n"):
+            return f"began {first[:100]!r}"
+        read = len(first)
+        while read < want:
+            chunk = await response.content.readany()
+            if not chunk:
+                return f"ended after {read} bytes"
+            read += len(chunk)
+    return None
+
+
+async def read_line(session: aiohttp.ClientSession, url: str, model: str) -> str | None:
+    """A stream whose line never ends: the relay must end it with ``event: error``."""
+    async with session.post(url, data=hostile_body(model), headers=HEADERS) as response:
+        raw = await response.read()
+    last = raw.rstrip(b"\n").rsplit(b"\n\n", 1)[-1]
+    if not raw.startswith(b"event: message_start\n"):
+        return f"began {raw[:100]!r}"
+    if not last.startswith(b"event: error\n") or b"without ending" not in last:
+        return f"ended {last[-200:]!r}"
+    return None
+
+
+async def scenario_endless(stack: Stack, streams: int, megabytes: float, lines: int,
+                           rounds: int) -> dict:
+    """Per format: ``streams`` endless streams at once, each read for ``megabytes`` MB, and
+    ``lines`` never-ending lines at once, each cut by the relay at its event limit; ``rounds``
+    times over. RSS is sampled throughout. What the relay keeps of an endless stream is
+    bounded, so one never lifts RSS while it runs; a line is buffered up to the limit, and
+    freed after: once the first round has warmed the allocator up, RSS between rounds must be
+    flat."""
+    url = f"{stack.url}/v1/messages"
+    problems: list[str] = []
+    phases: list[dict] = []
+    after_round: list[float] = []
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
+    async with aiohttp.ClientSession(connector=connector,
+                                     timeout=aiohttp.ClientTimeout(total=300)) as session:
+        with Sampler(stack, 0.25) as sampler:
+            cpu0 = procs.cpu_seconds(stack.pid)
+            rest = stack.rss_kib() / 1024
+            for round_ in range(rounds):
+                for wire in ("anthropic", "openai"):
+                    for kind, count in (("endless", streams), ("endless-line", lines)):
+                        started = time.monotonic()
+                        cpu = procs.cpu_seconds(stack.pid)
+                        before = stack.rss_kib() / 1024
+                        first = len(sampler.samples)
+                        if kind == "endless":
+                            calls = [read_endless(session, url, f"{wire}/{kind}", megabytes)
+                                     for _ in range(count)]
+                        else:
+                            calls = [read_line(session, url, f"{wire}/{kind}")
+                                     for _ in range(count)]
+                        found = await asyncio.gather(*calls, return_exceptions=True)
+                        for problem in found:
+                            if problem is not None:
+                                problems.append(f"round {round_} {wire} {kind}: {problem!r}")
+                        await asyncio.sleep(0.5)  # the relay's end hooks, a sample after
+                        during = [s[1] / 1024 for s in sampler.samples[first:]]
+                        phases.append({"round": round_, "format": wire, "mode": kind,
+                                       "streams": count, "seconds": r(time.monotonic() - started),
+                                       "relay_cpu_s": r(procs.cpu_seconds(stack.pid) - cpu),
+                                       "rss_before_mb": r(before, 1),
+                                       "peak_rss_mb": r(max(during, default=before), 1),
+                                       "rss_after_mb": r(stack.rss_kib() / 1024, 1)})
+                after_round.append(stack.rss_kib() / 1024)
+            cpu_total = procs.cpu_seconds(stack.pid) - cpu0
+    relayed = {wire: r(sum(p["streams"] for p in phases if p["format"] == wire
+                           and p["mode"] == "endless") * megabytes, 1)
+               for wire in ("anthropic", "openai")}
+    endless = [p for p in phases if p["mode"] == "endless"]
+    lift = max((p["peak_rss_mb"] - p["rss_before_mb"] for p in endless), default=0.0)
+    drift = after_round[-1] - after_round[min(1, len(after_round) - 1)]
+    checks = {
+        "every endless stream was relayed and every line cut with event: error": not problems,
+        "no endless stream lifted RSS more than 10 MB while it ran": lift <= 10,
+        "RSS after the last round within 5 MB of after the second": drift <= 5,
+        "relay healthy": not stack.health(),
+    }
+    return {
+        "summary": (f"{rounds} rounds per format of {streams} endless streams x {megabytes:g} MB "
+                    f"and {lines} never-ending lines: RSS at rest {rest:.1f} MB; endless streams "
+                    f"lifted it at most {lift:.1f} MB; lines peaked at "
+                    f"{max(p['peak_rss_mb'] for p in phases):.1f} MB; after each round "
+                    f"{', '.join(f'{mb:.1f}' for mb in after_round)} MB; relay CPU "
+                    f"{cpu_total:.1f} s"),
+        "rss_at_rest_mb": r(rest, 1), "rss_after_round_mb": [r(mb, 1) for mb in after_round],
+        "relayed_mb": relayed, "phases": phases, "relay_cpu_s": r(cpu_total),
+        "samples": [{"t": r(t), "rss_kib": rss} for t, rss, _ in sampler.samples],
+        "problems": problems[:20] + stack.health(), "checks": checks,
+    }
+
+
 # --- the run -------------------------------------------------------------------------------
 
 
@@ -735,6 +889,12 @@ async def run(names: list[str], profile: dict) -> dict:
             try:
                 scenario = scenario_streams if name == "streams" else scenario_soak
                 result = await scenario(stack, **params)
+            finally:
+                stack.stop()
+        elif name == "endless":
+            stack = HostileStack()
+            try:
+                result = await scenario_endless(stack, **params)
             finally:
                 stack.stop()
         elif name == "slow_clients":
