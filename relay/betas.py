@@ -12,7 +12,7 @@ forwarded as it is, with a note: the upstream judges.
 ``test_betas.py`` compares :data:`BETAS` with the betas the installed ``anthropic`` SDK
 declares (``AnthropicBetaParam``) and :data:`FIELDS` with its ``MessageCreateParams``, so a new
 SDK release fails the suite until someone has decided what its additions mean. What each
-decision rests on is in ``relay/evidence.json`` (``betas``).
+decision rests on is in ``relay/betas.json``, beside the rules' own evidence.
 """
 
 from __future__ import annotations
