@@ -60,6 +60,9 @@ class Thread:
     kind: str
     previous_id: str | None = None
     head: list | None = None
+    # The head as recorded: plugins may change ``head`` in place (dedup walks it as it goes
+    # up), and the next turn's record must hold it as the client sent it.
+    recorded: bytes | None = None
 
     @property
     def continues(self) -> bool:
@@ -226,6 +229,7 @@ def prepare(store: Store, exchange) -> None:
     if found is not None and found[0] == backend.name:
         try:
             thread.head = orjson.loads(found[1])
+            thread.recorded = found[1]
         except orjson.JSONDecodeError:  # not written by ``record``: treat it as unseen
             thread.head = None
     if thread.head is None:
@@ -255,7 +259,8 @@ def record(store: Store, exchange, answer) -> None:
         return
     if type(sent) is not list:
         return
-    whole = (thread.head or []) + sent + [{"role": "assistant", "content": content}]
+    head = orjson.loads(thread.recorded) if thread.recorded is not None else []
+    whole = head + sent + [{"role": "assistant", "content": content}]
     if thread.previous_id is not None:
         store.pop(thread.previous_id)
     store.put(message_id, exchange.backend.name, orjson.dumps(whole))
