@@ -236,3 +236,15 @@ def test_the_messages_a_stream_builds():
                                   {"type": "tool_use", "id": "toolu_1", "name": "Bash",
                                    "input": {"command": "ls -la"}}]
     assert threads.message_from_events(events[:-1]) is None
+
+
+def test_relay_validate_judges_a_continuation_as_a_tail(tmp_path, capsys):
+    from relay import cli
+    path = tmp_path / "tail.json"
+    path.write_bytes(orjson.dumps(carry_on("msg_x", user(result("toolu_held")))))
+    assert cli.main(["validate", str(path)]) == 0
+    out, err = capsys.readouterr()
+    assert "no tool-use faults found" in out
+    assert "may answer a call in the part of the thread the server holds" in err
+    path.write_bytes(orjson.dumps(body(user(result("toolu_held")))))
+    assert cli.main(["validate", str(path)]) == 1  # without the thread, it is refused
