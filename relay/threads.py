@@ -29,6 +29,7 @@ import collections
 import dataclasses
 import time
 
+import msgspec
 import orjson
 
 from .errors import RelayError
@@ -46,6 +47,9 @@ UNSUPPORTED_MESSAGE = ("thread: this backend does not hold conversations (the re
 MAX_THREADS = 1000
 MAX_BYTES = 64 * 1024 * 1024
 MAX_AGE = 3600.0
+# A streamed answer kept for the record, events and all: beyond this it is not recorded (its
+# thread's next turn is then judged as unseen). An answer of 300k output tokens fits.
+MAX_STREAM_BYTES = 16 * 1024 * 1024
 
 
 @dataclasses.dataclass(slots=True)
@@ -254,16 +258,30 @@ def record(store: Store, exchange, answer) -> None:
     if type(message_id) is not str or type(content) is not list:
         return
     try:
-        sent = orjson.loads(exchange.raw_body).get("messages")
-    except (orjson.JSONDecodeError, AttributeError):
+        sent = _messages_json(exchange.raw_body)
+    except (msgspec.MsgspecError, KeyError, TypeError):
         return
-    if type(sent) is not list:
-        return
-    head = orjson.loads(thread.recorded) if thread.recorded is not None else []
-    whole = head + sent + [{"role": "assistant", "content": content}]
+    reply = orjson.dumps([{"role": "assistant", "content": content}])
     if thread.previous_id is not None:
         store.pop(thread.previous_id)
-    store.put(message_id, exchange.backend.name, orjson.dumps(whole))
+    store.put(message_id, exchange.backend.name, _joined(thread.recorded or b"[]", sent, reply))
+
+
+_top_level = msgspec.json.Decoder(dict[str, msgspec.Raw])
+
+
+def _messages_json(raw: bytes) -> bytes:
+    """The request's ``messages`` as the client's own JSON text, found without decoding it."""
+    messages = bytes(_top_level.decode(raw)["messages"])
+    if not messages.startswith(b"["):
+        raise TypeError("messages is not a list")
+    return messages
+
+
+def _joined(*arrays: bytes) -> bytes:
+    """JSON arrays joined into one, as text."""
+    inner = [array.strip()[1:-1].strip() for array in arrays]
+    return b"[" + b",".join(part for part in inner if part) + b"]"
 
 
 def message_from_events(events) -> dict | None:
@@ -318,7 +336,7 @@ class Tap:
 
     __slots__ = ("write", "limit", "parts", "size")
 
-    def __init__(self, write, limit: int = MAX_BYTES):
+    def __init__(self, write, limit: int = MAX_STREAM_BYTES):
         self.write = write
         self.limit = limit
         self.parts: list[bytes] | None = []

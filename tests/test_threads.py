@@ -293,3 +293,14 @@ async def test_the_emulator_holds_threads_as_the_sdk_types_describe(upstream, ai
     assert error["error"]["details"] == {"error_code": "thread_already_continued"}
     response, error = await post(client, create(user(text("go"))), headers={})
     assert response.status == 400 and error["error"]["message"].startswith("thread:")
+
+
+async def test_a_stream_too_long_to_keep_is_relayed_but_not_recorded():
+    written = []
+
+    async def write(data):
+        written.append(data)
+
+    tap = threads.Tap(write, limit=10)
+    await tap(b"event: ping\ndata: {}\n\n")
+    assert written == [b"event: ping\ndata: {}\n\n"] and tap.message() is None
