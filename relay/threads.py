@@ -118,13 +118,13 @@ class Store:
         self.max_age = max_age
         self.clock = clock
         self.bytes = 0
-        self._entries: collections.OrderedDict[str, tuple[float, str, bytes]] = \
+        self._entries: collections.OrderedDict[object, tuple[float, str, bytes]] = \
             collections.OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, message_id: str) -> tuple[str, bytes] | None:
+    def get(self, message_id) -> tuple[str, bytes] | None:
         """``(backend name, conversation as JSON)`` recorded under ``message_id``."""
         self._expire()
         entry = self._entries.get(message_id)
@@ -134,7 +134,7 @@ class Store:
         self._entries[message_id] = (self.clock(), entry[1], entry[2])
         return entry[1], entry[2]
 
-    def put(self, message_id: str, backend: str, conversation: bytes) -> bool:
+    def put(self, message_id, backend: str, conversation: bytes) -> bool:
         """Record a conversation; False when it alone is larger than the whole record."""
         self.pop(message_id)
         if len(conversation) > self.max_bytes:
@@ -145,7 +145,7 @@ class Store:
             self._drop_oldest()
         return True
 
-    def pop(self, message_id: str) -> None:
+    def pop(self, message_id) -> None:
         entry = self._entries.pop(message_id, None)
         if entry is not None:
             self.bytes -= len(entry[2])
@@ -229,7 +229,8 @@ def prepare(store: Store, exchange) -> None:
         raise ThreadUnsupported()
     if thread.kind == "create":
         return
-    found = store.get(thread.previous_id) if thread.previous_id is not None else None
+    found = store.get(_key(exchange, thread.previous_id)) \
+        if thread.previous_id is not None else None
     if found is not None and found[0] == backend.name:
         try:
             thread.head = orjson.loads(found[1])
@@ -263,8 +264,14 @@ def record(store: Store, exchange, answer) -> None:
         return
     reply = orjson.dumps([{"role": "assistant", "content": content}])
     if thread.previous_id is not None:
-        store.pop(thread.previous_id)
-    store.put(message_id, exchange.backend.name, _joined(thread.recorded or b"[]", sent, reply))
+        store.pop(_key(exchange, thread.previous_id))
+    store.put(_key(exchange, message_id), exchange.backend.name, _joined(thread.recorded or b"[]", sent, reply))
+
+
+def _key(exchange, message_id: str):
+    """Records are kept per inbound key (when auth is on): one client's thread is no other's
+    to judge against, or to use up."""
+    return exchange.key_name, message_id
 
 
 _top_level = msgspec.json.Decoder(dict[str, msgspec.Raw])
