@@ -412,9 +412,11 @@ def _issue(exchange, state: dict, block: dict) -> tuple[str, str] | None:
         return None
     new_id, original, n = issued
     block["id"] = new_id
-    exchange.translation[new_id] = {"original": original, "occurrence": n,
-                                    "message_index": state["message_index"],
-                                    "direction": "to_client"}
+    entry = exchange.translation[new_id] = {"original": original, "occurrence": n,
+                                            "message_index": state["message_index"],
+                                            "direction": "to_client"}
+    if emitted != original:  # what the upstream holds, when that is not the original
+        entry["emitted"] = emitted
     return emitted, new_id
 
 

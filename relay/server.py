@@ -191,6 +191,7 @@ async def prepare_exchange(state: RelayState, *, method: str, path: str, query: 
     try:
         prepare_history(state, exchange)
         await state.chain.run("relay_request", exchange)
+        threads.restore_held_ids(exchange)
         # Encoded here, where a request that cannot be is still answered in Anthropic's
         # format.
         try:

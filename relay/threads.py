@@ -67,6 +67,9 @@ class Thread:
     # The head as recorded: plugins may change ``head`` in place (dedup walks it as it goes
     # up), and the next turn's record must hold it as the client sent it.
     recorded: bytes | None = None
+    # The ids the relay gave the client for calls of the held answer that the server holds
+    # under the upstream's own: client id -> upstream id.
+    renamed: dict | None = None
 
     @property
     def continues(self) -> bool:
@@ -118,28 +121,31 @@ class Store:
         self.max_age = max_age
         self.clock = clock
         self.bytes = 0
-        self._entries: collections.OrderedDict[object, tuple[float, str, bytes]] = \
+        self._entries: collections.OrderedDict[object, tuple[float, str, bytes, dict]] = \
             collections.OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, message_id) -> tuple[str, bytes] | None:
-        """``(backend name, conversation as JSON)`` recorded under ``message_id``."""
+    def get(self, message_id) -> tuple[str, bytes, dict] | None:
+        """``(backend name, conversation as JSON, renamed ids)`` recorded under
+        ``message_id``."""
         self._expire()
         entry = self._entries.get(message_id)
         if entry is None:
             return None
         self._entries.move_to_end(message_id)
-        self._entries[message_id] = (self.clock(), entry[1], entry[2])
-        return entry[1], entry[2]
+        self._entries[message_id] = (self.clock(), *entry[1:])
+        return entry[1:]
 
-    def put(self, message_id, backend: str, conversation: bytes) -> bool:
-        """Record a conversation; False when it alone is larger than the whole record."""
+    def put(self, message_id, backend: str, conversation: bytes,
+            renamed: dict | None = None) -> bool:
+        """Record a conversation (and the answer's ids the relay renamed for the client);
+        False when it alone is larger than the whole record."""
         self.pop(message_id)
         if len(conversation) > self.max_bytes:
             return False
-        self._entries[message_id] = (self.clock(), backend, conversation)
+        self._entries[message_id] = (self.clock(), backend, conversation, renamed or {})
         self.bytes += len(conversation)
         while len(self._entries) > self.max_threads or self.bytes > self.max_bytes:
             self._drop_oldest()
@@ -234,7 +240,7 @@ def prepare(store: Store, exchange) -> None:
     if found is not None and found[0] == backend.name:
         try:
             thread.head = orjson.loads(found[1])
-            thread.recorded = found[1]
+            thread.recorded, thread.renamed = found[1], found[2]
         except orjson.JSONDecodeError:  # not written by ``record``: treat it as unseen
             thread.head = None
     if thread.head is None:
@@ -265,7 +271,14 @@ def record(store: Store, exchange, answer) -> None:
     reply = orjson.dumps([{"role": "assistant", "content": content}])
     if thread.previous_id is not None:
         store.pop(_key(exchange, thread.previous_id))
-    store.put(_key(exchange, message_id), exchange.backend.name, _joined(thread.recorded or b"[]", sent, reply))
+    # The relay's renames of this answer's calls (the dedup plugin's ``to_client`` entries in
+    # the shared translation table): the server holds the upstream's ids.
+    renamed = {client_id: entry.get("emitted", entry.get("original"))
+               for client_id, entry in exchange.translation.items()
+               if type(entry) is dict and entry.get("direction") == "to_client"}
+    renamed = {client_id: held for client_id, held in renamed.items() if type(held) is str}
+    store.put(_key(exchange, message_id), exchange.backend.name,
+              _joined(thread.recorded or b"[]", sent, reply), renamed)
 
 
 def _key(exchange, message_id: str):
@@ -289,6 +302,30 @@ def _joined(*arrays: bytes) -> bytes:
     """JSON arrays joined into one, as text."""
     inner = [array.strip()[1:-1].strip() for array in arrays]
     return b"[" + b",".join(part for part in inner if part) + b"]"
+
+
+def restore_held_ids(exchange) -> None:
+    """After the plugins: results in the request's opening user turn that answer a held call
+    under the id the relay gave the client go up under the id the server holds."""
+    thread = exchange.thread
+    messages = exchange.messages
+    if thread is None or not thread.renamed or type(messages) is not list:
+        return
+    restored = []
+    for message in messages[:opens_with_held_calls(messages)]:
+        content = message.get("content") if type(message) is dict else None
+        if type(content) is not list:
+            continue
+        for block in content:
+            if type(block) is dict and block.get("type") == "tool_result":
+                upstream_id = thread.renamed.get(block.get("tool_use_id"))
+                if upstream_id is not None:
+                    restored.append(block["tool_use_id"])
+                    block["tool_use_id"] = upstream_id
+    if restored:
+        exchange.mark_changed()
+        exchange.note("relay", "restored held ids", tool_use_ids=restored,
+                      reason="the server holds the answer's calls under the upstream's ids")
 
 
 def message_from_events(events) -> dict | None:

@@ -304,3 +304,18 @@ async def test_a_stream_too_long_to_keep_is_relayed_but_not_recorded():
     tap = threads.Tap(write, limit=10)
     await tap(b"event: ping\ndata: {}\n\n")
     assert written == [b"event: ping\ndata: {}\n\n"] and tap.message() is None
+
+
+async def test_a_renamed_call_is_answered_upstream_under_the_id_the_server_holds(upstream,
+                                                                                relay):
+    # A Kimi-like backend that holds threads: it repeats its ids turn after turn.
+    emu = await upstream(tool_turns=3, threads="hold", reuse_ids=True, id_style="functions")
+    client = await relay(emu, quirks={"tool_id_pattern": "^[a-zA-Z0-9_.:-]+$"})
+    _, first = await post(client, create(user(text("go"))))
+    _, second = await post(client, carry_on(first["id"], user(*answers_to(first))))
+    (renamed,) = [b["id"] for b in second["content"] if b["type"] == "tool_use"]
+    assert renamed == "functions.Bash:0-2"
+    response, third = await post(client, carry_on(second["id"], user(*answers_to(second))))
+    assert response.status == 200, third
+    sent = received(client)[-1]["messages"][0]["content"][0]
+    assert sent["tool_use_id"] == "functions.Bash:0"  # what the server holds
