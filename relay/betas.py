@@ -79,10 +79,19 @@ BETAS = {
     "efs-2026-10-01": NONE,
     "google-managed-data-controls-2026-09-01": NONE,
     "message-threads-2026-08-12": THREADS,
+    # Claude Code (2.1.332) sends these on every request of its main loop, with the next two
+    # and mid-conversation-tool-changes; the rules' evidence from Claude Code sessions was
+    # gathered under them.
+    "claude-code-20250219": NONE,
+    "effort-2025-11-24": NONE,
+    "per-turn-control-2026-07-01": NONE,
+    "advanced-tool-use-2025-11-20": KNOWN,
+    # Tool additions and removals live in role: system messages, whose placement rule comes
+    # from Claude Code sessions that carry this beta.
+    "mid-conversation-tool-changes-2026-07-01": KNOWN,
     # They put new things into messages, or change what a turn may hold.
     "compact-2026-01-12": DEFER,
     "compact-2026-09-04": DEFER,
-    "mid-conversation-tool-changes-2026-07-01": DEFER,
     "mid-conversation-system-clear-at-2026-08-21": DEFER,
     "mid-conversation-output-config-2026-07-01": DEFER,
     "thinking-binding-controls-2026-08-01": DEFER,

@@ -136,3 +136,16 @@ async def test_client_chosen_names_cannot_grow_the_metrics_labels(relay):
              if line.startswith("relay_history_rules_deferred_total{")]
     assert len(lines) == 33  # 32 names and "other"
     assert 'relay_history_rules_deferred_total{kind="beta",name="other"} 9.0' in metrics
+
+
+# The anthropic-beta header of Claude Code 2.1.332's main loop, as the emulator received it.
+CLAUDE_CODE_BETAS = ("claude-code-20250219,interleaved-thinking-2025-05-14,"
+                     "context-management-2025-06-27,per-turn-control-2026-07-01,"
+                     "mid-conversation-tool-changes-2026-07-01,thinking-token-count-2026-05-13,"
+                     "advanced-tool-use-2025-11-20,effort-2025-11-24")
+
+
+async def test_claude_codes_own_betas_leave_the_rules_on(relay):
+    response, error = await post(relay, BROKEN, CLAUDE_CODE_BETAS)
+    assert response.status == 400 and received(relay) == []
+    assert "unexpected `tool_use_id`" in error["error"]["message"]
