@@ -33,6 +33,7 @@ BETAS = {
     "thinking-token-count-2026-05-13": NONE,
     "task-budgets-2026-03-13": NONE,
     "token-efficient-tools-2025-02-19": NONE,
+    "fine-grained-tool-streaming-2025-05-14": NONE,  # not in the SDK's list; clients send it
     "structured-outputs-2025-11-13": NONE,
     "prompt-caching-2024-07-31": NONE,
     "extended-cache-ttl-2025-04-11": NONE,
