@@ -202,10 +202,10 @@ def index_of(location: str) -> int:
 
 
 def opens_with_held_calls(messages: list) -> int:
-    """For a continuation whose held part is unknown: how many of the request's first
-    messages belong to turns that may answer (or continue) the held part's calls. The held
-    part ends with the answer named by ``previous_message_id``: assistant messages that open
-    the request continue that turn, and the user messages after them answer it."""
+    """How many of a continuation's first messages belong to turns that may answer (or
+    continue) the held part's calls. The held part ends with the answer named by
+    ``previous_message_id``: assistant messages that open the request continue that turn,
+    and the user messages after them answer it."""
     i = 0
     while i < len(messages) and _role(messages[i]) in ("assistant", "system"):
         i += 1
