@@ -32,12 +32,13 @@ def upstream(aiohttp_server):
 async def relay(aiohttp_client):
     started = []
 
-    async def start(upstream, holds_threads=True, pipeline=PIPELINE, **backend):
+    async def start(upstream, holds_threads=True, pipeline=PIPELINE, server=None, env=None,
+                    **backend):
         url = str(upstream.make_url("")).rstrip("/")
         client = await start_relay(aiohttp_client, {
-            "pipeline": list(pipeline),
+            "pipeline": list(pipeline), "server": server or {},
             "backends": [{"name": "emu", "url": url, "models": ["*"],
-                          "holds_threads": holds_threads, **backend}]})
+                          "holds_threads": holds_threads, **backend}]}, env=env)
         client.upstream = upstream
         started.append(client)
         return client
@@ -319,3 +320,18 @@ async def test_a_renamed_call_is_answered_upstream_under_the_id_the_server_holds
     assert response.status == 200, third
     sent = received(client)[-1]["messages"][0]["content"][0]
     assert sent["tool_use_id"] == "functions.Bash:0"  # what the server holds
+
+
+async def test_one_clients_thread_is_no_other_clients_to_judge_against(upstream, relay):
+    keys = {"KEY_A": "relay-key-alpha-0123456789", "KEY_B": "relay-key-bravo-0123456789"}
+    client = await relay(await upstream(tool_turns=2, threads="hold"), env=keys,
+                         server={"auth": {"keys": [{"name": "alpha", "key_env": "KEY_A"},
+                                                   {"name": "bravo", "key_env": "KEY_B"}]}})
+    alpha = {**BETA, "x-api-key": keys["KEY_A"]}
+    bravo = {**BETA, "x-api-key": keys["KEY_B"]}
+    _, first = await post(client, create(user(text("go"))), alpha)
+    response, _ = await post(client, carry_on(first["id"], user(*answers_to(first))), bravo)
+    assert "thread-head-unseen" in response.headers["x-relay-notes"]
+    response, _ = await post(client, carry_on(first["id"], user(text("hi"))), alpha)
+    assert response.status == 400  # alpha's record is still there, judged against
+    assert len(received(client)) == 2
