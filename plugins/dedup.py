@@ -21,11 +21,16 @@ decision follows from the request itself, and a decision about ``messages[i]`` o
 ``messages[:i+1]``, so earlier turns never change as the conversation grows (prompt caching
 depends on that).
 
+A request that continues a server-held thread (:mod:`relay.threads`) is walked together with
+the held part where the relay saw it, so its ids and the answer's are unique in the whole
+conversation; where it did not, within the request.
+
 Options (plugin options or backend quirks): see ``OPTIONS``.
 """
 
 from __future__ import annotations
 
+from relay import threads
 from relay.hookspecs import hookimpl
 from relay.options import Option
 
@@ -342,10 +347,16 @@ def relay_request(exchange, options):
         return
     # A count_tokens answer holds no content, so nothing is kept for it.
     answer = exchange.endpoint == "messages"
-    walk = (restore_originals if restore else make_unique)(messages, sep, answer)
+    # A thread's held part, where the relay saw it, is walked too (the walk decides each
+    # message from those before it, so the request's messages come out as they did when the
+    # whole conversation was sent), and the answer is checked against all of it.
+    whole, offset = threads.conversation(exchange)
+    walk = (restore_originals if restore else make_unique)(whole, sep, answer)
     if answer:
         exchange.state[PLUGIN] = {"ledger": walk.ledger, "restore": restore,
                                   "message_index": len(messages)}
+    if offset:
+        _own(walk, offset)
     table = exchange.translation
     if restore:
         for i, client_id, original, _, n in walk.tool_uses:
@@ -367,6 +378,14 @@ def relay_request(exchange, options):
     if walk.kept:
         exchange.note(PLUGIN, "kept", direction="restored", reason="repeated within one message",
                       ids=[client_id for _, client_id in walk.kept])
+
+
+def _own(walk: Walk, offset: int) -> None:
+    """Keep of a walk over a thread's held part and the request only what concerns the
+    request's own messages, at their own indexes."""
+    walk.tool_uses = [(i - offset, *rest) for i, *rest in walk.tool_uses if i >= offset]
+    walk.recognised = [(i - offset, *rest) for i, *rest in walk.recognised if i >= offset]
+    walk.kept = [(i - offset, tool_id) for i, tool_id in walk.kept if i >= offset]
 
 
 def _count(exchange, rewritten: int) -> None:
@@ -393,9 +412,11 @@ def _issue(exchange, state: dict, block: dict) -> tuple[str, str] | None:
         return None
     new_id, original, n = issued
     block["id"] = new_id
-    exchange.translation[new_id] = {"original": original, "occurrence": n,
-                                    "message_index": state["message_index"],
-                                    "direction": "to_client"}
+    entry = exchange.translation[new_id] = {"original": original, "occurrence": n,
+                                            "message_index": state["message_index"],
+                                            "direction": "to_client"}
+    if emitted != original:  # what the upstream holds, when that is not the original
+        entry["emitted"] = emitted
     return emitted, new_id
 
 
