@@ -174,9 +174,31 @@ def test_vercel_tool_loop_with_reused_ids_completes_through_the_relay(
                               for turn in range(1, TURNS) for base in BASES)
 
 
+@STREAMING
+def test_vercel_tool_loop_completes_through_an_openai_format_backend_that_reuses_ids(
+        emulator, relay, run_js, dumps, mode):
+    emu = emulator("--format", "openai", "--tool-turns", str(TURNS), "--reuse-ids",
+                   "--parallel", str(PARALLEL), "--interleave", "--max-requests", "40")
+    r = relay(pipeline_config(dumps, backend(emu.url + "/v1", format="openai")))
+    out = run_js("vercel_tool_loop.cjs", r.url, mode, "12")
+    assert "error" not in out, out
+    assert out["text"] == f"All {TURNS} tool turns done."
+    steps = out["steps"]
+    assert [s["finishReason"] for s in steps] == ["tool-calls"] * TURNS + ["stop"]
+    ids = [c["id"] for s in steps for c in s["calls"]]
+    assert len(set(ids)) == len(ids) == TURNS * PARALLEL  # the backend's call_0, call_1 each turn
+    for turn, step in enumerate(steps[:TURNS]):
+        assert sorted(c["command"] for c in step["calls"]) == [
+            f"echo relay-turn-{turn}-{i}" for i in range(PARALLEL)]
+        outputs = {x["id"]: x["output"] for x in step["results"]}
+        assert {c["id"]: c["command"].removeprefix("echo ") + "\n" for c in step["calls"]} == outputs
+    assert len([r for r in emu.requests() if r["path"] == "/v1/chat/completions"]) == TURNS + 1
+
+
 def test_vercel_tool_loop_sent_straight_to_a_reusing_upstream_is_refused(emulator, run_js):
     emu = emulator("--tool-turns", str(TURNS), "--reuse-ids", "--max-requests", "40")
     out = run_js("vercel_tool_loop.cjs", emu.url, "generate", "12")
     assert out["error"]["status"] == 400, out
     assert "messages.3.content.1: `tool_use` ids must be unique" in out["error"]["message"]
     assert len(emu.requests()) == 3  # the SDK sent the duplicate on: its second call's answer
+
