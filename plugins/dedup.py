@@ -26,6 +26,7 @@ Options (plugin options or backend quirks): see ``OPTIONS``.
 
 from __future__ import annotations
 
+from relay import threads
 from relay.hookspecs import hookimpl
 from relay.options import Option
 
@@ -342,10 +343,16 @@ def relay_request(exchange, options):
         return
     # A count_tokens answer holds no content, so nothing is kept for it.
     answer = exchange.endpoint == "messages"
-    walk = (restore_originals if restore else make_unique)(messages, sep, answer)
+    # A thread's held part, where the relay saw it, is walked too (the walk decides each
+    # message from those before it, so the request's messages come out as they did when the
+    # whole conversation was sent), and the answer is checked against all of it.
+    whole, offset = threads.conversation(exchange)
+    walk = (restore_originals if restore else make_unique)(whole, sep, answer)
     if answer:
         exchange.state[PLUGIN] = {"ledger": walk.ledger, "restore": restore,
                                   "message_index": len(messages)}
+    if offset:
+        _own(walk, offset)
     table = exchange.translation
     if restore:
         for i, client_id, original, _, n in walk.tool_uses:
@@ -367,6 +374,14 @@ def relay_request(exchange, options):
     if walk.kept:
         exchange.note(PLUGIN, "kept", direction="restored", reason="repeated within one message",
                       ids=[client_id for _, client_id in walk.kept])
+
+
+def _own(walk: Walk, offset: int) -> None:
+    """Keep of a walk over a thread's held part and the request only what concerns the
+    request's own messages, at their own indexes."""
+    walk.tool_uses = [(i - offset, *rest) for i, *rest in walk.tool_uses if i >= offset]
+    walk.recognised = [(i - offset, *rest) for i, *rest in walk.recognised if i >= offset]
+    walk.kept = [(i - offset, tool_id) for i, tool_id in walk.kept if i >= offset]
 
 
 def _count(exchange, rewritten: int) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 import shutil
 import tempfile
 
@@ -55,6 +56,10 @@ from relay.options import Option
 PLUGIN = "metrics"
 # Upstream latency and time to first byte: from a few ms (a cached answer) to minutes (a long
 # generation before its first token).
+# Betas and fields the relay does not know are the client's words: a few distinct names get
+# their own label, the rest count as "other", so that no client can grow the label set.
+NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
+MAX_NAMES = 32
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
@@ -65,6 +70,7 @@ class Metrics:
         self.registry: CollectorRegistry | None = None
         self.path = "/metrics"
         self.children: dict = {}
+        self.deferred_names: set[str] = set()
 
     OPTIONS = (Option("path", str, "/metrics", "where the metrics are served",
                       check=lambda path: None if path.startswith("/") and " " not in path
@@ -105,6 +111,10 @@ class Metrics:
         self.fallbacks = Counter(
             "relay_upstream_fallbacks", "Requests sent on to a fallback backend.",
             ["backend", "fallback"], registry=registry)
+        self.deferred = Counter(
+            "relay_history_rules_deferred", "Requests whose history the rules left to the "
+            "upstream, by the beta or top-level field they hold no evidence about.",
+            ["kind", "name"], registry=registry)
         self.auth_failures = Counter(
             "relay_auth_failures", "Requests refused for a missing or wrong relay key.",
             registry=registry)
@@ -117,6 +127,14 @@ class Metrics:
         if child is None:
             child = self.children[key] = metric.labels(*labels)
         return child
+
+    def _deferred_name(self, name: str) -> str:
+        if name in self.deferred_names:
+            return name
+        if len(self.deferred_names) < MAX_NAMES and NAME.fullmatch(name):
+            self.deferred_names.add(name)
+            return name
+        return "other"
 
     @hookimpl
     def relay_shutdown(self):
@@ -183,5 +201,7 @@ class Metrics:
                     entry.get("count", 1))
             elif entry.get("step") == "dump" and action in ("queued", "dropped"):
                 self.dumps.labels(action).inc()
+        for kind, name in exchange.rules_defer:
+            self._child(self.deferred, kind, self._deferred_name(name)).inc()
         if exchange.outcome == "rejected" and error is not None and error.plugin is not None:
             self.refused.labels(error.plugin, error.rule or error.plugin).inc()

@@ -18,6 +18,11 @@ checks them locally, in the API's words (see ``relay/evidence.json``):
 Whether every call has exactly one result is the ``pairing`` plugin's business; this one only
 looks at where calls and results sit. ``role: "system"`` entries are stepped over.
 
+A request that continues a server-held thread (:mod:`relay.threads`) is judged with the
+held part where the relay saw it, else alone; a turn that begins in the held part is not
+repaired. A request whose betas or fields may change what a valid history is
+(:mod:`relay.betas`) is neither refused nor repaired: what was found is noted ``deferred``.
+
 Option (a backend's ``quirks:`` may set the same key and wins):
   ``ordering_mode``: ``reject`` (default) answers 400 with the API's wording; ``repair`` moves
   the other blocks before the calls, and the results to the front of their turn, keeping their
@@ -30,6 +35,7 @@ from __future__ import annotations
 import logging
 from typing import NamedTuple
 
+from relay import betas, threads
 from relay.errors import invalid_request
 from relay.hookspecs import hookimpl
 from relay.options import Option
@@ -225,15 +231,42 @@ def relay_request(exchange, options):
     if mode == "off":
         return
     messages = exchange.messages
-    found, unsure = check(messages)
+    whole, offset = threads.conversation(exchange)
+    found, unsure = check(whole)
+    if offset:
+        found, unsure = _own(found, unsure, offset)
     _note_unsure(exchange, unsure)
     if not found:
         return
+    if exchange.rules_defer:
+        exchange.note("ordering", "deferred", location=found[0].location, rule=found[0].rule,
+                      problems=len(found), reasons=betas.described(exchange.rules_defer))
+        return
     if mode == "repair":
-        found = _repair(exchange, messages, found)
+        held = [problem for problem in found if problem.turn[0] < offset]
+        found = held + _repair(exchange, messages, [_moved(problem, -offset) for problem in found
+                                                    if problem.turn[0] >= offset])
         if not found:
             return
     raise invalid_request(found[0].message, found[0].rule)
+
+
+def _own(found: list[Problem], unsure: list, offset: int):
+    """A continuation of a thread whose held part the relay knows: the whole conversation was
+    judged; what the request itself holds is named at its own indexes. Without the held part
+    the request is judged alone, which refuses nothing the held part could make right: a
+    turn's calls are only ever checked against the turn after them."""
+    own = []
+    for problem in found:
+        if problem.index >= offset:
+            location, message = threads.shifted(problem.location, problem.message, offset)
+            own.append(problem._replace(location=location, message=message))
+    return own, [(threads.shifted(location, "", offset)[0], reason) for location, reason in unsure
+                 if threads.index_of(location) >= offset]
+
+
+def _moved(problem: Problem, by: int) -> Problem:
+    return problem._replace(index=problem.index + by, turn=tuple(i + by for i in problem.turn))
 
 
 @hookimpl

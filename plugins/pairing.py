@@ -21,6 +21,12 @@ history ending with unanswered calls (a prefill, which some models refuse in oth
 system entry first, other server-tool results without their ``server_tool_use``, and a turn
 answering programmatic calls (``caller`` other than ``direct``) that holds more than results.
 
+A request that continues a server-held thread (see :mod:`relay.threads`) is a tail: where
+the relay saw the earlier turns it judges the whole conversation and names what the request
+holds; where it did not, a result that may answer a call in the held part is forwarded,
+noted ``unsure``. A request whose betas or fields may change what a valid history is
+(:mod:`relay.betas`) is neither refused nor repaired: what was found is noted ``deferred``.
+
 Options (a backend's ``quirks:`` may set the same key and wins):
   ``pairing_mode``: ``reject`` (default) answers 400 with the API's wording and the first
   problem in message order; ``repair`` answers a call that has no result with an ``is_error``
@@ -42,7 +48,7 @@ from typing import NamedTuple
 import msgspec
 import orjson
 
-from relay import skeleton
+from relay import betas, skeleton, threads
 from relay.errors import invalid_request
 from relay.hookspecs import hookimpl
 from relay.options import Option
@@ -553,19 +559,65 @@ def relay_request(exchange, options):
         return
     messages = exchange.messages
     unique_ids = not options.get("restore_original_ids")
-    if type(messages) is not list or _clean(messages, unique_ids):
+    if type(messages) is not list:
         return
-    found, unsure = _check(messages, unique_ids)
+    thread = exchange.thread
+    if thread is not None and thread.continues:
+        found, unsure, whole = _check_tail(exchange, messages, unique_ids)
+    elif _clean(messages, unique_ids):
+        return
+    else:
+        (found, unsure), whole = _check(messages, unique_ids), messages
     _note_unsure(exchange, unsure)
+    if exchange.rules_defer:
+        if found:
+            _defer(exchange, found)
+        return
     if found:
         if mode != "repair":
             raise invalid_request(found[0].message, found[0].rule)
         for problem in found:
             if not problem.missing:
                 raise invalid_request(problem.message, problem.rule)
-        _repair(exchange, messages, found)
+        _repair(exchange, whole, found)
     if options.get("merge_consecutive", True):
         _merge(exchange, messages)
+
+
+def _check_tail(exchange, messages: list, unique_ids: bool):
+    """A request that continues a server-held thread: with the held part known, the whole
+    conversation is judged and what the request itself holds is named, at its own indexes
+    (a problem's ``index`` stays the whole conversation's, for repairs); with it unknown, the
+    request alone, and a result that may answer a call in the held part is forwarded."""
+    whole, offset = threads.conversation(exchange)
+    if offset:
+        found, unsure = check(whole, unique_ids)
+        found = [_shifted(problem, offset) for problem in found if problem.index >= offset]
+        unsure = [Unsure(threads.shifted(item.location, "", offset)[0], item.reason)
+                  for item in unsure if threads.index_of(item.location) >= offset]
+        return found, unsure, whole
+    found, unsure = check(messages, unique_ids)
+    held = threads.opens_with_held_calls(messages)
+    kept = []
+    for problem in found:
+        if problem.rule == "unknown-result" and problem.index < held:
+            unsure.append(Unsure(problem.location, "a tool_result that may answer a call in "
+                                                   "the part of the thread the server holds"))
+        else:
+            kept.append(problem)
+    return kept, unsure, messages
+
+
+def _shifted(problem: Problem, offset: int) -> Problem:
+    location, message = threads.shifted(problem.location, problem.message, offset)
+    return problem._replace(location=location, message=message)
+
+
+def _defer(exchange, found: list[Problem]) -> None:
+    """A request whose betas or fields may change what a valid history is: what the rules
+    found goes on the timeline, and the upstream judges."""
+    exchange.note("pairing", "deferred", location=found[0].location, rule=found[0].rule,
+                  problems=len(found), reasons=betas.described(exchange.rules_defer))
 
 
 @hookimpl

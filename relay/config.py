@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 import yaml
 
 from .errors import ConfigError
-from .formats import FORMATS
+from .formats import FORMATS, THREAD_FORMATS
 from .formats.openai import QUIRKS as OPENAI_QUIRKS
 
 # Quirks the host itself reads (the OpenAI format's), beside those plugins declare.
@@ -65,6 +65,8 @@ class Backend:
     retries: Retries = field(default_factory=Retries)
     fallbacks: list[str] = field(default_factory=list)  # backends to try, in order, after this one
     format: str = "anthropic"  # the wire format it speaks (relay.formats.FORMATS)
+    # Whether it keeps conversations sent with ``thread`` (relay.threads); see _holds_threads.
+    holds_threads: bool = False
 
     def serves(self, model: str) -> bool:
         return any(fnmatch.fnmatchcase(model, pattern) for pattern in self.models)
@@ -381,7 +383,8 @@ def check_exposure(config: Config, host: str) -> None:
 def _backend(item, path: str, env, require_keys: bool) -> Backend:
     _expect(item, dict, path, "a mapping")
     _unknown(item, {"name", "url", "models", "default", "rename", "api_key_env", "auth",
-                    "quirks", "timeouts", "retries", "fallbacks", "format"}, path)
+                    "quirks", "timeouts", "retries", "fallbacks", "format", "holds_threads"},
+             path)
     for key in ("name", "url"):
         if key not in item:
             raise ConfigError(f"{path}.{key}: required")
@@ -420,6 +423,7 @@ def _backend(item, path: str, env, require_keys: bool) -> Backend:
         if not env.get(var) and require_keys:
             raise ConfigError(f"{path}.api_key_env: environment variable {var} is not set")
         backend.api_key_env, backend.api_key = var, env.get(var) or None
+    backend.holds_threads = _holds_threads(item, backend, path)
     backend.retries = _retries(item.get("retries", {}) or {}, f"{path}.retries")
     fallbacks = _expect(item.get("fallbacks", []) or [], list, f"{path}.fallbacks",
                         "a list of backend names")
@@ -435,6 +439,24 @@ def _backend(item, path: str, env, require_keys: bool) -> Backend:
             else:
                 setattr(backend.timeouts, key, _number(timeouts[key], f"{path}.timeouts.{key}"))
     return backend
+
+
+# Anthropic's own API holds threads (beta message-threads-2026-08-12, SDK 2.14's
+# lib/threads); Anthropic-compatible servers elsewhere are not known to.
+THREAD_HOSTS = ("api.anthropic.com",)
+
+
+def _holds_threads(item: dict, backend: Backend, path: str) -> bool:
+    """``holds_threads``: by default true only for Anthropic's own API host, and never for a
+    wire format that has no ``thread`` to carry."""
+    carries = backend.format in THREAD_FORMATS
+    default = carries and urlsplit(backend.url).hostname in THREAD_HOSTS
+    holds = _expect(item.get("holds_threads", default), bool, f"{path}.holds_threads",
+                    "true or false")
+    if holds and not carries:
+        raise ConfigError(f"{path}.holds_threads: the {backend.format} format has no threads "
+                          f"to hold")
+    return holds
 
 
 def _openai_quirks(quirks: dict, path: str) -> None:

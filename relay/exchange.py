@@ -147,6 +147,11 @@ class Exchange:
         self.timings = Timings()
         self.answer: Answer | None = None
         self.shaped_headers = None  # what upstream_headers made, once a plugin asked for it
+        # A server-held thread this request creates or continues (relay.threads.Thread).
+        self.thread = None
+        # ``(kind, name)`` of the betas and fields the history rules defer to the upstream
+        # for (relay.betas.deferring): they note instead of refusing.
+        self.rules_defer: tuple = ()
         self._changed = False
 
     @property
@@ -227,6 +232,15 @@ class Exchange:
         body = self.body
         return body.get(name) if type(body) is dict else None
 
+    def other_fields(self):
+        """The names of the request's top-level fields outside
+        :data:`relay.skeleton.KNOWN_FIELDS`, without decoding the request."""
+        if self._body is None and self._skeleton is not None:
+            return self._skeleton.other_fields()
+        body = self.body
+        return [name for name in body if name not in skeleton.KNOWN_NAMES] \
+            if type(body) is dict else ()
+
     @body.setter
     def body(self, value) -> None:
         """Replace the request (call :meth:`mark_changed` too, so that it goes up)."""
@@ -280,6 +294,15 @@ class Exchange:
         self.response_headers["x-relay-repairs"] = str(self.repairs)
         self._changed = True
         self.note(step, "repaired", count=count, **detail)
+
+    def flag(self, note: str) -> None:
+        """Add ``note`` (a short token) to the answer's ``x-relay-notes`` header, once."""
+        headers = self.response_headers
+        present = headers.get("x-relay-notes")
+        if present is None:
+            headers["x-relay-notes"] = note
+        elif note not in present.split(", "):
+            headers["x-relay-notes"] = f"{present}, {note}"
 
     def note(self, step: str, action: str, **detail) -> None:
         """Record on the timeline what ``step`` (a plugin name, or "relay") did."""

@@ -12,7 +12,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
-from . import __version__, lifecycle, logs, skeleton
+from . import __version__, betas, lifecycle, logs, skeleton, threads
 from .chain import Chain
 from .config import Backend, InboundKey
 from .errors import RelayError, invalid_request
@@ -44,6 +44,7 @@ class RelayState:
         self.gate = Gate(config.keys) if config.keys is not None else None
         # With auth on, what a client presents is a relay key: it never goes upstream.
         self.upstream = Upstream(config, strip_client_auth=self.gate is not None)
+        self.threads = threads.Store()
 
 
 def relay_error(error: RelayError, request_id: str | None = None, headers=None,
@@ -188,6 +189,7 @@ async def prepare_exchange(state: RelayState, *, method: str, path: str, query: 
         exchange.set_model(target)
         exchange.note("relay", "renamed model", model=model, upstream_model=target)
     try:
+        prepare_history(state, exchange)
         await state.chain.run("relay_request", exchange)
         # Encoded here, where a request that cannot be is still answered in Anthropic's
         # format.
@@ -204,6 +206,19 @@ async def prepare_exchange(state: RelayState, *, method: str, path: str, query: 
         raise refused(RelayError(500, "the relay failed while preparing this request",
                                  "api_error")) from e
     return exchange
+
+
+def prepare_history(state: RelayState, exchange: Exchange) -> None:
+    """What the history rules must know before they run: the betas and fields they defer to
+    the upstream for (:mod:`relay.betas`), and the server-held thread the request belongs
+    to (:mod:`relay.threads`; a backend that holds none refuses it here)."""
+    deferring = betas.deferring(exchange.client_headers, exchange.other_fields())
+    if deferring:
+        exchange.rules_defer = deferring
+        exchange.note("relay", "history rules defer", reasons=betas.described(deferring))
+        exchange.flag("history-rules-deferred")
+    if exchange.endpoint == "messages":
+        threads.prepare(state.threads, exchange)
 
 
 async def stream_failed(exchange: Exchange, response: web.StreamResponse, message: str,
@@ -410,6 +425,11 @@ class Relay:
             log.exception("%s: a plugin left an answer that cannot be encoded; the upstream's "
                           "answer goes back as is", exchange.id)
             final = payload
+        if exchange.thread is not None:
+            try:
+                threads.record(state.threads, exchange, orjson.loads(final))
+            except orjson.JSONDecodeError:
+                pass  # not a message: nothing to continue from
         return await deliver(request, exchange, web.Response(
             status=upstream.status, body=final,
             headers=client_headers(response.headers, exchange.response_headers)))
@@ -458,7 +478,8 @@ class Relay:
             headers=client_headers(upstream.headers, exchange.response_headers))
         answer = exchange.answer = Answer(response.status, response.headers, stream=True)
         await response.prepare(request)
-        stream = StreamRelay(self.state.chain, exchange, plan, response.write)
+        tap = threads.Tap(response.write) if exchange.thread is not None else None
+        stream = StreamRelay(self.state.chain, exchange, plan, tap or response.write)
         translator = None
         if exchange.backend.format == "openai":
             translator = openai.StreamTranslator(exchange.backend.name, exchange.model)
@@ -487,6 +508,8 @@ class Relay:
                     if chunk:
                         await stream.feed(chunk)
                 await stream.finish()
+                if tap is not None:
+                    threads.record(self.state.threads, exchange, tap.message())
             except (aiohttp.ClientError, asyncio.TimeoutError, StreamBroken) as e:
                 if request.transport is None or request.transport.is_closing():
                     exchange.outcome = "client_disconnected"

@@ -42,6 +42,7 @@ _Known = msgspec.defstruct(
     forbid_unknown_fields=True)
 
 _known = msgspec.json.Decoder(_Known)
+KNOWN_NAMES = frozenset(("model", "messages", *KNOWN_FIELDS))
 _fields = msgspec.json.Decoder(dict[str, Raw])
 _messages = msgspec.json.Decoder(list[Message])
 _model = msgspec.json.Decoder(str)
@@ -80,6 +81,14 @@ class Skeleton:
         top = self._top
         item = top.get(name) if type(top) is dict else getattr(top, name, None)
         return None if item is None or item is UNSET else value(item)
+
+    def other_fields(self):
+        """The names of top-level fields outside ``KNOWN_FIELDS`` (none in the usual request,
+        which decodes into the fixed form)."""
+        top = self._top
+        if type(top) is not dict:
+            return ()
+        return [name for name in top if name not in KNOWN_NAMES]
 
     def encode(self) -> bytes:
         """The body as JSON: raw values as they came, the structure as it now stands."""

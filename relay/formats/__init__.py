@@ -5,3 +5,6 @@ The plugin chain only ever sees Anthropic requests and Anthropic stream events; 
 """
 
 FORMATS = ("anthropic", "openai")
+# Formats whose requests can carry a server-held thread (``thread``, relay.threads): the
+# Chat Completions format has no such field.
+THREAD_FORMATS = ("anthropic",)

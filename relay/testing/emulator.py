@@ -124,6 +124,7 @@ class EmulatorOptions:
     max_requests: int | None = None
     delay_ms: int = 0
     record: bool = True
+    threads: str = "ignore"
 
     @property
     def signing_key(self) -> bytes:
@@ -171,6 +172,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="after M requests answer 429 to everything (bounds runaway loops)")
     parser.add_argument("--delay-ms", type=int, default=d.delay_ms,
                         help="latency before each /v1/messages answer")
+    parser.add_argument("--threads", choices=THREAD_MODES, default=d.threads,
+                        help="requests with `thread`: ignore the field (a backend that knows no "
+                             "threads), hold conversations as the API does, or refuse them as "
+                             "the API refuses what it cannot thread")
     parser.add_argument("--no-record", dest="record", action="store_false",
                         help="keep no request log (long benchmarks)")
 
@@ -695,6 +700,11 @@ def is_fault(number: int, options: EmulatorOptions) -> bool:
 class EmulatorState:
     options: EmulatorOptions
     records: list[tuple] = dataclasses.field(default_factory=list)
+    # --threads hold: answer id -> (the conversation up to and with that answer, the fields
+    # the thread was created with); an answer continued once leaves it.
+    threads: dict = dataclasses.field(default_factory=dict)
+    continued: dict = dataclasses.field(default_factory=dict)  # answer ids continued, in order
+    answered: dict = dataclasses.field(default_factory=dict)  # ids of answers with diagnostics
     received: int = 0  # every /v1/* request
     messages: int = 0  # authorised /v1/messages requests: what faults and the budget count
 
@@ -817,13 +827,119 @@ async def handle_messages(request: web.Request) -> web.StreamResponse:
     if refusal:
         return refusal
     options = request.app[STATE].options
+    thread, refusal = _thread_of(request, options)
+    if refusal:
+        return refusal
     body, refusal = _checked_body(request, options, needs_max_tokens=True)
     if refusal:
         return refusal
     message = build_message(body, options, len(request[INCOMING].raw) // 4)
+    _diagnose(request.app[STATE], body, message)
+    if thread is not None:
+        _hold(request.app[STATE], body, message)
     if body.get("stream"):
         return await _stream(request, message, options)
     return _json(message)
+
+
+# --- server-held threads ------------------------------------------------------------------
+# From the anthropic SDK 2.14's types and thread helper, read on their own: `thread` is
+# {"type": "create"} or {"type": "continue", "previous_message_id"} (beta_thread_*_params.py,
+# beta message-threads-2026-08-12); a continuation sends only the new messages and no
+# `system` or `tools`, which the thread keeps (CREATE_ONLY_FIELDS in _thread_state.py); an
+# unknown id is 404 `thread_not_found`, an answer continued twice is 400
+# `thread_already_continued`, and a server that cannot thread a request says 400
+# `thread_unsupported_request` (_error_classes.py, thread_*_error_details.py). The messages
+# that go with those codes are the emulator's own: the API's texts are unrecorded.
+
+THREAD_MODES = ("ignore", "hold", "refuse")
+THREADS_BETA = "message-threads-2026-08-12"
+CREATE_ONLY = ("system", "tools")
+MAX_HELD = 1000
+
+
+def thread_error(request: web.Request, status: int, code: str, message: str) -> web.Response:
+    error_type = STATUS_TYPES[status]
+    body = {"type": "error", "error": {"type": error_type, "message": message,
+                                       "details": {"error_code": code}},
+            "request_id": request[INCOMING].request_id}
+    return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
+
+
+def _thread_of(request: web.Request, options: EmulatorOptions):
+    """The request's `thread` (None without one), or the answer refusing it. A continuation's
+    body becomes the whole conversation here, so that every later check judges all of it."""
+    incoming = request[INCOMING]
+    body = incoming.body
+    thread = body.get("thread") if isinstance(body, dict) else None
+    if thread is None or options.threads == "ignore":
+        return None, None
+    if options.threads == "refuse":
+        return None, thread_error(request, 400, "thread_unsupported_request",
+                                  "thread: this server cannot hold this conversation; send "
+                                  "the full conversation without `thread`")
+    betas = ",".join(request.headers.getall("anthropic-beta", ()))
+    if THREADS_BETA not in [b.strip() for b in betas.split(",")]:
+        return None, error_response(request, 400, "thread: Extra inputs are not permitted")
+    kind = thread.get("type") if isinstance(thread, dict) else None
+    if kind == "create":
+        return thread, None
+    previous = thread.get("previous_message_id") if isinstance(thread, dict) else None
+    if kind != "continue" or not isinstance(previous, str):
+        return None, error_response(request, 400, "thread: Input tag does not match any of "
+                                                  "the expected tags: 'create', 'continue'")
+    state = request.app[STATE]
+    held = state.threads.pop(previous, None)
+    if held is None:
+        if previous in state.continued:
+            return None, thread_error(request, 400, "thread_already_continued",
+                                      f"previous_message_id: {previous} was already continued")
+        return None, thread_error(request, 404, "thread_not_found",
+                                  f"previous_message_id: no thread state for {previous}")
+    conversation, fields = held
+    repeated = [name for name in CREATE_ONLY if name in body]
+    if repeated:
+        state.threads[previous] = held
+        return None, error_response(request, 400, f"{repeated[0]}: cannot be sent when "
+                                                  f"continuing a thread")
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return thread, None  # the shape check names it
+    state.continued[previous] = True
+    if len(state.continued) > MAX_HELD:
+        del state.continued[next(iter(state.continued))]
+    incoming.body = {**fields, **body, "messages": conversation + messages}
+    return thread, None
+
+
+def _diagnose(state: EmulatorState, body: dict, message: dict) -> None:
+    """Cache diagnostics (beta cache-diagnosis-2026-04-07, SDK types beta_diagnostics*.py and
+    beta_cache_miss_*.py): a request's `diagnostics.previous_message_id` gets the answer's
+    `diagnostics.cache_miss_reason`. This emulator keeps no cache: an id it did not answer
+    is `previous_message_not_found`, one it did is `unavailable`."""
+    asked = body.get("diagnostics")
+    if not isinstance(asked, dict):
+        return
+    previous = asked.get("previous_message_id")
+    if previous is None:
+        reason = None
+    elif previous in state.answered:
+        reason = {"type": "unavailable"}
+    else:
+        reason = {"type": "previous_message_not_found"}
+    message["diagnostics"] = {"cache_miss_reason": reason}
+    state.answered[message["id"]] = True
+    if len(state.answered) > MAX_HELD:
+        del state.answered[next(iter(state.answered))]
+
+
+def _hold(state: EmulatorState, body: dict, message: dict) -> None:
+    held = state.threads
+    if len(held) >= MAX_HELD:
+        del held[next(iter(held))]
+    fields = {name: body[name] for name in CREATE_ONLY if name in body}
+    answer = {"role": "assistant", "content": message["content"]}
+    held[message["id"]] = (body["messages"] + [answer], fields)
 
 
 async def _stream(request: web.Request, message: dict,

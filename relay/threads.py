@@ -1,0 +1,342 @@
+"""Server-held threads (beta ``message-threads-2026-08-12``): what the relay knows of them.
+
+A request may ask the server to hold its conversation (``thread: {"type": "create"}``) under
+the answer's ``id``, or continue one (``thread: {"type": "continue", "previous_message_id":
+"msg_..."}``), sending only the new turn: its first message may be a user turn of
+``tool_result`` blocks whose ``tool_use`` lives in the part the server holds. The official
+SDKs' tool runners thread by default (``anthropic`` 2.14, ``lib/threads/_thread_state.py``).
+
+So a continuation is judged as a tail whose head the server holds. Where this relay saw the
+earlier turns, it keeps them here (the conversation as the client sent it, up to each answer,
+keyed by the answer's id; bounded by count, bytes and age) and the history rules judge the
+whole conversation; where it did not (a restart, another replica, a thread made elsewhere),
+they judge only what the tail can show, and the exchange says so (``x-relay-notes:
+thread-head-unseen``).
+
+A backend that holds no threads (``holds_threads: false``) never gets a ``thread``: the relay
+answers a thread request the way the API answers one it cannot serve, 400 with
+``error.details.error_code: "thread_unsupported_request"``, and the SDKs then resend the full
+history without ``thread`` (``_unsupported_features`` / ``recovers_from`` in the SDK; types
+``thread_unsupported_request_error*.py``).
+
+The functions are pure but for :class:`Store`, an in-process map the host owns; nothing here
+needs the server, so the record can later move onto a state shared between replicas.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+
+import orjson
+
+from .errors import RelayError
+from .sse import SSEDecoder
+
+BETA = "message-threads-2026-08-12"
+# The SDK reads `unsupported` as a list of ThreadUnsupportedFeatureName values and falls back
+# on any value it does not know, or on none: a backend without threads is none of its names.
+UNSUPPORTED_MESSAGE = ("thread: this backend does not hold conversations (the relay's "
+                       "holds_threads: false for it); send the full conversation without "
+                       "`thread`")
+
+# Bounds of the record: threads, bytes of their conversations, seconds since last use. The
+# API documents no lifetime for a thread; an hour covers a tool loop's pauses.
+MAX_THREADS = 1000
+MAX_BYTES = 64 * 1024 * 1024
+MAX_AGE = 3600.0
+
+
+@dataclasses.dataclass(slots=True)
+class Thread:
+    """What a request asks of a thread, and what the relay knows of the part held upstream.
+
+    ``kind`` is ``create``, ``continue``, or ``other`` for a value the relay cannot read (the
+    upstream judges it; the rules treat it like a continuation they know nothing of).
+    ``head`` is the conversation up to ``previous_id``'s answer as the client sent it, when
+    this relay saw it; None otherwise (and for ``create``)."""
+
+    kind: str
+    previous_id: str | None = None
+    head: list | None = None
+    # The head as recorded: plugins may change ``head`` in place (dedup walks it as it goes
+    # up), and the next turn's record must hold it as the client sent it.
+    recorded: bytes | None = None
+
+    @property
+    def continues(self) -> bool:
+        """Whether the server holds a part of this conversation that the request leaves out."""
+        return self.kind != "create"
+
+    @property
+    def unseen(self) -> bool:
+        """A continuation whose held part this relay does not know."""
+        return self.kind != "create" and self.head is None
+
+
+def requested(value) -> Thread | None:
+    """The thread a request's ``thread`` field asks for (None: no field, or null)."""
+    if value is None:
+        return None
+    kind = value.get("type") if type(value) is dict else None
+    if kind == "create":
+        return Thread("create")
+    previous = value.get("previous_message_id") if type(value) is dict else None
+    if kind == "continue" and type(previous) is str:
+        return Thread("continue", previous)
+    return Thread("other")
+
+
+class ThreadUnsupported(RelayError):
+    """The API's refusal of a request it cannot thread, in the shape the SDKs read."""
+
+    def __init__(self, message: str = UNSUPPORTED_MESSAGE):
+        super().__init__(400, message, "invalid_request_error", rule="thread-unsupported")
+
+    def body(self, request_id: str | None = None) -> bytes:
+        doc = {"type": "error", "error": {
+            "type": self.type, "message": self.message,
+            "details": {"error_code": "thread_unsupported_request"}}}
+        if request_id:
+            doc["request_id"] = request_id
+        return orjson.dumps(doc)
+
+
+class Store:
+    """Conversations of threads this relay saw, by answer id, least recently used first
+    out; bounded by ``max_threads``, ``max_bytes`` and ``max_age`` seconds since last use."""
+
+    def __init__(self, max_threads: int = MAX_THREADS, max_bytes: int = MAX_BYTES,
+                 max_age: float = MAX_AGE, clock=time.monotonic):
+        self.max_threads = max_threads
+        self.max_bytes = max_bytes
+        self.max_age = max_age
+        self.clock = clock
+        self.bytes = 0
+        self._entries: collections.OrderedDict[str, tuple[float, str, bytes]] = \
+            collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, message_id: str) -> tuple[str, bytes] | None:
+        """``(backend name, conversation as JSON)`` recorded under ``message_id``."""
+        self._expire()
+        entry = self._entries.get(message_id)
+        if entry is None:
+            return None
+        self._entries.move_to_end(message_id)
+        self._entries[message_id] = (self.clock(), entry[1], entry[2])
+        return entry[1], entry[2]
+
+    def put(self, message_id: str, backend: str, conversation: bytes) -> bool:
+        """Record a conversation; False when it alone is larger than the whole record."""
+        self.pop(message_id)
+        if len(conversation) > self.max_bytes:
+            return False
+        self._entries[message_id] = (self.clock(), backend, conversation)
+        self.bytes += len(conversation)
+        while len(self._entries) > self.max_threads or self.bytes > self.max_bytes:
+            self._drop_oldest()
+        return True
+
+    def pop(self, message_id: str) -> None:
+        entry = self._entries.pop(message_id, None)
+        if entry is not None:
+            self.bytes -= len(entry[2])
+
+    def _drop_oldest(self) -> None:
+        _, entry = self._entries.popitem(last=False)
+        self.bytes -= len(entry[2])
+
+    def _expire(self) -> None:
+        limit = self.clock() - self.max_age
+        while self._entries:
+            used = next(iter(self._entries.values()))[0]
+            if used >= limit:
+                return
+            self._drop_oldest()
+
+
+# --- what the rules see -------------------------------------------------------------------
+
+
+def conversation(exchange) -> tuple[list, int]:
+    """The conversation the history rules judge, and where the request's own messages start
+    in it: the held head and the request's messages when the relay knows the head, else the
+    request's messages alone (at 0)."""
+    messages = exchange.messages
+    thread = exchange.thread
+    if thread is None or thread.head is None or type(messages) is not list:
+        return messages, 0
+    return thread.head + messages, len(thread.head)
+
+
+def shifted(location: str, text: str, offset: int) -> tuple[str, str]:
+    """``(location, text)`` of a finding at ``location`` (``messages.N...``) in the whole
+    conversation, renamed after the request's own messages, as the client sent them."""
+    if not offset or not location.startswith("messages."):
+        return location, text
+    number, dot, rest = location[len("messages."):].partition(".")
+    if not number.isdigit():
+        return location, text
+    renamed = f"messages.{int(number) - offset}{dot}{rest}"
+    return renamed, renamed + text[len(location):] if text.startswith(location) else text
+
+
+def index_of(location: str) -> int:
+    """The message index a location names (``messages.3.content.0`` is 3), or -1."""
+    number = location[len("messages."):].partition(".")[0]
+    return int(number) if location.startswith("messages.") and number.isdigit() else -1
+
+
+def opens_with_held_calls(messages: list) -> int:
+    """For a continuation whose held part is unknown: how many of the request's first
+    messages belong to turns that may answer (or continue) the held part's calls. The held
+    part ends with the answer named by ``previous_message_id``: assistant messages that open
+    the request continue that turn, and the user messages after them answer it."""
+    i = 0
+    while i < len(messages) and _role(messages[i]) in ("assistant", "system"):
+        i += 1
+    while i < len(messages) and _role(messages[i]) in ("user", "system"):
+        i += 1
+    return i
+
+
+def _role(message) -> str | None:
+    return message.get("role") if type(message) is dict else None
+
+
+# --- the host's part ----------------------------------------------------------------------
+
+
+def prepare(store: Store, exchange) -> None:
+    """Read the request's ``thread``, refuse it for a backend that holds none, and put on the
+    exchange what the relay knows of the held part. Costs a field lookup without ``thread``."""
+    thread = requested(exchange.field("thread"))
+    exchange.thread = thread
+    if thread is None:
+        return
+    backend = exchange.backend
+    if not backend.holds_threads:
+        exchange.note("relay", "thread refused", kind=thread.kind, backend=backend.name,
+                      reason="the backend holds no threads (holds_threads: false)")
+        raise ThreadUnsupported()
+    if thread.kind == "create":
+        return
+    found = store.get(thread.previous_id) if thread.previous_id is not None else None
+    if found is not None and found[0] == backend.name:
+        try:
+            thread.head = orjson.loads(found[1])
+            thread.recorded = found[1]
+        except orjson.JSONDecodeError:  # not written by ``record``: treat it as unseen
+            thread.head = None
+    if thread.head is None:
+        exchange.note("relay", "thread head unseen", previous_message_id=thread.previous_id,
+                      reason="this relay did not see the earlier turns: the rules judge only "
+                             "what the request holds, and the upstream judges the rest")
+        exchange.flag("thread-head-unseen")
+    else:
+        exchange.note("relay", "thread head known", previous_message_id=thread.previous_id,
+                      messages=len(thread.head))
+
+
+def record(store: Store, exchange, answer) -> None:
+    """After a successful answer to a thread request (``answer``: the message as the client
+    got it), keep the conversation up to it under its id, and forget the one it continued:
+    the API lets each answer be continued once (``thread_already_continued``)."""
+    thread = exchange.thread
+    if thread is None or thread.kind == "other" or thread.unseen or type(answer) is not dict:
+        return
+    message_id = answer.get("id")
+    content = answer.get("content")
+    if type(message_id) is not str or type(content) is not list:
+        return
+    try:
+        sent = orjson.loads(exchange.raw_body).get("messages")
+    except (orjson.JSONDecodeError, AttributeError):
+        return
+    if type(sent) is not list:
+        return
+    head = orjson.loads(thread.recorded) if thread.recorded is not None else []
+    whole = head + sent + [{"role": "assistant", "content": content}]
+    if thread.previous_id is not None:
+        store.pop(thread.previous_id)
+    store.put(message_id, exchange.backend.name, orjson.dumps(whole))
+
+
+def message_from_events(events) -> dict | None:
+    """The message a stream's events build (``id`` and ``content``), or None for a stream
+    that did not reach ``message_stop``."""
+    message = None
+    blocks: dict[int, dict] = {}
+    partial: dict[int, list[str]] = {}
+    for event in events:
+        data = event.data
+        if type(data) is not dict:
+            continue
+        kind = data.get("type")
+        if kind == "message_start" and type(data.get("message")) is dict:
+            message = dict(data["message"])
+        elif kind == "content_block_start" and type(data.get("content_block")) is dict:
+            blocks[data.get("index")] = dict(data["content_block"])
+        elif kind == "content_block_delta":
+            block, delta = blocks.get(data.get("index")), data.get("delta")
+            if block is None or type(delta) is not dict:
+                continue
+            dtype = delta.get("type")
+            if dtype == "text_delta":
+                block["text"] = block.get("text", "") + delta.get("text", "")
+            elif dtype == "input_json_delta":
+                partial.setdefault(data.get("index"), []).append(delta.get("partial_json", ""))
+            elif dtype == "thinking_delta":
+                block["thinking"] = block.get("thinking", "") + delta.get("thinking", "")
+            elif dtype == "signature_delta":
+                block["signature"] = block.get("signature", "") + delta.get("signature", "")
+            elif dtype == "citations_delta":
+                block.setdefault("citations", []).append(delta.get("citation"))
+        elif kind == "message_stop" and message is not None:
+            for index, pieces in partial.items():
+                text = "".join(pieces)
+                try:
+                    blocks[index]["input"] = orjson.loads(text) if text else {}
+                except orjson.JSONDecodeError:
+                    return None
+            message["content"] = [blocks[i] for i in sorted(blocks, key=_sort_key)]
+            return message
+    return None
+
+
+def _sort_key(index) -> int:
+    return index if type(index) is int else -1
+
+
+class Tap:
+    """Keeps what a stream wrote to the client, up to ``limit`` bytes, for :func:`record`;
+    past the limit it keeps nothing (the answer is then not recorded)."""
+
+    __slots__ = ("write", "limit", "parts", "size")
+
+    def __init__(self, write, limit: int = MAX_BYTES):
+        self.write = write
+        self.limit = limit
+        self.parts: list[bytes] | None = []
+        self.size = 0
+
+    async def __call__(self, data: bytes) -> None:
+        if self.parts is not None:
+            self.size += len(data)
+            if self.size > self.limit:
+                self.parts = None
+            else:
+                self.parts.append(data)
+        await self.write(data)
+
+    def message(self) -> dict | None:
+        if self.parts is None:
+            return None
+        decoder = SSEDecoder()
+        events = decoder.feed(b"".join(self.parts))
+        events.extend(decoder.close())
+        return message_from_events(events)

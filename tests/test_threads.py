@@ -1,0 +1,238 @@
+"""Server-held threads through a real relay (in process) in front of the strict emulator: a
+continuation is judged as a tail, a backend that holds no threads refuses them the API's way,
+and the record of threads the relay saw is bounded."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+import pytest_asyncio
+
+from relay import config as config_module
+from relay import threads
+from relay.errors import ConfigError
+from relay.testing import assistant, result, text, use, user
+from relay.testing import emulator
+from relay.testing.fixtures import received, start_relay
+
+BETA = {"anthropic-beta": "message-threads-2026-08-12"}
+TOOLS = [{"name": "Bash", "description": "Run a command", "input_schema": {
+    "type": "object", "properties": {"command": {"type": "string"}}}}]
+PIPELINE = ["metrics", "dedup", "pairing", "ordering", "portable"]
+
+
+@pytest.fixture
+def upstream(aiohttp_server):
+    async def start(**options):
+        return await aiohttp_server(emulator.create_app(emulator.EmulatorOptions(**options)))
+    return start
+
+
+@pytest_asyncio.fixture
+async def relay(aiohttp_client):
+    started = []
+
+    async def start(upstream, holds_threads=True, pipeline=PIPELINE, **backend):
+        url = str(upstream.make_url("")).rstrip("/")
+        client = await start_relay(aiohttp_client, {
+            "pipeline": list(pipeline),
+            "backends": [{"name": "emu", "url": url, "models": ["*"],
+                          "holds_threads": holds_threads, **backend}]})
+        client.upstream = upstream
+        started.append(client)
+        return client
+
+    yield start
+    for client in started:
+        await client.chain.shutdown(client.config)
+
+
+def body(*messages, thread=None, **extra) -> dict:
+    doc = {"model": "claude-test", "max_tokens": 100, "messages": list(messages), **extra}
+    if thread is not None:
+        doc["thread"] = thread
+    return doc
+
+
+def create(*messages, **extra) -> dict:
+    return body(*messages, thread={"type": "create"}, tools=TOOLS, **extra)
+
+
+def carry_on(previous: str, *messages, **extra) -> dict:
+    return body(*messages, thread={"type": "continue", "previous_message_id": previous}, **extra)
+
+
+async def post(client, doc: dict, headers=BETA):
+    response = await client.post("/v1/messages", data=orjson.dumps(doc),
+                                 headers={"Content-Type": "application/json", **headers})
+    raw = await response.read()
+    return response, orjson.loads(raw) if raw.startswith(b"{") else raw
+
+
+def answers_to(message: dict) -> list[dict]:
+    return [result(block["id"]) for block in message["content"] if block["type"] == "tool_use"]
+
+
+async def test_a_continuation_answering_held_calls_is_not_refused(upstream, relay):
+    client = await relay(await upstream(tool_turns=2, threads="hold"))
+    response, first = await post(client, create(user(text("go"))))
+    assert response.status == 200 and first["stop_reason"] == "tool_use"
+    response, second = await post(client, carry_on(first["id"], user(*answers_to(first))))
+    assert response.status == 200, second
+    assert second["stop_reason"] == "tool_use"
+    assert response.headers.get("x-relay-notes") is None  # the relay saw the head
+    response, third = await post(client, carry_on(second["id"], user(*answers_to(second))))
+    assert response.status == 200 and third["stop_reason"] == "end_turn"
+    sent = received(client)
+    # Only the new turn went up, with the thread as the client sent it.
+    assert [len(doc["messages"]) for doc in sent] == [1, 1, 1]
+    assert sent[2]["thread"] == {"type": "continue", "previous_message_id": second["id"]}
+    assert "tools" not in sent[1]
+
+
+async def test_with_the_head_known_the_whole_conversation_is_judged(upstream, relay):
+    emu = await upstream(tool_turns=2, threads="hold")
+    client = await relay(emu)
+    _, first = await post(client, create(user(text("go"))))
+    # A result for a call nobody made: refused by the relay, named where the client put it.
+    response, error = await post(client, carry_on(first["id"], user(result("toolu_nobody"))))
+    assert response.status == 400
+    assert error["error"]["message"].startswith(
+        "messages.0.content.0: unexpected `tool_use_id` found in `tool_result` blocks: "
+        "toolu_nobody")
+    # The held calls left unanswered: the API's words, at the request's own index.
+    response, error = await post(client, carry_on(first["id"], user(text("never mind"))))
+    assert response.status == 400
+    assert error["error"]["message"].startswith("messages.0: `tool_use` ids were found without")
+    assert len(received(client)) == 1
+
+
+async def test_a_head_the_relay_did_not_see_is_forwarded_and_noted(upstream, relay):
+    emu = await upstream(tool_turns=2, threads="hold")
+    elsewhere = await relay(emu)  # another replica, or this one before a restart
+    _, first = await post(elsewhere, create(user(text("go"))))
+    client = await relay(emu)
+    response, second = await post(client, carry_on(first["id"], user(*answers_to(first))))
+    assert response.status == 200, second
+    assert "thread-head-unseen" in response.headers["x-relay-notes"]
+    # The upstream judges what the relay could not: it holds the head.
+    response, error = await post(client, carry_on(second["id"], user(result("toolu_nobody"))))
+    assert response.status == 400
+    assert "unexpected `tool_use_id`" in error["error"]["message"]
+    assert "toolu_nobody" in error["error"]["message"]
+    assert len(received(client)) == 3  # the same emulator behind both
+
+
+async def test_a_tail_of_its_own_faults_is_refused_even_unseen(upstream, relay):
+    client = await relay(await upstream(tool_turns=2, threads="hold"))
+    broken = carry_on("msg_unseen", user(result("toolu_a")),
+                      assistant(text("again"), use("toolu_b")), user(result("toolu_c")))
+    response, error = await post(client, broken)
+    assert response.status == 400
+    assert error["error"]["message"].startswith(
+        "messages.2.content.0: unexpected `tool_use_id` found in `tool_result` blocks: toolu_c")
+    assert received(client) == []
+
+
+async def test_a_streamed_answer_is_recorded_too(upstream, relay):
+    client = await relay(await upstream(tool_turns=2, threads="hold"))
+    response, raw = await post(client, create(user(text("go")), stream=True))
+    assert response.status == 200
+    events = [orjson.loads(line[6:]) for line in raw.split(b"\n") if line.startswith(b"data: ")]
+    message = events[0]["message"]
+    calls = [e["content_block"] for e in events if e["type"] == "content_block_start"
+             and e["content_block"]["type"] == "tool_use"]
+    response, error = await post(client, carry_on(message["id"], user(text("no results"))))
+    assert response.status == 400  # judged against the streamed answer's calls
+    assert calls[0]["id"] in error["error"]["message"]
+    response, _ = await post(client, carry_on(message["id"], user(
+        *[result(call["id"]) for call in calls]), stream=True))
+    assert response.status == 200
+
+
+async def test_a_backend_without_threads_refuses_them_as_the_api_does(upstream, relay):
+    emu = await upstream(tool_turns=1, threads="refuse")
+    client = await relay(emu, holds_threads=False)
+    for doc in (create(user(text("go"))), carry_on("msg_x", user(result("toolu_a")))):
+        response, error = await post(client, doc)
+        assert response.status == 400
+        assert error["type"] == "error"
+        assert error["error"]["type"] == "invalid_request_error"
+        assert error["error"]["details"] == {"error_code": "thread_unsupported_request"}
+        assert error["request_id"] == response.headers["x-relay-request-id"]
+    assert received(client) == []
+    response, _ = await post(client, body(user(text("go")), tools=TOOLS))
+    assert response.status == 200
+
+
+async def test_an_openai_format_backend_holds_no_threads(aiohttp_server, aiohttp_client):
+    from relay.testing import emulator_openai
+    server = await aiohttp_server(emulator_openai.create_app(emulator.EmulatorOptions()))
+    client = await start_relay(aiohttp_client, {"pipeline": ["pairing"], "backends": [
+        {"name": "oa", "url": str(server.make_url("/v1")), "format": "openai", "models": ["*"]}]})
+    response, error = await post(client, create(user(text("go"))))
+    assert response.status == 400
+    assert error["error"]["details"]["error_code"] == "thread_unsupported_request"
+    assert server.app[emulator.STATE].records == []
+
+
+@pytest.mark.parametrize("url, extra, holds", [
+    ("https://api.anthropic.com", {}, True),
+    ("https://api.anthropic.com/", {"holds_threads": False}, False),
+    ("https://api.moonshot.ai/anthropic", {}, False),
+    ("http://127.0.0.1:9", {"holds_threads": True}, True),
+])
+def test_holds_threads_defaults_to_anthropics_own_api(url, extra, holds):
+    config = config_module.parse({"backends": [{"name": "b", "url": url, "models": ["*"],
+                                                **extra}]}, {})
+    assert config.backends[0].holds_threads is holds
+
+
+def test_an_openai_format_backend_cannot_be_said_to_hold_threads():
+    with pytest.raises(ConfigError, match=r"backends\[0\].holds_threads: the openai format"):
+        config_module.parse({"backends": [{"name": "b", "url": "http://127.0.0.1:9/v1",
+                                           "format": "openai", "holds_threads": True}]}, {})
+
+
+def test_the_record_is_bounded_by_count_bytes_and_age():
+    now = [0.0]
+    store = threads.Store(max_threads=2, max_bytes=100, max_age=10, clock=lambda: now[0])
+    store.put("a", "emu", b"x" * 40)
+    store.put("b", "emu", b"x" * 40)
+    store.put("c", "emu", b"x" * 40)  # a third: the least recently used goes
+    assert store.get("a") is None and len(store) == 2 and store.bytes == 80
+    store.get("b")
+    store.put("d", "emu", b"x" * 70)  # past the bytes: c (used longest ago) goes, then b
+    assert store.get("c") is None and store.get("b") is None and store.bytes == 70
+    assert store.put("e", "emu", b"x" * 101) is False and store.get("e") is None
+    now[0] = 11
+    assert store.get("d") is None and store.bytes == 0
+
+
+def test_a_location_is_renamed_after_the_requests_own_messages():
+    message = "messages.5.content.1: unexpected `tool_use_id`"
+    assert threads.shifted("messages.5.content.1", message, 3) == (
+        "messages.2.content.1", "messages.2.content.1: unexpected `tool_use_id`")
+    assert threads.shifted("messages.5", "messages.5: x", 0) == ("messages.5", "messages.5: x")
+
+
+def test_the_messages_a_stream_builds():
+    from relay.sse import Event
+
+    def event(data):
+        return Event(b"event: " + data["type"].encode() + b"\ndata: " + orjson.dumps(data)
+                     + b"\n\n")
+
+    events = [event(e) for e in emulator.stream_events({
+        "id": "msg_1", "type": "message", "role": "assistant", "model": "m",
+        "content": [{"type": "text", "text": "Calling."},
+                    {"type": "tool_use", "id": "toolu_1", "name": "Bash",
+                     "input": {"command": "ls -la"}}],
+        "stop_reason": "tool_use", "stop_sequence": None,
+        "usage": {"input_tokens": 1, "output_tokens": 2}})]
+    message = threads.message_from_events(events)
+    assert message["id"] == "msg_1"
+    assert message["content"] == [{"type": "text", "text": "Calling."},
+                                  {"type": "tool_use", "id": "toolu_1", "name": "Bash",
+                                   "input": {"command": "ls -la"}}]
+    assert threads.message_from_events(events[:-1]) is None

@@ -1,0 +1,126 @@
+"""The anthropic SDK's tool runner, threaded by default, streaming and not, through a real
+relay server in front of each kind of backend: one that holds threads as the API does, an
+Anthropic-like one that holds none, and an OpenAI-format one. Cache diagnostics go through
+untouched."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import urllib.request
+
+import anthropic
+import pytest
+
+from support import backend
+
+pytestmark = pytest.mark.e2e
+
+THREADS_BETA = "message-threads-2026-08-12"
+TURNS = 2  # the emulators' tool turns before their final answer
+
+
+@anthropic.beta_tool
+def run(command: str) -> str:
+    """Run a shell command.
+
+    Args:
+        command: the command line
+    """
+    return f"ran {command}"
+
+
+def sdk(url: str) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=url, api_key="sk-test-client", max_retries=0)
+
+
+def finish(client: anthropic.Anthropic, stream: bool):
+    runner = client.beta.messages.tool_runner(
+        model="claude-test", max_tokens=200, tools=[run], stream=stream,
+        messages=[{"role": "user", "content": "Run the tool until you are done."}])
+    return runner.until_done()
+
+
+def messages_requests(emu, path="/v1/messages") -> list[dict]:
+    return [r for r in emu.requests() if r["path"] == path]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_the_tool_runner_threads_through_a_backend_that_holds_threads(emulator, relay, stream):
+    emu = emulator("--threads", "hold", "--tool-turns", str(TURNS))
+    r = relay({"backends": [backend(emu.url, holds_threads=True)]})
+    final = finish(sdk(r.url), stream)
+    assert final.stop_reason == "end_turn"
+    sent = messages_requests(emu)
+    assert len(sent) == TURNS + 1  # no refusal, no replay
+    # The first asks the server to hold the conversation; each later one sends only the new
+    # turn (results whose calls the server holds) and continues from the answer before it.
+    # The emulator judged each against the whole conversation it held.
+    assert sent[0]["body"]["thread"] == {"type": "create"}
+    for request in sent[1:]:
+        body = request["body"]
+        assert body["thread"]["type"] == "continue"
+        assert [m["role"] for m in body["messages"]] == ["user"]
+        assert body["messages"][0]["content"][0]["type"] == "tool_result"
+        assert "tools" not in body
+        headers = {k.lower(): v for k, v in request["headers"]}
+        assert THREADS_BETA in headers["anthropic-beta"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_the_tool_runner_falls_back_to_full_histories_without_threads(emulator, relay, stream):
+    # The emulator would refuse a thread itself: it must never see one.
+    emu = emulator("--threads", "refuse", "--tool-turns", str(TURNS))
+    r = relay({"backends": [backend(emu.url)]})
+    final = finish(sdk(r.url), stream)
+    assert final.stop_reason == "end_turn"
+    sent = messages_requests(emu)
+    assert len(sent) == TURNS + 1
+    assert all("thread" not in request["body"] for request in sent)
+    # Full histories, each valid for the strict emulator: 1, 3, 5 messages.
+    assert [len(request["body"]["messages"]) for request in sent] == [1, 3, 5]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_the_tool_runner_falls_back_through_an_openai_format_backend(emulator, relay, stream):
+    emu = emulator("--format", "openai", "--tool-turns", str(TURNS))
+    r = relay({"backends": [backend(emu.url + "/v1", format="openai")]})
+    final = finish(sdk(r.url), stream)
+    assert final.stop_reason == "end_turn"
+    sent = messages_requests(emu, "/v1/chat/completions")
+    assert len(sent) == TURNS + 1
+    assert all("thread" not in request["body"] for request in sent)
+    assert [sum(m["role"] == "tool" for m in request["body"]["messages"])
+            for request in sent] == [0, 1, 2]
+
+
+def test_cache_diagnostics_pass_through_untouched(emulator, relay):
+    emu = emulator("--tool-turns", "0")
+    r = relay({"backends": [backend(emu.url)]})
+    client = sdk(r.url)
+    first = client.beta.messages.create(
+        model="claude-test", max_tokens=50, betas=["cache-diagnosis-2026-04-07"],
+        diagnostics={"previous_message_id": "msg_never_seen"},
+        messages=[{"role": "user", "content": "hi"}])
+    assert first.diagnostics.cache_miss_reason.type == "previous_message_not_found"
+    # In a stream the answer's diagnostics come in message_start (BetaMessage.diagnostics).
+    with client.beta.messages.stream(
+            model="claude-test", max_tokens=50, betas=["cache-diagnosis-2026-04-07"],
+            diagnostics={"previous_message_id": first.id},
+            messages=[{"role": "user", "content": "hi again"}]) as stream:
+        final = stream.get_final_message()
+    assert final.diagnostics.cache_miss_reason.type == "unavailable"
+    # The request's bytes go up as they came, odd spacing and all.
+    raw = json.dumps({"model": "claude-test", "max_tokens": 50,
+                      "diagnostics": {"previous_message_id": None},
+                      "messages": [{"role": "user", "content": "hi"}]},
+                     separators=(" , ", " : ")).encode()
+    call = urllib.request.Request(r.url + "/v1/messages", data=raw, method="POST", headers={
+        "content-type": "application/json", "x-api-key": "sk-test-client",
+        "anthropic-version": "2023-06-01"})
+    with urllib.request.urlopen(call, timeout=10) as response:
+        answer = json.loads(response.read())
+    assert answer["diagnostics"] == {"cache_miss_reason": None}
+    sent = messages_requests(emu)
+    assert sent[0]["body"]["diagnostics"] == {"previous_message_id": "msg_never_seen"}
+    assert sent[2]["body_sha256"] == hashlib.sha256(raw).hexdigest()
