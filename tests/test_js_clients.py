@@ -16,7 +16,9 @@ What the pinned clients do, as these tests pin down:
   ``400`` with ``error.details.error_code: "thread_unsupported_request"``, it sends that turn
   again, and every later one, as a full history without ``thread``
   (lib/internal/threads/ThreadState.ts, ``recoversFrom``; the runner asks for
-  ``continue_unthreaded``).
+  ``continue_unthreaded``). So in front of a backend that holds threads (``--threads hold``,
+  ``holds_threads: true``) it keeps one thread to the end; in front of one that does not
+  (``--threads refuse``, or any OpenAI-format one) the relay's 400 turns it to full histories.
 """
 
 from __future__ import annotations
@@ -202,3 +204,90 @@ def test_vercel_tool_loop_sent_straight_to_a_reusing_upstream_is_refused(emulato
     assert "messages.3.content.1: `tool_use` ids must be unique" in out["error"]["message"]
     assert len(emu.requests()) == 3  # the SDK sent the duplicate on: its second call's answer
 
+
+# --- the TypeScript SDK's tool runner -----------------------------------------------------------
+
+RUNNER_TURNS = 3
+RUNNER_MODES = pytest.mark.parametrize("mode", ["create", "stream"])
+# How the emulator plays each kind of backend, and how the relay's configuration declares it.
+KINDS = {
+    "holding": (("--threads", "hold"), {"holds_threads": True}),
+    "not-holding": (("--threads", "refuse"), {"holds_threads": False}),
+    "openai": (("--format", "openai"), {"format": "openai"}),
+}
+
+
+def runner_through_relay(emulator, relay, dumps, kind: str, *emulator_args: str):
+    args, declared = KINDS[kind]
+    emu = emulator(*args, "--tool-turns", str(RUNNER_TURNS), "--max-requests", "40",
+                   *emulator_args)
+    url = emu.url + "/v1" if declared.get("format") == "openai" else emu.url
+    return emu, relay(pipeline_config(dumps, backend(url, **declared)))
+
+
+def upstream_bodies(emu) -> list[dict]:
+    return [r["body"] for r in emu.requests()
+            if r["path"] in ("/v1/messages", "/v1/chat/completions")]
+
+
+def assert_runner_completed(out: dict) -> None:
+    assert "error" not in out, out
+    assert out["final"] == {"stop_reason": "end_turn",
+                            "text": f"All {RUNNER_TURNS} tool turns done."}
+    assert [c["command"] for c in out["calls"]] == [
+        f"echo relay-turn-{turn}-0" for turn in range(RUNNER_TURNS)]
+    for call in out["calls"]:
+        assert call["output"] == call["command"].removeprefix("echo ") + "\n"
+    assert len({c["id"] for c in out["calls"]}) == RUNNER_TURNS
+
+
+@RUNNER_MODES
+def test_ts_tool_runner_keeps_its_thread_on_a_backend_that_holds_threads(
+        emulator, relay, run_js, dumps, mode):
+    emu, r = runner_through_relay(emulator, relay, dumps, "holding")
+    out = run_js("ts_tool_runner.cjs", r.url, mode, "10")
+    assert_runner_completed(out)
+    # One thread, created once and continued with only the new turn each time: the relay
+    # refused none of the continuations, whose calls live in the part the server holds.
+    sent = [(x["thread"]["type"], x["messages"], x["status"]) for x in out["exchanges"]]
+    assert sent == [("create", 1, 200)] + [("continue", 1, 200)] * RUNNER_TURNS
+    assert all(THREADS_BETA in x["betas"] for x in out["exchanges"])
+    bodies = upstream_bodies(emu)
+    assert [b["thread"]["type"] for b in bodies] == ["create"] + ["continue"] * RUNNER_TURNS
+    assert [len(b["messages"]) for b in bodies] == [1] * (RUNNER_TURNS + 1)
+
+
+@RUNNER_MODES
+@pytest.mark.parametrize("kind", ["not-holding", "openai"])
+def test_ts_tool_runner_falls_back_to_full_histories_on_a_backend_without_threads(
+        emulator, relay, run_js, dumps, kind, mode):
+    emu, r = runner_through_relay(emulator, relay, dumps, kind)
+    out = run_js("ts_tool_runner.cjs", r.url, mode, "10")
+    assert_runner_completed(out)
+    # The relay answers the thread request the API's way, the runner sends that turn again
+    # without a thread, and every later turn as the whole history.
+    refused, *rest = out["exchanges"]
+    assert (refused["thread"], refused["status"], refused["errorCode"]) == (
+        {"type": "create"}, 400, "thread_unsupported_request")
+    assert refused["relayRequestId"]
+    assert [(x["thread"], x["messages"], x["status"]) for x in rest] == [
+        (None, 1 + 2 * turn, 200) for turn in range(RUNNER_TURNS + 1)]
+    # The backend never saw a thread: the refusal was the relay's own.
+    bodies = upstream_bodies(emu)
+    assert len(bodies) == RUNNER_TURNS + 1
+    assert not any("thread" in b for b in bodies)
+
+
+@RUNNER_MODES
+def test_ts_tool_runner_falls_back_and_gets_unique_ids_from_a_backend_that_reuses_them(
+        emulator, relay, run_js, dumps, mode):
+    # Only without threads: what a server holds, the relay cannot rewrite, so an emulator
+    # holding its own repeated ids refuses its own head; Anthropic's API, the one backend
+    # known to hold threads, mints unique ids.
+    emu, r = runner_through_relay(emulator, relay, dumps, "not-holding", "--reuse-ids")
+    out = run_js("ts_tool_runner.cjs", r.url, mode, "10")
+    assert_runner_completed(out)
+    assert [c["id"] for c in out["calls"]] == [suffixed(REUSED, t) for t in range(RUNNER_TURNS)]
+    assert [x["status"] for x in out["exchanges"]] == [400] + [200] * (RUNNER_TURNS + 1)
+    assert upstream_tool_ids(emu.requests()[-1]) == [
+        [suffixed(REUSED, t)] for t in range(RUNNER_TURNS)]

@@ -15,7 +15,9 @@ const SCHEMA = {
 
 function runBash(command, cwd) {
   return new Promise((resolve) => {
-    execFile("bash", ["-c", command], { cwd, timeout: TIMEOUT_MS, maxBuffer: MAX_OUTPUT },
+    // --norc: bash takes the socket node gives it for stdin as a remote shell's, and would
+    // read ~/.bashrc.
+    execFile("bash", ["--norc", "-c", command], { cwd, timeout: TIMEOUT_MS, maxBuffer: MAX_OUTPUT },
       (error, stdout, stderr) => {
         const output = stdout + stderr;
         resolve({ output: output || "(no output)", failed: error !== null });
