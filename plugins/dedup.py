@@ -21,6 +21,10 @@ decision follows from the request itself, and a decision about ``messages[i]`` o
 ``messages[:i+1]``, so earlier turns never change as the conversation grows (prompt caching
 depends on that).
 
+A request that continues a server-held thread (:mod:`relay.threads`) is walked together with
+the held part where the relay saw it, so its ids and the answer's are unique in the whole
+conversation; where it did not, within the request.
+
 Options (plugin options or backend quirks): see ``OPTIONS``.
 """
 

@@ -626,7 +626,12 @@ def relay_validate(exchange, options, repair):
     if _mode(options) == "off" or messages is None:
         return None
     unique_ids = not options.get("restore_original_ids")
-    found, unsure = check(messages, unique_ids)
+    if exchange.thread is None:  # offline, nothing of the thread is known but the request
+        exchange.thread = threads.requested(exchange.field("thread"))
+    if exchange.thread is not None and exchange.thread.continues:
+        found, unsure, _ = _check_tail(exchange, messages, unique_ids)
+    else:
+        found, unsure = check(messages, unique_ids)
     _note_unsure(exchange, unsure)
     if repair:
         if any(problem.missing for problem in found):

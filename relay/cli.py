@@ -184,11 +184,13 @@ def _request_for(raw: bytes, name: str):
         top = None
     else:
         top = msgspec.json.decode(raw, type=dict[str, msgspec.Raw])
-        # The model and thinking settings matter to what a --target backend accepts.
+        # The model and thinking settings matter to what a --target backend accepts, and a
+        # thread to what the history may leave to the server.
         model = top.get("model")
         model = bytes(model) if model is not None and bytes(model).startswith(b'"') else b'""'
-        thinking = b',"thinking":' + bytes(top["thinking"]) if "thinking" in top else b""
-        raw = b'{"model":' + model + b',"messages":' + bytes(top["messages"]) + thinking + b"}"
+        kept = b"".join(b',"' + name.encode() + b'":' + bytes(top[name])
+                        for name in ("thinking", "thread") if name in top)
+        raw = b'{"model":' + model + b',"messages":' + bytes(top["messages"]) + kept + b"}"
     problem = _shape_problem(msgspec.json.decode(raw)["messages"])
     if problem:
         raise ValueError(f"{name}: {problem}")

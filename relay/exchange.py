@@ -104,6 +104,11 @@ class Exchange:
     ``relay_error``), ``error`` (a :class:`RelayError` the relay answered with), and
     ``received`` (wall-clock time) with ``timings`` (a :class:`Timings`).
 
+    What the history rules must know before they judge: ``thread`` (a
+    :class:`relay.threads.Thread` when the request creates or continues a server-held
+    thread, with the held part where the relay saw it) and ``rules_defer`` (the betas and
+    fields they defer to the upstream for, :mod:`relay.betas`).
+
     Plugins read and change the request through ``messages`` (or ``body``); they share the id
     ``translation`` table and append to ``timeline`` through :meth:`note`. ``state`` holds
     per-plugin scratch data, keyed by plugin name, and dies with the exchange: the relay

@@ -425,14 +425,15 @@ class Relay:
             log.exception("%s: a plugin left an answer that cannot be encoded; the upstream's "
                           "answer goes back as is", exchange.id)
             final = payload
+        delivered = await deliver(request, exchange, web.Response(
+            status=upstream.status, body=final,
+            headers=client_headers(response.headers, exchange.response_headers)))
         if exchange.thread is not None:
             try:
                 threads.record(state.threads, exchange, orjson.loads(final))
             except orjson.JSONDecodeError:
                 pass  # not a message: nothing to continue from
-        return await deliver(request, exchange, web.Response(
-            status=upstream.status, body=final,
-            headers=client_headers(response.headers, exchange.response_headers)))
+        return delivered
 
     async def _unreachable(self, request, exchange: Exchange, e: BaseException) -> web.Response:
         error = upstream_failure(exchange.backend, e)
@@ -508,8 +509,6 @@ class Relay:
                     if chunk:
                         await stream.feed(chunk)
                 await stream.finish()
-                if tap is not None:
-                    threads.record(self.state.threads, exchange, tap.message())
             except (aiohttp.ClientError, asyncio.TimeoutError, StreamBroken) as e:
                 if request.transport is None or request.transport.is_closing():
                     exchange.outcome = "client_disconnected"
@@ -546,6 +545,8 @@ class Relay:
                                         "the relay failed while relaying this stream")
                     return response
             await response.write_eof()
+            if tap is not None:
+                threads.record(self.state.threads, exchange, tap.message())
             return response
         finally:
             answer.size, answer.events = stream.written, stream.events

@@ -29,6 +29,7 @@ import collections
 import dataclasses
 import time
 
+import msgspec
 import orjson
 
 from .errors import RelayError
@@ -46,6 +47,9 @@ UNSUPPORTED_MESSAGE = ("thread: this backend does not hold conversations (the re
 MAX_THREADS = 1000
 MAX_BYTES = 64 * 1024 * 1024
 MAX_AGE = 3600.0
+# A streamed answer kept for the record, events and all: beyond this it is not recorded (its
+# thread's next turn is then judged as unseen). An answer of 300k output tokens fits.
+MAX_STREAM_BYTES = 16 * 1024 * 1024
 
 
 @dataclasses.dataclass(slots=True)
@@ -114,13 +118,13 @@ class Store:
         self.max_age = max_age
         self.clock = clock
         self.bytes = 0
-        self._entries: collections.OrderedDict[str, tuple[float, str, bytes]] = \
+        self._entries: collections.OrderedDict[object, tuple[float, str, bytes]] = \
             collections.OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, message_id: str) -> tuple[str, bytes] | None:
+    def get(self, message_id) -> tuple[str, bytes] | None:
         """``(backend name, conversation as JSON)`` recorded under ``message_id``."""
         self._expire()
         entry = self._entries.get(message_id)
@@ -130,7 +134,7 @@ class Store:
         self._entries[message_id] = (self.clock(), entry[1], entry[2])
         return entry[1], entry[2]
 
-    def put(self, message_id: str, backend: str, conversation: bytes) -> bool:
+    def put(self, message_id, backend: str, conversation: bytes) -> bool:
         """Record a conversation; False when it alone is larger than the whole record."""
         self.pop(message_id)
         if len(conversation) > self.max_bytes:
@@ -141,7 +145,7 @@ class Store:
             self._drop_oldest()
         return True
 
-    def pop(self, message_id: str) -> None:
+    def pop(self, message_id) -> None:
         entry = self._entries.pop(message_id, None)
         if entry is not None:
             self.bytes -= len(entry[2])
@@ -225,7 +229,8 @@ def prepare(store: Store, exchange) -> None:
         raise ThreadUnsupported()
     if thread.kind == "create":
         return
-    found = store.get(thread.previous_id) if thread.previous_id is not None else None
+    found = store.get(_key(exchange, thread.previous_id)) \
+        if thread.previous_id is not None else None
     if found is not None and found[0] == backend.name:
         try:
             thread.head = orjson.loads(found[1])
@@ -254,16 +259,36 @@ def record(store: Store, exchange, answer) -> None:
     if type(message_id) is not str or type(content) is not list:
         return
     try:
-        sent = orjson.loads(exchange.raw_body).get("messages")
-    except (orjson.JSONDecodeError, AttributeError):
+        sent = _messages_json(exchange.raw_body)
+    except (msgspec.MsgspecError, KeyError, TypeError):
         return
-    if type(sent) is not list:
-        return
-    head = orjson.loads(thread.recorded) if thread.recorded is not None else []
-    whole = head + sent + [{"role": "assistant", "content": content}]
+    reply = orjson.dumps([{"role": "assistant", "content": content}])
     if thread.previous_id is not None:
-        store.pop(thread.previous_id)
-    store.put(message_id, exchange.backend.name, orjson.dumps(whole))
+        store.pop(_key(exchange, thread.previous_id))
+    store.put(_key(exchange, message_id), exchange.backend.name, _joined(thread.recorded or b"[]", sent, reply))
+
+
+def _key(exchange, message_id: str):
+    """Records are kept per inbound key (when auth is on): one client's thread is no other's
+    to judge against, or to use up."""
+    return exchange.key_name, message_id
+
+
+_top_level = msgspec.json.Decoder(dict[str, msgspec.Raw])
+
+
+def _messages_json(raw: bytes) -> bytes:
+    """The request's ``messages`` as the client's own JSON text, found without decoding it."""
+    messages = bytes(_top_level.decode(raw)["messages"])
+    if not messages.startswith(b"["):
+        raise TypeError("messages is not a list")
+    return messages
+
+
+def _joined(*arrays: bytes) -> bytes:
+    """JSON arrays joined into one, as text."""
+    inner = [array.strip()[1:-1].strip() for array in arrays]
+    return b"[" + b",".join(part for part in inner if part) + b"]"
 
 
 def message_from_events(events) -> dict | None:
@@ -318,7 +343,7 @@ class Tap:
 
     __slots__ = ("write", "limit", "parts", "size")
 
-    def __init__(self, write, limit: int = MAX_BYTES):
+    def __init__(self, write, limit: int = MAX_STREAM_BYTES):
         self.write = write
         self.limit = limit
         self.parts: list[bytes] | None = []

@@ -236,3 +236,71 @@ def test_the_messages_a_stream_builds():
                                   {"type": "tool_use", "id": "toolu_1", "name": "Bash",
                                    "input": {"command": "ls -la"}}]
     assert threads.message_from_events(events[:-1]) is None
+
+
+def test_relay_validate_judges_a_continuation_as_a_tail(tmp_path, capsys):
+    from relay import cli
+    path = tmp_path / "tail.json"
+    path.write_bytes(orjson.dumps(carry_on("msg_x", user(result("toolu_held")))))
+    assert cli.main(["validate", str(path)]) == 0
+    out, err = capsys.readouterr()
+    assert "no tool-use faults found" in out
+    assert "may answer a call in the part of the thread the server holds" in err
+    path.write_bytes(orjson.dumps(body(user(result("toolu_held")))))
+    assert cli.main(["validate", str(path)]) == 1  # without the thread, it is refused
+
+
+async def test_ordering_judges_the_first_turn_against_held_calls(upstream, relay):
+    client = await relay(await upstream(tool_turns=2, threads="hold"))
+    _, first = await post(client, create(user(text("go"))))
+    late = carry_on(first["id"], user(text("here:"), *answers_to(first)))
+    response, error = await post(client, late)
+    assert response.status == 400
+    assert error["error"]["message"].startswith("messages.0: `tool_use` ids were found without")
+    # Unseen, the same tail cannot be judged: it goes up, and the upstream refuses it.
+    other = await relay(client.upstream)
+    response, error = await post(other, late)
+    assert response.status == 400 and len(received(other)) == 2
+    assert "thread-head-unseen" in response.headers["x-relay-notes"]
+
+
+async def test_an_answer_repeating_a_held_id_reaches_the_client_renamed(upstream, relay):
+    client = await relay(await upstream(tool_turns=3, threads="hold", reuse_ids=True))
+    _, first = await post(client, create(user(text("go"))))
+    response, second = await post(client, carry_on(first["id"], user(*answers_to(first))))
+    assert response.status == 200
+    (held,) = [b["id"] for b in first["content"] if b["type"] == "tool_use"]
+    (renamed,) = [b["id"] for b in second["content"] if b["type"] == "tool_use"]
+    assert renamed == f"{held}-2"  # unique in the whole conversation, not only the request
+
+
+async def test_the_emulator_holds_threads_as_the_sdk_types_describe(upstream, aiohttp_client):
+    emu = await upstream(tool_turns=2, threads="hold")
+    client = await aiohttp_client(emu)
+    _, first = await post(client, create(user(text("go"))))
+    response, error = await post(client, carry_on("msg_unknown", user(text("hi"))))
+    assert response.status == 404
+    assert error["error"]["details"] == {"error_code": "thread_not_found"}
+    response, error = await post(client, carry_on(first["id"], user(text("hi")), tools=TOOLS))
+    assert response.status == 400 and error["error"]["message"].startswith("tools:")
+    response, error = await post(client, carry_on(first["id"], user(text("hi"))))
+    assert response.status == 400  # the held calls are unanswered: the whole is judged
+    assert error["error"]["message"].startswith("messages.2: `tool_use` ids were found")
+    response, _ = await post(client, carry_on(first["id"], user(*answers_to(first))))
+    assert response.status == 200
+    response, error = await post(client, carry_on(first["id"], user(*answers_to(first))))
+    assert response.status == 400
+    assert error["error"]["details"] == {"error_code": "thread_already_continued"}
+    response, error = await post(client, create(user(text("go"))), headers={})
+    assert response.status == 400 and error["error"]["message"].startswith("thread:")
+
+
+async def test_a_stream_too_long_to_keep_is_relayed_but_not_recorded():
+    written = []
+
+    async def write(data):
+        written.append(data)
+
+    tap = threads.Tap(write, limit=10)
+    await tap(b"event: ping\ndata: {}\n\n")
+    assert written == [b"event: ping\ndata: {}\n\n"] and tap.message() is None

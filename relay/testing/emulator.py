@@ -836,7 +836,7 @@ async def handle_messages(request: web.Request) -> web.StreamResponse:
     message = build_message(body, options, len(request[INCOMING].raw) // 4)
     _diagnose(request.app[STATE], body, message)
     if thread is not None:
-        _hold(request.app[STATE], body, message)
+        _hold(request.app[STATE], thread, body, message)
     if body.get("stream"):
         return await _stream(request, message, options)
     return _json(message)
@@ -889,7 +889,7 @@ def _thread_of(request: web.Request, options: EmulatorOptions):
         return None, error_response(request, 400, "thread: Input tag does not match any of "
                                                   "the expected tags: 'create', 'continue'")
     state = request.app[STATE]
-    held = state.threads.pop(previous, None)
+    held = state.threads.get(previous)
     if held is None:
         if previous in state.continued:
             return None, thread_error(request, 400, "thread_already_continued",
@@ -899,15 +899,11 @@ def _thread_of(request: web.Request, options: EmulatorOptions):
     conversation, fields = held
     repeated = [name for name in CREATE_ONLY if name in body]
     if repeated:
-        state.threads[previous] = held
         return None, error_response(request, 400, f"{repeated[0]}: cannot be sent when "
                                                   f"continuing a thread")
     messages = body.get("messages")
     if not isinstance(messages, list):
         return thread, None  # the shape check names it
-    state.continued[previous] = True
-    if len(state.continued) > MAX_HELD:
-        del state.continued[next(iter(state.continued))]
     incoming.body = {**fields, **body, "messages": conversation + messages}
     return thread, None
 
@@ -933,7 +929,14 @@ def _diagnose(state: EmulatorState, body: dict, message: dict) -> None:
         del state.answered[next(iter(state.answered))]
 
 
-def _hold(state: EmulatorState, body: dict, message: dict) -> None:
+def _hold(state: EmulatorState, thread: dict, body: dict, message: dict) -> None:
+    """Keep the conversation under the answer's id; the answer it continued is used up (a
+    refused continuation uses up nothing)."""
+    previous = thread.get("previous_message_id")
+    if thread.get("type") == "continue" and state.threads.pop(previous, None) is not None:
+        state.continued[previous] = True
+        if len(state.continued) > MAX_HELD:
+            del state.continued[next(iter(state.continued))]
     held = state.threads
     if len(held) >= MAX_HELD:
         del held[next(iter(held))]
