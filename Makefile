@@ -4,6 +4,11 @@ VENV := .venv
 PY := $(VENV)/bin/python
 CLAUDE_CODE_VERSION := 2.1.332
 CLAUDE := .e2e/node_modules/.bin/claude
+# The JavaScript clients tests/js/ drives, pinned. ai 6 is the newest major that runs on
+# Node.js 18 and 20 (ai 7 asks for 22); zod is the peer both ai and the TypeScript SDK need.
+JS_CLIENTS := ai@6.0.325 @ai-sdk/anthropic@3.0.140 @anthropic-ai/sdk@1.14.0 zod@4.6.7
+# Named after the pins, so that changing one installs again.
+JS_CLIENTS_STAMP := .e2e/.js-clients-$(shell echo '$(JS_CLIENTS)' | cksum | cut -d' ' -f1)
 HAPROXY := /usr/sbin/haproxy
 PYTEST_ARGS ?=
 
@@ -21,6 +26,11 @@ $(CLAUDE):
 	mkdir -p .e2e
 	npm install --silent --no-audit --no-fund --prefix .e2e @anthropic-ai/claude-code@$(CLAUDE_CODE_VERSION)
 	$(CLAUDE) --version
+
+# After the CLI (order only): two npm installs into one prefix at once would trip on each other.
+$(JS_CLIENTS_STAMP): | $(CLAUDE)
+	npm install --silent --no-audit --no-fund --save-exact --prefix .e2e $(JS_CLIENTS)
+	touch $@
 
 # HAProxy, for the replica tests (two relays behind a real load balancer): Debian's package.
 # The test starts its own on loopback with a config it writes; the service is not used.
@@ -41,7 +51,7 @@ try: $(VENV)/.installed
 	echo "try: ANTHROPIC_BASE_URL=http://127.0.0.1:8787 ANTHROPIC_API_KEY=any claude"; \
 	$(PY) -m relay --config examples/try.yaml
 
-test: $(VENV)/.installed $(CLAUDE) $(HAPROXY)
+test: $(VENV)/.installed $(CLAUDE) $(JS_CLIENTS_STAMP) $(HAPROXY)
 	RELAY_CLAUDE=$(abspath $(CLAUDE)) $(PY) -m pytest $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-example test-min
 
@@ -70,7 +80,7 @@ test-min: $(MIN_VENV)/.installed
 unit: $(VENV)/.installed $(HAPROXY)
 	$(PY) -m pytest -m "not e2e" $(PYTEST_ARGS)
 
-e2e: $(VENV)/.installed $(CLAUDE) $(HAPROXY)
+e2e: $(VENV)/.installed $(CLAUDE) $(JS_CLIENTS_STAMP) $(HAPROXY)
 	RELAY_CLAUDE=$(abspath $(CLAUDE)) $(PY) -m pytest -m e2e $(PYTEST_ARGS)
 
 bench: $(VENV)/.installed
