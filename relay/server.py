@@ -121,14 +121,15 @@ def stream_break(backend, e: BaseException) -> str:
     library's own account (``ClientPayloadError ... TransferEncodingError: 400, message='Not
     enough data ...'``, where the 400 is no HTTP status) is for the log and the dump."""
     if isinstance(e, aiohttp.ServerTimeoutError):
-        return (f"the upstream {backend.name} sent nothing for more than "
-                f"{backend.timeouts.read:g} s (its timeouts.read); the stream was ended")
-    if isinstance(e, asyncio.TimeoutError) and backend.timeouts.total is not None:
-        return (f"the upstream {backend.name} did not finish the stream within "
-                f"{backend.timeouts.total:g} s (its timeouts.total)")
-    if isinstance(e, StreamBroken):
-        return f"upstream {backend.name}: {e}"
-    return f"the upstream {backend.name} ended the stream before it was complete"
+        why = (f"nothing came for more than {backend.timeouts.read:g} s (its timeouts.read), "
+               f"so the relay ended it")
+    elif isinstance(e, asyncio.TimeoutError) and backend.timeouts.total is not None:
+        why = f"it did not finish within {backend.timeouts.total:g} s (its timeouts.total)"
+    elif isinstance(e, StreamBroken):
+        why = str(e)
+    else:
+        why = "the upstream ended it before it was complete"
+    return f"upstream {backend.name}'s stream broke off: {why}"
 
 
 def too_large(limit: int) -> RelayError:

@@ -90,8 +90,8 @@ async def test_pings_never_hide_a_dead_upstream(aiohttp_server, aiohttp_client):
     assert got[0] == START and PING in got
     assert got[-1].startswith(b"event: error\n")
     error = orjson.loads(got[-1].split(b"data: ", 1)[1])["error"]
-    assert error["message"] == ("the upstream up sent nothing for more than 0.6 s (its "
-                                "timeouts.read); the stream was ended")
+    assert error["message"] == ("upstream up's stream broke off: nothing came for more "
+                                "than 0.6 s (its timeouts.read), so the relay ended it")
     assert "Error" not in error["message"]  # no library class names for the client
 
 

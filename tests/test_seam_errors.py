@@ -62,7 +62,8 @@ async def test_a_broken_stream_is_told_in_plain_words(aiohttp_server, aiohttp_cl
     resp = await client.post("/v1/messages", json={**BODY, "stream": True})
     last = (await resp.read()).rstrip(b"\n").split(b"\n\n")[-1]
     error = orjson.loads(last.split(b"data: ", 1)[1])["error"]
-    assert error["message"] == "the upstream up ended the stream before it was complete"
+    assert error["message"] == ("upstream up's stream broke off: the upstream ended it "
+                                "before it was complete")
     note = next(e for e in recorder.ended[0].timeline if e["action"] == "stream error")
     assert "ClientPayloadError" in note["detail"]  # the library's account, kept for the dump
 
