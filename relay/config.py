@@ -14,11 +14,13 @@ import yaml
 
 from .errors import ConfigError
 from .formats import FORMATS
+from .beta_filter import QUIRKS as BETA_QUIRKS
 from .formats.openai import QUIRKS as OPENAI_QUIRKS
 from .redact import secrets_of
 
-# Quirks the host itself reads (the OpenAI format's), beside those plugins declare.
-HOST_QUIRKS = frozenset(OPENAI_QUIRKS)
+# Quirks the host itself reads (the OpenAI format's, the beta filter's), beside those
+# plugins declare.
+HOST_QUIRKS = frozenset(OPENAI_QUIRKS) | frozenset(BETA_QUIRKS)
 MAX_BODY_BYTES = 32 * 1024 * 1024  # the Messages API's own request limit
 ROUTE_CACHE_BYTES = 256 * 1024
 # What a path segment may hold: RFC 3986's unreserved and sub-delims, ":" and "@"; no "%"
@@ -428,6 +430,12 @@ def _backend(item, path: str, env, require_keys: bool) -> Backend:
                           f"not {backend.format!r}")
     if backend.format == "openai":
         _openai_quirks(backend.quirks, f"{path}.quirks")
+    for key in BETA_QUIRKS:
+        if key in backend.quirks:
+            patterns = _expect(backend.quirks[key], list, f"{path}.quirks.{key}",
+                               "a list of beta name patterns")
+            for j, pattern in enumerate(patterns):
+                _expect(pattern, str, f"{path}.quirks.{key}[{j}]", "a beta name pattern")
     # OpenAI-format servers read keys as bearer tokens.
     auth = _expect(item.get("auth", "bearer" if backend.format == "openai" else "x-api-key"),
                    str, f"{path}.auth", "a string")

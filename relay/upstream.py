@@ -18,6 +18,7 @@ import aiohttp
 from multidict import CIMultiDict
 from yarl import URL
 
+from . import beta_filter
 from .config import Retries
 from .errors import RelayError
 from .exchange import Attempt
@@ -187,10 +188,18 @@ class Upstream:
             url = upstream_url(backend, exchange.path, exchange.query)
         out_headers = self.headers(exchange.client_headers if headers is None else headers,
                                    backend, exchange.shaped_headers)
+        dropped = beta_filter.filter_header(out_headers, backend.quirks) \
+            if beta_filter.configured(backend.quirks) else None
         if body is None:
             body = exchange.upstream_body()
+            if dropped:
+                body, removed = beta_filter.strip_body(body, dropped)
+                exchange.note("relay", "dropped betas", backend=backend.name, betas=dropped,
+                              **({"fields": removed} if removed else {}))
             if translated and exchange.endpoint == "messages":
                 body = openai.request_bytes(body, backend)
+        elif dropped:
+            exchange.note("relay", "dropped betas", backend=backend.name, betas=dropped)
         if translated:
             openai.upstream_headers(out_headers)
         where = str(url)
