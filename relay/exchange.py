@@ -100,8 +100,8 @@ class Exchange:
     ``attempts`` (one :class:`Attempt` per try, retries and fallbacks included) and
     ``upstream_request`` / ``upstream_response`` (the last attempt's, for dumps). What came
     back: ``answer`` (an :class:`Answer`), ``outcome`` (``ok``, ``rejected``,
-    ``upstream_error``, ``stream_error``, ``upstream_unreachable``, ``client_disconnected``,
-    ``relay_error``), ``error`` (a :class:`RelayError` the relay answered with), and
+    ``upstream_error``, ``stream_error``, ``upstream_unreachable``, ``pool_full`` (the relay's
+    own upstream connections were all in use), ``client_disconnected``, ``relay_error``), ``error`` (a :class:`RelayError` the relay answered with), and
     ``received`` (wall-clock time) with ``timings`` (a :class:`Timings`).
 
     Plugins read and change the request through ``messages`` (or ``body``); they share the id
