@@ -162,3 +162,21 @@ def test_stream_keepalive_must_be_seconds(value):
 def test_stream_keepalive_defaults_on():
     config = config_module.parse({"backends": [{"name": "b", "url": "http://127.0.0.1:1"}]})
     assert config.stream_keepalive == 10.0
+
+
+async def test_pings_never_hide_a_dead_openai_format_upstream(aiohttp_server, aiohttp_client):
+    async def reply(request):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(chat({"role": "assistant", "content": ""}))
+        await resp.write(chat(call(0, id="call_a", name="Bash", arguments='{"comm')))
+        await asyncio.sleep(3)
+        await resp.write_eof()
+        return resp
+    client = await relay_over(aiohttp_server, aiohttp_client, reply, keepalive=0.1,
+                              format="openai", timeouts={"read": 0.6})
+    resp = await client.post("/v1/messages", json={**BODY, "stream": True})
+    got = events(await resp.read())
+    assert got[0].startswith(b"event: message_start") and PING in got
+    assert got[-1].startswith(b"event: error\n")
+    assert b"timeouts.read" in got[-1]
