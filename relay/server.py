@@ -492,13 +492,14 @@ class Relay:
         await response.prepare(request)
         stream = StreamRelay(self.state.chain, exchange, plan,
                              redacting_writer(response.write, secrets))
-        interval = self.state.config.stream_keepalive
-        keepalive = KeepAlive(stream, interval) if interval else None
         translator = None
         if exchange.backend.format == "openai":
             translator = openai.StreamTranslator(exchange.backend.name, exchange.model)
             exchange.upstream_response = {"status": upstream.status,
                                           "headers": upstream.headers, "body": translator.raw}
+        # Started where the ``finally`` below is sure to stop it.
+        interval = self.state.config.stream_keepalive
+        keepalive = KeepAlive(stream, interval) if interval else None
         try:
             try:
                 if translator is None:
