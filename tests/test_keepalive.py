@@ -19,7 +19,7 @@ START, REST = STREAM.split(b"\n\n", 1)
 START += b"\n\n"
 
 
-def paused(before: list[bytes], after: list[bytes], pause: float, headers_first=True):
+def paused(before: list[bytes], after: list[bytes], pause: float):
     """An upstream that sends ``before``, goes quiet for ``pause`` seconds, then sends
     ``after``."""
     async def reply(request):

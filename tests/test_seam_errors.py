@@ -97,7 +97,7 @@ async def test_a_full_connection_pool_is_the_relays_capacity(aiohttp_server, aio
     recorder = Recorder()
     client = await start_relay(aiohttp_client, {
         "server": {"upstream_connections": 1},
-        "pipeline": ["rec"],
+        "pipeline": ["metrics", "rec"],
         "backends": [{"name": "up", "url": str(server.make_url("")), "models": ["claude-*"],
                       "timeouts": {"connect": 0.3}, "retries": FAST}]},
         extra={"rec": recorder})
@@ -113,4 +113,8 @@ async def test_a_full_connection_pool_is_the_relays_capacity(aiohttp_server, aio
     assert len(upstream.received) == 1  # never sent, and not retried into the same wait
     full = next(e for e in recorder.ended if e.outcome == "pool_full")
     assert len(full.attempts) == 1 and full.attempts[0].error == "pool full"
+    metrics = await (await client.get("/metrics")).text()
+    assert 'outcome="pool_full"' in next(line for line in metrics.splitlines()
+                                          if line.startswith("relay_requests_total{")
+                                          and 'status="503"' in line)
 
