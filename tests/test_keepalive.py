@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import anthropic
 import orjson
 import pytest
 from aiohttp import web
@@ -14,6 +15,7 @@ from relay.errors import ConfigError
 from relay.stream import PING
 from relay.testing.fixtures import start_relay
 from test_server import BODY, STREAM, Upstream, start_upstream
+from test_upstream import Recorder
 
 START, REST = STREAM.split(b"\n\n", 1)
 START += b"\n\n"
@@ -35,14 +37,15 @@ def paused(before: list[bytes], after: list[bytes], pause: float):
     return reply
 
 
-async def relay_over(aiohttp_server, aiohttp_client, reply, keepalive, **backend_extra):
+async def relay_over(aiohttp_server, aiohttp_client, reply, keepalive, extra=None,
+                     **backend_extra):
     upstream = Upstream()
     upstream.reply = reply
     server = await start_upstream(aiohttp_server, upstream)
-    raw = {"server": {"stream_keepalive": keepalive},
+    raw = {"server": {"stream_keepalive": keepalive}, "pipeline": list(extra or ()),
            "backends": [{"name": "up", "url": str(server.make_url("")), "models": ["claude-*"],
                          **backend_extra}]}
-    return await start_relay(aiohttp_client, raw)
+    return await start_relay(aiohttp_client, raw, extra=extra)
 
 
 def events(out: bytes) -> list[bytes]:
@@ -180,3 +183,25 @@ async def test_pings_never_hide_a_dead_openai_format_upstream(aiohttp_server, ai
     assert got[0].startswith(b"event: message_start") and PING in got
     assert got[-1].startswith(b"event: error\n")
     assert b"timeouts.read" in got[-1]
+
+
+async def test_the_sdk_reads_a_pinged_stream_as_the_same_message(aiohttp_server,
+                                                                 aiohttp_client):
+    plain = STREAM.replace(b'event: brand_new_event\ndata: {"type":"brand_new_event"}\n\n', b"")
+    head, tail = plain.split(b"event: content_block_delta", 1)
+    reply = paused([head], [b"event: content_block_delta" + tail], pause=0.6)
+    recorder = Recorder()
+    client = await relay_over(aiohttp_server, aiohttp_client, reply, keepalive=0.1,
+                              extra={"rec": recorder})
+    sdk = anthropic.AsyncAnthropic(base_url=str(client.make_url("")), api_key="k" * 20,
+                                   max_retries=0)
+    try:
+        async with sdk.messages.stream(model=BODY["model"], max_tokens=10,
+                                       messages=BODY["messages"]) as stream:
+            kinds = [event.type async for event in stream]
+            message = await stream.get_final_message()
+    finally:
+        await sdk.close()
+    assert "ping" not in kinds and message.content[0].text == "hello"
+    pinged = next(e for e in recorder.ended[0].timeline if e["action"] == "keep-alive")
+    assert pinged["pings"] >= 3
