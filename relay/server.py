@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import os
 import signal
 
 import aiohttp
@@ -109,11 +110,29 @@ def upstream_failure(backend, e: BaseException) -> RelayError:
     if isinstance(e, PoolFull):  # the relay is at capacity; the upstream was never asked
         return RelayError(503, f"the relay is at capacity: {e}; request not sent to upstream "
                                f"{backend.name}", "overloaded_error")
-    timeout = isinstance(e, asyncio.TimeoutError)
-    what = "timed out" if timeout else "is unreachable"
-    return RelayError(504 if timeout else 502,
-                      f"upstream {backend.name} {what}: {type(e).__name__} {e}".rstrip(),
-                      "timeout_error" if timeout else "api_error")
+    # In plain words; what the library said is in the attempt's record and the log.
+    name, timeouts = backend.name, backend.timeouts
+    if isinstance(e, asyncio.TimeoutError):
+        if isinstance(e, aiohttp.ConnectionTimeoutError):
+            why = f"no connection within {timeouts.connect:g} s (its timeouts.connect)"
+        elif isinstance(e, aiohttp.ServerTimeoutError):
+            why = f"nothing came for more than {timeouts.read:g} s (its timeouts.read)"
+        elif timeouts.total is not None:
+            why = f"no answer within {timeouts.total:g} s (its timeouts.total)"
+        else:
+            why = "no answer in time"
+        return RelayError(504, f"upstream {name} timed out: {why}", "timeout_error")
+    if isinstance(e, aiohttp.ClientConnectorError):
+        code = getattr(e.os_error, "errno", None)  # asyncio's own text names the call
+        why = f"could not connect to {e.host}:{e.port}" + (
+            f" ({os.strerror(code).lower()})" if code else "")
+    elif isinstance(e, aiohttp.ServerDisconnectedError):
+        why = "it closed the connection without answering"
+    elif isinstance(e, aiohttp.ClientPayloadError):
+        why = "it ended its answer before it was complete"
+    else:
+        why = "the connection failed"
+    return RelayError(502, f"upstream {name} is unreachable: {why}", "api_error")
 
 
 def stream_break(backend, e: BaseException) -> str:
@@ -444,7 +463,7 @@ class Relay:
 
     async def _unreachable(self, request, exchange: Exchange, e: BaseException) -> web.Response:
         error = upstream_failure(exchange.backend, e)
-        log.warning("%s: %s", exchange.id, error.message)
+        log.warning("%s: %s (%s)", exchange.id, error.message, f"{type(e).__name__} {e}".rstrip())
         exchange.outcome = "pool_full" if isinstance(e, PoolFull) else "upstream_unreachable"
         exchange.error = error
         return await deliver(request, exchange, relay_error(error, exchange.id,

@@ -118,3 +118,18 @@ async def test_a_full_connection_pool_is_the_relays_capacity(aiohttp_server, aio
                                           if line.startswith("relay_requests_total{")
                                           and 'status="503"' in line)
 
+
+
+async def test_an_unreachable_upstream_is_told_in_plain_words(aiohttp_client,
+                                                              unused_tcp_port_factory):
+    port = unused_tcp_port_factory()
+    recorder = Recorder()
+    client = await start_relay(aiohttp_client, {
+        "pipeline": ["rec"], "backends": [backend(f"http://127.0.0.1:{port}")]},
+        extra={"rec": recorder})
+    resp = await client.post("/v1/messages", json=BODY)
+    message = (await resp.json())["error"]["message"]
+    assert resp.status == 502
+    assert message == (f"upstream emu is unreachable: could not connect to 127.0.0.1:{port} "
+                       "(connection refused)")
+    assert "ClientConnectorError" in recorder.ended[0].attempts[0].error  # kept for the dump
