@@ -134,7 +134,8 @@ class KeepAlive:
 
     One timer per stream, every half interval, that compares :attr:`StreamRelay.written`
     with what it saw last time: the stream's own path does nothing more per event. It never
-    hides a dead upstream: the backend's read timeout still ends the stream."""
+    hides a dead upstream (the concern with keep-alives in Wei-Shaw/sub2api PR #1707): the
+    backend's read timeout still ends the stream with ``event: error``."""
 
     __slots__ = ("stream", "interval", "loop", "handle", "seen", "quiet", "task", "sent")
 
