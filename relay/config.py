@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
+import functools
 import ipaddress
 import os
 import re
@@ -12,11 +13,14 @@ from urllib.parse import urlsplit
 import yaml
 
 from .errors import ConfigError
+from .beta_filter import QUIRKS as BETA_QUIRKS
 from .formats import FORMATS, THREAD_FORMATS
 from .formats.openai import QUIRKS as OPENAI_QUIRKS
+from .redact import secrets_of
 
-# Quirks the host itself reads (the OpenAI format's), beside those plugins declare.
-HOST_QUIRKS = frozenset(OPENAI_QUIRKS)
+# Quirks the host itself reads (the OpenAI format's, the beta filter's), beside those
+# plugins declare.
+HOST_QUIRKS = frozenset(OPENAI_QUIRKS) | frozenset(BETA_QUIRKS)
 MAX_BODY_BYTES = 32 * 1024 * 1024  # the Messages API's own request limit
 ROUTE_CACHE_BYTES = 256 * 1024
 # What a path segment may hold: RFC 3986's unreserved and sub-delims, ":" and "@"; no "%"
@@ -70,6 +74,13 @@ class Backend:
 
     def serves(self, model: str) -> bool:
         return any(fnmatch.fnmatchcase(model, pattern) for pattern in self.models)
+
+    @functools.cached_property
+    def credentials(self) -> tuple[bytes, ...]:
+        """Every credential of the relay's that goes to this backend (one key today; a pool
+        would list all of its keys here), as :func:`relay.redact.secrets_of` searches for
+        them in what goes back to clients. Empty when the client's own key goes up."""
+        return secrets_of([self.api_key] if self.api_key else [])
 
     def upstream_model(self, model: str) -> str | None:
         """The model name to send up, when relay.yaml renames this one."""
@@ -134,6 +145,11 @@ class Config:
     log_format: str = "text"
     workers: int = 1
     drain_seconds: float = 30.0
+    # Seconds of silence toward a streaming client before a ping (0: never). Below Claude
+    # Code's 20 s "Waiting for API response" stall banner and the 60 s idle timeout common to
+    # proxies and load balancers; the gateways that fixed this chose 10 to 15 s (archestra
+    # 10 s, LiteLLM 15 s).
+    stream_keepalive: float = 10.0
     source: str | None = None
     _routes: dict = field(default_factory=dict, repr=False, compare=False)
     _routes_bytes: int = field(default=0, repr=False, compare=False)
@@ -211,7 +227,8 @@ def parse(raw, env=os.environ, require_keys: bool = True) -> Config:
     _unknown(server, {"host", "port", "max_body_bytes", "upstream_connections", "log_level",
                       "access_log", "max_upstream_body_bytes", "header_timeout", "body_timeout",
                       "max_connections", "allowed_hosts", "allow_unauthenticated", "passthrough",
-                      "auth", "log_format", "workers", "drain_seconds"}, "server")
+                      "auth", "log_format", "workers", "drain_seconds", "stream_keepalive"},
+             "server")
     config.host = _expect(server.get("host", config.host), str, "server.host", "a string")
     port = _expect(server.get("port", config.port), int, "server.port", "an integer")
     if not 0 <= port <= 65535:
@@ -260,6 +277,10 @@ def parse(raw, env=os.environ, require_keys: bool = True) -> Config:
     if isinstance(drain, bool) or not isinstance(drain, (int, float)) or drain < 0:
         raise ConfigError("server.drain_seconds: must be a number of seconds, 0 or more")
     config.drain_seconds = float(drain)
+    keepalive = server.get("stream_keepalive", config.stream_keepalive)
+    if isinstance(keepalive, bool) or not isinstance(keepalive, (int, float)) or keepalive < 0:
+        raise ConfigError("server.stream_keepalive: must be a number of seconds, 0 (off) or more")
+    config.stream_keepalive = float(keepalive)
 
     pipeline = _expect(raw.get("pipeline", []) or [], list, "pipeline", "a list of plugin names")
     for i, name in enumerate(pipeline):
@@ -439,6 +460,12 @@ def _backend(item, path: str, env, require_keys: bool) -> Backend:
                           f"not {backend.format!r}")
     if backend.format == "openai":
         _openai_quirks(backend.quirks, f"{path}.quirks")
+    for key in BETA_QUIRKS:
+        if key in backend.quirks:
+            patterns = _expect(backend.quirks[key], list, f"{path}.quirks.{key}",
+                               "a list of beta name patterns")
+            for j, pattern in enumerate(patterns):
+                _expect(pattern, str, f"{path}.quirks.{key}[{j}]", "a beta name pattern")
     # OpenAI-format servers read keys as bearer tokens.
     auth = _expect(item.get("auth", "bearer" if backend.format == "openai" else "x-api-key"),
                    str, f"{path}.auth", "a string")

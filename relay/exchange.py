@@ -101,7 +101,9 @@ class Exchange:
     ``upstream_request`` / ``upstream_response`` (the last attempt's, for dumps). What came
     back: ``answer`` (an :class:`Answer`), ``outcome`` (``ok``, ``rejected``,
     ``upstream_error``, ``upstream_malformed`` (an answer or stream chunk of the wrong shape),
-    ``stream_error``, ``upstream_unreachable``, ``client_disconnected``, ``relay_error``), ``error`` (a :class:`RelayError` the relay answered with), and
+    ``stream_error``, ``upstream_unreachable``, ``pool_full`` (the relay's own upstream
+    connections were all in use), ``client_disconnected``, ``relay_error``), ``error`` (a
+    :class:`RelayError` the relay answered with), and
     ``received`` (wall-clock time) with ``timings`` (a :class:`Timings`).
 
     What the history rules must know before they judge: ``thread`` (a

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import os
 import signal
 
 import aiohttp
@@ -22,8 +23,9 @@ from .inbound import (AdminGate, AdminRoute, Gate, check_target, forbidden, host
                       is_json, split_target)
 from .listen import Listener
 from .skeleton import Skeleton
-from .stream import StreamBroken, StreamRelay, error_event
-from .upstream import Unreachable, Upstream, client_headers
+from .redact import StreamRedactor, redact, redact_headers, redacting_writer
+from .stream import KeepAlive, StreamBroken, StreamRelay, error_event
+from .upstream import PoolFull, Unreachable, Upstream, client_headers
 
 log = logging.getLogger("relay")
 access_log = logs.access_log
@@ -50,8 +52,12 @@ class RelayState:
 
 def relay_error(error: RelayError, request_id: str | None = None, headers=None,
                 close: bool = False) -> web.Response:
+    """The relay's own answer, in Anthropic's format. The id is in the body and, as the API
+    sends it, in ``request-id``: the header is where the SDKs read ``request_id``."""
     response = web.Response(status=error.status, body=error.body(request_id),
                             content_type="application/json", headers=headers)
+    if request_id:
+        response.headers["request-id"] = request_id
     if close:
         response.force_close()
     return response
@@ -103,11 +109,48 @@ def upstream_failure(backend, e: BaseException) -> RelayError:
         return RelayError(502, f"upstream {backend.name} answered with more than the relay's "
                                f"limit of {e.args[0]} bytes (server.max_upstream_body_bytes)",
                           "api_error")
-    timeout = isinstance(e, asyncio.TimeoutError)
-    what = "timed out" if timeout else "is unreachable"
-    return RelayError(504 if timeout else 502,
-                      f"upstream {backend.name} {what}: {type(e).__name__} {e}".rstrip(),
-                      "timeout_error" if timeout else "api_error")
+    if isinstance(e, PoolFull):  # the relay is at capacity; the upstream was never asked
+        return RelayError(503, f"the relay is at capacity: {e}; request not sent to upstream "
+                               f"{backend.name}", "overloaded_error")
+    # In plain words; what the library said is in the attempt's record and the log.
+    name, timeouts = backend.name, backend.timeouts
+    if isinstance(e, asyncio.TimeoutError):
+        if isinstance(e, aiohttp.ConnectionTimeoutError):
+            why = f"no connection within {timeouts.connect:g} s (its timeouts.connect)"
+        elif isinstance(e, aiohttp.ServerTimeoutError):
+            why = f"nothing came for more than {timeouts.read:g} s (its timeouts.read)"
+        elif timeouts.total is not None:
+            why = f"no answer within {timeouts.total:g} s (its timeouts.total)"
+        else:
+            why = "no answer in time"
+        return RelayError(504, f"upstream {name} timed out: {why}", "timeout_error")
+    if isinstance(e, aiohttp.ClientConnectorError):
+        code = getattr(e.os_error, "errno", None)  # asyncio's own text names the call
+        why = f"could not connect to {e.host}:{e.port}" + (
+            f" ({os.strerror(code).lower()})" if code else "")
+    elif isinstance(e, aiohttp.ServerDisconnectedError):
+        why = "it closed the connection without answering"
+    elif isinstance(e, aiohttp.ClientPayloadError):
+        why = "it ended its answer before it was complete"
+    else:
+        why = "the connection failed"
+    return RelayError(502, f"upstream {name} is unreachable: {why}", "api_error")
+
+
+def stream_break(backend, e: BaseException) -> str:
+    """What a client is told when an upstream stream stops short, in plain words: the
+    library's own account (``ClientPayloadError ... TransferEncodingError: 400, message='Not
+    enough data ...'``, where the 400 is no HTTP status) is for the log and the dump."""
+    if isinstance(e, aiohttp.ServerTimeoutError):
+        why = (f"nothing came for more than {backend.timeouts.read:g} s (its timeouts.read), "
+               f"so the relay ended it")
+    elif isinstance(e, asyncio.TimeoutError) and backend.timeouts.total is not None:
+        why = f"it did not finish within {backend.timeouts.total:g} s (its timeouts.total)"
+    elif isinstance(e, StreamBroken):
+        why = str(e)
+    else:
+        why = "the upstream ended it before it was complete"
+    return f"upstream {backend.name}'s stream broke off: {why}"
 
 
 def too_large(limit: int) -> RelayError:
@@ -224,11 +267,15 @@ def prepare_history(state: RelayState, exchange: Exchange) -> None:
 
 
 async def stream_failed(exchange: Exchange, response: web.StreamResponse, message: str,
-                        kind: str = "api_error") -> None:
+                        kind: str = "api_error", detail: str | None = None) -> None:
     """End a stream whose headers are gone with an ``error`` event, so the client knows it is
-    cut short. Bounded: a client that does not read cannot hold the relay here."""
+    cut short. Bounded: a client that does not read cannot hold the relay here. ``detail``
+    (what the library said) goes to the timeline, and so the dump, not to the client."""
     exchange.outcome = "stream_error"
-    exchange.note("relay", "stream error", message=message)
+    if detail:
+        exchange.note("relay", "stream error", message=message, detail=detail)
+    else:
+        exchange.note("relay", "stream error", message=message)
     try:
         await asyncio.wait_for(response.write(error_event(message, kind)), 5)
     except Exception as e:  # the client is gone or stuck; nothing more to tell it
@@ -462,8 +509,9 @@ class Relay:
 
     async def _unreachable(self, request, exchange: Exchange, e: BaseException) -> web.Response:
         error = upstream_failure(exchange.backend, e)
-        log.warning("%s: %s", exchange.id, error.message)
-        exchange.outcome, exchange.error = "upstream_unreachable", error
+        log.warning("%s: %s (%s)", exchange.id, error.message, f"{type(e).__name__} {e}".rstrip())
+        exchange.outcome = "pool_full" if isinstance(e, PoolFull) else "upstream_unreachable"
+        exchange.error = error
         return await deliver(request, exchange, relay_error(error, exchange.id,
                                                             exchange.response_headers))
 
@@ -489,6 +537,7 @@ class Relay:
         if exchange.backend.format == "openai":  # retry-after and the status stay as sent
             payload = openai.error_bytes(upstream.status, payload, exchange.id)
             headers["Content-Type"] = "application/json"
+            headers.setdefault("request-id", exchange.id)  # the error is the relay's making
         response = UpstreamResponse(upstream.status, upstream.headers, payload)
         try:
             await self.state.chain.run("relay_upstream_error", exchange, response=response)
@@ -499,18 +548,25 @@ class Relay:
 
     async def _stream(self, request: web.Request, exchange: Exchange, upstream) -> web.StreamResponse:
         plan = await self.state.chain.stream_plan(exchange)
-        response = web.StreamResponse(
-            status=upstream.status,
-            headers=client_headers(upstream.headers, exchange.response_headers))
+        secrets = exchange.backend.credentials
+        headers = client_headers(upstream.headers, exchange.response_headers, secrets)
+        # What the SDKs report as the request id, when the upstream gave none (OpenAI format).
+        headers.setdefault("request-id", exchange.id)
+        response = web.StreamResponse(status=upstream.status, headers=headers)
         answer = exchange.answer = Answer(response.status, response.headers, stream=True)
         await response.prepare(request)
-        tap = threads.Tap(response.write) if exchange.thread is not None else None
-        stream = StreamRelay(self.state.chain, exchange, plan, tap or response.write)
+        write = redacting_writer(response.write, secrets)
+        # A thread's record is what the client received.
+        tap = threads.Tap(write) if exchange.thread is not None else None
+        stream = StreamRelay(self.state.chain, exchange, plan, tap or write)
         translator = None
         if exchange.backend.format == "openai":
             translator = openai.StreamTranslator(exchange.backend.name, exchange.model)
             exchange.upstream_response = {"status": upstream.status,
                                           "headers": upstream.headers, "body": translator.raw}
+        # Started where the ``finally`` below is sure to stop it.
+        interval = self.state.config.stream_keepalive
+        keepalive = KeepAlive(stream, interval) if interval else None
         try:
             try:
                 if translator is None:
@@ -546,10 +602,10 @@ class Relay:
                     log.info("%s: upstream connection ended uncleanly after the stream: %r",
                              exchange.id, e)
                 else:
-                    message = (f"upstream stream from {exchange.backend.name} broke off: "
-                               f"{type(e).__name__} {e}").rstrip()
-                    log.warning("%s: %s", exchange.id, message)
-                    await stream_failed(exchange, response, message)
+                    message = stream_break(exchange.backend, e)
+                    detail = f"{type(e).__name__} {e}".rstrip()
+                    log.warning("%s: %s (%s)", exchange.id, message, detail)
+                    await stream_failed(exchange, response, message, detail=detail)
                     return response
             except RelayError as error:  # a stream plugin refused to go on
                 exchange.error = error
@@ -577,6 +633,12 @@ class Relay:
             return response
         finally:
             answer.size, answer.events = stream.written, stream.events
+            if keepalive is not None:
+                keepalive.stop()
+                if keepalive.sent:
+                    answer.size += keepalive.bytes
+                    answer.events += keepalive.sent
+                    exchange.note("relay", "keep-alive", pings=keepalive.sent)
             exchange.timings.last_byte = exchange.elapsed()
             if translator is not None:
                 exchange.upstream_response["body"] = translator.raw.value()
@@ -624,13 +686,21 @@ class Relay:
                 return await self._translated_passthrough(request, exchange, upstream)
             if upstream.status >= 300:
                 exchange.outcome = "upstream_error"
+            secrets = backend.credentials
             response = web.StreamResponse(status=upstream.status,
-                                          headers=client_headers(upstream.headers))
+                                          headers=client_headers(upstream.headers, None, secrets))
             answer = exchange.answer = Answer(response.status, response.headers)
             await response.prepare(request)
             exchange.timings.first_byte = exchange.elapsed()
+            redactor = StreamRedactor(secrets) if secrets else None
             try:
                 async for chunk in upstream.content.iter_any():
+                    if redactor is not None:
+                        chunk = redactor.feed(chunk)
+                    answer.size += len(chunk)
+                    await response.write(chunk)
+                if redactor is not None:
+                    chunk = redactor.close()
                     answer.size += len(chunk)
                     await response.write(chunk)
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
@@ -681,7 +751,16 @@ class Relay:
 
 async def deliver(request: web.Request, exchange: Exchange, response: web.Response) -> web.Response:
     """Send a complete answer now, recording it on the exchange, so that whatever runs after
-    (the end hooks) runs once the client has it."""
+    (the end hooks) runs once the client has it. None of the backend's credentials go with
+    it (see :mod:`relay.redact`)."""
+    secrets = exchange.backend.credentials if exchange.backend is not None else ()
+    if secrets:
+        body = response.body
+        if body and isinstance(body, bytes):
+            redacted = redact(body, secrets)
+            if redacted is not body:
+                response.body = redacted
+        redact_headers(response.headers, secrets)
     exchange.answer = Answer(response.status, response.headers, len(response.body or b""))
     await response.prepare(request)
     exchange.timings.first_byte = exchange.elapsed()

@@ -9,11 +9,23 @@ benchmark measures this very code.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import Awaitable, Callable
 
 from .sse import Event, LazyFramer, names_events
 
+log = logging.getLogger("relay")
+
 STREAM_ENDS = ("message_stop", "error")
+# The Messages API's own keep-alive, byte for byte. Every client of the API already skips it:
+# the Python and TypeScript SDKs drop ``ping`` events before their callers see them, the
+# Vercel AI SDK's chunk schema has it and ignores it. Watchdogs that count bytes count it as
+# life: Claude Code's (2.1.3xx: a byte clock on the response body, 5 minutes behind a custom
+# base URL, "Waiting for API response" after 20 s, and a heartbeat to its event clock whenever
+# bytes came but no event did). An SSE comment would count the same there; the API's own
+# event is what every Anthropic-format parser is known to take.
+PING = b'event: ping\ndata: {"type": "ping"}\n\n'
 # One event larger than this means the upstream stopped framing: give up rather than buffer on.
 MAX_EVENT_BYTES = 64 * 1024 * 1024
 
@@ -103,6 +115,71 @@ class StreamRelay:
         self.events += data.count(b"\n\n") or data.count(b"\r\n\r\n")
         await self.write(data)
         self.writing = False
+
+    def may_ping(self) -> bool:
+        """Whether a keep-alive may go out now: after the first event (message_start, which
+        decides the stream: nothing may come before it), between events (the framer lets
+        out only whole ones, so anything written ends one), never during a write (a client
+        that is not reading gets nothing more) and never once the stream is ending."""
+        framer = self.framer
+        return (self.written > 0 and not self.writing and framer is not None
+                and self.exchange.outcome is None and not framer.ended)
+
+
+class KeepAlive:
+    """Writes :data:`PING` into a stream that has sent its client nothing for ``interval``
+    seconds (a ping goes out between ``interval`` and 1.5 × ``interval`` after the last
+    byte). What counts is bytes reaching the client, not bytes arriving from the upstream: a
+    translator that holds back a tool call's fragments is silence to the client.
+
+    One timer per stream, every half interval, that compares :attr:`StreamRelay.written`
+    with what it saw last time: the stream's own path does nothing more per event. It never
+    hides a dead upstream (the concern with keep-alives in Wei-Shaw/sub2api PR #1707): the
+    backend's read timeout still ends the stream with ``event: error``."""
+
+    __slots__ = ("stream", "interval", "loop", "handle", "seen", "quiet", "task", "sent")
+
+    def __init__(self, stream: StreamRelay, interval: float):
+        self.stream = stream
+        self.interval = interval
+        self.loop = asyncio.get_running_loop()
+        self.seen = -1
+        self.quiet = 0  # ticks without a byte written
+        self.task: asyncio.Task | None = None
+        self.sent = 0
+        self.handle = self.loop.call_later(interval / 2, self._tick)
+
+    def _tick(self) -> None:
+        self.handle = self.loop.call_later(self.interval / 2, self._tick)
+        written = self.stream.written
+        if written != self.seen:
+            self.seen, self.quiet = written, 0
+            return
+        self.quiet += 1
+        if self.quiet >= 2 and self.task is None and self.stream.may_ping():
+            self.task = self.loop.create_task(self._ping())
+
+    async def _ping(self) -> None:
+        try:
+            # Asked again where the bytes go out: the stream may have moved on since the tick.
+            # The write reaches the transport before it can wait, so no event can come between.
+            if self.stream.may_ping():
+                self.quiet = 0
+                self.sent += 1
+                await self.stream.write(PING)
+        except Exception as e:  # the client is gone; the stream's own write will say so
+            log.debug("%s: keep-alive not written: %r", self.stream.exchange.id, e)
+        finally:
+            self.task = None
+
+    @property
+    def bytes(self) -> int:
+        return self.sent * len(PING)
+
+    def stop(self) -> None:
+        self.handle.cancel()
+        if self.task is not None:
+            self.task.cancel()
 
 
 def error_event(message: str, kind: str = "api_error") -> bytes:

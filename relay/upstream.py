@@ -18,10 +18,12 @@ import aiohttp
 from multidict import CIMultiDict
 from yarl import URL
 
+from . import beta_filter
 from .config import Retries
 from .errors import RelayError
 from .exchange import Attempt
 from .headers import AUTH_HEADERS, end_to_end
+from .redact import redact_headers
 from .formats import openai
 
 @functools.lru_cache(maxsize=256)
@@ -68,15 +70,38 @@ def forward_headers(headers, backend, strip_client_auth: bool = False,
     return out
 
 
-def client_headers(upstream_headers, extra: dict | None = None) -> CIMultiDict:
+def client_headers(upstream_headers, extra: dict | None = None, secrets=()) -> CIMultiDict:
+    """The upstream's end-to-end headers for the client, with the relay's own (``extra``) and
+    none of the backend's ``secrets`` (see :mod:`relay.redact`)."""
     out = end_to_end(upstream_headers)
     if extra:
         out.update(extra)
-    return out
+    return redact_headers(out, secrets) if secrets else out
 
 
 class Unreachable(Exception):
     """No answer came back from the upstream (after any retries); ``__cause__`` says why."""
+
+
+class PoolFull(Exception):
+    """The relay's own connection pool (``server.upstream_connections``) had no connection
+    free within the backend's connect timeout: a capacity signal of the relay's, not a fault
+    of the upstream's."""
+
+    def __init__(self, limit: int):
+        super().__init__(f"all {limit} of the relay's upstream connections are in use "
+                         f"(server.upstream_connections)")
+        self.limit = limit
+
+
+def pool_full(session: aiohttp.ClientSession) -> bool:
+    """Whether every connection of the session's pool is taken: then a connect timeout was the
+    wait for a free one (aiohttp times both under ``connect`` and raises the same
+    ConnectionTimeoutError). aiohttp counts connections in use only privately; without that
+    count the answer is no, which is what the relay said before it asked."""
+    connector = session.connector
+    limit = connector.limit if connector is not None else 0
+    return bool(limit) and len(getattr(connector, "_acquired", ())) >= limit
 
 
 def retry_after(headers) -> float | None:
@@ -163,10 +188,18 @@ class Upstream:
             url = upstream_url(backend, exchange.path, exchange.query)
         out_headers = self.headers(exchange.client_headers if headers is None else headers,
                                    backend, exchange.shaped_headers)
+        dropped = beta_filter.filter_header(out_headers, backend.quirks) \
+            if beta_filter.configured(backend.quirks) else None
         if body is None:
             body = exchange.upstream_body()
+            if dropped:
+                body, removed = beta_filter.strip_body(body, dropped)
+                exchange.note("relay", "dropped betas", backend=backend.name, betas=dropped,
+                              **({"fields": removed} if removed else {}))
             if translated and exchange.endpoint == "messages":
                 body = openai.request_bytes(body, backend)
+        elif dropped:
+            exchange.note("relay", "dropped betas", backend=backend.name, betas=dropped)
         if translated:
             openai.upstream_headers(out_headers)
         where = str(url)
@@ -183,6 +216,16 @@ class Upstream:
                 answer = await self.session.request(
                     exchange.method, url, data=body, headers=out_headers,
                     timeout=self.timeouts[backend.name], allow_redirects=False)
+            except aiohttp.ConnectionTimeoutError as e:
+                if not pool_full(self.session):
+                    failure = e
+                    attempt.error = f"{type(e).__name__} {e}".rstrip()
+                else:  # waiting again, here or on a fallback (the same pool), helps nobody
+                    attempt.seconds = time.perf_counter() - sent
+                    attempt.error = "pool full"
+                    exchange.note("relay", "pool full", backend=backend.name,
+                                  limit=self.session.connector.limit)
+                    raise Unreachable(backend.name) from PoolFull(self.session.connector.limit)
             except RETRYABLE_ERRORS as e:
                 failure = e
                 attempt.error = f"{type(e).__name__} {e}".rstrip()
@@ -220,8 +263,13 @@ class Upstream:
             try:
                 answer = await self.send(exchange, exchange.backend)
             except Unreachable as e:
+                if isinstance(e.__cause__, PoolFull):
+                    _mark_retried(exchange)
+                    e.exchange = exchange
+                    raise
                 answer, failure = None, e
             if answer is not None and answer.status not in exchange.backend.retries.statuses:
+                _mark_retried(exchange)
                 return exchange, answer
             following = None
             while rebuild is not None and fallbacks and following is None:
@@ -232,15 +280,21 @@ class Upstream:
                     exchange.note("relay", "fallback refused", backend=target.name,
                                   message=refused.message)
             if following is None:
+                _mark_retried(exchange)
                 if answer is None:
                     failure.exchange = exchange
                     raise failure
-                if len(exchange.attempts) > 1:
-                    # The relay has retried already: a client retrying on top multiplies it.
-                    exchange.response_headers["x-should-retry"] = "false"
                 return exchange, answer
             if answer is not None:
                 answer.release()
             following.note("relay", "fallback", backend=following.backend.name,
                            after=exchange.backend.name)
             exchange = following
+
+
+def _mark_retried(exchange) -> None:
+    """Every answer after relay retries says so, whether an upstream status came back or every
+    attempt timed out or could not connect: the SDKs retry on ``x-should-retry`` alone, and
+    a client retrying on top of the relay multiplies the attempts."""
+    if len(exchange.attempts) > 1:
+        exchange.response_headers["x-should-retry"] = "false"

@@ -479,7 +479,7 @@ async def test_the_relays_own_stream_error(start):
     # The error event the client got, as the upstream's own error event would be recorded.
     sent = payload.split(b"event: error\n")[1].split(b"data: ", 1)[1].split(b"\n", 1)[0]
     assert document["stream_error"] == orjson.loads(sent)
-    assert document["stream_error"]["error"]["message"].startswith("upstream stream from emu broke off")
+    assert document["stream_error"]["error"]["message"].startswith("upstream emu's stream broke off")
 
 
 async def test_an_unwritable_dir_leaves_relaying_alone(start, tmp_path, caplog):

@@ -194,7 +194,7 @@ def test_answer_direction_entries_are_not_compared(emulator, relay, tmp_path, ca
     assert recorded["outcome"] == "stream_error"
     assert recorded["translation"] == {REUSED + "-2": {
         "original": REUSED, "occurrence": 2, "message_index": 3, "direction": "to_client"}}
-    assert recorded["stream_error"]["error"]["message"].startswith("upstream stream from emu")
+    assert recorded["stream_error"]["error"]["message"].startswith("upstream emu's stream broke off")
 
     status, out = replay(capsys, path)
     assert status == 0, out

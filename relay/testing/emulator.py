@@ -119,6 +119,8 @@ class EmulatorOptions:
     fail_every: int = 0
     cut_after: int | None = None
     stream_error_after: int | None = None
+    stall_after: int | None = None
+    stall_ms: int = 0
     ragged: bool = False
     crlf: bool = False
     max_requests: int | None = None
@@ -165,6 +167,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="streaming: drop the connection after E events")
     parser.add_argument("--stream-error-after", type=int, default=d.stream_error_after,
                         help="streaming: send an overloaded error event after E events")
+    parser.add_argument("--stall-after", type=int, default=d.stall_after,
+                        help="streaming: go quiet after E events, in the first stream only")
+    parser.add_argument("--stall-ms", type=int, default=d.stall_ms,
+                        help="how long --stall-after stays quiet")
     parser.add_argument("--ragged", action="store_true",
                         help="streaming: write the bytes in small irregular pieces")
     parser.add_argument("--crlf", action="store_true", help="streaming: end lines with \\r\\n")
@@ -763,6 +769,7 @@ class EmulatorState:
     answered: dict = dataclasses.field(default_factory=dict)  # ids of answers with diagnostics
     received: int = 0  # every /v1/* request
     messages: int = 0  # authorised /v1/messages requests: what faults and the budget count
+    stalled: bool = False  # --stall-after has had its stream
 
 
 STATE = web.AppKey("emulator_state", EmulatorState)
@@ -1006,6 +1013,9 @@ async def _stream(request: web.Request, message: dict,
     response = web.StreamResponse(headers={"content-type": "text/event-stream",
                                            "cache-control": "no-cache"})
     await response.prepare(request)
+    state = request.app[STATE]
+    stall = options.stall_after if not state.stalled else None
+    state.stalled = state.stalled or stall is not None
     splitter = RaggedSplitter() if options.ragged else None
 
     async def send(data: bytes) -> None:
@@ -1026,6 +1036,8 @@ async def _stream(request: web.Request, message: dict,
                 if request.transport:
                     request.transport.close()
                 return response
+            if sent == stall:
+                await asyncio.sleep(options.stall_ms / 1000)
             if sent == options.stream_error_after:
                 await send(encode_event({"type": "error", "error": {
                     "type": "overloaded_error", "message": "Overloaded"}}, options.crlf))

@@ -206,8 +206,9 @@ async def request_benchmarks(state, pipeline, count: int, seconds: float) -> dic
 
 async def sse_benchmarks(state, count: int, seconds: float) -> dict:
     from relay.server import prepare_exchange
+    from relay.redact import redacting_writer, secrets_of
     from relay.sse import Event, SSEDecoder
-    from relay.stream import StreamRelay
+    from relay.stream import KeepAlive, StreamRelay
 
     chain = state.chain
     headers = CIMultiDictProxy(CIMultiDict(workloads.HEADERS))
@@ -227,15 +228,18 @@ async def sse_benchmarks(state, count: int, seconds: float) -> dict:
         "content_block": {"type": "tool_use", "id": f"toolu_01BenchFresh{i:010d}", "name": "Bash",
                           "input": {}}}) for i in range(500)]
 
-    async def per_event(raws: list[bytes], per_feed: int = 1, batch: int = 500) -> tuple[float, int]:
-        """CPU microseconds per event through the stream path; a fresh exchange per batch."""
+    async def per_event(raws: list[bytes], per_feed: int = 1, batch: int = 500,
+                        keepalive: float = 0, secrets=()) -> tuple[float, int]:
+        """CPU microseconds per event through the stream path; a fresh exchange per batch.
+        ``keepalive`` runs the stream's keep-alive timer, ``secrets`` redacts what it writes."""
         budget = Budget(count, seconds)
         cpu_total = 0.0
         while budget.more():
             exchange, plan = await fresh()
             # The relay's own stream loop, writing into nothing; primed with message_start so
             # that the timed chunks take the steady path.
-            stream = StreamRelay(chain, exchange, plan, discard)
+            stream = StreamRelay(chain, exchange, plan, redacting_writer(discard, secrets))
+            alive = KeepAlive(stream, keepalive) if keepalive else None
             await stream.feed(workloads.MESSAGE_START)
             chunks = [b"".join(raws[(i + k) % len(raws)] for k in range(per_feed))
                       for i in range(0, batch, per_feed)]
@@ -243,6 +247,8 @@ async def sse_benchmarks(state, count: int, seconds: float) -> dict:
             for chunk in chunks:
                 await stream.feed(chunk)
             cpu_total += process_time() - cpu
+            if alive is not None:
+                alive.stop()
             budget.done += len(chunks) * per_feed
         return cpu_total / budget.done * 1e6, budget.done
 
@@ -260,6 +266,10 @@ async def sse_benchmarks(state, count: int, seconds: float) -> dict:
     out = {"checks": checks}
     out["passthrough_delta_us"], out["events"] = await per_event([delta])
     out["passthrough_delta_batched20_us"], _ = await per_event([delta], per_feed=20)
+    # What stream liveness and key redaction add per event when on (off, they add nothing).
+    out["passthrough_delta_keepalive_us"], _ = await per_event([delta], keepalive=10)
+    out["passthrough_delta_redacting_us"], _ = await per_event(
+        [delta], secrets=secrets_of(["sk-ant-api03-" + "k" * 95]))
     out["text_block_start_us"], _ = await per_event([workloads.TEXT_BLOCK_START])
     out["tool_use_start_new_id_us"], _ = await per_event(new_ids)
     out["tool_use_start_rewrite_us"], _ = await per_event([workloads.TOOL_BLOCK_START])
