@@ -93,7 +93,8 @@ def test_readme_backend_example_is_valid():
         "MOONSHOT_API_KEY": "sk-test", "RELAY_KEY_TEAM_A": "relay-key-0123456789abcdef"})
     assert config.keys[0].name == "team-a" and config.keys[0].backends == ["anthropic"]
     kimi = config.backends[1]
-    assert kimi.timeouts.total is None and kimi.quirks == {"restore_original_ids": True}
+    assert kimi.timeouts.total is None and kimi.quirks == {
+        "restore_original_ids": True, "drop_betas": ["context-management-*"]}
     assert kimi.upstream_model("kimi-latest") == "kimi-k2-0905-preview"
 
 
