@@ -105,6 +105,10 @@ class Metrics:
         self.fallbacks = Counter(
             "relay_upstream_fallbacks", "Requests sent on to a fallback backend.",
             ["backend", "fallback"], registry=registry)
+        self.provenance_missed = Counter(
+            "relay_provenance_missed", "Thinking blocks the portable plugin's record on disk "
+            "could not write (not_recorded) or read (not_known), by reason (locked, full, ...).",
+            ["result", "reason"], registry=registry)
         self.auth_failures = Counter(
             "relay_auth_failures", "Requests refused for a missing or wrong relay key.",
             registry=registry)
@@ -183,5 +187,9 @@ class Metrics:
                     entry.get("count", 1))
             elif entry.get("step") == "dump" and action in ("queued", "dropped"):
                 self.dumps.labels(action).inc()
+            elif entry.get("step") == "portable" and action == "provenance missed":
+                for missed in entry["counts"]:
+                    self.provenance_missed.labels(missed["result"], missed["reason"]).inc(
+                        missed["count"])
         if exchange.outcome == "rejected" and error is not None and error.plugin is not None:
             self.refused.labels(error.plugin, error.rule or error.plugin).inc()
