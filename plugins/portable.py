@@ -14,14 +14,21 @@ will really go up) and makes the history fit that backend:
   ``tool_result`` that answers it. The mapping is a pure function of the id: no state, every
   later request maps it the same way, and earlier turns never change (prompt caching depends
   on that). An id of that form bound for a backend whose grammar admits the original goes
-  back to the original. Answers need nothing: a backend only mints new ids.
+  back to the original. On the way back, a tool_use id a backend minted outside Anthropic's
+  grammar reaches the client in the same encoding (in a whole answer, or in a stream's
+  ``content_block_start``): every Anthropic-format client can then send it back as it got it,
+  where clients that "sanitise" ids would otherwise send back ids no backend issued
+  (LiteLLM's ``functions_Bash_0``, LangChain's ``toolu_<hash>``) and so defeat dedup's check
+  for a repeated id. This runs before dedup on the way back, so dedup judges the ids as the
+  client will hold them.
 - **Thinking.** Each thinking (and redacted_thinking) block's issuer, backend and model, is
-  recorded when its answer passes through, keyed by a hash of its signature (the client's
-  transcript is never touched: it stays valid for talking to that backend directly). On the
-  way up, a block known to come from another issuer, or unsigned (an OpenAI-format backend's
-  reasoning: only the issuer can sign), is dropped: the API does not require thinking from
-  earlier turns. A block of unknown issuer goes up as it is, so the relay never alters what
-  it cannot judge. When thinking is on with a budget (``type: enabled``) and the final
+  recorded when its answer passes through, whether or not the request asked for thinking
+  (some Anthropic-compatible backends think unasked), keyed by a hash of its signature (the
+  client's transcript is never touched: it stays valid for talking to that backend directly).
+  On the way up, a block known to come from another issuer, or unsigned (an OpenAI-format
+  backend's reasoning: only the issuer can sign), is dropped: the API does not require
+  thinking from earlier turns. A block of unknown issuer goes up as it is, so the relay never
+  alters what it cannot judge. When thinking is on with a budget (``type: enabled``) and the final
   assistant turn, calls whose results follow, does not start with a thinking block (the API
   refuses that: "When `thinking` is enabled, a final `assistant` message must start with a
   thinking block"), that one request goes up with ``thinking: {"type": "disabled"}`` and
@@ -33,7 +40,10 @@ will really go up) and makes the history fit that backend:
 
 The record is bounded (``provenance_rows``) and lives in process memory, or in a SQLite file
 (``provenance_db``) that survives a restart and is shared by every worker and replica on the
-same host. A replica that has no record of a block sends it as it is.
+same host. A replica that has no record of a block sends it as it is. The file is checked at
+start-up and never waited for on the event loop (see :class:`Provenance`); what it could not
+record or tell is logged once a minute at most per condition, and counted on the timeline of
+the next exchange that ends (``provenance missed``), where the metrics plugin reads it.
 
 Options (plugin options or backend quirks): see ``OPTIONS``.
 """
