@@ -801,12 +801,10 @@ class Portable:
 
     @hookimpl
     def relay_stream_events(self, exchange):
-        if exchange.endpoint != "messages":
-            return None
-        # Every tool_use id is seen at its block's start. Thinking is recorded whether the
-        # request asked for it or not (some backends think unasked): its signature comes in
-        # the deltas.
-        return RECORDED_EVENTS if self.recording else CALL_EVENTS
+        # Every tool_use id is seen at its block's start, and so is every thinking block,
+        # asked for or not (some backends think unasked): only then are the deltas framed
+        # that carry its signature, so a stream without thinking costs no more than that.
+        return BLOCK_STARTS if exchange.endpoint == "messages" else None
 
     @hookimpl
     def relay_stream_event(self, exchange, event):
@@ -839,7 +837,12 @@ class Portable:
             elif kind == "redacted_thinking":
                 self._record(exchange, [block])
             elif kind == "thinking":
-                exchange.state.setdefault(PLUGIN, {})[data.get("index")] = dict(block)
+                open_blocks = exchange.state.get(PLUGIN)
+                if open_blocks is None:
+                    open_blocks = exchange.state[PLUGIN] = {}
+                    open_blocks[data.get("index")] = dict(block)
+                    return THINKING_EVENTS  # asked for once per stream
+                open_blocks[data.get("index")] = dict(block)
         elif name == "content_block_stop":
             open_blocks = exchange.state.get(PLUGIN)
             if not open_blocks:
@@ -861,8 +864,8 @@ class Portable:
 
 
 SHUTDOWN_SECONDS = 5.0  # how long stopping waits for the records still queued
-CALL_EVENTS = frozenset({"content_block_start"})
-RECORDED_EVENTS = frozenset({"content_block_start", "content_block_delta", "content_block_stop"})
+BLOCK_STARTS = frozenset({"content_block_start"})
+THINKING_EVENTS = ("content_block_delta", "content_block_stop")  # a thinking block's signature
 
 
 def _validated(done: list[dict], repair: bool) -> list[dict]:

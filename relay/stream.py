@@ -88,10 +88,16 @@ class StreamRelay:
         plan = self.plan
         if events and plan:
             chain, exchange = self.chain, self.exchange
-            for event in events:
+            i = 0
+            while i < len(events):
+                event = events[i]
+                i += 1
                 calls = plan.calls_for(event.name)
                 if calls:
-                    await chain.stream_event(exchange, event, calls)
+                    more = await chain.stream_event(exchange, event, calls)
+                    if more:
+                        parts, later = self._widen(more, parts, event)
+                        events[i:] = later
         if len(parts) == 1:
             part = parts[0]
             data = part if part.__class__ is bytes else part.encode()
@@ -103,6 +109,26 @@ class StreamRelay:
         self.events += data.count(b"\n\n") or data.count(b"\r\n\r\n")
         await self.write(data)
         self.writing = False
+
+
+    def _widen(self, more: list, parts: list, event: Event) -> tuple[list, list[Event]]:
+        """Plugins asked for more events at ``event``: frame them from here on, in what is left
+        of ``parts`` too. Returns the parts, and the events after ``event``."""
+        self.plan.widen(more)
+        framer = self.framer
+        framer.want(self.plan.framed_names() or ())
+        at = next(n for n, part in enumerate(parts) if part is event) + 1
+        rest: list = []
+        later: list[Event] = []
+        for part in parts[at:]:
+            if part.__class__ is bytes:
+                split, found = framer.reframe(part)
+                rest += split
+                later += found
+            else:
+                rest.append(part)
+                later.append(part)
+        return parts[:at] + rest, later
 
 
 def error_event(message: str, kind: str = "api_error") -> bytes:

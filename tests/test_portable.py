@@ -438,6 +438,8 @@ async def test_what_was_translated_shows_in_the_header_the_timeline_and_the_dump
 
 
 def test_with_one_backend_there_is_nothing_to_record_and_no_delta_is_framed():
+    start = Event(b'event: content_block_start\ndata: {"type":"content_block_start","index":0,'
+                  b'"content_block":{"type":"thinking","thinking":"","signature":""}}\n\n')
     one = config_module.parse({"backends": [{"name": "a", "url": "http://127.0.0.1:1"}]})
     made = portable.Portable()
     made.relay_startup(one, {})
@@ -445,9 +447,13 @@ def test_with_one_backend_there_is_nothing_to_record_and_no_delta_is_framed():
                                                                           "budget_tokens": 9},
                              "messages": [{"role": "user", "content": "hi"}]})
     made.relay_request(exchange, {})
-    assert made.relay_stream_events(exchange) == {"content_block_start"}  # for tool ids only
+    assert made.relay_stream_events(exchange) == {"content_block_start"}  # for tool ids
+    assert made.relay_stream_event(exchange, start) is None
     made.relay_startup(config_module.parse({"backends": [
         {"name": "a", "url": "http://127.0.0.1:1"}, {"name": "b", "url": "http://127.0.0.1:2"}]}),
         {})
-    assert made.relay_stream_events(exchange) == {"content_block_start", "content_block_delta",
-                                                  "content_block_stop"}
+    # A thinking block's start asks for the deltas that carry its signature, once a stream.
+    assert made.relay_stream_events(exchange) == {"content_block_start"}
+    assert made.relay_stream_event(exchange, start) == ("content_block_delta",
+                                                         "content_block_stop")
+    assert made.relay_stream_event(exchange, start) is None
