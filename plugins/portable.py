@@ -78,11 +78,13 @@ log = logging.getLogger("relay.portable")
 
 # The record on disk must never hold up a request: a statement gives up on another
 # connection's lock after BUSY_SECONDS (SQLite's busy timeout), a request waits at most
-# LOOKUP_SECONDS for a read, at most MAX_READS reads wait at once, and WRITE_QUEUE answers'
-# records wait for the writer (each transaction takes up to WRITE_BATCH of them).
+# LOOKUP_SECONDS for a read, at most MAX_READS reads are queued or running at once, and
+# WRITE_QUEUE answers' records wait for the writer (each transaction takes up to WRITE_BATCH
+# of them). In front of a file, memory keeps the CACHE_ROWS blocks last written or read.
 BUSY_SECONDS = 0.1
 LOOKUP_SECONDS = 0.5
 MAX_READS = 32
+CACHE_ROWS = 10000
 WRITE_QUEUE = 1024
 WRITE_BATCH = 64
 # A condition (a held lock, a full disk) is logged once, then again at most this often.
@@ -314,12 +316,15 @@ class Provenance:
     def __init__(self, path: str = "", rows: int = 100000):
         self.path = path
         self.rows = rows
+        # Without a file, memory is the record; with one, a cache of it.
+        self.memory_rows = min(rows, CACHE_ROWS) if path else rows
         self.memory: collections.OrderedDict[str, tuple[str, str]] = collections.OrderedDict()
         self.trouble = Trouble()
         self._writes: queue.Queue = queue.Queue(maxsize=WRITE_QUEUE)
         self._writer: threading.Thread | None = None
         self._reader: ThreadPoolExecutor | None = None
-        self._reading = 0  # reads handed to the reader and not yet answered
+        self._reads = 0  # reads queued for the reader or running there
+        self._reads_lock = threading.Lock()
         self._read_db = None  # the reader thread's connection
 
     def connect(self) -> sqlite3.Connection:
@@ -361,7 +366,7 @@ class Provenance:
         memory = self.memory
         memory.pop(key, None)
         memory[key] = issuer
-        if len(memory) > self.rows:
+        if len(memory) > self.memory_rows:
             memory.popitem(last=False)
 
     def record(self, entries: list[tuple[str, str, str]]) -> None:
@@ -398,28 +403,37 @@ class Provenance:
         found, missing = self.known(keys)
         if not missing:
             return found
-        if self._reading >= MAX_READS:
+        # A read given up on may still be queued or running (a slow disk): those count too,
+        # until the thread is done with them, so the reader's queue stays bounded.
+        with self._reads_lock:
+            busy = self._reads >= MAX_READS
+            if not busy:
+                self._reads += 1
+        if busy:
             self.trouble.report("not_known", "busy", len(missing))
             return found
         if self._reader is None:
             self._reader = ThreadPoolExecutor(max_workers=1,
                                               thread_name_prefix="relay-provenance-read")
-        self._reading += 1
-        future = asyncio.get_running_loop().run_in_executor(self._reader, self._read, missing)
+        job = self._reader.submit(self._read, missing)
+        job.add_done_callback(self._read_done)
         try:
-            read = await asyncio.wait_for(future, LOOKUP_SECONDS)
+            # On time-out the job is cancelled if it has not started.
+            read = await asyncio.wait_for(asyncio.wrap_future(job), LOOKUP_SECONDS)
         except asyncio.TimeoutError:
             self.trouble.report("not_known", "slow", len(missing))
             return found
         except sqlite3.Error as e:
             self.trouble.report("not_known", reason_of(e), len(missing), str(e))
             return found
-        finally:
-            self._reading -= 1
         for key, issuer in read.items():
             self._remember(key, issuer)
         found.update(read)
         return found
+
+    def _read_done(self, _job) -> None:
+        with self._reads_lock:
+            self._reads -= 1
 
     # --- the threads ---
 

@@ -20,7 +20,8 @@ import pytest
 import yaml
 
 from support import backend
-from relay.testing.fixtures import relay_client  # noqa: F401  (the fixture)
+from relay.testing.emulator import sign_thinking
+from relay.testing.fixtures import received, relay_client  # noqa: F401  (the fixture)
 from relay_builtins import portable
 
 HEADERS = {"x-api-key": "test", "anthropic-version": "2023-06-01",
@@ -181,3 +182,28 @@ def test_a_condition_is_logged_again_after_a_minute_with_what_it_kept_quiet(monk
         "thinking provenance not known: the file is locked by another connection"]
     assert trouble.drain() == {("not_recorded", "full"): 12, ("not_known", "locked"): 1}
     assert trouble.drain() == {}
+
+
+async def test_a_read_that_does_not_come_back_in_time_leaves_the_block_as_it_is(
+        relay_client, tmp_path, monkeypatch):
+    client = await relay_client(["metrics", "portable"], {
+        "portable": {"provenance_db": str(tmp_path / "p.db")}}, signing_secret="s")
+    reader = portable.Provenance._read
+
+    def slow(self, keys):
+        time.sleep(2)  # a disk that takes its time
+        return reader(self, keys)
+
+    monkeypatch.setattr(portable.Provenance, "_read", slow)
+    block = {"type": "thinking", "thinking": "x", "signature": sign_thinking(b"s", "x")}
+    body = {**ASK, "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": [block, {"type": "text", "text": "hello"}]},
+        {"role": "user", "content": "again"}]}
+    start = time.monotonic()
+    response = await client.post("/v1/messages", json=body, headers=HEADERS)
+    assert response.status == 200, await response.text()
+    assert time.monotonic() - start < 1.5  # the read's deadline is 0.5 s, not the disk's 2 s
+    assert received(client)[-1]["messages"][1]["content"][0] == block  # not known: as sent
+    metrics = await (await client.get("/metrics")).text()
+    assert missed(metrics) == {("not_known", "slow"): 1}
