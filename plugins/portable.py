@@ -287,8 +287,8 @@ class Trouble:
         return counts
 
 
-def reason_of(error: sqlite3.Error) -> str:
-    """Which condition a SQLite error stands for (a key of ``REASONS``)."""
+def reason_of(error: Exception) -> str:
+    """Which condition an error from SQLite stands for (a key of ``REASONS``)."""
     code = getattr(error, "sqlite_errorcode", None)
     if code is not None:
         found = _CODES.get(code & 0xFF)
@@ -328,8 +328,7 @@ class Provenance:
         self._read_db = None  # the reader thread's connection
 
     def connect(self) -> sqlite3.Connection:
-        db = sqlite3.connect(self.path, isolation_level=None, timeout=BUSY_SECONDS,
-                             check_same_thread=False)
+        db = sqlite3.connect(self.path, isolation_level=None, timeout=BUSY_SECONDS)
         try:
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=NORMAL")
@@ -423,7 +422,7 @@ class Provenance:
         except asyncio.TimeoutError:
             self.trouble.report("not_known", "slow", len(missing))
             return found
-        except sqlite3.Error as e:
+        except Exception as e:  # sqlite3's own, or a value it could not take
             self.trouble.report("not_known", reason_of(e), len(missing), str(e))
             return found
         for key, issuer in read.items():
@@ -448,7 +447,7 @@ class Provenance:
                                              f"IN ({','.join('?' * len(chunk))})", chunk)
                 found.update((key, (backend, model)) for key, backend, model in rows)
             return found
-        except sqlite3.Error:
+        except Exception:
             self._drop_read_db()  # a file replaced or repaired meanwhile is opened afresh
             raise
 
@@ -480,7 +479,8 @@ class Provenance:
                                        "VALUES (?, ?, ?)", entries)
                         db.execute("DELETE FROM issued WHERE rowid <= "
                                    "(SELECT MAX(rowid) FROM issued) - ?", (self.rows,))
-            except sqlite3.Error as e:
+            except Exception as e:  # sqlite3's own, or a value it could not take: the
+                # thread goes on, or every later record would wait in a queue nobody reads
                 self.trouble.report("not_recorded", reason_of(e), len(entries), str(e))
                 if db is not None:
                     db.close()  # a file replaced or repaired meanwhile is opened afresh
