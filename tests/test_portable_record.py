@@ -125,7 +125,7 @@ def read_only(self):
     """The plugin's connection as a read-only file gives it (root ignores file modes, so the
     test opens the file the way SQLite opens one it may not write)."""
     return sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, isolation_level=None,
-                           timeout=portable.BUSY_SECONDS, check_same_thread=False)
+                           timeout=portable.BUSY_SECONDS)
 
 
 class FullDisk(sqlite3.Connection):
@@ -136,14 +136,39 @@ class FullDisk(sqlite3.Connection):
 
 
 def full_disk(self):
-    return sqlite3.connect(self.path, isolation_level=None, factory=FullDisk,
-                           check_same_thread=False)
+    return sqlite3.connect(self.path, isolation_level=None, factory=FullDisk)
+
+
+def full_database(self):
+    """A connection to a database filled up to its page limit (SQLite's own SQLITE_FULL)."""
+    db = sqlite3.connect(self.path, isolation_level=None, timeout=portable.BUSY_SECONDS)
+    db.execute(f"PRAGMA max_page_count = {fill(self.path)}")
+    return db
+
+
+FILLED: dict[str, int] = {}  # database path -> its page limit
+
+
+def fill(path: str) -> int:
+    """Fill the database at ``path`` up to a page limit (once: the plugin reconnects after
+    each failure); that limit."""
+    filled = FILLED
+    if path not in filled:
+        db = sqlite3.connect(path, isolation_level=None)
+        filled[path] = pages = db.execute("PRAGMA page_count").fetchone()[0] + 2
+        db.execute(f"PRAGMA max_page_count = {pages}")
+        with pytest.raises(sqlite3.OperationalError, match="full"):
+            for n in range(10000):
+                db.execute("INSERT INTO issued VALUES (?, 'filler', 'm')", (f"filler{n}",))
+        db.close()
+    return filled[path]
 
 
 @pytest.mark.parametrize("connect, reason, words", [
     (read_only, "read_only", "the file cannot be written (read-only)"),
     (full_disk, "full", "the disk (or the database) is full"),
-], ids=["read-only", "full"])
+    (full_database, "full", "the disk (or the database) is full"),
+], ids=["read-only", "full-disk", "full-database"])
 async def test_a_failing_file_is_logged_once_and_counted_per_block(
         relay_client, tmp_path, monkeypatch, caplog, connect, reason, words):
     client = await relay_client(["metrics", "portable"], {
