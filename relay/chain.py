@@ -163,7 +163,15 @@ class StreamPlan:
         """Add what plugins asked for mid-stream: ``(call, names)`` pairs, as
         :meth:`Chain.stream_event` returns them; each name's calls stay in chain order."""
         for call, names in more:
-            for name in {names} if isinstance(names, str) else names:
+            try:
+                names = [names] if isinstance(names, str) else list(names)
+            except TypeError:
+                names = [names]
+            for name in names:
+                if not isinstance(name, str):
+                    log.error("plugin %s: relay_stream_event returned %r, not an event name",
+                              call[1].plugin, name)
+                    continue
                 calls = self.by_name.get(name)
                 if calls is None:
                     calls = self.by_name[name] = list(self.every)

@@ -282,7 +282,7 @@ class LazyFramer:
     def reframe(self, part: bytes) -> tuple[list, list[Event]]:
         """A part :meth:`feed` returned unframed (whole events), split again for the names
         wanted now."""
-        if self._wanted is None:  # after a "\r": the decoder has framed everything since
+        if self._wanted is None:  # framing everything: nothing was left unframed
             return [part], []
         return self._split(part)
 

@@ -88,16 +88,15 @@ class StreamRelay:
         plan = self.plan
         if events and plan:
             chain, exchange = self.chain, self.exchange
-            i = 0
-            while i < len(events):
-                event = events[i]
-                i += 1
+            for event in events:
                 calls = plan.calls_for(event.name)
                 if calls:
                     more = await chain.stream_event(exchange, event, calls)
                     if more:
+                        # The loop goes on over the events framed now (a for loop reads the
+                        # list's items by position, so a new tail is its next items).
                         parts, later = self._widen(more, parts, event)
-                        events[i:] = later
+                        events[events.index(event) + 1:] = later
         if len(parts) == 1:
             part = parts[0]
             data = part if part.__class__ is bytes else part.encode()
@@ -109,7 +108,6 @@ class StreamRelay:
         self.events += data.count(b"\n\n") or data.count(b"\r\n\r\n")
         await self.write(data)
         self.writing = False
-
 
     def _widen(self, more: list, parts: list, event: Event) -> tuple[list, list[Event]]:
         """Plugins asked for more events at ``event``: frame them from here on, in what is left

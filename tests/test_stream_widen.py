@@ -57,8 +57,17 @@ class Watcher:
         return ["content_block_delta"] if kind == "watched" else None
 
 
-async def relayed(chunks: list[bytes]) -> tuple[bytes, list]:
-    watcher = Watcher()
+class Confused(Watcher):
+    """Answers with something that names no event."""
+
+    @hookimpl
+    def relay_stream_event(self, event):
+        super().relay_stream_event(event)
+        return True
+
+
+async def relayed(chunks: list[bytes], watcher=None) -> tuple[bytes, list]:
+    watcher = watcher or Watcher()
     config = config_module.parse({"pipeline": ["watcher"],
                                   "backends": [{"name": "test", "url": "http://127.0.0.1:9"}]}, {})
     chain = Chain(load_plugins(config.pipeline, extra={"watcher": watcher}), config)
@@ -97,3 +106,10 @@ async def test_any_chunking_gives_the_same_events_and_bytes(cuts):
     sent, seen = await relayed([STREAM[a:b] for a, b in zip(bounds, bounds[1:])])
     assert sent == STREAM
     assert seen == EXPECTED
+
+
+async def test_what_names_no_event_is_logged_and_the_stream_goes_on(caplog):
+    sent, seen = await relayed([STREAM], Confused())
+    assert sent == STREAM
+    assert seen == [("start", "text"), ("start", "watched")]
+    assert "relay_stream_event returned True, not an event name" in caplog.text
