@@ -71,6 +71,7 @@ from relay.hookspecs import hookimpl
 from relay.options import Option
 
 PLUGIN = "portable"
+RAW_IDS = "portable.raw"  # exchange.state: the tool_use ids the client holds outside the grammar
 ANTHROPIC_IDS = "^[a-zA-Z0-9_-]+$"
 PREFIX = "relayid_"
 THINKING = ("thinking", "redacted_thinking")
@@ -202,12 +203,13 @@ def target_pattern(options: dict, backend) -> str | None:
     return None if backend is not None and backend.format == "openai" else ANTHROPIC_IDS
 
 
-def translate_ids(messages: list, pattern: str | None,
-                  thinking: list | None = None) -> list[tuple[int, int, str, str, str]]:
+def translate_ids(messages: list, pattern: str | None, thinking: list | None = None,
+                  raw: set | None = None) -> list[tuple[int, int, str, str, str]]:
     """Rewrite, in place, every tool_use id and tool_result tool_use_id that does not fit
     ``pattern``; return ``(message, block, block type, client id, upstream id)`` for each
     change. ``thinking``, when given, gets True appended if any block is a thinking block
-    (the walk that follows is then worth taking)."""
+    (the walk that follows is then worth taking); ``raw``, when given, gets every tool_use
+    id the client holds outside Anthropic's grammar."""
     changed = []
     for i, message in enumerate(messages):
         if type(message) is not dict:
@@ -225,6 +227,8 @@ def translate_ids(messages: list, pattern: str | None,
             client_id = block.get(field) if field else None
             if type(client_id) is not str:
                 continue
+            if raw is not None and field == "id" and _client_id(client_id) != client_id:
+                raw.add(client_id)
             upstream_id = id_for(client_id, pattern)
             if upstream_id != client_id:
                 block[field] = upstream_id
@@ -677,7 +681,10 @@ class Portable:
         done = []
         pattern = target_pattern(options, backend)
         thinking_blocks: list = []
-        changed = translate_ids(messages, pattern, thinking_blocks)
+        raw = set() if exchange.endpoint == "messages" and not validating else None
+        changed = translate_ids(messages, pattern, thinking_blocks, raw)
+        if raw:
+            exchange.state[RAW_IDS] = raw
         if changed:
             exchange.mark_changed()
             tool_uses = 0
@@ -804,7 +811,8 @@ class Portable:
         if type(content) is not list:
             return
         if calls:
-            pairs = [pair for pair in map(_to_client, content) if pair]
+            held = exchange.state.get(RAW_IDS, ())
+            pairs = [pair for pair in (_to_client(block, held) for block in content) if pair]
             if pairs:
                 response.mark_changed()
                 _count(exchange, len(pairs))
@@ -842,7 +850,7 @@ class Portable:
                 return
             kind = block.get("type")
             if kind == "tool_use":
-                pair = _to_client(block)
+                pair = _to_client(block, exchange.state.get(RAW_IDS, ()))
                 if pair:
                     event.mark_changed()
                     _note_to_client(exchange, [pair], index=data.get("index"))
@@ -892,16 +900,20 @@ def _count(exchange, rewritten: int) -> None:
     headers["x-relay-rewrites"] = str(int(headers.get("x-relay-rewrites", 0)) + rewritten)
 
 
-def _to_client(block) -> tuple[str, str] | None:
+def _to_client(block, held) -> tuple[str, str] | None:
     """Give a tool_use block a backend minted outside Anthropic's grammar the encoded form of
     its id, in place: every Anthropic-format client can send that back as it got it (clients
     that "sanitise" ids otherwise turn ``functions.Bash:0`` into ``functions_Bash_0``, which
     no backend issued and which defeats dedup's check for a repeated id). Returns
-    ``(minted, encoded)`` when the id changed."""
+    ``(minted, encoded)`` when the id changed.
+
+    An id the client already holds as minted (``held``: a transcript from before the relay
+    translated answers) stays as it is, for dedup to rename the repeat: encoded, it would be
+    a new id to dedup, and the two would go up to a backend as one."""
     if type(block) is not dict or block.get("type") != "tool_use":
         return None
     minted = block.get("id")
-    if type(minted) is not str or not minted:
+    if type(minted) is not str or not minted or minted in held:
         return None
     encoded = _client_id(minted) if len(minted) <= 128 else _encoded_unless_fitting(minted)
     if encoded == minted:

@@ -115,3 +115,37 @@ def test_thinking_nobody_asked_for_is_recorded_and_kept_from_the_next_backend(
         assert any(block["type"] == "thinking" for body in bodies[1:]
                    for message in body["messages"] if message["role"] == "assistant"
                    for block in message["content"])
+
+
+def test_a_transcript_holding_a_minted_id_as_it_was_gets_the_repeat_renamed_and_moves_on(
+        emulator, relay):
+    """A session from before answers were translated holds ``functions.Bash:0`` as minted.
+    When the Kimi-like backend mints it again, the repeat is renamed by dedup (as it was)
+    rather than encoded: encoded, it would be another id to dedup, and both would go up to
+    the next backend as ``relayid_...``, one id twice."""
+    kimi = emulator("--id-style", "functions", "--reuse-ids", "--tool-turns", "3")
+    strict = emulator("--tool-turns", "3")  # ids unique across the whole conversation
+    r = relay({"pipeline": PIPELINE,
+               "backends": [backend(kimi.url, name="kimi", models=["model-k"]),
+                            backend(strict.url, name="anthropic", models=["model-a"])]})
+    sdk = client(r.url, max_retries=0)
+    messages = [
+        {"role": "user", "content": "Run the tool until you are done."},
+        {"role": "assistant", "content": [
+            {"type": "tool_use", "id": "functions.Bash:0", "name": "Bash",
+             "input": {"command": "true"}}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "functions.Bash:0", "content": "done"}]}]
+    answer = sdk.messages.create(model="model-k", max_tokens=256, tools=[BASH],
+                                 messages=messages)
+    (call,) = [block for block in answer.content if block.type == "tool_use"]
+    assert call.id == "functions.Bash:0-2"
+    messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True)
+                                                   for b in answer.content]},
+                 {"role": "user", "content": [
+                     {"type": "tool_result", "tool_use_id": call.id, "content": "done"}]}]
+    sdk.messages.create(model="model-a", max_tokens=256, tools=[BASH], messages=messages)
+    (sent,) = [record["body"] for record in strict.requests()]
+    ids = [block["id"] for message in sent["messages"] if message["role"] == "assistant"
+           for block in message["content"] if block["type"] == "tool_use"]
+    assert len(set(ids)) == 2 and all(ANTHROPIC_IDS.fullmatch(i) for i in ids), ids
