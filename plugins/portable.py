@@ -209,8 +209,11 @@ def translate_ids(messages: list, pattern: str | None, thinking: list | None = N
     ``pattern``; return ``(message, block, block type, client id, upstream id)`` for each
     change. ``thinking``, when given, gets True appended if any block is a thinking block
     (the walk that follows is then worth taking); ``raw``, when given, gets every tool_use
-    id the client holds outside Anthropic's grammar."""
+    id the client holds outside Anthropic's grammar, unless ``pattern`` is Anthropic's (those
+    ids are then among the changes)."""
     changed = []
+    if pattern == ANTHROPIC_IDS:
+        raw = None
     for i, message in enumerate(messages):
         if type(message) is not dict:
             continue
@@ -227,7 +230,7 @@ def translate_ids(messages: list, pattern: str | None, thinking: list | None = N
             client_id = block.get(field) if field else None
             if type(client_id) is not str:
                 continue
-            if raw is not None and field == "id" and _client_id(client_id) != client_id:
+            if raw is not None and field == "id" and client_form(client_id) != client_id:
                 raw.add(client_id)
             upstream_id = id_for(client_id, pattern)
             if upstream_id != client_id:
@@ -683,6 +686,9 @@ class Portable:
         thinking_blocks: list = []
         raw = set() if exchange.endpoint == "messages" and not validating else None
         changed = translate_ids(messages, pattern, thinking_blocks, raw)
+        if raw is not None and pattern == ANTHROPIC_IDS:
+            raw.update(client_id for _, _, kind, client_id, _ in changed
+                       if kind == "tool_use" and decode_id(client_id) is None)
         if raw:
             exchange.state[RAW_IDS] = raw
         if changed:
@@ -915,11 +921,18 @@ def _to_client(block, held) -> tuple[str, str] | None:
     minted = block.get("id")
     if type(minted) is not str or not minted or minted in held:
         return None
-    encoded = _client_id(minted) if len(minted) <= 128 else _encoded_unless_fitting(minted)
+    encoded = client_form(minted)
     if encoded == minted:
         return None
     block["id"] = encoded
     return minted, encoded
+
+
+def client_form(minted: str) -> str:
+    """The id a client gets for one a backend minted: itself when it fits Anthropic's
+    grammar, else its encoding."""
+    # Remembered for ids of ordinary length, like id_for's answers.
+    return _client_id(minted) if len(minted) <= 128 else _encoded_unless_fitting(minted)
 
 
 @functools.lru_cache(maxsize=8192)
