@@ -187,6 +187,10 @@ class Metrics:
             "relay_history_rules_deferred", "Requests whose history the rules left to the "
             "upstream, by the beta or top-level field they hold no evidence about.",
             ["kind", "name"], registry=registry)
+        self.provenance_missed = Counter(
+            "relay_provenance_missed", "Thinking blocks the portable plugin's record on disk "
+            "could not write (not_recorded) or read (not_known), by reason (locked, full, ...).",
+            ["result", "reason"], registry=registry)
         self.auth_failures = Counter(
             "relay_auth_failures", "Requests refused for a missing or wrong relay key.",
             registry=registry)
@@ -275,6 +279,10 @@ class Metrics:
                     entry.get("count", 1))
             elif entry.get("step") == "dump" and action in ("queued", "dropped"):
                 self.dumps.labels(action).inc()
+            elif entry.get("step") == "portable" and action == "provenance missed":
+                for missed in entry["counts"]:
+                    self.provenance_missed.labels(missed["result"], missed["reason"]).inc(
+                        missed["count"])
         for kind, name in exchange.rules_defer:
             self._child(self.deferred, kind, self._deferred_name(name)).inc()
         if exchange.outcome == "rejected" and error is not None and error.plugin is not None:

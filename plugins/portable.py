@@ -14,14 +14,21 @@ will really go up) and makes the history fit that backend:
   ``tool_result`` that answers it. The mapping is a pure function of the id: no state, every
   later request maps it the same way, and earlier turns never change (prompt caching depends
   on that). An id of that form bound for a backend whose grammar admits the original goes
-  back to the original. Answers need nothing: a backend only mints new ids.
+  back to the original. On the way back, a tool_use id a backend minted outside Anthropic's
+  grammar reaches the client in the same encoding (in a whole answer, or in a stream's
+  ``content_block_start``): every Anthropic-format client can then send it back as it got it,
+  where clients that "sanitise" ids would otherwise send back ids no backend issued
+  (LiteLLM's ``functions_Bash_0``, LangChain's ``toolu_<hash>``) and so defeat dedup's check
+  for a repeated id. This runs before dedup on the way back, so dedup judges the ids as the
+  client will hold them.
 - **Thinking.** Each thinking (and redacted_thinking) block's issuer, backend and model, is
-  recorded when its answer passes through, keyed by a hash of its signature (the client's
-  transcript is never touched: it stays valid for talking to that backend directly). On the
-  way up, a block known to come from another issuer, or unsigned (an OpenAI-format backend's
-  reasoning: only the issuer can sign), is dropped: the API does not require thinking from
-  earlier turns. A block of unknown issuer goes up as it is, so the relay never alters what
-  it cannot judge. When thinking is on with a budget (``type: enabled``) and the final
+  recorded when its answer passes through, whether or not the request asked for thinking
+  (some Anthropic-compatible backends think unasked), keyed by a hash of its signature (the
+  client's transcript is never touched: it stays valid for talking to that backend directly).
+  On the way up, a block known to come from another issuer, or unsigned (an OpenAI-format
+  backend's reasoning: only the issuer can sign), is dropped: the API does not require
+  thinking from earlier turns. A block of unknown issuer goes up as it is, so the relay never
+  alters what it cannot judge. When thinking is on with a budget (``type: enabled``) and the final
   assistant turn, calls whose results follow, does not start with a thinking block (the API
   refuses that: "When `thinking` is enabled, a final `assistant` message must start with a
   thinking block"), that one request goes up with ``thinking: {"type": "disabled"}`` and
@@ -33,13 +40,17 @@ will really go up) and makes the history fit that backend:
 
 The record is bounded (``provenance_rows``) and lives in process memory, or in a SQLite file
 (``provenance_db``) that survives a restart and is shared by every worker and replica on the
-same host. A replica that has no record of a block sends it as it is.
+same host. A replica that has no record of a block sends it as it is. The file is checked at
+start-up and never waited for on the event loop (see :class:`Provenance`); what it could not
+record or tell is logged once a minute at most per condition, and counted on the timeline of
+the next exchange that ends (``provenance missed``), where the metrics plugin reads it.
 
 Options (plugin options or backend quirks): see ``OPTIONS``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import collections
@@ -47,19 +58,58 @@ import functools
 import hashlib
 import logging
 import os
+import queue
 import re
 import sqlite3
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 from relay import skeleton
+from relay.errors import ConfigError
 from relay.hookspecs import hookimpl
 from relay.options import Option
 
 PLUGIN = "portable"
-THINKING_ASKED = "portable.thinking"  # exchange.state: whether the request asked for thinking
+RAW_IDS = "portable.raw"  # exchange.state: the tool_use ids the client holds outside the grammar
 ANTHROPIC_IDS = "^[a-zA-Z0-9_-]+$"
 PREFIX = "relayid_"
 THINKING = ("thinking", "redacted_thinking")
 log = logging.getLogger("relay.portable")
+
+# The record on disk must never hold up a request: a statement gives up on another
+# connection's lock after BUSY_SECONDS (SQLite's busy timeout), a request waits at most
+# LOOKUP_SECONDS for a read, at most MAX_READS reads are queued or running at once, and
+# WRITE_QUEUE answers' records wait for the writer (each transaction takes up to WRITE_BATCH
+# of them). In front of a file, memory keeps the CACHE_ROWS blocks last written or read.
+BUSY_SECONDS = 0.1
+LOOKUP_SECONDS = 0.5
+MAX_READS = 32
+CACHE_ROWS = 10000
+WRITE_QUEUE = 1024
+WRITE_BATCH = 64
+# A condition (a held lock, a full disk) is logged once, then again at most this often.
+WARN_EVERY = 60.0
+# Why the record could not be written or read: the metric's reason label, and the log's words.
+REASONS = {
+    "locked": "the file is locked by another connection",
+    "full": "the disk (or the database) is full",
+    "read_only": "the file cannot be written (read-only)",
+    "corrupt": "the file is not a SQLite database, or is damaged",
+    "unopenable": "the file cannot be opened",
+    "io": "the disk failed to read or write",
+    "queue": "too many records wait for the writer",
+    "busy": "too many reads wait already",
+    "slow": f"no answer within {LOOKUP_SECONDS} s",
+    "error": "SQLite failed",
+}
+# SQLite's primary result codes (https://sqlite.org/rescode.html), and the words of the
+# errors raised without one.
+_CODES = {5: "locked", 6: "locked", 8: "read_only", 10: "io", 11: "corrupt", 13: "full",
+          14: "unopenable", 26: "corrupt"}
+_WORDS = (("locked", "locked"), ("full", "full"), ("readonly", "read_only"),
+          ("read-only", "read_only"), ("not a database", "corrupt"), ("malformed", "corrupt"),
+          ("unable to open", "unopenable"), ("disk i/o", "io"))
 
 
 def _pattern(value: str) -> str | None:
@@ -153,13 +203,17 @@ def target_pattern(options: dict, backend) -> str | None:
     return None if backend is not None and backend.format == "openai" else ANTHROPIC_IDS
 
 
-def translate_ids(messages: list, pattern: str | None,
-                  thinking: list | None = None) -> list[tuple[int, int, str, str, str]]:
+def translate_ids(messages: list, pattern: str | None, thinking: list | None = None,
+                  raw: set | None = None) -> list[tuple[int, int, str, str, str]]:
     """Rewrite, in place, every tool_use id and tool_result tool_use_id that does not fit
     ``pattern``; return ``(message, block, block type, client id, upstream id)`` for each
     change. ``thinking``, when given, gets True appended if any block is a thinking block
-    (the walk that follows is then worth taking)."""
+    (the walk that follows is then worth taking); ``raw``, when given, gets every tool_use
+    id the client holds outside Anthropic's grammar, unless ``pattern`` is Anthropic's (those
+    ids are then among the changes)."""
     changed = []
+    if pattern == ANTHROPIC_IDS:
+        raw = None
     for i, message in enumerate(messages):
         if type(message) is not dict:
             continue
@@ -176,6 +230,8 @@ def translate_ids(messages: list, pattern: str | None,
             client_id = block.get(field) if field else None
             if type(client_id) is not str:
                 continue
+            if raw is not None and field == "id" and client_form(client_id) != client_id:
+                raw.add(client_id)
             upstream_id = id_for(client_id, pattern)
             if upstream_id != client_id:
                 block[field] = upstream_id
@@ -205,62 +261,268 @@ def _key(kind: str, value: str) -> str:
     return hashlib.sha256(f"{kind}\0{value}".encode()).hexdigest()[:32]
 
 
+class Trouble:
+    """What kept the record from being written or read: counted (for the exchange that ends
+    next to carry to the metrics) and logged once per condition every ``WARN_EVERY`` seconds,
+    whichever thread saw it."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._last: dict[str, float] = {}  # per condition: when it was last logged
+        self._quiet: dict[str, int] = {}  # per condition: times seen since
+        self.pending: collections.Counter = collections.Counter()  # (what, reason) -> count
+
+    def report(self, what: str, reason: str, count: int = 1, detail: str = "") -> None:
+        now = time.monotonic()
+        with self._lock:
+            if count:
+                self.pending[what, reason] += count
+            last = self._last.get(reason)
+            if last is not None and now - last < WARN_EVERY:
+                self._quiet[reason] = self._quiet.get(reason, 0) + count
+                return
+            self._last[reason] = now
+            quiet = self._quiet.pop(reason, 0)
+        log.warning("thinking provenance %s: %s%s%s", what.replace("_", " "), REASONS[reason],
+                    f" ({detail})" if detail else "",
+                    f"; {quiet} more since the last warning" if quiet else "")
+
+    def drain(self) -> dict:
+        with self._lock:
+            counts = dict(self.pending)
+            self.pending.clear()
+        return counts
+
+
+def reason_of(error: Exception) -> str:
+    """Which condition an error from SQLite stands for (a key of ``REASONS``)."""
+    code = getattr(error, "sqlite_errorcode", None)
+    if code is not None:
+        found = _CODES.get(code & 0xFF)
+        if found:
+            return found
+    text = str(error).lower()
+    for words, reason in _WORDS:
+        if words in text:
+            return reason
+    return "error"
+
+
 class Provenance:
-    """Which backend and model issued each thinking block, bounded to ``rows`` entries."""
+    """Which backend and model issued each thinking block, bounded to ``rows`` entries.
+
+    Without ``path`` the record is this process's memory. With one, it is a SQLite file, and
+    the event loop never waits for it: writes go to a thread of their own through a bounded
+    queue, reads to another with a deadline, every statement gives up on a lock after
+    ``BUSY_SECONDS``, and what this process wrote or read is kept in memory (bounded too), so
+    a block it has seen needs no read at all. A record that could not be written or read is
+    "not recorded" or "not known" (counted in :attr:`trouble`): the block then goes up as the
+    client sent it, which is what a replica without the record does anyway.
+    """
 
     def __init__(self, path: str = "", rows: int = 100000):
         self.path = path
         self.rows = rows
+        # Without a file, memory is the record; with one, a cache of it.
+        self.memory_rows = min(rows, CACHE_ROWS) if path else rows
         self.memory: collections.OrderedDict[str, tuple[str, str]] = collections.OrderedDict()
-        self._db = None
-        self._pid = None
+        self.trouble = Trouble()
+        self._writes: queue.Queue = queue.Queue(maxsize=WRITE_QUEUE)
+        self._writer: threading.Thread | None = None
+        self._reader: ThreadPoolExecutor | None = None
+        self._reads = 0  # reads queued for the reader or running there
+        self._reads_lock = threading.Lock()
+        self._read_db = None  # the reader thread's connection
 
-    def _connection(self):
-        # A forked worker needs a connection of its own: SQLite's may not cross a fork.
-        if self._db is None or self._pid != os.getpid():
-            db = sqlite3.connect(self.path, isolation_level=None, timeout=5)
+    def connect(self) -> sqlite3.Connection:
+        db = sqlite3.connect(self.path, isolation_level=None, timeout=BUSY_SECONDS)
+        try:
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=NORMAL")
             db.execute("CREATE TABLE IF NOT EXISTS issued (key TEXT PRIMARY KEY, "
                        "backend TEXT NOT NULL, model TEXT NOT NULL)")
-            self._db, self._pid = db, os.getpid()
-        return self._db
+        except BaseException:
+            db.close()
+            raise
+        return db
+
+    def check(self, where: str) -> None:
+        """At start-up: the file's directory exists, and the file is a database this process
+        can write. A lock held now (a backup) or a full disk may pass; they are logged."""
+        directory = os.path.dirname(os.path.abspath(self.path))
+        if not os.path.isdir(directory):
+            raise ConfigError(f"{where}: the directory {directory} does not exist")
+        try:
+            db = self.connect()
+            try:
+                db.execute("BEGIN IMMEDIATE")  # takes the write lock: can this process write?
+                db.execute("ROLLBACK")
+            finally:
+                db.close()
+        except sqlite3.Error as e:
+            reason = reason_of(e)
+            if reason in ("locked", "full"):
+                self.trouble.report("at_start_up", reason, 0, str(e))
+                return
+            raise ConfigError(f"{where}: {self.path}: {REASONS[reason]} ({e})") from None
+
+    # --- memory ---
+
+    def _remember(self, key: str, issuer: tuple[str, str]) -> None:
+        memory = self.memory
+        memory.pop(key, None)
+        memory[key] = issuer
+        if len(memory) > self.memory_rows:
+            memory.popitem(last=False)
 
     def record(self, entries: list[tuple[str, str, str]]) -> None:
+        """Note who issued each block: at once in memory, later in the file."""
         if not entries:
             return
+        for key, backend, model in entries:
+            self._remember(key, (backend, model))
         if not self.path:
-            for key, backend, model in entries:
-                self.memory.pop(key, None)
-                self.memory[key] = (backend, model)
-            while len(self.memory) > self.rows:
-                self.memory.popitem(last=False)
             return
-        db = self._connection()
-        with db:
-            db.execute("BEGIN")
-            db.executemany("INSERT OR REPLACE INTO issued (key, backend, model) VALUES (?, ?, ?)",
-                           entries)
-            db.execute("DELETE FROM issued WHERE rowid <= (SELECT MAX(rowid) FROM issued) - ?",
-                       (self.rows,))
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write_loop, daemon=True,
+                                            name="relay-provenance-write")
+            self._writer.start()
+        try:
+            self._writes.put_nowait(entries)
+        except queue.Full:
+            self.trouble.report("not_recorded", "queue", len(entries))
 
-    def lookup(self, keys) -> dict[str, tuple[str, str]]:
-        keys = list(dict.fromkeys(keys))
-        if not self.path:
-            return {key: self.memory[key] for key in keys if key in self.memory}
-        found = {}
-        db = self._connection()
-        for start in range(0, len(keys), 500):
-            chunk = keys[start:start + 500]
-            rows = db.execute(f"SELECT key, backend, model FROM issued WHERE key IN "
-                              f"({','.join('?' * len(chunk))})", chunk)
-            found.update((key, (backend, model)) for key, backend, model in rows)
+    def known(self, keys) -> tuple[dict[str, tuple[str, str]], list[str]]:
+        """What memory knows of ``keys``, and the keys only the file may know."""
+        memory = self.memory
+        found, missing = {}, []
+        for key in dict.fromkeys(keys):
+            issuer = memory.get(key)
+            if issuer is not None:
+                found[key] = issuer
+            else:
+                missing.append(key)
+        return found, (missing if self.path else [])
+
+    async def lookup(self, keys) -> dict[str, tuple[str, str]]:
+        """Who issued each of ``keys``, as far as is known within ``LOOKUP_SECONDS``."""
+        found, missing = self.known(keys)
+        if not missing:
+            return found
+        # A read given up on may still be queued or running (a slow disk): those count too,
+        # until the thread is done with them, so the reader's queue stays bounded.
+        with self._reads_lock:
+            busy = self._reads >= MAX_READS
+            if not busy:
+                self._reads += 1
+        if busy:
+            self.trouble.report("not_known", "busy", len(missing))
+            return found
+        if self._reader is None:
+            self._reader = ThreadPoolExecutor(max_workers=1,
+                                              thread_name_prefix="relay-provenance-read")
+        job = self._reader.submit(self._read, missing)
+        job.add_done_callback(self._read_done)
+        try:
+            # On time-out the job is cancelled if it has not started.
+            read = await asyncio.wait_for(asyncio.wrap_future(job), LOOKUP_SECONDS)
+        except asyncio.TimeoutError:
+            self.trouble.report("not_known", "slow", len(missing))
+            return found
+        except Exception as e:  # sqlite3's own, or a value it could not take
+            self.trouble.report("not_known", reason_of(e), len(missing), str(e))
+            return found
+        for key, issuer in read.items():
+            self._remember(key, issuer)
+        found.update(read)
         return found
 
-    def close(self) -> None:
-        if self._db is not None and self._pid == os.getpid():
-            self._db.close()
-        self._db = None
+    def _read_done(self, _job) -> None:
+        with self._reads_lock:
+            self._reads -= 1
+
+    # --- the threads ---
+
+    def _read(self, keys: list[str]) -> dict[str, tuple[str, str]]:
+        try:
+            if self._read_db is None:
+                self._read_db = self.connect()
+            found = {}
+            for start in range(0, len(keys), 500):
+                chunk = keys[start:start + 500]
+                rows = self._read_db.execute(f"SELECT key, backend, model FROM issued WHERE key "
+                                             f"IN ({','.join('?' * len(chunk))})", chunk)
+                found.update((key, (backend, model)) for key, backend, model in rows)
+            return found
+        except Exception:
+            self._drop_read_db()  # a file replaced or repaired meanwhile is opened afresh
+            raise
+
+    def _drop_read_db(self) -> None:
+        if self._read_db is not None:
+            self._read_db.close()
+            self._read_db = None
+
+    def _write_loop(self) -> None:
+        db = None
+        stop = False
+        while not stop:
+            items = [self._writes.get()]
+            # What queued meanwhile goes in the same transaction.
+            while items[-1] is not None and len(items) < WRITE_BATCH:
+                try:
+                    items.append(self._writes.get_nowait())
+                except queue.Empty:
+                    break
+            stop = items[-1] is None
+            entries = [entry for item in items if item is not None for entry in item]
+            try:
+                if entries:
+                    if db is None:
+                        db = self.connect()
+                    with db:
+                        db.execute("BEGIN")
+                        db.executemany("INSERT OR REPLACE INTO issued (key, backend, model) "
+                                       "VALUES (?, ?, ?)", entries)
+                        db.execute("DELETE FROM issued WHERE rowid <= "
+                                   "(SELECT MAX(rowid) FROM issued) - ?", (self.rows,))
+            except Exception as e:  # sqlite3's own, or a value it could not take: the
+                # thread goes on, or every later record would wait in a queue nobody reads
+                self.trouble.report("not_recorded", reason_of(e), len(entries), str(e))
+                if db is not None:
+                    db.close()  # a file replaced or repaired meanwhile is opened afresh
+                    db = None
+            finally:
+                for _ in items:
+                    self._writes.task_done()
+        if db is not None:
+            db.close()
+
+    def flush(self, timeout: float) -> bool:
+        """Wait (in the calling thread) up to ``timeout`` seconds for queued writes to land;
+        whether they did."""
+        deadline = time.monotonic() + timeout
+        with self._writes.all_tasks_done:
+            while self._writes.unfinished_tasks:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._writes.all_tasks_done.wait(left)
+        return True
+
+    def close(self, timeout: float = 0.0) -> None:
+        """Stop the threads; writes still queued get ``timeout`` seconds to land."""
+        if self._writer is not None:
+            self.flush(timeout)
+            try:
+                self._writes.put_nowait(None)
+            except queue.Full:
+                pass  # the daemon thread dies with the process
+            self._writer = None
+        if self._reader is not None:
+            self._reader.submit(self._drop_read_db)
+            self._reader.shutdown(wait=False)
+            self._reader = None
 
 
 def foreign_thinking(messages: list, issuers: dict, backend: str, model: str,
@@ -392,21 +654,29 @@ class Portable:
     @hookimpl
     def relay_startup(self, config, options):
         self.provenance.close()
-        self.provenance = Provenance(options.get("provenance_db") or "",
-                                     options.get("provenance_rows") or 100000)
+        path = options.get("provenance_db") or ""
+        provenance = Provenance(path, options.get("provenance_rows") or 100000)
+        if path:
+            # Once, before the first request: a directory that is missing or a file that is
+            # no database is the operator's to fix, not a warning per request later.
+            provenance.check(f"plugins.{PLUGIN}.provenance_db")
+        self.provenance = provenance
         # Who issued a thinking block matters only where there is another backend to carry it
         # to, now or after a restart with another configuration (a record kept on disk): else
         # recording would cost every thinking stream its deltas' framing for nothing.
-        self.recording = len(config.backends) > 1 or bool(options.get("provenance_db"))
+        self.recording = len(config.backends) > 1 or bool(path)
 
     @hookimpl
-    def relay_shutdown(self):
-        self.provenance.close()
+    async def relay_shutdown(self):
+        # The records still queued get a moment to land, waited for off the loop.
+        await asyncio.get_running_loop().run_in_executor(None, self.provenance.close,
+                                                         SHUTDOWN_SECONDS)
 
-    def _fit(self, exchange, options: dict, validating: bool = False) -> list[dict]:
+    def _fit(self, exchange, options: dict, validating: bool = False):
         """Make the history fit the exchange's backend, in place. ``validating``: also return
         what was done, as validate reports it, and only report a request that would go with
-        thinking off (validate writes back the messages alone)."""
+        thinking off (validate writes back the messages alone). Returns that list, or an
+        awaitable of it when the record must be read from disk first."""
         messages = exchange.messages
         if messages is None:
             return []
@@ -414,7 +684,13 @@ class Portable:
         done = []
         pattern = target_pattern(options, backend)
         thinking_blocks: list = []
-        changed = translate_ids(messages, pattern, thinking_blocks)
+        raw = set() if exchange.endpoint == "messages" and not validating else None
+        changed = translate_ids(messages, pattern, thinking_blocks, raw)
+        if raw is not None and pattern == ANTHROPIC_IDS:
+            raw.update(client_id for _, _, kind, client_id, _ in changed
+                       if kind == "tool_use" and decode_id(client_id) is None)
+        if raw:
+            exchange.state[RAW_IDS] = raw
         if changed:
             exchange.mark_changed()
             tool_uses = 0
@@ -424,8 +700,7 @@ class Portable:
                     exchange.translation.setdefault(upstream_id, {
                         "original": client_id, "message_index": i, "direction": "to_upstream",
                         "reason": "decoded" if decode_id(client_id) else "id grammar"})
-            headers = exchange.response_headers
-            headers["x-relay-rewrites"] = str(int(headers.get("x-relay-rewrites", 0)) + tool_uses)
+            _count(exchange, tool_uses)
             exchange.note(PLUGIN, "translated ids", direction="to_upstream", pattern=pattern,
                           ids=sorted({(client_id, upstream_id)
                                       for *_, client_id, upstream_id in changed}))
@@ -443,12 +718,21 @@ class Portable:
             # No thinking block to judge, none to drop; the final turn may still lack one.
             return self._thinking_off(exchange, messages, done, validating, [], set())
         keys = keys_in(messages)
-        try:
-            issuers = self.provenance.lookup(keys) if keys else {}
-        except sqlite3.Error:
-            # Without the record nothing is known: every block goes as the client sent it.
-            log.exception("could not read thinking provenance")
-            issuers = {}
+        issuers, missing = self.provenance.known(keys)
+        if missing:
+            return self._judge_after_reading(exchange, options, done, validating, keys)
+        return self._judge(exchange, options, done, validating, issuers)
+
+    async def _judge_after_reading(self, exchange, options, done, validating, keys):
+        # Without the record (locked, slow, broken) nothing more is known: those blocks go
+        # as the client sent them.
+        issuers = await self.provenance.lookup(keys)
+        return self._judge(exchange, options, done, validating, issuers)
+
+    def _judge(self, exchange, options: dict, done: list, validating: bool,
+               issuers: dict) -> list[dict]:
+        messages = exchange.messages
+        backend = exchange.backend
         name = backend.name if backend is not None else ""
         foreign = foreign_thinking(messages, issuers, name, exchange.model or "",
                                    options.get("thinking_scope") or "model")
@@ -497,73 +781,96 @@ class Portable:
 
     @hookimpl
     def relay_request(self, exchange, options):
-        # Read now, while the request's skeleton is at hand: the answer holds thinking blocks
-        # to record only when the request asked for thinking.
-        thinking = exchange.field("thinking")
-        exchange.state[THINKING_ASKED] = type(thinking) is dict and thinking.get("type") not in (
-            None, "disabled")
-        self._fit(exchange, options)
+        fitted = self._fit(exchange, options)
+        return None if type(fitted) is list else fitted
 
     @hookimpl
     def relay_validate(self, exchange, options, repair):
         if exchange.backend is None:
             return None  # without --target, no backend to fit
-        done = self._fit(exchange, options, validating=True)
-        if repair:
-            return [p for p in done if "thinking disabled" in p["message"]]
-        return done
+        fitted = self._fit(exchange, options, validating=True)
+        if type(fitted) is list:
+            return _validated(fitted, repair)
 
-    # --- answers: who issued each block --------------------------------------------------
+        async def after_reading():
+            return _validated(await fitted, repair)
+        return after_reading()
+
+    # --- answers: ids the client can send back, and who issued each thinking block ------
 
     def _record(self, exchange, blocks) -> None:
         backend = exchange.backend.name if exchange.backend is not None else ""
         entries = [(key, backend, exchange.model or "") for key in map(block_key, blocks) if key]
-        try:
-            self.provenance.record(entries)
-        except sqlite3.Error:
-            log.exception("could not record thinking provenance")
+        self.provenance.record(entries)
 
     @hookimpl
     def relay_response(self, exchange, response):
-        if (exchange.endpoint != "messages" or not self.recording
-                or b"thinking" not in response.body):
+        if exchange.endpoint != "messages":
+            return
+        body = response.body
+        calls = b"tool_use" in body
+        thinks = self.recording and b"thinking" in body
+        if not (calls or thinks):
             return
         data = response.data
         content = data.get("content") if type(data) is dict else None
-        if type(content) is list:
+        if type(content) is not list:
+            return
+        if calls:
+            held = exchange.state.get(RAW_IDS, ())
+            pairs = [pair for pair in (_to_client(block, held) for block in content) if pair]
+            if pairs:
+                response.mark_changed()
+                _count(exchange, len(pairs))
+                _note_to_client(exchange, pairs)
+        if thinks:
+            # Whether or not the request asked for thinking: some backends think unasked.
             self._record(exchange, [b for b in content if _is_thinking(b)])
 
     @hookimpl
     def relay_stream_events(self, exchange):
-        if (exchange.endpoint != "messages" or not self.recording
-                or not exchange.state.get(THINKING_ASKED, True)):
-            return None  # nothing to record: no delta framed
-        return {"content_block_start", "content_block_delta", "content_block_stop"}
+        # Every tool_use id is seen at its block's start, and so is every thinking block,
+        # asked for or not (some backends think unasked): only then are the deltas framed
+        # that carry its signature, so a stream without thinking costs no more than that.
+        return BLOCK_STARTS if exchange.endpoint == "messages" else None
 
     @hookimpl
     def relay_stream_event(self, exchange, event):
-        raw = event.raw
         name = event.name
-        if name == "content_block_start":
-            if b"thinking" not in raw:
+        if name == "content_block_delta":
+            open_blocks = exchange.state.get(PLUGIN)
+            if not open_blocks or b"signature_delta" not in event.raw:
+                return
+            data = event.data
+            block = open_blocks.get(data.get("index")) if type(data) is dict else None
+            delta = data.get("delta") if block is not None else None
+            if type(delta) is dict and type(delta.get("signature")) is str:
+                block["signature"] = (block.get("signature") or "") + delta["signature"]
+        elif name == "content_block_start":
+            raw = event.raw
+            if b"tool_use" not in raw and b"thinking" not in raw:
                 return
             data = event.data
             block = data.get("content_block") if type(data) is dict else None
             if type(block) is not dict:
                 return
-            if block.get("type") == "redacted_thinking":
-                self._record(exchange, [block])
-            elif block.get("type") == "thinking":
-                exchange.state.setdefault(PLUGIN, {})[data.get("index")] = dict(block)
-        elif name == "content_block_delta":
-            if b"signature_delta" not in raw:
+            kind = block.get("type")
+            if kind == "tool_use":
+                pair = _to_client(block, exchange.state.get(RAW_IDS, ()))
+                if pair:
+                    event.mark_changed()
+                    _note_to_client(exchange, [pair], index=data.get("index"))
+            elif not self.recording:
                 return
-            data = event.data
-            open_blocks = exchange.state.get(PLUGIN) or {}
-            block = open_blocks.get(data.get("index")) if type(data) is dict else None
-            delta = data.get("delta") if block is not None else None
-            if type(delta) is dict and type(delta.get("signature")) is str:
-                block["signature"] = (block.get("signature") or "") + delta["signature"]
+            elif kind == "redacted_thinking":
+                self._record(exchange, [block])
+            elif kind == "thinking":
+                open_blocks = exchange.state.get(PLUGIN)
+                if open_blocks is None:
+                    open_blocks = exchange.state[PLUGIN] = {}
+                    open_blocks[data.get("index")] = dict(block)
+                    return THINKING_EVENTS  # asked for once per stream
+                open_blocks[data.get("index")] = dict(block)
         elif name == "content_block_stop":
             open_blocks = exchange.state.get(PLUGIN)
             if not open_blocks:
@@ -572,3 +879,74 @@ class Portable:
             block = open_blocks.pop(data.get("index"), None) if type(data) is dict else None
             if block is not None:
                 self._record(exchange, [block])
+
+    @hookimpl
+    def relay_exchange_end(self, exchange):
+        # What the record missed since the last exchange ended (writes land later, in their
+        # own thread) goes on this one's timeline, where the metrics plugin counts it.
+        trouble = self.provenance.trouble
+        if trouble.pending:
+            exchange.note(PLUGIN, "provenance missed", counts=[
+                {"result": what, "reason": reason, "count": count}
+                for (what, reason), count in sorted(trouble.drain().items())])
+
+
+SHUTDOWN_SECONDS = 5.0  # how long stopping waits for the records still queued
+BLOCK_STARTS = frozenset({"content_block_start"})
+THINKING_EVENTS = ("content_block_delta", "content_block_stop")  # a thinking block's signature
+
+
+def _validated(done: list[dict], repair: bool) -> list[dict]:
+    return [p for p in done if "thinking disabled" in p["message"]] if repair else done
+
+
+def _count(exchange, rewritten: int) -> None:
+    """``x-relay-rewrites`` counts the tool ids rewritten, by any plugin, both ways."""
+    headers = exchange.response_headers
+    headers["x-relay-rewrites"] = str(int(headers.get("x-relay-rewrites", 0)) + rewritten)
+
+
+def _to_client(block, held) -> tuple[str, str] | None:
+    """Give a tool_use block a backend minted outside Anthropic's grammar the encoded form of
+    its id, in place: every Anthropic-format client can send that back as it got it (clients
+    that "sanitise" ids otherwise turn ``functions.Bash:0`` into ``functions_Bash_0``, which
+    no backend issued and which defeats dedup's check for a repeated id). Returns
+    ``(minted, encoded)`` when the id changed.
+
+    An id the client already holds as minted (``held``: a transcript from before the relay
+    translated answers) stays as it is, for dedup to rename the repeat: encoded, it would be
+    a new id to dedup, and the two would go up to a backend as one."""
+    if type(block) is not dict or block.get("type") != "tool_use":
+        return None
+    minted = block.get("id")
+    if type(minted) is not str or not minted or minted in held:
+        return None
+    encoded = client_form(minted)
+    if encoded == minted:
+        return None
+    block["id"] = encoded
+    return minted, encoded
+
+
+def client_form(minted: str) -> str:
+    """The id a client gets for one a backend minted: itself when it fits Anthropic's
+    grammar, else its encoding."""
+    # Remembered for ids of ordinary length, like id_for's answers.
+    return _client_id(minted) if len(minted) <= 128 else _encoded_unless_fitting(minted)
+
+
+@functools.lru_cache(maxsize=8192)
+def _client_id(minted: str) -> str:
+    return _encoded_unless_fitting(minted)
+
+
+def _encoded_unless_fitting(minted: str) -> str:
+    return minted if _grammar(ANTHROPIC_IDS).fullmatch(minted) else encode_id(minted)
+
+
+def _note_to_client(exchange, pairs: list[tuple[str, str]], **detail) -> None:
+    for minted, encoded in pairs:
+        exchange.translation[encoded] = {"original": minted, "message_index": None,
+                                         "direction": "to_client", "reason": "id grammar"}
+    exchange.note(PLUGIN, "translated ids", direction="to_client", pattern=ANTHROPIC_IDS,
+                  ids=pairs, **detail)

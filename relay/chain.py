@@ -159,6 +159,26 @@ class StreamPlan:
             return None
         return set(self.by_name)
 
+    def widen(self, more: list) -> None:
+        """Add what plugins asked for mid-stream: ``(call, names)`` pairs, as
+        :meth:`Chain.stream_event` returns them; each name's calls stay in chain order."""
+        for call, names in more:
+            try:
+                names = [names] if isinstance(names, str) else list(names)
+            except TypeError:
+                names = [names]
+            for name in names:
+                if not isinstance(name, str):
+                    log.error("plugin %s: relay_stream_event returned %r, not an event name",
+                              call[1].plugin, name)
+                    continue
+                calls = self.by_name.get(name)
+                if calls is None:
+                    calls = self.by_name[name] = list(self.every)
+                if call not in calls:
+                    calls.append(call)
+                    calls.sort(key=lambda c: c[0])
+
     def merge_every(self) -> None:
         """Fold the "*" plugins into each named list once, keeping chain order."""
         if self.every:
@@ -304,17 +324,27 @@ class Chain:
         plan.merge_every()
         return plan
 
-    async def stream_event(self, exchange, event, calls) -> None:
-        """Run the plugins that asked for this event. A :class:`RelayError` ends the stream
-        (it propagates); any other exception is logged and the next plugin runs, and whatever
-        the plugin had changed (and marked changed) before raising stays."""
-        for _, impl, options in calls:
+    async def stream_event(self, exchange, event, calls) -> list | None:
+        """Run the plugins that asked for this event; return the event names they want from
+        now on, as ``(call, names)`` pairs for :meth:`StreamPlan.widen`, or None. A
+        :class:`RelayError` ends the stream (it propagates); any other exception is logged and
+        the next plugin runs, and whatever the plugin had changed (and marked changed) before
+        raising stays."""
+        more = None
+        for call in calls:
+            impl, options = call[1], call[2]
             try:
                 result = impl.call({"exchange": exchange, "event": event, "options": options})
                 if result is not None and inspect.isawaitable(result):
-                    await result
+                    result = await result
             except RelayError as error:
                 error.plugin = error.plugin or impl.plugin
                 raise
             except Exception:
                 log.exception("plugin %s failed on stream event %s", impl.plugin, event.name)
+                continue
+            if result:
+                if more is None:
+                    more = []
+                more.append((call, result))
+        return more

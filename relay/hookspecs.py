@@ -138,13 +138,15 @@ def relay_stream_events(exchange: Exchange, options: dict) -> Iterable[str] | st
 
 @hookspec
 @called_in(REVERSE)
-def relay_stream_event(exchange: Exchange, event: Event, options: dict) -> None:
+def relay_stream_event(exchange: Exchange, event: Event, options: dict) -> Iterable[str] | None:
     """Called for each stream event this plugin asked for, in reverse pipeline order, before
     the event is flushed to the client.
 
     ``event.name`` is the SSE event name and ``event.data`` the parsed JSON. A plugin may
     change ``event.data`` in place and must then call ``event.mark_changed()``; the event is
-    re-serialised only then. Keep it quick: the client waits for this event until every
+    re-serialised only then. Return more event names to see from the next event of this
+    stream on (the deltas of a block whose start it just saw), or None: what nobody asked for
+    is never framed. Keep it quick: the client waits for this event until every
     plugin has returned. Raise :class:`relay.errors.RelayError` to end the stream: the
     client gets an ``error`` event with its type and message instead of this event, and
     nothing after it. Any other exception is logged and the event goes on.

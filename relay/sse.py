@@ -278,6 +278,19 @@ class LazyFramer:
                 return self._split(complete)
         return [complete], []
 
+    def want(self, names) -> None:
+        """Frame these names too, from the next chunk on (see :meth:`reframe` for the rest of
+        the current one)."""
+        if self._wanted is not None:
+            self._wanted += [needle for needle in _needles(names) if needle not in self._wanted]
+
+    def reframe(self, part: bytes) -> tuple[list, list[Event]]:
+        """A part :meth:`feed` returned unframed (whole events), split again for the names
+        wanted now."""
+        if self._wanted is None:  # framing everything: nothing was left unframed
+            return [part], []
+        return self._split(part)
+
     def _framed(self, events: list[Event]) -> tuple[list, list[Event]]:
         if self._name_by_type:
             for event in events:

@@ -103,7 +103,12 @@ class StreamRelay:
             for event in events:
                 calls = plan.calls_for(event.name)
                 if calls:
-                    await chain.stream_event(exchange, event, calls)
+                    more = await chain.stream_event(exchange, event, calls)
+                    if more:
+                        # The loop goes on over the events framed now (a for loop reads the
+                        # list's items by position, so a new tail is its next items).
+                        parts, later = self._widen(more, parts, event)
+                        events[events.index(event) + 1:] = later
         if len(parts) == 1:
             part = parts[0]
             data = part if part.__class__ is bytes else part.encode()
@@ -124,6 +129,25 @@ class StreamRelay:
         framer = self.framer
         return (self.written > 0 and not self.writing and framer is not None
                 and self.exchange.outcome is None and not framer.ended)
+
+    def _widen(self, more: list, parts: list, event: Event) -> tuple[list, list[Event]]:
+        """Plugins asked for more events at ``event``: frame them from here on, in what is left
+        of ``parts`` too. Returns the parts, and the events after ``event``."""
+        self.plan.widen(more)
+        framer = self.framer
+        framer.want(self.plan.framed_names() or ())
+        at = next(n for n, part in enumerate(parts) if part is event) + 1
+        rest: list = []
+        later: list[Event] = []
+        for part in parts[at:]:
+            if part.__class__ is bytes:
+                split, found = framer.reframe(part)
+                rest += split
+                later += found
+            else:
+                rest.append(part)
+                later.append(part)
+        return parts[:at] + rest, later
 
 
 class KeepAlive:

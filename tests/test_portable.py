@@ -3,6 +3,7 @@ request, with the strict emulator judging what would go up."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import re
 
@@ -154,7 +155,9 @@ def request_to(made, backend_name, model, messages, thinking=True, backend_forma
     exchange.backend = Backend(name=backend_name, url="http://127.0.0.1:9", models=["*"],
                                format=backend_format)
     options = {**{o.name: o.default for o in portable.OPTIONS}, **(quirks or {})}
-    made.relay_request(exchange, options)
+    reading = made.relay_request(exchange, options)
+    if reading is not None:  # the record is read from disk first
+        asyncio.run(reading)
     return exchange, orjson.loads(exchange.upstream_body())
 
 
@@ -262,25 +265,31 @@ def test_a_message_left_empty_goes_and_its_neighbours_stay():
     assert exchange.timeline[0]["removed_messages"] == [1]
 
 
-def test_the_record_is_bounded_and_survives_a_restart_and_is_shared(tmp_path):
+async def test_the_record_is_bounded_and_survives_a_restart_and_is_shared(tmp_path):
     path = str(tmp_path / "p.db")
     first = portable.Provenance(path, rows=3)
     first.record([(f"k{n}", "a", "m") for n in range(5)])
-    assert first.lookup([f"k{n}" for n in range(5)]) == {f"k{n}": ("a", "m") for n in (2, 3, 4)}
-    first.close()
+    assert await first.lookup([f"k{n}" for n in range(5)]) == {
+        f"k{n}": ("a", "m") for n in (2, 3, 4)}
+    first.close(timeout=5)
     again, replica = portable.Provenance(path, rows=3), portable.Provenance(path, rows=3)
-    assert again.lookup(["k4"]) == {"k4": ("a", "m")}
+    assert await again.lookup([f"k{n}" for n in range(5)]) == {
+        f"k{n}": ("a", "m") for n in (2, 3, 4)}
     replica.record([("k9", "b", "n")])
-    assert again.lookup(["k9"]) == {"k9": ("b", "n")}
+    assert replica.flush(5)
+    assert await again.lookup(["k9"]) == {"k9": ("b", "n")}
     memory = portable.Provenance("", rows=2)
     memory.record([("x", "a", "m"), ("y", "a", "m"), ("z", "a", "m")])
-    assert memory.lookup(["x", "y", "z"]) == {"y": ("a", "m"), "z": ("a", "m")}
+    assert await memory.lookup(["x", "y", "z"]) == {"y": ("a", "m"), "z": ("a", "m")}
+    for made in (again, replica):
+        made.close()
 
 
 def test_two_replicas_sharing_the_record_judge_alike(tmp_path):
     one, two = plugin(tmp_path), plugin(tmp_path)
     mine = thought(KEY_A)
     answer(one, "a", "model-a", mine)
+    assert one.provenance.flush(5)
     _, sent = request_to(two, "k", "model-k", history("t", thinking=mine))
     assert sent["thinking"] == {"type": "disabled"}
 
@@ -392,12 +401,16 @@ def test_a_malformed_block_is_left_for_the_upstream_and_a_broken_record_judges_n
     _, sent = request_to(made, "k", "model-k", messages, thinking=False)
     assert sent["messages"][1]["content"][0] == odd
     assert sent["messages"][3]["content"][0]["type"] == "text"
-    made.provenance.close()
+    made.provenance.close(timeout=5)
     for path in tmp_path.glob("p.db*"):
         path.unlink()
     (tmp_path / "p.db").write_bytes(b"not a database")
+    # A replica (or this relay restarted) that can only ask the broken file.
+    made.provenance = portable.Provenance(str(tmp_path / "p.db"))
     exchange, sent = request_to(made, "k", "model-k", messages, thinking=False)
     assert not exchange.changed  # unknown now: as the client sent it
+    assert made.provenance.trouble.drain() == {("not_known", "corrupt"): 1}
+    made.provenance.close()
 
 
 # --- in a relay: header, timeline, dump -------------------------------------------------------
@@ -425,6 +438,8 @@ async def test_what_was_translated_shows_in_the_header_the_timeline_and_the_dump
 
 
 def test_with_one_backend_there_is_nothing_to_record_and_no_delta_is_framed():
+    start = Event(b'event: content_block_start\ndata: {"type":"content_block_start","index":0,'
+                  b'"content_block":{"type":"thinking","thinking":"","signature":""}}\n\n')
     one = config_module.parse({"backends": [{"name": "a", "url": "http://127.0.0.1:1"}]})
     made = portable.Portable()
     made.relay_startup(one, {})
@@ -432,9 +447,13 @@ def test_with_one_backend_there_is_nothing_to_record_and_no_delta_is_framed():
                                                                           "budget_tokens": 9},
                              "messages": [{"role": "user", "content": "hi"}]})
     made.relay_request(exchange, {})
-    assert made.relay_stream_events(exchange) is None
+    assert made.relay_stream_events(exchange) == {"content_block_start"}  # for tool ids
+    assert made.relay_stream_event(exchange, start) is None
     made.relay_startup(config_module.parse({"backends": [
         {"name": "a", "url": "http://127.0.0.1:1"}, {"name": "b", "url": "http://127.0.0.1:2"}]}),
         {})
-    assert made.relay_stream_events(exchange) == {"content_block_start", "content_block_delta",
-                                                  "content_block_stop"}
+    # A thinking block's start asks for the deltas that carry its signature, once a stream.
+    assert made.relay_stream_events(exchange) == {"content_block_start"}
+    assert made.relay_stream_event(exchange, start) == ("content_block_delta",
+                                                         "content_block_stop")
+    assert made.relay_stream_event(exchange, start) is None

@@ -9,6 +9,7 @@ its requests to the next; without the plugin the same steps fail as the real API
 from __future__ import annotations
 
 import itertools
+import re
 
 import anthropic
 import pytest
@@ -19,6 +20,7 @@ from test_sdk_e2e import BASH, MAX_TURNS, client, run_bash
 pytestmark = pytest.mark.e2e
 
 TURNS = 5
+ANTHROPIC_IDS = "^[a-zA-Z0-9_-]+$"
 FUNCTIONS = "^[a-zA-Z0-9_.:-]+$"
 THINKING = {"type": "enabled", "budget_tokens": 1024}
 PIPELINE = ["dedup", "pairing", "ordering", "portable"]
@@ -136,11 +138,16 @@ def test_a_session_moving_between_backends_every_turn_completes(backends, relay,
     assert len(session.calls) == len(set(session.calls)) == TURNS * parallel
     for emu, _ in started.values():
         assert_earlier_turns_stable(emu)
-    # What was adapted shows in the answer's headers: the first turn has nothing to adapt;
-    # the second, to Anthropic-like rules, has.
+    # Whoever minted them, the ids the client got fit Anthropic's grammar.
+    assert all(re.fullmatch(ANTHROPIC_IDS, call) for call in session.calls), session.calls
+    # What was adapted shows in the answer's headers: the first turn has nothing to adapt but
+    # a Kimi-like backend's ids on their way back (counted where the headers come after the
+    # answer); with thinking on, the second, to Anthropic-like rules, has (the ids the client
+    # holds fit them already).
     adapted = [int(h.get("x-relay-repairs", 0)) + int(h.get("x-relay-rewrites", 0))
                for h in session.headers]
-    assert adapted[0] == 0 and adapted[1 if names[1] == "anthropic" else 2] > 0, adapted
+    assert adapted[0] == (parallel if names[0] == "kimi" and not stream else 0), adapted
+    assert not thinking or adapted[1 if names[1] == "anthropic" else 2] > 0, adapted
 
 
 def test_two_replicas_sharing_the_record_carry_one_session(backends, relay, tmp_path):
