@@ -273,12 +273,29 @@ def record(store: Store, exchange, answer) -> None:
         store.pop(_key(exchange, thread.previous_id))
     # The relay's renames of this answer's calls (the dedup plugin's ``to_client`` entries in
     # the shared translation table): the server holds the upstream's ids.
-    renamed = {client_id: entry.get("emitted", entry.get("original"))
-               for client_id, entry in exchange.translation.items()
-               if type(entry) is dict and entry.get("direction") == "to_client"}
-    renamed = {client_id: held for client_id, held in renamed.items() if type(held) is str}
+    renamed = {}
+    for client_id in exchange.translation:
+        held = _held_id(exchange.translation, client_id)
+        if held is not None:
+            renamed[client_id] = held
     store.put(_key(exchange, message_id), exchange.backend.name,
               _joined(thread.recorded or b"[]", sent, reply), renamed)
+
+
+def _held_id(table: dict, client_id: str) -> str | None:
+    """The id the upstream gave the call the client holds as ``client_id``, following the
+    answer's renames back (each plugin renames what the one after it handed on: dedup's
+    ``-2`` of portable's encoding of the upstream's own id), or None if none renamed it."""
+    held = None
+    for _ in range(len(table)):
+        entry = table.get(client_id)
+        if type(entry) is not dict or entry.get("direction") != "to_client":
+            break
+        previous = entry.get("emitted", entry.get("original"))
+        if type(previous) is not str or previous == client_id:
+            break
+        held = client_id = previous
+    return held
 
 
 def _key(exchange, message_id: str):
