@@ -95,30 +95,22 @@ def exchange() -> str:
 
 def options() -> str:
     """One table per built-in plugin: its declared options."""
-    from relay.options import declared
+    from relay.options import declared, markdown_table
 
     parts = []
     for name in BUILTINS:
-        module = importlib.import_module(f"relay_builtins.{name}")
-        plugin = next((value for value in vars(module).values()
-                       if inspect.isclass(value) and value.__module__ == module.__name__
-                       and getattr(value, "OPTIONS", None) is not None), module)
-        found = declared(plugin) or ()
-        parts += [f"## `{name}`", ""]
-        if not found:
-            parts += ["No options.", ""]
-            continue
-        parts += ["| option | type | default | quirk | what it does |", "|---|---|---|---|---|"]
-        for option in found:
-            kinds = option.kind if isinstance(option.kind, tuple) else (option.kind,)
-            kind = " or ".join(k.__name__ for k in kinds)
-            if option.choices:
-                kind += ": " + ", ".join(f"`{c}`" for c in option.choices)
-            default = "" if option.default is None else f"`{json.dumps(option.default)}`"
-            parts.append(f"| `{option.name}` | {_cell(kind)} | {_cell(default)} | "
-                         f"{'yes' if option.quirk else ''} | {_cell(option.help)} |")
-        parts.append("")
+        found = declared(_plugin(name))
+        parts += [f"## `{name}`", "", markdown_table(found) if found else "No options.", ""]
     return "\n".join(parts)
+
+
+def _plugin(name: str):
+    """A built-in as the entry point loads it: its module, or the class in it that declares
+    the options."""
+    module = importlib.import_module(f"relay_builtins.{name}")
+    return next((value for value in vars(module).values()
+                 if inspect.isclass(value) and value.__module__ == module.__name__
+                 and getattr(value, "OPTIONS", None) is not None), module)
 
 
 def plugins() -> str:
@@ -134,23 +126,21 @@ def plugins() -> str:
 
 
 def rules() -> str:
-    """The history rules, from the evidence table: each rule's verdict, the API's words, where
-    the error points, and the sources it rests on."""
+    """The history rules, from the evidence table: one row per rule, with its verdict, the
+    API's words and where they point, and the sources it rests on."""
     table = json.loads((ROOT / "relay" / "evidence.json").read_text())
-    parts = [table.get("about", ""), ""]
+    parts = ["| rule | plugin | verdict | the API's words (where they point) | sources |",
+             "|---|---|---|---|---|"]
     for rule in table["rules"]:
-        parts += [f"## `{rule['id']}`", "",
-                  f"**Plugin** `{rule.get('plugin', '')}` · **verdict** {rule.get('verdict', '')}"
-                  + (f" · **wording** {rule['wording']}" if rule.get("wording") else ""), ""]
-        if rule.get("error"):
-            parts += ["The API's words:", "", f"> {rule['error']}", ""]
-        if rule.get("location"):
-            parts += [f"Where it points: {rule['location']}.", ""]
+        verdict = rule.get("verdict", "")
         if rule.get("repair"):
-            parts += [f"In `repair` mode: {rule['repair']}.", ""]
-        if rule.get("sources"):
-            parts += ["Sources:", ""] + [f"- {source}" for source in rule["sources"]] + [""]
-    return "\n".join(parts)
+            verdict += f"; repair: {rule['repair']}"
+        words = rule.get("error") or ""
+        if rule.get("location"):
+            words += f" ({rule['location']})"
+        parts.append(f"| `{rule['id']}` | {rule.get('plugin', '')} | {_cell(verdict)} | "
+                     f"{_cell(words)} | {_cell('; '.join(rule.get('sources', ())))} |")
+    return "\n".join(parts) + "\n\n" + table.get("about", "")
 
 
 PARTS = {"hookspecs": hookspecs, "exchange": exchange, "options": options,

@@ -29,20 +29,17 @@ def test_every_hook_is_in_the_reference_with_its_order():
 def test_every_declared_option_of_every_builtin_is_in_its_table():
     page = generate.options()
     for name in generate.BUILTINS:
-        module = importlib.import_module(f"relay_builtins.{name}")
-        plugin = next((v for v in vars(module).values()
-                       if isinstance(v, type) and getattr(v, "OPTIONS", None) is not None), module)
         table = page.split(f"## `{name}`", 1)[1].split("\n## ", 1)[0]
-        for option in declared(plugin) or ():
+        for option in declared(generate._plugin(name)) or ():
             assert f"| `{option.name}` |" in table
 
 
 def test_every_rule_of_the_evidence_table_has_its_section():
     page = generate.rules()
     for rule in json.loads((ROOT / "relay" / "evidence.json").read_text())["rules"]:
-        assert f"## `{rule['id']}`" in page
+        row = next(line for line in page.splitlines() if line.startswith(f"| `{rule['id']}` |"))
         if rule.get("error"):
-            assert rule["error"] in page
+            assert rule["error"].replace("|", "\\|") in row
 
 
 def test_a_page_asking_for_an_unknown_part_fails_the_build():
