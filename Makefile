@@ -12,12 +12,12 @@ JS_CLIENTS_STAMP := .e2e/.js-clients-$(shell echo '$(JS_CLIENTS)' | cksum | cut 
 HAPROXY := /usr/sbin/haproxy
 PYTEST_ARGS ?=
 
-.PHONY: run try test test-example test-min unit e2e bench load demo clean
+.PHONY: run try test test-example test-min unit e2e bench load demo docs clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test,docs]'
 	touch $@
 
 # The Claude Code CLI for the end-to-end suite, pinned; npm is the only way in.
@@ -53,7 +53,7 @@ try: $(VENV)/.installed
 
 test: $(VENV)/.installed $(CLAUDE) $(JS_CLIENTS_STAMP) $(HAPROXY)
 	RELAY_CLAUDE=$(abspath $(CLAUDE)) $(PY) -m pytest $(PYTEST_ARGS)
-	$(MAKE) --no-print-directory test-example test-min
+	$(MAKE) --no-print-directory test-example test-min docs
 
 # The example plugin package, installed as its own distribution and tested with relay.testing.
 test-example: $(VENV)/.installed
@@ -90,9 +90,14 @@ bench: $(VENV)/.installed
 load: $(VENV)/.installed
 	$(PY) tests/load/run.py
 
+# The docs site (mkdocs.yml), built strictly: a broken link or a generated part that fails
+# stops the build. Into .site/, never committed.
+docs: $(VENV)/.installed
+	$(PY) -m mkdocs build --strict --quiet
+
 demo: $(VENV)/.installed
 	$(PY) -m relay.demo
 
 # Never dumps: they are an operator's record of failures, not build output.
 clean:
-	rm -rf $(VENV) $(MIN_VENV) .e2e .pytest_cache .hypothesis .bench .load *.egg-info
+	rm -rf $(VENV) $(MIN_VENV) .e2e .pytest_cache .hypothesis .bench .load .site *.egg-info

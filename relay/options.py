@@ -116,7 +116,7 @@ def resolve(config, plugins: dict, elsewhere: Callable[[], set] = set) -> tuple[
 
 
 def markdown_table(options: tuple[Option, ...]) -> str:
-    """The README's table of a plugin's options, made from its declarations."""
+    """The docs' table of a plugin's options, made from its declarations."""
     rows = ["| key | default | values | quirk | meaning |", "|---|---|---|---|---|"]
     for option in options:
         kinds = option.kind if isinstance(option.kind, tuple) else (option.kind,)

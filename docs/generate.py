@@ -1,0 +1,157 @@
+"""mkdocs hook: fills the reference pages from the code and the evidence table.
+
+A page asks for a generated part with a line of its own, ``<!-- generated: NAME -->``; NAME is
+one of :data:`PARTS`. What stands in the code (hook specs and their docstrings, the exchange's
+documented attributes, the declared options, the evidence table) is the only source: nothing
+generated is committed, so the reference cannot drift from what the relay does.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import json
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MARKER = re.compile(r"^<!-- generated: ([a-z_]+) -->$", re.MULTILINE)
+# Built-in plugins in the shipped pipeline's order; each is documented by its module
+# docstring and its declared options.
+BUILTINS = ("metrics", "dedup", "pairing", "ordering", "portable", "dump")
+
+_ROLE = re.compile(r":(?:class|func|meth|mod|attr|data|exc):`~?([^`]+)`")
+
+
+def markdown(docstring: str | None) -> str:
+    """A docstring written for reST readers, as Markdown: ``code`` to `code`, roles to code."""
+    text = inspect.cleandoc(docstring or "")
+    text = _ROLE.sub(lambda m: f"`{m.group(1)}`", text)
+    return text.replace("``", "`")
+
+
+def _cell(text) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def hookspecs() -> str:
+    """Every hook spec in source order, under the banner it stands below, with its signature,
+    the order the chain calls it in, and its docstring."""
+    from relay import hookspecs as module
+
+    source = Path(module.__file__).read_text()
+    banners = {node_line: title for node_line, title in _banners(source)}
+    parts = [markdown(module.__doc__), ""]
+    tree = ast.parse(source)
+    pending = sorted(banners.items())
+    for node in tree.body:
+        if not isinstance(node, ast.FunctionDef) or not node.name.startswith("relay_"):
+            continue
+        while pending and pending[0][0] < node.lineno:
+            parts += [f"## {pending.pop(0)[1].capitalize()}", ""]
+        spec = getattr(module, node.name)
+        order = getattr(spec, "relay_order", "")
+        returns = f" -> {ast.unparse(node.returns)}" if node.returns else ""
+        parts += [f"### `{node.name}`", "",
+                  f"```python\ndef {node.name}({ast.unparse(node.args)}){returns}\n```", "",
+                  f"Called in {order}." if order else "", "", markdown(spec.__doc__), ""]
+    return "\n".join(parts)
+
+
+def _banners(source: str):
+    for number, line in enumerate(source.splitlines(), 1):
+        found = re.match(r"# --- (.+?) -+$", line)
+        if found:
+            yield number, found.group(1)
+
+
+def exchange() -> str:
+    """The record plugins share, from its classes' docstrings and properties."""
+    from relay import exchange as module
+
+    parts = []
+    for name in ("Exchange", "Attempt", "Timings", "Answer", "UpstreamResponse"):
+        cls = getattr(module, name, None)
+        if cls is None:
+            continue
+        parts += [f"## `{name}`", "", markdown(cls.__doc__), ""]
+        members = []
+        for attr, value in vars(cls).items():
+            if attr.startswith("_"):
+                continue
+            doc = inspect.getdoc(value) if isinstance(value, property) or callable(value) else None
+            if doc:
+                kind = "property" if isinstance(value, property) else "method"
+                members.append((attr, kind, doc))
+        for attr, kind, doc in members:
+            signature = ""
+            if kind == "method":
+                signature = str(inspect.signature(getattr(cls, attr))).replace("(self, ", "(") \
+                    .replace("(self)", "()")
+            parts += [f"### `{attr}{signature}`", "", markdown(doc), ""]
+    return "\n".join(parts)
+
+
+def options() -> str:
+    """One table per built-in plugin: its declared options."""
+    from relay.options import declared, markdown_table
+
+    parts = []
+    for name in BUILTINS:
+        found = declared(_plugin(name))
+        parts += [f"## `{name}`", "", markdown_table(found) if found else "No options.", ""]
+    return "\n".join(parts)
+
+
+def _plugin(name: str):
+    """A built-in as the entry point loads it: its module, or the class in it that declares
+    the options."""
+    module = importlib.import_module(f"relay_builtins.{name}")
+    return next((value for value in vars(module).values()
+                 if inspect.isclass(value) and value.__module__ == module.__name__
+                 and getattr(value, "OPTIONS", None) is not None), module)
+
+
+def plugins() -> str:
+    """Each built-in plugin's own account of itself (its module docstring)."""
+    parts = []
+    for name in BUILTINS:
+        module = importlib.import_module(f"relay_builtins.{name}")
+        text = markdown(module.__doc__)
+        # The docstring's first line names the plugin already; it becomes the heading.
+        first, _, rest = text.partition("\n")
+        parts += [f"## `{name}`", "", first.split(":", 1)[-1].strip(), "", rest.strip(), ""]
+    return "\n".join(parts)
+
+
+def rules() -> str:
+    """The history rules, from the evidence table: one row per rule, with its verdict, the
+    API's words and where they point, and the sources it rests on."""
+    table = json.loads((ROOT / "relay" / "evidence.json").read_text())
+    parts = ["| rule | plugin | verdict | the API's words (where they point) | sources |",
+             "|---|---|---|---|---|"]
+    for rule in table["rules"]:
+        verdict = rule.get("verdict", "")
+        if rule.get("repair"):
+            verdict += f"; repair: {rule['repair']}"
+        words = rule.get("error") or ""
+        if rule.get("location"):
+            words += f" ({rule['location']})"
+        parts.append(f"| `{rule['id']}` | {rule.get('plugin', '')} | {_cell(verdict)} | "
+                     f"{_cell(words)} | {_cell('; '.join(rule.get('sources', ())))} |")
+    return "\n".join(parts) + "\n\n" + table.get("about", "")
+
+
+PARTS = {"hookspecs": hookspecs, "exchange": exchange, "options": options,
+         "plugins": plugins, "rules": rules}
+
+
+def on_page_markdown(markdown_text: str, page, config, files) -> str:
+    def fill(match: re.Match) -> str:
+        name = match.group(1)
+        if name not in PARTS:
+            raise KeyError(f"{page.file.src_path}: no generated part named {name!r}")
+        return PARTS[name]()
+
+    return MARKER.sub(fill, markdown_text)
