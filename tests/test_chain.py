@@ -87,8 +87,8 @@ def test_config_errors_name_the_key_path(raw, message):
 
 
 def test_readme_backend_example_is_valid():
-    readme = (ROOT / "README.md").read_text()
-    example = readme.split("## Configuration: relay.yaml", 1)[1].split("```yaml", 1)[1].split("```", 1)[0]
+    readme = (ROOT / "docs" / "configuration.md").read_text()
+    example = readme.split("```yaml", 1)[1].split("```", 1)[0]
     config = config_module.parse(yaml.safe_load(example), env={
         "MOONSHOT_API_KEY": "sk-test", "RELAY_KEY_TEAM_A": "relay-key-0123456789abcdef"})
     assert config.keys[0].name == "team-a" and config.keys[0].backends == ["anthropic"]

@@ -1,16 +1,16 @@
-"""Declared plugin options: checked at start-up, each plugin sees its own, the README's tables
-are the declarations."""
+"""Declared plugin options: checked at start-up, each plugin sees its own (the docs' tables are
+the declarations."""
 
 from __future__ import annotations
 
 import pytest
 
 from relay import config as config_module
-from relay.chain import Chain, available_plugins, load_plugins
+from relay.chain import Chain, load_plugins
 from relay.errors import ConfigError
 from relay.hookspecs import hookimpl
-from relay.options import Option, declared, markdown_table
-from support import ROOT, backend
+from relay.options import Option
+from support import backend
 
 
 def chain_for(pipeline, plugins=None, quirks=None, extra=None):
@@ -89,14 +89,3 @@ def test_a_plugin_that_declares_nothing_gets_everything_unchecked():
     chain = chain_for(["old"], plugins={"old": {"anything": 1}}, quirks={"whatever": 2},
                       extra={"old": Old()})
     assert chain.options["b"]["old"] == {"anything": 1, "whatever": 2}
-
-
-def test_the_readme_option_tables_are_the_declarations():
-    readme = "\n".join(line.strip() for line in (ROOT / "README.md").read_text().splitlines())
-    for name, entry_point in sorted(available_plugins().items()):
-        if not entry_point.module.startswith("relay_builtins."):
-            continue  # another distribution's plugins (the example package) document their own
-        options = declared(entry_point.load())
-        if options:
-            table = markdown_table(options)
-            assert table in readme, f"README: the {name} plugin's options should read:\n{table}"
