@@ -1,5 +1,5 @@
 """Declared plugin options: checked at start-up, each plugin sees its own (the docs' tables are
-the declarations."""
+the declarations)."""
 
 from __future__ import annotations
 
