@@ -3,21 +3,27 @@
     python tests/load/run.py [--only streams,soak,slow_clients,connection_cap] [--quick]
                              [--out-dir .load]
 
-Everything runs on loopback, bounded in count and time, and stops by itself (about four
-minutes; ``--quick`` takes seconds and proves only that the scenarios run). The upstream is
-the benchmark's mock (tests/bench/mock_upstream.py) and the relay runs with the full pipeline
-(dedup, pairing, ordering, dump) as a subprocess, as in `make bench`. Scenarios:
+Everything runs on loopback, bounded in count and time, and stops by itself (about
+seventeen minutes, fifteen of them the soak; ``--quick`` takes seconds and proves only that
+the scenarios run). The upstream is the benchmark's mock (tests/bench/mock_upstream.py) and
+the relay runs with the full pipeline (dedup, pairing, ordering, portable, dump) as a
+subprocess, as in `make bench`. Scenarios:
 
 - ``streams``: 500 concurrent streams of 200 events, several rounds; every byte the client
   gets is checked against what the mock sent (one stream in five reuses an id of its history,
   so dedup rewrites that block's id: the rewritten event is compared as JSON, every other one
   byte for byte).
-- ``soak``: three minutes of steady mixed load (answers, streams checked byte for byte,
-  rewrites, refused histories that are dumped, client disconnects, count_tokens, 1 MB
-  histories); the relay's RSS and open fds sampled from /proc every 2 s, and lines fitted
-  through the lowest sample of each 20 s of the last two minutes, which a leak lifts and a
-  request in flight does not. A slope beyond its limit fails, and once the
-  load stops the fds must come back to where they were at rest (after the relay's idle
+- ``soak``: fifteen minutes of steady mixed load through a relay shaped as shipped (inbound
+  keys, an Anthropic-format and an OpenAI-format backend, both the mock, the provenance
+  record in its SQLite file): answers and streams checked byte for byte, rewrites, refused
+  histories that are dumped, client disconnects, count_tokens, 1 MB histories, wrong keys,
+  the same answers translated from the OpenAI-format backend, and thinking answers each with
+  its own signature and tool id, carried back in later histories to either backend (dropped
+  or translated on the way). The relay's RSS and open fds are sampled from /proc every 2 s;
+  after a three-minute warm-up (caches and pools filling to their bounds), lines are fitted
+  through the lowest sample of each 20 s, which a leak lifts and a request in flight does
+  not, against time and against requests answered. A slope beyond its limit fails, and once
+  the load stops the fds must come back to where they were at rest (after the relay's idle
   upstream connections expire).
 - ``slow_clients``: 1,100 connections that send half their headers or half their body and
   hold, while a normal client keeps asking; with ``server.header_timeout``,
@@ -534,7 +540,8 @@ async def soak_step(soak: Soak, n: int) -> str | None:
         problem = stream_problem(payload, 50, kind == "rewrite")
     elif kind in ("think_stream", "think_history"):
         want = b"".join(workloads.thinking_events(seq))
-        problem = None if payload == want else f"{kind}: {len(payload)} bytes differ from the {len(want)} the mock sent"
+        problem = None if payload == want else (
+            f"{kind}: {len(payload)} bytes differ from the {len(want)} the mock sent")
     elif kind == "think_json":
         problem = None if payload == workloads.thinking_answer(seq) else (
             f"think_json: the answer differs from the mock's: {payload[:200]!r}")
@@ -625,7 +632,8 @@ async def scenario_soak(stack: Stack, seconds: float, warmup: float, concurrency
     rss_slope = slope_per_minute([(t, rss / 1024) for t, rss, _, _ in lows])
     per_request = slope_per_minute([(done, rss / 1024) for _, rss, _, done in lows])
     rss_per_10k = None if per_request is None else per_request / 60 * 10000
-    fd_slope = slope_per_minute(floors([(t, fds) for t, _, fds, _ in steady], warmup, floor_window))
+    fd_slope = slope_per_minute(floors([(t, fds) for t, _, fds, _ in steady], warmup,
+                                       floor_window))
     by_minute = [{"minute": int(t // 60), "rss_floor_mb": r(rss / 1024, 1), "requests": done}
                  for t, rss, _, done in floor_samples(samples, 0, 60)]
     checks = {
