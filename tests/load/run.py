@@ -395,7 +395,7 @@ SOAK_MIX = ("json", "stream", "rewrite", "refused", "disconnect", "count_tokens"
 
 def soak_setup(config: dict, folder: str) -> dict:
     """The shipped shape: two backends (Anthropic- and OpenAI-format, both the mock), inbound
-    keys, the provenance record on disk, refusals dumped; the environment holding the keys."""
+    keys, the provenance record on disk; the environment holding the keys."""
     upstream = config["backends"][0]["url"]
     config["server"]["auth"] = {"keys": [{"name": "team-a", "key_env": "RELAY_SOAK_KEY_A"},
                                          {"name": "team-b", "key_env": "RELAY_SOAK_KEY_B"}]}
@@ -407,8 +407,6 @@ def soak_setup(config: dict, folder: str) -> dict:
     plugins = config.setdefault("plugins", {})
     if "portable" in config["pipeline"]:
         plugins["portable"] = {"provenance_db": os.path.join(folder, "provenance.db")}
-    if "dump" in config["pipeline"]:
-        plugins["dump"].update(include_relay_rejections=True, max_files=100)
     return SOAK_KEYS
 
 
@@ -921,7 +919,8 @@ async def run(names: list[str], profile: dict) -> dict:
         started = time.monotonic()
         params = profile[name]
         if name in ("streams", "soak"):
-            stack = Stack(setup=soak_setup if name == "soak" else None)
+            dump = {"include_relay_rejections": True, "max_files": 100} if name == "soak" else None
+            stack = Stack(dump=dump, setup=soak_setup if name == "soak" else None)
             try:
                 scenario = scenario_streams if name == "streams" else scenario_soak
                 result = await scenario(stack, **params)
