@@ -169,21 +169,25 @@ def _grammar(pattern: str):
     return re.compile(pattern)
 
 
-# A pure function of its arguments, asked the same questions by every request of a session:
-# remembering the answers saves re-encoding a long history's ids each time.
-@functools.lru_cache(maxsize=1 << 16)
+# What the caches below remember is bounded in bytes as well as in count: only strings of
+# ordinary length are kept (a count alone let 65,536 ids and 16,384 signatures of any length
+# pile up, tens of MB filling for many minutes with every new tool call and thinking block).
+CACHED_ID_CHARS = 128
+CACHED_SIGNATURE_CHARS = 2048
+
+
 def id_for(tool_id: str, pattern: str | None) -> str:
     """The id ``tool_id`` goes up as to a backend whose ids match ``pattern`` (None: any)."""
-    if pattern is None:
-        original = decode_id(tool_id)
-        return tool_id if original is None else original
-    # The same ids come back in every request of a conversation: remember the answer for
-    # ids of ordinary length (what is cached stays bounded).
-    return _id_for_cached(tool_id, pattern) if len(tool_id) <= 128 else _id_for(tool_id, pattern)
+    # The same ids come back in every request of a conversation: remember the answer for ids
+    # of ordinary length.
+    if len(tool_id) <= CACHED_ID_CHARS:
+        return _id_for_cached(tool_id, pattern)
+    return _id_for(tool_id, pattern)
 
 
+# 8,192 ids: the histories of the sessions in flight; at most about 5 MB.
 @functools.lru_cache(maxsize=8192)
-def _id_for_cached(tool_id: str, pattern: str) -> str:
+def _id_for_cached(tool_id: str, pattern: str | None) -> str:
     return _id_for(tool_id, pattern)
 
 
@@ -253,12 +257,20 @@ def block_key(block: dict) -> str | None:
     value = skeleton.value(block.get(field))
     if type(value) is not str:
         return None
-    return _key(kind, value) if value else ""
+    if not value:
+        return ""
+    return _key_cached(kind, value) if len(value) <= CACHED_SIGNATURE_CHARS else _key(kind, value)
 
 
-@functools.lru_cache(maxsize=1 << 14)
 def _key(kind: str, value: str) -> str:
     return hashlib.sha256(f"{kind}\0{value}".encode()).hexdigest()[:32]
+
+
+# Every request of a session carries its earlier thinking blocks again: 4,096 signatures, at
+# most about 10 MB; a longer one is hashed each time (a few microseconds).
+@functools.lru_cache(maxsize=1 << 12)
+def _key_cached(kind: str, value: str) -> str:
+    return _key(kind, value)
 
 
 class Trouble:

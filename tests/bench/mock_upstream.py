@@ -11,6 +11,8 @@ by query string only (the body is never parsed):
   load runner);
 - ``mock=idle&hold=S``: the headers and ``message_start``, then nothing until the client
   goes away or S seconds (default 30) have passed;
+- ``mock=thinking&seq=N`` (``mock=thinking_sse&seq=N`` streamed): answer N of a kind, a
+  thinking block with its own signature, a text and a tool call with its own id;
 - ``sha=1`` with any of them: the answer carries ``x-bench-sha256`` and ``x-bench-bytes`` of
   the body exactly as received.
 
@@ -46,6 +48,9 @@ async def messages(request: web.Request) -> web.StreamResponse:
     extra = None
     if "sha" in query:
         extra = {"x-bench-sha256": hashlib.sha256(raw).hexdigest(), "x-bench-bytes": str(len(raw))}
+    if query.get("mock", "").startswith("thinking"):
+        return await thinking(request, query, workloads.thinking_answer,
+                              workloads.thinking_events)
     return await answer(request, query, extra, workloads.ANSWER, framed_stream,
                         workloads.MESSAGE_START,
                         workloads.event("message_stop", {"type": "message_stop"}))
@@ -57,9 +62,19 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     load generator would have sent)."""
     await request.read()
     query = dict(urllib.parse.parse_qsl(request.headers.get("x-bench-mock", "")))
+    if query.get("mock", "").startswith("thinking"):
+        return await thinking(request, query, workloads.chat_thinking_answer,
+                              workloads.chat_thinking_chunks)
     return await answer(request, query, None, workloads.CHAT_ANSWER, framed_chat_stream,
                         workloads.chat_chunk({"role": "assistant", "content": ""}),
                         b"data: [DONE]\n\n")
+
+
+async def thinking(request, query, json_answer, events) -> web.StreamResponse:
+    seq = int(query.get("seq", "0"))
+    mode = "sse" if query["mock"] == "thinking_sse" else "json"
+    return await answer(request, {"mock": mode}, None, json_answer(seq),
+                        lambda n, per_send: _framed(events(seq), 1), b"", b"")
 
 
 async def answer(request, query, extra, json_answer: bytes, framed, first_event: bytes,

@@ -6,7 +6,9 @@ process builds the same bytes from the same seed (nothing large crosses a pipe).
 
 from __future__ import annotations
 
+import base64
 import functools
+import hashlib
 import random
 import string
 
@@ -284,3 +286,102 @@ def chat_chunks(n: int) -> tuple:
     out.append(b"data: [DONE]\n\n")
     assert len(out) == n, (len(out), n)
     return tuple(out)
+
+
+# --- thinking answers, one of a kind ---------------------------------------------------------
+# As a real backend's, each answer's signature and tool id are new (``seq`` picks them), so
+# what the relay remembers per block or per id (the portable plugin's record and caches)
+# grows as it does in service, and its bounds are what a long soak sees.
+
+OPENAI_MODEL = "gpt-bench"
+
+
+def signature(seq: int) -> str:
+    """A signature of the size the API's are (a few hundred base64 characters)."""
+    return base64.b64encode(hashlib.sha512(b"bench-signature-%d" % seq).digest() * 5).decode()
+
+
+def thinking_tool_id(seq: int, wire_format: str = "anthropic") -> str:
+    # An OpenAI-format backend's ids in the grammar some mint (``functions.Name:N``), which
+    # the portable plugin translates on the way to an Anthropic-format backend.
+    return f"functions.Bash:{seq}" if wire_format == "openai" else f"toolu_01Think{seq:015d}"
+
+
+THINKING_TEXT = "The user wants the files listed; a shell call does that."
+
+
+def thinking_content(seq: int, wire_format: str = "anthropic") -> list:
+    """The assistant content of thinking answer ``seq`` as the client gets it: a thinking
+    block (unsigned from an OpenAI-format backend), a text and a tool call."""
+    return [{"type": "thinking", "thinking": THINKING_TEXT,
+             "signature": "" if wire_format == "openai" else signature(seq)},
+            {"type": "text", "text": "Listing them."},
+            {"type": "tool_use", "id": thinking_tool_id(seq, wire_format), "name": "Bash",
+             "input": {"command": "ls"}}]
+
+
+def thinking_events(seq: int) -> tuple:
+    """Answer ``seq`` streamed: message_start, a thinking block with its signature_delta, a
+    text block, a tool_use block, message_delta, message_stop."""
+    content = thinking_content(seq)
+    out = [MESSAGE_START,
+           event("content_block_start", {"type": "content_block_start", "index": 0,
+                                         "content_block": {"type": "thinking", "thinking": "",
+                                                           "signature": ""}})]
+    for word in THINKING_TEXT.split(" "):
+        out.append(event("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                                 "delta": {"type": "thinking_delta",
+                                                           "thinking": word + " "}}))
+    out += [event("content_block_delta", {"type": "content_block_delta", "index": 0, "delta": {
+                "type": "signature_delta", "signature": content[0]["signature"]}}),
+            event("content_block_stop", {"type": "content_block_stop", "index": 0}),
+            event("content_block_start", {"type": "content_block_start", "index": 1,
+                                          "content_block": {"type": "text", "text": ""}}),
+            text_delta(content[1]["text"], 1),
+            event("content_block_stop", {"type": "content_block_stop", "index": 1}),
+            event("content_block_start", {"type": "content_block_start", "index": 2,
+                                          "content_block": {**content[2], "input": {}}}),
+            event("content_block_delta", {"type": "content_block_delta", "index": 2, "delta": {
+                "type": "input_json_delta", "partial_json": '{"command": "ls"}'}}),
+            event("content_block_stop", {"type": "content_block_stop", "index": 2}),
+            event("message_delta", {"type": "message_delta",
+                                    "delta": {"stop_reason": "tool_use", "stop_sequence": None},
+                                    "usage": {"output_tokens": 40}}),
+            event("message_stop", {"type": "message_stop"})]
+    return tuple(out)
+
+
+def thinking_answer(seq: int) -> bytes:
+    return orjson.dumps({
+        "id": f"msg_01Think{seq:015d}", "type": "message", "role": "assistant", "model": MODEL,
+        "content": thinking_content(seq), "stop_reason": "tool_use", "stop_sequence": None,
+        "usage": {"input_tokens": 21, "output_tokens": 40}})
+
+
+def chat_thinking_chunks(seq: int) -> tuple:
+    """Answer ``seq`` from an OpenAI-format server: ``reasoning_content`` deltas, the text, a
+    tool call, the finish reason, usage, ``[DONE]``."""
+    out = [chat_chunk({"role": "assistant", "content": ""})]
+    for word in THINKING_TEXT.split(" "):
+        out.append(chat_chunk({"reasoning_content": word + " "}))
+    out += [chat_text_delta("Listing them."),
+            chat_chunk({"tool_calls": [{"index": 0, "id": thinking_tool_id(seq, "openai"),
+                                        "type": "function",
+                                        "function": {"name": "Bash", "arguments": ""}}]}),
+            chat_chunk({"tool_calls": [{"index": 0,
+                                        "function": {"arguments": '{"command": "ls"}'}}]}),
+            chat_chunk({}, "tool_calls"),
+            chat_chunk(None, usage={"prompt_tokens": 21, "completion_tokens": 40,
+                                    "total_tokens": 61}),
+            b"data: [DONE]\n\n"]
+    return tuple(out)
+
+
+def chat_thinking_answer(seq: int) -> bytes:
+    return orjson.dumps({
+        "id": f"chatcmpl-think-{seq}", "object": "chat.completion", "created": 1,
+        "model": OPENAI_MODEL, "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
+            "role": "assistant", "content": "Listing them.", "reasoning_content": THINKING_TEXT,
+            "tool_calls": [{"id": thinking_tool_id(seq, "openai"), "type": "function",
+                            "function": {"name": "Bash", "arguments": '{"command": "ls"}'}}]}}],
+        "usage": {"prompt_tokens": 21, "completion_tokens": 40, "total_tokens": 61}})

@@ -3,21 +3,27 @@
     python tests/load/run.py [--only streams,soak,slow_clients,connection_cap,endless] [--quick]
                              [--out-dir .load]
 
-Everything runs on loopback, bounded in count and time, and stops by itself (about four
-minutes; ``--quick`` takes seconds and proves only that the scenarios run). The upstream is
-the benchmark's mock (tests/bench/mock_upstream.py) and the relay runs with the full pipeline
-(dedup, pairing, ordering, dump) as a subprocess, as in `make bench`. Scenarios:
+Everything runs on loopback, bounded in count and time, and stops by itself (about
+seventeen minutes, fifteen of them the soak; ``--quick`` takes seconds and proves only that
+the scenarios run). The upstream is the benchmark's mock (tests/bench/mock_upstream.py) and
+the relay runs with the full pipeline (dedup, pairing, ordering, portable, dump) as a
+subprocess, as in `make bench`. Scenarios:
 
 - ``streams``: 500 concurrent streams of 200 events, several rounds; every byte the client
   gets is checked against what the mock sent (one stream in five reuses an id of its history,
   so dedup rewrites that block's id: the rewritten event is compared as JSON, every other one
   byte for byte).
-- ``soak``: three minutes of steady mixed load (answers, streams checked byte for byte,
-  rewrites, refused histories that are dumped, client disconnects, count_tokens, 1 MB
-  histories); the relay's RSS and open fds sampled from /proc every 2 s, and lines fitted
-  through the lowest sample of each 20 s of the last two minutes, which a leak lifts and a
-  request in flight does not. A slope beyond its limit fails, and once the
-  load stops the fds must come back to where they were at rest (after the relay's idle
+- ``soak``: fifteen minutes of steady mixed load through a relay shaped as shipped (inbound
+  keys, an Anthropic-format and an OpenAI-format backend, both the mock, the provenance
+  record in its SQLite file): answers and streams checked byte for byte, rewrites, refused
+  histories that are dumped, client disconnects, count_tokens, 1 MB histories, wrong keys,
+  the same answers translated from the OpenAI-format backend, and thinking answers each with
+  its own signature and tool id, carried back in later histories to either backend (dropped
+  or translated on the way). The relay's RSS and open fds are sampled from /proc every 2 s;
+  after a three-minute warm-up (caches and pools filling to their bounds), lines are fitted
+  through the lowest sample of each 20 s, which a leak lifts and a request in flight does
+  not, against time and against requests answered. A slope beyond its limit fails, and once
+  the load stops the fds must come back to where they were at rest (after the relay's idle
   upstream connections expire).
 - ``slow_clients``: 1,100 connections that send half their headers or half their body and
   hold, while a normal client keeps asking; with ``server.header_timeout``,
@@ -42,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import os
 import resource
 import sys
@@ -69,7 +76,7 @@ FD_SLOPE_LIMIT_PER_MIN = 1.0
 REST_WAIT = 35
 
 FULL = {"streams": {"concurrency": 500, "events": 200, "rounds": 4, "gap_ms": 10},
-        "soak": {"seconds": 120, "warmup": 60, "concurrency": 16, "sample_every": 2,
+        "soak": {"seconds": 720, "warmup": 180, "concurrency": 16, "sample_every": 2,
                  "floor_window": 20},
         "slow_clients": {"slow": 1100, "hold": 10},
         "connection_cap": {"extra": 50},
@@ -100,7 +107,7 @@ def raise_fd_limit() -> int:
 class Stack:
     """The mock upstream and a relay with the full pipeline in front of it."""
 
-    def __init__(self, server: dict | None = None, dump: dict | None = None):
+    def __init__(self, server: dict | None = None, dump: dict | None = None, setup=None):
         self.tmp = tempfile.TemporaryDirectory(prefix="relay-load-")
         py = sys.executable
         self.mock = procs.Server("mock", [py, os.path.join(procs.HERE, "mock_upstream.py")])
@@ -111,13 +118,16 @@ class Stack:
         config["server"].update(server or {})
         if dump and "dump" in pipeline:
             config["plugins"]["dump"].update(dump)
+        # ``setup(config, folder)``: a scenario's own relay.yaml; it returns the relay's
+        # environment (the keys the configuration names).
+        env = setup(config, self.tmp.name) if setup else None
         self.pipeline = pipeline
         self.config_path = os.path.join(self.tmp.name, "relay.yaml")
         with open(self.config_path, "w") as f:
             yaml.safe_dump(config, f, sort_keys=False)
         try:
             self.relay = procs.Server("relay", [py, "-m", "relay", "--config", self.config_path,
-                                                "--port", "0"], cwd=self.tmp.name)
+                                                "--port", "0"], cwd=self.tmp.name, env=env)
             self.url = self.relay.wait_ready()
         except RuntimeError:
             self.stop()
@@ -373,60 +383,225 @@ UNPAIRED = orjson.dumps({"model": workloads.MODEL, "max_tokens": 10, "messages":
     {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_01Unpaired",
                                        "name": "Bash", "input": {}}]},
     {"role": "user", "content": [{"type": "text", "text": "no result\n" + "0123456789abcdef" * 1024}]}]})
+# The soak's relay keys (inbound auth on) and the key it sends upstream, by environment
+# variable as relay.yaml takes them.
+SOAK_KEYS = {"RELAY_SOAK_KEY_A": "soak-team-a-0123456789abcdef",
+             "RELAY_SOAK_KEY_B": "soak-team-b-0123456789abcdef",
+             "RELAY_SOAK_UPSTREAM": "soak-upstream-0123456789abcdef"}
+THINKING_ON = {"type": "enabled", "budget_tokens": 1024}
+# The thinking answers a session carries back in its history: the latest few of either format.
+CARRIED_TURNS = 6
+# The soak's mix, one kind per step (and a 1 MB history every 50th, a wrong key every 100th):
+# Anthropic-format answers and streams, dedup's rewrite, a refusal that is dumped, a client
+# that goes away, count_tokens, the same from the OpenAI-format backend, and thinking answers
+# of a kind each (their own signature and tool id), carried back across backends.
+SOAK_MIX = ("json", "stream", "rewrite", "refused", "disconnect", "count_tokens", "think_stream",
+            "oai_json", "oai_stream", "oai_think_stream", "think_history", "think_json",
+            "oai_think_json", "oai_disconnect", "oai_think_history", "stream")
 
 
-async def soak_step(session: aiohttp.ClientSession, base: str, n: int) -> str | None:
+def soak_setup(config: dict, folder: str) -> dict:
+    """The shipped shape: two backends (Anthropic- and OpenAI-format, both the mock), inbound
+    keys, the provenance record on disk; the environment holding the keys."""
+    upstream = config["backends"][0]["url"]
+    config["server"]["auth"] = {"keys": [{"name": "team-a", "key_env": "RELAY_SOAK_KEY_A"},
+                                         {"name": "team-b", "key_env": "RELAY_SOAK_KEY_B"}]}
+    config["backends"] = [
+        {"name": "anthropic", "url": upstream, "models": ["claude-*"], "default": True,
+         "api_key_env": "RELAY_SOAK_UPSTREAM"},
+        {"name": "openai", "url": upstream + "/v1", "format": "openai",
+         "models": [workloads.OPENAI_MODEL], "api_key_env": "RELAY_SOAK_UPSTREAM"}]
+    plugins = config.setdefault("plugins", {})
+    if "portable" in config["pipeline"]:
+        plugins["portable"] = {"provenance_db": os.path.join(folder, "provenance.db")}
+    return SOAK_KEYS
+
+
+class Soak:
+    """The client side of the soak: which thinking answer comes next, and the latest ones a
+    session would carry back."""
+
+    def __init__(self, session: aiohttp.ClientSession, base: str):
+        self.session, self.base = session, base
+        self.seq = 0
+        self.carried: collections.deque = collections.deque(maxlen=CARRIED_TURNS)
+
+    def next_seq(self) -> int:
+        self.seq += 1
+        return self.seq
+
+    def history(self, model: str) -> dict:
+        """A thinking session's next request: each carried answer, its call's result after it."""
+        messages = [{"role": "user", "content": "List the files, then again."}]
+        for seq, wire_format in list(self.carried):
+            content = workloads.thinking_content(seq, wire_format)
+            messages += [{"role": "assistant", "content": content},
+                         {"role": "user", "content": [{"type": "tool_result",
+                                                       "tool_use_id": content[2]["id"],
+                                                       "content": "relay\nplugins\ntests"}]}]
+        return {"model": model, "max_tokens": 2048, "thinking": THINKING_ON, "stream": True,
+                "messages": messages}
+
+
+def soak_request(soak: Soak, kind: str) -> tuple[str, dict, bytes, int]:
+    """Path, mock query (in the query for the Anthropic-format backend, in ``x-bench-mock``
+    for the OpenAI-format one), body and thinking answer number (0: none) of ``kind``."""
+    seq = soak.next_seq() if "think" in kind else 0
+    oai = kind.startswith("oai_")
+    small = workloads.small_request
+    if kind.endswith("think_history"):
+        body = soak.history(workloads.OPENAI_MODEL if oai else workloads.MODEL)
+        query = f"mock=thinking_sse&seq={seq}"
+    elif kind.endswith(("think_stream", "think_json")):
+        stream = kind.endswith("stream")
+        body = {**small(stream), "thinking": THINKING_ON}
+        query = f"mock={'thinking_sse' if stream else 'thinking'}&seq={seq}"
+    elif kind.endswith("disconnect"):
+        body, query = small(True), "mock=idle&hold=30"
+    elif kind.endswith("stream"):
+        body, query = small(True), "mock=sse&events=50"
+    else:
+        body, query = small(), "mock=json"
+    if oai:
+        body["model"] = workloads.OPENAI_MODEL
+    return "/v1/messages", query, orjson.dumps(body), seq
+
+
+def translated_problem(kind: str, payload: bytes, seq: int) -> str | None:
+    """Whether an OpenAI-format backend's answer reached the client as the Anthropic answer it
+    stands for: its blocks, and for a thinking answer its unsigned thinking and its call."""
+    want = {"oai_json": ["text"], "oai_stream": ["text", "tool_use"]}.get(
+        kind, ["thinking", "text", "tool_use"])
+    try:
+        if kind == "oai_json" or kind == "oai_think_json":
+            content = orjson.loads(payload)["content"]
+        else:
+            content, names = [], []
+            for raw in split_events(payload):
+                name = raw.split(b"\n", 1)[0].removeprefix(b"event: ").decode()
+                names.append(name)
+                data = orjson.loads(raw.split(b"data: ", 1)[1])
+                if name == "content_block_start":
+                    content.append(data["content_block"])
+                elif name == "error":
+                    return f"{kind}: event: error {data}"
+            if names[:1] != ["message_start"] or names[-1:] != ["message_stop"]:
+                return f"{kind}: events {names[:3]}...{names[-3:]}"
+    except (orjson.JSONDecodeError, KeyError, TypeError, IndexError, UnicodeDecodeError) as e:
+        return f"{kind}: {type(e).__name__} {e}: {payload[:200]!r}"
+    if [block.get("type") for block in content] != want:
+        return f"{kind}: blocks {[block.get('type') for block in content]}"
+    if seq and (content[0].get("signature") != ""
+                or content[2].get("id") != workloads.thinking_tool_id(seq, "openai")):
+        return f"{kind}: the thinking or the call is not the backend's: {content}"
+    return None
+
+
+async def soak_step(soak: Soak, n: int) -> str | None:
     """One request of the soak's mix (chosen by ``n``); what went wrong, or None."""
-    kind = ("json", "stream", "rewrite", "refused", "disconnect", "count_tokens", "stream",
-            "json")[n % 8]
+    kind = SOAK_MIX[n % len(SOAK_MIX)]
     if n % 50 == 49:
         kind = "history"
-    if kind == "disconnect":
+    secret = SOAK_KEYS["RELAY_SOAK_KEY_A" if n % 2 else "RELAY_SOAK_KEY_B"]
+    if n % 100 == 99:
+        kind, secret = "wrong_key", secret[::-1]
+    headers = {**HEADERS, "x-api-key": secret}
+    session, base = soak.session, soak.base
+    if kind in ("json", "stream", "rewrite", "refused", "count_tokens", "history", "wrong_key"):
+        path, query, body = {
+            "json": ("/v1/messages", "mock=json", workloads.body("small")),
+            "stream": ("/v1/messages", "mock=sse&events=50", workloads.body("small_stream")),
+            "rewrite": ("/v1/messages", "mock=sse&events=50", workloads.body("stream_with_history_call")),
+            "refused": ("/v1/messages", "mock=json", UNPAIRED),
+            "count_tokens": ("/v1/messages/count_tokens", "", workloads.body("small")),
+            "history": ("/v1/messages", "mock=json", workloads.body("history_reused")),
+            "wrong_key": ("/v1/messages", "mock=json", workloads.body("small")),
+        }[kind]
+        seq = 0
+    else:
+        path, query, body, seq = soak_request(soak, kind)
+    if kind.startswith("oai_"):
+        headers["x-bench-mock"], query = query, ""
+    url = f"{base}{path}?{query}" if query else f"{base}{path}"
+    if kind.endswith("disconnect"):
         # The client goes away after the first event: the relay must cancel the upstream
         # request and let go of both connections.
-        async with session.post(f"{base}/v1/messages?mock=idle&hold=30",
-                                data=workloads.body("small_stream"), headers=HEADERS) as response:
+        async with session.post(url, data=body, headers=headers) as response:
             first = await response.content.readany()
             response.close()
-            return None if response.status == 200 and first else f"disconnect: {response.status}"
-    path, query, body = {
-        "json": ("/v1/messages", "mock=json", workloads.body("small")),
-        "stream": ("/v1/messages", "mock=sse&events=50", workloads.body("small_stream")),
-        "rewrite": ("/v1/messages", "mock=sse&events=50", workloads.body("stream_with_history_call")),
-        "refused": ("/v1/messages", "mock=json", UNPAIRED),
-        "count_tokens": ("/v1/messages/count_tokens", "", workloads.body("small")),
-        "history": ("/v1/messages", "mock=json", workloads.body("history_reused")),
-    }[kind]
-    async with session.post(f"{base}{path}?{query}", data=body, headers=HEADERS) as response:
+            return None if response.status == 200 and first else f"{kind}: {response.status}"
+    async with session.post(url, data=body, headers=headers) as response:
         payload = await response.read()
         status, content_type = response.status, response.content_type
-    if kind == "refused":
-        problem = None if status == 400 else f"status {status}"
+    if kind in ("refused", "wrong_key"):
+        wanted = 400 if kind == "refused" else 401
+        problem = None if status == wanted else f"{kind}: status {status}"
         return problem or anthropic_error(status, content_type, payload)
     if status != 200:
         return f"{kind}: status {status}: {payload[:200]!r}"
-    if kind in ("stream", "rewrite"):
-        return stream_problem(payload, 50, kind == "rewrite")
-    if kind == "json" and payload != workloads.ANSWER:
-        return f"json: the answer differs from the mock's: {payload[:200]!r}"
-    return None
+    if kind.startswith("oai_"):
+        problem = translated_problem(kind, payload, seq)
+    elif kind in ("stream", "rewrite"):
+        problem = stream_problem(payload, 50, kind == "rewrite")
+    elif kind in ("think_stream", "think_history"):
+        want = b"".join(workloads.thinking_events(seq))
+        problem = None if payload == want else (
+            f"{kind}: {len(payload)} bytes differ from the {len(want)} the mock sent")
+    elif kind == "think_json":
+        problem = None if payload == workloads.thinking_answer(seq) else (
+            f"think_json: the answer differs from the mock's: {payload[:200]!r}")
+    elif kind == "json" and payload != workloads.ANSWER:
+        problem = f"json: the answer differs from the mock's: {payload[:200]!r}"
+    else:
+        problem = None
+    if seq and problem is None:
+        soak.carried.append((seq, "openai" if kind.startswith("oai_") else "anthropic"))
+    return problem
+
+
+def floor_samples(samples: list[tuple], start: float, window: float) -> list[tuple]:
+    """The sample with the lowest RSS of each ``window`` seconds from ``start``."""
+    lowest: dict[int, tuple] = {}
+    for sample in samples:
+        if sample[0] < start:
+            continue
+        n = int((sample[0] - start) // window)
+        if n not in lowest or sample[1] < lowest[n][1]:
+            lowest[n] = sample
+    return [lowest[n] for n in sorted(lowest)]
 
 
 async def scenario_soak(stack: Stack, seconds: float, warmup: float, concurrency: int,
                         sample_every: float, floor_window: float) -> dict:
     problems: list[str] = []
     counts = {"requests": 0, "failed": 0}
-    await asyncio.sleep(0.5)
-    fds_before = stack.fds()
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
     session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60))
-    deadline = time.monotonic() + warmup + seconds
+    soak = Soak(session, stack.url)
+    # One of each kind first, so that what the relay opens once and keeps (the provenance
+    # file and its journal) is there at rest too.
+    for n in range(len(SOAK_MIX)):
+        problem = await soak_step(soak, n)
+        if problem:
+            problems.append(f"before the soak: {problem}")
+    await asyncio.sleep(0.5)
+    fds_before = stack.fds()
+    started = time.monotonic()
+    deadline = started + warmup + seconds
+    # (seconds, RSS KiB, open fds, requests answered so far)
+    samples: list[tuple[float, int, int, int]] = []
+
+    async def sample() -> None:
+        while True:
+            samples.append((time.monotonic() - started, stack.rss_kib(), stack.fds(),
+                            counts["requests"]))
+            await asyncio.sleep(sample_every)
 
     async def loop(worker: int) -> None:
         n = worker
         while time.monotonic() < deadline:
             try:
-                problem = await soak_step(session, stack.url, n)
+                problem = await soak_step(soak, n)
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 problem = f"{type(e).__name__} {e}"
             counts["requests"] += 1
@@ -435,10 +610,13 @@ async def scenario_soak(stack: Stack, seconds: float, warmup: float, concurrency
                 problems.append(problem)
             n += concurrency
 
-    with Sampler(stack, sample_every) as sampler:
-        cpu0 = procs.cpu_seconds(stack.pid)
+    sampler = asyncio.create_task(sample())
+    cpu0 = procs.cpu_seconds(stack.pid)
+    try:
         await asyncio.gather(*(loop(w) for w in range(concurrency)))
-        cpu = procs.cpu_seconds(stack.pid) - cpu0
+    finally:
+        sampler.cancel()
+    cpu = procs.cpu_seconds(stack.pid) - cpu0
     await session.close()
     stopped_at = time.time()
     # Back at rest once the relay's idle upstream connections expire (aiohttp keeps them
@@ -449,14 +627,20 @@ async def scenario_soak(stack: Stack, seconds: float, warmup: float, concurrency
     fds_after, rest_after = stack.fds(), time.monotonic() - stopped
     # Dumps still being written after the load stopped are the writer's backlog.
     backlog = max(0.0, stack.newest_dump() - stopped_at)
-    steady = [s for s in sampler.samples if s[0] >= warmup]
-    raw_rss_slope = slope_per_minute([(t, rss / 1024) for t, rss, _ in steady])
+    steady = [s for s in samples if s[0] >= warmup]
+    raw_rss_slope = slope_per_minute([(t, rss / 1024) for t, rss, _, _ in steady])
     # A 1 MB request in flight lifts RSS by a few MB for a moment, and each request in
     # flight holds two fds; a leak lifts the floor. So the lines go through the lowest
-    # sample of each window (20 s).
-    rss_slope = slope_per_minute(floors([(t, rss / 1024) for t, rss, _ in steady], warmup,
-                                        floor_window))
-    fd_slope = slope_per_minute(floors([(t, fds) for t, _, fds in steady], warmup, floor_window))
+    # sample of each window (20 s), after the warm-up (caches and pools filling up to their
+    # bounds), against time and against requests answered (the machine's speed varies).
+    lows = floor_samples(samples, warmup, floor_window)
+    rss_slope = slope_per_minute([(t, rss / 1024) for t, rss, _, _ in lows])
+    per_request = slope_per_minute([(done, rss / 1024) for _, rss, _, done in lows])
+    rss_per_10k = None if per_request is None else per_request / 60 * 10000
+    fd_slope = slope_per_minute(floors([(t, fds) for t, _, fds, _ in steady], warmup,
+                                       floor_window))
+    by_minute = [{"minute": int(t // 60), "rss_floor_mb": r(rss / 1024, 1), "requests": done}
+                 for t, rss, _, done in floor_samples(samples, 0, 60)]
     checks = {
         "every answer as expected": counts["failed"] == 0 and counts["requests"] > 0,
         f"RSS floor slope under {RSS_SLOPE_LIMIT_MB_MIN} MB/min":
@@ -466,22 +650,27 @@ async def scenario_soak(stack: Stack, seconds: float, warmup: float, concurrency
         f"fds back to rest within {REST_WAIT} s of the load stopping": fds_after <= fds_before + 2,
         "relay healthy": not stack.health(),
     }
-    rss = [s[1] for s in steady] or [0]
+    rss = [s[1] for s in samples] or [0]
     return {
-        "summary": (f"{counts['requests']} requests in {seconds + warmup:.0f} s at c={concurrency}, "
-                    f"{counts['failed']} failed; RSS {rss[0] / 1024:.1f} -> {rss[-1] / 1024:.1f} MB, "
-                    f"floor slope {r(rss_slope, 3)} MB/min (raw {r(raw_rss_slope, 3)}); "
-                    f"fd floor slope {r(fd_slope, 3)}/min, "
+        "summary": (f"{counts['requests']} requests ({soak.seq} thinking answers) in "
+                    f"{seconds + warmup:.0f} s at c={concurrency}, {counts['failed']} failed; "
+                    f"RSS {rss[0] / 1024:.1f} -> {rss[-1] / 1024:.1f} MB, floor by minute "
+                    f"{[m['rss_floor_mb'] for m in by_minute]}; after {warmup:.0f} s floor slope "
+                    f"{r(rss_slope, 3)} MB/min, {r(rss_per_10k, 3)} MB per 10k requests (raw "
+                    f"{r(raw_rss_slope, 3)} MB/min); fd floor slope {r(fd_slope, 3)}/min, "
                     f"{fds_before} before / {fds_after} {rest_after:.0f} s after; dumps written "
                     f"until {backlog:.0f} s after; relay CPU "
                     f"{cpu / max(1, counts['requests']) * 1000:.2f} ms/request"),
         "requests": counts["requests"], "failed": counts["failed"], "seconds": seconds,
-        "warmup_s": warmup, "concurrency": concurrency,
-        "rss_floor_slope_mb_per_min": r(rss_slope, 4), "rss_slope_mb_per_min": r(raw_rss_slope, 4),
+        "thinking_answers": soak.seq, "warmup_s": warmup, "concurrency": concurrency,
+        "rss_floor_slope_mb_per_min": r(rss_slope, 4),
+        "rss_floor_slope_mb_per_10k_requests": r(rss_per_10k, 4),
+        "rss_slope_mb_per_min": r(raw_rss_slope, 4), "rss_floor_by_minute": by_minute,
         "fd_floor_slope_per_min": r(fd_slope, 4),
         "fds_before": fds_before, "fds_after": fds_after, "fds_rest_after_s": r(rest_after, 1),
         "dumps_written_until_s_after": r(backlog, 1),
-        "samples": [{"t": r(t), "rss_kib": rss_kib, "fds": fds} for t, rss_kib, fds in sampler.samples],
+        "samples": [{"t": r(t), "rss_kib": rss_kib, "fds": fds, "requests": done}
+                    for t, rss_kib, fds, done in samples],
         "relay_cpu_ms_per_request": r(cpu / max(1, counts["requests"]) * 1000, 3),
         "problems": problems[:20] + stack.health(), "checks": checks,
     }
@@ -885,7 +1074,7 @@ async def run(names: list[str], profile: dict) -> dict:
         params = profile[name]
         if name in ("streams", "soak"):
             dump = {"include_relay_rejections": True, "max_files": 100} if name == "soak" else None
-            stack = Stack(dump=dump)
+            stack = Stack(dump=dump, setup=soak_setup if name == "soak" else None)
             try:
                 scenario = scenario_streams if name == "streams" else scenario_soak
                 result = await scenario(stack, **params)
