@@ -14,6 +14,8 @@ import string
 
 import orjson
 
+from relay_builtins import portable
+
 MODEL = "claude-sonnet-4-5-20250929"
 HEADERS = {"content-type": "application/json", "x-api-key": "bench-key",
            "anthropic-version": "2023-06-01"}
@@ -312,12 +314,18 @@ THINKING_TEXT = "The user wants the files listed; a shell call does that."
 
 def thinking_content(seq: int, wire_format: str = "anthropic") -> list:
     """The assistant content of thinking answer ``seq`` as the client gets it: a thinking
-    block (unsigned from an OpenAI-format backend), a text and a tool call."""
+    block (unsigned from an OpenAI-format backend), a text and a tool call (its id in
+    Anthropic's grammar, as the portable plugin hands it to the client)."""
     return [{"type": "thinking", "thinking": THINKING_TEXT,
              "signature": "" if wire_format == "openai" else signature(seq)},
             {"type": "text", "text": "Listing them."},
-            {"type": "tool_use", "id": thinking_tool_id(seq, wire_format), "name": "Bash",
+            {"type": "tool_use", "id": client_tool_id(seq, wire_format), "name": "Bash",
              "input": {"command": "ls"}}]
+
+
+def client_tool_id(seq: int, wire_format: str = "anthropic") -> str:
+    """The id the client holds for the call of thinking answer ``seq``."""
+    return portable.client_form(thinking_tool_id(seq, wire_format))
 
 
 def thinking_events(seq: int) -> tuple:

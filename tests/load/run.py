@@ -492,7 +492,7 @@ def translated_problem(kind: str, payload: bytes, seq: int) -> str | None:
     if [block.get("type") for block in content] != want:
         return f"{kind}: blocks {[block.get('type') for block in content]}"
     if seq and (content[0].get("signature") != ""
-                or content[2].get("id") != workloads.thinking_tool_id(seq, "openai")):
+                or content[2].get("id") != workloads.client_tool_id(seq, "openai")):
         return f"{kind}: the thinking or the call is not the backend's: {content}"
     return None
 
