@@ -88,6 +88,8 @@ from relay.hookspecs import hookimpl
 from relay.options import Option
 
 log = logging.getLogger("relay.plugins.dump")
+# A failure that repeats (a full disk) is logged again at most this often.
+WARN_EVERY = 60.0
 
 PLUGIN = "dump"
 FORMAT = 2
@@ -705,6 +707,8 @@ class Dump:
         self.pending_bytes = 0
         self.dropped = 0  # since start-up
         self.unreported = 0  # dropped since the queue last drained
+        # Per kind of write failure: when it was last logged, and how often since.
+        self.failures: dict = {}
 
     # --- hooks ----------------------------------------------------------------------------
 
@@ -821,6 +825,22 @@ class Dump:
                         self.unreported, self.dropped)
             self.unreported = 0
 
+    def write_failed(self, exchange_id: str, reason: str, directory: str, e: OSError) -> None:
+        """A full or read-only disk fails every dump alike: said once per kind of failure,
+        then at most every ``WARN_EVERY`` seconds with the count in between (the writer is one
+        thread, so no lock)."""
+        kind = e.errno or type(e).__name__
+        now = time.monotonic()
+        last, quiet = self.failures.get(kind, (None, 0))
+        if last is not None and now - last < WARN_EVERY:
+            self.failures[kind] = (last, quiet + 1)
+            return
+        self.failures[kind] = (now, 0)
+        log.error("%s: could not write the %s dump under %s: %s%s", exchange_id, reason,
+                  directory, e.strerror or e,
+                  f" ({quiet} more dumps failed alike since the last such message)" if quiet
+                  else "")
+
     def write(self, exchange, reason: str, when: dt.datetime, stream_error=None) -> str | None:
         """Build, write and account for one dump (in the writer thread). Never raises."""
         settings = self.settings
@@ -832,8 +852,7 @@ class Dump:
             data = encode_document(document)
             path = write_dump(directory, data, exchange.id, when)
         except OSError as e:
-            log.error("%s: could not write the %s dump under %s: %s",
-                      exchange.id, reason, directory, e.strerror or e)
+            self.write_failed(exchange.id, reason, directory, e)
             return None
         except Exception:
             log.exception("%s: could not build the %s dump", exchange.id, reason)

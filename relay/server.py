@@ -110,7 +110,7 @@ def upstream_failure(backend, e: BaseException) -> RelayError:
                                f"limit of {e.args[0]} bytes (server.max_upstream_body_bytes)",
                           "api_error")
     if isinstance(e, PoolFull):  # the relay is at capacity; the upstream was never asked
-        return RelayError(503, f"the relay is at capacity: {e}; request not sent to upstream "
+        return RelayError(529, f"the relay is at capacity: {e}; request not sent to upstream "
                                f"{backend.name}", "overloaded_error")
     # In plain words; what the library said is in the attempt's record and the log.
     name, timeouts = backend.name, backend.timeouts

@@ -902,9 +902,27 @@ async def test_writes_failing_on_a_full_disk_leave_nothing_behind(start, monkeyp
         assert response.status == 400
     await relay.stop()
     monkeypatch.undo()
+    # Said once, not once a dump: the next message (a minute on) counts the rest.
     failures = [r for r in caplog.records if "No space left on device" in r.getMessage()]
-    assert len(failures) == 20
+    assert len(failures) == 1
     assert temporary_files(relay.dir) == [] and dump_files(relay.dir) == []
+
+
+def test_a_repeated_write_failure_is_logged_again_a_minute_on_with_its_count(monkeypatch,
+                                                                              caplog):
+    plugin, clock = dump.Dump(), [1000.0]
+    monkeypatch.setattr(dump.time, "monotonic", lambda: clock[0])
+    caplog.set_level(logging.ERROR, logger="relay.plugins.dump")
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    for _ in range(5):
+        plugin.write_failed("relay_x", "rejected", "/d", full)
+    plugin.write_failed("relay_x", "rejected", "/d", OSError(errno.EROFS, "read-only"))
+    clock[0] += dump.WARN_EVERY
+    plugin.write_failed("relay_x", "rejected", "/d", full)
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 3
+    assert "read-only" in messages[1]
+    assert messages[2].endswith("(4 more dumps failed alike since the last such message)")
 
 
 def plant_temporary(directory: Path, day: str, name: str, age: float, size: int = 10) -> Path:

@@ -107,7 +107,7 @@ async def test_a_full_connection_pool_is_the_relays_capacity(aiohttp_server, aio
     body = await resp.json()
     release.set()
     assert await holding.read()
-    assert resp.status == 503 and body["error"]["type"] == "overloaded_error"
+    assert resp.status == 529 and body["error"]["type"] == "overloaded_error"
     assert "the relay is at capacity" in body["error"]["message"]
     assert "server.upstream_connections" in body["error"]["message"]
     assert len(upstream.received) == 1  # never sent, and not retried into the same wait
@@ -116,7 +116,7 @@ async def test_a_full_connection_pool_is_the_relays_capacity(aiohttp_server, aio
     metrics = await (await client.get("/metrics")).text()
     assert 'outcome="pool_full"' in next(line for line in metrics.splitlines()
                                           if line.startswith("relay_requests_total{")
-                                          and 'status="503"' in line)
+                                          and 'status="529"' in line)
 
 
 
