@@ -104,6 +104,14 @@ def options() -> str:
     return "\n".join(parts)
 
 
+def server_options() -> str:
+    """The host's own ``server:`` keys, from their declarations."""
+    from relay.config import SERVER_OPTIONS
+    from relay.options import markdown_table
+
+    return markdown_table(SERVER_OPTIONS, quirks=False)
+
+
 def _plugin(name: str):
     """A built-in as the entry point loads it: its module, or the class in it that declares
     the options."""
@@ -144,7 +152,7 @@ def rules() -> str:
 
 
 PARTS = {"hookspecs": hookspecs, "exchange": exchange, "options": options,
-         "plugins": plugins, "rules": rules}
+         "server_options": server_options, "plugins": plugins, "rules": rules}
 
 
 def on_page_markdown(markdown_text: str, page, config, files) -> str:
