@@ -105,11 +105,15 @@ def options() -> str:
 
 
 def server_options() -> str:
-    """The host's own ``server:`` keys, from their declarations."""
-    from relay.config import SERVER_OPTIONS
+    """The host's own ``server:`` keys and those of ``server.auth``, from their
+    declarations."""
+    from relay.config import AUTH_OPTIONS, KEY_OPTIONS, SERVER_OPTIONS
     from relay.options import markdown_table
 
-    return markdown_table(SERVER_OPTIONS, quirks=False)
+    return "\n".join([markdown_table(SERVER_OPTIONS, quirks=False), "",
+                      "`server.auth`:", "", markdown_table(AUTH_OPTIONS, quirks=False), "",
+                      "Each of `server.auth.keys`:", "",
+                      markdown_table(KEY_OPTIONS, quirks=False)])
 
 
 def _plugin(name: str):

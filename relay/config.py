@@ -207,12 +207,12 @@ SERVER_OPTIONS = (
     Option("stream_keepalive", float, 10.0, "seconds a stream may be quiet toward its client "
            "before a ping (0: never)", expect=_KEEPALIVE, check=_at_least_zero(_KEEPALIVE)),
 )
-_SERVER = {option.name: option for option in SERVER_OPTIONS}
+SERVER = {option.name: option for option in SERVER_OPTIONS}
 
 
 def server_default(name: str):
     """The default of the ``server.<name>`` key, as the relay uses it."""
-    return _SERVER[name].initial(f"server.{name}")
+    return SERVER[name].initial(f"server.{name}")
 
 
 @dataclass
@@ -220,26 +220,26 @@ class Config:
     backends: list[Backend]
     pipeline: list[str] = field(default_factory=list)
     plugins: dict[str, dict] = field(default_factory=dict)
-    host: str = _SERVER["host"].default
-    port: int = _SERVER["port"].default
-    max_body_bytes: int = _SERVER["max_body_bytes"].default
-    upstream_connections: int = _SERVER["upstream_connections"].default
-    log_level: str = _SERVER["log_level"].default
-    access_log: bool = _SERVER["access_log"].default
-    max_upstream_body_bytes: int = _SERVER["max_upstream_body_bytes"].default
-    header_timeout: float = _SERVER["header_timeout"].default
-    body_timeout: float = _SERVER["body_timeout"].default
-    max_connections: int = _SERVER["max_connections"].default
+    host: str = SERVER["host"].default
+    port: int = SERVER["port"].default
+    max_body_bytes: int = SERVER["max_body_bytes"].default
+    upstream_connections: int = SERVER["upstream_connections"].default
+    log_level: str = SERVER["log_level"].default
+    access_log: bool = SERVER["access_log"].default
+    max_upstream_body_bytes: int = SERVER["max_upstream_body_bytes"].default
+    header_timeout: float = SERVER["header_timeout"].default
+    body_timeout: float = SERVER["body_timeout"].default
+    max_connections: int = SERVER["max_connections"].default
     allowed_hosts: list[str] = field(default_factory=list)
-    allow_unauthenticated: bool = _SERVER["allow_unauthenticated"].default
+    allow_unauthenticated: bool = SERVER["allow_unauthenticated"].default
     # Empty for a Config built in code (validate); relay.yaml's default is DEFAULT_PASSTHROUGH.
     passthrough: list[Passthrough] = field(default_factory=list)
     keys: list[InboundKey] | None = None  # None: inbound auth off
     admin_key: str | None = field(default=None, repr=False)  # server.auth.admin_key_env/_file
-    log_format: str = _SERVER["log_format"].default
-    workers: int = _SERVER["workers"].default
-    drain_seconds: float = _SERVER["drain_seconds"].default
-    stream_keepalive: float = _SERVER["stream_keepalive"].default
+    log_format: str = SERVER["log_format"].default
+    workers: int = SERVER["workers"].default
+    drain_seconds: float = SERVER["drain_seconds"].default
+    stream_keepalive: float = SERVER["stream_keepalive"].default
     source: str | None = None
     _routes: dict = field(default_factory=dict, repr=False, compare=False)
     _routes_bytes: int = field(default=0, repr=False, compare=False)
