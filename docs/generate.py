@@ -105,15 +105,20 @@ def options() -> str:
 
 
 def server_options() -> str:
-    """The host's own ``server:`` keys and those of ``server.auth``, from their
+    """The host's own keys (``server:``, ``server.auth``, each backend's), from their
     declarations."""
-    from relay.config import AUTH_OPTIONS, KEY_OPTIONS, SERVER_OPTIONS
+    from relay import config
     from relay.options import markdown_table
 
-    return "\n".join([markdown_table(SERVER_OPTIONS, quirks=False), "",
-                      "`server.auth`:", "", markdown_table(AUTH_OPTIONS, quirks=False), "",
-                      "Each of `server.auth.keys`:", "",
-                      markdown_table(KEY_OPTIONS, quirks=False)])
+    parts = []
+    for title, options in (("`server`", config.SERVER_OPTIONS),
+                           ("`server.auth`", config.AUTH_OPTIONS),
+                           ("Each of `server.auth.keys`", config.KEY_OPTIONS),
+                           ("Each of `backends`", config.BACKEND_OPTIONS),
+                           ("A backend's `timeouts`", config.TIMEOUT_OPTIONS),
+                           ("A backend's `retries`", config.RETRY_OPTIONS)):
+        parts += [f"{title}:", "", markdown_table(options, quirks=False), ""]
+    return "\n".join(parts)
 
 
 def _plugin(name: str):

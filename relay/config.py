@@ -34,14 +34,59 @@ DEFAULT_PASSTHROUGH = ("GET /v1/models", "GET /v1/models/*")
 MAX_WORKERS = 256  # a typo, not a machine: each worker holds its own connections and memory
 
 
+def _positive(value) -> str | None:
+    return None if value > 0 else "must be a positive number"
+
+
+def _at_least_zero(words: str) -> Callable[[float], str | None]:
+    return lambda value: None if value >= 0 else f"must be {words}"
+
+
+def _between(low: int, high: int) -> Callable[[int], str | None]:
+    return lambda value: None if low <= value <= high else f"must be between {low} and {high}"
+
+
+def _statuses(value, path: str) -> frozenset:
+    _expect(value, list, path, "a list of status codes")
+    for j, status in enumerate(value):
+        _expect(status, int, f"{path}[{j}]", "a status code")
+        if not (status == 429 or 500 <= status <= 599):
+            raise ConfigError(f"{path}[{j}]: only 429 and 5xx answers are retried")
+    return frozenset(value)
+
+
+TIMEOUT_OPTIONS = (
+    Option("connect", float, 10.0, "seconds to connect", expect="a positive number",
+           check=_positive),
+    Option("read", float, 600.0, "the longest silence allowed between two upstream chunks, in "
+           "seconds", expect="a positive number", check=_positive),
+    Option("total", float, None, "seconds for a whole exchange (null: no limit)",
+           expect="a positive number", check=_positive),
+)
+TIMEOUTS = {option.name: option for option in TIMEOUT_OPTIONS}
+
+
 @dataclass
 class Timeouts:
-    connect: float = 10.0
-    read: float = 600.0  # the longest silence allowed between two upstream chunks
-    total: float | None = None
+    connect: float = TIMEOUTS["connect"].default
+    read: float = TIMEOUTS["read"].default
+    total: float | None = TIMEOUTS["total"].default
 
 
 RETRY_STATUSES = (429, 500, 502, 503, 504, 529)
+RETRY_OPTIONS = (
+    Option("attempts", int, 1, "tries in all, the first included (1 to 10)",
+           expect="an integer", check=_between(1, 10)),
+    Option("backoff", float, 0.5, "the first wait in seconds; doubled each time, with jitter",
+           expect="a positive number", check=_positive),
+    Option("max_backoff", float, 8.0, "no wait is longer (a longer `retry-after` ends the "
+           "retries)", expect="a positive number", check=_positive),
+    Option("budget", float, 30.0, "seconds for all tries and waits together",
+           expect="a positive number", check=_positive),
+    Option("statuses", list, list(RETRY_STATUSES), "the upstream statuses retried (429 and "
+           "5xx only)", parse=_statuses),
+)
+RETRIES = {option.name: option for option in RETRY_OPTIONS}
 
 
 @dataclass
@@ -49,10 +94,10 @@ class Retries:
     """How a backend's failures are retried before any byte reaches the client. One attempt
     (no retries) unless relay.yaml asks: the SDKs and Claude Code retry on their own."""
 
-    attempts: int = 1  # tries in all, the first included
-    backoff: float = 0.5  # the first wait; doubled each time, with jitter
-    max_backoff: float = 8.0  # no wait is longer (a longer retry-after ends the retries)
-    budget: float = 30.0  # seconds for all tries and waits together
+    attempts: int = RETRIES["attempts"].default
+    backoff: float = RETRIES["backoff"].default
+    max_backoff: float = RETRIES["max_backoff"].default
+    budget: float = RETRIES["budget"].default
     statuses: frozenset = frozenset(RETRY_STATUSES)
 
 
@@ -143,18 +188,6 @@ def _routes(value, path: str) -> list[Passthrough]:
 
 def _mapping(value, path: str) -> dict:
     return _expect(value, dict, path, "a mapping")
-
-
-def _positive(value) -> str | None:
-    return None if value > 0 else "must be a positive number"
-
-
-def _at_least_zero(words: str) -> Callable[[float], str | None]:
-    return lambda value: None if value >= 0 else f"must be {words}"
-
-
-def _between(low: int, high: int) -> Callable[[int], str | None]:
-    return lambda value: None if low <= value <= high else f"must be between {low} and {high}"
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -496,14 +529,40 @@ def check_exposure(config: Config, host: str) -> None:
             f"authenticates clients")
 
 
+# Each backend's keys: their names, what is required, the docs' table. Their values are
+# checked in _backend, where several depend on others (auth and holds_threads on the format).
+BACKEND_OPTIONS = (
+    Option("name", str, None, "what fallbacks, keys and logs call it", required=True),
+    Option("url", str, None, "its base URL, `http://` or `https://`; the API's paths go under "
+           "its path", required=True),
+    Option("models", list, [], "glob patterns of the model names it serves; the first backend "
+           "that matches wins"),
+    Option("default", bool, False, "takes models no pattern matches, and every other `/v1/` "
+           "path (one backend at most)"),
+    Option("rename", dict, {}, "the model name sent upstream, by model name pattern"),
+    Option("api_key_env", str, None, "the environment variable holding the key that replaces "
+           "the client's (never put a key in relay.yaml)"),
+    Option("auth", str, None, "how that key goes up: `x-api-key`, or `bearer` "
+           "(`Authorization: Bearer`), the default for `format: openai`",
+           choices=("x-api-key", "bearer")),
+    Option("quirks", dict, {}, "plugin options for requests routed here (the plugins' tables "
+           "say which may be set)"),
+    Option("timeouts", dict, {}, "`connect`, `read`, `total` (below)"),
+    Option("retries", dict, {}, "how failures are retried (below); off by default"),
+    Option("fallbacks", list, [], "backends to try, in order, when this one still fails in a "
+           "retryable way"),
+    Option("format", str, "anthropic", "the wire format it speaks", choices=tuple(FORMATS)),
+    Option("holds_threads", bool, None, "whether it keeps conversations sent with `thread`: "
+           "by default only `api.anthropic.com`, never `format: openai`"),
+)
+
+
 def _backend(item, path: str, env, require_keys: bool) -> Backend:
     _expect(item, dict, path, "a mapping")
-    _unknown(item, {"name", "url", "models", "default", "rename", "api_key_env", "auth",
-                    "quirks", "timeouts", "retries", "fallbacks", "format", "holds_threads"},
-             path)
-    for key in ("name", "url"):
-        if key not in item:
-            raise ConfigError(f"{path}.{key}: required")
+    _unknown(item, {option.name for option in BACKEND_OPTIONS}, path)
+    for option in BACKEND_OPTIONS:
+        if option.required and option.name not in item:
+            raise ConfigError(f"{path}.{option.name}: required")
     name = _expect(item["name"], str, f"{path}.name", "a string")
     url = _expect(item["url"], str, f"{path}.url", "a string").rstrip("/")
     parts = urlsplit(url)
@@ -555,13 +614,8 @@ def _backend(item, path: str, env, require_keys: bool) -> Backend:
         _expect(name, str, f"{path}.fallbacks[{j}]", "a backend name")
     backend.fallbacks = list(fallbacks)
     timeouts = _expect(item.get("timeouts", {}) or {}, dict, f"{path}.timeouts", "a mapping")
-    _unknown(timeouts, {"connect", "read", "total"}, f"{path}.timeouts")
-    for key in ("connect", "read", "total"):
-        if key in timeouts:
-            if key == "total" and timeouts[key] is None:  # null: no limit on a whole exchange
-                backend.timeouts.total = None
-            else:
-                setattr(backend.timeouts, key, _number(timeouts[key], f"{path}.timeouts.{key}"))
+    backend.timeouts = Timeouts(**check_section(timeouts, TIMEOUT_OPTIONS, f"{path}.timeouts",
+                                                "key"))
     return backend
 
 
@@ -593,22 +647,5 @@ def _openai_quirks(quirks: dict, path: str) -> None:
 
 
 def _retries(raw, path: str) -> Retries:
-    _expect(raw, dict, path, "a mapping")
-    _unknown(raw, {"attempts", "backoff", "max_backoff", "budget", "statuses"}, path)
-    retries = Retries()
-    if "attempts" in raw:
-        attempts = _expect(raw["attempts"], int, f"{path}.attempts", "an integer")
-        if not 1 <= attempts <= 10:
-            raise ConfigError(f"{path}.attempts: must be between 1 and 10")
-        retries.attempts = attempts
-    for key in ("backoff", "max_backoff", "budget"):
-        if key in raw:
-            setattr(retries, key, _number(raw[key], f"{path}.{key}"))
-    if "statuses" in raw:
-        statuses = _expect(raw["statuses"], list, f"{path}.statuses", "a list of status codes")
-        for j, status in enumerate(statuses):
-            _expect(status, int, f"{path}.statuses[{j}]", "a status code")
-            if not (status == 429 or 500 <= status <= 599):
-                raise ConfigError(f"{path}.statuses[{j}]: only 429 and 5xx answers are retried")
-        retries.statuses = frozenset(statuses)
-    return retries
+    return Retries(**check_section(_expect(raw, dict, path, "a mapping"), RETRY_OPTIONS, path,
+                                   "key"))

@@ -169,7 +169,7 @@ def markdown_table(options: Iterable[Option], quirks: bool = True) -> str:
         kinds = option.kind if isinstance(option.kind, tuple) else (option.kind,)
         values = (" / ".join(f"`{choice}`" for choice in option.choices) if option.choices
                   else " or ".join(_WORDS.get(kind, kind.__name__) for kind in kinds))
-        default = ("(required)" if option.required else "(none)" if option.default is None
+        default = ("(required)" if option.required else "—" if option.default is None
                    else f"`{_yaml(option.default)}`")
         quirk = f" {'yes' if option.quirk else 'no'} |" if quirks else ""
         rows.append(f"| `{option.name}` | {default} | {values} |{quirk} {option.help} |")
@@ -181,6 +181,8 @@ def _yaml(value) -> str:
         return "true" if value else "false"
     if value == "":
         return '""'
+    if value == {}:
+        return "{}"
     if isinstance(value, list):
         return "[" + ", ".join(f'"{v}"' if isinstance(v, str) else str(v) for v in value) + "]"
     return str(value)

@@ -143,6 +143,53 @@ def test_a_misspelt_server_key_names_its_path_and_the_closest_key(server, messag
     assert str(error.value) == message
 
 
+@pytest.mark.parametrize("entry,message", [
+    ({"modles": ["x"]}, "backends[0].modles: unknown key (did you mean models?)"),
+    ({"api_key": "sk-literal"}, "backends[0].api_key: unknown key (did you mean api_key_env?)"),
+    ({"timeouts": {"conect": 5}}, "backends[0].timeouts.conect: unknown key "
+                                  "(did you mean connect?)"),
+    ({"retries": {"attemps": 3}}, "backends[0].retries.attemps: unknown key "
+                                  "(did you mean attempts?)"),
+    ({"retries": {"attempts": 11}}, "backends[0].retries.attempts: must be between 1 and 10"),
+    ({"retries": {"statuses": [404]}},
+     "backends[0].retries.statuses[0]: only 429 and 5xx answers are retried"),
+    ({"timeouts": {"total": "long"}}, "backends[0].timeouts.total: must be a positive number"),
+])
+def test_a_misspelt_backend_key_names_its_path_and_the_closest_key(entry, message):
+    with pytest.raises(ConfigError) as error:
+        config_module.parse({"backends": [backend("http://127.0.0.1:1", **entry)]})
+    assert str(error.value) == message
+
+
+def test_a_backend_without_its_keys_takes_the_declared_defaults():
+    parsed = config_module.parse({"backends": [{"name": "a", "url": "http://127.0.0.1:1"}]})
+    found = parsed.backends[0]
+    for option in config_module.BACKEND_OPTIONS:
+        if option.name in ("timeouts", "retries", "auth", "holds_threads", "name", "url"):
+            continue
+        assert getattr(found, option.name) == option.default, option.name
+    assert found.auth == "x-api-key" and found.holds_threads is False
+    assert found.timeouts == config_module.Timeouts() == config_module.Timeouts(**{
+        option.name: option.default for option in config_module.TIMEOUT_OPTIONS})
+    assert found.retries == config_module.Retries() == config_module.Retries(**{
+        option.name: option.initial("r") for option in config_module.RETRY_OPTIONS})
+    assert (found.timeouts.connect, found.timeouts.read, found.timeouts.total) == (
+        10.0, 600.0, None)
+    assert (found.retries.attempts, found.retries.backoff, found.retries.max_backoff,
+            found.retries.budget) == (1, 0.5, 8.0, 30.0)
+    assert found.retries.statuses == {429, 500, 502, 503, 504, 529}
+
+
+def test_the_declared_backend_choices_are_the_accepted_ones():
+    choices = {option.name: option.choices for option in config_module.BACKEND_OPTIONS}
+    for key in ("auth", "format"):
+        for value in choices[key]:
+            entry = backend("http://127.0.0.1:1", **{key: value})
+            assert getattr(config_module.parse({"backends": [entry]}).backends[0], key) == value
+        with pytest.raises(ConfigError, match=rf"^backends\[0\]\.{key}: must be "):
+            config_module.parse({"backends": [backend("http://127.0.0.1:1", **{key: "other"})]})
+
+
 def test_a_server_key_like_no_other_lists_them_all():
     with pytest.raises(ConfigError) as error:
         config_module.parse({**MINIMAL, "server": {"zzz": 1}})
@@ -176,21 +223,27 @@ def test_the_declared_defaults_are_the_config_defaults_of_before():
     assert built.passthrough == [] and built.keys is None
 
 
-def test_the_docs_table_holds_every_declared_server_key():
+def test_the_docs_tables_hold_every_declared_key():
     spec = importlib.util.spec_from_file_location("docs_generate",
                                                   ROOT / "docs" / "generate.py")
     generate = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(generate)
     page = generate.server_options()
-    server, auth = page.split("`server.auth`:", 1)
-    auth, key = auth.split("Each of `server.auth.keys`:", 1)
-    for table, options in ((server, config_module.SERVER_OPTIONS),
-                           (auth, config_module.AUTH_OPTIONS), (key, config_module.KEY_OPTIONS)):
-        rows = [line for line in table.splitlines() if line.startswith("| `")]
+    tables = {}
+    for part in page.split("\n\n| key |")[1:]:
+        rows = [line for line in ("| key |" + part).splitlines() if line.startswith("| `")]
+        tables[len(tables)] = rows
+    declarations = (config_module.SERVER_OPTIONS, config_module.AUTH_OPTIONS,
+                    config_module.KEY_OPTIONS, config_module.BACKEND_OPTIONS,
+                    config_module.TIMEOUT_OPTIONS, config_module.RETRY_OPTIONS)
+    assert len(tables) == len(declarations)
+    for rows, options in zip(tables.values(), declarations, strict=True):
         assert [row.split("`")[1] for row in rows] == [option.name for option in options]
+    server = "\n".join(tables[0])
     assert "| `port` | `8787` | an integer |" in server
     assert "| `log_format` | `text` | `text` / `json` |" in server
-    assert "| `name` | (required) |" in key
+    assert "| `passthrough` | `[\"GET /v1/models\", \"GET /v1/models/*\"]` |" in server
+    assert "| `name` | (required) |" in tables[2][0]
     assert "<!-- generated: server_options -->" in (ROOT / "docs" / "configuration.md").read_text()
 
 
