@@ -104,6 +104,23 @@ def options() -> str:
     return "\n".join(parts)
 
 
+def server_options() -> str:
+    """The host's own keys (``server:``, ``server.auth``, each backend's), from their
+    declarations."""
+    from relay import config
+    from relay.options import markdown_table
+
+    parts = []
+    for title, options in (("`server`", config.SERVER_OPTIONS),
+                           ("`server.auth`", config.AUTH_OPTIONS),
+                           ("Each of `server.auth.keys`", config.KEY_OPTIONS),
+                           ("Each of `backends`", config.BACKEND_OPTIONS),
+                           ("A backend's `timeouts`", config.TIMEOUT_OPTIONS),
+                           ("A backend's `retries`", config.RETRY_OPTIONS)):
+        parts += [f"{title}:", "", markdown_table(options, quirks=False), ""]
+    return "\n".join(parts)
+
+
 def _plugin(name: str):
     """A built-in as the entry point loads it: its module, or the class in it that declares
     the options."""
@@ -144,7 +161,7 @@ def rules() -> str:
 
 
 PARTS = {"hookspecs": hookspecs, "exchange": exchange, "options": options,
-         "plugins": plugins, "rules": rules}
+         "server_options": server_options, "plugins": plugins, "rules": rules}
 
 
 def on_page_markdown(markdown_text: str, page, config, files) -> str:

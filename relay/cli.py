@@ -57,12 +57,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default="relay.yaml", help="path to relay.yaml")
-    parser.add_argument("--host", help="override server.host")
-    parser.add_argument("--port", type=int, help="override server.port (0 picks a free port)")
+    default = config_module.server_default
+    parser.add_argument("--host", help=f"override server.host (default {default('host')})")
+    parser.add_argument("--port", type=int, help=f"override server.port (default "
+                                                 f"{default('port')}; 0 picks a free port)")
     parser.add_argument("--workers", type=int, metavar="N",
-                        help="override server.workers: worker processes sharing the port")
-    parser.add_argument("--log-format", choices=("text", "json"),
-                        help="override server.log_format (json: one object per line)")
+                        help=f"override server.workers: worker processes sharing the port "
+                             f"(default {default('workers')})")
+    parser.add_argument("--log-format", choices=config_module.SERVER["log_format"].choices,
+                        help=f"override server.log_format (json: one object per line; "
+                             f"default {default('log_format')})")
 
 
 def main(argv: list[str] | None = None) -> int:

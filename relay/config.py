@@ -7,15 +7,17 @@ import functools
 import ipaddress
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 import yaml
 
-from .errors import ConfigError
 from .beta_filter import QUIRKS as BETA_QUIRKS
+from .errors import ConfigError
 from .formats import FORMATS, THREAD_FORMATS
 from .formats.openai import QUIRKS as OPENAI_QUIRKS
+from .options import Option, check_section, unknown
 from .redact import secrets_of
 
 # Quirks the host itself reads (the OpenAI format's, the beta filter's), beside those
@@ -32,14 +34,59 @@ DEFAULT_PASSTHROUGH = ("GET /v1/models", "GET /v1/models/*")
 MAX_WORKERS = 256  # a typo, not a machine: each worker holds its own connections and memory
 
 
+def _positive(value) -> str | None:
+    return None if value > 0 else "must be a positive number"
+
+
+def _at_least_zero(words: str) -> Callable[[float], str | None]:
+    return lambda value: None if value >= 0 else f"must be {words}"
+
+
+def _between(low: int, high: int) -> Callable[[int], str | None]:
+    return lambda value: None if low <= value <= high else f"must be between {low} and {high}"
+
+
+def _statuses(value, path: str) -> frozenset:
+    _expect(value, list, path, "a list of status codes")
+    for j, status in enumerate(value):
+        _expect(status, int, f"{path}[{j}]", "a status code")
+        if not (status == 429 or 500 <= status <= 599):
+            raise ConfigError(f"{path}[{j}]: only 429 and 5xx answers are retried")
+    return frozenset(value)
+
+
+TIMEOUT_OPTIONS = (
+    Option("connect", float, 10.0, "seconds to connect", expect="a positive number",
+           check=_positive),
+    Option("read", float, 600.0, "the longest silence allowed between two upstream chunks, in "
+           "seconds", expect="a positive number", check=_positive),
+    Option("total", float, None, "seconds for a whole exchange (null: no limit)",
+           expect="a positive number", check=_positive),
+)
+TIMEOUTS = {option.name: option for option in TIMEOUT_OPTIONS}
+
+
 @dataclass
 class Timeouts:
-    connect: float = 10.0
-    read: float = 600.0  # the longest silence allowed between two upstream chunks
-    total: float | None = None
+    connect: float = TIMEOUTS["connect"].default
+    read: float = TIMEOUTS["read"].default
+    total: float | None = TIMEOUTS["total"].default
 
 
 RETRY_STATUSES = (429, 500, 502, 503, 504, 529)
+RETRY_OPTIONS = (
+    Option("attempts", int, 1, "tries in all, the first included (1 to 10)",
+           expect="an integer", check=_between(1, 10)),
+    Option("backoff", float, 0.5, "the first wait in seconds; doubled each time, with jitter",
+           expect="a positive number", check=_positive),
+    Option("max_backoff", float, 8.0, "no wait is longer (a longer `retry-after` ends the "
+           "retries)", expect="a positive number", check=_positive),
+    Option("budget", float, 30.0, "seconds for all tries and waits together",
+           expect="a positive number", check=_positive),
+    Option("statuses", list, list(RETRY_STATUSES), "the upstream statuses retried (429 and "
+           "5xx only)", parse=_statuses),
+)
+RETRIES = {option.name: option for option in RETRY_OPTIONS}
 
 
 @dataclass
@@ -47,10 +94,10 @@ class Retries:
     """How a backend's failures are retried before any byte reaches the client. One attempt
     (no retries) unless relay.yaml asks: the SDKs and Claude Code retry on their own."""
 
-    attempts: int = 1  # tries in all, the first included
-    backoff: float = 0.5  # the first wait; doubled each time, with jitter
-    max_backoff: float = 8.0  # no wait is longer (a longer retry-after ends the retries)
-    budget: float = 30.0  # seconds for all tries and waits together
+    attempts: int = RETRIES["attempts"].default
+    backoff: float = RETRIES["backoff"].default
+    max_backoff: float = RETRIES["max_backoff"].default
+    budget: float = RETRIES["budget"].default
     statuses: frozenset = frozenset(RETRY_STATUSES)
 
 
@@ -100,7 +147,7 @@ class InboundKey:
     backends: list[str] | None = None  # the backends it may reach; None: all
     models: list[str] | None = None  # model name patterns it may ask for; None: all
 
-    def may_use(self, backend: "Backend", model: str | None) -> bool:
+    def may_use(self, backend: Backend, model: str | None) -> bool:
         if self.backends is not None and backend.name not in self.backends:
             return False
         if self.models is not None and (model is None or not any(
@@ -119,7 +166,86 @@ class Passthrough:
 
     def matches(self, method: str, segments: list[str]) -> bool:
         return (method == self.method and len(segments) == len(self.segments)
-                and all(want == "*" or want == got for want, got in zip(self.segments, segments)))
+                and all(want == "*" or want == got
+                        for want, got in zip(self.segments, segments, strict=True)))
+
+
+# --- server: -------------------------------------------------------------------------------
+# The host's own keys, declared like plugin options: the checks, the defaults (Config's too),
+# the docs' table and the CLI's help all come from here.
+
+def _hosts(value, path: str) -> list[str]:
+    names = _expect(value or [], list, path, "a list of host names")
+    for i, name in enumerate(names):
+        _expect(name, str, f"{path}[{i}]", "a host name")
+    return [name.lower() for name in names]
+
+
+def _routes(value, path: str) -> list[Passthrough]:
+    _expect(value, list, path, 'a list of "METHOD /v1/path" entries')
+    return [_passthrough(entry, f"{path}[{i}]") for i, entry in enumerate(value)]
+
+
+def _mapping(value, path: str) -> dict:
+    return _expect(value, dict, path, "a mapping")
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+_DRAIN = "a number of seconds, 0 or more"
+_KEEPALIVE = "a number of seconds, 0 (off) or more"
+
+SERVER_OPTIONS = (
+    Option("host", str, "127.0.0.1", "the address to listen on; `--host` overrides. Beyond "
+           "loopback, a backend with `api_key_env` needs inbound auth or "
+           "`allow_unauthenticated`", expect="a string"),
+    Option("port", int, 8787, "the port to listen on (0 picks a free port); `--port` "
+           "overrides", expect="an integer", check=_between(0, 65535)),
+    Option("max_body_bytes", float, MAX_BODY_BYTES, "the largest request body (the API's own "
+           "32 MB limit); larger bodies get `413 request_too_large`",
+           expect="a positive number", check=_positive),
+    Option("upstream_connections", float, 512, "connections open to the backends, in all",
+           expect="a positive number", check=_positive),
+    Option("log_level", str, "INFO", "DEBUG, INFO, WARNING or ERROR (any case)",
+           expect="a string",
+           check=lambda value: None if value.upper() in LOG_LEVELS
+           else "must be DEBUG, INFO, WARNING or ERROR"),
+    Option("access_log", bool, False, "one log line per exchange", expect="true or false"),
+    Option("max_upstream_body_bytes", float, 64 * 1024 * 1024, "the largest non-streaming "
+           "upstream answer, decompressed (`502` beyond)", expect="a positive number",
+           check=_positive),
+    Option("max_connections", float, 1024, "open client connections; past it a connection "
+           "gets `529 overloaded_error`", expect="a positive number", check=_positive),
+    Option("header_timeout", float, 10.0, "seconds a connection may go without a complete "
+           "request (also idle keep-alive)", expect="a positive number", check=_positive),
+    Option("body_timeout", float, 60.0, "seconds to receive a whole request body "
+           "(`408 timeout_error` after)", expect="a positive number", check=_positive),
+    Option("allowed_hosts", list, [], "`Host` names served besides loopback ones, when auth is "
+           "off", parse=_hosts),
+    Option("allow_unauthenticated", bool, False, "listen beyond loopback without inbound auth "
+           "anyway (something in front of the relay authenticates clients)",
+           expect="true or false"),
+    Option("passthrough", list, list(DEFAULT_PASSTHROUGH), 'other paths sent on to the default '
+           'backend untouched, as `"METHOD /v1/path"` (`*` for one segment)', parse=_routes),
+    Option("auth", dict, None, "inbound keys (`keys`, `admin_key_env` / `admin_key_file`); "
+           "without it, inbound auth is off", parse=_mapping),
+    Option("log_format", str, "text", "`json`: one JSON object per line; `--log-format` "
+           "overrides", choices=("text", "json"), expect="text or json"),
+    Option("workers", int, 1, "worker processes sharing the port; `--workers` overrides",
+           expect="an integer", check=_between(1, MAX_WORKERS)),
+    Option("drain_seconds", float, 30.0, "on SIGTERM, how long requests in flight may finish "
+           "(0: none)", expect=_DRAIN, check=_at_least_zero(_DRAIN)),
+    # Below Claude Code's 20 s "Waiting for API response" stall banner and the 60 s idle
+    # timeout common to proxies and load balancers; the gateways that fixed this chose 10 to
+    # 15 s (archestra 10 s, LiteLLM 15 s).
+    Option("stream_keepalive", float, 10.0, "seconds a stream may be quiet toward its client "
+           "before a ping (0: never)", expect=_KEEPALIVE, check=_at_least_zero(_KEEPALIVE)),
+)
+SERVER = {option.name: option for option in SERVER_OPTIONS}
+
+
+def server_default(name: str):
+    """The default of the ``server.<name>`` key, as the relay uses it."""
+    return SERVER[name].initial(f"server.{name}")
 
 
 @dataclass
@@ -127,29 +253,26 @@ class Config:
     backends: list[Backend]
     pipeline: list[str] = field(default_factory=list)
     plugins: dict[str, dict] = field(default_factory=dict)
-    host: str = "127.0.0.1"
-    port: int = 8787
-    max_body_bytes: int = MAX_BODY_BYTES
-    upstream_connections: int = 512
-    log_level: str = "INFO"
-    access_log: bool = False
-    max_upstream_body_bytes: int = 64 * 1024 * 1024
-    header_timeout: float = 10.0
-    body_timeout: float = 60.0
-    max_connections: int = 1024
+    host: str = SERVER["host"].default
+    port: int = SERVER["port"].default
+    max_body_bytes: int = SERVER["max_body_bytes"].default
+    upstream_connections: int = SERVER["upstream_connections"].default
+    log_level: str = SERVER["log_level"].default
+    access_log: bool = SERVER["access_log"].default
+    max_upstream_body_bytes: int = SERVER["max_upstream_body_bytes"].default
+    header_timeout: float = SERVER["header_timeout"].default
+    body_timeout: float = SERVER["body_timeout"].default
+    max_connections: int = SERVER["max_connections"].default
     allowed_hosts: list[str] = field(default_factory=list)
-    allow_unauthenticated: bool = False
+    allow_unauthenticated: bool = SERVER["allow_unauthenticated"].default
+    # Empty for a Config built in code (validate); relay.yaml's default is DEFAULT_PASSTHROUGH.
     passthrough: list[Passthrough] = field(default_factory=list)
     keys: list[InboundKey] | None = None  # None: inbound auth off
     admin_key: str | None = field(default=None, repr=False)  # server.auth.admin_key_env/_file
-    log_format: str = "text"
-    workers: int = 1
-    drain_seconds: float = 30.0
-    # Seconds of silence toward a streaming client before a ping (0: never). Below Claude
-    # Code's 20 s "Waiting for API response" stall banner and the 60 s idle timeout common to
-    # proxies and load balancers; the gateways that fixed this chose 10 to 15 s (archestra
-    # 10 s, LiteLLM 15 s).
-    stream_keepalive: float = 10.0
+    log_format: str = SERVER["log_format"].default
+    workers: int = SERVER["workers"].default
+    drain_seconds: float = SERVER["drain_seconds"].default
+    stream_keepalive: float = SERVER["stream_keepalive"].default
     source: str | None = None
     _routes: dict = field(default_factory=dict, repr=False, compare=False)
     _routes_bytes: int = field(default=0, repr=False, compare=False)
@@ -209,8 +332,7 @@ def _number(value, path: str, positive: bool = True) -> float:
 def _unknown(section: dict, known: set, path: str) -> None:
     for key in section:
         if key not in known:
-            where = f"{path}.{key}" if path else str(key)
-            raise ConfigError(f"{where}: unknown key (expected one of: {', '.join(sorted(known))})")
+            raise unknown(path, key, known, "key")
 
 
 def parse(raw, env=os.environ, require_keys: bool = True) -> Config:
@@ -224,63 +346,22 @@ def parse(raw, env=os.environ, require_keys: bool = True) -> Config:
     config = Config(backends=[])
 
     server = _expect(raw.get("server", {}) or {}, dict, "server", "a mapping")
-    _unknown(server, {"host", "port", "max_body_bytes", "upstream_connections", "log_level",
-                      "access_log", "max_upstream_body_bytes", "header_timeout", "body_timeout",
-                      "max_connections", "allowed_hosts", "allow_unauthenticated", "passthrough",
-                      "auth", "log_format", "workers", "drain_seconds", "stream_keepalive"},
-             "server")
-    config.host = _expect(server.get("host", config.host), str, "server.host", "a string")
-    port = _expect(server.get("port", config.port), int, "server.port", "an integer")
-    if not 0 <= port <= 65535:
-        raise ConfigError("server.port: must be between 0 and 65535")
-    config.port = port
-    config.max_body_bytes = int(_number(server.get("max_body_bytes", config.max_body_bytes),
-                                        "server.max_body_bytes"))
-    config.upstream_connections = int(_number(
-        server.get("upstream_connections", config.upstream_connections), "server.upstream_connections"))
-    level = _expect(server.get("log_level", config.log_level), str, "server.log_level", "a string")
-    if level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
-        raise ConfigError("server.log_level: must be DEBUG, INFO, WARNING or ERROR")
-    config.log_level = level.upper()
-    config.access_log = _expect(server.get("access_log", False), bool, "server.access_log",
-                                "true or false")
-    for key in ("max_upstream_body_bytes", "max_connections"):
-        if key in server:
-            setattr(config, key, int(_number(server[key], f"server.{key}")))
-    for key in ("header_timeout", "body_timeout"):
-        if key in server:
-            setattr(config, key, _number(server[key], f"server.{key}"))
-    hosts = _expect(server.get("allowed_hosts", []) or [], list, "server.allowed_hosts",
-                    "a list of host names")
-    for i, name in enumerate(hosts):
-        _expect(name, str, f"server.allowed_hosts[{i}]", "a host name")
-    config.allowed_hosts = [name.lower() for name in hosts]
-    config.allow_unauthenticated = _expect(server.get("allow_unauthenticated", False), bool,
-                                           "server.allow_unauthenticated", "true or false")
-    routes = _expect(server.get("passthrough", list(DEFAULT_PASSTHROUGH)), list,
-                     "server.passthrough", 'a list of "METHOD /v1/path" entries')
-    config.passthrough = [_passthrough(entry, f"server.passthrough[{i}]")
-                          for i, entry in enumerate(routes)]
-    if "auth" in server:
-        config.keys = _keys(server["auth"], "server.auth", env, require_keys)
-        config.admin_key = _admin_key(server["auth"], "server.auth", env, require_keys,
+    values = check_section(server, SERVER_OPTIONS, "server", "key")
+    for name in ("host", "port", "access_log", "header_timeout", "body_timeout",
+                 "allowed_hosts", "allow_unauthenticated", "passthrough", "log_format",
+                 "workers"):
+        setattr(config, name, values[name])
+    # Counts and sizes have always taken a number and dropped its fraction.
+    for name in ("max_body_bytes", "upstream_connections", "max_upstream_body_bytes",
+                 "max_connections"):
+        setattr(config, name, int(values[name]))
+    config.log_level = values["log_level"].upper()
+    config.drain_seconds = float(values["drain_seconds"])
+    config.stream_keepalive = float(values["stream_keepalive"])
+    if values["auth"] is not None:
+        config.keys = _keys(values["auth"], "server.auth", env, require_keys)
+        config.admin_key = _admin_key(values["auth"], "server.auth", env, require_keys,
                                       config.keys)
-    config.log_format = _expect(server.get("log_format", config.log_format), str,
-                                "server.log_format", "text or json")
-    if config.log_format not in ("text", "json"):
-        raise ConfigError("server.log_format: must be text or json")
-    config.workers = _expect(server.get("workers", config.workers), int, "server.workers",
-                             "an integer")
-    if not 1 <= config.workers <= MAX_WORKERS:
-        raise ConfigError(f"server.workers: must be between 1 and {MAX_WORKERS}")
-    drain = server.get("drain_seconds", config.drain_seconds)
-    if isinstance(drain, bool) or not isinstance(drain, (int, float)) or drain < 0:
-        raise ConfigError("server.drain_seconds: must be a number of seconds, 0 or more")
-    config.drain_seconds = float(drain)
-    keepalive = server.get("stream_keepalive", config.stream_keepalive)
-    if isinstance(keepalive, bool) or not isinstance(keepalive, (int, float)) or keepalive < 0:
-        raise ConfigError("server.stream_keepalive: must be a number of seconds, 0 (off) or more")
-    config.stream_keepalive = float(keepalive)
 
     pipeline = _expect(raw.get("pipeline", []) or [], list, "pipeline", "a list of plugin names")
     for i, name in enumerate(pipeline):
@@ -289,7 +370,8 @@ def parse(raw, env=os.environ, require_keys: bool = True) -> Config:
             raise ConfigError(f"pipeline[{i}]: {name!r} is listed twice")
     config.pipeline = list(pipeline)
 
-    plugins = _expect(raw.get("plugins", {}) or {}, dict, "plugins", "a mapping of plugin name to options")
+    plugins = _expect(raw.get("plugins", {}) or {}, dict, "plugins",
+                      "a mapping of plugin name to options")
     for name, options in plugins.items():
         config.plugins[name] = dict(_expect(options or {}, dict, f"plugins.{name}", "a mapping"))
 
@@ -328,21 +410,46 @@ def _passthrough(entry, path: str) -> Passthrough:
     return Passthrough(method, tuple(segments))
 
 
-def _keys(raw, path: str, env, require_keys: bool) -> list[InboundKey]:
+def _names(value, path: str) -> list[str]:
+    _expect(value, list, path, "a list of names")
+    for j, name in enumerate(value):
+        _expect(name, str, f"{path}[{j}]", "a string")
+    return list(value)
+
+
+AUTH_OPTIONS = (
+    Option("keys", list, None, "the inbound keys (at least one), each a mapping of the keys "
+           "below", expect="a list of keys"),
+    Option("admin_key_env", str, None, "the environment variable holding the operator's key "
+           "for admin routes (`/metrics`)", expect="an environment variable name"),
+    Option("admin_key_file", str, None, "or the file holding it", expect="a file path"),
+)
+KEY_OPTIONS = (
+    Option("name", str, None, "shown in logs and metrics, never the key", required=True,
+           expect="a string"),
+    Option("key_env", str, None, "the environment variable holding the key (16 characters "
+           "or more)", expect="an environment variable name"),
+    Option("key_file", str, None, "or the file holding it (one of the two, never the key "
+           "itself)", expect="a file path"),
+    Option("backends", list, None, "the backends it may reach (default: all)", parse=_names),
+    Option("models", list, None, "the model name patterns it may ask for (default: all)",
+           parse=_names),
+)
+
+
+def _keys(raw: dict, path: str, env, require_keys: bool) -> list[InboundKey]:
     """The inbound keys: each from an environment variable or a file, never from relay.yaml."""
-    _expect(raw, dict, path, "a mapping")
-    _unknown(raw, {"keys", *ADMIN_KEYS}, path)
-    entries = _expect(raw.get("keys"), list, f"{path}.keys", "a list of keys")
+    auth = check_section(raw, AUTH_OPTIONS, path, "key")
+    entries = _expect(auth["keys"], list, f"{path}.keys", "a list of keys")
     if not entries:
         raise ConfigError(f"{path}.keys: at least one key is required when auth is on")
-    keys, names = [], set()
+    keys: list[InboundKey] = []
+    names = set()
     for i, item in enumerate(entries):
         where = f"{path}.keys[{i}]"
-        _expect(item, dict, where, "a mapping")
-        _unknown(item, {"name", "key_env", "key_file", "backends", "models"}, where)
-        if "name" not in item:
-            raise ConfigError(f"{where}.name: required")
-        name = _expect(item["name"], str, f"{where}.name", "a string")
+        values = check_section(_expect(item, dict, where, "a mapping"), KEY_OPTIONS, where,
+                               "key")
+        name = values["name"]
         if name in names:
             raise ConfigError(f"{where}.name: {name!r} is used twice")
         names.add(name)
@@ -350,14 +457,8 @@ def _keys(raw, path: str, env, require_keys: bool) -> list[InboundKey]:
             raise ConfigError(f"{where}: give exactly one of key_env or key_file "
                               f"(a key is never written in relay.yaml)")
         secret = _secret(item, where, env, require_keys)
-        restrictions = {}
-        for key in ("backends", "models"):
-            if key in item:
-                values = _expect(item[key], list, f"{where}.{key}", "a list of names")
-                for j, value in enumerate(values):
-                    _expect(value, str, f"{where}.{key}[{j}]", "a string")
-                restrictions[key] = list(values)
-        keys.append(InboundKey(name=name, secret=secret, **restrictions))
+        keys.append(InboundKey(name=name, secret=secret, backends=values["backends"],
+                               models=values["models"]))
     return keys
 
 
@@ -428,14 +529,40 @@ def check_exposure(config: Config, host: str) -> None:
             f"authenticates clients")
 
 
+# Each backend's keys: their names, what is required, the docs' table. Their values are
+# checked in _backend, where several depend on others (auth and holds_threads on the format).
+BACKEND_OPTIONS = (
+    Option("name", str, None, "what fallbacks, keys and logs call it", required=True),
+    Option("url", str, None, "its base URL, `http://` or `https://`; the API's paths go under "
+           "its path", required=True),
+    Option("models", list, [], "glob patterns of the model names it serves; the first backend "
+           "that matches wins"),
+    Option("default", bool, False, "takes models no pattern matches, and every other `/v1/` "
+           "path (one backend at most)"),
+    Option("rename", dict, {}, "the model name sent upstream, by model name pattern"),
+    Option("api_key_env", str, None, "the environment variable holding the key that replaces "
+           "the client's (never put a key in relay.yaml)"),
+    Option("auth", str, None, "how that key goes up: `x-api-key`, or `bearer` "
+           "(`Authorization: Bearer`), the default for `format: openai`",
+           choices=("x-api-key", "bearer")),
+    Option("quirks", dict, {}, "plugin options for requests routed here (the plugins' tables "
+           "say which may be set)"),
+    Option("timeouts", dict, {}, "`connect`, `read`, `total` (below)"),
+    Option("retries", dict, {}, "how failures are retried (below); off by default"),
+    Option("fallbacks", list, [], "backends to try, in order, when this one still fails in a "
+           "retryable way"),
+    Option("format", str, "anthropic", "the wire format it speaks", choices=tuple(FORMATS)),
+    Option("holds_threads", bool, None, "whether it keeps conversations sent with `thread`: "
+           "by default only `api.anthropic.com`, never `format: openai`"),
+)
+
+
 def _backend(item, path: str, env, require_keys: bool) -> Backend:
     _expect(item, dict, path, "a mapping")
-    _unknown(item, {"name", "url", "models", "default", "rename", "api_key_env", "auth",
-                    "quirks", "timeouts", "retries", "fallbacks", "format", "holds_threads"},
-             path)
-    for key in ("name", "url"):
-        if key not in item:
-            raise ConfigError(f"{path}.{key}: required")
+    _unknown(item, {option.name for option in BACKEND_OPTIONS}, path)
+    for option in BACKEND_OPTIONS:
+        if option.required and option.name not in item:
+            raise ConfigError(f"{path}.{option.name}: required")
     name = _expect(item["name"], str, f"{path}.name", "a string")
     url = _expect(item["url"], str, f"{path}.url", "a string").rstrip("/")
     parts = urlsplit(url)
@@ -445,7 +572,8 @@ def _backend(item, path: str, env, require_keys: bool) -> Backend:
     _expect(models, list, f"{path}.models", "a list of model name patterns")
     for j, pattern in enumerate(models):
         _expect(pattern, str, f"{path}.models[{j}]", "a string")
-    rename = _expect(item.get("rename", {}) or {}, dict, f"{path}.rename", "a mapping of model to model")
+    rename = _expect(item.get("rename", {}) or {}, dict, f"{path}.rename",
+                     "a mapping of model to model")
     for key, value in rename.items():
         _expect(value, str, f"{path}.rename.{key}", "a model name")
     backend = Backend(
@@ -473,7 +601,8 @@ def _backend(item, path: str, env, require_keys: bool) -> Backend:
         raise ConfigError(f"{path}.auth: must be x-api-key or bearer")
     backend.auth = auth
     if "api_key_env" in item:
-        var = _expect(item["api_key_env"], str, f"{path}.api_key_env", "an environment variable name")
+        var = _expect(item["api_key_env"], str, f"{path}.api_key_env",
+                      "an environment variable name")
         if not env.get(var) and require_keys:
             raise ConfigError(f"{path}.api_key_env: environment variable {var} is not set")
         backend.api_key_env, backend.api_key = var, env.get(var) or None
@@ -485,13 +614,8 @@ def _backend(item, path: str, env, require_keys: bool) -> Backend:
         _expect(name, str, f"{path}.fallbacks[{j}]", "a backend name")
     backend.fallbacks = list(fallbacks)
     timeouts = _expect(item.get("timeouts", {}) or {}, dict, f"{path}.timeouts", "a mapping")
-    _unknown(timeouts, {"connect", "read", "total"}, f"{path}.timeouts")
-    for key in ("connect", "read", "total"):
-        if key in timeouts:
-            if key == "total" and timeouts[key] is None:  # null: no limit on a whole exchange
-                backend.timeouts.total = None
-            else:
-                setattr(backend.timeouts, key, _number(timeouts[key], f"{path}.timeouts.{key}"))
+    backend.timeouts = Timeouts(**check_section(timeouts, TIMEOUT_OPTIONS, f"{path}.timeouts",
+                                                "key"))
     return backend
 
 
@@ -523,22 +647,5 @@ def _openai_quirks(quirks: dict, path: str) -> None:
 
 
 def _retries(raw, path: str) -> Retries:
-    _expect(raw, dict, path, "a mapping")
-    _unknown(raw, {"attempts", "backoff", "max_backoff", "budget", "statuses"}, path)
-    retries = Retries()
-    if "attempts" in raw:
-        attempts = _expect(raw["attempts"], int, f"{path}.attempts", "an integer")
-        if not 1 <= attempts <= 10:
-            raise ConfigError(f"{path}.attempts: must be between 1 and 10")
-        retries.attempts = attempts
-    for key in ("backoff", "max_backoff", "budget"):
-        if key in raw:
-            setattr(retries, key, _number(raw[key], f"{path}.{key}"))
-    if "statuses" in raw:
-        statuses = _expect(raw["statuses"], list, f"{path}.statuses", "a list of status codes")
-        for j, status in enumerate(statuses):
-            _expect(status, int, f"{path}.statuses[{j}]", "a status code")
-            if not (status == 429 or 500 <= status <= 599):
-                raise ConfigError(f"{path}.statuses[{j}]: only 429 and 5xx answers are retried")
-        retries.statuses = frozenset(statuses)
-    return retries
+    return Retries(**check_section(_expect(raw, dict, path, "a mapping"), RETRY_OPTIONS, path,
+                                   "key"))

@@ -128,6 +128,15 @@ def test_cli_exits_non_zero_on_config_errors(tmp_path, yaml_text, message):
     assert message in proc.stderr
 
 
+
+def test_a_misspelt_server_key_stops_start_up_naming_the_closest_key(tmp_path):
+    path = tmp_path / "relay.yaml"
+    path.write_text("server:\n  prot: 8788\nbackends:\n  - {name: a, url: 'http://x'}\n")
+    proc = subprocess.run([sys.executable, "-m", "relay", "--config", str(path)],
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2
+    assert "server.prot: unknown key (did you mean port?)" in proc.stderr
+
 THIRD_PARTY = {
     "pyproject.toml": """
         [build-system]
