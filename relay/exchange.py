@@ -13,7 +13,7 @@ import msgspec
 import orjson
 
 from . import skeleton
-from .errors import invalid_request
+from .errors import RelayError, invalid_request
 from .headers import AUTH_HEADERS, end_to_end
 from .skeleton import Skeleton
 
@@ -149,7 +149,7 @@ class Exchange:
         self.upstream_request: dict | None = None
         self.upstream_response: dict | None = None
         self.outcome: str | None = None
-        self.error = None
+        self.error: RelayError | None = None
         self.attempts: list[Attempt] = []
         self.timings = Timings()
         self.answer: Answer | None = None

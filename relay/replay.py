@@ -1,6 +1,6 @@
 """`relay replay DUMP`: rebuild a dumped exchange from its client request alone, and compare.
 
-The rebuild runs the request chain exactly as serving does (:func:`relay.server.prepare_exchange`)
+The rebuild runs the request chain exactly as serving does (:func:`relay.prepare.prepare_exchange`)
 with the pipeline, plugin options and backends the dump recorded, or those of ``--config``.
 It prints the translation table and the upstream-bound body it got, then a unified diff of
 each against the dump. Translation entries made on the way back (direction ``to_client``)
@@ -17,9 +17,10 @@ reach the backend).
 else ``./relay.yaml``), which then also serves for the rebuild: never to a URL the dump
 names. It goes through the same seam as serving (:class:`relay.upstream.Upstream`): the path
 and query are checked as the server checks a client's and joined under the backend URL's
-path, the target is printed before anything is sent, and a redirect is printed, not followed. Credentials are
-never in a dump: the backend's ``api_key_env`` key is used when it has one, else the client
-key in ``$RELAY_REPLAY_API_KEY`` (sent the way the client sent its own), else none.
+path, the target is printed before anything is sent, and a redirect is printed, not
+followed. Credentials are never in a dump: the backend's ``api_key_env`` key is used when it
+has one, else the client key in ``$RELAY_REPLAY_API_KEY`` (sent the way the client sent its
+own), else none.
 """
 
 from __future__ import annotations
@@ -44,9 +45,8 @@ from . import config as config_module
 from .chain import Chain, load_plugins
 from .errors import ConfigError, RelayError
 from .exchange import is_credential_header
-from .formats import openai
 from .inbound import check_target
-from .server import ENDPOINTS, RelayState, prepare_exchange
+from .prepare import ENDPOINTS, Preparation, prepare_exchange
 from .upstream import Unreachable, Upstream, upstream_url
 
 log = logging.getLogger("relay.replay")
@@ -152,7 +152,7 @@ async def _replay(args, config_path, dump: dict, request: ClientRequest, recorde
         return _fail(f"config error: the plugins could not start with these options: "
                      f"{type(e).__name__} {e}")
     try:
-        exchange, rebuilt = await rebuild(RelayState(config, chain), request)
+        exchange, rebuilt = await rebuild(Preparation(config, chain), request)
     finally:
         await chain.shutdown(config)
 
@@ -357,20 +357,20 @@ def printable(text: str) -> str:
 # --- rebuilding and comparing ---------------------------------------------------------------
 
 
-async def rebuild(state: RelayState, request: ClientRequest):
-    """Run the request through the chain as serving does; return (exchange, Outcome). For an
-    OpenAI-format backend the upstream-bound body is the translated one, as it went up."""
+async def rebuild(state: Preparation, request: ClientRequest):
+    """Run the request through the chain as serving does; return (exchange, Outcome). For a
+    backend whose format translates, the upstream-bound body is the translated one, as it
+    went up."""
     try:
         exchange = await prepare_exchange(state, method=request.method, path=request.path,
                                           query=request.query, headers=request.headers,
                                           raw_body=request.raw_body)
         body = exchange.upstream_body()
-        if exchange.backend.format == "openai" and exchange.endpoint == "messages":
-            body = openai.request_bytes(body, exchange.backend)
+        body = exchange.backend.adapter.request_body(body, exchange.backend, exchange.endpoint)
     except RelayError as error:
-        exchange = getattr(error, "exchange", None)
-        return exchange, Outcome(
-            translation=exchange.translation if exchange is not None else {},
+        refused = error.exchange
+        return refused, Outcome(
+            translation=refused.translation if refused is not None else {},
             upstream_body=None,
             relay_error={"status": error.status, "type": error.type, "message": error.message})
     return exchange, Outcome(translation=exchange.translation, upstream_body=body,
@@ -411,7 +411,7 @@ def pretty(value, sort_keys: bool = False) -> str:
 
 def diff(recorded: Outcome, rebuilt: Outcome) -> str:
     """A unified diff (pretty JSON, sorted keys) of every part that differs; "" when none."""
-    out = []
+    out: list[str] = []
     before, after = recorded.comparable(), rebuilt.comparable()
     for part in before:
         # Printed the same is the same: tuples and lists, say, as the dump stores them.
@@ -442,10 +442,8 @@ async def send(config, exchange, request: ClientRequest, body: bytes, source: st
             headers["x-api-key"] = client_key
     try:
         check_target(request.path, request.query)
-        if backend.format == "openai":  # where Upstream.send sends it, translated
-            url = upstream_url(backend, openai.upstream_path(request.path), "")
-        else:
-            url = upstream_url(backend, request.path, request.query)
+        # Where Upstream.send sends it.
+        url = upstream_url(backend, *backend.adapter.upstream_target(request.path, request.query))
     except RelayError as e:
         print(printable(f"relay: the dump's request cannot be sent: {e.message}"), file=sys.stderr)
         return False
