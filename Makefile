@@ -17,7 +17,7 @@ PYTEST_ARGS ?=
 $(VENV)/.installed: setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test,docs]'
+	$(PY) -m pip install --quiet -e '.[test,docs,dev]'
 	touch $@
 
 # The Claude Code CLI for the end-to-end suite, pinned; npm is the only way in.
