@@ -154,6 +154,7 @@ def sent_one(emu) -> dict | None:
     return received[0] if received else None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rule, messages", examples("refused"))
 @pytest.mark.parametrize("mode", MODES)
 def test_refused_examples_through_the_relay(servers, rule, messages, mode):
@@ -179,6 +180,7 @@ def test_refused_examples_through_the_relay(servers, rule, messages, mode):
         assert upstream is None  # refused before the upstream saw a byte
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rule, messages", examples("accepted") + examples("uncertain"))
 @pytest.mark.parametrize("mode", MODES)
 def test_accepted_and_uncertain_examples_go_up_unchanged(servers, rule, messages, mode):
@@ -202,6 +204,7 @@ def test_accepted_and_uncertain_examples_go_up_unchanged(servers, rule, messages
         assert upstream["body"]["messages"] == merged
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fixture", RECORDED, ids=lambda p: p.stem)
 @pytest.mark.parametrize("mode", MODES)
 def test_recorded_exchanges_through_the_relay(servers, fixture, mode):

@@ -6,6 +6,7 @@ import configparser
 import subprocess
 import sys
 
+import pytest
 from support import ROOT
 
 
@@ -22,17 +23,20 @@ def test_the_licence_file_is_the_declared_one():
     assert "Apache License" in text and "Version 2.0, January 2004" in text
 
 
+@pytest.mark.slow
 def test_an_unknown_command_is_an_invalid_choice():
     done = relay("frobnicate")
     assert done.returncode == 2
     assert "invalid choice: 'frobnicate'" in done.stderr and "Traceback" not in done.stderr
 
 
+@pytest.mark.slow
 def test_the_top_level_help_names_the_config_option():
     done = relay("--help")
     assert done.returncode == 0 and "--config" in done.stdout and "serve" in done.stdout
 
 
+@pytest.mark.slow
 def test_make_clean_never_deletes_dumps(tmp_path):
     done = subprocess.run(["make", "-n", "clean"], cwd=ROOT, capture_output=True, text=True,
                           timeout=30)
