@@ -5,7 +5,7 @@ turn must be followed immediately by their ``tool_result`` blocks, so nothing ma
 call in its own turn, and the answering user turn must open with one contiguous run of results
 (ordinary content may follow the run). The API combines consecutive messages of one role into
 one turn, and so does this check. A tolerant upstream may accept either fault, so this plugin
-checks them locally, in the API's words (see ``relay/evidence.json``):
+checks them locally, in the API's words (see ``docs/evidence/rules.json``):
 
 - a ``text`` block after a call in its assistant turn (``[tool_use, text]``) is refused, naming
   the first message of the answering turn and the calls the text follows, as a recorded real
@@ -57,7 +57,7 @@ class Problem(NamedTuple):
     message_index: int  # the message the location names
     turn: tuple  # the message indexes of the turn to reorder
     calls_first: bool  # an assistant turn (move the other blocks first) or a user one
-    rule: str = ""  # its id in relay/evidence.json
+    rule: str = ""  # its id in docs/evidence/rules.json
 
     def as_dict(self) -> dict:
         return {"location": self.location, "message": self.message}

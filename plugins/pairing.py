@@ -3,7 +3,7 @@
 A tolerant upstream may answer 200 to a broken history, so an upstream's success proves
 nothing; this plugin checks the history locally, the way the Messages API does, and refuses
 (or repairs) what the API is known to refuse, before any upstream sees it. Each rule, its
-error text and where the evidence for it comes from is listed in ``relay/evidence.json`` and in
+error text and where the evidence for it comes from is listed in ``docs/evidence/rules.json`` and in
 the README ("History rules and their evidence").
 
 The API combines consecutive ``user`` or ``assistant`` messages into one turn, so pairing is
@@ -84,7 +84,7 @@ NO_RESULT_RECORDED = ("No result was recorded for this tool call. The relay that
 # Blocks a server tool's result pairs with.
 _SERVER_USES = frozenset({"server_tool_use", "mcp_tool_use"})
 # Server-tool results the API is known to refuse with no server_tool_use before them (anywhere
-# earlier in the request), each with its id in relay/evidence.json; for the other kinds of
+# earlier in the request), each with its id in docs/evidence/rules.json; for the other kinds of
 # result only a note is made.
 _REFUSED_WITHOUT_USE = {"advisor_tool_result": "advisor-result-without-use",
                         "web_search_tool_result": "web-search-result-without-use"}
@@ -110,7 +110,7 @@ class Problem(NamedTuple):
     block: int = -1  # the block it names; calls without a result sort after their turn's blocks
     # For calls without a result: their ids; repair adds results to message ``message_index``.
     missing: tuple = ()
-    rule: str = ""  # its id in relay/evidence.json
+    rule: str = ""  # its id in docs/evidence/rules.json
 
     def as_dict(self) -> dict:
         return {"location": self.location, "message": self.message}
@@ -503,7 +503,7 @@ def _kind(block: dict) -> str | None:
 
 def _closes(messages: list, blocks: list, answering: list[int]) -> str | None:
     """The rule by which the user turn at ``answering`` closes an assistant turn holding an open
-    server call (its id in relay/evidence.json); ``""`` when it continues the turn (nothing but
+    server call (its id in docs/evidence/rules.json); ``""`` when it continues the turn (nothing but
     the client calls' results); None when the client calls' own pairing is at fault (the API
     names that first)."""
     calls = []

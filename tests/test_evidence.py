@@ -1,4 +1,4 @@
-"""The evidence table (relay/evidence.json) and the recorded real exchanges (tests/fixtures/
+"""The evidence table (docs/evidence/rules.json) and the recorded real exchanges (tests/fixtures/
 recorded), played through everything that judges a history: the emulator, `relay validate`,
 and a running relay in reject, repair and off modes in front of the emulator. They must agree
 with the table, and so with each other.
@@ -19,7 +19,7 @@ from relay_builtins import pairing
 from relay import cli
 from relay.testing.emulator import EmulatorOptions, find_problem
 
-RULES = json.loads((ROOT / "relay" / "evidence.json").read_text())["rules"]
+RULES = json.loads((ROOT / "docs" / "evidence" / "rules.json").read_text())["rules"]
 RECORDED = sorted((ROOT / "tests" / "fixtures" / "recorded").glob("*.json"))
 MODES = ("reject", "repair", "off")
 # Rules whose refusal the relay can repair honestly (the others stay refused in repair mode).

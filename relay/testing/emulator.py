@@ -22,7 +22,7 @@ turn's calls must be its last blocks; the next turn must open with their results
 repeated ``tool_use_id`` is named at its block); a call left without a result in that leading
 run is named at the first message of that turn. A history that ends with calls is a prefill,
 left to the model's own rules. The rules and their evidence are listed in
-``relay/evidence.json``; this module keeps its own copy of each check, so that a mistake in the
+``docs/evidence/rules.json``; this module keeps its own copy of each check, so that a mistake in the
 relay's plugins is not repeated here.
 """
 
