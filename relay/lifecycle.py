@@ -24,7 +24,6 @@ from .errors import RelayError
 log = logging.getLogger("relay")
 
 SHUTTING_DOWN = "the relay is shutting down"
-LIFECYCLE: web.AppKey[Lifecycle] = web.AppKey("relay_lifecycle")
 
 # When the answer's status line and headers went out, in the request's own task (aiohttp
 # runs each request in a task of its own, with a context of its own): the access line's time
@@ -156,6 +155,9 @@ class Lifecycle:
             task.cancel()
         await asyncio.wait(cut, timeout=5)
         return 1
+
+
+LIFECYCLE = web.AppKey("relay_lifecycle", Lifecycle)
 
 
 def readiness_response(request: web.Request) -> web.Response:
