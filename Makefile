@@ -11,13 +11,18 @@ JS_CLIENTS := ai@6.0.325 @ai-sdk/anthropic@3.0.140 @anthropic-ai/sdk@1.14.0 zod@
 JS_CLIENTS_STAMP := .e2e/.js-clients-$(shell echo '$(JS_CLIENTS)' | cksum | cut -d' ' -f1)
 HAPROXY := /usr/sbin/haproxy
 PYTEST_ARGS ?=
+# The tiers (setup.cfg's markers): the fast one starts no process (tests/conftest.py refuses
+# it) and is what `make check` runs; the rest is what only `make test` adds.
+FAST_TIER := -m "not e2e and not slow"
+SLOW_TIER := -m "e2e or slow"
+LINTED := relay plugins examples/plugin-package
 
-.PHONY: run try test test-example test-min unit e2e bench load demo docs clean
+.PHONY: run try check test test-example test-min unit e2e bench load demo docs clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test,docs]'
+	$(PY) -m pip install --quiet -e '.[test,docs,dev]'
 	touch $@
 
 # The Claude Code CLI for the end-to-end suite, pinned; npm is the only way in.
@@ -51,8 +56,16 @@ try: $(VENV)/.installed
 	echo "try: ANTHROPIC_BASE_URL=http://127.0.0.1:8787 ANTHROPIC_API_KEY=any claude"; \
 	$(PY) -m relay --config examples/try.yaml
 
-test: $(VENV)/.installed $(CLAUDE) $(JS_CLIENTS_STAMP) $(HAPROXY)
-	RELAY_CLAUDE=$(abspath $(CLAUDE)) $(PY) -m pytest $(PYTEST_ARGS)
+# Lint, types and the fast tests: the loop to run before each commit, in under a minute.
+# .pre-commit-config.yaml runs the same three.
+check: $(VENV)/.installed
+	$(VENV)/bin/ruff check $(LINTED)
+	$(VENV)/bin/mypy
+	$(PY) -m pytest -q $(FAST_TIER) $(PYTEST_ARGS)
+
+# `make check` first; then the tiers it leaves out, so no test runs twice.
+test: $(VENV)/.installed check $(CLAUDE) $(JS_CLIENTS_STAMP) $(HAPROXY)
+	RELAY_CLAUDE=$(abspath $(CLAUDE)) $(PY) -m pytest $(SLOW_TIER) $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-example test-min docs
 
 # The example plugin package, installed as its own distribution and tested with relay.testing.
@@ -100,4 +113,4 @@ demo: $(VENV)/.installed
 
 # Never dumps: they are an operator's record of failures, not build output.
 clean:
-	rm -rf $(VENV) $(MIN_VENV) .e2e .pytest_cache .hypothesis .bench .load .site *.egg-info
+	rm -rf $(VENV) $(MIN_VENV) .e2e .pytest_cache .mypy_cache .ruff_cache .hypothesis .bench .load .site *.egg-info

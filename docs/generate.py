@@ -145,7 +145,7 @@ def plugins() -> str:
 def rules() -> str:
     """The history rules, from the evidence table: one row per rule, with its verdict, the
     API's words and where they point, and the sources it rests on."""
-    table = json.loads((ROOT / "relay" / "evidence.json").read_text())
+    table = json.loads((ROOT / "docs" / "evidence" / "rules.json").read_text())
     parts = ["| rule | plugin | verdict | the API's words (where they point) | sources |",
              "|---|---|---|---|---|"]
     for rule in table["rules"]:

@@ -131,7 +131,8 @@ class Walk:
 
     def __init__(self, sep: str):
         self.ledger = Ledger(sep)
-        self.tool_uses: list[tuple[int, str, str, str, int]] = []  # (i, client id, new id, original, N)
+        # (i, client id, new id, original, N)
+        self.tool_uses: list[tuple[int, str, str, str, int]] = []
         self.tool_results = 0  # tool_result blocks whose tool_use_id changed
         self.recognised: list[tuple[int, str, str, int]] = []  # (i, id, original, N) sent as is
         self.kept: list[tuple[int, str]] = []  # restore mode: (i, id) not restored, see there
@@ -166,7 +167,8 @@ def make_unique(messages: list, sep: str = DEFAULT_SEPARATOR, answer: bool = Tru
             content = message.get("content")
             if type(content) is not list:
                 continue
-            renamed = None  # the client's ids of the blocks rewritten here, by id(block)
+            # The client's ids of the blocks rewritten here, by id(block).
+            renamed: dict[int, str] | None = None
             for block in content:
                 if type(block) is not dict or block.get("type") != "tool_use":
                     continue
@@ -247,7 +249,8 @@ def restore_originals(messages: list, sep: str = DEFAULT_SEPARATOR, answer: bool
     ledger = walk.ledger
     taken = ledger.taken
     counts = ledger.counts
-    kept = None  # the ids kept as sent in the last assistant message, for its results
+    # The ids kept as sent in the last assistant message, for its results.
+    kept: set[str] | None = None
     for i, message in enumerate(messages):
         if type(message) is not dict:
             continue
@@ -383,8 +386,10 @@ def relay_request(exchange, options):
 def _own(walk: Walk, offset: int) -> None:
     """Keep of a walk over a thread's held part and the request only what concerns the
     request's own messages, at their own indexes."""
-    walk.tool_uses = [(i - offset, *rest) for i, *rest in walk.tool_uses if i >= offset]
-    walk.recognised = [(i - offset, *rest) for i, *rest in walk.recognised if i >= offset]
+    walk.tool_uses = [(i - offset, client_id, new_id, original, n)
+                      for i, client_id, new_id, original, n in walk.tool_uses if i >= offset]
+    walk.recognised = [(i - offset, sent, original, n)
+                       for i, sent, original, n in walk.recognised if i >= offset]
     walk.kept = [(i - offset, tool_id) for i, tool_id in walk.kept if i >= offset]
 
 

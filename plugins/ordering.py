@@ -5,7 +5,7 @@ turn must be followed immediately by their ``tool_result`` blocks, so nothing ma
 call in its own turn, and the answering user turn must open with one contiguous run of results
 (ordinary content may follow the run). The API combines consecutive messages of one role into
 one turn, and so does this check. A tolerant upstream may accept either fault, so this plugin
-checks them locally, in the API's words (see ``relay/evidence.json``):
+checks them locally, in the API's words (see ``docs/evidence/rules.json``):
 
 - a ``text`` block after a call in its assistant turn (``[tool_use, text]``) is refused, naming
   the first message of the answering turn and the calls the text follows, as a recorded real
@@ -54,10 +54,10 @@ class Problem(NamedTuple):
 
     location: str
     message: str
-    index: int  # the message the location names
+    message_index: int  # the message the location names
     turn: tuple  # the message indexes of the turn to reorder
     calls_first: bool  # an assistant turn (move the other blocks first) or a user one
-    rule: str = ""  # its id in relay/evidence.json
+    rule: str = ""  # its id in docs/evidence/rules.json
 
     def as_dict(self) -> dict:
         return {"location": self.location, "message": self.message}
@@ -65,10 +65,11 @@ class Problem(NamedTuple):
 
 def _not_after(index: int, ids: list, turn: list, calls: bool) -> Problem:
     location = f"messages.{index}"
+    rule = "tool-use-then-text" if calls else "results-not-first"
     return Problem(location, f"{location}: `tool_use` ids were found without `tool_result` blocks "
-                             f"immediately after: {', '.join(ids)}. Each `tool_use` block must have "
-                             f"a corresponding `tool_result` block in the next message.",
-                   index, tuple(turn), calls, "tool-use-then-text" if calls else "results-not-first")
+                             f"immediately after: {', '.join(ids)}. Each `tool_use` block must "
+                             f"have a corresponding `tool_result` block in the next message.",
+                   index, tuple(turn), calls, rule)
 
 
 def _clean(messages: list) -> bool:
@@ -121,7 +122,7 @@ def _turns(messages: list) -> list[tuple[str, list[int]]]:
 
 
 def _blocks(messages: list, indexes: list[int]) -> list[dict]:
-    found = []
+    found: list[dict] = []
     for i in indexes:
         content = messages[i].get("content")
         if type(content) is list:
@@ -142,7 +143,8 @@ def check(messages) -> tuple[list[Problem], list[tuple[str, str]]]:
         blocks = _blocks(messages, indexes)
         following = turns[t + 1][1] if t + 1 < len(turns) else None
         if role == "assistant":
-            calls = [b["id"] for b in blocks if b.get("type") == "tool_use" and type(b.get("id")) is str]
+            calls = [b["id"] for b in blocks
+                     if b.get("type") == "tool_use" and type(b.get("id")) is str]
             before_text, other, earlier = [], False, []
             for block in blocks:
                 kind = block.get("type")
@@ -258,7 +260,7 @@ def _own(found: list[Problem], unsure: list, offset: int):
     turn's calls are only ever checked against the turn after them."""
     own = []
     for problem in found:
-        if problem.index >= offset:
+        if problem.message_index >= offset:
             location, message = threads.shifted(problem.location, problem.message, offset)
             own.append(problem._replace(location=location, message=message))
     return own, [(threads.shifted(location, "", offset)[0], reason) for location, reason in unsure
@@ -266,7 +268,8 @@ def _own(found: list[Problem], unsure: list, offset: int):
 
 
 def _moved(problem: Problem, by: int) -> Problem:
-    return problem._replace(index=problem.index + by, turn=tuple(i + by for i in problem.turn))
+    return problem._replace(message_index=problem.message_index + by,
+                            turn=tuple(i + by for i in problem.turn))
 
 
 @hookimpl

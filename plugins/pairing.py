@@ -3,7 +3,7 @@
 A tolerant upstream may answer 200 to a broken history, so an upstream's success proves
 nothing; this plugin checks the history locally, the way the Messages API does, and refuses
 (or repairs) what the API is known to refuse, before any upstream sees it. Each rule, its
-error text and where the evidence for it comes from is listed in ``relay/evidence.json`` and in
+error text and where the evidence for it comes from is listed in ``docs/evidence/rules.json`` and in
 the README ("History rules and their evidence").
 
 The API combines consecutive ``user`` or ``assistant`` messages into one turn, so pairing is
@@ -84,7 +84,7 @@ NO_RESULT_RECORDED = ("No result was recorded for this tool call. The relay that
 # Blocks a server tool's result pairs with.
 _SERVER_USES = frozenset({"server_tool_use", "mcp_tool_use"})
 # Server-tool results the API is known to refuse with no server_tool_use before them (anywhere
-# earlier in the request), each with its id in relay/evidence.json; for the other kinds of
+# earlier in the request), each with its id in docs/evidence/rules.json; for the other kinds of
 # result only a note is made.
 _REFUSED_WITHOUT_USE = {"advisor_tool_result": "advisor-result-without-use",
                         "web_search_tool_result": "web-search-result-without-use"}
@@ -106,11 +106,11 @@ class Problem(NamedTuple):
 
     location: str
     message: str
-    index: int = -1  # the message the location names
+    message_index: int = -1  # the message the location names
     block: int = -1  # the block it names; calls without a result sort after their turn's blocks
-    # For calls without a result: their ids; repair adds results to message ``index``.
+    # For calls without a result: their ids; repair adds results to message ``message_index``.
     missing: tuple = ()
-    rule: str = ""  # its id in relay/evidence.json
+    rule: str = ""  # its id in docs/evidence/rules.json
 
     def as_dict(self) -> dict:
         return {"location": self.location, "message": self.message}
@@ -126,8 +126,8 @@ class Unsure(NamedTuple):
 def _missing(index: int, ids: list) -> Problem:
     location = f"messages.{index}"
     return Problem(location, f"{location}: `tool_use` ids were found without `tool_result` blocks "
-                             f"immediately after: {', '.join(ids)}. Each `tool_use` block must have "
-                             f"a corresponding `tool_result` block in the next message.",
+                             f"immediately after: {', '.join(ids)}. Each `tool_use` block must "
+                             f"have a corresponding `tool_result` block in the next message.",
                    index, _AFTER_BLOCKS, tuple(ids), "unanswered-call")
 
 
@@ -145,8 +145,8 @@ def _shown(value) -> str:
 def _unknown(index: int, k: int, tool_use_id) -> Problem:
     location = f"messages.{index}.content.{k}"
     return Problem(location, f"{location}: unexpected `tool_use_id` found in `tool_result` blocks: "
-                             f"{_shown(tool_use_id)}. Each `tool_result` block must have a corresponding "
-                             f"`tool_use` block in the previous message.", index, k,
+                             f"{_shown(tool_use_id)}. Each `tool_result` block must have a "
+                             f"corresponding `tool_use` block in the previous message.", index, k,
                    rule="unknown-result")
 
 
@@ -186,8 +186,8 @@ def _system_misplaced(index: int) -> Problem:
 def _server_result_alone(index: int, k: int, kind: str, tool_use_id) -> Problem:
     location = f"messages.{index}.content.{k}"
     return Problem(location, f"{location}: unexpected `tool_use_id` found in `{kind}` blocks: "
-                             f"{_shown(tool_use_id)}. Each `{kind}` block must have a corresponding "
-                             f"`server_tool_use` block before it.", index, k,
+                             f"{_shown(tool_use_id)}. Each `{kind}` block must have a "
+                             f"corresponding `server_tool_use` block before it.", index, k,
                    rule=_REFUSED_WITHOUT_USE[kind])
 
 
@@ -207,7 +207,7 @@ def _clean(messages: list, unique_ids: bool) -> bool:
     :func:`check`'s full walk.
     """
     try:
-        seen = set() if unique_ids else None
+        seen: set | None = set() if unique_ids else None
         pending = None
         programmatic = False
         previous = None  # the role of the last message
@@ -270,7 +270,8 @@ def _clean(messages: list, unique_ids: bool) -> bool:
                     for block in content:
                         kind = block["type"]
                         if kind == "tool_result":
-                            if answered == len(pending) or block["tool_use_id"] != pending[answered]:
+                            if answered == len(pending) \
+                                    or block["tool_use_id"] != pending[answered]:
                                 return False
                             answered += 1
                         elif kind == "tool_use" or programmatic:
@@ -346,7 +347,7 @@ def _check(messages: list, unique_ids: bool) -> tuple[list[Problem], list[Unsure
     _check_server_results(messages, problems, unsure)
     _check_open_server_calls(messages, problems, unsure)
     _check_turns(messages, problems, unsure)
-    problems.sort(key=lambda p: (p.index, p.block))
+    problems.sort(key=lambda p: (p.message_index, p.block))
     return problems, unsure
 
 
@@ -355,7 +356,7 @@ def _check_messages(messages: list, unique_ids: bool, problems: list, unsure: li
     conversational = [i for i, m in enumerate(messages)
                       if type(m) is dict and m.get("role") in ("user", "assistant")]
     last = conversational[-1] if conversational else -1
-    seen = set() if unique_ids else None
+    seen: set | None = set() if unique_ids else None
     for i, message in enumerate(messages):
         if type(message) is not dict:
             continue
@@ -473,16 +474,18 @@ def _check_open_server_calls(messages: list, problems: list, unsure: list) -> No
             if not closed:
                 # Continued: the call runs now, or its result leads the next assistant turn.
                 if position + 2 < len(found) and block["id"] not in results:
-                    unsure.append(Unsure(f"messages.{i}", f"a {block.get('type')} deferred beside "
-                                                          f"client calls has no result after their "
-                                                          f"results: the API's answer is not known"))
+                    unsure.append(Unsure(f"messages.{i}",
+                                         f"a {block.get('type')} deferred beside client calls "
+                                         f"has no result after their results: the API's answer "
+                                         f"is not known"))
             elif block["type"] == "server_tool_use" and type(name) is str \
                     and name in _OPEN_CALL_REFUSED:
                 problems.append(_open_server_call(i, k, name, block["id"], closed))
             else:
-                unsure.append(Unsure(f"messages.{i}", f"a {block.get('type')} left open before a "
-                                                      f"user turn: the API's words are recorded only "
-                                                      f"for {' and '.join(sorted(_OPEN_CALL_REFUSED))}"))
+                unsure.append(Unsure(f"messages.{i}",
+                                     f"a {block.get('type')} left open before a user turn: the "
+                                     f"API's words are recorded only for "
+                                     f"{' and '.join(sorted(_OPEN_CALL_REFUSED))}"))
 
 
 def _decoded(item):
@@ -500,7 +503,7 @@ def _kind(block: dict) -> str | None:
 
 def _closes(messages: list, blocks: list, answering: list[int]) -> str | None:
     """The rule by which the user turn at ``answering`` closes an assistant turn holding an open
-    server call (its id in relay/evidence.json); ``""`` when it continues the turn (nothing but
+    server call (its id in docs/evidence/rules.json); ``""`` when it continues the turn (nothing but
     the client calls' results); None when the client calls' own pairing is at fault (the API
     names that first)."""
     calls = []
@@ -562,7 +565,8 @@ def _check_turns(messages: list, problems: list, unsure: list) -> None:
             if programmatic and other:
                 unsure.append(Unsure(f"messages.{indexes[0]}",
                                      "a turn answering programmatic tool calls holds more than "
-                                     "tool_result blocks: documented as refused, error text unknown"))
+                                     "tool_result blocks: documented as refused, error text "
+                                     "unknown"))
         pending, programmatic = None, False
     if pending:
         # A request that ends with an assistant message asks the model to continue it (a
@@ -570,7 +574,8 @@ def _check_turns(messages: list, problems: list, unsure: list) -> None:
         # Only the client knows the results, so nothing is added either.
         unsure.append(Unsure(f"messages.{len(messages) - 1}",
                              f"the history ends with tool calls and no results "
-                             f"({', '.join(pending)}): a prefill, answered by the model's own rules"))
+                             f"({', '.join(pending)}): a prefill, answered by the model's own "
+                             f"rules"))
 
 
 def add_missing_results(messages: list, found: list[Problem]) -> list[str]:
@@ -580,14 +585,14 @@ def add_missing_results(messages: list, found: list[Problem]) -> list[str]:
     The results use the calls' own ids and go to the front of the ``tool_result`` run of the
     first message of the answering turn. Other problems are left alone.
     """
-    answered = []
+    answered: list[str] = []
     for problem in found:
         if not problem.missing:
             continue
         results = [{"type": "tool_result", "tool_use_id": tool_use_id,
                     "content": NO_RESULT_RECORDED, "is_error": True}
                    for tool_use_id in problem.missing]
-        message = messages[problem.index]
+        message = messages[problem.message_index]
         content = message.get("content")
         if type(content) is list:
             at = next((k for k, block in enumerate(content)
@@ -607,7 +612,7 @@ def split_tool_turns(messages: list) -> list[tuple[int, int]]:
     first to the last holding calls, and from the first message of the answering turn to the last
     holding results. Spans whose messages carry fields besides ``role`` and ``content`` are left
     alone (merging them would lose those fields)."""
-    spans = []
+    spans: list[tuple[int, int]] = []
     calls_before = False
     for role, indexes in turns(messages):
         if len(indexes) > 1:
@@ -617,7 +622,7 @@ def split_tool_turns(messages: list) -> list[tuple[int, int]]:
             else:
                 marked = [i for i in indexes if _holds(messages[i], "tool_result")]
                 first, last = (indexes[0], marked[-1]) if marked and calls_before else (None, None)
-            if first is not None and first != last \
+            if first is not None and last is not None and first != last \
                     and all(type(messages[i]) is dict and messages[i].keys() <= {"role", "content"}
                             for i in range(first, last + 1)):
                 spans.append((first, last))
@@ -740,7 +745,7 @@ def _check_tail(exchange, messages: list, unique_ids: bool):
     whole, offset = threads.conversation(exchange)
     if offset:
         found, unsure = check(whole, unique_ids)
-        found = [_shifted(problem, offset) for problem in found if problem.index >= offset]
+        found = [_shifted(problem, offset) for problem in found if problem.message_index >= offset]
         unsure = [Unsure(threads.shifted(item.location, "", offset)[0], item.reason)
                   for item in unsure if threads.index_of(item.location) >= offset]
         return found, unsure, whole
@@ -748,7 +753,7 @@ def _check_tail(exchange, messages: list, unique_ids: bool):
     held = threads.opens_with_held_calls(messages)
     kept = []
     for problem in found:
-        if problem.rule == "unknown-result" and problem.index < held:
+        if problem.rule == "unknown-result" and problem.message_index < held:
             unsure.append(Unsure(problem.location, "a tool_result that may answer a call in "
                                                    "the part of the thread the server holds"))
         else:

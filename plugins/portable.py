@@ -216,7 +216,7 @@ def translate_ids(messages: list, pattern: str | None, thinking: list | None = N
     (the walk that follows is then worth taking); ``raw``, when given, gets every tool_use
     id the client holds outside Anthropic's grammar, unless ``pattern`` is Anthropic's (those
     ids are then among the changes)."""
-    changed = []
+    changed: list[tuple[int, int, str, str, str]] = []
     if pattern == ANTHROPIC_IDS:
         raw = None
     for i, message in enumerate(messages):
@@ -233,7 +233,7 @@ def translate_ids(messages: list, pattern: str | None, thinking: list | None = N
                 thinking.append(True)
             field = "id" if kind == "tool_use" else "tool_use_id" if kind == "tool_result" else None
             client_id = block.get(field) if field else None
-            if type(client_id) is not str:
+            if type(client_id) is not str or type(kind) is not str:
                 continue
             if raw is not None and field == "id" and client_form(client_id) != client_id:
                 raw.add(client_id)
@@ -279,7 +279,7 @@ class Trouble:
     next to carry to the metrics) and logged once per condition every ``WARN_EVERY`` seconds,
     whichever thread saw it."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._last: dict[str, float] = {}  # per condition: when it was last logged
         self._quiet: dict[str, int] = {}  # per condition: times seen since
@@ -345,7 +345,7 @@ class Provenance:
         self._reader: ThreadPoolExecutor | None = None
         self._reads = 0  # reads queued for the reader or running there
         self._reads_lock = threading.Lock()
-        self._read_db = None  # the reader thread's connection
+        self._read_db: sqlite3.Connection | None = None  # the reader thread's connection
 
     def connect(self) -> sqlite3.Connection:
         db = sqlite3.connect(self.path, isolation_level=None, timeout=BUSY_SECONDS)
@@ -460,7 +460,7 @@ class Provenance:
         try:
             if self._read_db is None:
                 self._read_db = self.connect()
-            found = {}
+            found: dict[str, tuple[str, str]] = {}
             for start in range(0, len(keys), 500):
                 chunk = keys[start:start + 500]
                 rows = self._read_db.execute(f"SELECT key, backend, model FROM issued WHERE key "
@@ -636,7 +636,9 @@ def _without_thinking_edits(body: dict) -> None:
     thinking off they have nothing to manage, and the API documents them for requests with
     thinking on. The other edits stay."""
     management = body.get("context_management")
-    edits = management.get("edits") if type(management) is dict else None
+    if type(management) is not dict:
+        return
+    edits = management.get("edits")
     if type(edits) is not list:
         return
     kept = [e for e in edits if not (type(e) is dict and str(e.get("type", "")).startswith(
@@ -697,7 +699,7 @@ class Portable:
         done = []
         pattern = target_pattern(options, backend)
         thinking_blocks: list = []
-        raw = set() if exchange.endpoint == "messages" and not validating else None
+        raw: set[str] | None = set() if exchange.endpoint == "messages" and not validating else None
         changed = translate_ids(messages, pattern, thinking_blocks, raw)
         if raw is not None and pattern == ANTHROPIC_IDS:
             raw.update(client_id for _, _, kind, client_id, _ in changed
@@ -769,7 +771,8 @@ class Portable:
         final = final_tool_turn_without_thinking(messages)
         thinking = exchange.field("thinking") if final is not None else None
         mode = thinking.get("type") if type(thinking) is dict else None
-        if mode == "adaptive" and foreign and id(messages[final]) in touched:
+        if mode == "adaptive" and final is not None and foreign \
+                and id(messages[final]) in touched:
             # The API's rule is on record for budgeted thinking; with adaptive thinking the
             # model may skip thinking in a turn, and whether such a turn is accepted is not:
             # the request goes as it is, noted.

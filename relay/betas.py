@@ -1,7 +1,7 @@
 """The betas and top-level request fields the relay knows, and what each means for its
 history rules (``pairing``, ``ordering``, ``dedup``'s checks).
 
-The rules are the API's, learned from evidence (``relay/evidence.json``). A beta or a field
+The rules are the API's, learned from evidence (``docs/evidence/rules.json``). A beta or a field
 can change what a valid history is (compaction blocks that stand for the messages they
 summarise, system messages that clear or carry settings, tools defined inside ``messages``);
 where the rules have no evidence about one, a refusal could be a false positive, the worst
@@ -12,7 +12,7 @@ forwarded as it is, with a note: the upstream judges.
 ``test_betas.py`` compares :data:`BETAS` with the betas the installed ``anthropic`` SDK
 declares (``AnthropicBetaParam``) and :data:`FIELDS` with its ``MessageCreateParams``, so a new
 SDK release fails the suite until someone has decided what its additions mean. What each
-decision rests on is in ``relay/betas.json``, beside the rules' own evidence.
+decision rests on is in ``docs/evidence/betas.json``, beside the rules' own evidence.
 """
 
 from __future__ import annotations

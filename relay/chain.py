@@ -121,7 +121,9 @@ def _traced(plugin: str, hook: str, function):
             return awaited()
         log.info("trace %s %s.%s -> %r", request_id, plugin, hook, result)
         return result
-    call.__signature__ = inspect.signature(function)
+    # pluggy reads the arguments a hook takes from its signature; mypy does not model
+    # attributes set on a function.
+    call.__signature__ = inspect.signature(function)  # type: ignore[attr-defined]
     return call
 
 
@@ -142,7 +144,7 @@ class StreamPlan:
 
     __slots__ = ("by_name", "every")
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.by_name: dict[str, list] = {}
         self.every: list = []  # plugins that asked for "*"
 

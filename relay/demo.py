@@ -25,6 +25,7 @@ TOOLS = [{"name": "Bash", "description": "Run a shell command",
 def start(args: list[str], cwd: str) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([sys.executable, "-m", "relay", *args], cwd=cwd, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    assert proc.stdout is not None  # stdout=PIPE
     for line in proc.stdout:
         match = re.search(r"listening on (http://\S+)", line)
         if match:
@@ -35,12 +36,12 @@ def start(args: list[str], cwd: str) -> tuple[subprocess.Popen, str]:
 async def session(http: aiohttp.ClientSession, url: str, label: str, stream: bool) -> bool:
     """Drive a tool loop the way an agent does; True when the model finished its task."""
     print(f"\n== {label} ({'streaming' if stream else 'non-streaming'})")
-    messages = [{"role": "user", "content": "Check the build, step by step."}]
+    messages: list[dict] = [{"role": "user", "content": "Check the build, step by step."}]
     for turn in range(TOOL_TURNS + 2):
         body = {"model": "claude-demo", "max_tokens": 512, "tools": TOOLS,
                 "messages": messages, "stream": stream}
-        async with http.post(url + "/v1/messages", json=body,
-                             headers={"x-api-key": "sk-demo", "anthropic-version": "2023-06-01"}) as r:
+        headers = {"x-api-key": "sk-demo", "anthropic-version": "2023-06-01"}
+        async with http.post(url + "/v1/messages", json=body, headers=headers) as r:
             if r.status != 200:
                 error = (await r.json())["error"]
                 print(f"  turn {turn}: HTTP {r.status} {error['type']}: {error['message']}")
@@ -62,9 +63,11 @@ async def read_json(response) -> tuple[list, str]:
     return message["content"], message["stop_reason"]
 
 
-async def read_stream(response) -> tuple[list, str]:
+async def read_stream(response) -> tuple[list, str | None]:
     """Assemble the message from its events, as the SDKs do."""
-    blocks, stop, partial = [], None, {}
+    blocks: list[dict] = []
+    stop: str | None = None
+    partial: dict[int, str] = {}
     async for line in response.content:
         if not line.startswith(b"data: "):
             continue

@@ -25,7 +25,7 @@ def _hop_by_hop(headers) -> frozenset:
 
 def end_to_end(headers) -> CIMultiDict:
     """The headers a proxy passes on: all but the hop-by-hop ones."""
-    out = CIMultiDict()
+    out: CIMultiDict[str] = CIMultiDict()
     drop = _hop_by_hop(headers)
     for name, value in headers.items():
         if name.lower() not in drop:

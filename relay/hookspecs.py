@@ -20,7 +20,8 @@ may accept any subset of a hook's arguments.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 

@@ -11,8 +11,8 @@ import functools
 import hashlib
 import hmac
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from .config import SEGMENT, Config, InboundKey, is_loopback
 from .errors import RelayError, invalid_request

@@ -24,7 +24,6 @@ from .errors import RelayError
 log = logging.getLogger("relay")
 
 SHUTTING_DOWN = "the relay is shutting down"
-LIFECYCLE = web.AppKey("relay_lifecycle", "Lifecycle")
 
 # When the answer's status line and headers went out, in the request's own task (aiohttp
 # runs each request in a task of its own, with a context of its own): the access line's time
@@ -93,6 +92,7 @@ class Lifecycle:
         @web.middleware
         async def track_in_flight(request: web.Request, handler):
             task = asyncio.current_task()
+            assert task is not None  # aiohttp runs every handler in a task of its own
             in_flight.add(task)
             try:
                 return await handler(request)
@@ -130,6 +130,7 @@ class Lifecycle:
         for site in list(runner.sites):
             await site.stop()
         # Idle keep-alive connections close now; busy ones once their answer is complete.
+        assert runner.server is not None  # set up before anything could be drained
         runner.server.pre_shutdown()
         if self.in_flight:
             log.info("draining: %d request(s) in flight, waiting up to %gs",
@@ -154,6 +155,9 @@ class Lifecycle:
             task.cancel()
         await asyncio.wait(cut, timeout=5)
         return 1
+
+
+LIFECYCLE = web.AppKey("relay_lifecycle", Lifecycle)
 
 
 def readiness_response(request: web.Request) -> web.Response:

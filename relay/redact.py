@@ -13,7 +13,7 @@ chunk until the next one shows whether a key began there.
 
 from __future__ import annotations
 
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 from multidict import CIMultiDict
 

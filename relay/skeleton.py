@@ -21,13 +21,13 @@ strings are valid UTF-8: a body with broken text there goes up, and the upstream
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Any
 
 import msgspec
 from msgspec import UNSET, Raw, UnsetType
 
 Block = dict[str, Raw]
-Message = dict[str, Union[str, list[Block]]]
+Message = dict[str, str | list[Block]]
 
 # The Messages API's top-level fields (API reference and SDK, late 2026). A request with one
 # more still gets a skeleton, through a second, slower decode (see ``decode``).
@@ -38,7 +38,7 @@ KNOWN_FIELDS = ("max_tokens", "system", "metadata", "stop_sequences", "stream", 
 
 _Known = msgspec.defstruct(
     "_Known", [("model", str), ("messages", list[Message])]
-    + [(name, Union[Raw, UnsetType], UNSET) for name in KNOWN_FIELDS],
+    + [(name, Raw | UnsetType, UNSET) for name in KNOWN_FIELDS],
     forbid_unknown_fields=True)
 
 _known = msgspec.json.Decoder(_Known)
@@ -120,6 +120,7 @@ class Skeleton:
 
 def decode(raw: bytes) -> Skeleton | None:
     """The skeleton of a request body, or None if it cannot be held as one (see the module)."""
+    top: Any  # _Known is made at run time: the type checker cannot know its fields
     try:
         try:
             top = _known.decode(raw)

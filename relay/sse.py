@@ -41,6 +41,7 @@ class Event:
 
     def __init__(self, raw: bytes):
         self.raw = raw
+        self.name: str | None
         # Most events open with "event: NAME\n": read the name without splitting every line;
         # the data is only looked at if a plugin asks for it.
         end = raw.find(b"\n")
@@ -55,7 +56,7 @@ class Event:
         self._changed = False
 
     @classmethod
-    def build(cls, name: str, data) -> "Event":
+    def build(cls, name: str, data) -> Event:
         """A new event made by the relay (an error, say), framed the way Anthropic frames it."""
         return cls(b"event: " + name.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n")
 
@@ -275,7 +276,7 @@ class LazyFramer:
         self._keep(complete)
         for needle in self._wanted:
             if needle in complete:
-                return self._split(complete)
+                return self._split(complete, self._wanted)
         return [complete], []
 
     def want(self, names) -> None:
@@ -289,7 +290,7 @@ class LazyFramer:
         wanted now."""
         if self._wanted is None:  # framing everything: nothing was left unframed
             return [part], []
-        return self._split(part)
+        return self._split(part, self._wanted)
 
     def _framed(self, events: list[Event]) -> tuple[list, list[Event]]:
         if self._name_by_type:
@@ -313,11 +314,10 @@ class LazyFramer:
         while self._tail_size - len(tail[0]) >= TAIL_BYTES:
             self._tail_size -= len(tail.popleft())
 
-    def _split(self, complete: bytes) -> tuple[list, list[Event]]:
+    def _split(self, complete: bytes, needles: list[bytes]) -> tuple[list, list[Event]]:
         parts: list = []
         events: list[Event] = []
         pos = 0
-        needles = self._wanted
         # Each name's next event line: a name is searched for again only once passed, so
         # every name scans the chunk once however many hits the others have.
         ahead = [_event_line(complete, 0, needle) for needle in needles]

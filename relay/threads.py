@@ -28,6 +28,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
+from typing import Any
 
 import msgspec
 import orjson
@@ -349,8 +350,10 @@ def message_from_events(events) -> dict | None:
     """The message a stream's events build (``id`` and ``content``), or None for a stream
     that did not reach ``message_stop``."""
     message = None
-    blocks: dict[int, dict] = {}
-    partial: dict[int, list[str]] = {}
+    # Keyed by the events' ``index`` as it came: an int from a sound server, but whatever
+    # JSON holds from another (``_sort_key`` puts those first).
+    blocks: dict[Any, dict] = {}
+    partial: dict[Any, list[str]] = {}
     for event in events:
         data = event.data
         if type(data) is not dict:

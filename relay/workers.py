@@ -96,7 +96,7 @@ class Supervisor:
         self.stopping = 0  # stop signals received
         self.stop_deadline: float | None = None
         self.status = 0
-        self.reserved: socket.socket | None = None
+        self.reserved: socket.socket  # the listening port, held from run() on
 
     def run(self) -> int:
         self.reserved, bound = reserve_port(self.host, self.port)
@@ -185,8 +185,8 @@ class Supervisor:
             self.status = 1
             self.stop_deadline = None
         if not self.stopping:
-            for slot, pid in self.slots.items():
-                if pid is None and time.monotonic() >= self.last_start[slot] + RESTART_INTERVAL:
+            for slot, running in self.slots.items():
+                if running is None and time.monotonic() >= self.last_start[slot] + RESTART_INTERVAL:
                     log.warning("starting worker %d again", slot)
                     self.start(slot)
 

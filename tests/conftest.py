@@ -1,10 +1,50 @@
-"""Fixtures that start the emulator and the relay as subprocesses (see support.py)."""
+"""Fixtures that start the emulator and the relay as subprocesses (see support.py), and the
+tiers: a test that starts a process is ``slow`` (or ``e2e``); the rest is the fast tier that
+``make check`` runs (``-m "not e2e and not slow"``)."""
 
 from __future__ import annotations
 
-import pytest
+import contextlib
+import os
+import subprocess
 
+import pytest
 from support import Emulator, Relay, Server
+
+# Asking for one of these is starting a process: such a test is slow without saying so.
+PROCESS_FIXTURES = frozenset({"emulator", "relay"})
+PROCESS_TIERS = ("slow", "e2e")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
+@contextlib.contextmanager
+def no_processes(nodeid: str):
+    """Starting a process (``subprocess`` and all built on it, ``os.fork``) fails, naming the
+    test, so that the fast tier cannot grow a process unseen."""
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"{nodeid} starts a process outside the slow tier: mark it "
+                             f"@pytest.mark.slow (or e2e), see docs/development.md")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(subprocess.Popen, "__init__", refuse)
+        patch.setattr(os, "fork", refuse)
+        yield
+
+
+# Around setup, call and teardown, so a module-wide fixture that starts a server for an
+# unmarked test is caught as well.
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if any(item.get_closest_marker(tier) for tier in PROCESS_TIERS):
+        yield
+        return
+    with no_processes(item.nodeid):
+        yield
 
 
 @pytest.fixture

@@ -8,6 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # the benchmark's own processes
+
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = ("small", "history_changed", "history_unchanged", "stream50", "stream2000",
              "stream2000_burst")

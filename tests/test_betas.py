@@ -20,7 +20,7 @@ from relay.testing import assistant, result, text, use, user
 from relay.testing import emulator
 from relay.testing.fixtures import received, start_relay
 
-EVIDENCE = json.loads((ROOT / "relay" / "betas.json").read_text())
+EVIDENCE = json.loads((ROOT / "docs" / "evidence" / "betas.json").read_text())
 # The SDK's name for the anthropic-beta header, not a body field.
 SDK_ONLY = {"betas"}
 
@@ -43,7 +43,7 @@ def test_every_beta_the_sdk_declares_is_classified():
     assert not unclassified, (
         f"the installed anthropic SDK declares betas relay/betas.py does not classify: "
         f"{', '.join(unclassified)}. Read their types, decide what each means for the history "
-        f"rules, and say what the decision rests on in relay/betas.json")
+        f"rules, and say what the decision rests on in docs/evidence/betas.json")
 
 
 def test_every_top_level_field_the_sdk_declares_is_classified():

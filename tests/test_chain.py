@@ -119,6 +119,7 @@ def test_shipped_relay_yaml_is_valid():
      "pipeline[1]: unknown plugin 'nope'"),
     ("backends: [\n", "not valid YAML"),
 ])
+@pytest.mark.slow
 def test_cli_exits_non_zero_on_config_errors(tmp_path, yaml_text, message):
     path = tmp_path / "relay.yaml"
     path.write_text(yaml_text)
@@ -205,6 +206,7 @@ def test_relay_trace_logs_every_hook_call(monkeypatch, caplog):
     assert re.search(r"trace relay_\w+ probe.relay_request -> 'seen'", caplog.text)
 
 
+@pytest.mark.slow
 def test_another_distribution_with_a_plugins_package_collides_with_nothing(tmp_path):
     """A second distribution that ships a top-level ``plugins`` package, installed beside the
     relay: both work, each finds its own."""

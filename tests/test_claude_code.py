@@ -57,7 +57,7 @@ PROMPT = "Run the tool until you are done."
 RUN_TIMEOUT = 90  # seconds for one CLI run; each takes one to three
 REUSED = "toolu_01ReusedId00000000000000"
 # A note before the third turn's result: the API names the call it displaced (the older
-# "Did not find 1 `tool_result` block(s)" wording is superseded, see relay/evidence.json).
+# "Did not find 1 `tool_result` block(s)" wording is superseded, see docs/evidence/rules.json).
 NOT_AT_START = ("messages.7: `tool_use` ids were found without `tool_result` blocks immediately "
                 f"after: {REUSED}-3. Each `tool_use` block must have a corresponding `tool_result` "
                 "block in the next message.")

@@ -36,7 +36,7 @@ def test_every_declared_option_of_every_builtin_is_in_its_table():
 
 def test_every_rule_of_the_evidence_table_has_its_section():
     page = generate.rules()
-    for rule in json.loads((ROOT / "relay" / "evidence.json").read_text())["rules"]:
+    for rule in json.loads((ROOT / "docs" / "evidence" / "rules.json").read_text())["rules"]:
         row = next(line for line in page.splitlines() if line.startswith(f"| `{rule['id']}` |"))
         if rule.get("error"):
             assert rule["error"].replace("|", "\\|") in row

@@ -774,6 +774,7 @@ async def test_the_official_sdk_talks_to_it(aiohttp_server):
         await sdk.close()
 
 
+@pytest.mark.slow
 def test_standalone_process_announces_its_port_and_stops_on_sigterm():
     with subprocess.Popen([sys.executable, EMULATOR, "--port", "0"], stdout=subprocess.PIPE,
                           text=True) as process:

@@ -1,4 +1,4 @@
-"""The evidence table (relay/evidence.json) and the recorded real exchanges (tests/fixtures/
+"""The evidence table (docs/evidence/rules.json) and the recorded real exchanges (tests/fixtures/
 recorded), played through everything that judges a history: the emulator, `relay validate`,
 and a running relay in reject, repair and off modes in front of the emulator. They must agree
 with the table, and so with each other.
@@ -19,7 +19,7 @@ from relay_builtins import pairing
 from relay import cli
 from relay.testing.emulator import EmulatorOptions, find_problem
 
-RULES = json.loads((ROOT / "relay" / "evidence.json").read_text())["rules"]
+RULES = json.loads((ROOT / "docs" / "evidence" / "rules.json").read_text())["rules"]
 RECORDED = sorted((ROOT / "tests" / "fixtures" / "recorded").glob("*.json"))
 MODES = ("reject", "repair", "off")
 # Rules whose refusal the relay can repair honestly (the others stay refused in repair mode).
@@ -154,6 +154,7 @@ def sent_one(emu) -> dict | None:
     return received[0] if received else None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rule, messages", examples("refused"))
 @pytest.mark.parametrize("mode", MODES)
 def test_refused_examples_through_the_relay(servers, rule, messages, mode):
@@ -179,6 +180,7 @@ def test_refused_examples_through_the_relay(servers, rule, messages, mode):
         assert upstream is None  # refused before the upstream saw a byte
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rule, messages", examples("accepted") + examples("uncertain"))
 @pytest.mark.parametrize("mode", MODES)
 def test_accepted_and_uncertain_examples_go_up_unchanged(servers, rule, messages, mode):
@@ -202,6 +204,7 @@ def test_accepted_and_uncertain_examples_go_up_unchanged(servers, rule, messages
         assert upstream["body"]["messages"] == merged
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fixture", RECORDED, ids=lambda p: p.stem)
 @pytest.mark.parametrize("mode", MODES)
 def test_recorded_exchanges_through_the_relay(servers, fixture, mode):

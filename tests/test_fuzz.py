@@ -75,7 +75,7 @@ def histories() -> list[dict]:
         request(user(text("Search.")),
                 assistant(server_use, server_result, text("Found it.")),
                 user(text("Good."))),
-        # A mid-conversation system entry precedes an assistant message (relay/evidence.json:
+        # A mid-conversation system entry precedes an assistant message (docs/evidence/rules.json:
         # "system-placement").
         request(user(text("Go.")),
                 {"role": "system", "content": "The user switched branches."},

@@ -199,6 +199,7 @@ def test_ids_rewritten_counts_the_ids_the_client_got_rewritten(tmp_path, emulato
         relay.stop()
 
 
+@pytest.mark.slow
 def test_a_warning_in_json_is_one_object_per_line(tmp_path):
     relay = start(tmp_path, "http://127.0.0.1:9", "json")  # nothing listens on port 9
     try:

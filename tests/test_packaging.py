@@ -6,6 +6,7 @@ import configparser
 import subprocess
 import sys
 
+import pytest
 from support import ROOT
 
 
@@ -22,17 +23,31 @@ def test_the_licence_file_is_the_declared_one():
     assert "Apache License" in text and "Version 2.0, January 2004" in text
 
 
+def test_the_runtime_packages_hold_code_and_py_typed_only():
+    # The evidence tables are test and docs data (docs/evidence/): nothing at run time reads
+    # them, so they stay out of what is installed.
+    shipped = [path.relative_to(ROOT).as_posix()
+               for package in ("relay", "plugins") for path in (ROOT / package).rglob("*")
+               if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".py"]
+    assert shipped == ["relay/py.typed"]
+    assert sorted(p.name for p in (ROOT / "docs" / "evidence").iterdir()) == ["betas.json",
+                                                                               "rules.json"]
+
+
+@pytest.mark.slow
 def test_an_unknown_command_is_an_invalid_choice():
     done = relay("frobnicate")
     assert done.returncode == 2
     assert "invalid choice: 'frobnicate'" in done.stderr and "Traceback" not in done.stderr
 
 
+@pytest.mark.slow
 def test_the_top_level_help_names_the_config_option():
     done = relay("--help")
     assert done.returncode == 0 and "--config" in done.stdout and "serve" in done.stdout
 
 
+@pytest.mark.slow
 def test_make_clean_never_deletes_dumps(tmp_path):
     done = subprocess.run(["make", "-n", "clean"], cwd=ROOT, capture_output=True, text=True,
                           timeout=30)

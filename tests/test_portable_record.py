@@ -103,6 +103,7 @@ def start(tmp_path, provenance_db: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=30, cwd=tmp_path)
 
 
+@pytest.mark.slow
 def test_a_missing_directory_stops_start_up_naming_it(tmp_path):
     done = start(tmp_path, str(tmp_path / "nowhere" / "p.db"))
     assert done.returncode == 2
@@ -110,6 +111,7 @@ def test_a_missing_directory_stops_start_up_naming_it(tmp_path):
             "does not exist") in done.stderr + done.stdout
 
 
+@pytest.mark.slow
 def test_a_file_that_is_no_database_stops_start_up(tmp_path):
     (tmp_path / "p.db").write_bytes(b"a text file, not a database" * 200)
     done = start(tmp_path, str(tmp_path / "p.db"))

@@ -521,6 +521,7 @@ HOSTILE_FILES = {
 }
 
 
+@pytest.mark.slow
 def test_hostile_files_from_the_command_line_give_2_and_no_traceback(tmp_path):
     for name, content in HOSTILE_FILES.items():
         path = tmp_path / "dump.json"

@@ -170,6 +170,7 @@ def test_no_listening_beyond_loopback_with_an_operator_key_and_no_auth():
     config_module.check_exposure(unkeyed, "0.0.0.0")  # the client's own key goes up
 
 
+@pytest.mark.slow
 def test_the_cli_refuses_to_start_before_listening(tmp_path):
     (tmp_path / "relay.yaml").write_text(
         "backends:\n  - {name: up, url: 'http://127.0.0.1:1', models: ['*'], api_key_env: UP_KEY}\n")

@@ -16,6 +16,8 @@ import pytest
 import yaml
 from support import ROOT, assistant, backend, result, text, use, user
 
+pytestmark = pytest.mark.slow  # the relay and `relay validate` as processes
+
 PIPELINE = ["pairing", "ordering"]
 
 

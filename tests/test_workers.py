@@ -355,6 +355,7 @@ async def read_stream(response) -> bytes:
     return body
 
 
+@pytest.mark.slow
 @WORKER_COUNTS
 async def test_sigterm_lets_a_stream_in_flight_finish_and_exits_0(tmp_path, workers):
     async with HeldStream() as upstream, aiohttp.ClientSession() as session:
@@ -374,6 +375,7 @@ async def test_sigterm_lets_a_stream_in_flight_finish_and_exits_0(tmp_path, work
             relay.stop()
 
 
+@pytest.mark.slow
 @WORKER_COUNTS
 async def test_a_second_sigterm_ends_open_streams_with_an_error_event_and_exits_1(tmp_path,
                                                                                  workers):
@@ -396,6 +398,7 @@ async def test_a_second_sigterm_ends_open_streams_with_an_error_event_and_exits_
             relay.stop()
 
 
+@pytest.mark.slow
 @WORKER_COUNTS
 async def test_the_drain_deadline_ends_open_streams_with_an_error_event(tmp_path, workers):
     async with HeldStream() as upstream, aiohttp.ClientSession() as session:
@@ -486,6 +489,7 @@ def test_the_server_keys_have_safe_defaults_and_say_what_is_wrong():
         assert str(error.value) == message
 
 
+@pytest.mark.slow
 def test_workers_on_the_command_line_are_checked(tmp_path):
     (tmp_path / "relay.yaml").write_text("backends: [{name: a, url: 'http://127.0.0.1:9'}]\n")
     done = subprocess.run([sys.executable, "-m", "relay", "--config", "relay.yaml",

@@ -16,13 +16,14 @@ Validation order, first problem wins: the body's shape (fields, block fields, id
 which role may hold which block), then where ``role: "system"`` entries stand, then content
 (empty messages and text blocks), then tool_use id uniqueness (and, with ``expect_own_ids``,
 provenance), then server-tool results without their ``server_tool_use``, then pairing, then
-server calls a user turn closed without their result, then thinking signatures. Pairing is judged the way the API reads a history: consecutive messages of
-one role form one turn; a turn's calls must be its last blocks; the next turn must open with
-their results (an unknown or repeated ``tool_use_id`` is named at its block); a call left
-without a result in that leading run is named at the first message of that turn. A history
-that ends with calls is a prefill, left to the model's own rules. The rules and their evidence
-are listed in ``relay/evidence.json``; this module keeps its own copy of each check, so that a
-mistake in the relay's plugins is not repeated here.
+server calls a user turn closed without their result, then thinking signatures. Pairing is
+judged the way the API reads a history: consecutive messages of one role form one turn; a
+turn's calls must be its last blocks; the next turn must open with their results (an unknown or
+repeated ``tool_use_id`` is named at its block); a call left without a result in that leading
+run is named at the first message of that turn. A history that ends with calls is a prefill,
+left to the model's own rules. The rules and their evidence are listed in
+``docs/evidence/rules.json``; this module keeps its own copy of each check, so that a mistake in the
+relay's plugins is not repeated here.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import os
 import re
 import signal
 import sys
+from typing import Any
 
 import orjson
 from aiohttp import web
@@ -315,7 +317,8 @@ def _system_problem(messages) -> str | None:
     # claude-code#73821: "role 'system' must precede an 'assistant' message or end the array".
     for n, message in enumerate(messages[:-1]):
         if message["role"] == "system" and messages[n + 1]["role"] == "user":
-            return f"messages.{n}: role 'system' must precede an 'assistant' message or end the array"
+            return (f"messages.{n}: role 'system' must precede an 'assistant' message or end "
+                    f"the array")
     return None
 
 
@@ -370,7 +373,8 @@ def _open_server_call_problem(convo) -> str | None:
         if made_calls:
             rest = []
             for _, m in closing:
-                rest += [b["type"] for b in _blocks(m)] if isinstance(m["content"], list) else ["text"]
+                content = m["content"]
+                rest += [b["type"] for b in _blocks(m)] if isinstance(content, list) else ["text"]
             while rest and rest[0] == "tool_result":
                 rest.pop(0)
             if not rest:
@@ -378,14 +382,15 @@ def _open_server_call_problem(convo) -> str | None:
         for n, m in members:
             for k, block in enumerate(_blocks(m)):
                 caller = block.get("caller")
-                if block["type"] != "server_tool_use" or block.get("name") not in _CALLS_NEEDING_A_RESULT \
+                if block["type"] != "server_tool_use" \
+                        or block.get("name") not in _CALLS_NEEDING_A_RESULT \
                         or (caller is not None
                             and not (isinstance(caller, dict) and caller.get("type") == "direct")):
                     continue
                 if answered_at.get(str(block.get("id")), (-1, -1)) < (n, k):
                     name = block["name"]
-                    return (f"messages.{n}: `{name}` tool use with id `{block.get('id')}` was found "
-                            f"without a corresponding `{name}_tool_result` block")
+                    return (f"messages.{n}: `{name}` tool use with id `{block.get('id')}` was "
+                            f"found without a corresponding `{name}_tool_result` block")
     return None
 
 
@@ -624,7 +629,7 @@ def plan_reply(body: dict, options: EmulatorOptions) -> tuple[list[dict], str]:
     turn = sum(1 for m in body["messages"] if is_turn(m, options))
     tool = _pick_tool(body)
     tool_turn = turn < options.tool_turns and tool is not None
-    content = []
+    content: list[dict] = []
     thinking = body.get("thinking")
     # A request that turns thinking off gets none, as from the real API.
     thinks = not (isinstance(thinking, dict) and thinking.get("type") == "disabled")
@@ -673,6 +678,8 @@ def _halves(text: str) -> list[str]:
 
 def _block_events(index: int, block: dict) -> list[dict]:
     kind = block["type"]
+    start: dict
+    deltas: list[dict]
     if kind == "text":
         start = {"type": "text", "text": ""}
         deltas = [{"type": "text_delta", "text": piece} for piece in _halves(block["text"])]
@@ -699,7 +706,7 @@ def stream_events(message: dict) -> list[dict]:
     usage = message["usage"]
     start = dict(message, content=[], stop_reason=None, stop_sequence=None,
                  usage=dict(usage, output_tokens=1))
-    events = [{"type": "message_start", "message": start}, {"type": "ping"}]
+    events: list[dict] = [{"type": "message_start", "message": start}, {"type": "ping"}]
     for index, block in enumerate(message["content"]):
         events.extend(_block_events(index, block))
     events.append({"type": "message_delta",
@@ -780,7 +787,7 @@ class Incoming:
     """What the front door learned about a request, for the handler behind it."""
     request_id: str
     raw: bytes = b""
-    body: object = None
+    body: Any = None  # the parsed JSON, whatever value it is
     json_problem: str | None = None
 
 
@@ -878,8 +885,8 @@ async def admit(request: web.Request, refuse=None) -> web.Response | None:
         # x-should-retry: false makes SDK clients give up at once instead of retrying.
         return refuse(request, 429, "request budget exhausted",
                       headers={"retry-after": "0", "x-should-retry": "false"})
-    if is_fault(number, options):
-        status = options.fail_status
+    status = options.fail_status
+    if status is not None and is_fault(number, options):
         return refuse(request, status, FAULT_MESSAGES.get(status, "Emulated failure"),
                       headers={"retry-after": "0"} if status == 429 else None)
     return None

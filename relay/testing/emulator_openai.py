@@ -1,11 +1,11 @@
 """A strict stand-in for an OpenAI Chat Completions server (``relay emulate --format openai``).
 
 The far side of the wire for OpenAI-format backends, scripted like the Anthropic emulator
-(:mod:`relay.testing.emulator`, whose options it shares): ``turn`` is the number of assistant messages
-in the history, ``--tool-turns`` says how many turns end in tool calls. It rejects what these
-servers reject, with their wording: an assistant message with ``tool_calls`` not followed by
-``tool`` messages answering each id, a ``tool`` message that answers nothing, a duplicate
-tool call id, an unknown request field, and shapes the format does not have.
+(:mod:`relay.testing.emulator`, whose options it shares): ``turn`` is the number of assistant
+messages in the history, ``--tool-turns`` says how many turns end in tool calls. It rejects
+what these servers reject, with their wording: an assistant message with ``tool_calls`` not
+followed by ``tool`` messages answering each id, a ``tool`` message that answers nothing, a
+duplicate tool call id, an unknown request field, and shapes the format does not have.
 
 Its answers are the shapes real servers send: ``chat.completion`` objects, and
 ``chat.completion.chunk`` streams with a role chunk first, ``reasoning_content`` (or
@@ -31,9 +31,16 @@ import orjson
 from aiohttp import web
 
 from relay.testing import emulator as anthropic
-from relay.testing.emulator import (INCOMING, STATE, EmulatorState, RaggedSplitter,
-                                    handle_clear_records, handle_records, handle_stats,
-                                    options_from_args)
+from relay.testing.emulator import (
+    INCOMING,
+    STATE,
+    EmulatorState,
+    RaggedSplitter,
+    handle_clear_records,
+    handle_records,
+    handle_stats,
+    options_from_args,
+)
 
 # Request fields OpenAI's Chat Completions endpoint knows; any other is refused, as OpenAI
 # refuses it ("Unrecognized request argument supplied").
@@ -242,7 +249,8 @@ def _arguments(tool: dict, turn: int, index: int, options) -> str:
     if options.bad_arguments:
         return '{"command": "echo unterminated'
     if tool["name"] == "Bash":
-        value = {"command": f"echo relay-turn-{turn}-{index}", "description": "Print a marker"}
+        value: dict[str, object] = {"command": f"echo relay-turn-{turn}-{index}",
+                                    "description": "Print a marker"}
     else:
         parameters = tool.get("parameters") or {}
         properties = parameters.get("properties") or {}

@@ -33,6 +33,7 @@ import asyncio
 import dataclasses
 import signal
 import sys
+from typing import Any
 
 import orjson
 from aiohttp import web
@@ -114,9 +115,10 @@ def _sse(data: dict, name: str | None = None) -> bytes:
 
 
 def _anthropic_start(model: str) -> bytes:
-    message = {"id": "msg_hostile", "type": "message", "role": "assistant", "model": model,
-               "content": [], "stop_reason": None, "stop_sequence": None,
-               "usage": {"input_tokens": 1, "output_tokens": 0}}
+    message: dict[str, Any] = {
+        "id": "msg_hostile", "type": "message", "role": "assistant", "model": model,
+        "content": [], "stop_reason": None, "stop_sequence": None,
+        "usage": {"input_tokens": 1, "output_tokens": 0}}
     return (_sse({"type": "message_start", "message": message}, "message_start")
             + _sse({"type": "content_block_start", "index": 0,
                     "content_block": {"type": "text", "text": ""}}, "content_block_start"))
@@ -229,10 +231,11 @@ class OpenAI:
 
 def malformed_answer(kind: str, model: str) -> bytes:
     """The body of a chat completion malformed as ``kind`` says."""
-    if MALFORMED[kind] is None:
+    malform = MALFORMED[kind]
+    if malform is None:
         return b'{"id": "chatcmpl-hostile", "choices": [{'
     doc = _completion(model, "Calling.")
-    MALFORMED[kind](doc, doc["choices"][0]["message"])
+    malform(doc, doc["choices"][0]["message"])
     return orjson.dumps(doc)
 
 
@@ -240,14 +243,15 @@ def malformed_stream(kind: str, model: str) -> bytes:
     """A stream whose third chunk (text, a call, the finish and usage in one) is malformed as
     ``kind`` says; the chunks before it are well-formed."""
     good = OpenAI.start(model) + OpenAI.delta("Calling. ")
-    if MALFORMED[kind] is None:
+    malform = MALFORMED[kind]
+    if malform is None:
         return good + b"data: {nope\n\n" + b"data: [DONE]\n\n"
     doc = _completion(model, "Still calling.")
     choice = doc["choices"][0]
     choice["delta"] = choice.pop("message")
     choice["delta"]["tool_calls"][0]["index"] = 0
     doc["object"] = "chat.completion.chunk"
-    MALFORMED[kind](doc, choice["delta"])
+    malform(doc, choice["delta"])
     return good + _sse(doc) + b"data: [DONE]\n\n"
 
 
@@ -280,7 +284,9 @@ def handler(wire):
         if type(body) is not dict:
             return web.Response(status=400, body=wire.error(400, "the body is not JSON"),
                                 content_type="application/json")
-        model = body.get("model") if isinstance(body.get("model"), str) else "hostile"
+        model = body.get("model")
+        if not isinstance(model, str):
+            model = "hostile"
         stream = body.get("stream") is True
         stream_headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         if model == "endless":

@@ -1,19 +1,19 @@
 """The example plugins, tested the way the relay tests its own plugins: with relay.testing."""
 
 import pytest
+from relay_example import model_blocklist
 
 from relay.errors import ConfigError
 from relay.hookspecs import hookimpl
 from relay.testing import passes, refuses, request, text, user
 from relay.testing.fixtures import received, received_headers
-from relay_example import model_blocklist
 
 BLOCK_OPUS = {"blocked": ["claude-opus-*"]}
 
 
 def test_a_blocked_model_is_refused_and_others_pass():
-    message = refuses(model_blocklist.relay_request, request(user(text("hi")), model="claude-opus-4"),
-                      BLOCK_OPUS, status=403)
+    opus = request(user(text("hi")), model="claude-opus-4")
+    message = refuses(model_blocklist.relay_request, opus, BLOCK_OPUS, status=403)
     assert message == "model claude-opus-4 is blocked on this relay"
     passes(model_blocklist.relay_request, request(user(text("hi"))), BLOCK_OPUS)
 
