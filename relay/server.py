@@ -17,7 +17,7 @@ from . import __version__, betas, lifecycle, logs, skeleton, threads
 from .chain import Chain
 from .config import Backend, InboundKey
 from .errors import RelayError, invalid_request
-from .exchange import Answer, Exchange, UpstreamResponse
+from .exchange import Answer, Exchange, Outcome, UpstreamAnswer, UpstreamResponse
 from .formats import openai
 from .inbound import (AdminGate, AdminRoute, Gate, check_target, forbidden, host_allowed,
                       is_json, split_target)
@@ -271,11 +271,8 @@ async def stream_failed(exchange: Exchange, response: web.StreamResponse, messag
     """End a stream whose headers are gone with an ``error`` event, so the client knows it is
     cut short. Bounded: a client that does not read cannot hold the relay here. ``detail``
     (what the library said) goes to the timeline, and so the dump, not to the client."""
-    exchange.outcome = "stream_error"
-    if detail:
-        exchange.note("relay", "stream error", message=message, detail=detail)
-    else:
-        exchange.note("relay", "stream error", message=message)
+    exchange.outcome = Outcome.STREAM_ERROR
+    exchange.stream_failed(message, kind, detail)
     try:
         await asyncio.wait_for(response.write(error_event(message, kind)), 5)
     except Exception as e:  # the client is gone or stuck; nothing more to tell it
@@ -385,7 +382,7 @@ class Relay:
         path, query = split_target(request.raw_path)
         exchange = Exchange(endpoint="refused", method=request.method, path=path[:2000],
                             query=query[:2000], headers=request.headers)
-        exchange.outcome, exchange.error = "refused", error
+        exchange.outcome, exchange.error = Outcome.REFUSED, error
         exchange.note("relay", "refused", status=error.status, message=error.message)
         response = await deliver(request, exchange, relay_error(
             error, exchange.id, {"x-relay-request-id": exchange.id},
@@ -416,7 +413,7 @@ class Relay:
             close = error.status in (408, 413)  # the rest of the body is not worth reading
             if exchange is None:
                 return await self.refuse(request, error)
-            exchange.outcome = "rejected" if error.status < 500 else "relay_error"
+            exchange.outcome = Outcome.REJECTED if error.status < 500 else Outcome.RELAY_ERROR
             exchange.error = error
             exchange.note("relay", "rejected", status=error.status, message=error.message)
             response = await deliver(request, exchange, relay_error(
@@ -437,12 +434,12 @@ class Relay:
             return await self._forward(request, exchange, rebuild)
         except asyncio.CancelledError:
             if current[0].outcome is None:
-                current[0].outcome = "client_disconnected"
+                current[0].outcome = Outcome.CLIENT_DISCONNECTED
             raise
         finally:
             exchange = current[0]
             if exchange.outcome is None:
-                exchange.outcome = "ok"
+                exchange.outcome = Outcome.OK
             await self.finish(exchange)
 
     async def _forward(self, request: web.Request, exchange: Exchange, rebuild) -> web.StreamResponse:
@@ -455,7 +452,7 @@ class Relay:
             return await self._unreachable(request, e.exchange, e.__cause__ or e)
         except RelayError as error:  # a path the backend's base URL cannot take, or a
             # request its format cannot carry
-            exchange.outcome = "rejected" if error.status < 500 else "relay_error"
+            exchange.outcome = Outcome.REJECTED if error.status < 500 else Outcome.RELAY_ERROR
             exchange.error = error
             return await deliver(request, exchange, relay_error(error, exchange.id,
                                                                 exchange.response_headers))
@@ -468,14 +465,13 @@ class Relay:
                 payload = await read_capped(upstream, state.config.max_upstream_body_bytes)
             except (aiohttp.ClientError, asyncio.TimeoutError, UpstreamTooLarge) as e:
                 return await self._unreachable(request, exchange, e)
-        exchange.upstream_response = {"status": upstream.status, "headers": upstream.headers,
-                                      "body": payload}
+        exchange.upstream_response = UpstreamAnswer(upstream.status, upstream.headers, payload)
         if exchange.backend.format == "openai":
             try:
                 payload = openai.answer_bytes(payload, exchange.backend.name, exchange.model)
             except RelayError as error:  # not a chat completion: the record says why
                 log.warning("%s: %s", exchange.id, error.message)
-                exchange.outcome, exchange.error = "upstream_malformed", error
+                exchange.outcome, exchange.error = Outcome.UPSTREAM_MALFORMED, error
                 return await deliver(request, exchange, relay_error(
                     error, exchange.id, exchange.response_headers))
         response = UpstreamResponse(upstream.status, upstream.headers, payload)
@@ -483,7 +479,7 @@ class Relay:
             try:
                 await state.chain.run("relay_response", exchange, response=response)
             except RelayError as error:
-                exchange.outcome, exchange.error = "rejected", error
+                exchange.outcome, exchange.error = Outcome.REJECTED, error
                 return await deliver(request, exchange, relay_error(
                     error, exchange.id, exchange.response_headers))
             except Exception:
@@ -510,7 +506,8 @@ class Relay:
     async def _unreachable(self, request, exchange: Exchange, e: BaseException) -> web.Response:
         error = upstream_failure(exchange.backend, e)
         log.warning("%s: %s (%s)", exchange.id, error.message, f"{type(e).__name__} {e}".rstrip())
-        exchange.outcome = "pool_full" if isinstance(e, PoolFull) else "upstream_unreachable"
+        exchange.outcome = (Outcome.POOL_FULL if isinstance(e, PoolFull)
+                            else Outcome.UPSTREAM_UNREACHABLE)
         exchange.error = error
         return await deliver(request, exchange, relay_error(error, exchange.id,
                                                             exchange.response_headers))
@@ -529,9 +526,8 @@ class Relay:
             payload = await read_capped(upstream, self.state.config.max_upstream_body_bytes)
         except (aiohttp.ClientError, asyncio.TimeoutError, UpstreamTooLarge) as e:
             return await self._unreachable(request, exchange, e)
-        exchange.outcome = "upstream_error"
-        exchange.upstream_response = {"status": upstream.status, "headers": upstream.headers,
-                                      "body": payload}
+        exchange.outcome = Outcome.UPSTREAM_ERROR
+        exchange.upstream_response = UpstreamAnswer(upstream.status, upstream.headers, payload)
         exchange.note("relay", "upstream error", status=upstream.status)
         headers = client_headers(upstream.headers, exchange.response_headers)
         if exchange.backend.format == "openai":  # retry-after and the status stay as sent
@@ -562,8 +558,8 @@ class Relay:
         translator = None
         if exchange.backend.format == "openai":
             translator = openai.StreamTranslator(exchange.backend.name, exchange.model)
-            exchange.upstream_response = {"status": upstream.status,
-                                          "headers": upstream.headers, "body": translator.raw}
+            exchange.upstream_response = UpstreamAnswer(upstream.status, upstream.headers,
+                                                        translator.raw)
         # Started where the ``finally`` below is sure to stop it.
         interval = self.state.config.stream_keepalive
         keepalive = KeepAlive(stream, interval) if interval else None
@@ -594,7 +590,7 @@ class Relay:
                 await stream.finish()
             except (aiohttp.ClientError, asyncio.TimeoutError, StreamBroken) as e:
                 if request.transport is None or request.transport.is_closing():
-                    exchange.outcome = "client_disconnected"
+                    exchange.outcome = Outcome.CLIENT_DISCONNECTED
                     return response
                 if stream.ended:
                     # Everything the client needs arrived; only the connection's own ending
@@ -641,12 +637,13 @@ class Relay:
                     exchange.note("relay", "keep-alive", pings=keepalive.sent)
             exchange.timings.last_byte = exchange.elapsed()
             if translator is not None:
-                exchange.upstream_response["body"] = translator.raw.value()
+                exchange.upstream_response.body = translator.raw.value()
                 if translator.fault is not None and exchange.outcome is None:
-                    exchange.outcome, message = translator.fault
+                    outcome, message = translator.fault
+                    exchange.outcome = Outcome(outcome)
                     log.warning("%s: %s", exchange.id, message)
                     exchange.error = RelayError(502, message, "api_error")
-                    exchange.note("relay", "stream error", message=message)
+                    exchange.stream_failed(message)
 
     async def passthrough(self, request: web.Request) -> web.StreamResponse:
         """A configured pass-through route (``server.passthrough``) goes to the default backend
@@ -660,11 +657,11 @@ class Relay:
         try:
             return await self._passthrough(request, exchange)
         except asyncio.CancelledError:
-            exchange.outcome = "client_disconnected"
+            exchange.outcome = Outcome.CLIENT_DISCONNECTED
             raise
         finally:
             if exchange.outcome is None:
-                exchange.outcome = "ok"
+                exchange.outcome = Outcome.OK
             await self.finish(exchange)
 
     async def _passthrough(self, request: web.Request, exchange: Exchange) -> web.StreamResponse:
@@ -677,7 +674,7 @@ class Relay:
                     request, state.config.max_body_bytes, state.config.body_timeout)
             upstream = await state.upstream.send(exchange, backend, body=raw)
         except RelayError as error:
-            exchange.outcome, exchange.error = "rejected", error
+            exchange.outcome, exchange.error = Outcome.REJECTED, error
             return await deliver(request, exchange, relay_error(error, exchange.id, close=True))
         except Unreachable as e:
             return await self._unreachable(request, exchange, e.__cause__ or e)
@@ -685,7 +682,7 @@ class Relay:
             if backend.format == "openai":
                 return await self._translated_passthrough(request, exchange, upstream)
             if upstream.status >= 300:
-                exchange.outcome = "upstream_error"
+                exchange.outcome = Outcome.UPSTREAM_ERROR
             secrets = backend.credentials
             response = web.StreamResponse(status=upstream.status,
                                           headers=client_headers(upstream.headers, None, secrets))
@@ -708,7 +705,7 @@ class Relay:
                 # the body is incomplete.
                 log.warning("passthrough %s from %s broke off: %r", exchange.path,
                             backend.name, e)
-                exchange.outcome = "stream_error"
+                exchange.outcome = Outcome.STREAM_ERROR
                 request.transport.close()
                 return response
             await response.write_eof()
@@ -722,18 +719,17 @@ class Relay:
             payload = await read_capped(upstream, self.state.config.max_upstream_body_bytes)
         except (aiohttp.ClientError, asyncio.TimeoutError, UpstreamTooLarge) as e:
             return await self._unreachable(request, exchange, e)
-        exchange.upstream_response = {"status": upstream.status, "headers": upstream.headers,
-                                      "body": payload}
+        exchange.upstream_response = UpstreamAnswer(upstream.status, upstream.headers, payload)
         headers = client_headers(upstream.headers)
         if upstream.status >= 300:
-            exchange.outcome = "upstream_error"
+            exchange.outcome = Outcome.UPSTREAM_ERROR
             payload = openai.error_bytes(upstream.status, payload, exchange.id)
             headers["Content-Type"] = "application/json"
         elif exchange.path.startswith("/v1/models"):
             try:
                 payload = openai.models_bytes(payload, exchange.backend.name)
             except RelayError as error:
-                exchange.outcome, exchange.error = "upstream_malformed", error
+                exchange.outcome, exchange.error = Outcome.UPSTREAM_MALFORMED, error
                 return await deliver(request, exchange, relay_error(
                     error, exchange.id, {"x-relay-request-id": exchange.id}))
         return await deliver(request, exchange, web.Response(

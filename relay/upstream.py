@@ -21,7 +21,7 @@ from yarl import URL
 from . import beta_filter
 from .config import Retries
 from .errors import RelayError
-from .exchange import Attempt
+from .exchange import Attempt, UpstreamRequest
 from .headers import AUTH_HEADERS, end_to_end
 from .redact import redact_headers
 from .formats import openai
@@ -179,7 +179,7 @@ class Upstream:
         (any status: the caller decides what a 4xx means) or raises :class:`Unreachable`.
         ``body`` defaults to ``exchange.upstream_body()``, ``headers`` to the client's. For an
         OpenAI-format backend the request goes to its Chat Completions path, translated
-        (``exchange.upstream_request["body"]`` is then the translated body), or a RelayError
+        (``exchange.upstream_request.body`` is then the translated body), or a RelayError
         400 says what cannot be translated."""
         translated = backend.format == "openai"
         if translated:  # Anthropic's query parameters (?beta=true) mean nothing there
@@ -203,7 +203,7 @@ class Upstream:
         if translated:
             openai.upstream_headers(out_headers)
         where = str(url)
-        exchange.upstream_request = {"url": where, "headers": out_headers, "body": body}
+        exchange.upstream_request = UpstreamRequest(where, out_headers, body)
         retries = backend.retries
         started = time.perf_counter()
         waited = 0.0
