@@ -200,7 +200,8 @@ def target_pattern(options: dict, backend) -> str | None:
     pattern = options.get("tool_id_pattern") or ""
     if pattern:
         return pattern
-    return None if backend is not None and backend.format == "openai" else ANTHROPIC_IDS
+    # An upstream that does not hold ids to Anthropic's grammar takes the client's as they are.
+    return None if backend is not None and not backend.adapter.checks_tool_ids else ANTHROPIC_IDS
 
 
 def translate_ids(messages: list, pattern: str | None, thinking: list | None = None,
@@ -637,7 +638,7 @@ def _without_thinking_edits(body: dict) -> None:
 
 
 def _checks_signatures(options: dict, backend) -> bool:
-    if backend is not None and backend.format == "openai":
+    if backend is not None and not backend.adapter.signs_thinking:
         return False
     return options.get("thinking_signatures", True) is not False
 

@@ -14,13 +14,12 @@ import yaml
 
 from .errors import ConfigError
 from .beta_filter import QUIRKS as BETA_QUIRKS
-from .formats import FORMATS, THREAD_FORMATS
-from .formats.openai import QUIRKS as OPENAI_QUIRKS
+from .formats import ADAPTERS, FORMATS, Adapter
 from .redact import secrets_of
 
-# Quirks the host itself reads (the OpenAI format's, the beta filter's), beside those
+# Quirks the host itself reads (the wire formats', the beta filter's), beside those
 # plugins declare.
-HOST_QUIRKS = frozenset(OPENAI_QUIRKS) | frozenset(BETA_QUIRKS)
+HOST_QUIRKS = frozenset(q for a in ADAPTERS.values() for q in a.quirks) | frozenset(BETA_QUIRKS)
 MAX_BODY_BYTES = 32 * 1024 * 1024  # the Messages API's own request limit
 ROUTE_CACHE_BYTES = 256 * 1024
 # What a path segment may hold: RFC 3986's unreserved and sub-delims, ":" and "@"; no "%"
@@ -71,6 +70,12 @@ class Backend:
     format: str = "anthropic"  # the wire format it speaks (relay.formats.FORMATS)
     # Whether it keeps conversations sent with ``thread`` (relay.threads); see _holds_threads.
     holds_threads: bool = False
+
+    @functools.cached_property
+    def adapter(self) -> Adapter:
+        """The wire format's adapter (:class:`relay.formats.base.Adapter`): everything the
+        host does differently for a format, it asks this for. Chosen when the config loads."""
+        return ADAPTERS[self.format]
 
     def serves(self, model: str) -> bool:
         return any(fnmatch.fnmatchcase(model, pattern) for pattern in self.models)
@@ -455,19 +460,17 @@ def _backend(item, path: str, env, require_keys: bool) -> Backend:
         quirks=dict(_expect(item.get("quirks", {}) or {}, dict, f"{path}.quirks", "a mapping")),
     )
     backend.format = _expect(item.get("format", "anthropic"), str, f"{path}.format", "a string")
-    if backend.format not in FORMATS:
+    if ADAPTERS.get(backend.format) is None:
         raise ConfigError(f"{path}.format: must be one of {', '.join(FORMATS)}, "
                           f"not {backend.format!r}")
-    if backend.format == "openai":
-        _openai_quirks(backend.quirks, f"{path}.quirks")
+    _format_quirks(backend.adapter, backend.quirks, f"{path}.quirks")
     for key in BETA_QUIRKS:
         if key in backend.quirks:
             patterns = _expect(backend.quirks[key], list, f"{path}.quirks.{key}",
                                "a list of beta name patterns")
             for j, pattern in enumerate(patterns):
                 _expect(pattern, str, f"{path}.quirks.{key}[{j}]", "a beta name pattern")
-    # OpenAI-format servers read keys as bearer tokens.
-    auth = _expect(item.get("auth", "bearer" if backend.format == "openai" else "x-api-key"),
+    auth = _expect(item.get("auth", backend.adapter.auth),
                    str, f"{path}.auth", "a string")
     if auth not in ("x-api-key", "bearer"):
         raise ConfigError(f"{path}.auth: must be x-api-key or bearer")
@@ -503,7 +506,7 @@ THREAD_HOSTS = ("api.anthropic.com",)
 def _holds_threads(item: dict, backend: Backend, path: str) -> bool:
     """``holds_threads``: by default true only for Anthropic's own API host, and never for a
     wire format that has no ``thread`` to carry."""
-    carries = backend.format in THREAD_FORMATS
+    carries = backend.adapter.carries_threads
     default = carries and urlsplit(backend.url).hostname in THREAD_HOSTS
     holds = _expect(item.get("holds_threads", default), bool, f"{path}.holds_threads",
                     "true or false")
@@ -513,8 +516,8 @@ def _holds_threads(item: dict, backend: Backend, path: str) -> bool:
     return holds
 
 
-def _openai_quirks(quirks: dict, path: str) -> None:
-    for key, choices in OPENAI_QUIRKS.items():
+def _format_quirks(adapter: Adapter, quirks: dict, path: str) -> None:
+    for key, choices in adapter.quirks.items():
         if key in quirks and (quirks[key] not in choices
                               or type(quirks[key]) is not type(choices[0])):
             names = [str(c).lower() if isinstance(c, bool) else c for c in choices]

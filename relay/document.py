@@ -75,17 +75,18 @@ class DocumentError(ValueError):
     """The document is not one this relay reads; the message says why."""
 
 
-@dataclasses.dataclass(slots=True)
-class RecordedError:
+class RecordedError(RelayError):
     """The relay's own error as a document recorded it (``relay_error``): the status, type and
-    message it answered with."""
+    message it answered with, as they stand there (a hand-made document's are not checked,
+    so they need not make a valid :class:`relay.errors.RelayError`)."""
 
-    status: Any
-    type: Any
-    message: Any
-
-    def as_dict(self) -> dict:
-        return {"status": self.status, "type": self.type, "message": self.message}
+    def __init__(self, status: Any, type: Any, message: Any):
+        Exception.__init__(self, message)
+        self.status = status
+        self.type = type
+        self.message = message
+        self.rule = None
+        self.plugin = None
 
 
 # --- writing ------------------------------------------------------------------------------

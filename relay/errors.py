@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import orjson
 
 # The API's own pairing of status and error type; a relay error never invents another.
@@ -35,6 +37,8 @@ class RelayError(Exception):
         self.type = type or STATUS_TYPES.get(status, "api_error")
         self.rule = rule  # which rule refused, when a plugin names one (metrics count by it)
         self.plugin: str | None = None  # set by the chain: the plugin that raised it
+        # The exchange it refused, when one was built (relay.prepare.prepare_exchange).
+        self.exchange: Any = None
 
     def body(self, request_id: str | None = None) -> bytes:
         return error_body(self.type, self.message, request_id)

@@ -14,7 +14,7 @@ import msgspec
 import orjson
 
 from . import skeleton
-from .errors import invalid_request
+from .errors import RelayError, invalid_request
 from .headers import AUTH_HEADERS, end_to_end
 from .skeleton import Skeleton
 
@@ -276,7 +276,7 @@ class Exchange:
         self.upstream_request: UpstreamRequest | None = None
         self.upstream_response: UpstreamAnswer | None = None
         self.outcome: Outcome | None = None
-        self.error: Any = None
+        self.error: RelayError | None = None
         self.stream_failure: StreamFailure | None = None
         self.attempts: list[Attempt] = []
         self.timings = Timings()

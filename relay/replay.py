@@ -1,6 +1,6 @@
 """`relay replay DUMP`: rebuild a dumped exchange from its client request alone, and compare.
 
-The rebuild runs the request chain exactly as serving does (:func:`relay.server.prepare_exchange`)
+The rebuild runs the request chain exactly as serving does (:func:`relay.prepare.prepare_exchange`)
 with the pipeline, plugin options and backends the dump recorded, or those of ``--config``.
 It prints the translation table and the upstream-bound body it got, then a unified diff of
 each against the dump. Translation entries made on the way back (direction ``to_client``)
@@ -44,9 +44,8 @@ from .chain import Chain, load_plugins
 from .document import REDACTED, pretty, printable, shown
 from .errors import ConfigError, RelayError
 from .exchange import Exchange, is_credential_header
-from .formats import openai
 from .inbound import check_target
-from .server import ENDPOINTS, RelayState, prepare_exchange
+from .prepare import ENDPOINTS, Preparation, prepare_exchange
 from .upstream import Unreachable, Upstream, upstream_url
 
 log = logging.getLogger("relay.replay")
@@ -144,7 +143,7 @@ async def _replay(args, config_path, dump: dict, request: ClientRequest, recorde
         return _fail(f"config error: the plugins could not start with these options: "
                      f"{type(e).__name__} {e}")
     try:
-        exchange, rebuilt = await rebuild(RelayState(config, chain), request)
+        exchange, rebuilt = await rebuild(Preparation(config, chain), request)
     finally:
         await chain.shutdown(config)
 
@@ -231,7 +230,8 @@ def recorded_result(recorded: Exchange) -> Result:
     error = recorded.error
     return Result(translation=recorded.translation,
                   upstream_body=sent.body if sent is not None else None,
-                  relay_error=error.as_dict() if sent is None and error is not None else None)
+                  relay_error=None if sent is not None or error is None else {
+                      "status": error.status, "type": error.type, "message": error.message})
 
 
 def dumped_config(dump: dict):
@@ -263,18 +263,18 @@ def dumped_config(dump: dict):
 # --- rebuilding and comparing ---------------------------------------------------------------
 
 
-async def rebuild(state: RelayState, request: ClientRequest):
-    """Run the request through the chain as serving does; return (exchange, Result). For an
-    OpenAI-format backend the upstream-bound body is the translated one, as it went up."""
+async def rebuild(state: Preparation, request: ClientRequest):
+    """Run the request through the chain as serving does; return (exchange, Result). For a
+    backend whose format translates, the upstream-bound body is the translated one, as it
+    went up."""
     try:
         exchange = await prepare_exchange(state, method=request.method, path=request.path,
                                           query=request.query, headers=request.headers,
                                           raw_body=request.raw_body)
         body = exchange.upstream_body()
-        if exchange.backend.format == "openai" and exchange.endpoint == "messages":
-            body = openai.request_bytes(body, exchange.backend)
+        body = exchange.backend.adapter.request_body(body, exchange.backend, exchange.endpoint)
     except RelayError as error:
-        refused: Exchange | None = getattr(error, "exchange", None)
+        refused = error.exchange
         return refused, Result(
             translation=refused.translation if refused is not None else {},
             upstream_body=None,
@@ -329,10 +329,8 @@ async def send(config, exchange, request: ClientRequest, body: bytes, source: st
             headers["x-api-key"] = client_key
     try:
         check_target(request.path, request.query)
-        if backend.format == "openai":  # where Upstream.send sends it, translated
-            url = upstream_url(backend, openai.upstream_path(request.path), "")
-        else:
-            url = upstream_url(backend, request.path, request.query)
+        # Where Upstream.send sends it.
+        url = upstream_url(backend, *backend.adapter.upstream_target(request.path, request.query))
     except RelayError as e:
         print(printable(f"relay: the dump's request cannot be sent: {e.message}"), file=sys.stderr)
         return False

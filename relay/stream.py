@@ -1,19 +1,30 @@
-"""One upstream event stream on its way to the client, through the plugins that asked for
-its events.
+"""One upstream event stream on its way to the client, through the format's translator (when
+it has one) and the plugins that asked for its events.
 
-The server feeds it the upstream's chunks as they arrive and tells it when the upstream has
-finished; it frames what plugins must see, runs them, and writes everything else on as the
-upstream's own bytes. Kept apart from aiohttp (it only needs an async ``write``) so that the
-benchmark measures this very code.
+:func:`relay_stream` answers a streaming request: it sends the headers, then :func:`pump`
+feeds the upstream's chunks through the translator into a :class:`StreamRelay`, which frames
+what plugins must see, runs them, and writes everything else on as the upstream's own bytes.
+:class:`StreamRelay` and :func:`pump` need only an async ``write`` and an async iterator of
+chunks, so that the benchmark measures this very code.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from typing import Awaitable, Callable
+from collections.abc import AsyncIterable, Awaitable, Callable
 
+import aiohttp
+from aiohttp import web
+
+from . import lifecycle, threads
+from .errors import RelayError
+from .exchange import Answer, Exchange, Outcome, UpstreamAnswer
+from .formats import Translator
+from .redact import redacting_writer
 from .sse import Event, LazyFramer, names_events
+from .upstream import client_headers
 
 log = logging.getLogger("relay")
 
@@ -68,13 +79,6 @@ class StreamRelay:
                                               ends=STREAM_ENDS, name_by_type=untyped)
             if untyped:
                 self.exchange.note("relay", "named untyped stream events")
-            # The first event (message_start) goes out before whatever came with it is
-            # scanned: time to first byte must not grow with how much the upstream managed to
-            # send before the relay read.
-            cut = chunk.find(b"\n\n") + 2
-            if 1 < cut < len(chunk):
-                await self._relay(*framer.feed(chunk[:cut]))
-                chunk = chunk[cut:]
         parts, events = framer.feed(chunk)
         if parts:
             await self._relay(parts, events)
@@ -135,6 +139,7 @@ class StreamRelay:
         of ``parts`` too. Returns the parts, and the events after ``event``."""
         self.plan.widen(more)
         framer = self.framer
+        assert framer is not None  # events were framed, so the framer is there
         framer.want(self.plan.framed_names() or ())
         at = next(n for n, part in enumerate(parts) if part is event) + 1
         rest: list = []
@@ -209,3 +214,152 @@ class KeepAlive:
 def error_event(message: str, kind: str = "api_error") -> bytes:
     """An ``error`` event as Anthropic sends one after the headers have gone."""
     return Event.build("error", {"type": "error", "error": {"type": kind, "message": message}}).raw
+
+
+async def pump(stream: StreamRelay, chunks: AsyncIterable[bytes],
+               translator: Translator | None = None) -> None:
+    """Feed the upstream's ``chunks`` into ``stream`` through ``translator`` (the format's
+    stage, when it has one), then finish it. The first read is cut after its first event,
+    which goes out before the rest of that read is translated or scanned: time to first byte
+    must not grow with how much the upstream managed to send before the relay read."""
+    reads = chunks.__aiter__()
+    stage = translator.feed if translator is not None else None
+    async for chunk in reads:
+        cut = chunk.find(b"\n\n") + 2
+        if 1 < cut < len(chunk):
+            await stream.feed(stage(chunk[:cut]) if stage is not None else chunk[:cut])
+            chunk = chunk[cut:]
+        await stream.feed(stage(chunk) if stage is not None else chunk)
+        break
+    if translator is None:
+        async for chunk in reads:
+            await stream.feed(chunk)
+    else:
+        if translator.fault is None:
+            async for chunk in reads:
+                chunk = translator.feed(chunk)
+                if chunk:
+                    await stream.feed(chunk)
+                if translator.fault is not None:
+                    break  # the relay ended the stream: the rest is not read
+        chunk = translator.close()
+        if chunk:
+            await stream.feed(chunk)
+    await stream.finish()
+
+
+def stream_break(backend, e: BaseException) -> str:
+    """What a client is told when an upstream stream stops short, in plain words: the
+    library's own account (``ClientPayloadError ... TransferEncodingError: 400, message='Not
+    enough data ...'``, where the 400 is no HTTP status) is for the log and the dump."""
+    if isinstance(e, aiohttp.ServerTimeoutError):
+        why = (f"nothing came for more than {backend.timeouts.read:g} s (its timeouts.read), "
+               f"so the relay ended it")
+    elif isinstance(e, asyncio.TimeoutError) and backend.timeouts.total is not None:
+        why = f"it did not finish within {backend.timeouts.total:g} s (its timeouts.total)"
+    elif isinstance(e, StreamBroken):
+        why = str(e)
+    else:
+        why = "the upstream ended it before it was complete"
+    return f"upstream {backend.name}'s stream broke off: {why}"
+
+
+async def stream_failed(exchange: Exchange, response: web.StreamResponse, message: str,
+                        kind: str = "api_error", detail: str | None = None) -> None:
+    """End a stream whose headers are gone with an ``error`` event, so the client knows it is
+    cut short. Bounded: a client that does not read cannot hold the relay here. ``detail``
+    (what the library said) goes to the timeline, and so the dump, not to the client."""
+    exchange.outcome = Outcome.STREAM_ERROR
+    exchange.stream_failed(message, kind, detail)
+    try:
+        await asyncio.wait_for(response.write(error_event(message, kind)), 5)
+    except Exception as e:  # the client is gone or stuck; nothing more to tell it
+        log.info("%s: could not deliver the stream's error event: %r", exchange.id, e)
+
+
+async def relay_stream(state, request: web.Request, exchange: Exchange,
+                       upstream: aiohttp.ClientResponse) -> web.StreamResponse:
+    """Answer ``exchange`` with the upstream's event stream (``state`` is the server's: its
+    chain, its threads, ``server.stream_keepalive``). Once the headers are gone, every way
+    the stream can fail ends it with an ``error`` event."""
+    plan = await state.chain.stream_plan(exchange)
+    backend = exchange.backend
+    secrets = backend.credentials
+    headers = client_headers(upstream.headers, exchange.response_headers, secrets)
+    # What the SDKs report as the request id, when the upstream gave none (a translated
+    # stream).
+    headers.setdefault("request-id", exchange.id)
+    response = web.StreamResponse(status=upstream.status, headers=headers)
+    answer = exchange.answer = Answer(response.status, response.headers, stream=True)
+    await response.prepare(request)
+    write = redacting_writer(response.write, secrets)
+    # A thread's record is what the client received.
+    tap = threads.Tap(write) if exchange.thread is not None else None
+    stream = StreamRelay(state.chain, exchange, plan, tap or write)
+    translator = backend.adapter.stream_translator(backend.name, exchange.model)
+    record = None
+    if translator is not None:
+        record = exchange.upstream_response = UpstreamAnswer(upstream.status, upstream.headers,
+                                                             translator.raw)
+    # Started where the ``finally`` below is sure to stop it.
+    interval = state.config.stream_keepalive
+    keepalive = KeepAlive(stream, interval) if interval else None
+    try:
+        try:
+            await pump(stream, upstream.content.iter_any(), translator)
+        except (aiohttp.ClientError, asyncio.TimeoutError, StreamBroken) as e:
+            if request.transport is None or request.transport.is_closing():
+                exchange.outcome = Outcome.CLIENT_DISCONNECTED
+                return response
+            if stream.ended:
+                # Everything the client needs arrived; only the connection's own ending
+                # failed.
+                log.info("%s: upstream connection ended uncleanly after the stream: %r",
+                         exchange.id, e)
+            else:
+                message = stream_break(backend, e)
+                detail = f"{type(e).__name__} {e}".rstrip()
+                log.warning("%s: %s (%s)", exchange.id, message, detail)
+                await stream_failed(exchange, response, message, detail=detail)
+                return response
+        except RelayError as error:  # a stream plugin refused to go on
+            exchange.error = error
+            await stream_failed(exchange, response, error.message, error.type)
+            return response
+        except asyncio.CancelledError:
+            # The client went away, or the relay is stopping with this stream still open:
+            # then the client is told, not cut off.
+            if (request.transport is not None and not request.transport.is_closing()
+                    and not stream.ended):
+                await stream_failed(exchange, response, lifecycle.SHUTTING_DOWN)
+                # A clean end of the body: a client drops a body cut short, error and all.
+                with contextlib.suppress(Exception):
+                    await response.write_eof()
+            raise
+        except Exception:
+            log.exception("%s: the stream loop failed", exchange.id)
+            if not stream.ended:
+                await stream_failed(exchange, response,
+                                    "the relay failed while relaying this stream")
+                return response
+        await response.write_eof()
+        if tap is not None:
+            threads.record(state.threads, exchange, tap.message())
+        return response
+    finally:
+        answer.size, answer.events = stream.written, stream.events
+        if keepalive is not None:
+            keepalive.stop()
+            if keepalive.sent:
+                answer.size += keepalive.bytes
+                answer.events += keepalive.sent
+                exchange.note("relay", "keep-alive", pings=keepalive.sent)
+        exchange.timings.last_byte = exchange.elapsed()
+        if translator is not None and record is not None:
+            record.body = translator.raw.value()
+            if translator.fault is not None and exchange.outcome is None:
+                outcome, message = translator.fault
+                exchange.outcome = Outcome(outcome)
+                log.warning("%s: %s", exchange.id, message)
+                exchange.error = RelayError(502, message, "api_error")
+                exchange.stream_failed(message)

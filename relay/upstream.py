@@ -12,6 +12,7 @@ import email.utils
 import functools
 import random
 import time
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -24,7 +25,7 @@ from .errors import RelayError
 from .exchange import Attempt, UpstreamRequest
 from .headers import AUTH_HEADERS, end_to_end
 from .redact import redact_headers
-from .formats import openai
+
 
 @functools.lru_cache(maxsize=256)
 def _base_path(url: str) -> str:
@@ -79,8 +80,36 @@ def client_headers(upstream_headers, extra: dict | None = None, secrets=()) -> C
     return redact_headers(out, secrets) if secrets else out
 
 
+class Fallbacks(Protocol):
+    """Where the exchanges for a backend's fallbacks come from (:class:`relay.prepare.
+    Fallbacks`): prepared by the layer that prepares requests, handed to the seam."""
+
+    async def next(self) -> Any: ...
+
+
 class Unreachable(Exception):
     """No answer came back from the upstream (after any retries); ``__cause__`` says why."""
+
+    exchange: Any = None  # the exchange that was sent last
+
+
+class UpstreamTooLarge(Exception):
+    """An upstream answer longer than ``server.max_upstream_body_bytes`` (decoded)."""
+
+
+async def read_capped(upstream: aiohttp.ClientResponse, limit: int) -> bytes:
+    """A whole upstream body, decompressed, but never more than ``limit`` bytes of it."""
+    if upstream.content_length is not None and upstream.content_length > limit \
+            and "Content-Encoding" not in upstream.headers:
+        raise UpstreamTooLarge(limit)
+    parts = []
+    size = 0
+    async for chunk in upstream.content.iter_any():
+        size += len(chunk)
+        if size > limit:
+            raise UpstreamTooLarge(limit)
+        parts.append(chunk)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 class PoolFull(Exception):
@@ -177,15 +206,12 @@ class Upstream:
         """Send ``exchange``'s request to ``backend``, retrying as the backend's ``retries``
         say; every try is recorded in ``exchange.attempts``. Returns the upstream's answer
         (any status: the caller decides what a 4xx means) or raises :class:`Unreachable`.
-        ``body`` defaults to ``exchange.upstream_body()``, ``headers`` to the client's. For an
-        OpenAI-format backend the request goes to its Chat Completions path, translated
-        (``exchange.upstream_request.body`` is then the translated body), or a RelayError
-        400 says what cannot be translated."""
-        translated = backend.format == "openai"
-        if translated:  # Anthropic's query parameters (?beta=true) mean nothing there
-            url = upstream_url(backend, openai.upstream_path(exchange.path), "")
-        else:
-            url = upstream_url(backend, exchange.path, exchange.query)
+        ``body`` defaults to ``exchange.upstream_body()``, ``headers`` to the client's. The
+        backend's format adapter says where the request goes and translates the body and
+        headers (``exchange.upstream_request.body`` is then the translated body), or raises
+        a RelayError 400 that says what cannot be translated."""
+        adapter = backend.adapter
+        url = upstream_url(backend, *adapter.upstream_target(exchange.path, exchange.query))
         out_headers = self.headers(exchange.client_headers if headers is None else headers,
                                    backend, exchange.shaped_headers)
         dropped = beta_filter.filter_header(out_headers, backend.quirks) \
@@ -196,36 +222,38 @@ class Upstream:
                 body, removed = beta_filter.strip_body(body, dropped)
                 exchange.note("relay", "dropped betas", backend=backend.name, betas=dropped,
                               **({"fields": removed} if removed else {}))
-            if translated and exchange.endpoint == "messages":
-                body = openai.request_bytes(body, backend)
+            body = adapter.request_body(body, backend, exchange.endpoint)
         elif dropped:
             exchange.note("relay", "dropped betas", backend=backend.name, betas=dropped)
-        if translated:
-            openai.upstream_headers(out_headers)
+        adapter.request_headers(out_headers)
         where = str(url)
         exchange.upstream_request = UpstreamRequest(where, out_headers, body)
         retries = backend.retries
+        session = self.session
+        if session is None:
+            raise RuntimeError("Upstream.send before Upstream.start")
         started = time.perf_counter()
         waited = 0.0
         while True:
             attempt = Attempt(backend.name, where, waited=waited)
             exchange.attempts.append(attempt)
             sent = time.perf_counter()
-            failure = answer = None
+            failure: BaseException | None = None
+            answer: aiohttp.ClientResponse | None = None
             try:
-                answer = await self.session.request(
+                answer = await session.request(
                     exchange.method, url, data=body, headers=out_headers,
                     timeout=self.timeouts[backend.name], allow_redirects=False)
             except aiohttp.ConnectionTimeoutError as e:
-                if not pool_full(self.session):
+                if not pool_full(session):
                     failure = e
                     attempt.error = f"{type(e).__name__} {e}".rstrip()
                 else:  # waiting again, here or on a fallback (the same pool), helps nobody
                     attempt.seconds = time.perf_counter() - sent
                     attempt.error = "pool full"
-                    exchange.note("relay", "pool full", backend=backend.name,
-                                  limit=self.session.connector.limit)
-                    raise Unreachable(backend.name) from PoolFull(self.session.connector.limit)
+                    limit = session.connector.limit if session.connector is not None else 0
+                    exchange.note("relay", "pool full", backend=backend.name, limit=limit)
+                    raise Unreachable(backend.name) from PoolFull(limit)
             except RETRYABLE_ERRORS as e:
                 failure = e
                 attempt.error = f"{type(e).__name__} {e}".rstrip()
@@ -251,15 +279,15 @@ class Upstream:
             await self._sleep(wait)
             waited = wait
 
-    async def open(self, exchange, rebuild=None):
+    async def open(self, exchange, fallbacks: Fallbacks | None = None):
         """:meth:`send`, then each of the backend's ``fallbacks`` in order while the answer
-        is one the backend retries (or none came). ``rebuild(exchange, backend)`` makes the
-        exchange for a fallback: the request chain runs again, since quirks differ; a fallback
-        it refuses is skipped. Returns ``(exchange, answer)`` with the exchange that was sent
-        last; raises :class:`Unreachable`, with that exchange as ``.exchange``."""
-        fallbacks = [self.config.backend(name) for name in exchange.backend.fallbacks]
+        is one the backend retries (or none came). ``fallbacks`` (a
+        :class:`relay.prepare.Fallbacks`) hands over the exchange prepared for the next one,
+        or None when none is left. Returns ``(exchange, answer)`` with the exchange that was
+        sent last; raises :class:`Unreachable`, with that exchange as ``.exchange``."""
         while True:
-            failure = None
+            failure: Unreachable | None = None
+            answer: aiohttp.ClientResponse | None
             try:
                 answer = await self.send(exchange, exchange.backend)
             except Unreachable as e:
@@ -271,17 +299,11 @@ class Upstream:
             if answer is not None and answer.status not in exchange.backend.retries.statuses:
                 _mark_retried(exchange)
                 return exchange, answer
-            following = None
-            while rebuild is not None and fallbacks and following is None:
-                target = fallbacks.pop(0)
-                try:
-                    following = await rebuild(exchange, target)
-                except RelayError as refused:
-                    exchange.note("relay", "fallback refused", backend=target.name,
-                                  message=refused.message)
+            following = await fallbacks.next() if fallbacks is not None else None
             if following is None:
                 _mark_retried(exchange)
                 if answer is None:
+                    assert failure is not None  # no answer came: send raised
                     failure.exchange = exchange
                     raise failure
                 return exchange, answer

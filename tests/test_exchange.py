@@ -51,10 +51,18 @@ def _not_a_member(value: ast.expr) -> bool:
 
 
 def outcome_assignments(source: str, name: str = "<source>") -> list[str]:
-    """Each assignment to an ``outcome`` attribute whose value is not an Outcome member (or
-    ``Outcome(...)``, or None), as ``file:line``."""
+    """Each assignment to an ``outcome`` attribute (or outcome given to ``refuse``, which
+    assigns it) whose value is not an Outcome member (or ``Outcome(...)``, or None), as
+    ``file:line``."""
     found = []
     for node in ast.walk(ast.parse(source)):
+        call = node.value if isinstance(node, ast.Await) else None
+        if isinstance(call, ast.Call) and getattr(call.func, "id", None) == "refuse":
+            # relay.respond's refuse(request, exchange, error, outcome, close=...) sets it
+            given = call.args[3:4] + [k.value for k in call.keywords if k.arg == "outcome"]
+            if any(_not_a_member(value) for value in given):
+                found.append(f"{name}:{node.lineno}")
+            continue
         if isinstance(node, ast.Assign):
             pairs = []
             for target in node.targets:
@@ -90,6 +98,8 @@ def test_every_outcome_assigned_is_a_member():
     'exchange.outcome, message = translator.fault',
     "exchange.outcome = Outcome.NOT_ONE",
     "exchange.outcome = kind",
+    'await refuse(request, exchange, error, "upstream_malformed")',
+    'await refuse(request, exchange, error, outcome="rejected", close=True)',
 ])
 def test_the_check_finds_an_outcome_that_is_no_member(source):
     assert outcome_assignments(source) == ["<source>:1"]
@@ -100,7 +110,9 @@ def test_the_check_passes_the_members():
         "exchange.outcome = Outcome.OK", "exchange.outcome = None",
         "exchange.outcome, exchange.error = Outcome.REJECTED, error",
         "exchange.outcome = Outcome.POOL_FULL if full else Outcome.UPSTREAM_UNREACHABLE",
-        "exchange.outcome = Outcome(fault)"])) == []
+        "exchange.outcome = Outcome(fault)",
+        "await refuse(request, exchange, error, Outcome.REFUSED, close=True)",
+        "await refuse(request, exchange, error)"])) == []
 
 
 # --- the typed parts ------------------------------------------------------------------------
@@ -206,8 +218,9 @@ def test_a_refusal_reads_back_with_its_error():
     back = record.from_document(record.load(record.encode(record.to_document(
         exchange, reason="rejected", when=WHEN, config={}))))
     assert back.upstream_request is None and back.upstream_response is None
-    assert back.error.as_dict() == {"status": 400, "type": "invalid_request_error",
-                                    "message": "messages.1: no"}
+    error = back.error
+    assert (error.status, error.type, error.message) == (400, "invalid_request_error",
+                                                         "messages.1: no")
 
 
 def test_an_old_dump_reads_as_it_did(tmp_path):

@@ -743,7 +743,7 @@ def test_a_stream_chunk_of_the_wrong_shape_ends_the_stream_and_none_of_it_goes_o
 
 
 def test_an_event_that_never_ends_is_cut_at_the_limit(monkeypatch):
-    monkeypatch.setattr(openai, "MAX_EVENT_BYTES", 1000)
+    monkeypatch.setattr(openai.stream, "MAX_EVENT_BYTES", 1000)
     translator = openai.StreamTranslator("oa")
     assert translator.feed(sse(chunk({"content": "a"}), done=False)).startswith(
         b"event: message_start")
@@ -756,7 +756,7 @@ def test_an_event_that_never_ends_is_cut_at_the_limit(monkeypatch):
 
 
 def test_what_waits_behind_a_live_call_is_bounded(monkeypatch):
-    monkeypatch.setattr(openai, "MAX_HELD_BYTES", 1000)
+    monkeypatch.setattr(openai.stream, "MAX_HELD_BYTES", 1000)
     translator = openai.StreamTranslator("oa")
     out = translator.feed(sse(chunk(call(0, id="c1", name="Bash", arguments="{")), done=False))
     for _ in range(20):

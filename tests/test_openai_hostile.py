@@ -38,8 +38,8 @@ class Recorder:
 @pytest.fixture
 def small_limits(monkeypatch):
     monkeypatch.setattr(stream, "MAX_EVENT_BYTES", LIMIT)
-    monkeypatch.setattr(openai, "MAX_EVENT_BYTES", LIMIT)
-    monkeypatch.setattr(openai, "MAX_HELD_BYTES", LIMIT)
+    monkeypatch.setattr(openai.stream, "MAX_EVENT_BYTES", LIMIT)
+    monkeypatch.setattr(openai.stream, "MAX_HELD_BYTES", LIMIT)
 
 
 @pytest.fixture

@@ -1,0 +1,84 @@
+"""The one interface every wire format implements, with Anthropic's own (the identity) as its
+defaults.
+
+The host asks a backend's adapter (``backend.adapter``, chosen from its ``format`` when the
+config loads) for everything that differs between formats, and never which format it is: a
+new format is a new adapter here, and nothing outside :mod:`relay.formats` changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from multidict import CIMultiDict
+
+
+class Translator(Protocol):
+    """One upstream stream as Anthropic SSE bytes: :meth:`feed` each chunk (any boundaries),
+    send on what it returns, :meth:`close` when the upstream is done. ``fault`` is
+    ``(outcome, message)`` once the translator ended the stream itself with an ``error``
+    event; ``raw`` keeps the upstream's own bytes for the record (bounded)."""
+
+    fault: tuple[str, str] | None
+
+    @property
+    def raw(self) -> Any: ...
+
+    def feed(self, chunk: bytes) -> bytes: ...
+
+    def close(self) -> bytes: ...
+
+
+class Adapter:
+    """A wire format: how an Anthropic request goes up and what comes back becomes Anthropic's.
+    Every method's default is the identity: Anthropic's format needs no translation."""
+
+    name = "anthropic"
+    # The backend quirks the format reads, with their choices (first: the default); a value
+    # outside them is a config error.
+    quirks: Mapping[str, tuple] = {}
+    auth = "x-api-key"  # how the backend's key goes up unless relay.yaml says ``auth``
+    carries_threads = True  # its requests can carry a server-held ``thread`` (relay.threads)
+    checks_tool_ids = True  # the upstream holds tool ids to Anthropic's grammar
+    signs_thinking = True  # thinking blocks come back signed, and signatures are checked
+    # Pass-through answers are read whole to be translated (else they stream as they come).
+    reads_passthrough = False
+    described = ""  # what the start-up line says of the format ("" for Anthropic's)
+
+    def upstream_target(self, path: str, query: str) -> tuple[str, str]:
+        """The path (under the backend's base URL) and query a client's request goes to."""
+        return path, query
+
+    def request_body(self, body: bytes, backend, endpoint: str) -> bytes:
+        """The upstream-bound body for the chain's Anthropic one (a RelayError 400 for what
+        the format cannot carry)."""
+        return body
+
+    def request_headers(self, headers: CIMultiDict) -> None:
+        """Adjust the headers going up, in place."""
+
+    def answer_body(self, payload: bytes, backend_name: str, model: str | None) -> bytes:
+        """A complete 2xx answer body as Anthropic's (a RelayError 502 when it is not one)."""
+        return payload
+
+    def error_body(self, status: int, payload: bytes, request_id: str | None) -> bytes | None:
+        """An upstream error body as Anthropic's, or None when it already is one."""
+        return None
+
+    def stream_translator(self, backend_name: str, model: str | None) -> Translator | None:
+        """The stage an upstream stream goes through before the chain sees it; None when the
+        upstream's events are Anthropic's already."""
+        return None
+
+    def count_tokens(self, raw: bytes) -> int | None:
+        """A token count the relay answers itself (an estimate) when the format has no
+        count_tokens endpoint; None sends the request up."""
+        return None
+
+    def model_list(self, payload: bytes, backend_name: str) -> bytes:
+        """A ``GET /v1/models`` answer as Anthropic's (a RelayError 502 when it is not one)."""
+        return payload
+
+
+ANTHROPIC = Adapter()

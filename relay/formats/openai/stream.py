@@ -1,0 +1,461 @@
+"""Streams: a Chat Completions stream as Anthropic SSE bytes, one chunk at a time, in bounded
+memory (see the package's docstring)."""
+
+from __future__ import annotations
+
+import orjson
+
+from ...bounded import HeadTail
+from ...errors import RelayError
+from .answer import (
+    Malformed,
+    _content_text,
+    _function,
+    _optional,
+    _reasoning_text,
+    anthropic_usage,
+    error_type,
+    stop_reason,
+    tool_input,
+)
+from .wire import message_id
+
+
+def _event(name: bytes, data: dict) -> bytes:
+    return b"event: " + name + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+
+
+_PING = _event(b"ping", {"type": "ping"})
+_STOP = _event(b"message_stop", {"type": "message_stop"})
+
+
+def _payload(event: bytes) -> bytes | None:
+    """The data of one event (its lines joined), or None when it has no data line."""
+    if event.startswith(b"data: ") and event.find(b"\n") < 0:
+        return event[6:]
+    data = None
+    for line in event.split(b"\n"):
+        if line.startswith(b"data:"):
+            value = line[6:] if line[5:6] == b" " else line[5:]
+            data = value if data is None else data + b"\n" + value
+    return data
+
+
+_DELTA = b'event: content_block_delta\ndata: {"type":"content_block_delta","index":'
+_TEXT_DELTA = b',"delta":{"type":"text_delta","text":'
+_THINKING_DELTA = b',"delta":{"type":"thinking_delta","thinking":'
+_JSON_DELTA = b',"delta":{"type":"input_json_delta","partial_json":'
+
+
+def _delta(index: int, kind: bytes, value: str) -> bytes:
+    return _DELTA + str(index).encode() + kind + orjson.dumps(value) + b"}}\n\n"
+
+
+class _Call:
+    """One streamed tool call: what is known of it, and whether its block is out."""
+
+    __slots__ = ("index", "id", "name", "parts", "block")
+
+    def __init__(self, index: int):
+        self.index = index
+        self.id: str | None = None
+        self.name: str | None = None
+        self.parts: list[str] = []
+        self.block = -1  # its Anthropic block index, once started
+
+
+class _Held:
+    """Text or thinking that came while a tool call was streaming live."""
+
+    __slots__ = ("kind", "parts")
+
+    def __init__(self, kind: str, text: str):
+        self.kind = kind
+        self.parts = [text]
+
+
+# What one stream may hold back at once: the event still coming, and the tool calls'
+# arguments with what waits while one streams live (text, other calls; each call counts
+# CALL_BYTES besides). The
+# same bound as the Anthropic path's (relay.stream): past it the upstream has stopped making
+# sense, and the stream ends with an ``error`` event rather than the relay's memory.
+MAX_EVENT_BYTES = MAX_HELD_BYTES = 64 * 1024 * 1024
+CALL_BYTES = 256
+_EMPTY: dict = {}  # read, never written
+
+
+class StreamTranslator:
+    """One Chat Completions stream as Anthropic SSE bytes: :meth:`feed` each upstream chunk
+    (any boundaries) and send on what it returns; :meth:`close` when the upstream is done.
+
+    ``ended`` says the translated stream is complete (``message_stop`` or ``error`` out).
+    ``fault`` is ``(outcome, message)`` when the translator ended the stream itself with an
+    ``error`` event (``upstream_malformed`` for a chunk of the wrong shape, ``stream_error``
+    for one that grew past the limits): the caller need read no more of the upstream then.
+    ``raw`` keeps the upstream's own bytes for the record, bounded (a
+    :class:`relay.bounded.HeadTail`). Time and memory are linear in the stream: an event
+    that takes many chunks is appended to, never copied, until it ends."""
+
+    def __init__(self, backend_name: str, model: str | None = None, keep_raw: bool = True):
+        self.backend = backend_name
+        self.model = model
+        self.pending: list[bytes] = []  # the start of an event still coming
+        self.pending_size = 0
+        self.cr = False  # "\r" line ends seen: every chunk is normalised from then on
+        self.held_cr = False  # a chunk ended in "\r": is it half of "\r\n"?
+        self.raw: HeadTail | None = HeadTail() if keep_raw else None
+        self.id = message_id()
+        self.started = False
+        self.ended = False
+        self.fault: tuple[str, str] | None = None
+        self.blocks = 0  # Anthropic blocks started so far
+        self.open: str | _Call | None = None  # the live block: "text", "thinking", a _Call
+        self.calls: dict[int, _Call] = {}  # upstream index -> its current call
+        self.called = False
+        self.held: list = []  # _Held and _Call items waiting, in arrival order
+        self.held_bytes = 0  # what the calls and ``held`` keep
+        self.finish_reason: str | None = None
+        self.usage: dict | None = None  # Anthropic's usage, from the last chunk that had one
+
+    def feed(self, chunk: bytes) -> bytes:
+        if self.raw is not None:
+            self.raw.add(chunk)
+        if self.ended:
+            return b""
+        if self.cr or b"\r" in chunk:
+            chunk = self._line_feeds(chunk)
+        if not chunk:
+            return b""
+        pending = self.pending
+        if pending:
+            # Joined only once the event ends: its blank line in this chunk, or straddling
+            # the two ("\n" | "\n").
+            if b"\n\n" not in chunk and not (chunk[0] == 0x0A and pending[-1][-1] == 0x0A):
+                return self._hold_back(chunk)
+            buf = b"".join(pending) + chunk
+            pending.clear()
+            self.pending_size = 0
+        else:
+            buf = chunk
+        out: list[bytes] = []
+        start = 0
+        while not self.ended:
+            end = buf.find(b"\n\n", start)
+            if end < 0:
+                break
+            event = buf[start:end]
+            start = end + 2
+            if event:
+                self._event(event, out)
+        if not self.ended and start < len(buf):
+            out.append(self._hold_back(buf[start:] if start else buf))
+        if len(out) == 1:
+            return out[0]
+        return b"".join(out)
+
+    def _line_feeds(self, chunk: bytes) -> bytes:
+        """Any line end as "\n"; a "\r" at the very end waits for the next chunk to say
+        whether it was the first half of "\r\n"."""
+        self.cr = True
+        if self.held_cr:
+            chunk = b"\r" + chunk
+        self.held_cr = chunk.endswith(b"\r")
+        if self.held_cr:
+            chunk = chunk[:-1]
+        return chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+
+    def _hold_back(self, part: bytes) -> bytes:
+        self.pending.append(part)
+        self.pending_size += len(part)
+        if self.pending_size <= MAX_EVENT_BYTES:
+            return b""
+        out: list[bytes] = []
+        self._fail(out, f"upstream stream from {self.backend} broke off: an event grew past "
+                        f"{MAX_EVENT_BYTES} bytes without ending", fault="stream_error")
+        return out[0]
+
+    def close(self) -> bytes:
+        """The upstream has finished: what is left. Without ``[DONE]`` or a finish reason the
+        stream is left unended, for the caller to report as cut. A last event without its
+        blank line counts when it is whole; a fragment cut off mid-event does not."""
+        if self.ended:
+            return b""
+        out: list[bytes] = []
+        rest = b"".join(self.pending).strip(b"\r\n")
+        self.pending.clear()
+        if rest:
+            payload = _payload(rest)
+            if payload == b"[DONE]":
+                self._end(out)
+            elif payload is not None:
+                try:
+                    data = orjson.loads(payload)
+                except orjson.JSONDecodeError:
+                    data = None
+                if type(data) is dict:
+                    self._data(data, out)
+        if not self.ended and self.finish_reason is not None:
+            self._end(out)
+        return b"".join(out)
+
+    # the upstream's events
+
+    def _event(self, event: bytes, out: list) -> None:
+        payload = _payload(event)
+        if payload is None:
+            return  # a comment or a keep-alive
+        if payload == b"[DONE]":
+            self._end(out)
+            return
+        try:
+            data = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            data = None
+        if type(data) is not dict:
+            self._fail(out, f"upstream {self.backend} sent a stream event that is not a "
+                            f"JSON object: {event[:200]!r}", fault="upstream_malformed")
+            return
+        self._data(data, out)
+
+    def _data(self, data: dict, out: list) -> None:
+        if "error" in data or data.get("object") == "error":
+            self._upstream_error(data, out)
+            return
+        try:
+            self._chunk(data, out)
+        except Malformed as e:
+            self._fail(out, f"upstream {self.backend} sent a malformed stream chunk: {e}",
+                       fault="upstream_malformed")
+
+    def _chunk(self, data: dict, out: list) -> None:
+        # Read and checked whole before any of it goes out: nothing of a malformed chunk does.
+        # The checks are written out: this runs for every chunk of every stream.
+        model = data.get("model")
+        if model is not None and model.__class__ is not str:
+            raise Malformed("model is not a string")
+        usage = data.get("usage")
+        if usage is not None:
+            usage = anthropic_usage(usage) if usage or usage.__class__ is not dict else None
+        choices = data.get("choices")
+        choice: dict = _EMPTY
+        delta: dict = _EMPTY
+        if choices is not None:
+            if choices.__class__ is not list:
+                raise Malformed("choices is not a list")
+            if choices:
+                choice = _optional(choices[0], dict, "choices[0]", "an object") or _EMPTY
+                found = choice.get("delta")
+                delta = found if found.__class__ is dict else (
+                    _optional(found, dict, "choices[0].delta", "an object") or _EMPTY)
+        content = delta.get("content")
+        if content is not None and content.__class__ is not str:
+            content = _content_text(content, "choices[0].delta.content")
+        calls = delta.get("tool_calls")
+        fragments = [self._fragment(call, position) for position, call in enumerate(
+            _optional(calls, list, "choices[0].delta.tool_calls", "a list"))] \
+            if calls is not None else ()
+        reason = choice.get("finish_reason")
+        if reason is not None and reason.__class__ is not str:
+            raise Malformed("choices[0].finish_reason is not a string")
+        if not self.started:
+            self._start(model, out)
+        if usage:
+            self.usage = usage
+        if "reasoning_content" in delta or "reasoning" in delta:
+            reasoning = _reasoning_text(delta)
+            if reasoning:
+                self._text("thinking", reasoning, out)
+        if content:
+            self._text("text", content, out)
+        for fragment in fragments:
+            self._call(*fragment, out)
+            if self.ended:
+                return
+        if reason:
+            self.finish_reason = reason
+
+    @staticmethod
+    def _fragment(fragment, position: int) -> tuple[int, str | None, str | None, str | None]:
+        """One tool call fragment, checked: its index, id, name and arguments."""
+        where = f"choices[0].delta.tool_calls[{position}]"
+        function = _function(fragment, where)
+        index = fragment.get("index")
+        if index is None:
+            index = position
+        elif type(index) is not int:
+            raise Malformed(f"{where}.index is not an integer")
+        arguments = function.get("arguments")
+        if type(arguments) is dict:
+            arguments = orjson.dumps(arguments).decode()
+        return index, fragment.get("id") or None, function.get("name"), arguments
+
+    def _start(self, model: str | None, out: list) -> None:
+        self.started = True
+        message: dict = {"id": self.id, "type": "message", "role": "assistant",
+                   "model": model or self.model, "content": [],
+                   "stop_reason": None, "stop_sequence": None,
+                   "usage": {"input_tokens": 0, "output_tokens": 0}}
+        out.append(_event(b"message_start", {"type": "message_start", "message": message}))
+        out.append(_PING)
+
+    def _hold(self, size: int, out: list) -> bool:
+        """Count ``size`` more bytes held; False (the stream ended) past the limit."""
+        self.held_bytes += size
+        if self.held_bytes <= MAX_HELD_BYTES:
+            return True
+        self._fail(out, f"upstream {self.backend} sent more than {MAX_HELD_BYTES} bytes of "
+                        "tool calls (and text while one streamed) in one answer",
+                   fault="stream_error")
+        return False
+
+    def _text(self, kind: str, text: str, out: list) -> None:
+        open_ = self.open
+        if open_.__class__ is _Call:
+            if not self._hold(len(text), out):
+                return
+            held = self.held
+            if held and held[-1].__class__ is _Held and held[-1].kind == kind:
+                held[-1].parts.append(text)
+            else:
+                held.append(_Held(kind, text))
+            return
+        if open_ != kind:
+            if open_ is not None:
+                self._stop(out)
+            self._open(kind, out)
+        out.append(_delta(self.blocks - 1, _TEXT_DELTA if kind == "text" else _THINKING_DELTA,
+                          text))
+
+    def _open(self, kind: str, out: list) -> None:
+        block = {"type": "text", "text": ""} if kind == "text" else {
+            "type": "thinking", "thinking": "", "signature": ""}
+        out.append(_event(b"content_block_start", {
+            "type": "content_block_start", "index": self.blocks, "content_block": block}))
+        self.blocks += 1
+        self.open = kind
+
+    def _call(self, index: int, new_id: str | None, name: str | None, arguments: str | None,
+              out: list) -> None:
+        found = self.calls.get(index)
+        if found is None or (new_id and found.id and new_id != found.id):
+            if not self._hold(CALL_BYTES, out):
+                return
+            call = self.calls[index] = _Call(index)
+            self.called = True
+            fresh = True
+        else:
+            call, fresh = found, False
+        if new_id and call.id is None:
+            call.id = new_id
+        if name and call.name is None:
+            call.name = name
+        if arguments:
+            if not self._hold(len(arguments), out):
+                return
+            call.parts.append(arguments)
+            if self.open is call:
+                out.append(_delta(call.block, _JSON_DELTA, arguments))
+                return
+        if call.block >= 0 or self.open is call:
+            return
+        live = self.open.__class__ is _Call
+        if call.id and call.name and not live:
+            if not fresh:
+                self.held.remove(call)
+            self._go_live(call, out)
+        elif fresh:
+            self.held.append(call)
+
+    def _go_live(self, call: _Call, out: list) -> None:
+        if self.open is not None:
+            self._stop(out)
+            if self.ended:
+                return
+        call.block = self.blocks
+        self.blocks += 1
+        self.open = call
+        out.append(_event(b"content_block_start", {
+            "type": "content_block_start", "index": call.block,
+            "content_block": {"type": "tool_use", "id": call.id, "name": call.name,
+                              "input": {}}}))
+        if call.parts:
+            out.append(_event(b"content_block_delta", {
+                "type": "content_block_delta", "index": call.block,
+                "delta": {"type": "input_json_delta", "partial_json": "".join(call.parts)}}))
+
+    def _stop(self, out: list) -> None:
+        open_ = self.open
+        index = self.blocks - 1
+        if open_ == "thinking":
+            out.append(_event(b"content_block_delta", {
+                "type": "content_block_delta", "index": index,
+                "delta": {"type": "signature_delta", "signature": ""}}))
+        elif isinstance(open_, _Call):
+            index = open_.block
+            try:
+                tool_input("".join(open_.parts), open_.id, open_.name, self.backend)
+            except RelayError as e:
+                self._fail(out, e.message, fault="upstream_malformed")
+                return
+        out.append(_event(b"content_block_stop", {"type": "content_block_stop",
+                                                  "index": index}))
+        self.open = None
+
+    def _end(self, out: list) -> None:
+        """The upstream is done: close the live block, send what was held, then the stop."""
+        if not self.started:
+            self._start(None, out)
+        for item in self.held:
+            if self.open is not None:
+                self._stop(out)
+            if self.ended:
+                return
+            if item.__class__ is _Held:
+                self._text(item.kind, "".join(item.parts), out)
+                continue
+            if not item.name:
+                self._fail(out, f"upstream {self.backend} sent tool call {item.id or item.index} "
+                                "without a name", fault="upstream_malformed")
+                return
+            if not item.id:
+                item.id = f"call_{self.id}_{item.index}"
+            self._go_live(item, out)
+        if self.ended:
+            return
+        if self.open is not None:
+            self._stop(out)
+            if self.ended:
+                return
+        self.held = []
+        out.append(_event(b"message_delta", {
+            "type": "message_delta",
+            "delta": {"stop_reason": stop_reason(self.finish_reason, self.called),
+                      "stop_sequence": None},
+            "usage": self.usage or anthropic_usage(None)}))
+        out.append(_STOP)
+        self.ended = True
+
+    def _upstream_error(self, data: dict, out: list) -> None:
+        error = data.get("error") if "error" in data else data
+        status = None
+        message = None
+        if type(error) is dict:
+            message = error.get("message")
+            code = error.get("code")
+            status = code if isinstance(code, int) and not isinstance(code, bool) else None
+        elif isinstance(error, str):
+            message = error
+        if not isinstance(message, str) or not message:
+            message = orjson.dumps(data).decode()[:2000]
+        self._fail(out, message, error_type(status) if status else "api_error")
+
+    def _fail(self, out: list, message: str, kind: str = "api_error",
+              fault: str | None = None) -> None:
+        out.append(_event(b"error", {"type": "error",
+                                     "error": {"type": kind, "message": message}}))
+        self.ended = True
+        if fault is not None:
+            self.fault = (fault, message)
+        # Nothing more will be read: what was held for the stream's end goes now.
+        self.pending.clear()
+        self.held, self.calls = [], {}

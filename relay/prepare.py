@@ -1,0 +1,174 @@
+"""Everything before the upstream is called: parse the request, route it, run the request
+chain. No ``aiohttp.web`` here: the server, ``relay replay`` and the benchmarks prepare an
+exchange the same way, and only the server needs a web server.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+import orjson
+
+from . import betas, skeleton, threads
+from .chain import Chain
+from .config import Backend, Config, InboundKey
+from .errors import RelayError, invalid_request
+from .exchange import Exchange
+from .inbound import forbidden
+from .skeleton import Skeleton
+
+log = logging.getLogger("relay")
+
+ENDPOINTS = {"/v1/messages": "messages", "/v1/messages/count_tokens": "count_tokens"}
+# Longer than any model name a backend serves; a client's longer name is refused, not routed
+# (and not cached).
+MAX_MODEL_CHARS = 256
+
+
+class Preparation:
+    """What preparing a request needs, built once: the config, the chain and the store of
+    server-held threads (:mod:`relay.threads`)."""
+
+    def __init__(self, config: Config, chain: Chain):
+        self.config = config
+        self.chain = chain
+        self.threads = threads.Store()
+
+
+def parse_request(raw: bytes) -> Skeleton | dict:
+    """The request body as a skeleton (see :mod:`relay.skeleton`), or when it cannot be one,
+    fully parsed, or a 400 that says what is wrong with it."""
+    if not raw:
+        raise invalid_request("request body is empty: expected a JSON object")
+    found = skeleton.decode(raw)
+    if found is not None:
+        return found
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise invalid_request(f"request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise invalid_request("request body must be a JSON object")
+    if "messages" not in body:
+        raise invalid_request("messages: Field required")
+    if not isinstance(body["messages"], list):
+        raise invalid_request("messages: Input should be a valid list")
+    if not isinstance(body.get("model"), str):
+        raise invalid_request("model: Field required" if "model" not in body
+                              else "model: Input should be a valid string")
+    return body
+
+
+async def prepare_exchange(state: Preparation, *, method: str, path: str, query: str,
+                           headers: Mapping, raw_body: bytes, key: InboundKey | None = None,
+                           backend: Backend | None = None) -> Exchange:
+    """Parse, route and run the request chain: everything before the upstream is called.
+
+    ``key`` is the inbound key the client authenticated with, if auth is on: a backend or
+    model it may not use is refused here. ``backend`` overrides routing (a fallback). Raises
+    RelayError for a request the client must be refused; the exchange it was refused in is
+    attached as ``error.exchange`` (when one was built) so the end hooks can see it.
+    """
+    endpoint = ENDPOINTS[path]
+    parsed = parse_request(raw_body)
+    if isinstance(parsed, dict):
+        exchange = Exchange(endpoint=endpoint, method=method, path=path, query=query,
+                            headers=headers, raw_body=raw_body, body=parsed)
+    else:
+        exchange = Exchange(endpoint=endpoint, method=method, path=path, query=query,
+                            headers=headers, raw_body=raw_body, skeleton=parsed)
+    exchange.key_name = key.name if key is not None else None
+    exchange.response_headers["x-relay-request-id"] = exchange.id
+
+    def refused(error: RelayError) -> RelayError:
+        error.exchange = exchange
+        return error
+
+    model = exchange.model or ""  # parse_request makes sure there is one
+    if len(model) > MAX_MODEL_CHARS:
+        raise refused(invalid_request(
+            f"model: String should have at most {MAX_MODEL_CHARS} characters"))
+    if backend is None:
+        backend = state.config.backend_for(model)
+    exchange.backend = backend
+    if backend is None:
+        raise refused(RelayError(
+            404, f"model: {model} (no backend in the relay's configuration serves it)",
+            "not_found_error"))
+    if key is not None and not key.may_use(backend, model):
+        raise refused(forbidden(key, f"model {model!r} (backend {backend.name})"))
+    target = backend.upstream_model(model)
+    if target is not None and target != model:
+        exchange.set_model(target)
+        exchange.note("relay", "renamed model", model=model, upstream_model=target)
+    try:
+        prepare_history(state, exchange)
+        await state.chain.run("relay_request", exchange)
+        threads.restore_held_ids(exchange)
+        # Encoded here, where a request that cannot be is still answered in Anthropic's
+        # format.
+        try:
+            exchange.release_body(exchange.upstream_body())
+        except RecursionError:  # nested deeper than the encoder goes (the parse went deeper)
+            raise invalid_request("request body is nested too deeply to be re-encoded") from None
+        except Exception:
+            log.exception("%s: the changed request could not be encoded", exchange.id)
+            raise
+    except RelayError as error:
+        raise refused(error) from None
+    except Exception as e:  # logged by the chain with the plugin's name, or above
+        raise refused(RelayError(500, "the relay failed while preparing this request",
+                                 "api_error")) from e
+    return exchange
+
+
+def prepare_history(state: Preparation, exchange: Exchange) -> None:
+    """What the history rules must know before they run: the betas and fields they defer to
+    the upstream for (:mod:`relay.betas`), and the server-held thread the request belongs
+    to (:mod:`relay.threads`; a backend that holds none refuses it here)."""
+    deferring = betas.deferring(exchange.client_headers, exchange.other_fields())
+    if deferring:
+        exchange.rules_defer = deferring
+        exchange.note("relay", "history rules defer", reasons=betas.described(deferring))
+        exchange.flag("history-rules-deferred")
+    if exchange.endpoint == "messages":
+        threads.prepare(state.threads, exchange)
+
+
+class Fallbacks:
+    """The exchanges one client request is tried with after its first backend, each prepared
+    when the upstream seam asks for it (:meth:`relay.upstream.Upstream.open`): the request
+    chain runs again for each, since quirks differ, and a fallback it refuses is skipped.
+    ``current`` is the exchange in flight."""
+
+    __slots__ = ("state", "key", "current", "backends")
+
+    def __init__(self, state: Preparation, exchange: Exchange, key: InboundKey | None = None):
+        self.state = state
+        self.key = key
+        self.current = exchange
+        self.backends: list[Backend] | None = None  # what is left to try, once asked
+
+    async def next(self) -> Exchange | None:
+        """The exchange for the next fallback the chain accepts, taking over from the
+        current one; None when none is left."""
+        previous = self.current
+        if self.backends is None:
+            config = self.state.config
+            self.backends = [config.backend(name) for name in previous.backend.fallbacks]
+        while self.backends:
+            target = self.backends.pop(0)
+            try:
+                following = await prepare_exchange(
+                    self.state, method=previous.method, path=previous.path,
+                    query=previous.query, headers=previous.client_headers,
+                    raw_body=previous.raw_body, key=self.key, backend=target)
+            except RelayError as refused:
+                previous.note("relay", "fallback refused", backend=target.name,
+                              message=refused.message)
+                continue
+            following.follow(previous)
+            self.current = following
+            return following
+        return None

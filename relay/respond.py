@@ -1,0 +1,130 @@
+"""The relay's own answers: one function (:func:`refuse`) answers every error the relay
+makes, in Anthropic's format, and sets the exchange's outcome; :func:`deliver` sends any
+complete answer, with none of the backend's credentials in it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Mapping
+
+import aiohttp
+from aiohttp import web
+
+from . import logs
+from .errors import RelayError
+from .exchange import Answer, Exchange, Outcome
+from .redact import redact, redact_headers
+from .upstream import PoolFull, UpstreamTooLarge
+
+log = logging.getLogger("relay")
+access_log = logs.access_log
+
+
+def relay_error(error: RelayError, request_id: str | None = None,
+                headers: Mapping[str, str] | None = None, close: bool = False) -> web.Response:
+    """The relay's own answer, in Anthropic's format. The id is in the body and, as the API
+    sends it, in ``request-id``: the header is where the SDKs read ``request_id``."""
+    response = web.Response(status=error.status, body=error.body(request_id),
+                            content_type="application/json", headers=headers)
+    if request_id:
+        response.headers["request-id"] = request_id
+    if close:
+        response.force_close()
+    return response
+
+
+async def refuse(request: web.Request, exchange: Exchange, error: RelayError,
+                 outcome: Outcome | None = None, close: bool = False) -> web.Response:
+    """Answer ``exchange`` with an error of the relay's own making, now: the one place that
+    sets the outcome of such an exchange (``outcome``, by default ``rejected`` for a 4xx
+    and ``relay_error`` for a 5xx) and its ``error``. ``close`` closes the connection after
+    it (what is left of a body the relay refused is not worth reading)."""
+    if outcome is None:
+        exchange.outcome = Outcome.REJECTED if error.status < 500 else Outcome.RELAY_ERROR
+    else:
+        exchange.outcome = Outcome(outcome)
+    exchange.error = error
+    return await deliver(request, exchange, relay_error(
+        error, exchange.id, exchange.response_headers, close=close))
+
+
+async def deliver(request: web.Request, exchange: Exchange,
+                  response: web.Response) -> web.Response:
+    """Send a complete answer now, recording it on the exchange, so that whatever runs after
+    (the end hooks) runs once the client has it. None of the backend's credentials go with
+    it (see :mod:`relay.redact`)."""
+    secrets = exchange.backend.credentials if exchange.backend is not None else ()
+    if secrets:
+        body = response.body
+        if body and isinstance(body, bytes):
+            redacted = redact(body, secrets)
+            if redacted is not body:
+                response.body = redacted
+        redact_headers(response.headers, secrets)
+    body = response.body
+    exchange.answer = Answer(response.status, response.headers,
+                             len(body) if isinstance(body, bytes) else 0)
+    await response.prepare(request)
+    exchange.timings.first_byte = exchange.elapsed()
+    await response.write_eof()
+    exchange.timings.last_byte = exchange.elapsed()
+    if response.keep_alive is False and request.protocol is not None:
+        # Closed now, with the answer sent: aiohttp would otherwise read on through what is
+        # left of a body the relay refused (and trip over it again if it cannot be decoded).
+        request.protocol.force_close()
+    return response
+
+
+async def unreachable(request: web.Request, exchange: Exchange,
+                      e: BaseException) -> web.Response:
+    """The answer when the upstream could not be reached, went silent or sent more than the
+    relay takes: what the library said goes to the log, plain words to the client."""
+    error = upstream_failure(exchange.backend, e)
+    log.warning("%s: %s (%s)", exchange.id, error.message, f"{type(e).__name__} {e}".rstrip())
+    return await refuse(request, exchange, error, Outcome.POOL_FULL if isinstance(e, PoolFull)
+                        else Outcome.UPSTREAM_UNREACHABLE)
+
+
+def upstream_failure(backend, e: BaseException) -> RelayError:
+    """The relay's own answer when the upstream could not be reached, went silent or sent
+    more than the relay takes."""
+    if isinstance(e, UpstreamTooLarge):
+        return RelayError(502, f"upstream {backend.name} answered with more than the relay's "
+                               f"limit of {e.args[0]} bytes (server.max_upstream_body_bytes)",
+                          "api_error")
+    if isinstance(e, PoolFull):  # the relay is at capacity; the upstream was never asked
+        return RelayError(503, f"the relay is at capacity: {e}; request not sent to upstream "
+                               f"{backend.name}", "overloaded_error")
+    # In plain words; what the library said is in the attempt's record and the log.
+    name, timeouts = backend.name, backend.timeouts
+    if isinstance(e, asyncio.TimeoutError):
+        if isinstance(e, aiohttp.ConnectionTimeoutError):
+            why = f"no connection within {timeouts.connect:g} s (its timeouts.connect)"
+        elif isinstance(e, aiohttp.ServerTimeoutError):
+            why = f"nothing came for more than {timeouts.read:g} s (its timeouts.read)"
+        elif timeouts.total is not None:
+            why = f"no answer within {timeouts.total:g} s (its timeouts.total)"
+        else:
+            why = "no answer in time"
+        return RelayError(504, f"upstream {name} timed out: {why}", "timeout_error")
+    if isinstance(e, aiohttp.ClientConnectorError):
+        code = getattr(e.os_error, "errno", None)  # asyncio's own text names the call
+        why = f"could not connect to {e.host}:{e.port}" + (
+            f" ({os.strerror(code).lower()})" if code else "")
+    elif isinstance(e, aiohttp.ServerDisconnectedError):
+        why = "it closed the connection without answering"
+    elif isinstance(e, aiohttp.ClientPayloadError):
+        why = "it ended its answer before it was complete"
+    else:
+        why = "the connection failed"
+    return RelayError(502, f"upstream {name} is unreachable: {why}", "api_error")
+
+
+def log_exchange(exchange: Exchange, status: int | None) -> None:
+    """One line per exchange (``server.access_log``): what an operator greps for first, the
+    id naming any dump; every field escaped and capped (see :mod:`relay.logs`). Off by
+    default: a log record costs more than the relay's own work on a small request."""
+    if access_log.isEnabledFor(logging.INFO):
+        logs.log_access(logs.access_fields(exchange, status))
