@@ -3,9 +3,9 @@
     python tests/bench/micro.py [--quick]
 
 - The request chain on the ~1 MB, 500-message history, exactly as serving runs it
-  (``relay.server.prepare_exchange``: decode, route, every ``relay_request`` hook), with and
+  (``relay.prepare.prepare_exchange``: decode, route, every ``relay_request`` hook), with and
   without a change to make, plus what follows it per request (``upstream_body``, the end hooks).
-- One SSE event through the stream path as ``relay.server`` runs it: ``LazyFramer.feed``
+- One SSE event through the stream path as ``relay.stream`` runs it: ``LazyFramer.feed``
   (which frames only the events some plugin asked for), ``StreamPlan.calls_for``, the plugins
   that asked for the event, ``Event.encode``; and ``SSEDecoder.feed`` alone, the full framing
   a stream takes when a plugin asks for every event or uses ``\r`` line ends.
@@ -124,7 +124,7 @@ async def live_memory(prepare, size: int) -> dict:
 async def request_benchmarks(state, pipeline, count: int, seconds: float) -> dict:
     from relay import skeleton
     from relay.exchange import Exchange
-    from relay.server import prepare_exchange
+    from relay.prepare import prepare_exchange
 
     chain = state.chain
     headers = CIMultiDictProxy(CIMultiDict(workloads.HEADERS))
@@ -205,7 +205,7 @@ async def request_benchmarks(state, pipeline, count: int, seconds: float) -> dic
 
 
 async def sse_benchmarks(state, count: int, seconds: float) -> dict:
-    from relay.server import prepare_exchange
+    from relay.prepare import prepare_exchange
     from relay.redact import redacting_writer, secrets_of
     from relay.sse import Event, SSEDecoder
     from relay.stream import KeepAlive, StreamRelay
@@ -296,7 +296,7 @@ async def openai_benchmarks(state, count: int, seconds: float) -> dict:
     translations of a small request, and per streamed chunk, the translator plus the stream
     path over its Anthropic output against the stream path over the Anthropic event alone."""
     from relay.formats import openai
-    from relay.server import prepare_exchange
+    from relay.prepare import prepare_exchange
     from relay.stream import StreamRelay
 
     backend = dataclasses.replace(state.config.backends[0], format="openai")
@@ -383,7 +383,7 @@ async def end_benchmarks(state, count: int, seconds: float) -> dict:
     """CPU per finished small exchange in the end-of-exchange hooks, per plugin (the metrics
     plugin's counting is all there)."""
     from relay.exchange import Answer, Attempt
-    from relay.server import prepare_exchange
+    from relay.prepare import prepare_exchange
 
     exchange = await prepare_exchange(
         state, method="POST", path="/v1/messages", query="",
