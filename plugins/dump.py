@@ -19,7 +19,9 @@ Options (``plugins.dump``; backend quirks do not change them):
   says so in ``body_truncated`` (kept and total bytes, sha256 of the whole body).
 - ``max_pending`` (16), ``max_pending_bytes`` (64 MiB): the write queue. A pending dump holds
   its exchange's bodies in memory, so beyond either limit a dump is dropped and counted
-  (logged when the queue drains), never queued; an empty queue always takes one.
+  (logged when the queue drains), never queued; an empty queue always takes one. Each dump
+  is noted on the exchange's timeline, ``queued`` or ``dropped`` with its reason (what the
+  metrics plugin counts).
 
 A fault is noticed where it happens (``relay_upstream_error``, the ``error`` stream event) but
 the file is written at ``relay_exchange_end``, so that its timeline holds what every plugin

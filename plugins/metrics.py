@@ -286,14 +286,12 @@ class Metrics:
                 self.rewritten.labels(backend, direction).inc(count)
         for repair in exchange.repaired_by:
             self.repaired.labels(repair.step, repair.rule).inc(repair.count)
-        for entry in exchange.timeline:
-            action = entry.get("action")
-            if entry.get("step") == "dump" and action in ("queued", "dropped"):
-                self.dumps.labels(action).inc()
-            elif entry.get("step") == "portable" and action == "provenance missed":
-                for missed in entry["counts"]:
-                    self.provenance_missed.labels(missed["result"], missed["reason"]).inc(
-                        missed["count"])
+        for entry in exchange.noted("dump", "queued", "dropped"):
+            self.dumps.labels(entry["action"]).inc()
+        for entry in exchange.noted("portable", "provenance missed"):
+            for missed in entry["counts"]:
+                self.provenance_missed.labels(missed["result"], missed["reason"]).inc(
+                    missed["count"])
         for kind, name in exchange.rules_defer:
             self._child(self.deferred, kind, self._deferred_name(name)).inc()
         if exchange.outcome == Outcome.REJECTED and error is not None and error.plugin is not None:

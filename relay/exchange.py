@@ -270,8 +270,9 @@ class Exchange:
         self.timeline: list[dict] = []
         self.state: dict[str, Any] = {}
         self.repairs = 0
-        self.repaired_by: list[Repair] = []
-        self.uncertain: list[Uncertainty] = []
+        # Tuples: most exchanges have none, and an empty one costs nothing to make.
+        self.repaired_by: tuple[Repair, ...] = ()
+        self.uncertain: tuple[Uncertainty, ...] = ()
         self.response_headers: dict[str, str] = {}
         self.upstream_request: UpstreamRequest | None = None
         self.upstream_response: UpstreamAnswer | None = None
@@ -432,7 +433,7 @@ class Exchange:
         re-serialised, the client's answer carries ``x-relay-repairs`` with the running total,
         and the timeline says what was done."""
         self.repairs += count
-        self.repaired_by.append(Repair(step, str(detail.get("rule", step)), count))
+        self.repaired_by += (Repair(step, str(detail.get("rule", step)), count),)
         self.response_headers["x-relay-repairs"] = str(self.repairs)
         self._changed = True
         self.note(step, "repaired", count=count, **detail)
@@ -441,7 +442,7 @@ class Exchange:
         """Record that ``step`` forwarded something at ``location`` whose answer from the API
         is not on record (``reason``): in :attr:`uncertain`, and on the timeline as
         ``unsure``."""
-        self.uncertain.append(Uncertainty(step, location, reason))
+        self.uncertain += (Uncertainty(step, location, reason),)
         self.note(step, "unsure", location=location, reason=reason)
 
     def stream_failed(self, message: str, kind: str = "api_error",
@@ -454,6 +455,13 @@ class Exchange:
             self.note("relay", "stream error", message=message, detail=detail)
         else:
             self.note("relay", "stream error", message=message)
+
+    def noted(self, step: str, *actions: str) -> list[dict]:
+        """The timeline entries ``step`` made with one of ``actions``, in order: how a plugin
+        reads what another documents it notes (the dump plugin's ``queued`` and ``dropped``,
+        the portable plugin's ``provenance missed``), without either knowing the other."""
+        return [entry for entry in self.timeline
+                if entry.get("step") == step and entry.get("action") in actions]
 
     def flag(self, note: str) -> None:
         """Add ``note`` (a short token) to the answer's ``x-relay-notes`` header, once."""
