@@ -35,12 +35,14 @@ Below ``dir`` nothing is reached through a symbolic link: day directories and fi
 opened relative to their parent's descriptor with ``O_NOFOLLOW``, so a link planted in the
 tree makes that write fail (logged) rather than land elsewhere; retention deletes the same way.
 
-A body the upstream was sent unchanged is stored once: the upstream request then says
+The document is the exchange record's one document form, the host's
+(:mod:`relay.document`, which ``relay replay`` reads too). A body the upstream was sent
+unchanged is stored once: the upstream request then says
 ``"body_same_as": "client_request"``. Bodies are stored as the bytes that crossed the wire
 (UTF-8 text, or ``body_base64``), never re-encoded, so any valid JSON the relay passed on
 (integers beyond 64 bits, deep nesting) is dumped as sent. The relay's own records (the
 translation table, the timeline) are made encodable: integers beyond 64 bits as text, and
-anything nested deeper than ``MAX_DEPTH`` cut there.
+anything nested deeper than ``relay.document.MAX_DEPTH`` cut there.
 
 Secrets never reach the disk. Every header whose name suggests a credential (see
 :func:`relay.exchange.is_credential_header`: ``x-api-key``, ``authorization``, ``cookie``,
