@@ -241,6 +241,12 @@ class Exchange:
     keeps nothing between requests.
     """
 
+    # Most exchanges have none of these: the class's values stand until one is recorded, so
+    # that serving makes nothing for them.
+    repaired_by: tuple[Repair, ...] = ()
+    uncertain: tuple[Uncertainty, ...] = ()
+    stream_failure: StreamFailure | None = None
+
     def __init__(self, *, endpoint: str, method: str, path: str, query: str,
                  headers, raw_body: bytes = b"", body: dict | None = None,
                  skeleton: Skeleton | None = None, backend=None):
@@ -270,15 +276,11 @@ class Exchange:
         self.timeline: list[dict] = []
         self.state: dict[str, Any] = {}
         self.repairs = 0
-        # Tuples: most exchanges have none, and an empty one costs nothing to make.
-        self.repaired_by: tuple[Repair, ...] = ()
-        self.uncertain: tuple[Uncertainty, ...] = ()
         self.response_headers: dict[str, str] = {}
         self.upstream_request: UpstreamRequest | None = None
         self.upstream_response: UpstreamAnswer | None = None
         self.outcome: Outcome | None = None
         self.error: RelayError | None = None
-        self.stream_failure: StreamFailure | None = None
         self.attempts: list[Attempt] = []
         self.timings = Timings()
         self.answer: Answer | None = None
