@@ -44,9 +44,6 @@ from .upstream import Unreachable, Upstream, UpstreamTooLarge, client_headers, r
 
 log = logging.getLogger("relay")
 
-# The names the server's users (the benchmarks, the kit) have imported from here.
-__all__ = ["ENDPOINTS", "STATE", "RelayState", "create_app", "prepare_exchange", "serve"]
-
 class RelayState(Preparation):
     """What the server needs for every request, built once at start-up: what preparing one
     needs, the inbound gate and the upstream seam."""
