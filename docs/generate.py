@@ -71,11 +71,18 @@ def exchange() -> str:
     from relay import exchange as module
 
     parts = []
-    for name in ("Exchange", "Attempt", "Timings", "Answer", "UpstreamResponse"):
+    fields = _field_docs(Path(module.__file__).read_text())
+    for name in ("Exchange", "Outcome", "Attempt", "UpstreamRequest", "UpstreamAnswer",
+                 "StreamFailure", "Uncertainty", "Repair", "Timings", "Answer",
+                 "UpstreamResponse"):
         cls = getattr(module, name, None)
         if cls is None:
             continue
         parts += [f"## `{name}`", "", markdown(cls.__doc__), ""]
+        if fields.get(name):
+            parts += ["| field | meaning |", "|---|---|"]
+            parts += [f"| `{field}` | {_cell(markdown(doc))} |" for field, doc in fields[name]]
+            parts.append("")
         members = []
         for attr, value in vars(cls).items():
             if attr.startswith("_"):
@@ -91,6 +98,27 @@ def exchange() -> str:
                     .replace("(self)", "()")
             parts += [f"### `{attr}{signature}`", "", markdown(doc), ""]
     return "\n".join(parts)
+
+
+def _field_docs(source: str) -> dict[str, list[tuple[str, str]]]:
+    """Per class, its fields (or enum members) with the docstring that follows each, in
+    source order: Python keeps no such docstring at run time."""
+    found: dict[str, list[tuple[str, str]]] = {}
+    for node in ast.parse(source).body:
+        if not isinstance(node, ast.ClassDef):
+            continue
+        body = node.body
+        for here, after in zip(body, body[1:]):
+            target = (here.target if isinstance(here, ast.AnnAssign)
+                      else here.targets[0] if isinstance(here, ast.Assign) else None)
+            if (isinstance(target, ast.Name) and isinstance(after, ast.Expr)
+                    and isinstance(after.value, ast.Constant)
+                    and isinstance(after.value.value, str)):
+                value = getattr(here, "value", None)
+                shown = (f"{target.id} = {ast.unparse(value)}"
+                         if isinstance(here, ast.Assign) and value is not None else target.id)
+                found.setdefault(node.name, []).append((shown, after.value.value))
+    return found
 
 
 def options() -> str:

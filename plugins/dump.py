@@ -19,7 +19,9 @@ Options (``plugins.dump``; backend quirks do not change them):
   says so in ``body_truncated`` (kept and total bytes, sha256 of the whole body).
 - ``max_pending`` (16), ``max_pending_bytes`` (64 MiB): the write queue. A pending dump holds
   its exchange's bodies in memory, so beyond either limit a dump is dropped and counted
-  (logged when the queue drains), never queued; an empty queue always takes one.
+  (logged when the queue drains), never queued; an empty queue always takes one. Each dump
+  is noted on the exchange's timeline, ``queued`` or ``dropped`` with its reason (what the
+  metrics plugin counts).
 
 A fault is noticed where it happens (``relay_upstream_error``, the ``error`` stream event) but
 the file is written at ``relay_exchange_end``, so that its timeline holds what every plugin
@@ -33,12 +35,14 @@ Below ``dir`` nothing is reached through a symbolic link: day directories and fi
 opened relative to their parent's descriptor with ``O_NOFOLLOW``, so a link planted in the
 tree makes that write fail (logged) rather than land elsewhere; retention deletes the same way.
 
-A body the upstream was sent unchanged is stored once: the upstream request then says
+The document is the exchange record's one document form, the host's
+(:mod:`relay.document`, which ``relay replay`` reads too). A body the upstream was sent
+unchanged is stored once: the upstream request then says
 ``"body_same_as": "client_request"``. Bodies are stored as the bytes that crossed the wire
 (UTF-8 text, or ``body_base64``), never re-encoded, so any valid JSON the relay passed on
 (integers beyond 64 bits, deep nesting) is dumped as sent. The relay's own records (the
 translation table, the timeline) are made encodable: integers beyond 64 bits as text, and
-anything nested deeper than ``MAX_DEPTH`` cut there.
+anything nested deeper than ``relay.document.MAX_DEPTH`` cut there.
 
 Secrets never reach the disk. Every header whose name suggests a credential (see
 :func:`relay.exchange.is_credential_header`: ``x-api-key``, ``authorization``, ``cookie``,
@@ -60,13 +64,9 @@ thread and pending writes on the instance. Nothing is shared between relays.
 from __future__ import annotations
 
 import asyncio
-import base64
-import copy
-import dataclasses
 import datetime as dt
 import errno
 import functools
-import hashlib
 import logging
 import os
 import re
@@ -76,14 +76,10 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
-from urllib.parse import unquote, urlsplit, urlunsplit
 
-import msgspec
-import orjson
-
-from relay import __version__
-from relay.errors import ConfigError, RelayError
-from relay.exchange import is_credential_header
+from relay import document as record
+from relay.errors import ConfigError
+from relay.exchange import Exchange, Outcome
 from relay.hookspecs import hookimpl
 from relay.options import Option
 
@@ -92,12 +88,8 @@ log = logging.getLogger("relay.plugins.dump")
 WARN_EVERY = 60.0
 
 PLUGIN = "dump"
-FORMAT = 2
-REDACTED = "[redacted]"
-LIMITS = ("max_files", "max_bytes", "max_body_bytes", "max_pending", "max_pending_bytes")
 DEFAULT_STATUSES = frozenset(range(400, 500))
 MiB = 1024 * 1024
-ID_FIELDS = ("id", "tool_use_id")
 MAX_CLASHES = 1000
 SHUTDOWN_TIMEOUT = 30.0
 UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
@@ -109,14 +101,6 @@ TEMPORARY_NAME = re.compile(r"^\.\d{6}\.\d{6}-[A-Za-z0-9_-]+\.[0-9a-f]{12}\.tmp$
 STALE_SECONDS = 300.0
 STATUS_RANGE = re.compile(r"^\s*(\d{3})\s*-\s*(\d{3})\s*$")
 ERROR_EVENTS = frozenset({"error"})
-# Secrets shorter than this are redacted by header name only, never searched for in text:
-# see the module docstring.
-MIN_SECRET_LENGTH = 16
-# The relay's own records are cut this deep: well within what the encoder (255) and a replay's
-# decoder (1024) take, and what Python's recursion allows.
-MAX_DEPTH = 100
-TOO_DEEP = f"[nested deeper than {MAX_DEPTH} levels: not recorded]"
-INT64 = (-2 ** 63, 2 ** 64 - 1)  # what JSON encoders take; beyond, an integer is kept as text
 DIRECTORY = os.O_RDONLY | os.O_DIRECTORY
 NOFOLLOW = os.O_NOFOLLOW
 
@@ -128,8 +112,17 @@ def _positive(value) -> str | None:
     return None if value >= 1 else "must be a positive integer"
 
 
+def _directory(value: str) -> str | None:
+    if not value.strip():
+        return "must be a directory path"
+    if "\0" in value:
+        return "must not contain a NUL character"
+    return None
+
+
 DECLARED = (
-    Option("dir", str, None, "where dumps go (relative to the directory the relay runs in)"),
+    Option("dir", str, None, "where dumps go (relative to the directory the relay runs in)",
+           check=_directory),
     Option("statuses", (list, int, str), ["400-499"],
            'upstream statuses to dump: codes and `"lo-hi"` ranges; a 2xx here dumps successful '
            "exchanges too (a stream's events are not kept, only its request side and headers)"),
@@ -171,35 +164,20 @@ class Settings:
 
 
 def parse_options(options: dict, path: str = f"plugins.{PLUGIN}") -> Settings:
-    """Check the plugin's options; raise ConfigError naming the key path of the first fault."""
-    if not isinstance(options, dict):
-        raise ConfigError(f"{path}: must be a mapping")
-    known = [option.name for option in DECLARED]
-    for key in options:
-        if key not in known:
-            raise ConfigError(f"{path}.{key}: unknown key (expected one of: {', '.join(known)})")
+    """The settings ``options`` make, once the host has checked them against
+    :data:`DECLARED` (at start-up, by :mod:`relay.options`): ``dir`` (which has no default)
+    made absolute, ``statuses`` read as a set; an option left out takes its default. Raises
+    ConfigError naming the key path of what the declarations cannot say."""
     directory = options.get("dir")
     if directory is None:
         raise ConfigError(f"{path}.dir: required (the directory dumps are written to)")
-    if not isinstance(directory, str) or not directory.strip():
-        raise ConfigError(f"{path}.dir: must be a directory path")
-    if "\0" in directory:
-        raise ConfigError(f"{path}.dir: must not contain a NUL character")
-    settings = {"dir": os.path.abspath(os.path.expanduser(directory))}
-    if options.get("statuses") is not None:
-        settings["statuses"] = parse_statuses(options["statuses"], f"{path}.statuses")
-    for key in ("include_relay_rejections", "include_stream_errors"):
-        if key in options:
-            if not isinstance(options[key], bool):
-                raise ConfigError(f"{path}.{key}: must be true or false")
-            settings[key] = options[key]
-    for key in LIMITS:
-        value = options.get(key)
-        if value is not None:
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{path}.{key}: must be a positive integer")
-            settings[key] = value
-    return Settings(**settings)
+    statuses = options.get("statuses")
+    return Settings(
+        dir=os.path.abspath(os.path.expanduser(directory)),
+        statuses=(DEFAULT_STATUSES if statuses is None
+                  else parse_statuses(statuses, f"{path}.statuses")),
+        **{option.name: options[option.name] for option in DECLARED
+           if option.name not in ("dir", "statuses") and options.get(option.name) is not None})
 
 
 def parse_statuses(value, path: str) -> frozenset:
@@ -207,13 +185,14 @@ def parse_statuses(value, path: str) -> frozenset:
     items = value if isinstance(value, list) else [value]
     if not items:
         raise ConfigError(f"{path}: must name at least one status")
-    statuses = set()
+    statuses: set[int] = set()
     for i, item in enumerate(items):
         where = f"{path}[{i}]" if isinstance(value, list) else path
+        found = STATUS_RANGE.match(item) if isinstance(item, str) else None
         if isinstance(item, int) and not isinstance(item, bool):
             low = high = item
-        elif isinstance(item, str) and STATUS_RANGE.match(item):
-            low, high = (int(n) for n in STATUS_RANGE.match(item).groups())
+        elif found is not None:
+            low, high = (int(n) for n in found.groups())
         elif isinstance(item, str) and item.strip().isdigit():
             low = high = int(item)
         else:
@@ -223,272 +202,6 @@ def parse_statuses(value, path: str) -> frozenset:
             raise ConfigError(f"{where}: must lie within 200-599, low to high, not {item!r}")
         statuses.update(range(low, high + 1))
     return frozenset(statuses)
-
-
-# --- the document -------------------------------------------------------------------------
-
-
-def config_document(config) -> dict:
-    """The configuration a replay needs: pipeline, plugin options, backends (no keys)."""
-    return {
-        "source": config.source,
-        "pipeline": list(config.pipeline),
-        "plugins": copy.deepcopy(config.plugins),
-        "backends": [backend_document(backend) for backend in config.backends],
-    }
-
-
-def backend_document(backend) -> dict:
-    timeouts = {key: getattr(backend.timeouts, key) for key in ("connect", "read", "total")
-                if getattr(backend.timeouts, key) is not None}
-    return {"name": backend.name, "url": redact_url(backend.url), "models": list(backend.models),
-            "default": backend.default, "rename": dict(backend.rename), "auth": backend.auth,
-            "api_key_env": backend.api_key_env, "quirks": copy.deepcopy(backend.quirks),
-            "timeouts": timeouts, "format": backend.format}
-
-
-def headers_document(headers) -> dict | None:
-    """Headers as ``{name: value}`` (a list of values for a repeated name), credentials
-    redacted."""
-    if headers is None:
-        return None
-    doc: dict = {}
-    names: dict[str, str] = {}
-    for name, value in headers.items():
-        if is_credential_header(name):
-            value = REDACTED
-        key = names.setdefault(name.lower(), name)
-        if key in doc:
-            previous = doc[key]
-            doc[key] = (previous if isinstance(previous, list) else [previous]) + [value]
-        else:
-            doc[key] = value
-    return doc
-
-
-def redact_query(query: str | None) -> str | None:
-    """The query string with the value of every credential-named parameter redacted."""
-    if not query:
-        return query
-    parts = []
-    for part in query.split("&"):
-        name, equals, _ = part.partition("=")
-        parts.append(f"{name}={REDACTED}" if equals and is_credential_header(unquote(name))
-                     else part)
-    return "&".join(parts)
-
-
-def redact_url(url: str | None) -> str | None:
-    """``url`` without a password in it and with its credential query parameters redacted."""
-    if not url:
-        return url
-    try:
-        parts = urlsplit(url)
-    except ValueError:  # a netloc that does not parse may still hold a password
-        return REDACTED
-    netloc = parts.netloc
-    if parts.password is not None:
-        netloc = f"{parts.username}:{REDACTED}@{netloc.rpartition('@')[2]}"
-    return urlunsplit(parts._replace(netloc=netloc, query=redact_query(parts.query)))
-
-
-def header_secrets(headers) -> set[str]:
-    """Credential header values, and the token alone of ``Bearer TOKEN`` (searched for in the
-    rest of the document when long enough)."""
-    found = set()
-    for name, value in (headers or {}).items():
-        if is_credential_header(name) and value:
-            found.add(value)
-            _, _, token = value.partition(" ")
-            if token.strip():
-                found.add(token.strip())
-    return found
-
-
-def query_secrets(query: str | None) -> set[str]:
-    """The values of credential-named query parameters."""
-    found = set()
-    for part in (query or "").split("&"):
-        name, equals, value = part.partition("=")
-        if equals and value and is_credential_header(unquote(name)):
-            found.update({value, unquote(value)})
-    return found
-
-
-def url_query(url: str | None) -> str:
-    return (url or "").partition("#")[0].partition("?")[2]
-
-
-def redact_bytes(raw: bytes, secrets) -> bytes:
-    for secret in secrets:
-        raw = raw.replace(secret.encode("utf-8"), REDACTED.encode())
-    return raw
-
-
-def utf8_prefix(raw: bytes) -> str | None:
-    """``raw`` as text, less a character the cut split in two; None if it is not UTF-8."""
-    for cut in range(4):
-        try:
-            return raw[:len(raw) - cut].decode("utf-8")
-        except UnicodeDecodeError:
-            continue
-    return None
-
-
-def body_fields(raw, secrets, limit: int) -> dict:
-    """``{"body": text}`` for UTF-8 bytes (redacted later with the rest), else
-    ``{"body_base64": ...}`` of the bytes with every secret replaced first. Beyond ``limit``
-    bytes only a prefix is kept (secrets replaced before the cut, so that none is kept in
-    part), with ``body_truncated`` saying so."""
-    if raw is None:
-        return {"body": None}
-    raw = bytes(raw)
-    if len(raw) <= limit:
-        try:
-            return {"body": raw.decode("utf-8")}
-        except UnicodeDecodeError:
-            return {"body_base64": base64.b64encode(redact_bytes(raw, secrets)).decode("ascii")}
-    whole = hashlib.sha256(raw).hexdigest()
-    kept = redact_bytes(raw, secrets)[:limit]
-    text = utf8_prefix(kept)
-    fields = ({"body_base64": base64.b64encode(kept).decode("ascii")} if text is None
-              else {"body": text})
-    fields["body_truncated"] = {
-        "kept_bytes": len(kept) if text is None else len(text.encode("utf-8")),
-        "total_bytes": len(raw), "sha256": whole, "limit": "plugins.dump.max_body_bytes"}
-    return fields
-
-
-def message_outline(messages) -> list[dict]:
-    """Per message: its index, role, and block types with their tool ids."""
-    if not isinstance(messages, list):
-        return []
-    outline = []
-    for index, message in enumerate(messages):
-        if not isinstance(message, dict):
-            outline.append({"index": index, "role": None, "blocks": []})
-            continue
-        content = message.get("content")
-        if isinstance(content, str):
-            blocks = [{"type": "text"}]
-        elif isinstance(content, list):
-            blocks = []
-            for block in content:
-                if not isinstance(block, dict):
-                    blocks.append({"type": None})
-                    continue
-                entry = {"type": block.get("type")}
-                for field in ID_FIELDS:
-                    if field in block:
-                        entry[field] = block[field]
-                blocks.append(entry)
-        else:
-            blocks = []
-        outline.append({"index": index, "role": message.get("role"), "blocks": blocks})
-    return outline
-
-
-def exchange_messages(exchange):
-    """The exchange's messages, or None when they cannot be read (the dump still records
-    the bodies as they were sent)."""
-    try:
-        return exchange.messages
-    except (RelayError, ValueError, RecursionError, msgspec.MsgspecError):
-        return None
-
-
-def clean(value, secrets, depth: int = 0):
-    """A copy of ``value`` that any JSON encoder takes, with every occurrence of a secret in
-    its strings replaced; keys are left as they are (see the module docstring)."""
-    if isinstance(value, str):
-        for secret in secrets:
-            if secret in value:
-                value = value.replace(secret, REDACTED)
-        return value
-    if value is None or isinstance(value, (bool, float)):
-        return value
-    if isinstance(value, int):
-        return value if INT64[0] <= value <= INT64[1] else str(value)
-    if depth >= MAX_DEPTH:
-        return TOO_DEEP
-    if isinstance(value, dict):
-        return {str(k): clean(v, secrets, depth + 1) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [clean(item, secrets, depth + 1) for item in value]
-    if isinstance(value, (bytes, bytearray, memoryview, msgspec.Raw)):
-        return clean(bytes(value).decode("utf-8", "replace"), secrets)
-    return clean(str(value), secrets)
-
-
-def _utc(timestamp: float | None) -> str | None:
-    if timestamp is None:
-        return None
-    return dt.datetime.fromtimestamp(timestamp, dt.timezone.utc).isoformat()
-
-
-def build_document(exchange, *, reason: str, when: dt.datetime, config: dict,
-                   secrets=(), stream_error=None, max_body_bytes: int = 8 * MiB) -> dict:
-    """The dump of one exchange, secrets redacted. ``config`` is :func:`config_document`'s."""
-    secrets = set(secrets) | header_secrets(exchange.client_headers)
-    secrets |= query_secrets(exchange.query)
-    upstream_request = exchange.upstream_request
-    if upstream_request is not None:
-        secrets |= header_secrets(upstream_request.get("headers"))
-        secrets |= query_secrets(url_query(upstream_request.get("url")))
-    secrets = sorted((s for s in secrets if len(s) >= MIN_SECRET_LENGTH and s != REDACTED),
-                     key=len, reverse=True)
-
-    def body(raw):
-        return body_fields(raw, secrets, max_body_bytes)
-
-    upstream_body = None if upstream_request is None else upstream_request.get("body")
-    if upstream_body is not None and (upstream_body is exchange.raw_body
-                                      or upstream_body == exchange.raw_body):
-        upstream_body_fields = {"body_same_as": "client_request"}
-    else:
-        upstream_body_fields = body(upstream_body)
-    backend = exchange.backend
-    error = exchange.error
-    document = {
-        "dump_format": FORMAT,
-        "relay_version": __version__,
-        "time": when.isoformat(),
-        "request_id": exchange.id,
-        "reason": reason,
-        "outcome": exchange.outcome,
-        "endpoint": exchange.endpoint,
-        "started": _utc(exchange.received),
-        "backend": {"name": backend.name, "url": redact_url(backend.url)} if backend else None,
-        "client_request": {
-            "method": exchange.method, "path": exchange.path,
-            "query": redact_query(exchange.query),
-            "headers": headers_document(exchange.client_headers),
-            **body(exchange.raw_body)},
-        "upstream_request": None if upstream_request is None else {
-            "url": redact_url(upstream_request.get("url")),
-            "headers": headers_document(upstream_request.get("headers")),
-            **upstream_body_fields},
-        "upstream_response": None if exchange.upstream_response is None else {
-            "status": exchange.upstream_response.get("status"),
-            "headers": headers_document(exchange.upstream_response.get("headers")),
-            **body(exchange.upstream_response.get("body"))},
-        "relay_error": None if error is None else {
-            "status": getattr(error, "status", None), "type": getattr(error, "type", None),
-            "message": getattr(error, "message", str(error))},
-        "stream_error": stream_error,
-        "attempts": [dataclasses.asdict(attempt) for attempt in exchange.attempts],
-        "timings": dataclasses.asdict(exchange.timings),
-        "translation": exchange.translation,
-        "timeline": {"messages": message_outline(exchange_messages(exchange)),
-                     "steps": exchange.timeline},
-        "config": {**config, "quirks": backend.quirks if backend else {}},
-    }
-    return clean(document, secrets)
-
-
-def encode_document(document: dict) -> bytes:
-    """The document (made by :func:`build_document`, so encodable) as indented JSON."""
-    return orjson.dumps(document, option=orjson.OPT_INDENT_2) + b"\n"
 
 
 # --- the files ----------------------------------------------------------------------------
@@ -670,10 +383,11 @@ class Retention:
         return self.trim()
 
     def trim(self) -> list[str]:
-        deleted = []
-        while len(self.entries) > 1 and (len(self.entries) > self.max_files
-                                         or self.total > self.max_bytes):
-            day, name, size = self.entries.popleft()
+        deleted: list[str] = []
+        entries = self.entries
+        while entries is not None and len(entries) > 1 and (len(entries) > self.max_files
+                                                              or self.total > self.max_bytes):
+            day, name, size = entries.popleft()
             self.total -= size
             self.delete(day, name)
             deleted.append(os.path.join(self.directory, day, name))
@@ -710,12 +424,19 @@ class Dump:
         # Per kind of write failure: when it was last logged, and how often since.
         self.failures: dict = {}
 
+    @property
+    def started(self) -> Settings:
+        """The running relay's settings (from :meth:`relay_startup` on)."""
+        if self.settings is None:
+            raise RuntimeError("the dump plugin has not started")
+        return self.settings
+
     # --- hooks ----------------------------------------------------------------------------
 
     @hookimpl
     def relay_startup(self, config, options):
         self.settings = settings = parse_options(options)
-        self.config_doc = config_document(config)
+        self.config_doc = record.config_document(config)
         self.secrets = {backend.api_key for backend in config.backends if backend.api_key}
         self.retention = Retention(settings.dir, settings.max_files, settings.max_bytes)
         if self.executor is None:
@@ -748,8 +469,9 @@ class Dump:
 
     @hookimpl
     def relay_stream_event(self, exchange, event):
-        if len(event.raw) > self.settings.max_body_bytes:
-            fields = body_fields(event.raw, (), self.settings.max_body_bytes)
+        limit = self.started.max_body_bytes
+        if len(event.raw) > limit:
+            fields = record.body_fields(event.raw, (), limit)
             data = {"event": fields.get("body"), "event_truncated": fields["body_truncated"]}
         else:
             data = event.data
@@ -768,26 +490,27 @@ class Dump:
     # --- the work -------------------------------------------------------------------------
 
     def reason_for(self, exchange) -> str | None:
+        settings = self.started
         noticed = exchange.state.get(PLUGIN)
         if noticed:
             return noticed["reason"]
         answer = exchange.answer
-        if (exchange.outcome == "ok" and answer is not None and 200 <= answer.status < 300
-                and answer.status in self.settings.statuses
+        if (exchange.outcome == Outcome.OK and answer is not None and 200 <= answer.status < 300
+                and answer.status in settings.statuses
                 and exchange.endpoint in ("messages", "count_tokens")):
             return "ok"  # asked for: successful exchanges too
-        if exchange.outcome == "upstream_malformed":
+        if exchange.outcome == Outcome.UPSTREAM_MALFORMED:
             return "upstream_malformed"  # a fault of the upstream's, like its 4xx
-        if exchange.outcome == "rejected" and self.settings.include_relay_rejections:
+        if exchange.outcome == Outcome.REJECTED and settings.include_relay_rejections:
             return "rejected"
-        if exchange.outcome == "stream_error" and self.settings.include_stream_errors:
+        if exchange.outcome == Outcome.STREAM_ERROR and settings.include_stream_errors:
             return "stream_error"
         return None
 
     def submit(self, exchange, reason: str) -> asyncio.Future | None:
         """Write the exchange's dump in the background (the exchange must be over), or drop
         it when the write queue is full: None then."""
-        settings = self.settings
+        settings = self.started
         size = held_bytes(exchange)
         if self.pending and (len(self.pending) >= settings.max_pending
                              or self.pending_bytes + size > settings.max_pending_bytes):
@@ -843,13 +566,13 @@ class Dump:
 
     def write(self, exchange, reason: str, when: dt.datetime, stream_error=None) -> str | None:
         """Build, write and account for one dump (in the writer thread). Never raises."""
-        settings = self.settings
+        settings = self.started
         directory = settings.dir
         try:
-            document = build_document(exchange, reason=reason, when=when, config=self.config_doc,
-                                      secrets=self.secrets, stream_error=stream_error,
-                                      max_body_bytes=settings.max_body_bytes)
-            data = encode_document(document)
+            document = record.to_document(
+                exchange, reason=reason, when=when, config=self.config_doc, secrets=self.secrets,
+                stream_error=stream_error, max_body_bytes=settings.max_body_bytes)
+            data = record.encode(document)
             path = write_dump(directory, data, exchange.id, when)
         except OSError as e:
             self.write_failed(exchange.id, reason, directory, e)
@@ -858,29 +581,32 @@ class Dump:
             log.exception("%s: could not build the %s dump", exchange.id, reason)
             return None
         log.info("%s: %s dump written to %s", exchange.id, reason, path)
+        retention = self.retention
         try:
-            for deleted in self.retention.add(path, len(data)):
+            for deleted in retention.add(path, len(data)) if retention is not None else ():
                 log.info("retention: deleted %s", deleted)
         except OSError as e:
             log.warning("retention under %s failed: %s", directory, e)
         return path
 
 
-def held_bytes(exchange) -> int:
+def held_bytes(exchange: Exchange) -> int:
     """About what a pending dump keeps alive: the exchange's bodies."""
     size = len(exchange.raw_body or b"")
-    sent = (exchange.upstream_request or {}).get("body")
+    sent = exchange.upstream_request.body if exchange.upstream_request is not None else None
     if sent is not None and sent is not exchange.raw_body:
         size += len(sent)
-    answer = (exchange.upstream_response or {}).get("body")
-    return size + len(answer or b"")
+    answer = exchange.upstream_response
+    if answer is not None and answer.body is not None:
+        size += len(answer.body)
+    return size
 
 
-def relay_stream_error(exchange) -> dict | None:
-    """The error event the relay itself sent when the upstream's stream broke off, rebuilt
-    from the relay's ``stream error`` timeline note (the event the server writes has this
-    shape)."""
-    for step in reversed(exchange.timeline):
-        if step.get("step") == "relay" and step.get("action") == "stream error":
-            return {"type": "error", "error": {"type": "api_error", "message": step.get("message")}}
-    return None
+def relay_stream_error(exchange: Exchange) -> dict | None:
+    """The error event the relay itself sent when the upstream's stream broke off, as the
+    record's :attr:`~relay.exchange.Exchange.stream_failure` says (a dump has recorded it
+    with the type ``api_error`` whatever the event's own)."""
+    failure = exchange.stream_failure
+    if failure is None:
+        return None
+    return {"type": "error", "error": {"type": "api_error", "message": failure.message}}

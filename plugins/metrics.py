@@ -37,6 +37,13 @@ import tempfile
 
 from aiohttp import web
 
+from relay.config import InboundKey
+from relay.errors import ConfigError
+from relay.exchange import Outcome
+from relay.hookspecs import hookimpl
+from relay.inbound import AdminRoute
+from relay.options import Option
+
 log = logging.getLogger("relay.plugins.metrics")
 
 # relay-metrics-<pid of the process that made it>-<mkdtemp's random part>
@@ -58,14 +65,18 @@ def _shared_directory() -> None:
     owner = os.getpid()
     directory = tempfile.mkdtemp(prefix=f"relay-metrics-{owner}-", dir=parent)
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory
-    atexit.register(lambda: os.getpid() == owner and shutil.rmtree(directory, ignore_errors=True))
+    def remove() -> None:
+        if os.getpid() == owner:  # a forked worker inherits the hook: only the maker removes
+            shutil.rmtree(directory, ignore_errors=True)
+
+    atexit.register(remove)
 
 
 def remove_stale_directories(parent: str) -> list[str]:
     """Remove this user's shared directories in ``parent`` that no live process uses: the
     process that made one (named in it) and every worker that wrote to it (named in its
     files) are gone. Returns what was removed."""
-    removed = []
+    removed: list[str] = []
     try:
         entries = list(os.scandir(parent))
     except OSError:
@@ -110,14 +121,15 @@ def _alive(pid: int) -> bool:
 
 _shared_directory()
 
-from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter,  # noqa: E402
-                               Gauge, Histogram, generate_latest, multiprocess)
-
-from relay.config import InboundKey
-from relay.errors import ConfigError
-from relay.hookspecs import hookimpl
-from relay.inbound import AdminRoute
-from relay.options import Option
+from prometheus_client import (  # noqa: E402
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    multiprocess,
+)
 
 PLUGIN = "metrics"
 MIN_KEY_CHARS = 16  # as for relay keys
@@ -134,7 +146,7 @@ class Metrics:
     """The metrics plugin; the host makes one instance per relay."""
 
     def __init__(self):
-        self.registry: CollectorRegistry | None = None
+        self.registry = CollectorRegistry()  # replaced at start-up; empty until then
         self.path = "/metrics"
         self.children: dict = {}
         self.scrape_keys: tuple[InboundKey, ...] = ()
@@ -272,20 +284,17 @@ class Metrics:
                 counts[direction] = counts.get(direction, 0) + 1
             for direction, count in counts.items():
                 self.rewritten.labels(backend, direction).inc(count)
-        for entry in exchange.timeline:
-            action = entry.get("action")
-            if action == "repaired":
-                self.repaired.labels(entry["step"], str(entry.get("rule", entry["step"]))).inc(
-                    entry.get("count", 1))
-            elif entry.get("step") == "dump" and action in ("queued", "dropped"):
-                self.dumps.labels(action).inc()
-            elif entry.get("step") == "portable" and action == "provenance missed":
-                for missed in entry["counts"]:
-                    self.provenance_missed.labels(missed["result"], missed["reason"]).inc(
-                        missed["count"])
+        for repair in exchange.repaired_by:
+            self.repaired.labels(repair.step, repair.rule).inc(repair.count)
+        for entry in exchange.noted("dump", "queued", "dropped"):
+            self.dumps.labels(entry["action"]).inc()
+        for entry in exchange.noted("portable", "provenance missed"):
+            for missed in entry["counts"]:
+                self.provenance_missed.labels(missed["result"], missed["reason"]).inc(
+                    missed["count"])
         for kind, name in exchange.rules_defer:
             self._child(self.deferred, kind, self._deferred_name(name)).inc()
-        if exchange.outcome == "rejected" and error is not None and error.plugin is not None:
+        if exchange.outcome == Outcome.REJECTED and error is not None and error.plugin is not None:
             self.refused.labels(error.plugin, error.rule or error.plugin).inc()
 
 

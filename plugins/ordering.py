@@ -224,7 +224,7 @@ def _repair(exchange, messages: list, found: list[Problem]) -> list[Problem]:
 
 def _note_unsure(exchange, unsure) -> None:
     for location, reason in unsure:
-        exchange.note("ordering", "unsure", location=location, reason=reason)
+        exchange.unsure("ordering", location, reason)
 
 
 @hookimpl

@@ -658,7 +658,7 @@ def _mode(options) -> str:
 
 def _note_unsure(exchange, unsure: list[Unsure]) -> None:
     for item in unsure:
-        exchange.note("pairing", "unsure", location=item.location, reason=item.reason)
+        exchange.unsure("pairing", item.location, item.reason)
 
 
 def _repair(exchange, messages: list, found: list[Problem]) -> None:
@@ -696,9 +696,9 @@ def in_place(messages: list) -> bool:
 def _merge(exchange, messages: list) -> None:
     spans = split_tool_turns(messages)
     if spans and not in_place(messages):
-        exchange.note("pairing", "unsure", location=f"messages.{spans[0][0]}",
-                      reason="a tool turn split over consecutive messages was not merged: its "
-                             "calls or results are out of place")
+        exchange.unsure("pairing", f"messages.{spans[0][0]}",
+                        "a tool turn split over consecutive messages was not merged: its "
+                        "calls or results are out of place")
     elif spans:
         merge(messages, spans)
         exchange.repaired("pairing", sum(last - first for first, last in spans),

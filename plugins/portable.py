@@ -776,9 +776,9 @@ class Portable:
             # The API's rule is on record for budgeted thinking; with adaptive thinking the
             # model may skip thinking in a turn, and whether such a turn is accepted is not:
             # the request goes as it is, noted.
-            exchange.note(PLUGIN, "unsure", location=f"messages.{final}",
-                          reason="adaptive thinking, and the final tool turn's thinking was "
-                                 "another issuer's: sent without it")
+            exchange.unsure(PLUGIN, f"messages.{final}",
+                            "adaptive thinking, and the final tool turn's thinking was "
+                            "another issuer's: sent without it")
         if mode != "enabled":
             final = None
         if final is not None and validating:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import itertools
 import os
 import re
@@ -16,7 +17,6 @@ from . import skeleton
 from .errors import RelayError, invalid_request
 from .headers import AUTH_HEADERS, end_to_end
 from .skeleton import Skeleton
-
 
 # Headers that carry credentials: never written to disk, never replayed as recorded.
 CREDENTIAL_HEADERS = frozenset({"x-api-key", "authorization", "proxy-authorization", "cookie",
@@ -56,25 +56,140 @@ def new_request_id() -> str:
     return f"relay_{_PROCESS}{next(_SEQUENCE):012x}"
 
 
+class Outcome(str, enum.Enum):
+    """How an exchange ended: the closed set of values ``exchange.outcome`` takes (None while
+    it is under way). A member is its value as a string (``Outcome.OK == "ok"``,
+    ``str(Outcome.OK) == "ok"``): the metrics' ``outcome`` label, the access log's
+    ``outcome=`` and a dump's ``outcome`` show the value."""
+
+    OK = "ok"
+    """The upstream's answer (any 2xx) reached the client whole."""
+    REFUSED = "refused"
+    """Turned away before it was routed: a bad target, Host or key, an unreadable body."""
+    REJECTED = "rejected"
+    """Refused by the relay or a plugin with a 4xx of its own (a history the API would refuse,
+    a model no backend serves)."""
+    RELAY_ERROR = "relay_error"
+    """The relay failed while preparing the request (a 5xx of its own)."""
+    UPSTREAM_ERROR = "upstream_error"
+    """The upstream answered with a status of 300 or more, passed on to the client."""
+    UPSTREAM_MALFORMED = "upstream_malformed"
+    """An answer or stream chunk of the wrong shape, that the relay could not translate."""
+    UPSTREAM_UNREACHABLE = "upstream_unreachable"
+    """No answer from the upstream (after any retries and fallbacks), or more than the relay
+    takes."""
+    POOL_FULL = "pool_full"
+    """The relay's own upstream connections were all in use: the upstream was never asked."""
+    STREAM_ERROR = "stream_error"
+    """A stream that ended in an ``error`` event: see ``exchange.stream_failure``."""
+    CLIENT_DISCONNECTED = "client_disconnected"
+    """The client went away before its answer was complete."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+@dataclasses.dataclass(slots=True)
+class UpstreamRequest:
+    """What went upstream on the last attempt, as sent: built once per backend tried (every
+    retry sends the same), holding the very objects that were sent, never copies."""
+
+    url: str
+    """The full upstream URL, query included."""
+    headers: Any
+    """The headers as sent (a :class:`multidict.CIMultiDict`), the backend's credentials
+    included: a dump redacts them."""
+    body: bytes | None
+    """The bytes sent: the client's own unless a plugin changed the request or the backend's
+    format translated it (then the translated body)."""
+
+
+@dataclasses.dataclass(slots=True)
+class UpstreamAnswer:
+    """What came back from the upstream on the last attempt: its status and headers, and its
+    body when the relay read one (a complete answer, an error's body, or for a translated
+    stream the first and last bytes of the upstream's own)."""
+
+    status: int
+    """The upstream's HTTP status."""
+    headers: Any
+    """The upstream's headers, as received."""
+    body: Any = None
+    """The bytes received (None for a stream passed through, whose events are not kept)."""
+
+
+@dataclasses.dataclass(slots=True)
+class StreamFailure:
+    """Why a stream whose headers had gone to the client ended in an ``error`` event: the
+    event's ``error.message`` and ``error.type``, and what the library said (``detail``, for
+    the dump and the log, never the client)."""
+
+    message: str
+    """The ``error.message`` the client was sent."""
+    kind: str = "api_error"
+    """The ``error.type`` the client was sent."""
+    detail: str | None = None
+    """The library's own account of the break (``ClientPayloadError ...``), when there was
+    one."""
+
+
+@dataclasses.dataclass(slots=True)
+class Uncertainty:
+    """Something a history rule forwarded because the API's answer to it is not on record
+    (see the evidence table): where in the request, and why. Also on the timeline, as an
+    ``unsure`` entry."""
+
+    step: str
+    """The plugin that was unsure."""
+    location: str
+    """Where in the request (``messages.3.content.1``)."""
+    reason: str
+    """What the relay does not know, in words."""
+
+
+@dataclasses.dataclass(slots=True)
+class Repair:
+    """Repairs one step made to the request (also on the timeline, as ``repaired``)."""
+
+    step: str
+    """The plugin that repaired."""
+    rule: str
+    """Which of its rules (the step's name when it gave none)."""
+    count: int
+    """How many repairs."""
+
+
 @dataclasses.dataclass(slots=True)
 class Attempt:
     """One try at the upstream: which backend, what came back, how long it took."""
 
     backend: str
+    """The backend's name."""
     url: str
-    status: int | None = None  # the upstream's status; None when it could not be reached
-    error: str | None = None  # why it could not be reached
-    seconds: float = 0.0  # from sending to the upstream's headers (or the failure)
-    waited: float = 0.0  # backoff slept before this attempt
+    """Where the request went."""
+    status: int | None = None
+    """The upstream's status; None when it could not be reached."""
+    error: str | None = None
+    """Why it could not be reached (``pool full`` when the relay's own pool was)."""
+    seconds: float = 0.0
+    """From sending to the upstream's headers (or the failure)."""
+    waited: float = 0.0
+    """The backoff slept before this attempt."""
 
 
 @dataclasses.dataclass(slots=True)
 class Timings:
     """When things happened, in seconds after the request was received (None: never)."""
 
-    upstream_headers: float | None = None  # the upstream's answer began (last attempt)
-    first_byte: float | None = None  # the first byte of the answer was written to the client
-    last_byte: float | None = None  # the answer was complete
+    upstream_headers: float | None = None
+    """The upstream's answer began (the last attempt's headers)."""
+    first_byte: float | None = None
+    """The first byte of the answer was written to the client."""
+    last_byte: float | None = None
+    """The answer was complete."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -83,10 +198,15 @@ class Answer:
     its events."""
 
     status: int
+    """The status the client got."""
     headers: Any
+    """The headers the client got."""
     size: int = 0
+    """The bytes of the body written."""
     stream: bool = False
-    events: int | None = None  # a stream's events written to the client
+    """Whether it was a stream."""
+    events: int | None = None
+    """A stream's events written to the client (keep-alive pings included)."""
 
 
 class Exchange:
@@ -98,13 +218,17 @@ class Exchange:
     ``refused`` for a request turned away before it was routed). Routing: ``backend``,
     ``model``, ``stream``, ``key_name`` (the inbound key, when auth is on). What went up:
     ``attempts`` (one :class:`Attempt` per try, retries and fallbacks included) and
-    ``upstream_request`` / ``upstream_response`` (the last attempt's, for dumps). What came
-    back: ``answer`` (an :class:`Answer`), ``outcome`` (``ok``, ``rejected``,
-    ``upstream_error``, ``upstream_malformed`` (an answer or stream chunk of the wrong shape),
-    ``stream_error``, ``upstream_unreachable``, ``pool_full`` (the relay's own upstream
-    connections were all in use), ``client_disconnected``, ``relay_error``), ``error`` (a
-    :class:`RelayError` the relay answered with), and
-    ``received`` (wall-clock time) with ``timings`` (a :class:`Timings`).
+    ``upstream_request`` (an :class:`UpstreamRequest`) / ``upstream_response`` (an
+    :class:`UpstreamAnswer`), the last attempt's. What came back: ``answer`` (an
+    :class:`Answer`), ``outcome`` (an :class:`Outcome`), ``error`` (a :class:`RelayError` the
+    relay answered with), ``stream_failure`` (a :class:`StreamFailure` when a stream ended in
+    an error event), and ``received`` (wall-clock time) with ``timings`` (a :class:`Timings`).
+    What the plugins found: ``repairs`` (their total), ``repaired_by`` (one :class:`Repair`
+    per :meth:`repaired`), ``uncertain`` (one :class:`Uncertainty` per :meth:`unsure`).
+
+    The record's document form, the one a dump holds and ``relay replay`` reads, is made
+    by :mod:`relay.document` (:func:`relay.document.to_document`,
+    :func:`relay.document.from_document`), only when one is asked for.
 
     What the history rules must know before they judge: ``thread`` (a
     :class:`relay.threads.Thread` when the request creates or continues a server-held
@@ -116,6 +240,12 @@ class Exchange:
     per-plugin scratch data, keyed by plugin name, and dies with the exchange: the relay
     keeps nothing between requests.
     """
+
+    # Most exchanges have none of these: the class's values stand until one is recorded, so
+    # that serving makes nothing for them.
+    repaired_by: tuple[Repair, ...] = ()
+    uncertain: tuple[Uncertainty, ...] = ()
+    stream_failure: StreamFailure | None = None
 
     def __init__(self, *, endpoint: str, method: str, path: str, query: str,
                  headers, raw_body: bytes = b"", body: dict | None = None,
@@ -135,6 +265,7 @@ class Exchange:
         self._skeleton = skeleton
         self._sent: bytes | None = None
         self.backend = backend
+        self.model: str | None
         if skeleton is not None:  # as the client asked for it
             self.model, self.stream = skeleton.model, skeleton.stream
         else:
@@ -146,9 +277,9 @@ class Exchange:
         self.state: dict[str, Any] = {}
         self.repairs = 0
         self.response_headers: dict[str, str] = {}
-        self.upstream_request: dict | None = None
-        self.upstream_response: dict | None = None
-        self.outcome: str | None = None
+        self.upstream_request: UpstreamRequest | None = None
+        self.upstream_response: UpstreamAnswer | None = None
+        self.outcome: Outcome | None = None
         self.error: RelayError | None = None
         self.attempts: list[Attempt] = []
         self.timings = Timings()
@@ -175,7 +306,7 @@ class Exchange:
             self.shaped_headers = shaped
         return self.shaped_headers
 
-    def follow(self, previous: "Exchange") -> None:
+    def follow(self, previous: Exchange) -> None:
         """Take over from ``previous``, whose backend failed: one client request keeps one id,
         one clock, and the record of every attempt and step before this one."""
         self.id = previous.id
@@ -184,6 +315,8 @@ class Exchange:
         self.key_name = previous.key_name
         self.attempts = previous.attempts + self.attempts
         self.timeline = previous.timeline + self.timeline
+        self.repaired_by = previous.repaired_by + self.repaired_by
+        self.uncertain = previous.uncertain + self.uncertain
         self.response_headers["x-relay-request-id"] = self.id
 
     def elapsed(self) -> float:
@@ -231,6 +364,12 @@ class Exchange:
                 raise invalid_request(f"request body is not valid JSON: {e}") from None
         return self._body
 
+    @body.setter
+    def body(self, value) -> None:
+        """Replace the request (call :meth:`mark_changed` too, so that it goes up)."""
+        self._body = value
+        self._skeleton = None
+
     def field(self, name: str):
         """A top-level field of the request (``thinking``, ``tools``), decoded, without
         decoding the whole history; None when the request has none."""
@@ -248,12 +387,6 @@ class Exchange:
         return [name for name in body if name not in skeleton.KNOWN_NAMES] \
             if type(body) is dict else ()
 
-    @body.setter
-    def body(self, value) -> None:
-        """Replace the request (call :meth:`mark_changed` too, so that it goes up)."""
-        self._body = value
-        self._skeleton = None
-
     def release_body(self, sent: bytes) -> None:
         """Drop the decoded request (a large history is several times its size in objects);
         ``sent`` is what went upstream, decoded again if asked for."""
@@ -267,8 +400,10 @@ class Exchange:
             raise RuntimeError("the request has already gone upstream")
         if self._body is not None:
             self._body["model"] = model
-        else:
+        elif self._skeleton is not None:
             self._skeleton.set_model(model)
+        else:
+            raise RuntimeError("the exchange holds no request")
         self._changed = True
 
     @property
@@ -291,6 +426,8 @@ class Exchange:
             return self.raw_body
         if self._body is not None:
             return skeleton.encode(self._body)
+        if self._skeleton is None:
+            raise RuntimeError("the exchange holds no request")
         return self._skeleton.encode()
 
     def repaired(self, step: str, count: int, **detail) -> None:
@@ -298,9 +435,35 @@ class Exchange:
         re-serialised, the client's answer carries ``x-relay-repairs`` with the running total,
         and the timeline says what was done."""
         self.repairs += count
+        self.repaired_by += (Repair(step, str(detail.get("rule", step)), count),)
         self.response_headers["x-relay-repairs"] = str(self.repairs)
         self._changed = True
         self.note(step, "repaired", count=count, **detail)
+
+    def unsure(self, step: str, location: str, reason: str) -> None:
+        """Record that ``step`` forwarded something at ``location`` whose answer from the API
+        is not on record (``reason``): in :attr:`uncertain`, and on the timeline as
+        ``unsure``."""
+        self.uncertain += (Uncertainty(step, location, reason),)
+        self.note(step, "unsure", location=location, reason=reason)
+
+    def stream_failed(self, message: str, kind: str = "api_error",
+                      detail: str | None = None) -> None:
+        """Record that the stream ended in an ``error`` event saying ``message`` (of type
+        ``kind``): in :attr:`stream_failure`, and on the timeline as ``stream error``.
+        ``detail`` is what the library said, for the dump and the log."""
+        self.stream_failure = StreamFailure(message, kind, detail)
+        if detail:
+            self.note("relay", "stream error", message=message, detail=detail)
+        else:
+            self.note("relay", "stream error", message=message)
+
+    def noted(self, step: str, *actions: str) -> list[dict]:
+        """The timeline entries ``step`` made with one of ``actions``, in order: how a plugin
+        reads what another documents it notes (the dump plugin's ``queued`` and ``dropped``,
+        the portable plugin's ``provenance missed``), without either knowing the other."""
+        return [entry for entry in self.timeline
+                if entry.get("step") == step and entry.get("action") in actions]
 
     def flag(self, note: str) -> None:
         """Add ``note`` (a short token) to the answer's ``x-relay-notes`` header, once."""

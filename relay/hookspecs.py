@@ -178,10 +178,11 @@ def relay_exchange_end(exchange: Exchange, options: dict) -> None:
     writing a file, to a thread or a task). ``exchange`` is the complete record (see
     :class:`relay.exchange.Exchange`): ``endpoint`` (``messages``, ``count_tokens``,
     ``passthrough``, or ``refused`` for a request turned away before it was routed, such as
-    an auth failure), ``outcome`` (``ok``, ``rejected``, ``refused``, ``upstream_error``,
-    ``upstream_malformed``, ``stream_error``, ``upstream_unreachable``,
-    ``client_disconnected``, ``relay_error``),
-    ``answer`` (status, headers, size), ``attempts``, ``timings`` and ``timeline``. This hook
+    an auth failure), ``outcome`` (a :class:`relay.exchange.Outcome`: ``ok``, ``rejected``,
+    ``refused``, ``upstream_error``, ``upstream_malformed``, ``stream_error``,
+    ``upstream_unreachable``, ``pool_full``, ``client_disconnected``, ``relay_error``),
+    ``answer`` (status, headers, size), ``attempts``, ``upstream_request`` and
+    ``upstream_response``, ``stream_failure``, ``timings`` and ``timeline``. This hook
     cannot change the answer. Exceptions are logged and swallowed.
     """
 

@@ -11,7 +11,7 @@ import aiohttp
 from aiohttp import web
 
 from .errors import RelayError
-from .exchange import Answer, Exchange
+from .exchange import Answer, Exchange, Outcome, UpstreamAnswer
 from .redact import StreamRedactor
 from .respond import deliver, refuse, unreachable
 from .upstream import Unreachable, UpstreamTooLarge, client_headers, read_capped
@@ -32,14 +32,14 @@ async def relay_passthrough(state, request: web.Request, exchange: Exchange,
                 request, state.config.max_body_bytes, state.config.body_timeout)
         upstream = await state.upstream.send(exchange, backend, body=raw)
     except RelayError as error:
-        return await refuse(request, exchange, error, "rejected", close=True)
+        return await refuse(request, exchange, error, Outcome.REJECTED, close=True)
     except Unreachable as e:
         return await unreachable(request, exchange, e.__cause__ or e)
     async with upstream:
         if backend.adapter.reads_passthrough:
             return await _translated(state, request, exchange, upstream)
         if upstream.status >= 300:
-            exchange.outcome = "upstream_error"
+            exchange.outcome = Outcome.UPSTREAM_ERROR
         secrets = backend.credentials
         response = web.StreamResponse(status=upstream.status,
                                       headers=client_headers(upstream.headers, None, secrets))
@@ -62,7 +62,7 @@ async def relay_passthrough(state, request: web.Request, exchange: Exchange,
             # the body is incomplete.
             log.warning("passthrough %s from %s broke off: %r", exchange.path,
                         backend.name, e)
-            exchange.outcome = "stream_error"
+            exchange.outcome = Outcome.STREAM_ERROR
             if request.transport is not None:
                 request.transport.close()
             return response
@@ -79,12 +79,11 @@ async def _translated(state, request: web.Request, exchange: Exchange,
         payload = await read_capped(upstream, state.config.max_upstream_body_bytes)
     except (aiohttp.ClientError, asyncio.TimeoutError, UpstreamTooLarge) as e:
         return await unreachable(request, exchange, e)
-    exchange.upstream_response = {"status": upstream.status, "headers": upstream.headers,
-                                  "body": payload}
+    exchange.upstream_response = UpstreamAnswer(upstream.status, upstream.headers, payload)
     adapter = exchange.backend.adapter
     headers = client_headers(upstream.headers)
     if upstream.status >= 300:
-        exchange.outcome = "upstream_error"
+        exchange.outcome = Outcome.UPSTREAM_ERROR
         translated = adapter.error_body(upstream.status, payload, exchange.id)
         if translated is not None:
             payload = translated
@@ -94,6 +93,6 @@ async def _translated(state, request: web.Request, exchange: Exchange,
             payload = adapter.model_list(payload, exchange.backend.name)
         except RelayError as error:
             exchange.response_headers["x-relay-request-id"] = exchange.id
-            return await refuse(request, exchange, error, "upstream_malformed")
+            return await refuse(request, exchange, error, Outcome.UPSTREAM_MALFORMED)
     return await deliver(request, exchange, web.Response(
         status=upstream.status, body=payload, headers=headers))

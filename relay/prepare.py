@@ -85,7 +85,7 @@ async def prepare_exchange(state: Preparation, *, method: str, path: str, query:
         error.exchange = exchange
         return error
 
-    model = exchange.model
+    model = exchange.model or ""  # parse_request makes sure there is one
     if len(model) > MAX_MODEL_CHARS:
         raise refused(invalid_request(
             f"model: String should have at most {MAX_MODEL_CHARS} characters"))

@@ -8,8 +8,9 @@ are not compared: the request alone cannot produce them. ``--config`` needs the 
 ``api_key_env`` variables only with ``--send``.
 
 A dump is data that anyone who could write the file may have made: every part of it is
-checked before use, and one that is not what the dump plugin writes (wrong types, header
-values with line breaks, a body cut short by ``max_body_bytes``) is refused with a message.
+checked before use (by the host's reader, :func:`relay.document.from_document`), and one
+that is not what the dump plugin writes (wrong types, header values with line breaks, a body
+cut short by ``max_body_bytes``) is refused with a message.
 Exit status: 0 identical, 1 different, 2 unusable input (or a ``--send`` that could not
 reach the backend).
 
@@ -27,14 +28,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
-import binascii
 import dataclasses
 import difflib
-import json
 import logging
 import os
-import re
 import sys
 
 import aiohttp
@@ -42,9 +39,11 @@ import orjson
 from multidict import CIMultiDict
 
 from . import config as config_module
+from . import document as record
 from .chain import Chain, load_plugins
+from .document import REDACTED, pretty, printable, shown
 from .errors import ConfigError, RelayError
-from .exchange import is_credential_header
+from .exchange import Exchange, is_credential_header
 from .inbound import check_target
 from .prepare import ENDPOINTS, Preparation, prepare_exchange
 from .upstream import Unreachable, Upstream, upstream_url
@@ -53,19 +52,9 @@ log = logging.getLogger("relay.replay")
 
 API_KEY_VARIABLE = "RELAY_REPLAY_API_KEY"
 DEFAULT_CONFIG = "relay.yaml"
-FORMATS = (1, 2)
-REDACTED = "[redacted]"
-HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")  # RFC 9110 token
-# Any control character but tab: a line break in a value would forge a header when sent.
-CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
-# What is printed of a dump goes to a terminal: no control sequences but newline and tab.
-UNPRINTABLE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
-# Everything visible in ASCII but "#" stays as the dump has it (percent escapes included);
-# the rest is percent-encoded, so the query cannot end early or reach the path.
 
-
-class UnusableDump(Exception):
-    """The dump cannot be replayed; the message says why."""
+# A dump is read by the host's reader (relay.document), whose refusals are this command's.
+UnusableDump = record.DocumentError
 
 
 @dataclasses.dataclass
@@ -79,7 +68,7 @@ class ClientRequest:
 
 
 @dataclasses.dataclass
-class Outcome:
+class Result:
     """What the request chain made of a request: the parts a replay compares."""
     translation: dict | None
     upstream_body: bytes | None
@@ -128,8 +117,10 @@ def main(args) -> int:
         config_path = DEFAULT_CONFIG
     try:
         dump = load_dump(args.dump)
-        request = client_request(dump)
-        recorded = recorded_outcome(dump)
+        check_endpoint(dump)
+        exchange = record.from_document(dump)
+        request = client_request(exchange)
+        recorded = recorded_result(exchange)
         if config_path:
             config = config_module.load(config_path, require_keys=args.send)
         else:
@@ -142,7 +133,7 @@ def main(args) -> int:
     return asyncio.run(_replay(args, config_path, dump, request, recorded, config, chain))
 
 
-async def _replay(args, config_path, dump: dict, request: ClientRequest, recorded: Outcome,
+async def _replay(args, config_path, dump: dict, request: ClientRequest, recorded: Result,
                   config, chain: Chain) -> int:
     try:
         await chain.startup(config)
@@ -204,85 +195,12 @@ def load_dump(name: str) -> dict:
             raw = f.read()
     except OSError as e:
         raise UnusableDump(f"cannot read: {e.strerror or e}") from None
-    try:
-        dump = orjson.loads(raw)
-    except orjson.JSONDecodeError as e:
-        raise UnusableDump(f"not valid JSON: {e}") from None
-    if not isinstance(dump, dict) or not isinstance(dump.get("client_request"), dict):
-        raise UnusableDump("not a relay dump (no client_request)")
-    version = dump.get("dump_format", 1)
-    if version not in FORMATS or isinstance(version, bool):
-        raise UnusableDump(f"dump_format: {shown(version)} is not one this relay reads "
-                           f"({', '.join(map(str, FORMATS))})")
-    return dump
+    return record.load(raw)
 
 
-def section(dump: dict, key: str, required: bool = False) -> dict | None:
-    value = dump.get(key)
-    if value is None and not required:
-        return None
-    if not isinstance(value, dict):
-        raise UnusableDump(f"{key}: must be a mapping, not {type_name(value)}")
-    return value
-
-
-def body_bytes(part: dict | None, where: str, client_body: bytes | None = None) -> bytes | None:
-    """The body stored in a dump section: UTF-8 text under ``body``, ``body_base64``, or
-    ``body_same_as`` the client's."""
-    if not part:
-        return None
-    if part.get("body_truncated") is not None:
-        cut = part["body_truncated"]
-        kept = (f" (the first {shown(cut.get('kept_bytes'))} of {shown(cut.get('total_bytes'))} "
-                f"bytes)" if isinstance(cut, dict) else "")
-        raise UnusableDump(f"{where}.body was truncated when dumped{kept}, beyond "
-                           f"plugins.dump.max_body_bytes: a truncated dump cannot be replayed")
-    if part.get("body_same_as") is not None:
-        if part["body_same_as"] != "client_request" or client_body is None:
-            raise UnusableDump(f"{where}.body_same_as: must be \"client_request\"")
-        return client_body
-    if part.get("body_base64") is not None:
-        if not isinstance(part["body_base64"], str):
-            raise UnusableDump(f"{where}.body_base64: must be a string")
-        try:
-            return base64.b64decode(part["body_base64"], validate=True)
-        except (binascii.Error, ValueError):
-            raise UnusableDump(f"{where}.body_base64: not valid base64") from None
-    body = part.get("body")
-    if body is None:
-        return None
-    if not isinstance(body, str):
-        raise UnusableDump(f"{where}.body: must be a string")
-    return body.encode("utf-8")
-
-
-def request_headers(value, where: str) -> tuple[CIMultiDict, frozenset]:
-    """The recorded headers without the credential ones (redacted in a dump), and the names
-    of those."""
-    if value is None:
-        return CIMultiDict(), frozenset()
-    if not isinstance(value, dict):
-        raise UnusableDump(f"{where}: must be a mapping of name to value, not {type_name(value)}")
-    headers, credentials = CIMultiDict(), set()
-    for name, values in value.items():
-        if not HEADER_NAME.match(name):
-            raise UnusableDump(f"{where}: {shown(name)} is not a header name")
-        for item in (values if isinstance(values, list) else [values]):
-            if not isinstance(item, str):
-                raise UnusableDump(f"{where}.{name}: must be a string or a list of strings, "
-                                   f"not {type_name(item)}")
-            if CONTROL.search(item):
-                raise UnusableDump(f"{where}.{name}: holds a line break or another control "
-                                   f"character")
-            if is_credential_header(name) or item == REDACTED:
-                credentials.add(name.lower())
-            else:
-                headers.add(name, item)
-    return headers, frozenset(credentials)
-
-
-def client_request(dump: dict) -> ClientRequest:
-    part = section(dump, "client_request", required=True)
+def check_endpoint(dump: dict) -> None:
+    """Only the Messages API's own requests are rebuilt: a dump may name any path."""
+    part = dump["client_request"]
     path = part.get("path")
     if not isinstance(path, str) or path not in ENDPOINTS:
         raise UnusableDump(f"client_request.path: {shown(path)} is not a Messages API endpoint "
@@ -290,26 +208,30 @@ def client_request(dump: dict) -> ClientRequest:
     method = part.get("method") or "POST"
     if method != "POST":
         raise UnusableDump(f"client_request.method: {shown(method)}, but {path} takes POST only")
-    query = part.get("query") or ""
-    if not isinstance(query, str):
-        raise UnusableDump(f"client_request.query: must be a string, not {type_name(query)}")
-    raw = body_bytes(part, "client_request")
-    if raw is None:
-        raise UnusableDump("client_request: no body")
-    headers, credentials = request_headers(part.get("headers"), "client_request.headers")
-    return ClientRequest(method=method, path=path, query=query, headers=headers, raw_body=raw,
-                         credentials=credentials)
 
 
-def recorded_outcome(dump: dict) -> Outcome:
-    upstream = section(dump, "upstream_request")
-    translation = dump.get("translation")
-    if translation is not None and not isinstance(translation, dict):
-        raise UnusableDump(f"translation: must be a mapping, not {type_name(translation)}")
-    client_body = body_bytes(dump["client_request"], "client_request")
-    return Outcome(translation=translation,
-                   upstream_body=body_bytes(upstream, "upstream_request", client_body),
-                   relay_error=section(dump, "relay_error") if upstream is None else None)
+def client_request(recorded: Exchange) -> ClientRequest:
+    """The client's request as the dump recorded it, less the credentials it holds redacted
+    (by name, for ``--send``)."""
+    headers: CIMultiDict = CIMultiDict()
+    credentials = set()
+    for name, value in recorded.client_headers.items():
+        if is_credential_header(name) or value == REDACTED:
+            credentials.add(name.lower())
+        else:
+            headers.add(name, value)
+    return ClientRequest(method=recorded.method, path=recorded.path, query=recorded.query,
+                         headers=headers, raw_body=recorded.raw_body,
+                         credentials=frozenset(credentials))
+
+
+def recorded_result(recorded: Exchange) -> Result:
+    sent = recorded.upstream_request
+    error = recorded.error
+    return Result(translation=recorded.translation,
+                  upstream_body=sent.body if sent is not None else None,
+                  relay_error=None if sent is not None or error is None else {
+                      "status": error.status, "type": error.type, "message": error.message})
 
 
 def dumped_config(dump: dict):
@@ -338,27 +260,11 @@ def dumped_config(dump: dict):
         raise UnusableDump(f"config: {type(e).__name__} {e}") from None
 
 
-def type_name(value) -> str:
-    return {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean",
-            int: "a number", float: "a number", type(None): "null"}.get(type(value), "a value")
-
-
-def shown(value, limit: int = 80) -> str:
-    """A value from the dump, short and printable, for a message."""
-    text = repr(value) if isinstance(value, str) else pretty(value)
-    return printable(text if len(text) <= limit else text[:limit] + "...")
-
-
-def printable(text: str) -> str:
-    """``text`` without the control characters a terminal would act on."""
-    return UNPRINTABLE.sub(lambda m: f"\\x{ord(m.group()):02x}", str(text))
-
-
 # --- rebuilding and comparing ---------------------------------------------------------------
 
 
 async def rebuild(state: Preparation, request: ClientRequest):
-    """Run the request through the chain as serving does; return (exchange, Outcome). For a
+    """Run the request through the chain as serving does; return (exchange, Result). For a
     backend whose format translates, the upstream-bound body is the translated one, as it
     went up."""
     try:
@@ -369,12 +275,12 @@ async def rebuild(state: Preparation, request: ClientRequest):
         body = exchange.backend.adapter.request_body(body, exchange.backend, exchange.endpoint)
     except RelayError as error:
         refused = error.exchange
-        return refused, Outcome(
+        return refused, Result(
             translation=refused.translation if refused is not None else {},
             upstream_body=None,
             relay_error={"status": error.status, "type": error.type, "message": error.message})
-    return exchange, Outcome(translation=exchange.translation, upstream_body=body,
-                             relay_error=None)
+    return exchange, Result(translation=exchange.translation, upstream_body=body,
+                            relay_error=None)
 
 
 def _as_json(raw: bytes | None):
@@ -390,26 +296,7 @@ def _as_json(raw: bytes | None):
         return raw.decode("utf-8", "replace")
 
 
-def pretty(value, sort_keys: bool = False) -> str:
-    """JSON for people; what the JSON encoder refuses (integers beyond 64 bits, deep nesting
-    in a hand-made dump) through the standard library's, else a note. Never raises."""
-    if isinstance(value, str):
-        return printable(value)
-    option = orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS
-    if sort_keys:
-        option |= orjson.OPT_SORT_KEYS
-    try:
-        return printable(orjson.dumps(value, option=option, default=str).decode())
-    except orjson.JSONEncodeError:
-        pass
-    try:
-        return printable(json.dumps(value, indent=2, sort_keys=sort_keys, default=str,
-                                    ensure_ascii=False))
-    except (TypeError, ValueError, RecursionError) as e:
-        return f"(cannot be shown: {type(e).__name__})"
-
-
-def diff(recorded: Outcome, rebuilt: Outcome) -> str:
+def diff(recorded: Result, rebuilt: Result) -> str:
     """A unified diff (pretty JSON, sorted keys) of every part that differs; "" when none."""
     out: list[str] = []
     before, after = recorded.comparable(), rebuilt.comparable()

@@ -14,7 +14,7 @@ from aiohttp import web
 
 from . import logs
 from .errors import RelayError
-from .exchange import Answer, Exchange
+from .exchange import Answer, Exchange, Outcome
 from .redact import redact, redact_headers
 from .upstream import PoolFull, UpstreamTooLarge
 
@@ -36,12 +36,15 @@ def relay_error(error: RelayError, request_id: str | None = None,
 
 
 async def refuse(request: web.Request, exchange: Exchange, error: RelayError,
-                 outcome: str | None = None, close: bool = False) -> web.Response:
+                 outcome: Outcome | None = None, close: bool = False) -> web.Response:
     """Answer ``exchange`` with an error of the relay's own making, now: the one place that
     sets the outcome of such an exchange (``outcome``, by default ``rejected`` for a 4xx
     and ``relay_error`` for a 5xx) and its ``error``. ``close`` closes the connection after
     it (what is left of a body the relay refused is not worth reading)."""
-    exchange.outcome = outcome or ("rejected" if error.status < 500 else "relay_error")
+    if outcome is None:
+        exchange.outcome = Outcome.REJECTED if error.status < 500 else Outcome.RELAY_ERROR
+    else:
+        exchange.outcome = Outcome(outcome)
     exchange.error = error
     return await deliver(request, exchange, relay_error(
         error, exchange.id, exchange.response_headers, close=close))
@@ -80,8 +83,8 @@ async def unreachable(request: web.Request, exchange: Exchange,
     relay takes: what the library said goes to the log, plain words to the client."""
     error = upstream_failure(exchange.backend, e)
     log.warning("%s: %s (%s)", exchange.id, error.message, f"{type(e).__name__} {e}".rstrip())
-    return await refuse(request, exchange, error,
-                        "pool_full" if isinstance(e, PoolFull) else "upstream_unreachable")
+    return await refuse(request, exchange, error, Outcome.POOL_FULL if isinstance(e, PoolFull)
+                        else Outcome.UPSTREAM_UNREACHABLE)
 
 
 def upstream_failure(backend, e: BaseException) -> RelayError:

@@ -24,7 +24,7 @@ from . import __version__, lifecycle, logs, threads
 from .chain import Chain
 from .config import InboundKey
 from .errors import RelayError, invalid_request
-from .exchange import Exchange, UpstreamResponse
+from .exchange import Exchange, Outcome, UpstreamAnswer, UpstreamResponse
 from .inbound import (
     AdminGate,
     AdminRoute,
@@ -189,7 +189,7 @@ class Relay:
                             query=query[:2000], headers=request.headers)
         exchange.response_headers["x-relay-request-id"] = exchange.id
         exchange.note("relay", "refused", status=error.status, message=error.message)
-        response = await refuse(request, exchange, error, "refused",
+        response = await refuse(request, exchange, error, Outcome.REFUSED,
                                 close=request.can_read_body if close is None else close)
         await self.finish(exchange)
         return response
@@ -226,12 +226,12 @@ class Relay:
             return await self._forward(request, exchange, fallbacks)
         except asyncio.CancelledError:
             if fallbacks.current.outcome is None:
-                fallbacks.current.outcome = "client_disconnected"
+                fallbacks.current.outcome = Outcome.CLIENT_DISCONNECTED
             raise
         finally:
             exchange = fallbacks.current
             if exchange.outcome is None:
-                exchange.outcome = "ok"
+                exchange.outcome = Outcome.OK
             await self.finish(exchange)
 
     async def _forward(self, request: web.Request, exchange: Exchange,
@@ -257,20 +257,19 @@ class Relay:
                 payload = await read_capped(upstream, state.config.max_upstream_body_bytes)
             except (aiohttp.ClientError, asyncio.TimeoutError, UpstreamTooLarge) as e:
                 return await unreachable(request, exchange, e)
-        exchange.upstream_response = {"status": upstream.status, "headers": upstream.headers,
-                                      "body": payload}
+        exchange.upstream_response = UpstreamAnswer(upstream.status, upstream.headers, payload)
         try:
             payload = exchange.backend.adapter.answer_body(payload, exchange.backend.name,
                                                            exchange.model)
         except RelayError as error:  # not an answer of its format: the record says why
             log.warning("%s: %s", exchange.id, error.message)
-            return await refuse(request, exchange, error, "upstream_malformed")
+            return await refuse(request, exchange, error, Outcome.UPSTREAM_MALFORMED)
         response = UpstreamResponse(upstream.status, upstream.headers, payload)
         if exchange.endpoint == "messages" and state.chain.impls["relay_response"]:
             try:
                 await state.chain.run("relay_response", exchange, response=response)
             except RelayError as error:
-                return await refuse(request, exchange, error, "rejected")
+                return await refuse(request, exchange, error, Outcome.REJECTED)
             except Exception:
                 # A plugin fault must not cost the client an answer the upstream already gave.
                 log.exception("%s: response chain failed; the upstream's answer goes back as is",
@@ -305,9 +304,8 @@ class Relay:
             payload = await read_capped(upstream, self.state.config.max_upstream_body_bytes)
         except (aiohttp.ClientError, asyncio.TimeoutError, UpstreamTooLarge) as e:
             return await unreachable(request, exchange, e)
-        exchange.outcome = "upstream_error"
-        exchange.upstream_response = {"status": upstream.status, "headers": upstream.headers,
-                                      "body": payload}
+        exchange.outcome = Outcome.UPSTREAM_ERROR
+        exchange.upstream_response = UpstreamAnswer(upstream.status, upstream.headers, payload)
         exchange.note("relay", "upstream error", status=upstream.status)
         headers = client_headers(upstream.headers, exchange.response_headers)
         # Retry-after and the status stay as sent.
@@ -336,11 +334,11 @@ class Relay:
         try:
             return await relay_passthrough(state, request, exchange, read_body)
         except asyncio.CancelledError:
-            exchange.outcome = "client_disconnected"
+            exchange.outcome = Outcome.CLIENT_DISCONNECTED
             raise
         finally:
             if exchange.outcome is None:
-                exchange.outcome = "ok"
+                exchange.outcome = Outcome.OK
             await self.finish(exchange)
 
     async def healthz(self, request: web.Request) -> web.Response:

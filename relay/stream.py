@@ -20,7 +20,7 @@ from aiohttp import web
 
 from . import lifecycle, threads
 from .errors import RelayError
-from .exchange import Answer, Exchange
+from .exchange import Answer, Exchange, Outcome, UpstreamAnswer
 from .formats import Translator
 from .redact import redacting_writer
 from .sse import Event, LazyFramer, names_events
@@ -269,11 +269,8 @@ async def stream_failed(exchange: Exchange, response: web.StreamResponse, messag
     """End a stream whose headers are gone with an ``error`` event, so the client knows it is
     cut short. Bounded: a client that does not read cannot hold the relay here. ``detail``
     (what the library said) goes to the timeline, and so the dump, not to the client."""
-    exchange.outcome = "stream_error"
-    if detail:
-        exchange.note("relay", "stream error", message=message, detail=detail)
-    else:
-        exchange.note("relay", "stream error", message=message)
+    exchange.outcome = Outcome.STREAM_ERROR
+    exchange.stream_failed(message, kind, detail)
     try:
         await asyncio.wait_for(response.write(error_event(message, kind)), 5)
     except Exception as e:  # the client is gone or stuck; nothing more to tell it
@@ -300,11 +297,10 @@ async def relay_stream(state, request: web.Request, exchange: Exchange,
     tap = threads.Tap(write) if exchange.thread is not None else None
     stream = StreamRelay(state.chain, exchange, plan, tap or write)
     translator = backend.adapter.stream_translator(backend.name, exchange.model)
-    record: dict = {}
+    record = None
     if translator is not None:
-        record = exchange.upstream_response = {"status": upstream.status,
-                                               "headers": upstream.headers,
-                                               "body": translator.raw}
+        record = exchange.upstream_response = UpstreamAnswer(upstream.status, upstream.headers,
+                                                             translator.raw)
     # Started where the ``finally`` below is sure to stop it.
     interval = state.config.stream_keepalive
     keepalive = KeepAlive(stream, interval) if interval else None
@@ -313,7 +309,7 @@ async def relay_stream(state, request: web.Request, exchange: Exchange,
             await pump(stream, upstream.content.iter_any(), translator)
         except (aiohttp.ClientError, asyncio.TimeoutError, StreamBroken) as e:
             if request.transport is None or request.transport.is_closing():
-                exchange.outcome = "client_disconnected"
+                exchange.outcome = Outcome.CLIENT_DISCONNECTED
                 return response
             if stream.ended:
                 # Everything the client needs arrived; only the connection's own ending
@@ -359,10 +355,11 @@ async def relay_stream(state, request: web.Request, exchange: Exchange,
                 answer.events += keepalive.sent
                 exchange.note("relay", "keep-alive", pings=keepalive.sent)
         exchange.timings.last_byte = exchange.elapsed()
-        if translator is not None:
-            record["body"] = translator.raw.value()
+        if translator is not None and record is not None:
+            record.body = translator.raw.value()
             if translator.fault is not None and exchange.outcome is None:
-                exchange.outcome, message = translator.fault
+                outcome, message = translator.fault
+                exchange.outcome = Outcome(outcome)
                 log.warning("%s: %s", exchange.id, message)
                 exchange.error = RelayError(502, message, "api_error")
-                exchange.note("relay", "stream error", message=message)
+                exchange.stream_failed(message)

@@ -22,7 +22,7 @@ from yarl import URL
 from . import beta_filter
 from .config import Retries
 from .errors import RelayError
-from .exchange import Attempt
+from .exchange import Attempt, UpstreamRequest
 from .headers import AUTH_HEADERS, end_to_end
 from .redact import redact_headers
 
@@ -208,7 +208,7 @@ class Upstream:
         (any status: the caller decides what a 4xx means) or raises :class:`Unreachable`.
         ``body`` defaults to ``exchange.upstream_body()``, ``headers`` to the client's. The
         backend's format adapter says where the request goes and translates the body and
-        headers (``exchange.upstream_request["body"]`` is then the translated body), or raises
+        headers (``exchange.upstream_request.body`` is then the translated body), or raises
         a RelayError 400 that says what cannot be translated."""
         adapter = backend.adapter
         url = upstream_url(backend, *adapter.upstream_target(exchange.path, exchange.query))
@@ -227,7 +227,7 @@ class Upstream:
             exchange.note("relay", "dropped betas", backend=backend.name, betas=dropped)
         adapter.request_headers(out_headers)
         where = str(url)
-        exchange.upstream_request = {"url": where, "headers": out_headers, "body": body}
+        exchange.upstream_request = UpstreamRequest(where, out_headers, body)
         retries = backend.retries
         session = self.session
         if session is None:

@@ -167,8 +167,8 @@ def main(args) -> int:
                 seen.add(key)
                 problems.append(problem)
     problems.sort(key=_location_order)
-    notes = [{"location": entry.get("location"), "plugin": entry["step"], "reason": entry["reason"]}
-             for entry in exchange.timeline if entry.get("action") == "unsure"]
+    notes = [{"location": item.location, "plugin": item.step, "reason": item.reason}
+             for item in exchange.uncertain]
     if args.json and not args.repair:
         print(orjson.dumps({"valid": not problems, "checked": "tool-use faults",
                             "problems": problems, "notes": notes},

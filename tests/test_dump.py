@@ -24,7 +24,8 @@ from relay.testing import emulator
 from relay import config as config_module
 from relay.chain import Chain, available_plugins, load_plugins
 from relay.errors import ConfigError, RelayError
-from relay.exchange import Exchange
+from relay import document as record
+from relay.exchange import Exchange, UpstreamAnswer, UpstreamRequest
 from relay.hookspecs import hookimpl
 from relay.testing.fixtures import start_relay
 from relay.sse import Event
@@ -86,9 +87,10 @@ def test_statuses(tmp_path, statuses, expected):
 
 @pytest.mark.parametrize("options,message", [
     ({}, "plugins.dump.dir: required"),
-    ({"dir": 3}, "plugins.dump.dir: must be a directory path"),
+    ({"dir": 3}, "plugins.dump.dir: must be a string"),
     ({"dir": " "}, "plugins.dump.dir: must be a directory path"),
-    ({"dir": "d", "statuse": [400]}, "plugins.dump.statuse: unknown key"),
+    ({"dir": "d\0"}, "plugins.dump.dir: must not contain a NUL character"),
+    ({"dir": "d", "statuse": [400]}, "plugins.dump.statuse: unknown option"),
     ({"dir": "d", "statuses": []}, "plugins.dump.statuses: must name at least one"),
     ({"dir": "d", "statuses": [400, "4xx"]}, "plugins.dump.statuses[1]: must be a status code"),
     ({"dir": "d", "statuses": ["499-400"]}, "plugins.dump.statuses[0]: must lie within"),
@@ -98,11 +100,15 @@ def test_statuses(tmp_path, statuses, expected):
      "plugins.dump.include_relay_rejections: must be true or false"),
     ({"dir": "d", "include_stream_errors": 1}, "plugins.dump.include_stream_errors: must be true"),
     ({"dir": "d", "max_files": 0}, "plugins.dump.max_files: must be a positive integer"),
-    ({"dir": "d", "max_bytes": "1MB"}, "plugins.dump.max_bytes: must be a positive integer"),
+    ({"dir": "d", "max_bytes": "1MB"}, "plugins.dump.max_bytes: must be an integer"),
 ])
-def test_bad_options(options, message):
+async def test_bad_options(options, message):
+    # Checked as at start-up: the declarations (relay.options), then what they cannot say.
+    config = config_module.parse({"pipeline": ["dump"], "plugins": {"dump": options},
+                                  "backends": [backend("http://127.0.0.1:9")]}, env={})
     with pytest.raises(ConfigError) as error:
-        dump.parse_options(options)
+        chain = Chain(load_plugins(config.pipeline), config)
+        await chain.startup(config)
     assert str(error.value).startswith(message)
 
 
@@ -213,17 +219,16 @@ def test_secrets_are_redacted_everywhere():
     exchange, cfg = make_exchange(raw, {
         "X-Api-Key": CLIENT_KEY, "Authorization": f"Bearer {CLIENT_TOKEN}",
         "Cookie": "session=abc", "anthropic-version": "2023-06-01"})
-    exchange.upstream_request = {"url": "http://up/v1/messages",
-                                 "headers": {"x-api-key": BACKEND_KEY}, "body": raw}
-    exchange.upstream_response = {
-        "status": 400, "headers": {"Set-Cookie": "s=1", "request-id": "r"},
-        "body": f'{{"echo": "{CLIENT_TOKEN}"}}'.encode()}
+    exchange.upstream_request = UpstreamRequest("http://up/v1/messages",
+                                                {"x-api-key": BACKEND_KEY}, raw)
+    exchange.upstream_response = UpstreamAnswer(
+        400, {"Set-Cookie": "s=1", "request-id": "r"}, f'{{"echo": "{CLIENT_TOKEN}"}}'.encode())
     exchange.translation["toolu_1"] = {"original": CLIENT_KEY, "seen": f"x{BACKEND_KEY}x"}
     exchange.note("someplugin", "saw", header=f"Bearer {CLIENT_TOKEN}")
     plugin = started_dump(cfg, {"dir": "unused"})
-    document = dump.build_document(exchange, reason="upstream_error", when=WHEN,
-                                   config=plugin.config_doc, secrets=plugin.secrets)
-    text = dump.encode_document(document)
+    document = record.to_document(exchange, reason="upstream_error", when=WHEN,
+                                config=plugin.config_doc, secrets=plugin.secrets)
+    text = record.encode(document)
     for secret in (CLIENT_KEY, CLIENT_TOKEN, BACKEND_KEY, "session=abc"):
         assert secret.encode() not in text
     headers = document["client_request"]["headers"]
@@ -244,8 +249,8 @@ def test_secrets_are_redacted_everywhere():
 def test_a_body_that_is_not_utf8_is_base64_without_its_secrets():
     raw = b"\xff\xfe not utf-8 " + BACKEND_KEY.encode()
     exchange, cfg = make_exchange(raw)
-    document = dump.build_document(exchange, reason="rejected", when=WHEN, config={},
-                                   secrets={BACKEND_KEY})
+    document = record.to_document(exchange, reason="rejected", when=WHEN, config={},
+                                secrets={BACKEND_KEY})
     assert "body" not in document["client_request"]
     stored = base64.b64decode(document["client_request"]["body_base64"])
     assert stored == b"\xff\xfe not utf-8 [redacted]"
@@ -279,12 +284,11 @@ def test_a_short_credential_is_redacted_by_name_only(tmp_path, capsys, credentia
                                       "content": "Tue"}]}]}
     raw = orjson.dumps(history)
     exchange, cfg = make_exchange(raw, {**credential, "anthropic-version": "2023-06-01"})
-    exchange.upstream_request = {"url": "http://up/v1/messages", "headers": dict(credential),
-                                 "body": raw}
+    exchange.upstream_request = UpstreamRequest("http://up/v1/messages", dict(credential), raw)
     exchange.note("someplugin", "saw", detail="e a t")
     plugin = started_dump(cfg, {"dir": str(tmp_path)})
-    document = dump.build_document(exchange, reason="upstream_error", when=WHEN,
-                                   config=plugin.config_doc, secrets=plugin.secrets)
+    document = record.to_document(exchange, reason="upstream_error", when=WHEN,
+                                config=plugin.config_doc, secrets=plugin.secrets)
     [name] = credential
     assert document["client_request"]["headers"][name] == "[redacted]"
     assert document["upstream_request"]["headers"][name] == "[redacted]"
@@ -295,17 +299,17 @@ def test_a_short_credential_is_redacted_by_name_only(tmp_path, capsys, credentia
     assert not [key for key in keys_of(document) if "[redacted]" in str(key)]
 
     path = tmp_path / "dump.json"
-    path.write_bytes(dump.encode_document(document))
+    path.write_bytes(record.encode(document))
     assert cli.main(["replay", str(path)]) == 0, capsys.readouterr()
 
 
 def test_only_secrets_long_enough_to_be_unambiguous_are_redacted_in_text():
-    short = "k" * (dump.MIN_SECRET_LENGTH - 1)
-    long = "L" * dump.MIN_SECRET_LENGTH
+    short = "k" * (record.MIN_SECRET_LENGTH - 1)
+    long = "L" * record.MIN_SECRET_LENGTH
     raw = orjson.dumps({**BODY, "messages": [
         {"role": "user", "content": f"{short} / {long}"}]})
     exchange, _ = make_exchange(raw, {"x-api-key": short, "authorization": f"Bearer {long}"})
-    document = dump.build_document(exchange, reason="rejected", when=WHEN, config={})
+    document = record.to_document(exchange, reason="rejected", when=WHEN, config={})
     assert orjson.loads(document["client_request"]["body"])["messages"][0]["content"] == \
         f"{short} / [redacted]"
     assert document["client_request"]["headers"] == {"x-api-key": "[redacted]",
@@ -315,8 +319,8 @@ def test_only_secrets_long_enough_to_be_unambiguous_are_redacted_in_text():
 def test_a_secret_is_never_redacted_inside_a_key():
     exchange, _ = make_exchange(orjson.dumps(BODY))
     exchange.translation[f"id-{BACKEND_KEY}"] = {"original": BACKEND_KEY}
-    document = dump.build_document(exchange, reason="rejected", when=WHEN, config={},
-                                   secrets={BACKEND_KEY})
+    document = record.to_document(exchange, reason="rejected", when=WHEN, config={},
+                                secrets={BACKEND_KEY})
     assert document["translation"] == {f"id-{BACKEND_KEY}": {"original": "[redacted]"}}
 
 
@@ -608,7 +612,7 @@ async def test_an_upstream_400_through_the_running_relay(emulator, relay, tmp_pa
     "x-auth-token", "X-Amz-Security-Token", "x-hub-signature-256", "x-access-token",
     "x-client-secret", "x-apikey", "proxy-authorization", "Set-Cookie", "x-password"])
 def test_every_credential_header_is_redacted_by_name(name):
-    assert dump.headers_document({name: "v", "anthropic-version": "2023-06-01"}) == {
+    assert record.headers_document({name: "v", "anthropic-version": "2023-06-01"}) == {
         name: "[redacted]", "anthropic-version": "2023-06-01"}
 
 
@@ -616,15 +620,15 @@ def test_every_credential_header_is_redacted_by_name(name):
     "anthropic-ratelimit-tokens-remaining", "anthropic-ratelimit-input-tokens-limit",
     "anthropic-beta", "x-claude-code-session-id", "x-stainless-retry-count", "request-id"])
 def test_ordinary_headers_stay_readable(name):
-    assert dump.headers_document({name: "12"}) == {name: "12"}
+    assert record.headers_document({name: "12"}) == {name: "12"}
 
 
 def test_credentials_in_urls_and_queries_are_redacted():
-    assert dump.redact_query("beta=true&key=AIzaShort&api_key=x") == \
+    assert record.redact_query("beta=true&key=AIzaShort&api_key=x") == \
         "beta=true&key=[redacted]&api_key=[redacted]"
-    assert dump.redact_url("https://user:pa55word@host:8443/base?key=k&q=1") == \
+    assert record.redact_url("https://user:pa55word@host:8443/base?key=k&q=1") == \
         "https://user:[redacted]@host:8443/base?key=[redacted]&q=1"
-    assert dump.redact_url("http://user:pw@[::1/x") == "[redacted]"
+    assert record.redact_url("http://user:pw@[::1/x") == "[redacted]"
 
 
 def test_a_long_stream_error_event_is_cut_too(tmp_path):
@@ -671,13 +675,13 @@ async def test_planted_secrets_never_appear_in_a_dump(start):
 def test_an_identical_body_is_stored_once_even_when_a_copy():
     raw = orjson.dumps(BODY)
     exchange, _ = make_exchange(raw)
-    exchange.upstream_request = {"url": "http://up/v1/messages", "headers": {},
-                                 "body": bytes(bytearray(raw))}
-    document = dump.build_document(exchange, reason="upstream_error", when=WHEN, config={})
+    exchange.upstream_request = UpstreamRequest("http://up/v1/messages", {},
+                                                bytes(bytearray(raw)))
+    document = record.to_document(exchange, reason="upstream_error", when=WHEN, config={})
     assert document["upstream_request"] == {"url": "http://up/v1/messages", "headers": {},
                                             "body_same_as": "client_request"}
-    exchange.upstream_request["body"] = raw.replace(b"hi", b"ho")
-    document = dump.build_document(exchange, reason="upstream_error", when=WHEN, config={})
+    exchange.upstream_request.body = raw.replace(b"hi", b"ho")
+    document = record.to_document(exchange, reason="upstream_error", when=WHEN, config={})
     assert document["upstream_request"]["body"].encode() == raw.replace(b"hi", b"ho")
 
 
@@ -688,19 +692,19 @@ def test_a_long_body_keeps_a_prefix_and_the_hash_of_the_whole():
     raw = (head + filler + BACKEND_KEY + "x" * 4000 + '"}]}').encode()
     cut = raw.index(BACKEND_KEY.encode()) + 10
     exchange, _ = make_exchange(raw)
-    document = dump.build_document(exchange, reason="rejected", when=WHEN, config={},
-                                   secrets={BACKEND_KEY}, max_body_bytes=cut)
+    document = record.to_document(exchange, reason="rejected", when=WHEN, config={},
+                                secrets={BACKEND_KEY}, max_body_bytes=cut)
     client = document["client_request"]
     assert client["body_truncated"] == {
         "kept_bytes": len(client["body"].encode()), "total_bytes": len(raw),
         "sha256": hashlib.sha256(raw).hexdigest(), "limit": "plugins.dump.max_body_bytes"}
     assert len(client["body"].encode()) <= cut
     assert client["body"].startswith(head + filler + "[redacted]")
-    assert BACKEND_KEY[:10] not in dump.encode_document(document).decode()
+    assert BACKEND_KEY[:10] not in record.encode(document).decode()
 
     # A cut inside a two-byte character keeps the whole characters before it.
-    document = dump.build_document(exchange, reason="rejected", when=WHEN, config={},
-                                   max_body_bytes=len(head) + 3)
+    document = record.to_document(exchange, reason="rejected", when=WHEN, config={},
+                                max_body_bytes=len(head) + 3)
     assert document["client_request"]["body"] == head + "é"
     assert document["client_request"]["body_truncated"]["kept_bytes"] == len(head) + 2
 
@@ -708,8 +712,8 @@ def test_a_long_body_keeps_a_prefix_and_the_hash_of_the_whole():
 def test_a_long_body_that_is_not_utf8_keeps_a_base64_prefix():
     raw = b"\xff\xfe" + b"z" * 100
     exchange, _ = make_exchange(raw)
-    document = dump.build_document(exchange, reason="rejected", when=WHEN, config={},
-                                   max_body_bytes=10)
+    document = record.to_document(exchange, reason="rejected", when=WHEN, config={},
+                                max_body_bytes=10)
     client = document["client_request"]
     assert base64.b64decode(client["body_base64"]) == raw[:10]
     assert client["body_truncated"]["total_bytes"] == 102
@@ -834,19 +838,19 @@ def test_unusual_records_are_still_dumped():
     exchange, _ = make_exchange(orjson.dumps(BODY))
     exchange.translation["toolu_1"] = {"original": "toolu_1", "occurrence": 2 ** 70}
     exchange.note("someplugin", "saw", deep=deeply_nested(5000))
-    document = dump.build_document(exchange, reason="rejected", when=WHEN, config={})
-    decoded = orjson.loads(dump.encode_document(document))
+    document = record.to_document(exchange, reason="rejected", when=WHEN, config={})
+    decoded = orjson.loads(record.encode(document))
     assert decoded["translation"]["toolu_1"]["occurrence"] == str(2 ** 70)
     deep, levels = decoded["timeline"]["steps"][0]["deep"], 0
     while isinstance(deep, list):
         [deep] = deep
         levels += 1
-    assert deep == dump.TOO_DEEP and 90 < levels < dump.MAX_DEPTH
+    assert deep == record.TOO_DEEP and 90 < levels < record.MAX_DEPTH
 
 
 @pytest.mark.parametrize("tool_id,recorded", [
     (b"123456789012345678901234567890", b'"123456789012345678901234567890"'),
-    (b"[" * 1000 + b"]" * 1000, dump.TOO_DEEP.encode())])
+    (b"[" * 1000 + b"]" * 1000, record.TOO_DEEP.encode())])
 async def test_unusual_but_valid_json_is_dumped_as_sent_and_replays(start, tmp_path, capsys,
                                                                     tool_id, recorded):
     relay = await start(fail_status=400)

@@ -8,6 +8,7 @@ import urllib.request
 import orjson
 import pytest
 from aiohttp import web
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from support import backend
@@ -16,6 +17,9 @@ from test_server import (BODY, STREAM, Upstream, start_relay, start_upstream,  #
 
 from relay import config as config_module
 from relay.errors import ConfigError
+from relay.exchange import Outcome
+from relay.testing import finished_exchange
+from relay_builtins.metrics import Metrics
 
 KEY = "relay-key-metrics-0123456789"
 OTHER_KEY = "relay-key-metrics-other-0123456789"
@@ -250,3 +254,21 @@ def test_processes_sharing_a_multiprocess_dir_add_up(relay, emulator, tmp_path):
     finally:
         first.stop()
         second.stop()
+
+
+def test_a_finished_exchange_is_counted_from_its_fields():
+    plugin = Metrics()
+    plugin.relay_startup(config=config_module.parse({"backends": [backend("http://127.0.0.1:9")]},
+                                                    env={}),
+                         options={"path": "/metrics", "scrape_key_env": ""})
+    exchange = finished_exchange(status=529, outcome=Outcome.UPSTREAM_ERROR,
+                                 timeline=[("dump", "queued", {"reason": "upstream_error"}),
+                                           ("other", "queued")])
+    exchange.repaired("dedup", 2, rule="repeated_id")
+    plugin.relay_exchange_end(exchange)
+    found = samples(generate_latest(plugin.registry).decode())
+    assert value(found, "relay_requests_total", backend="test", status=529,
+                 outcome="upstream_error", stream="false") == 1
+    assert value(found, "relay_histories_repaired_total", plugin="dedup",
+                 rule="repeated_id") == 2
+    assert value(found, "relay_dumps_total", result="queued") == 1
