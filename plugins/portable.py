@@ -253,7 +253,7 @@ def block_key(block: dict) -> str | None:
     judge (a malformed block, left for the upstream to refuse)."""
     kind = block.get("type")
     field = "signature" if kind == "thinking" else "data" if kind == "redacted_thinking" else None
-    if field is None:
+    if field is None or not isinstance(kind, str):
         return None
     value = skeleton.value(block.get(field))
     if type(value) is not str:
