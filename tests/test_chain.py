@@ -129,7 +129,7 @@ def test_cli_exits_non_zero_on_config_errors(tmp_path, yaml_text, message):
     assert message in proc.stderr
 
 
-
+@pytest.mark.slow
 def test_a_misspelt_server_key_stops_start_up_naming_the_closest_key(tmp_path):
     path = tmp_path / "relay.yaml"
     path.write_text("server:\n  prot: 8788\nbackends:\n  - {name: a, url: 'http://x'}\n")
@@ -137,6 +137,7 @@ def test_a_misspelt_server_key_stops_start_up_naming_the_closest_key(tmp_path):
                           capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2
     assert "server.prot: unknown key (did you mean port?)" in proc.stderr
+
 
 THIRD_PARTY = {
     "pyproject.toml": """
