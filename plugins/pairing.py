@@ -3,8 +3,8 @@
 A tolerant upstream may answer 200 to a broken history, so an upstream's success proves
 nothing; this plugin checks the history locally, the way the Messages API does, and refuses
 (or repairs) what the API is known to refuse, before any upstream sees it. Each rule, its
-error text and where the evidence for it comes from is listed in ``docs/evidence/rules.json`` and in
-the README ("History rules and their evidence").
+error text and where the evidence for it comes from is listed in ``docs/evidence/rules.json``
+and on the docs page generated from it (docs/history-rules.md).
 
 The API combines consecutive ``user`` or ``assistant`` messages into one turn, so pairing is
 judged on turns: the calls of an assistant turn are answered by the user turn after it, one

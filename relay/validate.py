@@ -118,7 +118,7 @@ def main(args) -> int:
     The plugins start as in serving (``relay_startup``), so bad plugin options are config
     errors (exit 2). Every problem is printed as the API words it, in message order across the
     plugins; one found by two plugins (dedup and pairing both see a repeated id) is printed
-    once; what the relay is unsure of (see the README's evidence table) is printed as a note.
+    once; what the relay is unsure of (see docs/history-rules.md) is printed as a note.
     Exit status: 0 no fault found (or all repaired), 1 faults left, 2 unusable input (not JSON,
     no messages list, a message or block of the wrong type) or config.
     """

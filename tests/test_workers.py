@@ -123,6 +123,8 @@ def refuses_connections(url: str) -> bool:
         socket.create_connection((parts.hostname, parts.port), timeout=2).close()
     except ConnectionRefusedError:
         return True
+    except ConnectionResetError:  # caught in the backlog as the listener closed: ask again
+        return False
     return False
 
 

@@ -1115,9 +1115,11 @@ def create_app(options: EmulatorOptions) -> web.Application:
     return app
 
 
-async def serve(options: EmulatorOptions, make_app=None) -> None:
-    """Serve until SIGINT or SIGTERM, announcing the bound address on stdout. ``make_app``
-    builds the application from the options (this emulator's, unless another format's)."""
+async def serve(options, make_app=None, name: str = "emulator") -> None:
+    """Serve until SIGINT or SIGTERM, announcing the bound address on stdout as ``name``.
+    ``make_app`` builds the application from the options (``options.host`` and ``.port``
+    say where it listens): this emulator's, unless another's (the other format's, the
+    hostile upstream's)."""
     # A stopping emulator does not wait for answers held back by --delay-ms (aiohttp's
     # default waits up to 60 s for handlers).
     runner = web.AppRunner((make_app or create_app)(options), access_log=None,
@@ -1127,7 +1129,7 @@ async def serve(options: EmulatorOptions, make_app=None) -> None:
         site = web.TCPSite(runner, options.host, options.port)
         await site.start()
         port = runner.addresses[0][1]
-        print(f"emulator listening on http://{options.host}:{port}", flush=True)
+        print(f"{name} listening on http://{options.host}:{port}", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):

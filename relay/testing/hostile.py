@@ -31,12 +31,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import signal
 import sys
 from typing import Any
 
 import orjson
 from aiohttp import web
+
+from relay.testing import emulator
 
 # One write of an endless mode: small enough to interleave with the reader, large enough that
 # the relay, not this server, is what is measured.
@@ -347,20 +348,7 @@ def create_app(options: HostileOptions | None = None) -> web.Application:
 
 
 async def serve(options: HostileOptions) -> None:
-    runner = web.AppRunner(create_app(options), access_log=None)
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, options.host, options.port)
-        await site.start()
-        print(f"hostile upstream listening on http://{options.host}:{runner.addresses[0][1]}",
-              flush=True)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, stop.set)
-        await stop.wait()
-    finally:
-        await runner.cleanup()
+    await emulator.serve(options, create_app, "hostile upstream")
 
 
 def main(argv=None) -> int:
