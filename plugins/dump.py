@@ -424,9 +424,9 @@ class Dump:
         # Per kind of write failure: when it was last logged, and how often since.
         self.failures: dict = {}
 
-    @property
     def started(self) -> Settings:
-        """The running relay's settings (from :meth:`relay_startup` on)."""
+        """The running relay's settings (from :meth:`relay_startup` on). A method, not a
+        property: pluggy 1.3 (the floor) reads every attribute of a plugin when registering it."""
         if self.settings is None:
             raise RuntimeError("the dump plugin has not started")
         return self.settings
@@ -469,7 +469,7 @@ class Dump:
 
     @hookimpl
     def relay_stream_event(self, exchange, event):
-        limit = self.started.max_body_bytes
+        limit = self.started().max_body_bytes
         if len(event.raw) > limit:
             fields = record.body_fields(event.raw, (), limit)
             data = {"event": fields.get("body"), "event_truncated": fields["body_truncated"]}
@@ -490,7 +490,7 @@ class Dump:
     # --- the work -------------------------------------------------------------------------
 
     def reason_for(self, exchange) -> str | None:
-        settings = self.started
+        settings = self.started()
         noticed = exchange.state.get(PLUGIN)
         if noticed:
             return noticed["reason"]
@@ -510,7 +510,7 @@ class Dump:
     def submit(self, exchange, reason: str) -> asyncio.Future | None:
         """Write the exchange's dump in the background (the exchange must be over), or drop
         it when the write queue is full: None then."""
-        settings = self.started
+        settings = self.started()
         size = held_bytes(exchange)
         if self.pending and (len(self.pending) >= settings.max_pending
                              or self.pending_bytes + size > settings.max_pending_bytes):
@@ -566,7 +566,7 @@ class Dump:
 
     def write(self, exchange, reason: str, when: dt.datetime, stream_error=None) -> str | None:
         """Build, write and account for one dump (in the writer thread). Never raises."""
-        settings = self.started
+        settings = self.started()
         directory = settings.dir
         try:
             document = record.to_document(
