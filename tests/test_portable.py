@@ -332,8 +332,9 @@ def validate(tmp_path, capsys, document, *args):
 
 def test_validate_says_what_a_history_needs_to_go_to_a_target(tmp_path, capsys):
     kimi_thought = thought(KEY_K)
-    portable.Provenance(str(tmp_path / "p.db")).record(
-        [(portable.block_key(kimi_thought), "kimi", "kimi-test")])
+    record = portable.Provenance(str(tmp_path / "p.db"))
+    record.record([(portable.block_key(kimi_thought), "kimi", "kimi-test")])
+    record.close(timeout=10)  # the write lands in the writer thread: validate reads the file
     document = {"model": "claude-x", "max_tokens": 2048,
                 "thinking": {"type": "enabled", "budget_tokens": 1024},
                 "messages": history("functions.Bash:0", thinking=kimi_thought)}
