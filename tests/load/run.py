@@ -107,10 +107,13 @@ def raise_fd_limit() -> int:
 class Stack:
     """The mock upstream and a relay with the full pipeline in front of it."""
 
-    def __init__(self, server: dict | None = None, dump: dict | None = None, setup=None):
+    def __init__(self, server: dict | None = None, dump: dict | None = None, setup=None,
+                 upstream: tuple[str, list[str]] | None = None):
         self.tmp = tempfile.TemporaryDirectory(prefix="relay-load-")
         py = sys.executable
-        self.mock = procs.Server("mock", [py, os.path.join(procs.HERE, "mock_upstream.py")])
+        # ``upstream``: another server than the mock, as (name, command line).
+        name, command = upstream or ("mock", [py, os.path.join(procs.HERE, "mock_upstream.py")])
+        self.mock = procs.Server(name, command)
         self.relay = None
         upstream = self.mock.wait_ready()
         pipeline = micro.available_pipeline()
@@ -925,34 +928,21 @@ class HostileStack(Stack):
     the format (``anthropic/...``, ``openai/...``) and, renamed, the hostile mode."""
 
     def __init__(self):
-        self.tmp = tempfile.TemporaryDirectory(prefix="relay-load-")
-        py = sys.executable
-        self.mock = procs.Server("hostile", [py, "-m", "relay.testing.hostile", "--port", "0"])
-        self.relay = None
-        upstream = self.mock.wait_ready()
-        pipeline = micro.available_pipeline()
-        config = micro.relay_config(pipeline, upstream, os.path.join(self.tmp.name, "dumps"))
-        if "dump" in pipeline:
-            config["plugins"]["dump"].update(include_stream_errors=True, max_files=100)
-        modes = ("endless", "endless-line")
-        config["backends"] = [
-            {"name": wire, "url": upstream + ("/v1" if wire == "openai" else ""),
-             "format": wire, "models": [f"{wire}/*"], "default": wire == "anthropic",
-             "rename": {f"{wire}/{mode}": mode for mode in modes}}
-            for wire in ("anthropic", "openai")]
-        self.pipeline = pipeline
-        self.config_path = os.path.join(self.tmp.name, "relay.yaml")
-        with open(self.config_path, "w") as f:
-            yaml.safe_dump(config, f, sort_keys=False)
-        try:
-            self.relay = procs.Server("relay", [py, "-m", "relay", "--config", self.config_path,
-                                                "--port", "0"], cwd=self.tmp.name)
-            self.url = self.relay.wait_ready()
-        except RuntimeError:
-            self.stop()
-            raise
-        self.host, port = self.url.split("//")[1].rsplit(":", 1)
-        self.port = int(port)
+        super().__init__(dump={"include_stream_errors": True, "max_files": 100},
+                         setup=hostile_backends,
+                         upstream=("hostile", [sys.executable, "-m", "relay.testing.hostile",
+                                               "--port", "0"]))
+
+
+def hostile_backends(config: dict, folder: str) -> None:
+    """The hostile upstream as both kinds of backend, its modes behind model names."""
+    upstream = config["backends"][0]["url"]
+    modes = ("endless", "endless-line")
+    config["backends"] = [
+        {"name": wire, "url": upstream + ("/v1" if wire == "openai" else ""),
+         "format": wire, "models": [f"{wire}/*"], "default": wire == "anthropic",
+         "rename": {f"{wire}/{mode}": mode for mode in modes}}
+        for wire in ("anthropic", "openai")]
 
 
 def hostile_body(model: str) -> bytes:
