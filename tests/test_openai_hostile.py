@@ -13,10 +13,10 @@ import pytest
 
 from relay import bounded, stream
 from relay.formats import openai
-from relay.hookspecs import hookimpl
 from relay.sse import SSEDecoder
 from relay.testing import hostile
 from test_server import start_relay
+from test_upstream import Recorder
 
 BODY = {"max_tokens": 10, "messages": [{"role": "user", "content": "hi"}]}
 # Small limits, so that what must be cut is cut after a megabyte rather than 64.
@@ -24,15 +24,6 @@ LIMIT = 1024 * 1024
 # What the record of a stream may hold at most: both ends, and the line between them.
 RECORD = bounded.HEAD_BYTES + bounded.TAIL_BYTES + 100
 FORMATS = ("anthropic", "openai")
-
-
-class Recorder:
-    def __init__(self):
-        self.ended = []
-
-    @hookimpl
-    def relay_exchange_end(self, exchange):
-        self.ended.append(exchange)
 
 
 @pytest.fixture
