@@ -19,6 +19,7 @@ from . import hookspecs
 from .config import HOST_QUIRKS
 from .errors import ConfigError, RelayError
 from .options import declared, resolve
+from .state import State, open_state
 
 ENTRY_POINT_GROUP = "relay.plugins"
 log = logging.getLogger("relay.chain")
@@ -218,6 +219,8 @@ class Chain:
         base, per_backend = resolve(config, {name: pm.get_plugin(name) for name in self.pipeline},
                                     elsewhere=available_quirks)
         self.options: dict[str | None, dict[str, dict]] = {None: base, **per_backend}
+        # Opened by startup (from relay.yaml's ``state:``), closed by shutdown.
+        self.state: State | None = None
 
     def options_for(self, exchange) -> dict[str, dict]:
         return self.options[exchange.backend.name if exchange.backend else None]
@@ -225,9 +228,11 @@ class Chain:
     async def startup(self, config) -> None:
         """Each plugin's ``relay_startup``. A :class:`ConfigError` stops start-up as it is (it
         names its key path); any other exception stops it naming the plugin."""
+        if self.state is None:
+            self.state = await open_state(config.state)
         for impl in self.impls["relay_startup"]:
             try:
-                result = impl.call({"config": config,
+                result = impl.call({"config": config, "state": self.state,
                                     "options": self.options[None][impl.plugin]})
                 if inspect.isawaitable(result):
                     await result
@@ -241,7 +246,8 @@ class Chain:
         """The plugins' HTTP routes (``relay_routes``), as ``{(method, path): handler}``."""
         found: dict = {}
         for impl in self.impls["relay_routes"]:
-            result = impl.call({"config": config, "options": self.options[None][impl.plugin]})
+            result = impl.call({"config": config, "state": self.state,
+                                "options": self.options[None][impl.plugin]})
             for spec, handler in (result or {}).items():
                 method, _, path = str(spec).partition(" ")
                 where = f"plugin {impl.plugin!r}: route {spec!r}"
@@ -260,6 +266,9 @@ class Chain:
                     await result
             except Exception:
                 log.exception("plugin %s failed in relay_shutdown", impl.plugin)
+        if self.state is not None:
+            state, self.state = self.state, None
+            await state.close()
 
     async def run(self, hook: str, exchange, **kwargs) -> list:
         """Call every implementation of ``hook`` in chain order; return their results.

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from .config import Config
     from .exchange import Exchange, UpstreamResponse
     from .sse import Event
+    from .state import State
 
 hookspec = pluggy.HookspecMarker("relay")
 hookimpl = pluggy.HookimplMarker("relay")
@@ -51,11 +52,13 @@ def called_in(order: str):
 
 @hookspec
 @called_in(PIPELINE)
-def relay_startup(config: Config, options: dict) -> None:
+def relay_startup(config: Config, options: dict, state: State) -> None:
     """Called once per plugin after relay.yaml is loaded and before the server listens.
 
     ``config`` is the whole validated :class:`relay.config.Config`; ``options`` is the plugin's
-    own ``plugins:`` section (without quirks). Check options here and raise
+    own ``plugins:`` section (without quirks); ``state`` the host's shared state
+    (:class:`relay.state.State`, opened from relay.yaml's ``state:``), to keep for the
+    plugin's own records and counters. Check options here and raise
     :class:`relay.errors.ConfigError` with a key path (``plugins.dump.dir: ...``) to stop
     start-up. May prepare resources; must not change ``config``.
     """
@@ -63,7 +66,7 @@ def relay_startup(config: Config, options: dict) -> None:
 
 @hookspec
 @called_in(PIPELINE)
-def relay_routes(config: Config, options: dict) -> dict[str, Callable] | None:
+def relay_routes(config: Config, options: dict, state: State) -> dict[str, Callable] | None:
     """Called once at start-up: return the HTTP routes this plugin serves, as a mapping of
     ``"METHOD /path"`` to an aiohttp handler (``async def handler(request) -> web.Response``),
     or None.

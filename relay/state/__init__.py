@@ -1,0 +1,218 @@
+"""The host's shared state: what more than one request (and, with workers or replicas, more
+than one process) must agree on.
+
+One :class:`State` per running relay, opened from relay.yaml's ``state:`` section by
+:func:`open_state` when the chain starts and closed when it stops. Plugins receive it as the
+``state`` argument of ``relay_startup`` and ``relay_routes`` and keep it. It holds:
+
+- **windowed counters** (:meth:`State.take`, :meth:`State.add`): rate limits and budgets.
+  Windows are fixed and aligned to UTC (the minute, the day, the ISO week from Monday, the
+  calendar month), so every process computes the same window and its end, which is what a
+  ``retry-after`` or ``anthropic-ratelimit-*-reset`` names;
+- **concurrency slots** (:meth:`State.take` with ``slots``, :meth:`State.release`), leased
+  so that a process that dies gives its slots back when the lease runs out;
+- **the ledger** (:meth:`State.record`, :meth:`State.rows`): one row per exchange,
+  idempotent by the row's ``id``;
+- **the relay's own keys** (:meth:`State.keys`, :meth:`State.put_key`), versioned so a
+  serving relay notices a change with one cheap read;
+- a **key-value store** with expiry, by namespace (:meth:`State.get`, :meth:`State.put`,
+  :meth:`State.delete`), for records such as thinking provenance, sticky sessions, cooldowns.
+
+Where the state lives is the backend's business: :class:`relay.state.memory.MemoryState` (one
+process; the default), SQLite in one file for the workers of one host, Redis for replicas on
+several hosts. Each method is one round trip at most. When the backend cannot be reached a
+method raises :class:`Unavailable` after at most ``timeout`` seconds; what a caller then does
+follows ``State.on_unavailable`` (``open``: go on without it, warn and count; ``closed``:
+refuse what needs it). :meth:`State.record` never raises: rows that cannot be written are
+kept (bounded) and written when the backend is back.
+"""
+
+from __future__ import annotations
+
+import calendar
+import dataclasses
+import datetime
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from ..options import Option
+
+PERIODS = ("minute", "hour", "day", "week", "month")
+
+OPTIONS = (
+    Option("url", str, "",
+           "Where shared state lives: empty for this process's memory, `sqlite:///PATH` for "
+           "one file shared by the workers of one host, `redis://HOST:PORT/DB` (or "
+           "`rediss://`) for replicas on several hosts."),
+    Option("on_unavailable", str, "open",
+           "When the state cannot be reached: `open` lets requests through without it (with "
+           "a warning and the `relay_state_unavailable_total` metric), `closed` refuses what "
+           "needs it with a 503.", choices=("open", "closed")),
+    Option("timeout", float, 0.25,
+           "Seconds one round trip to the state may take before it counts as unreachable."),
+    Option("retention_days", int, 90, "Days the ledger keeps a row."),
+)
+
+
+class Unavailable(Exception):
+    """The state backend could not be reached (or did not answer within ``timeout``)."""
+
+
+def window(per: str, now: float) -> tuple[int, int]:
+    """The fixed UTC window of kind ``per`` holding the instant ``now``: ``(start, end)`` in
+    whole epoch seconds, end exclusive."""
+    t = int(now)
+    if per == "minute":
+        start = t - t % 60
+        return start, start + 60
+    if per == "hour":
+        start = t - t % 3600
+        return start, start + 3600
+    day = t - t % 86400
+    if per == "day":
+        return day, day + 86400
+    if per == "week":
+        start = day - datetime.datetime.fromtimestamp(day, datetime.timezone.utc).weekday() * 86400
+        return start, start + 7 * 86400
+    if per == "month":
+        date = datetime.datetime.fromtimestamp(t, datetime.timezone.utc)
+        start = calendar.timegm((date.year, date.month, 1, 0, 0, 0))
+        year, month = (date.year + 1, 1) if date.month == 12 else (date.year, date.month + 1)
+        return start, calendar.timegm((year, month, 1, 0, 0, 0))
+    raise ValueError(f"unknown period {per!r}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Counter:
+    """One windowed count: ``name`` (``"key:team-a:rpm"``, the caller's), its window kind
+    (one of :data:`PERIODS`), the ``limit`` it may not pass (None: counted, never refused) and
+    the ``amount`` to add (0: only check that the count is under the limit)."""
+
+    name: str
+    per: str
+    limit: int | None = None
+    amount: int = 1
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Slot:
+    """A concurrency slot to take: at most ``limit`` held under ``name`` at once; a slot not
+    released within ``lease`` seconds is given back by itself."""
+
+    name: str
+    limit: int
+    lease: float = 900.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Count:
+    """A counter as :meth:`State.take` left it: ``used`` in the window (after the take, when
+    it was granted), its ``limit``, and ``reset``, the epoch second its window ends."""
+
+    name: str
+    used: int
+    limit: int | None
+    reset: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Taken:
+    """What :meth:`State.take` decided. ``granted``: every counter was under its limit and
+    every slot free, and all were taken; otherwise nothing was. ``blocked`` names the first
+    counter or slot that refused (its ``name``); ``counts`` are the counters in the order
+    given; ``tokens`` the slots' release tokens (in the order given) when granted;
+    ``slot_retry`` the seconds until the blocking slot's oldest lease runs out."""
+
+    granted: bool
+    counts: tuple[Count, ...]
+    tokens: tuple[str, ...] = ()
+    blocked: str | None = None
+    slot_retry: float = 0.0
+
+
+class State:
+    """The interface every state backend implements (all methods are coroutines)."""
+
+    on_unavailable: str = "open"
+    timeout: float = 0.25
+    kind: str = "memory"  # memory | sqlite | redis: for logs, metrics and docs
+
+    async def take(self, counters: Sequence[Counter], slots: Sequence[Slot] = (),
+                   now: float | None = None) -> Taken:
+        """Atomically across every process sharing this state: when each counter with a
+        limit has ``used + amount <= limit`` (``used < limit`` for an amount of 0) and each
+        slot has fewer than ``limit`` held, add every amount, take every slot and grant;
+        otherwise change nothing. Counters without a limit are added in either case only
+        when granted."""
+        raise NotImplementedError
+
+    async def add(self, counters: Iterable[Counter], now: float | None = None) -> None:
+        """Add each counter's amount to its window, unconditionally (usage known only after
+        the answer: tokens, spend)."""
+        raise NotImplementedError
+
+    async def counts(self, counters: Iterable[Counter], now: float | None = None
+                     ) -> list[Count]:
+        """Read counters without changing them (their amounts are ignored)."""
+        raise NotImplementedError
+
+    async def release(self, name: str, token: str) -> None:
+        """Give back a slot taken under ``name``; releasing twice, or after the lease ran
+        out, does nothing."""
+        raise NotImplementedError
+
+    async def record(self, rows: Sequence[dict[str, Any]]) -> None:
+        """Append ledger rows, each a JSON-able mapping with a unique ``id`` (the exchange id)
+        and ``time`` (epoch seconds, a float). A row whose id is already there is ignored, so
+        a retried write never counts twice. Never raises: when the backend is unreachable the
+        rows wait (bounded) and are written when it is back."""
+        raise NotImplementedError
+
+    async def rows(self, since: float | None = None, until: float | None = None,
+                   where: dict[str, Any] | None = None, limit: int | None = None,
+                   newest_first: bool = False) -> list[dict[str, Any]]:
+        """Ledger rows with ``since <= time < until``, optionally only those whose fields
+        equal ``where``'s, oldest first (or newest first), at most ``limit``."""
+        raise NotImplementedError
+
+    async def keys(self) -> tuple[int, list[dict[str, Any]]]:
+        """The relay's own keys (those created with ``relay keys``) and their version: a
+        number that changes whenever one does. Each is a mapping with at least ``name`` and
+        ``hash`` (the SHA-256 hex of the key, never the key)."""
+        raise NotImplementedError
+
+    async def keys_version(self) -> int:
+        """The keys' version alone: the cheap read a serving relay polls."""
+        raise NotImplementedError
+
+    async def put_key(self, record: dict[str, Any]) -> None:
+        """Create or replace the key named ``record["name"]``, bumping the version."""
+        raise NotImplementedError
+
+    async def get(self, namespace: str, keys: Sequence[str]) -> list[bytes | None]:
+        """The values stored under ``keys`` in ``namespace`` (None where absent or expired)."""
+        raise NotImplementedError
+
+    async def put(self, namespace: str, items: dict[str, bytes], ttl: float) -> None:
+        """Store each value under its key in ``namespace`` for ``ttl`` seconds."""
+        raise NotImplementedError
+
+    async def delete(self, namespace: str, keys: Sequence[str]) -> None:
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        """Finish pending writes (within a short time) and let go of connections."""
+
+
+async def open_state(options: dict[str, Any] | None = None) -> State:
+    """The state backend ``options`` (relay.yaml's checked ``state:`` section) names."""
+    options = options or {}
+    url = options.get("url") or ""
+    if not url:
+        from .memory import MemoryState
+        state: State = MemoryState()
+    else:
+        raise ValueError(f"state.url: {url!r} names no state backend this relay has")
+    state.on_unavailable = options.get("on_unavailable", "open")
+    state.timeout = float(options.get("timeout", 0.25))
+    return state

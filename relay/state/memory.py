@@ -1,0 +1,175 @@
+"""State in this process's memory: the default, for one process (a relay without workers or
+replicas), and the reference the other backends are tested against.
+
+Everything is bounded: a counter lives until its window ends, a slot until it is released
+or its lease runs out, a key-value entry until its expiry, and the ledger keeps at most
+``max_rows`` rows (the oldest go first) within the retention.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from . import Count, Counter, Slot, State, Taken, window
+
+MAX_ROWS = 100_000
+MAX_ENTRIES = 200_000
+
+
+class MemoryState(State):
+    kind = "memory"
+
+    def __init__(self, max_rows: int = MAX_ROWS, max_entries: int = MAX_ENTRIES,
+                 retention_days: int = 90):
+        self.max_rows = max_rows
+        self.max_entries = max_entries
+        self.retention = retention_days * 86400
+        self._counts: dict[tuple[str, int], int] = {}
+        self._ends: list[tuple[int, str, int]] = []  # (window end, name, start): a heap
+        self._slots: dict[str, dict[str, float]] = {}  # name -> token -> lease end
+        self._tokens = itertools.count()
+        self._rows: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self._keys: dict[str, dict[str, Any]] = {}
+        self._version = 0
+        self._kv: OrderedDict[tuple[str, str], tuple[float, bytes]] = OrderedDict()
+
+    def _expire(self, now: float) -> None:
+        while self._ends and self._ends[0][0] <= now:
+            _, name, start = heapq.heappop(self._ends)
+            self._counts.pop((name, start), None)
+
+    def _used(self, counter: Counter, now: float) -> tuple[tuple[str, int], int, int]:
+        start, end = window(counter.per, now)
+        key = (counter.name, start)
+        return key, self._counts.get(key, 0), end
+
+    def _bump(self, key: tuple[str, int], end: int, amount: int) -> int:
+        if key not in self._counts:
+            heapq.heappush(self._ends, (end, key[0], key[1]))
+        value = self._counts.get(key, 0) + amount
+        self._counts[key] = value
+        return value
+
+    def _held(self, name: str, now: float) -> dict[str, float]:
+        held = self._slots.get(name)
+        if held is None:
+            held = self._slots[name] = {}
+        for token in [t for t, until in held.items() if until <= now]:
+            del held[token]
+        return held
+
+    async def take(self, counters: Sequence[Counter], slots: Sequence[Slot] = (),
+                   now: float | None = None) -> Taken:
+        now = time.time() if now is None else now
+        self._expire(now)
+        looked = [self._used(counter, now) for counter in counters]
+        for counter, (_, used, _end) in zip(counters, looked, strict=True):
+            if counter.limit is not None and (
+                    used + counter.amount > counter.limit if counter.amount
+                    else used >= counter.limit):
+                return Taken(False, self._counted(counters, looked), blocked=counter.name)
+        for slot in slots:
+            held = self._held(slot.name, now)
+            if len(held) >= slot.limit:
+                retry = max(0.0, min(held.values(), default=now) - now)
+                return Taken(False, self._counted(counters, looked), blocked=slot.name,
+                             slot_retry=retry)
+        counts = tuple(Count(counter.name, self._bump(key, end, counter.amount), counter.limit,
+                             end)
+                       for counter, (key, _, end) in zip(counters, looked, strict=True))
+        tokens = []
+        for slot in slots:
+            token = f"{next(self._tokens):x}"
+            self._held(slot.name, now)[token] = now + slot.lease
+            tokens.append(token)
+        return Taken(True, counts, tuple(tokens))
+
+    @staticmethod
+    def _counted(counters: Sequence[Counter], looked) -> tuple[Count, ...]:
+        return tuple(Count(counter.name, used, counter.limit, end)
+                     for counter, (_, used, end) in zip(counters, looked, strict=True))
+
+    async def add(self, counters: Iterable[Counter], now: float | None = None) -> None:
+        now = time.time() if now is None else now
+        self._expire(now)
+        for counter in counters:
+            key, _, end = self._used(counter, now)
+            self._bump(key, end, counter.amount)
+
+    async def counts(self, counters: Iterable[Counter], now: float | None = None
+                     ) -> list[Count]:
+        now = time.time() if now is None else now
+        self._expire(now)
+        result = []
+        for counter in counters:
+            _, used, end = self._used(counter, now)
+            result.append(Count(counter.name, used, counter.limit, end))
+        return result
+
+    async def release(self, name: str, token: str) -> None:
+        held = self._slots.get(name)
+        if held is not None:
+            held.pop(token, None)
+            if not held:
+                del self._slots[name]
+
+    async def record(self, rows: Sequence[dict[str, Any]]) -> None:
+        for row in rows:
+            if row["id"] not in self._rows:
+                self._rows[row["id"]] = dict(row)
+        oldest = time.time() - self.retention
+        while self._rows and (len(self._rows) > self.max_rows
+                              or next(iter(self._rows.values()))["time"] < oldest):
+            self._rows.popitem(last=False)
+
+    async def rows(self, since: float | None = None, until: float | None = None,
+                   where: dict[str, Any] | None = None, limit: int | None = None,
+                   newest_first: bool = False) -> list[dict[str, Any]]:
+        found = []
+        ordered = reversed(self._rows.values()) if newest_first else self._rows.values()
+        for row in ordered:
+            if since is not None and row["time"] < since:
+                continue
+            if until is not None and row["time"] >= until:
+                continue
+            if where and any(row.get(k) != v for k, v in where.items()):
+                continue
+            found.append(dict(row))
+            if limit is not None and len(found) >= limit:
+                break
+        return found
+
+    async def keys(self) -> tuple[int, list[dict[str, Any]]]:
+        return self._version, [dict(record) for record in self._keys.values()]
+
+    async def keys_version(self) -> int:
+        return self._version
+
+    async def put_key(self, record: dict[str, Any]) -> None:
+        self._keys[record["name"]] = dict(record)
+        self._version += 1
+
+    async def get(self, namespace: str, keys: Sequence[str]) -> list[bytes | None]:
+        now = time.time()
+        found: list[bytes | None] = []
+        for key in keys:
+            entry = self._kv.get((namespace, key))
+            found.append(entry[1] if entry is not None and entry[0] > now else None)
+        return found
+
+    async def put(self, namespace: str, items: dict[str, bytes], ttl: float) -> None:
+        until = time.time() + ttl
+        for key, value in items.items():
+            self._kv[(namespace, key)] = (until, value)
+            self._kv.move_to_end((namespace, key))
+        while len(self._kv) > self.max_entries:
+            self._kv.popitem(last=False)
+
+    async def delete(self, namespace: str, keys: Sequence[str]) -> None:
+        for key in keys:
+            self._kv.pop((namespace, key), None)
