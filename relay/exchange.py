@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 import orjson
 
-from . import skeleton
+from . import sessions, skeleton
 from .errors import RelayError, invalid_request
 from .headers import AUTH_HEADERS, end_to_end
 from .skeleton import Skeleton
@@ -291,6 +291,14 @@ class Exchange:
         # for (relay.betas.deferring): they note instead of refusing.
         self.rules_defer: tuple = ()
         self._changed = False
+        self._session: str | None | bool = False  # False: not worked out yet
+
+    def session(self) -> str | None:
+        """The conversation this request belongs to (:func:`relay.sessions.session_key`:
+        an opaque digest, namespaced by the inbound key), worked out once on first use."""
+        if self._session is False:
+            self._session = sessions.session_key(self)
+        return self._session  # type: ignore[return-value]
 
     @property
     def upstream_headers(self):
