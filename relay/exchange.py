@@ -386,6 +386,21 @@ class Exchange:
         body = self.body
         return body.get(name) if type(body) is dict else None
 
+    def set_field(self, name: str, value) -> None:
+        """Set a top-level field of the request (call :meth:`mark_changed` too); ``value``
+        may be a :class:`msgspec.Raw`, JSON text sent as it is."""
+        if self._body is None and self._skeleton is not None:
+            self._skeleton.set_field(name, value)
+        elif type(self.body) is dict:
+            self.body[name] = skeleton.value(value)
+
+    def drop_field(self, name: str) -> None:
+        """Remove a top-level field from the request (call :meth:`mark_changed` too)."""
+        if self._body is None and self._skeleton is not None:
+            self._skeleton.drop_field(name)
+        elif type(self.body) is dict:
+            self.body.pop(name, None)
+
     def other_fields(self):
         """The names of the request's top-level fields outside
         :data:`relay.skeleton.KNOWN_FIELDS`, without decoding the request."""
