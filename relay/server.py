@@ -20,7 +20,7 @@ import orjson
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
-from . import __version__, lifecycle, logs, threads
+from . import __version__, keys, lifecycle, logs, threads
 from .chain import Chain
 from .config import InboundKey
 from .errors import RelayError, invalid_request
@@ -366,6 +366,8 @@ def create_app(config, chain: Chain) -> web.Application:
         await state.upstream.close()
 
     app.cleanup_ctx.append(session_context)
+    if state.gate is not None and chain.state is not None:
+        app.cleanup_ctx.append(keys.watching(state.gate, chain.state, config.default_limits))
     return app
 
 
