@@ -763,3 +763,32 @@ def test_what_waits_behind_a_live_call_is_bounded(monkeypatch):
         out += translator.feed(sse(chunk({"content": "y" * 100}), done=False))
     assert b"event: error\n" in out and translator.fault[0] == "stream_error"
     assert translator.held == []
+
+
+@pytest.mark.parametrize("usage, expected", [
+    # OpenAI: prompt_tokens holds the cache hits; Anthropic's input_tokens does not.
+    ({"prompt_tokens": 1000, "completion_tokens": 5,
+      "prompt_tokens_details": {"cached_tokens": 900}}, (100, 0, 900)),
+    # OpenRouter: and its cache writes (https://openrouter.ai/docs/use-cases/usage-accounting).
+    ({"prompt_tokens": 194, "completion_tokens": 2,
+      "prompt_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 100}}, (94, 100, 0)),
+    # Parts larger than the prompt are cut to it: never more than prompt_tokens in all.
+    ({"prompt_tokens": 10, "completion_tokens": 1,
+      "prompt_tokens_details": {"cached_tokens": 40, "cache_write_tokens": 5}}, (0, 0, 10)),
+])
+def test_usage_counts_each_prompt_token_once(usage, expected):
+    out = openai.anthropic_usage(usage)
+    assert (out["input_tokens"], out["cache_creation_input_tokens"],
+            out["cache_read_input_tokens"]) == expected
+    assert sum(expected) <= usage["prompt_tokens"]
+
+
+def test_a_streamed_usage_chunk_with_cache_hits_counts_them_once():
+    events, ended = translate(sse(
+        chunk({"role": "assistant", "content": "hi"}), chunk({}, "stop"),
+        chunk(usage={"prompt_tokens": 1200, "completion_tokens": 30,
+                     "prompt_tokens_details": {"cached_tokens": 1024}})))
+    assert ended and events[0]["message"]["usage"] == {"input_tokens": 0, "output_tokens": 0}
+    assert events[-2]["usage"] == {"input_tokens": 176, "output_tokens": 30,
+                                   "cache_creation_input_tokens": 0,
+                                   "cache_read_input_tokens": 1024}
