@@ -79,13 +79,13 @@ def _count(value) -> int | None:
 
 
 def _tools(server_tool_use) -> dict[str, int] | None:
-    """``{"web_search_requests": 2}`` as ``{"web_search": 2}``."""
+    """``{"web_search_requests": 2, "web_fetch_requests": 0}`` as ``{"web_search": 2}``."""
     if server_tool_use.__class__ is not dict:
         return None
     tools: dict[str, int] = {}
     for name, value in server_tool_use.items():
         count = _count(value)
-        if count is None or not name.endswith("_requests") or len(tools) >= MAX_TOOLS:
+        if not count or not name.endswith("_requests") or len(tools) >= MAX_TOOLS:
             continue
         tools[name[:-len("_requests")]] = count
     return tools
@@ -357,3 +357,92 @@ def usd(micro: int | None) -> str:
     sign = "-" if micro < 0 else ""
     whole, part = divmod(abs(micro), 1_000_000)
     return f"{sign}{whole}.{part:06d}"
+
+
+# --- relay usage ------------------------------------------------------------------------
+
+COLUMNS = ("requests", *TOKEN_FIELDS, "cost_micro_usd", "unpriced_requests")
+HEADINGS = ("requests", "input", "output", "cache read", "cache write 5m", "cache write 1h",
+            "cost USD", "unpriced")
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--config", default="relay.yaml", help="path to relay.yaml")
+    parser.add_argument("--by", choices=GROUPS, default="key", help="group rows by (default key)")
+    parser.add_argument("--since", help="from this date (UTC) or ISO time on")
+    parser.add_argument("--until", help="up to this date (included) or ISO time (excluded)")
+    output = parser.add_mutually_exclusive_group()
+    output.add_argument("--json", action="store_true", help="a JSON list of rows")
+    output.add_argument("--csv", action="store_true", help="CSV with a header line")
+
+
+def table(groups: list[dict], by: str) -> str:
+    """The groups as an aligned text table, dollars in full (six decimals)."""
+    lines: list[tuple[str, ...]] = [(by, *HEADINGS)]
+    for group in groups:
+        value = group[by]
+        lines.append(("-" if value is None else str(value),
+                      *(usd(group[c]) if c == "cost_micro_usd" else str(group[c])
+                        for c in COLUMNS)))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    return "\n".join("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
+                               for i, (cell, w) in enumerate(zip(line, widths, strict=True)))
+                     .rstrip() for line in lines)
+
+
+def csv_text(groups: list[dict], by: str) -> str:
+    import csv
+    import io
+
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow((by, *COLUMNS))
+    for group in groups:
+        writer.writerow((group[by] if group[by] is not None else "",
+                         *(group[c] for c in COLUMNS)))
+    return out.getvalue()
+
+
+async def read_ledger(state_options: dict, since: float | None,
+                      until: float | None) -> tuple[str, list[dict]]:
+    """The ledger's rows in the window, from the state relay.yaml's ``state:`` names, and
+    that state's kind."""
+    from .state import open_state
+
+    state = await open_state(state_options)
+    try:
+        return state.kind, await state.rows(since=since, until=until)
+    finally:
+        await state.close()
+
+
+def main(args) -> int:
+    """``relay usage``: the ledger added up. Exit status 2 for a config error or a bad
+    time."""
+    import asyncio
+    import sys
+
+    import orjson
+
+    from . import config as config_module
+
+    try:
+        config = config_module.load(args.config)
+        since = parse_time(args.since) if args.since else None
+        until = parse_time(args.until, end=True) if args.until else None
+    except (ConfigError, ValueError) as e:
+        print(f"relay: {e}", file=sys.stderr)
+        return 2
+    kind, rows = asyncio.run(read_ledger(config.state, since, until))
+    if kind == "memory":
+        print("relay: state.url is not set, so the ledger lives in the serving relay's memory, "
+              "which this command cannot read: set state.url, or ask the serving relay "
+              "(GET /v1/relay/usage with the admin key)", file=sys.stderr)
+    groups = aggregate(rows, args.by)
+    if args.json:
+        sys.stdout.write(orjson.dumps(groups, option=orjson.OPT_INDENT_2).decode() + "\n")
+    elif args.csv:
+        sys.stdout.write(csv_text(groups, args.by))
+    else:
+        print(table(groups, args.by))
+    return 0

@@ -74,7 +74,10 @@ def anthropic_usage(usage, where: str = "usage") -> dict:
                          f"{where}.prompt_tokens_details.cache_write_tokens"), prompt - cached)
     return {"input_tokens": prompt - cached - written,
             "output_tokens": _count(usage.get("completion_tokens"), f"{where}.completion_tokens"),
-            "cache_creation_input_tokens": written, "cache_read_input_tokens": cached}
+            "cache_creation_input_tokens": written, "cache_read_input_tokens": cached,
+            # Writes of a lifetime no Chat Completions server names: the API's default one.
+            "cache_creation": {"ephemeral_5m_input_tokens": written,
+                               "ephemeral_1h_input_tokens": 0}}
 
 
 def stop_reason(finish_reason, called: bool) -> str:
