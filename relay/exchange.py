@@ -222,7 +222,8 @@ class Exchange:
     :class:`UpstreamAnswer`), the last attempt's. What came back: ``answer`` (an
     :class:`Answer`), ``outcome`` (an :class:`Outcome`), ``error`` (a :class:`RelayError` the
     relay answered with), ``stream_failure`` (a :class:`StreamFailure` when a stream ended in
-    an error event), and ``received`` (wall-clock time) with ``timings`` (a :class:`Timings`).
+    an error event), ``usage`` (a :class:`relay.usage.Usage`, set by the usage plugin), and
+    ``received`` (wall-clock time) with ``timings`` (a :class:`Timings`).
     What the plugins found: ``repairs`` (their total), ``repaired_by`` (one :class:`Repair`
     per :meth:`repaired`), ``uncertain`` (one :class:`Uncertainty` per :meth:`unsure`).
 
@@ -246,6 +247,9 @@ class Exchange:
     repaired_by: tuple[Repair, ...] = ()
     uncertain: tuple[Uncertainty, ...] = ()
     stream_failure: StreamFailure | None = None
+    # What the answer reported it used and what that cost (a relay.usage.Usage), set by the
+    # usage plugin as soon as it is known; None without that plugin, or before an answer.
+    usage: Any = None
     # The inbound key (a relay.config.InboundKey) the client authenticated with, when auth is
     # on: its limits are the limits plugin's.
     key: Any = None
