@@ -376,6 +376,10 @@ def budget_headers(plan: Plan, counts: Sequence[Count]) -> dict[str, str]:
     return headers
 
 
+def dollars(usd: float) -> str:
+    return f"${usd:,.2f}" if usd >= 0.01 or usd == 0 else f"${usd:g}"
+
+
 def refusal(plan: Plan, counts: Sequence[Count], blocked: str, now: float
             ) -> tuple[RelayError, dict[str, str]]:
     """The 429 for a request the state refused (``blocked``: the counter or slot that did),
@@ -408,7 +412,7 @@ def refusal(plan: Plan, counts: Sequence[Count], blocked: str, now: float
         usd = (rule.budget_micro_usd or 0) / 1_000_000
         resets = datetime.datetime.fromtimestamp(count.reset, datetime.timezone.utc)
         message = (f"spend limit reached: the relay key {key!r} has used its "
-                   f"{PERIOD_WORDS[period]} budget of ${usd:,.2f}{rule.scope()} · resets "
+                   f"{PERIOD_WORDS[period]} budget of {dollars(usd)}{rule.scope()} · resets "
                    f"{resets:%b} {resets.day} {resets:%H:%M} UTC · ask the relay's operator "
                    f"to raise it")
         headers = {
