@@ -374,3 +374,28 @@ def test_a_keys_limits_overlay_the_defaults():
     assert found.applying("claude-opus-4") == (key, opus)
     assert found.applying("claude-haiku-4") == (key,)
     assert limits.effective(None, {"requests_per_minute": None}) is None
+
+
+async def test_a_fallback_is_the_same_request(aiohttp_client, aiohttp_server):
+    """A request its first backend fails and a fallback answers counts once, holds one slot
+    and gives it back once."""
+    same_minute()
+    failing = await aiohttp_server(emulator.create_app(emulator.EmulatorOptions(fail_status=529)))
+    working = await aiohttp_server(emulator.create_app(emulator.EmulatorOptions()))
+    url = lambda server: str(server.make_url("")).rstrip("/")  # noqa: E731
+    raw = {"pipeline": ["limits", "usage"], "plugins": {"usage": {"prices": PRICES}},
+           "server": {"auth": auth({"requests_per_minute": 3, "concurrent": 1})},
+           "backends": [{"name": "first", "url": url(failing), "models": ["*"],
+                         "fallbacks": ["second"]},
+                        {"name": "second", "url": url(working), "models": []}]}
+    config = config_module.parse(raw, KEYS)
+    chain = Chain(load_plugins(config.pipeline), config)
+    await chain.startup(config)
+    client = await aiohttp_client(create_app(config, chain))
+    for remaining in ("2", "1"):
+        resp, body = await post(client)
+        assert resp.status == 200, body
+        assert resp.headers["anthropic-ratelimit-requests-remaining"] == remaining
+    slot = limits.counter_name("team-a", limits.Rule(), "slots")
+    assert not chain.state._held(slot, time.time())
+    await chain.shutdown(config)
