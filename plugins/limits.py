@@ -104,7 +104,7 @@ class Limits:
         held = Held(plan, taken.tokens, headers, task)
         exchange.state["limits"] = held
         exchange.response_headers.update(headers)
-        if not held.released and task is not None:
+        if task is not None:  # for a fallback to find, and the task's end to give back
             self.held[task] = held
             task.add_done_callback(self._task_done)
 

@@ -376,7 +376,8 @@ def test_a_keys_limits_overlay_the_defaults():
     assert limits.effective(None, {"requests_per_minute": None}) is None
 
 
-async def test_a_fallback_is_the_same_request(aiohttp_client, aiohttp_server):
+@pytest.mark.parametrize("concurrent", [1, None])
+async def test_a_fallback_is_the_same_request(aiohttp_client, aiohttp_server, concurrent):
     """A request its first backend fails and a fallback answers counts once, holds one slot
     and gives it back once."""
     same_minute()
@@ -384,7 +385,7 @@ async def test_a_fallback_is_the_same_request(aiohttp_client, aiohttp_server):
     working = await aiohttp_server(emulator.create_app(emulator.EmulatorOptions()))
     url = lambda server: str(server.make_url("")).rstrip("/")  # noqa: E731
     raw = {"pipeline": ["limits", "usage"], "plugins": {"usage": {"prices": PRICES}},
-           "server": {"auth": auth({"requests_per_minute": 3, "concurrent": 1})},
+           "server": {"auth": auth({"requests_per_minute": 3, "concurrent": concurrent})},
            "backends": [{"name": "first", "url": url(failing), "models": ["*"],
                          "fallbacks": ["second"]},
                         {"name": "second", "url": url(working), "models": []}]}
