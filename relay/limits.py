@@ -316,10 +316,19 @@ def seconds_until(reset: int, now: float) -> int:
 
 
 def quota_headers(plan: Plan, counts: Sequence[Count]) -> dict[str, str]:
+    """An answer's quota headers: :func:`rate_headers`, then the usage-limit headers of the
+    fullest budget (:func:`budget_headers`)."""
+    headers = rate_headers(plan, counts)
+    if plan.budgets:
+        headers.update(budget_headers(plan, counts))
+    return headers
+
+
+def rate_headers(plan: Plan, counts: Sequence[Count]) -> dict[str, str]:
     """``anthropic-ratelimit-{requests,input-tokens,output-tokens}-{limit,remaining,reset}``
     from the key's own counts (in the order of ``plan.counters``), as the API sends its own:
     for each family, the limit with the least left. A family the key has no limit for is
-    not sent. Then the usage-limit headers of the fullest budget (:func:`budget_headers`)."""
+    not sent."""
     headers: dict[str, str] = {}
     tightest: dict[str, tuple[int, Count]] = {}
     for index, family in plan.families:
@@ -332,8 +341,6 @@ def quota_headers(plan: Plan, counts: Sequence[Count]) -> dict[str, str]:
         headers[names[0]] = str(count.limit)
         headers[names[1]] = str(left)
         headers[names[2]] = rfc3339(count.reset)
-    if plan.budgets:
-        headers.update(budget_headers(plan, counts))
     return headers
 
 
@@ -400,10 +407,7 @@ def refusal(plan: Plan, counts: Sequence[Count], blocked: str, now: float
         message = (f"rate limit: the relay key {key!r} may have {limit.limit} "
                    f"request{'s' if limit.limit != 1 else ''} in flight at once"
                    f"{rule.scope()} (concurrent); retry when one has finished")
-        headers = quota_headers(plan, counts)
-        for name in [n for n in headers if n.startswith(f"{RATELIMIT_PREFIX}unified-")]:
-            del headers[name]
-        headers["retry-after"] = str(retry)
+        headers = {**rate_headers(plan, counts), "retry-after": str(retry)}
         return RelayError(429, message, "rate_limit_error"), headers
     assert count is not None  # a counter the state refused is among those it returned
     retry = seconds_until(count.reset, now)
@@ -429,7 +433,5 @@ def refusal(plan: Plan, counts: Sequence[Count], blocked: str, now: float
         return RelayError(429, message, "billing_error"), headers
     message = (f"rate limit: the relay key {key!r} may use {limit.limit} "
                f"{RATES[limit.name]}{rule.scope()} ({limit.name}); retry in {retry} s")
-    headers = {name: value for name, value in quota_headers(plan, counts).items()
-               if not name.startswith(f"{RATELIMIT_PREFIX}unified-")}
-    headers["retry-after"] = str(retry)
+    headers = {**rate_headers(plan, counts), "retry-after": str(retry)}
     return RelayError(429, message, "rate_limit_error"), headers

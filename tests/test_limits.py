@@ -212,7 +212,11 @@ async def test_model_pattern_limits_stand_beside_the_keys(aiohttp_client, aiohtt
 
 async def concurrent_posts(client, n: int, key="KEY_A") -> list[int]:
     async def one():
-        resp, _ = await post(client, key)
+        resp, body = await post(client, key)
+        if resp.status == 429:
+            assert resp.headers["retry-after"] == "1"
+            assert "(concurrent)" in body["error"]["message"], body
+            assert body["error"]["type"] == "rate_limit_error"
         return resp.status
     return list(await asyncio.gather(*(one() for _ in range(n))))
 
