@@ -327,14 +327,31 @@ async def test_state_unreachable_open_and_closed(aiohttp_client, aiohttp_server,
     await client.chain.shutdown(client.config)
 
 
+class Ended:
+    """Keeps every finished exchange."""
+
+    def __init__(self):
+        self.exchanges = []
+
+    @hookimpl
+    def relay_exchange_end(self, exchange):
+        self.exchanges.append(exchange)
+
+
 async def test_streams_carry_the_keys_headers(aiohttp_client, aiohttp_server):
     same_minute()
-    client = await start(aiohttp_client, aiohttp_server, auth({"requests_per_minute": 7}))
+    ended = Ended()
+    client = await start(aiohttp_client, aiohttp_server, auth({"requests_per_minute": 7}),
+                         pipeline=("limits", "usage", "ended"), extra={"ended": ended})
     resp = await client.post("/v1/messages", json=request(user(text("hi")), stream=True),
                              headers=headers())
     await resp.read()
     assert resp.headers["anthropic-ratelimit-requests-limit"] == "7"
     assert resp.headers["anthropic-ratelimit-requests-remaining"] == "6"
+    # The upstream's (the pooled account's) stay in the record.
+    assert ended.exchanges[-1].replaced_headers == {
+        "anthropic-ratelimit-requests-limit": "4000",
+        "anthropic-ratelimit-requests-remaining": "3999"}
     # A key without limits sees none of the pooled account's.
     resp = await client.post("/v1/messages", json=request(user(text("hi")), stream=True),
                              headers=headers("KEY_B"))
