@@ -13,13 +13,13 @@ from . import config as config_module
 from .chain import Chain, load_plugins
 from .errors import ConfigError
 
-COMMANDS = ("serve", "emulate", "validate", "replay", "usage")
+COMMANDS = ("serve", "emulate", "validate", "replay", "usage", "keys")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="relay", usage="relay [serve] [--config relay.yaml] [--host H] [--port P]\n"
-                            "       relay {emulate,validate,replay,usage} ...",
+                            "       relay {emulate,validate,replay,usage,keys} ...",
         description="A relay for Anthropic's Messages API that repairs tool-use faults on the "
                     "way through.",
         epilog="Without a command, relay serves: --config names relay.yaml (default: "
@@ -47,6 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     usage_parser = commands.add_parser("usage", help="what each key used and cost, from the "
                                                      "ledger")
     usage.add_arguments(usage_parser)
+
+    from . import keys
+    keys_parser = commands.add_parser(
+        "keys", help="make, list, change and revoke the relay's own keys while it serves")
+    keys.add_arguments(keys_parser)
     return parser
 
 
@@ -82,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "usage":
         from . import usage
         return usage.main(args)
+    if args.command == "keys":
+        from . import keys
+        return keys.main(args)
     from . import replay
     return replay.main(args)
 
