@@ -427,7 +427,8 @@ def main(args) -> int:
     from . import config as config_module
 
     try:
-        config = config_module.load(args.config)
+        # Only state: is read: the keys' variables need not be set where the command runs.
+        config = config_module.load(args.config, require_keys=False)
         since = parse_time(args.since) if args.since else None
         until = parse_time(args.until, end=True) if args.until else None
     except (ConfigError, ValueError) as e:
