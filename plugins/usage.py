@@ -96,10 +96,11 @@ class Usage:
     @hookimpl
     def relay_stream_event(self, exchange, event):
         meter = exchange.state[PLUGIN]
-        if event.name == "message_start":
-            used = meter.message_start(event.data)
-        else:
-            used = meter.message_delta(event.data)
+        # The event's bytes, read for its usage alone, unless a plugin changed its data.
+        used = None if event.changed else meter.event(event.name, event.raw)
+        if used is None:
+            used = (meter.message_start(event.data) if event.name == "message_start"
+                    else meter.message_delta(event.data))
         exchange.usage = self.prices.price(used, meter.model or exchange.model)
 
     @hookimpl

@@ -146,8 +146,37 @@ def answer_fields(body: bytes) -> tuple[str | None, dict | None]:
     return model, usage
 
 
+class _Start(msgspec.Struct):
+    message: _Answer | None = None
+
+
+class _Delta(msgspec.Struct):
+    usage: Any = None
+
+
+_start = msgspec.json.Decoder(_Start).decode
+_delta = msgspec.json.Decoder(_Delta).decode
+
+
+def _data_line(raw: bytes) -> bytes | None:
+    """The data of an event framed as Anthropic frames one (its name, then one ``data:``
+    line); None for any other framing, which the caller parses the slow way."""
+    start = raw.find(b"\ndata: ")
+    if start < 0:
+        return None
+    start += 7
+    end = raw.find(b"\n", start)
+    if end < 0:
+        end = len(raw)
+    elif raw.find(b"data:", end) >= 0:  # its data in several lines
+        return None
+    return raw[start:end]
+
+
 class StreamMeter:
-    """The usage of one stream, fed its ``message_start`` and ``message_delta`` data."""
+    """The usage of one stream, fed its ``message_start`` and ``message_delta`` events: as
+    parsed data (:meth:`message_start`, :meth:`message_delta`), or as their bytes
+    (:meth:`event`), read for ``model`` and ``usage`` alone."""
 
     __slots__ = ("usage", "model")
 
@@ -158,15 +187,36 @@ class StreamMeter:
     def message_start(self, data) -> Usage:
         message = data.get("message") if data.__class__ is dict else None
         if message.__class__ is dict:
-            model = message.get("model")
-            if model.__class__ is str:
-                self.model = model
-            apply(self.usage, message.get("usage"))
+            self._started(message.get("model"), message.get("usage"))
         return self.usage
+
+    def _started(self, model, reported) -> None:
+        if model.__class__ is str:
+            self.model = model
+        apply(self.usage, reported)
 
     def message_delta(self, data) -> Usage:
         if data.__class__ is dict:
             apply(self.usage, data.get("usage"))
+        self.usage.complete = True
+        return self.usage
+
+    def event(self, name: str | None, raw: bytes) -> Usage | None:
+        """Fold in the ``message_start`` or ``message_delta`` event framed as ``raw``; None
+        when its bytes are not one JSON object on one ``data:`` line (then give its parsed
+        data to :meth:`message_start` or :meth:`message_delta`)."""
+        line = _data_line(raw)
+        if line is None:
+            return None
+        try:
+            if name == "message_start":
+                message = _start(line).message
+                if message is not None:
+                    self._started(message.model, message.usage)
+                return self.usage
+            apply(self.usage, _delta(line).usage)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return None
         self.usage.complete = True
         return self.usage
 
