@@ -374,16 +374,20 @@ def _group_value(row: dict, by: str):
     return row.get(by)
 
 
-def aggregate(rows: Iterable[dict], by: str = "key") -> list[dict]:
-    """Ledger rows added up by ``by`` (key, model, backend or day, UTC): one dict per group
-    with the group's field, ``requests``, the token columns, ``cost_micro_usd`` (of the rows
-    that were priced) and ``unpriced_requests`` (rows with usage but no price: their tokens
-    are counted, their cost is not known). Ordered by the group's value, an unknown (None)
-    last."""
+def aggregate(rows: Iterable[dict], by: str = "key", since: float | None = None,
+              until: float | None = None) -> list[dict]:
+    """Ledger rows with ``since <= time < until`` added up by ``by`` (key, model, backend or
+    day, UTC): one dict per group with the group's field, ``requests``, the token columns,
+    ``cost_micro_usd`` (of the rows that were priced) and ``unpriced_requests`` (rows with
+    usage but no price: their tokens are counted, their cost is not known). Ordered by the
+    group's value, an unknown (None) last."""
     if by not in GROUPS:
         raise ValueError(f"cannot group by {by!r} (one of {', '.join(GROUPS)})")
     groups: dict[Any, dict] = {}
     for row in rows:
+        if (since is not None and row["time"] < since) or (
+                until is not None and row["time"] >= until):
+            continue
         value = _group_value(row, by)
         group = groups.get(value)
         if group is None:

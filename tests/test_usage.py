@@ -221,3 +221,10 @@ def test_events_framed_otherwise_are_left_to_the_parsed_data(raw):
     meter = StreamMeter()
     assert meter.event("message_start" if b"start" in raw else "message_delta", raw) is None
     assert meter.usage == Usage(complete=False)
+
+
+def test_aggregate_keeps_to_its_window():
+    rows = [{"time": t, "key": "a", "cost_micro_usd": 1} for t in (10.0, 20.0, 30.0)]
+    assert [g["requests"] for g in aggregate(rows, "key", since=20.0)] == [2]
+    assert [g["requests"] for g in aggregate(rows, "key", since=10.0, until=30.0)] == [2]
+    assert aggregate(rows, "key", until=10.0) == []
