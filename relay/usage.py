@@ -95,14 +95,21 @@ def apply(usage: Usage, reported) -> Usage:
     """Fold an Anthropic ``usage`` object into ``usage``: every count it gives replaces the
     one there (usage objects are cumulative), counts it leaves out stay. Values that are not
     counts are ignored. Returns ``usage``."""
+    # Written out, not looped: this runs for every answer and twice for every stream.
     if reported.__class__ is not dict:
         return usage
-    for name in ("input_tokens", "output_tokens", "cache_read_input_tokens"):
-        count = _count(reported.get(name))
-        if count is not None:
-            setattr(usage, name, count)
-    split = reported.get("cache_creation")
-    total = _count(reported.get("cache_creation_input_tokens"))
+    get = reported.get
+    count = get("input_tokens")
+    if count.__class__ is int and 0 <= count <= MAX_COUNT:
+        usage.input_tokens = count
+    count = get("output_tokens")
+    if count.__class__ is int and 0 <= count <= MAX_COUNT:
+        usage.output_tokens = count
+    count = get("cache_read_input_tokens")
+    if count.__class__ is int and 0 <= count <= MAX_COUNT:
+        usage.cache_read_input_tokens = count
+    split = get("cache_creation")
+    total = _count(get("cache_creation_input_tokens"))
     if split.__class__ is dict:
         five = _count(split.get("ephemeral_5m_input_tokens")) or 0
         hour = _count(split.get("ephemeral_1h_input_tokens")) or 0
@@ -114,9 +121,10 @@ def apply(usage: Usage, reported) -> Usage:
         # stays one-hour, as far as the total allows; the rest is five-minute.
         hour = min(usage.cache_write_1h_input_tokens, total)
         usage.cache_write_5m_input_tokens, usage.cache_write_1h_input_tokens = total - hour, hour
-    tools = _tools(reported.get("server_tool_use"))
-    if tools is not None:
-        usage.server_tool_requests = tools
+    if "server_tool_use" in reported:
+        tools = _tools(reported["server_tool_use"])
+        if tools is not None:
+            usage.server_tool_requests = tools
     return usage
 
 
