@@ -24,6 +24,7 @@ Options: see ``Usage.OPTIONS``.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 
@@ -42,6 +43,7 @@ PLUGIN = "usage"
 PATH = "/v1/relay/usage"
 TIMELINE = 64  # entries of an exchange's timeline a row keeps
 STREAM_EVENTS = ("message_start", "message_delta")
+MAX_WARNED = 64  # unpriced models named in the log, once each: the names are the clients'
 
 
 class Usage:
@@ -58,6 +60,7 @@ class Usage:
     def __init__(self):
         self.prices = metering.Prices()
         self.state = None
+        self.warned: set[str] = set()
 
     @hookimpl
     def relay_startup(self, options, state):
@@ -96,17 +99,29 @@ class Usage:
     @hookimpl
     def relay_stream_event(self, exchange, event):
         meter = exchange.state[PLUGIN]
-        if event.name == "message_start":
-            used = meter.message_start(event.data)
-        else:
-            used = meter.message_delta(event.data)
+        # The event's bytes, read for its usage alone, unless a plugin changed its data.
+        used = None if event.changed else meter.event(event.name, event.raw)
+        if used is None:
+            used = (meter.message_start(event.data) if event.name == "message_start"
+                    else meter.message_delta(event.data))
         exchange.usage = self.prices.price(used, meter.model or exchange.model)
 
     @hookimpl
     async def relay_exchange_end(self, exchange):
         if exchange.endpoint == "refused" or self.state is None:
             return
+        used = exchange.usage
+        if used is not None and used.cost_micro_usd is None:
+            self._unpriced(exchange.model)
         await self.state.record([ledger_row(exchange)])
+
+    def _unpriced(self, model: str | None) -> None:
+        name = str(model)[:200]
+        if name in self.warned or len(self.warned) >= MAX_WARNED:
+            return
+        self.warned.add(name)
+        log.warning("plugins.usage.prices: no price for model %r: its usage is counted in "
+                    "tokens, not in cost (relay_usage_unpriced_total)", name)
 
     async def serve(self, request: web.Request) -> web.Response:
         query = request.query
@@ -121,8 +136,10 @@ class Usage:
                                 content_type="application/json")
         assert self.state is not None  # routes are served after start-up
         rows = await self.state.rows(since=since, until=until)
-        return web.Response(body=orjson.dumps(metering.aggregate(rows, by)),
-                            content_type="application/json")
+        # Months of rows are a lot of adding up: not on the event loop.
+        groups = await asyncio.get_running_loop().run_in_executor(
+            None, metering.aggregate, rows, by)
+        return web.Response(body=orjson.dumps(groups), content_type="application/json")
 
 
 def ledger_row(exchange) -> dict:
