@@ -52,7 +52,8 @@ class RelayState(Preparation):
         super().__init__(config, chain)
         self.gate = Gate(config.keys) if config.keys is not None else None
         # With auth on, what a client presents is a relay key: it never goes upstream.
-        self.upstream = Upstream(config, strip_client_auth=self.gate is not None)
+        self.upstream = Upstream(config, strip_client_auth=self.gate is not None,
+                                 state=chain.state)
 
 
 STATE = web.AppKey("relay_state", RelayState)
@@ -196,6 +197,7 @@ class Relay:
 
     async def finish(self, exchange: Exchange) -> None:
         """The exchange is over and the client has its answer: log it, run the end hooks."""
+        self.state.upstream.pools.release(exchange)
         log_exchange(exchange, exchange.answer.status if exchange.answer else None)
         await self.state.chain.end(exchange)
 
