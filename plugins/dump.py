@@ -53,7 +53,8 @@ such a value or of a backend's key (its ``api_key_env``, each of its ``credentia
 replaced by ``[redacted]`` too, but only for secrets of at least ``MIN_SECRET_LENGTH`` (16)
 characters, and never inside a JSON key: a short value cannot be told apart from ordinary
 text (a client key ``e`` would turn every "e" of the dump, its keys included, into
-``[redacted]`` and leave nothing to read or replay), and a credential that short protects nothing anyway. Real API keys and tokens are far longer, and a
+``[redacted]`` and leave nothing to read or replay), and a credential that short protects
+nothing anyway. Real API keys and tokens are far longer, and a
 16-character random string does not turn up by chance.
 
 The plugin is a class: the host makes one instance per plugin manager, that is per running
