@@ -445,3 +445,76 @@ async def reinstate(state: State, config, backend: str, credential: str) -> bool
         return False
     await state.delete(NAMESPACE, [health_key(backend, credential)])
     return True
+
+
+# --- relay backends -----------------------------------------------------------------------
+
+
+def _when(epoch: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(epoch))
+
+
+def described(entry: dict[str, Any], now: float) -> str:
+    """One line of ``relay backends`` for a :func:`health` entry."""
+    state = entry["state"]
+    if state == "cooling":
+        left = max(0, math.ceil((entry["until"] or now) - now))
+        state = f"cooling until {_when(entry['until'] or now)} ({left} s): {entry['reason']}"
+    elif state == "out":
+        state = f"out since {_when(entry['since'] or now)}: {entry['reason']}"
+    recent = " ".join(str(status) for status in entry["recent"])
+    return f"{entry['backend']}/{entry['credential']}  {state}" + (
+        f"  (recent: {recent})" if recent else "")
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--config", default="relay.yaml", help="path to relay.yaml")
+    parser.add_argument("--json", action="store_true", help="one JSON document: the list")
+    parser.add_argument("--reinstate", metavar="BACKEND/CREDENTIAL",
+                        help="forget a cooldown or an out key (one the provider took back)")
+
+
+def main(args) -> int:
+    """``relay backends``: each pooled credential's state, from the shared state relay.yaml
+    names (``state:``)."""
+    import asyncio
+    import sys
+
+    from . import config as config_module
+    from .errors import ConfigError
+    from .state import open_state
+
+    try:
+        config = config_module.load(args.config, require_keys=False)
+    except ConfigError as e:
+        print(f"relay: config error: {e}", file=sys.stderr)
+        return 2
+
+    async def run() -> int:
+        state = await open_state(config.state)
+        try:
+            if args.reinstate:
+                backend, _, credential = args.reinstate.partition("/")
+                if not await reinstate(state, config, backend, credential):
+                    print(f"relay: --reinstate: {args.reinstate!r} names no credential of "
+                          f"relay.yaml (BACKEND/CREDENTIAL)", file=sys.stderr)
+                    return 2
+            listed = await health(state, config)
+        finally:
+            await state.close()
+        if args.json:
+            print(orjson.dumps(listed, option=orjson.OPT_INDENT_2).decode())
+            return 0
+        now = time.time()
+        for line in (described(entry, now) for entry in listed):
+            print(line)
+        for backend in config.backends:
+            if not backend.credentials:
+                how = "one key (api_key_env)" if backend.api_key_env else "the client's own key"
+                print(f"{backend.name}  {how}")
+        if state.kind == "memory":
+            print("relay: state is each process's own memory (no state.url): a serving "
+                  "relay's cooldowns are at its GET /admin/backends", file=sys.stderr)
+        return 0
+
+    return asyncio.run(run())

@@ -20,7 +20,7 @@ import orjson
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
-from . import __version__, lifecycle, logs, threads
+from . import __version__, lifecycle, logs, pools, threads
 from .chain import Chain
 from .config import InboundKey
 from .errors import RelayError, invalid_request
@@ -354,11 +354,23 @@ class Relay:
         return lifecycle.readiness_response(request)
 
 
+BACKENDS = "/admin/backends"  # the operator's: each pooled credential's state
+
+
+def backends_handler(state: RelayState):
+    async def backends(request: web.Request) -> web.Response:
+        listed = await pools.health(state.upstream.pools.state, state.config)
+        return web.json_response({"credentials": listed})
+    return backends
+
+
 def create_app(config, chain: Chain) -> web.Application:
     state = RelayState(config, chain)
     app = web.Application(client_max_size=config.max_body_bytes)
     app[STATE] = state
-    relay = Relay(state, chain.routes(config, reserved=("/healthz", "/readyz", *ENDPOINTS)))
+    routes = chain.routes(config, reserved=("/healthz", "/readyz", BACKENDS, *ENDPOINTS))
+    routes["GET", BACKENDS] = AdminRoute(backends_handler(state))
+    relay = Relay(state, routes)
     app.router.add_route("*", "/{tail:.*}", relay.dispatch)
     app.middlewares.append(relay.unrouted)
 
