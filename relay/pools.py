@@ -153,7 +153,7 @@ def pick(names: Sequence[str], weights: dict[str, float], inflight: dict[str, in
          placed: dict[str, int]) -> str:
     """The credential a new session goes to: the least in flight for its weight, then the
     fewest sessions placed for its weight, then the first listed."""
-    return min(names, key=lambda name: ((inflight[name] + 1) / weights[name],
+    return min(names, key=lambda name: (inflight[name] / weights[name],
                                          placed[name] / weights[name]))
 
 
@@ -245,7 +245,7 @@ class Pools:
     async def _read(self, pool: Pool, session: str | None, now: float) -> str | None:
         """One round trip: the pool's health (when older than ``refresh``) and the session's
         credential (when asked); returns the session's, or None."""
-        refresh = now - pool.fetched >= pool.options.refresh
+        refresh = now - pool.fetched >= pool.options.refresh or session is not None
         keys = list(pool.health_keys) if refresh else []
         if session is not None:
             keys.append(session_key(pool.backend, session))
@@ -296,17 +296,24 @@ class Pools:
         session = exchange.session() if exchange.endpoint != "passthrough" else None
         entry = pool.sticky.get(session) if session is not None else None
         current = entry[0] if entry is not None else None
-        if current is not None and not pool.blocked(current, now) and current not in tried:
-            # The hot path: a session this process placed, on a credential it knows healthy.
-            if now - pool.fetched >= pool.options.refresh:
-                await self._read(pool, None, now)
-        else:
-            # Not known here, or its credential is not healthy: another process may have
-            # placed (or moved) it already.
-            current = await self._read(pool, session, now)
+        stored = True  # whether the state holds the session where this process has it
+        fresh = now - pool.fetched < pool.options.refresh
+        if current is None or not fresh or current in tried or pool.blocked(current, now):
+            # Not the hot path (a session this process placed, on a credential it knows
+            # healthy, with a view of the others' cooldowns fresh enough): one read, of what
+            # other processes know and where they placed (or moved) the session.
+            found = await self._read(pool, session, now)
+            if found is not None:
+                current = found
+            else:
+                stored = False
         usable = [name for name in pool.order if name not in tried and not pool.blocked(name, now)]
         if current is not None and current in usable:
             chosen = current
+            if not stored and session is not None:  # the state lost it (expired, restarted)
+                await self._put(pool, {session_key(pool.backend, session):
+                                       orjson.dumps([chosen, now])},
+                                pool.options.sticky_seconds)
         elif not usable:
             refusal = pool.refused(now, tried)
             if refusal.retry is not None:
