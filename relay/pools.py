@@ -60,6 +60,8 @@ RECENT = 10  # statuses per credential in health()
 COOLING_STATUSES = (429, 529)
 OUT_STATUSES = (401, 403)
 RATELIMIT_PREFIX = "anthropic-ratelimit-"
+DOWN_SECONDS = 5.0  # how long the state is left alone after a round trip to it failed
+UNREACHED = "\x00unreached"  # what a read returns when the state could not be reached
 
 
 @dataclasses.dataclass(slots=True)
@@ -231,39 +233,43 @@ class Pools:
         self.clock = clock
         self.pools = {b.name: Pool(b) for b in config.backends if b.credentials}
         self._unavailable_logged = -math.inf
+        # After a round trip failed, the state is left alone for a while: during an outage
+        # a request must not wait for its timeout on every read.
+        self._down_until = -math.inf
 
     def pool(self, backend) -> Pool | None:
         return self.pools.get(backend.name) if backend.credentials else None
 
     def _unreachable(self, e: BaseException) -> None:
         now = time.monotonic()
+        self._down_until = now + DOWN_SECONDS
         if now - self._unavailable_logged >= UNAVAILABLE_LOG_SECONDS:
             self._unavailable_logged = now
             log.warning("pools: the shared state is unreachable (%s); choosing credentials "
                         "from what this process knows", type(e).__name__)
 
     async def _read(self, pool: Pool, session: str | None, now: float) -> str | None:
-        """One round trip: the pool's health (when older than ``refresh``) and the session's
-        credential (when asked); returns the session's, or None."""
-        refresh = now - pool.fetched >= pool.options.refresh or session is not None
-        keys = list(pool.health_keys) if refresh else []
+        """One round trip: the pool's health and the session's credential (when asked);
+        returns the session's, None when the state holds none, or :data:`UNREACHED`."""
+        keys = list(pool.health_keys)
         if session is not None:
             keys.append(session_key(pool.backend, session))
-        if not keys:
-            return None
+        if time.monotonic() < self._down_until:
+            pool.fetched = now
+            return UNREACHED
         try:
             values = await self.state.get(NAMESPACE, keys)
         except (Unavailable, OSError) as e:
             self._unreachable(e)
-            return None
-        if refresh:
             pool.fetched = now
-            health = {name: record for name, raw in zip(pool.order, values, strict=False)
-                      if (record := Health.decode(raw)) is not None}
-            for name in pool.unwritten:
-                if name not in health and name in pool.health:
-                    health[name] = pool.health[name]
-            pool.health = health
+            return UNREACHED
+        pool.fetched = now
+        health = {name: record for name, raw in zip(pool.order, values, strict=False)
+                  if (record := Health.decode(raw)) is not None}
+        for name in pool.unwritten:
+            if name not in health and name in pool.health:
+                health[name] = pool.health[name]
+        pool.health = health
         if session is None:
             return None
         raw = values[-1]
@@ -281,6 +287,8 @@ class Pools:
         return name
 
     async def _put(self, pool: Pool, items: dict[str, bytes], ttl: float) -> bool:
+        if time.monotonic() < self._down_until:
+            return False
         try:
             await self.state.put(NAMESPACE, items, ttl)
         except (Unavailable, OSError) as e:
@@ -298,12 +306,15 @@ class Pools:
         current = entry[0] if entry is not None else None
         stored = True  # whether the state holds the session where this process has it
         fresh = now - pool.fetched < pool.options.refresh
-        if current is None or not fresh or current in tried or pool.blocked(current, now):
+        if not fresh if session is None else (
+                current is None or not fresh or current in tried or pool.blocked(current, now)):
             # Not the hot path (a session this process placed, on a credential it knows
             # healthy, with a view of the others' cooldowns fresh enough): one read, of what
             # other processes know and where they placed (or moved) the session.
             found = await self._read(pool, session, now)
-            if found is not None:
+            if found is UNREACHED:
+                pass  # what this process knows is all there is
+            elif found is not None:
                 current = found
             else:
                 stored = False

@@ -16,6 +16,7 @@ from relay import config as config_module
 from relay.chain import Chain, load_plugins
 from relay.errors import ConfigError
 from relay.server import create_app
+from relay.state import Unavailable
 from relay.state.memory import MemoryState
 from relay.testing import assistant, emulator, exchange_for, request, text, user
 
@@ -382,6 +383,28 @@ async def test_replicas_sharing_state_keep_a_session_and_honour_each_other(aioht
     # A new session on the replica that did not see the 429 keeps off the cooling credential.
     assert await converse(two, 1, session="new") == [200]
     assert keys_seen(server)[-1] == "b"
+
+
+async def test_an_unreachable_state_leaves_the_pool_to_what_this_process_knows(
+        aiohttp_server, relays, caplog):
+    class Down(MemoryState):
+        calls = 0
+
+        async def get(self, namespace, keys):
+            Down.calls += 1
+            raise Unavailable("down")
+
+        async def put(self, namespace, items, ttl):
+            Down.calls += 1
+            raise Unavailable("down")
+
+    server, url = await emulated(aiohttp_server, key_budget=3, key_window=120)
+    client = await relays.start(url, credentials("a", "b"), state=Down())
+    with caplog.at_level(logging.WARNING, logger="relay.pools"):
+        assert await converse(client, 6, session="s") == [200] * 6
+    assert keys_seen(server) == ["a"] * 4 + ["b"] * 3
+    assert Down.calls == 1  # then left alone for a while, not asked on every request
+    assert len([r for r in caplog.records if "unreachable" in r.getMessage()]) == 1
 
 
 async def test_no_credential_reaches_a_client_in_an_answer(aiohttp_server, relays):
