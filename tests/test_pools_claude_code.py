@@ -5,10 +5,15 @@ the second (relay.pools)."""
 from __future__ import annotations
 
 import pytest
-
 from support import backend
-from test_claude_code import claude, claude_binary  # noqa: F401  (fixtures)
-from test_claude_code import agent_requests, assert_every_call_ran, headers_of, tool_turns
+from test_claude_code import (  # noqa: F401  (fixtures)
+    agent_requests,
+    assert_every_call_ran,
+    claude,
+    claude_binary,
+    headers_of,
+    tool_turns,
+)
 
 pytestmark = pytest.mark.e2e
 
