@@ -332,8 +332,8 @@ class Pools:
             raise refusal
         else:
             chosen = pick(usable, pool.weights, pool.inflight, pool.placed)
+            pool.placed[chosen] += 1
             if session is not None:
-                pool.placed[chosen] += 1
                 if current is None:
                     exchange.note("relay", "credential placed", backend=pool.backend,
                                   credential=chosen)

@@ -15,7 +15,7 @@ from relay import cli, pools
 from relay import config as config_module
 from relay.chain import Chain, load_plugins
 from relay.errors import ConfigError
-from relay.server import create_app
+from relay.server import STATE, create_app
 from relay.state import Unavailable
 from relay.state.memory import MemoryState
 from relay.testing import assistant, emulator, exchange_for, request, text, user
@@ -256,6 +256,7 @@ async def test_a_twenty_turn_session_stays_on_one_credential(aiohttp_server, rel
     assert {next(iter(used)) for used in by_session.values()} == {"a", "b", "c"}
     assert sorted(keys_seen(server)) == sorted(["a"] * 20 + ["b"] * 20 + ["c"] * 20)
     assert len(noted(client, "credential placed")) == 3
+    assert client.app[STATE].upstream.pools.pools["emu"].inflight == {"a": 0, "b": 0, "c": 0}
     assert await metric(client, "relay_credential_sessions_placed_total") == 3
     assert await metric(client, "relay_credential_requests_total", credential="a",
                         status="200") == 20
@@ -425,6 +426,17 @@ async def test_no_credential_reaches_a_client_in_an_answer(aiohttp_server, relay
         assert resp.headers["x-echo"] == "[redacted]"
         assert all(key.encode() not in raw for key in KEYS.values())
     assert {e.credential for e in client.recorder.ended} == {"a", "b"}
+
+
+async def test_a_pass_through_route_goes_with_a_pooled_key_never_the_client_s(aiohttp_server,
+                                                                              relays):
+    server, url = await emulated(aiohttp_server)
+    client = await relays.start(url, credentials("a", "b"))
+    for _ in range(4):
+        resp = await client.get("/v1/models", headers={"x-api-key": "sk-ant-the-client-s-own"})
+        assert resp.status == 200
+    assert sorted(keys_seen(server)) == ["a", "a", "b", "b"]  # no session: spread
+    assert client.app[STATE].upstream.pools.pools["emu"].inflight == {"a": 0, "b": 0}
 
 
 def test_relay_backends_lists_each_credential(tmp_path, capsys, monkeypatch):
