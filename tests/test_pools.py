@@ -16,7 +16,7 @@ from relay import config as config_module
 from relay.chain import Chain, load_plugins
 from relay.errors import ConfigError
 from relay.server import STATE, create_app
-from relay.state import Unavailable
+from relay.state import Unavailable, open_state
 from relay.state.memory import MemoryState
 from relay.testing import assistant, emulator, exchange_for, request, text, user
 
@@ -39,14 +39,14 @@ class Relays:
         self.started = []
 
     async def start(self, upstream_url: str, creds: list[dict], state=None, pool=None,
-                    pipeline=("metrics",), retries=None):
+                    pipeline=("metrics",), retries=None, plugins=None):
         recorder = Recorder()
         backend = {"name": "emu", "url": upstream_url, "models": ["*"], "credentials": creds,
                    "pool": pool or {}}
         if retries:
             backend["retries"] = retries
-        config = config_module.parse({"pipeline": [*pipeline, "rec"], "backends": [backend]},
-                                     KEYS)
+        config = config_module.parse({"pipeline": [*pipeline, "rec"], "backends": [backend],
+                                      "plugins": plugins or {}}, KEYS)
         chain = Chain(load_plugins(config.pipeline, extra={"rec": recorder}), config)
         chain.state = state
         await chain.startup(config)
@@ -363,14 +363,28 @@ async def test_every_key_revoked_is_a_503_that_says_so(aiohttp_server, relays):
     assert keys_seen(server) == ["a", "b"]
 
 
-async def test_replicas_sharing_state_keep_a_session_and_honour_each_other(aiohttp_server,
-                                                                            relays):
-    """Two relays over one MemoryState in this process (the state seam's SQLite and Redis
-    backends are the state helper's; this is the same interface)."""
+@pytest.fixture(params=["memory", "sqlite", pytest.param("redis", marks=pytest.mark.slow)])
+async def replica_states(request, tmp_path):
+    """Two states for two replicas: one MemoryState both hold (in this process), or two
+    connections each to one SQLite file or one redis-server, as two processes would have."""
+    if request.param == "memory":
+        shared = MemoryState()
+        yield shared, shared
+        return
+    url = (request.getfixturevalue("redis_server").url if request.param == "redis"
+           else f"sqlite:///{tmp_path}/state.db")
+    states = [await open_state({"url": url}) for _ in range(2)]
+    yield states
+    for state in states:
+        await state.close()
+
+
+async def test_replicas_sharing_state_keep_a_session_and_honour_each_other(
+        aiohttp_server, relays, replica_states):
     server, url = await emulated(aiohttp_server, key_budget=6, key_window=120)
-    shared = MemoryState()
-    one = await relays.start(url, credentials("a", "b"), state=shared, pool={"refresh": 0})
-    two = await relays.start(url, credentials("a", "b"), state=shared, pool={"refresh": 0})
+    first, second = replica_states
+    one = await relays.start(url, credentials("a", "b"), state=first, pool={"refresh": 0})
+    two = await relays.start(url, credentials("a", "b"), state=second, pool={"refresh": 0})
     messages = [user(text("start"))]
     headers = {"x-claude-code-session-id": "shared"}
     for turn in range(10):  # alternating replicas, as a round-robin balancer sends them
@@ -408,7 +422,7 @@ async def test_an_unreachable_state_leaves_the_pool_to_what_this_process_knows(
     assert len([r for r in caplog.records if "unreachable" in r.getMessage()]) == 1
 
 
-async def test_no_credential_reaches_a_client_in_an_answer(aiohttp_server, relays):
+async def test_no_credential_reaches_a_client_or_a_dump(aiohttp_server, relays, tmp_path):
     async def echo(request):
         return web.json_response(
             {"type": "error", "error": {"type": "invalid_request_error",
@@ -417,7 +431,9 @@ async def test_no_credential_reaches_a_client_in_an_answer(aiohttp_server, relay
     app = web.Application()
     app.router.add_post("/v1/messages", echo)
     server = await aiohttp_server(app)
-    client = await relays.start(str(server.make_url("")).rstrip("/"), credentials("a", "b"))
+    dumps = tmp_path / "dumps"
+    client = await relays.start(str(server.make_url("")).rstrip("/"), credentials("a", "b"),
+                                pipeline=("dump",), plugins={"dump": {"dir": str(dumps)}})
     for n in range(4):
         resp = await client.post("/v1/messages", json=request(user(text("hi"))),
                                  headers={"x-claude-code-session-id": f"s{n}"})
@@ -426,6 +442,13 @@ async def test_no_credential_reaches_a_client_in_an_answer(aiohttp_server, relay
         assert resp.headers["x-echo"] == "[redacted]"
         assert all(key.encode() not in raw for key in KEYS.values())
     assert {e.credential for e in client.recorder.ended} == {"a", "b"}
+    await client.chain.shutdown(client.config)  # the dumps are written
+    written = sorted(dumps.rglob("*.json"))
+    assert len(written) == 4
+    documents = [orjson.loads(path.read_bytes()) for path in written]
+    assert all(key.encode() not in path.read_bytes() for path in written
+               for key in KEYS.values())
+    assert {d["attempts"][0]["credential"] for d in documents} == {"a", "b"}
 
 
 async def test_a_pass_through_route_goes_with_a_pooled_key_never_the_client_s(aiohttp_server,
