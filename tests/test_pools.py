@@ -39,13 +39,12 @@ class Relays:
         self.started = []
 
     async def start(self, upstream_url: str, creds: list[dict], state=None, pool=None,
-                    pipeline=("metrics",), retries=None, plugins=None):
+                    pipeline=("metrics",), plugins=None, more=(), **extra):
         recorder = Recorder()
         backend = {"name": "emu", "url": upstream_url, "models": ["*"], "credentials": creds,
-                   "pool": pool or {}}
-        if retries:
-            backend["retries"] = retries
-        config = config_module.parse({"pipeline": [*pipeline, "rec"], "backends": [backend],
+                   "pool": pool or {}, **extra}
+        config = config_module.parse({"pipeline": [*pipeline, "rec"],
+                                      "backends": [backend, *more],
                                       "plugins": plugins or {}}, KEYS)
         chain = Chain(load_plugins(config.pipeline, extra={"rec": recorder}), config)
         chain.state = state
@@ -329,6 +328,19 @@ async def test_every_credential_cooling_is_one_clean_429_with_the_shortest_wait(
     assert asked == ["a", "b"]  # after the first request, nothing more went upstream
     last = client.recorder.ended[-1]
     assert last.attempts == [] and last.outcome == "rejected"
+
+
+async def test_another_credential_is_tried_before_the_fallbacks(aiohttp_server, relays):
+    limited, url = await emulated(aiohttp_server, key_budget=0)
+    spare, spare_url = await emulated(aiohttp_server)
+    client = await relays.start(url, credentials("a", "b"), fallbacks=["spare"],
+                                more=[{"name": "spare", "url": spare_url}])
+    resp = await client.post("/v1/messages", json=request(user(text("hi"))))
+    assert resp.status == 200
+    ended = client.recorder.ended[-1]
+    assert [(a.backend, a.credential, a.status) for a in ended.attempts] == [
+        ("emu", "a", 429), ("emu", "b", 429), ("spare", None, 200)]
+    assert ended.credential is None and keys_seen(limited) == ["a", "b"]
 
 
 async def test_a_revoked_key_is_taken_out_once_and_never_retried(aiohttp_server, relays,
