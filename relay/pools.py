@@ -316,6 +316,11 @@ class Pools:
                 pass  # what this process knows is all there is
             elif found is not None:
                 current = found
+            elif session is not None and (placed := pool.sticky.get(session)) is not None \
+                    and placed is not entry:
+                # Another request of this session placed it while this one read (a client
+                # sends its first requests together): the same credential, not a second one.
+                current = placed[0]
             else:
                 stored = False
         usable = [name for name in pool.order if name not in tried and not pool.blocked(name, now)]
@@ -342,6 +347,7 @@ class Pools:
                     exchange.note("relay", "credential moved", backend=pool.backend,
                                   credential=current, to=chosen,
                                   reason=health.reason if health is not None else "failed")
+                pool.remember(session, chosen, now)  # before the write's wait: see above
                 await self._put(pool, {session_key(pool.backend, session):
                                        orjson.dumps([chosen, now])},
                                 pool.options.sticky_seconds)

@@ -261,6 +261,21 @@ async def test_a_twenty_turn_session_stays_on_one_credential(aiohttp_server, rel
                         status="200") == 20
 
 
+async def test_a_session_s_first_requests_sent_together_go_with_one_credential(
+        aiohttp_server, relays, tmp_path):
+    """A client opens a session with requests at once (Claude Code's title and first turn):
+    with a state whose reads wait (SQLite's thread), each request places the session only
+    if no other of it did while it waited."""
+    server, url = await emulated(aiohttp_server)
+    state = await open_state({"url": f"sqlite:///{tmp_path}/state.db"})  # the chain closes it
+    client = await relays.start(url, credentials("a", "b", "c"), state=state)
+    statuses = await asyncio.gather(*(converse(client, 1, session="together",
+                                               first=f"request {i}") for i in range(6)))
+    assert statuses == [[200]] * 6
+    assert len(set(keys_seen(server))) == 1
+    assert len(noted(client, "credential placed")) == 1
+
+
 async def test_a_rate_limited_credential_moves_its_session_once_unseen_by_the_client(
         aiohttp_server, relays):
     server, url = await emulated(aiohttp_server, key_budget=12, key_window=120)
@@ -385,10 +400,7 @@ async def replica_states(request, tmp_path):
         return
     url = (request.getfixturevalue("redis_server").url if request.param == "redis"
            else f"sqlite:///{tmp_path}/state.db")
-    states = [await open_state({"url": url}) for _ in range(2)]
-    yield states
-    for state in states:
-        await state.close()
+    yield [await open_state({"url": url}) for _ in range(2)]  # each relay's chain closes its own
 
 
 async def test_replicas_sharing_state_keep_a_session_and_honour_each_other(
