@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import orjson
 import pytest
@@ -188,6 +189,47 @@ def test_new_sessions_go_where_least_is_in_flight_for_the_weight():
     assert pools.pick(("a", "b"), weights, {"a": 0, "b": 0}, {"a": 0, "b": 0}) == "a"
     assert pools.pick(("a", "b"), weights, {"a": 0, "b": 0}, {"a": 1, "b": 1}) == "b"
     assert pools.pick(("a", "b"), weights, {"a": 0, "b": 0}, {"a": 1, "b": 2}) == "a"
+
+
+def pool_of(*names, **pool):
+    config = config_module.parse({"backends": [{
+        "name": "p", "url": "http://127.0.0.1:1", "credentials": credentials(*names),
+        "pool": pool}]}, KEYS)
+    return config, config.backends[0]
+
+
+async def test_connection_failures_back_off_doubling_and_an_answer_starts_over():
+    config, backend = pool_of("a", "b", backoff=1, max_cooldown=3)
+    clock = [1000.0]
+    made = pools.Pools(config, clock=lambda: clock[0])
+    pool, exchange = made.pools["p"], exchange_for(request(user(text("hi"))), backend=backend)
+    waits = []
+    for _ in range(4):
+        assert not await made.report(exchange, pool, "a", None)  # retried as retries say
+        waits.append(pool.health["a"].until - clock[0])
+        clock[0] = pool.health["a"].until  # cooled down: the next failure is one in a row
+    assert waits == [1, 2, 3, 3]
+    assert [e["failures"] for e in exchange.noted("relay", "credential backoff")] == [1, 2, 3, 4]
+    await made.report(exchange, pool, "a", 200)
+    assert "a" not in pool.health and await made.state.get(pools.NAMESPACE, ["h:p:a"]) == [None]
+    await made.report(exchange, pool, "a", None)
+    assert pool.health["a"].until - clock[0] == 1
+
+
+async def test_every_credential_overloaded_is_a_529_and_out_ones_a_503():
+    config, backend = pool_of("a", "b")
+    made = pools.Pools(config, clock=lambda: 1000.0)
+    pool, exchange = made.pools["p"], exchange_for(request(user(text("hi"))), backend=backend)
+    await made.report(exchange, pool, "a", 529, {"retry-after": "7"})
+    await made.report(exchange, pool, "b", 401)
+    with pytest.raises(pools.Exhausted) as refused:
+        await made.choose(exchange, pool, set())
+    assert (refused.value.error.status, refused.value.error.type) == (529, "overloaded_error")
+    assert exchange.response_headers["retry-after"] == "7"
+    await made.report(exchange, pool, "a", 403)
+    with pytest.raises(pools.Exhausted) as refused:
+        await made.choose(exchange, pool, set())
+    assert refused.value.error.status == 503 and refused.value.retry is None
 
 
 async def test_a_replica_honours_another_s_cooldown_within_the_refresh_and_reads_once():
@@ -501,9 +543,12 @@ def test_relay_backends_lists_each_credential(tmp_path, capsys, monkeypatch):
     asyncio.run(state.put(pools.NAMESPACE, {pools.health_key("pooled", "b"): pools.Health(
         "out", 1_700_000_000.0, "401 from upstream", status=401,
         key=pools.fingerprint(KEYS["POOL_B"])).encode()}, 60))
+    asyncio.run(state.record([{"id": f"r{n}", "time": time.time() - 10 + n, "attempts": [
+        {"backend": "pooled", "credential": "a", "status": status, "wait_ms": 0}]}
+        for n, status in enumerate((429, 200))]))
     assert cli.main(["backends", "--config", str(path)]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out == ["pooled/a  healthy",
+    assert out == ["pooled/a  healthy  (recent: 200 429)",
                    "pooled/b  out since 2023-11-14T22:13:20Z: 401 from upstream",
                    "single  one key (api_key_env)"]
     assert cli.main(["backends", "--config", str(path), "--reinstate", "pooled/b",
