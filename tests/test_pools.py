@@ -16,6 +16,7 @@ from relay import cli, pools
 from relay import config as config_module
 from relay.chain import Chain, load_plugins
 from relay.errors import ConfigError
+from relay.hookspecs import hookimpl
 from relay.server import STATE, create_app
 from relay.state import Unavailable, open_state
 from relay.state.memory import MemoryState
@@ -40,14 +41,15 @@ class Relays:
         self.started = []
 
     async def start(self, upstream_url: str, creds: list[dict], state=None, pool=None,
-                    pipeline=("metrics",), plugins=None, more=(), **extra):
+                    pipeline=("metrics",), plugins=None, more=(), extra=None, **fields):
         recorder = Recorder()
         backend = {"name": "emu", "url": upstream_url, "models": ["*"], "credentials": creds,
-                   "pool": pool or {}, **extra}
+                   "pool": pool or {}, **fields}
         config = config_module.parse({"pipeline": [*pipeline, "rec"],
                                       "backends": [backend, *more],
                                       "plugins": plugins or {}}, KEYS)
-        chain = Chain(load_plugins(config.pipeline, extra={"rec": recorder}), config)
+        chain = Chain(load_plugins(config.pipeline, extra={"rec": recorder, **(extra or {})}),
+                      config)
         chain.state = state
         await chain.startup(config)
         client = await self.aiohttp_client(create_app(config, chain))
@@ -301,6 +303,26 @@ async def test_a_twenty_turn_session_stays_on_one_credential(aiohttp_server, rel
     assert await metric(client, "relay_credential_sessions_placed_total") == 3
     assert await metric(client, "relay_credential_requests_total", credential="a",
                         status="200") == 20
+
+
+async def test_tokens_and_cost_per_credential_where_the_usage_is_known(aiohttp_server, relays):
+    class Usage:  # what the usage plugin sets on exchange.usage (the pinned fields)
+        input_tokens, output_tokens, cache_read_input_tokens = 100, 20, 900
+        cache_write_5m_input_tokens = cache_write_1h_input_tokens = 0
+        cost_micro_usd = 1500
+
+    class Meter:
+        @hookimpl
+        def relay_exchange_end(self, exchange):
+            exchange.usage = Usage()
+
+    server, url = await emulated(aiohttp_server)
+    client = await relays.start(url, credentials("a"), pipeline=("metrics", "meter"),
+                                extra={"meter": Meter()})
+    assert await converse(client, 2, session="s") == [200, 200]
+    assert await metric(client, "relay_credential_tokens_total", credential="a",
+                        kind="cache_read_input_tokens") == 1800
+    assert await metric(client, "relay_credential_cost_micro_usd_total", credential="a") == 3000
 
 
 async def test_a_session_s_first_requests_sent_together_go_with_one_credential(
