@@ -6,6 +6,7 @@ a file that stays bounded, a clean ``Unavailable`` when the store cannot answer.
 from __future__ import annotations
 
 import asyncio
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -22,9 +23,12 @@ from relay.state import sqlite as sqlite_state
 BASE = window("minute", time.time())[1] + 3600
 
 
-@pytest.fixture(params=["memory", "sqlite"])
+@pytest.fixture(params=["memory", "sqlite", pytest.param("redis", marks=pytest.mark.slow)])
 async def state(request, tmp_path):
-    url = {"memory": "", "sqlite": f"sqlite:///{tmp_path}/state.db"}[request.param]
+    if request.param == "redis":
+        url = request.getfixturevalue("redis_server").url
+    else:
+        url = {"memory": "", "sqlite": f"sqlite:///{tmp_path}/state.db"}[request.param]
     opened = await open_state({"url": url})
     yield opened
     await opened.close()
@@ -257,3 +261,85 @@ def hammer(url: str, limit: int, processes: int = 4) -> list[int]:
 def test_sqlite_take_is_atomic_across_processes(tmp_path):
     granted = hammer(f"sqlite:///{tmp_path}/state.db", limit=150)
     assert sum(granted) == 150
+
+
+@pytest.mark.slow
+def test_redis_take_is_atomic_across_processes(redis_server):
+    granted = hammer(redis_server.url, limit=150)
+    assert sum(granted) == 150
+
+
+# --- Redis: replicas on several hosts ---------------------------------------------------------
+
+
+async def rows_when_back(state, wanted: str, within: float = 15.0) -> list[dict]:
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            rows = await state.rows()
+            if any(r["id"] == wanted for r in rows):
+                return rows
+        except Unavailable:
+            pass
+        assert time.monotonic() < deadline, f"{wanted} never reached the ledger"
+        await asyncio.sleep(0.1)
+
+
+async def test_redis_stopped_mid_run_is_unavailable_at_once_and_the_ledger_catches_up(
+        redis_server, caplog):
+    state = await open_state({"url": redis_server.url, "timeout": 0.2})
+    try:
+        rpm = Counter("key:a:rpm", "minute", limit=100)
+        assert (await state.take([rpm])).granted
+        redis_server.stop()
+        caplog.clear()
+        for call in (state.take([rpm]), state.counts([rpm]), state.get("ns", ["x"]),
+                     state.keys_version(), state.put("ns", {"x": b"1"}, 60)):
+            started = time.monotonic()
+            with pytest.raises(Unavailable):
+                await call
+            assert time.monotonic() - started < 0.5
+        assert state.unavailable_count >= 5
+        warnings = [r for r in caplog.records if "unreachable" in r.getMessage()]
+        assert len(warnings) == 1 and "Traceback" not in warnings[0].getMessage()
+        await state.record([{"id": "during", "time": time.time()}])  # never raises
+        await state.add([Counter("key:a:otpm", "minute", amount=7)])
+        redis_server.start()
+        await rows_when_back(state, "during")
+        counts = await state.counts([rpm, Counter("key:a:otpm", "minute")])
+        assert [c.used for c in counts] == [0, 7]  # Redis kept nothing; what waited landed
+        assert (await state.take([rpm])).granted
+    finally:
+        await state.close()
+
+
+async def test_redis_that_never_answers_is_unavailable_within_the_timeout():
+    async def silent(reader, writer):
+        await reader.read()  # reads the commands, answers none
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    state = await open_state({"url": f"redis://127.0.0.1:{port}/0", "timeout": 0.2})
+    try:
+        started = time.monotonic()
+        with pytest.raises(Unavailable):
+            await state.take([Counter("key:a:rpm", "minute", limit=5)])
+        assert time.monotonic() - started < 0.6
+        await state.record([{"id": "x", "time": time.time()}])
+    finally:
+        await state.close()
+        server.close()
+
+
+async def test_redis_unreachable_at_start_up_is_not_fatal(caplog):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens there once closed
+    state = await open_state({"url": f"redis://:secret@127.0.0.1:{port}/0", "timeout": 0.2})
+    try:
+        assert any("unreachable at start-up" in r.getMessage() for r in caplog.records)
+        assert not any("secret" in r.getMessage() for r in caplog.records)
+        with pytest.raises(Unavailable):
+            await state.take([Counter("key:a:rpm", "minute", limit=5)])
+    finally:
+        await state.close()

@@ -227,6 +227,14 @@ async def open_state(options: dict[str, Any] | None = None) -> State:
         except sqlite3.Error as e:
             raise ConfigError(f"state.url: {sqlite.path}: {e}") from None
         state = sqlite
+    elif url.startswith(("redis://", "rediss://", "unix://")):
+        from .redis import RedisState
+        try:
+            redis = RedisState(url, timeout, retention_days)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        await redis.connect()
+        state = redis
     else:
         raise ConfigError(f"state.url: {url!r} names no state backend this relay has "
                           f"(sqlite:///PATH, redis://HOST:PORT/DB, rediss://...)")
