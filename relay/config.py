@@ -118,6 +118,8 @@ class Backend:
     format: str = "anthropic"  # the wire format it speaks (relay.formats.FORMATS)
     # Whether it keeps conversations sent with ``thread`` (relay.threads); see _holds_threads.
     holds_threads: bool = False
+    # Whether it answers ``diagnostics.previous_message_id`` itself; see _holds_diagnostics.
+    holds_diagnostics: bool = False
 
     @functools.cached_property
     def adapter(self) -> Adapter:
@@ -564,6 +566,9 @@ BACKEND_OPTIONS = (
     Option("format", str, "anthropic", "the wire format it speaks", choices=tuple(FORMATS)),
     Option("holds_threads", bool, None, "whether it keeps conversations sent with `thread`: "
            "by default only `api.anthropic.com`, never `format: openai`"),
+    Option("holds_diagnostics", bool, None, "whether it answers a request's "
+           "`diagnostics.previous_message_id` with `diagnostics.cache_miss_reason` itself "
+           "(else the relay answers from its own record): by default only `api.anthropic.com`"),
 )
 
 
@@ -615,6 +620,9 @@ def _backend(item, path: str, env, require_keys: bool) -> Backend:
             raise ConfigError(f"{path}.api_key_env: environment variable {var} is not set")
         backend.api_key_env, backend.api_key = var, env.get(var) or None
     backend.holds_threads = _holds_threads(item, backend, path)
+    backend.holds_diagnostics = _expect(
+        item.get("holds_diagnostics", urlsplit(backend.url).hostname in DIAGNOSTICS_HOSTS),
+        bool, f"{path}.holds_diagnostics", "true or false")
     backend.retries = _retries(item.get("retries", {}) or {}, f"{path}.retries")
     fallbacks = _expect(item.get("fallbacks", []) or [], list, f"{path}.fallbacks",
                         "a list of backend names")
@@ -630,6 +638,11 @@ def _backend(item, path: str, env, require_keys: bool) -> Backend:
 # Anthropic's own API holds threads (beta message-threads-2026-08-12, SDK 2.14's
 # lib/threads); Anthropic-compatible servers elsewhere are not known to.
 THREAD_HOSTS = ("api.anthropic.com",)
+
+
+# Cache diagnostics are "available on the Claude API only" (the cache diagnostics guide; not
+# on Bedrock or Vertex AI): docs/evidence/cache.json.
+DIAGNOSTICS_HOSTS = ("api.anthropic.com",)
 
 
 def _holds_threads(item: dict, backend: Backend, path: str) -> bool:

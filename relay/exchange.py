@@ -246,6 +246,9 @@ class Exchange:
     repaired_by: tuple[Repair, ...] = ()
     uncertain: tuple[Uncertainty, ...] = ()
     stream_failure: StreamFailure | None = None
+    # The prompt cache's outcome for this request (the cache plugin's, plugins/cache.py):
+    # None, or ``{"status": "hit" | "write" | "none" | "miss", "cause", "where", "by", ...}``.
+    cache: dict | None = None
 
     def __init__(self, *, endpoint: str, method: str, path: str, query: str,
                  headers, raw_body: bytes = b"", body: dict | None = None,

@@ -87,9 +87,19 @@ def access_fields(exchange, status: int | None) -> dict:
                              if entry.get("direction") == "to_client"),
         "repairs": exchange.repairs,
         "key": getattr(exchange, "key_name", None),
+        "cache": _cache(exchange.cache),
     }
     return {name: value if value is None or isinstance(value, (bool, int, float))
             else cap(str(value)) for name, value in fields.items() if value is not None}
+
+
+def _cache(cache: dict | None) -> str | None:
+    """The prompt cache's verdict (the cache plugin's ``exchange.cache``) as the header
+    ``x-relay-cache`` words it: ``hit``, ``write``, ``none``, ``miss; cause=...``."""
+    if not cache:
+        return None
+    text = str(cache.get("status"))
+    return f"{text}; cause={cache['cause']}" if cache.get("cause") else text
 
 
 def access_line(fields: dict) -> str:

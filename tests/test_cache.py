@@ -2,6 +2,7 @@
 two requests part, in the API's words and the relay's."""
 
 import json
+from pathlib import Path
 
 import orjson
 import pytest
@@ -128,3 +129,11 @@ def test_first_difference_on_long_sequences():
         b[at] = 1 << 63
         assert cache.first_difference(a, b) == at
     assert cache.first_difference(a, a[:500]) == 500
+
+
+def test_every_cache_rule_names_its_sources():
+    table = json.loads((Path(__file__).parent.parent / "docs" / "evidence" / "cache.json")
+                       .read_text())
+    assert table["rules"]
+    for name, rule in table["rules"].items():
+        assert rule["rule"] and rule["sources"], name
