@@ -74,6 +74,9 @@ HEADER = "x-relay-cache"
 # Breaks the relay knows more about than the API says.
 BACKEND, CREDENTIAL, TTL, UNEXPLAINED = ("backend_changed", "credential_changed",
                                          "ttl_expired", "unexplained")
+# Causes the relay presumes from what changed around the prefix, not in it: the upstream's
+# usage has the last word on them.
+PRESUMED = (BACKEND, CREDENTIAL, TTL)
 # Timeline actions by which a step says it changed the request on its way up.
 REWRITES = ("repaired", "rewrote", "restored", "translated ids", "renamed model",
             "dropped betas")
@@ -229,7 +232,11 @@ def settle(cache: dict, found: tuple[int, int, int] | None, lane: Lane | None) -
     read, written, fresh = found
     cache.update(predicted=False, read_input_tokens=read, written_input_tokens=written,
                  fresh_input_tokens=fresh)
-    if cache["cause"]:
+    if cache["cause"] in PRESUMED and read:
+        # The upstream still held the prefix (another replica or lane kept it alive, two
+        # backend names for one organisation): the presumption was wrong, the cache is fine.
+        cache.update(status="hit", cause=None, where=None)
+    elif cache["cause"]:
         cache["status"] = "miss"
     elif read:
         cache["status"] = "hit"

@@ -5,6 +5,7 @@ a backend without them, checked with the SDK's own types; the session record."""
 from __future__ import annotations
 
 import copy
+import datetime
 
 import orjson
 import pytest
@@ -19,7 +20,13 @@ from anthropic.types.beta import (
 )
 from test_metrics import samples, value
 
+from relay import config as config_module
+from relay import document, logs
+from relay.chain import Chain, load_plugins
 from relay.hookspecs import hookimpl
+from relay.server import create_app
+from relay.sessions import Record
+from relay.state.memory import MemoryState
 from relay.testing import emulator
 from relay.testing.fixtures import relay_client, start_relay  # noqa: F401  (the fixture)
 
@@ -356,3 +363,69 @@ async def test_the_session_record(relay_client):
     assert summary["cache"]["breaks"] == {"system_changed": 1}
     assert summary["cache"]["read_input_tokens"] > 0
     assert len(record.lanes) == 1
+
+
+async def test_a_presumed_lapse_gives_way_to_the_upstreams_own_read(relay_client):
+    """Only the record's clock moved: the upstream still holds the prefix and reads it, and
+    its usage has the last word."""
+    client = await start(relay_client)
+    await send(client, conversation(1))
+    plugin = client.chain.pm.get_plugin("cache")
+    for entry in list(plugin.records._entries.values()):
+        for lane in entry[2].lanes:
+            lane.time -= 360
+    _, header = await send(client, conversation(2))
+    assert header == "hit"
+    assert await breaks(client) == {}
+
+
+async def test_the_access_log_and_the_dump_carry_the_verdict(relay_client):
+    client = await start(relay_client)
+    await send(client, conversation(1))
+    body = conversation(2)
+    body["tools"][0]["description"] = "changed"
+    await send(client, body)
+    exchange = client.recorder.exchanges[-1]
+    assert logs.access_fields(exchange, 200)["cache"] == "miss; cause=tools_changed"
+    dumped = document.to_document(exchange, reason="test", when=datetime.datetime.now(
+        datetime.timezone.utc), config={})
+    assert dumped["cache"]["cause"] == "tools_changed"
+    assert dumped["cache"]["where"] == "tools[0]"
+    assert any(step["step"] == "cache" and step["action"] == "miss"
+               for step in dumped["timeline"]["steps"])
+
+
+class SharedMemory(MemoryState):
+    """One process's memory standing in for a state that replicas share (Redis, SQLite)."""
+
+    kind = "shared"
+
+
+async def test_replicas_on_a_shared_state_share_the_record(aiohttp_server, aiohttp_client):
+    upstream = await aiohttp_server(emulator.create_app(emulator.EmulatorOptions(
+        prompt_cache=True, diagnostics=False)))
+    state = SharedMemory()
+    replicas = []
+    for _ in range(2):
+        config = config_module.parse({
+            "pipeline": ["cache"],
+            "backends": [{"name": "emulator", "url": str(upstream.make_url("")).rstrip("/"),
+                          "models": ["*"]}]}, {})
+        chain = Chain(load_plugins(config.pipeline), config)
+        chain.state = state
+        await chain.startup(config)
+        replicas.append(await aiohttp_client(create_app(config, chain)))
+    first, header = await send(replicas[0], asking(conversation(1), None))
+    assert header == "write"
+    body = asking(conversation(2), first["id"])
+    body["system"][1]["text"] = "changed"
+    second, header = await send(replicas[1], body)
+    assert header == "miss; cause=system_changed; where=system[1]; by=client"
+    assert second["diagnostics"]["cache_miss_reason"]["type"] == "system_changed"
+    _, header = await send(replicas[0], conversation(3) | {"system": body["system"]})
+    assert header == "hit"
+    (key,) = [key for namespace, key in state._kv if namespace == "sessions"]
+    stored = await state.get("sessions", [key])
+    assert Record.from_bytes(stored[0]).turns == 3
+    for client in replicas:
+        await client.close()
