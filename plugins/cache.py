@@ -178,14 +178,21 @@ def _continues(lane: Fingerprint, request: Fingerprint) -> bool:
         memoryview(request.parts)[start_b:start_b + b]
 
 
-def choose_lane(record: Record | None, request: Fingerprint) -> int | None:
-    """The lane (most recent first) this request continues, or None for a new one."""
+def choose_lane(record: Record | None, request: Fingerprint, backend: str | None,
+                same_backend: bool = False) -> int | None:
+    """The lane (most recent first) this request continues: its conversation's on the same
+    backend, whose cache it can read, else (unless ``same_backend``) its conversation's on
+    another backend; None for a conversation the record has not seen."""
     if record is None:
         return None
+    found = None
     for i, lane in enumerate(record.lanes):
         if _continues(lane.upstream, request):
-            return i
-    return None
+            if lane.backend == backend:
+                return i
+            if found is None:
+                found = i
+    return None if same_backend else found
 
 
 def verdict(record: Record | None, lane_index: int | None, upstream: Fingerprint,
@@ -313,7 +320,7 @@ class Cache:
             lane, cache = None, {"status": "none", "cause": None, "where": None, "by": None,
                                  "api": None, "gap_seconds": None, "predicted": True}
         else:
-            lane = choose_lane(record, upstream)
+            lane = choose_lane(record, upstream, backend)
             cache = verdict(record, lane, upstream, client or upstream, exchange.received,
                             backend, credential, rewriters)
         judgement = exchange.state[PLUGIN] = Judgement(key, record, upstream, client, lane,
@@ -374,7 +381,10 @@ class Cache:
         message["diagnostics"] = reason
         return True
 
-    def _settle(self, exchange, judgement: Judgement, usage) -> None:
+    async def _settle(self, exchange, judgement: Judgement, usage) -> None:
+        """The verdict, once the answer's usage is known, on the timeline; and the record,
+        updated before the client has its answer, so that its next request, on whichever
+        connection, finds it."""
         if judgement.settled:
             return
         judgement.settled = True
@@ -386,6 +396,8 @@ class Cache:
         exchange.note(PLUGIN, cache["status"], **{
             name: value for name, value in cache.items()
             if name != "status" and value is not None})
+        if judgement.upstream is not None:
+            await self._remember(exchange, judgement)
 
     @hookimpl
     async def relay_response(self, exchange, response):
@@ -396,7 +408,7 @@ class Cache:
         if isinstance(data, dict) and data.get("type") == "message":
             if self._answer(exchange, judgement, data):
                 response.mark_changed()
-            self._settle(exchange, judgement, data.get("usage"))
+            await self._settle(exchange, judgement, data.get("usage"))
         exchange.response_headers[HEADER] = describe(judgement.cache)
 
     @hookimpl
@@ -408,7 +420,7 @@ class Cache:
         return {"message_start"}
 
     @hookimpl
-    def relay_stream_event(self, exchange, event):
+    async def relay_stream_event(self, exchange, event):
         judgement = exchange.state.get(PLUGIN)
         if judgement is None or event.name != "message_start":
             return None
@@ -416,19 +428,20 @@ class Cache:
         if isinstance(message, dict):
             if self._answer(exchange, judgement, message):
                 event.mark_changed()
-            self._settle(exchange, judgement, message.get("usage"))
+            await self._settle(exchange, judgement, message.get("usage"))
         return None
 
     @hookimpl
-    async def relay_exchange_end(self, exchange):
+    def relay_exchange_end(self, exchange):
         judgement: Judgement | None = exchange.state.get(PLUGIN)
-        if judgement is None:
-            return
-        self._settle(exchange, judgement, None)
-        answer = exchange.answer
+        if judgement is not None and not judgement.settled:
+            # A stream that ended before its message_start: what was predicted stands.
+            judgement.settled = True
+            exchange.note(PLUGIN, judgement.cache["status"], predicted=True)
+
+    async def _remember(self, exchange, judgement: Judgement) -> None:
         upstream = judgement.upstream
-        if upstream is None or answer is None or not 200 <= answer.status < 300:
-            return
+        assert upstream is not None
         cache = judgement.cache
         read = cache.get("read_input_tokens", 0)
         written = cache.get("written_input_tokens", 0)
@@ -440,9 +453,9 @@ class Cache:
         if judgement.key is None:
             return
         record = judgement.record
-        if self.records.shared or record is None:
+        if self.records.shared:
             # Another replica may have written since: build on the newest.
-            record = await self.records.get(judgement.key) if self.records.shared else None
+            record = await self.records.get(judgement.key)
         now = exchange.received
         if record is None:
             record = Record(started=now, updated=now)
@@ -463,7 +476,7 @@ class Cache:
                     getattr(exchange, "credential", None), judgement.rewriters, tokens,
                     bool(read or written))
         lanes = record.lanes
-        index = choose_lane(record, upstream)
+        index = choose_lane(record, upstream, backend, same_backend=True)
         if index is not None:
             del lanes[index]
         lanes.insert(0, lane)

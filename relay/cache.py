@@ -17,7 +17,8 @@ first, and where. ``cache_control`` is taken out of each part's bytes before it 
 clients move their breakpoints forward every turn, and a moved marker changes no cached
 token. The parts that held one are the breakpoints (with their ``ttl``).
 
-Cheap by construction: one decode of the body into raw JSON values (msgspec keeps each as
+Cheap by construction: a body with whitespace between its tokens is minified first (one C
+pass), then one decode of the body into raw JSON values (msgspec keeps each as
 the bytes that came, nothing is re-encoded), a CRC per part, and a decode of a part's bytes
 only where it holds ``cache_control`` (a few per request). The hash is not cryptographic: a
 fingerprint says whether a prefix changed, for diagnosis, and never decides what goes up.
@@ -47,6 +48,9 @@ PARAMETERS = ("thinking", "tool_choice")
 TTL_SECONDS = {"5m": 300.0, "1h": 3600.0}
 
 _KEY = b'"cache_control"'
+# A comma, a space and an unescaped quote: between two members or items, never inside a
+# string (there a quote is escaped, and a string that ends in ", " is only a needless check).
+_SPACED = b', "'
 # Markers between the sections: values no CRC with a length under 2**32 - 3 can take.
 _END_TOOLS = 0xFFFFFFFF_FFFFFFFD
 _END_SYSTEM = 0xFFFFFFFF_FFFFFFFE
@@ -156,6 +160,10 @@ def _array(kind: str, raw: bytes) -> array:
 def fingerprint(body: bytes) -> Fingerprint | None:
     """The fingerprint of a Messages request body, or None for one that is not a request."""
     try:
+        if _SPACED in body or b"\n" in body:
+            # Whitespace between tokens is no part of the prompt, and the relay's own encoder
+            # writes none: a spaced body (the Python SDK's) and its re-encoding must agree.
+            body = msgspec.json.format(body, indent=-1)
         request = _request.decode(body)
         model = msgspec.json.decode(request.model)
         speed = msgspec.json.decode(request.speed)

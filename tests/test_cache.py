@@ -137,3 +137,15 @@ def test_every_cache_rule_names_its_sources():
     assert table["rules"]
     for name, rule in table["rules"].items():
         assert rule["rule"] and rule["sources"], name
+
+
+def test_the_encoders_whitespace_is_no_part_of_the_prompt():
+    """The Python SDK writes `, ` and `: `; the relay re-encodes a changed request compactly:
+    the same prompt either way."""
+    messages = [turn(0), turn(1, marked=True)]
+    spaced = fp(messages, tools=TOOLS, system=SYSTEM)
+    compact = fp(messages, tools=TOOLS, system=SYSTEM, dumps=orjson.dumps)
+    indented = cache.fingerprint(json.dumps(
+        {"model": "claude-x", "max_tokens": 10, "messages": messages, "tools": TOOLS,
+         "system": SYSTEM}, indent=2).encode())
+    assert spaced == compact == indented
