@@ -70,7 +70,12 @@ from relay.sessions import (
 )
 
 PLUGIN = "cache"
+REQUEST = "cache request"  # exchange.state: what relay_request read of the request
 HEADER = "x-relay-cache"
+_KEY = b'"cache_control"'
+# The verdict on a request that asks nothing of the cache (shared: never changed).
+NOTHING = {"status": "none", "cause": None, "where": None, "by": None, "api": None,
+           "gap_seconds": None, "predicted": False}
 # Breaks the relay knows more about than the API says.
 BACKEND, CREDENTIAL, TTL, UNEXPLAINED = ("backend_changed", "credential_changed",
                                          "ttl_expired", "unexplained")
@@ -174,8 +179,12 @@ def _continues(lane: Fingerprint, request: Fingerprint) -> bool:
     start_a = lane.tools + lane.system + 2
     start_b = request.tools + request.system + 2
     a, b = lane.messages[0], request.messages[0]
-    return a == b and memoryview(lane.parts)[start_a:start_a + a] == \
-        memoryview(request.parts)[start_b:start_b + b]
+    if a != b:
+        return False
+    for mine, theirs in ((lane.crcs, request.crcs), (lane.lengths, request.lengths)):
+        if memoryview(mine)[start_a:start_a + a] != memoryview(theirs)[start_b:start_b + b]:
+            return False
+    return True
 
 
 def choose_lane(record: Record | None, request: Fingerprint, backend: str | None,
@@ -301,9 +310,31 @@ class Cache:
             self.answers = Records(options["max_answers"], options["max_bytes"],
                                    options["max_age"])
 
+    @hookimpl
+    def relay_request(self, exchange):
+        # What the answer's account needs of the request, read while it is still decoded:
+        # after it has gone up, it would be decoded again from the bytes sent.
+        if exchange.endpoint != "messages":
+            return
+        requested = exchange.field("diagnostics")
+        wants = isinstance(requested, dict) and "previous_message_id" in requested
+        if not wants and _KEY not in exchange.raw_body:
+            # No breakpoint, no diagnostics: nothing is cached, nothing to compare, nothing
+            # to answer (the session record counts the requests that use the cache).
+            exchange.state[REQUEST] = None
+            return
+        exchange.state[REQUEST] = requested if wants else _UNSET
+        exchange.session()
+
     async def _judge(self, exchange) -> Judgement | None:
         if exchange.endpoint != "messages" or PLUGIN in exchange.state:
             return exchange.state.get(PLUGIN)
+        requested = exchange.state.get(REQUEST, _UNSET)
+        if requested is None:
+            exchange.cache = NOTHING
+            exchange.response_headers[HEADER] = "none"
+            exchange.state[PLUGIN] = None
+            return None
         sent = exchange.upstream_body()
         upstream = fingerprints.fingerprint(sent)
         raw = exchange.raw_body
@@ -326,7 +357,8 @@ class Cache:
         judgement = exchange.state[PLUGIN] = Judgement(key, record, upstream, client, lane,
                                                        rewriters, cache)
         exchange.cache = cache
-        requested = exchange.field("diagnostics")
+        if requested is _UNSET and REQUEST not in exchange.state:
+            requested = exchange.field("diagnostics")  # the request hook did not run
         if isinstance(requested, dict) and "previous_message_id" in requested:
             judgement.wants_diagnostics = True
             if exchange.backend is not None and not exchange.backend.holds_diagnostics:

@@ -429,3 +429,17 @@ async def test_replicas_on_a_shared_state_share_the_record(aiohttp_server, aioht
     assert Record.from_bytes(stored[0]).turns == 3
     for client in replicas:
         await client.close()
+
+
+async def test_a_request_that_asks_nothing_of_the_cache_costs_nothing(relay_client):
+    client = await start(relay_client)
+    plain = {"model": "claude-test", "max_tokens": 50,
+             "messages": [{"role": "user", "content": "hi"}]}
+    for _ in range(2):
+        _, header = await send(client, plain)
+        assert header == "none"
+    plugin = client.chain.pm.get_plugin("cache")
+    assert len(plugin.records) == 0
+    assert client.recorder.exchanges[-1].cache["status"] == "none"
+    resp = await client.post("/v1/messages/count_tokens", json=conversation(1))
+    assert resp.status == 200 and "x-relay-cache" not in resp.headers
