@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import zlib
 from array import array
+from typing import Any
 
 import msgspec
 import orjson
@@ -59,6 +60,8 @@ _END_SYSTEM = 0xFFFFFFFE
 
 class _Message(msgspec.Struct):
     role: Raw = Raw(b"null")
+    # Decoded in the same pass as the rest: a list as its blocks' raw bytes, a string as
+    # the text (see _text_block).
     content: list[Raw] | str | None = None
 
 
@@ -75,6 +78,7 @@ class _Request(msgspec.Struct):
 
 _request = msgspec.json.Decoder(_Request)
 _raws = msgspec.json.Decoder(list[Raw])
+_encode = msgspec.json.Encoder().encode
 
 
 @dataclasses.dataclass(slots=True)
@@ -194,38 +198,33 @@ def fingerprint(body: bytes) -> Fingerprint | None:
         crcs.append(0)
         lengths.append(end)
     messages = request.messages
+    contents: list[list[Any]] = []
+    for message in messages:
+        value = message.content
+        contents.append(value if type(value) is list else
+                        [_text_block(value)] if type(value) is str else [])
     marked = set()
-    for i in range(len(messages) - 1, -1, -1):
+    for i in range(len(contents) - 1, -1, -1):
         if left <= 0:
             break
-        content = messages[i].content
-        if type(content) is list:
-            found = sum(bytes(block).count(_KEY) for block in content)
-            if found:
-                marked.add(i)
-                left -= found
+        found = sum(bytes(block).count(_KEY) for block in contents[i])
+        if found:
+            marked.add(i)
+            left -= found
     counts = array("I")
     crc32 = zlib.crc32
     for i, message in enumerate(messages):
         role = message.role
         crcs.append(crc32(role))
         lengths.append(len(role))
-        content = message.content
-        if type(content) is list:
-            if i in marked:
-                for block in content:
-                    _part(block, crcs, lengths, breakpoints, ttls)
-            else:
-                crcs.extend(map(crc32, content))
-                lengths.extend(map(len, content))
-            counts.append(1 + len(content))
-        elif type(content) is str:
-            text = content.encode()
-            crcs.append(crc32(text))
-            lengths.append(len(text))
-            counts.append(2)
+        blocks = contents[i]
+        if i in marked:
+            for block in blocks:
+                _part(block, crcs, lengths, breakpoints, ttls)
         else:
-            counts.append(1)
+            crcs.extend(map(crc32, blocks))
+            lengths.extend(map(len, blocks))
+        counts.append(1 + len(blocks))
     if automatic:
         # Automatic caching: the API puts the breakpoint on the last cacheable block.
         breakpoints.append(len(lengths) - 1)
@@ -239,18 +238,26 @@ def fingerprint(body: bytes) -> Fingerprint | None:
 
 
 def _items(value: Raw) -> list | None:
-    """``system`` as its parts: a list's items, a string as one part, nothing for null; None
-    for anything else."""
+    """``system`` as its parts: a list's items; a string as the one text block it stands
+    for; nothing for null; None for anything else."""
     view = memoryview(value)  # a Raw is a buffer: read in place
     head = view[:1].tobytes()
     if head == b"[":
         return _raws.decode(value)
     if head == b'"':
-        return [value]
+        return [b'{"type":"text","text":' + bytes(value) + b"}"]
     return [] if view == b"null" else None
 
 
-def _part(raw: Raw, crcs: array, lengths: array, breakpoints: array, ttls: array) -> int:
+def _text_block(text: str) -> bytes:
+    """The text block a string content stands for (the API reads ``"hi"`` as ``[{"type":
+    "text", "text": "hi"}]``, and Claude Code sends one message in either form from one turn
+    to the next), as a client's encoder writes it: the string re-encoded, which gives the
+    client's bytes unless it escaped what needs no escape (``ensure_ascii``)."""
+    return b'{"type":"text","text":' + _encode(text) + b"}"
+
+
+def _part(raw: Raw | bytes, crcs: array, lengths: array, breakpoints: array, ttls: array) -> int:
     """Add one part, without its markers; returns how many it held."""
     data = bytes(raw)
     if _KEY in data:

@@ -151,3 +151,11 @@ def test_the_encoders_whitespace_is_no_part_of_the_prompt():
         {"model": "claude-x", "max_tokens": 10, "messages": messages, "tools": TOOLS,
          "system": SYSTEM}, indent=2).encode())
     assert spaced == compact == indented
+
+
+def test_a_string_is_the_text_block_it_stands_for():
+    as_string = fp([{"role": "user", "content": "hi"}, turn(1, marked=True)], system="be terse")
+    as_blocks = fp([{"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                    turn(1, marked=True)], system=[{"type": "text", "text": "be terse"}])
+    assert cache.diverge(as_string, as_blocks) is None
+    assert cache.diverge(as_blocks, as_string) is None
