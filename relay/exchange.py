@@ -224,7 +224,10 @@ class Exchange:
     relay answered with), ``stream_failure`` (a :class:`StreamFailure` when a stream ended in
     an error event), and ``received`` (wall-clock time) with ``timings`` (a :class:`Timings`).
     What the plugins found: ``repairs`` (their total), ``repaired_by`` (one :class:`Repair`
-    per :meth:`repaired`), ``uncertain`` (one :class:`Uncertainty` per :meth:`unsure`).
+    per :meth:`repaired`), ``uncertain`` (one :class:`Uncertainty` per :meth:`unsure`),
+    ``cache`` (the ``cache`` plugin's verdict on the prompt cache: None, or a dict with
+    ``status`` ``hit`` / ``write`` / ``none`` / ``miss``, its ``cause``, ``where``, ``by``
+    and the tokens read, written and sent fresh).
 
     The record's document form, the one a dump holds and ``relay replay`` reads, is made
     by :mod:`relay.document` (:func:`relay.document.to_document`,

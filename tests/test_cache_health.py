@@ -172,7 +172,8 @@ async def test_a_plugins_rewrite_is_named(relay_client):
     _, header = await send(client, conversation(2))
     assert header == "miss; cause=system_changed; where=system[0]; by=stamp"
     assert await breaks(client) == {"system_changed": 1}
-    assert noted(client)["by"] == "stamp"
+    entry = noted(client)
+    assert (entry["cause"], entry["where"], entry["by"]) == ("system_changed", "system[0]", "stamp")
 
 
 async def test_the_lifetime_lapsing(relay_client):
@@ -188,7 +189,8 @@ async def test_the_lifetime_lapsing(relay_client):
         state.prompt_cache[digest] -= 360
     _, header = await send(client, conversation(2))
     assert header == "miss; cause=ttl_expired"
-    assert noted(client)["gap_seconds"] >= 360
+    entry = noted(client)
+    assert entry["cause"] == "ttl_expired" and entry["gap_seconds"] >= 360
     assert await breaks(client) == {"ttl_expired": 1}
 
 
@@ -198,6 +200,7 @@ async def test_a_prefix_the_upstream_no_longer_holds(relay_client):
     client.upstream.app[emulator.STATE].prompt_cache.clear()  # evicted upstream
     _, header = await send(client, conversation(2))
     assert header == "miss; cause=unexplained"
+    assert noted(client)["cause"] == "unexplained"
     assert await breaks(client) == {"unexplained": 1}
 
 
@@ -209,6 +212,7 @@ async def test_a_credential_switch(relay_client):
     client.upstream.app[emulator.STATE].prompt_cache.clear()  # another organisation's cache
     _, header = await send(client, conversation(2))
     assert header == "miss; cause=credential_changed"
+    assert noted(client)["cause"] == "credential_changed"
     assert await breaks(client) == {"credential_changed": 1}
 
 
@@ -228,6 +232,7 @@ async def test_a_backend_switch(aiohttp_server, aiohttp_client):
         await send(client, conversation(1, model="claude-a"))
         _, header = await send(client, conversation(2, model="claude-b"))
         assert header == "miss; cause=backend_changed; where=a -> b"
+        assert noted(client)["cause"] == "backend_changed"
         assert await breaks(client) == {"backend_changed": 1}
         # And back: b's record is the newest, a's cache has lapsed for nobody.
         _, header = await send(client, conversation(3, model="claude-b"))
