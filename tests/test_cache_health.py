@@ -448,3 +448,30 @@ async def test_a_request_that_asks_nothing_of_the_cache_costs_nothing(relay_clie
     assert client.recorder.exchanges[-1].cache["status"] == "none"
     resp = await client.post("/v1/messages/count_tokens", json=conversation(1))
     assert resp.status == 200 and "x-relay-cache" not in resp.headers
+
+
+class Unreachable(SharedMemory):
+    async def get(self, namespace, keys):
+        raise ConnectionError("state down")
+
+    async def put(self, namespace, items, ttl):
+        raise ConnectionError("state down")
+
+
+async def test_a_shared_state_out_of_reach_costs_the_account_not_the_answer(
+        aiohttp_server, aiohttp_client, caplog):
+    upstream = await aiohttp_server(emulator.create_app(emulator.EmulatorOptions(
+        prompt_cache=True, diagnostics=False)))
+    config = config_module.parse({
+        "pipeline": ["cache"],
+        "backends": [{"name": "emulator", "url": str(upstream.make_url("")).rstrip("/"),
+                      "models": ["*"]}]}, {})
+    chain = Chain(load_plugins(config.pipeline), config)
+    chain.state = Unreachable()
+    await chain.startup(config)
+    client = await aiohttp_client(create_app(config, chain))
+    headers = [(await send(client, conversation(turns)))[1] for turns in (1, 2, 3)]
+    # No record to compare with: the upstream's usage alone says what happened.
+    assert headers == ["write", "hit", "hit"]
+    warnings = [r for r in caplog.records if "session records" in r.getMessage()]
+    assert len(warnings) == 1  # once a minute, not once a request
