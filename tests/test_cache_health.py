@@ -4,7 +4,9 @@ a backend without them, checked with the SDK's own types; the session record."""
 
 from __future__ import annotations
 
+import argparse
 import copy
+import dataclasses
 import datetime
 
 import orjson
@@ -27,7 +29,7 @@ from relay.hookspecs import hookimpl
 from relay.server import create_app
 from relay.sessions import Record
 from relay.state.memory import MemoryState
-from relay.testing import emulator
+from relay.testing import emulator, emulator_openai
 from relay.testing.fixtures import relay_client, start_relay  # noqa: F401  (the fixture)
 
 CC = {"type": "ephemeral"}
@@ -475,3 +477,26 @@ async def test_a_shared_state_out_of_reach_costs_the_account_not_the_answer(
     assert headers == ["write", "hit", "hit"]
     warnings = [r for r in caplog.records if "session records" in r.getMessage()]
     assert len(warnings) == 1  # once a minute, not once a request
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_diagnostics_from_an_openai_format_backend(aiohttp_server, aiohttp_client, stream):
+    """A Chat Completions backend has no diagnostics: the relay answers them, in the
+    translated answer as in a native one."""
+    options = emulator_openai.options_for(argparse.Namespace(
+        **dataclasses.asdict(emulator.EmulatorOptions())))
+    upstream = await aiohttp_server(emulator_openai.create_app(options))
+    client = await start_relay(aiohttp_client, {
+        "pipeline": ["cache"],
+        "backends": [{"name": "oa", "url": str(upstream.make_url("/v1")), "models": ["*"],
+                      "format": "openai"}]})
+    try:
+        first = await answer(client, asking(conversation(1, model="gpt-test"), None), stream)
+        assert first.diagnostics is None
+        body = asking(conversation(2, model="gpt-test"), first.id)
+        body["tools"][0]["description"] = "changed"
+        second = await answer(client, body, stream)
+        assert isinstance(second.diagnostics.cache_miss_reason, BetaCacheMissToolsChanged)
+    finally:
+        await client.close()
+        await client.chain.shutdown(client.config)
