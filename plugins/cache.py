@@ -73,7 +73,7 @@ PLUGIN = "cache"
 REQUEST = "cache request"  # exchange.state: what relay_request read of the request
 HEADER = "x-relay-cache"
 _KEY = b'"cache_control"'
-# The verdict on a request that asks nothing of the cache (shared: never changed).
+# The verdict on a request that asks nothing of the cache.
 NOTHING = {"status": "none", "cause": None, "where": None, "by": None, "api": None,
            "gap_seconds": None, "predicted": False}
 # Breaks the relay knows more about than the API says.
@@ -129,7 +129,7 @@ class Judgement:
 
 
 def describe(cache: dict | None, predicted: bool = False) -> str | None:
-    """The ``x-relay-cache`` value (and the access log's ``cache`` field) for a verdict."""
+    """The ``x-relay-cache`` value for a verdict (the access log keeps status and cause)."""
     if not cache:
         return None
     text = cache["status"]
@@ -331,7 +331,7 @@ class Cache:
             return exchange.state.get(PLUGIN)
         requested = exchange.state.get(REQUEST, _UNSET)
         if requested is None:
-            exchange.cache = NOTHING
+            exchange.cache = dict(NOTHING)
             exchange.response_headers[HEADER] = "none"
             exchange.state[PLUGIN] = None
             return None
@@ -340,7 +340,8 @@ class Cache:
         raw = exchange.raw_body
         client = None if sent is raw or sent == raw else fingerprints.fingerprint(raw)
         thread = exchange.thread
-        if thread is not None and thread.continues:
+        if thread is not None and thread.continues and exchange.backend is not None \
+                and exchange.backend.holds_threads:
             upstream = None  # the upstream holds the head: this body is not the prompt
         key = exchange.session()
         record = await self.records.get(key) if key and upstream is not None else None
