@@ -286,7 +286,7 @@ class Cache:
         Option("max_sessions", int, MAX_SESSIONS, "session records kept (least recently used "
                "out first)"),
         Option("max_bytes", int, MAX_BYTES, "bytes the session records may hold in this "
-               "process, fingerprints included"),
+               "process, fingerprints included (and as many the diagnosed answers')"),
         Option("max_age", float, MAX_AGE, "seconds a session record (and a diagnosed "
                "answer's fingerprint) is kept after its last use"),
         Option("max_answers", int, MAX_SESSIONS, "fingerprints kept for answers whose "
@@ -325,6 +325,12 @@ class Cache:
             return
         exchange.state[REQUEST] = requested if wants else _UNSET
         exchange.session()
+
+    async def summary(self, key: str) -> dict | None:
+        """A session's record without its fingerprints (:meth:`relay.sessions.Record.summary`),
+        by its key (``exchange.session()``), or None when none is kept: for a console."""
+        record = await self.records.get(key)
+        return record.summary() if record is not None else None
 
     async def _judge(self, exchange) -> Judgement | None:
         if exchange.endpoint != "messages" or PLUGIN in exchange.state:

@@ -364,7 +364,8 @@ async def test_the_session_record(relay_client):
     await send(client, body)
     plugin = client.chain.pm.get_plugin("cache")
     (record,) = [entry[2] for entry in plugin.records._entries.values()]
-    summary = record.summary()
+    summary = await plugin.summary(client.recorder.exchanges[-1].session())
+    assert summary == record.summary()
     assert summary["turns"] == 4 and summary["backends"] == {"emulator": 4}
     assert summary["models"] == {"claude-test": 4}
     assert summary["cache"]["breaks"] == {"system_changed": 1}
