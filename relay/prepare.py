@@ -33,7 +33,10 @@ class Preparation:
     def __init__(self, config: Config, chain: Chain):
         self.config = config
         self.chain = chain
-        self.threads = threads.Store()
+        state = chain.state
+        # Shared with the other workers and replicas when the host's state is.
+        self.threads = threads.Store(
+            shared=state if state is not None and state.kind != "memory" else None)
 
 
 def parse_request(raw: bytes) -> Skeleton | dict:
@@ -104,7 +107,7 @@ async def prepare_exchange(state: Preparation, *, method: str, path: str, query:
         exchange.set_model(target)
         exchange.note("relay", "renamed model", model=model, upstream_model=target)
     try:
-        prepare_history(state, exchange)
+        await prepare_history(state, exchange)
         await state.chain.run("relay_request", exchange)
         threads.restore_held_ids(exchange)
         if backend.credentials:
@@ -126,7 +129,7 @@ async def prepare_exchange(state: Preparation, *, method: str, path: str, query:
     return exchange
 
 
-def prepare_history(state: Preparation, exchange: Exchange) -> None:
+async def prepare_history(state: Preparation, exchange: Exchange) -> None:
     """What the history rules must know before they run: the betas and fields they defer to
     the upstream for (:mod:`relay.betas`), and the server-held thread the request belongs
     to (:mod:`relay.threads`: forwarded, carried, or refused the API's way)."""
@@ -136,7 +139,7 @@ def prepare_history(state: Preparation, exchange: Exchange) -> None:
         exchange.note("relay", "history rules defer", reasons=betas.described(deferring))
         exchange.flag("history-rules-deferred")
     if exchange.endpoint == "messages":
-        threads.prepare(state.threads, exchange)
+        await threads.prepare(state.threads, exchange)
 
 
 class Fallbacks:

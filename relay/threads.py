@@ -29,14 +29,19 @@ a thread it cannot serve, 400 with ``error.details.error_code:
 (``_unsupported_features`` / ``recovers_from`` in the SDK; types
 ``thread_unsupported_request_error*.py``).
 
-The functions are pure but for :class:`Store`, an in-process map the host owns; nothing here
-needs the server, so the record can later move onto a state shared between replicas.
+The functions are pure but for :class:`Store`, an in-process map the host owns. When the
+host's state is shared (``state.url``: SQLite for one host's workers, Redis for replicas), each
+record also goes there (namespace ``threads``, expiring with the record's age; a conversation
+over :data:`MAX_SHARED_BYTES` stays in its process), so a continuation that reaches another
+worker or replica finds it: the local map answers first, the state when it does not.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import dataclasses
+import logging
 import re
 import time
 from typing import Any
@@ -47,6 +52,8 @@ import orjson
 from . import beta_filter
 from .errors import RelayError
 from .sse import SSEDecoder
+
+log = logging.getLogger("relay.threads")
 
 BETA = "message-threads-2026-08-12"
 # The SDK reads `unsupported` as a list of ThreadUnsupportedFeatureName values and falls back
@@ -63,6 +70,10 @@ MAX_AGE = 3600.0
 # A streamed answer kept for the record, events and all: beyond this it is not recorded (its
 # thread's next turn is then judged as unseen). An answer of 300k output tokens fits.
 MAX_STREAM_BYTES = 16 * 1024 * 1024
+# A record larger than this is not written to a shared state.
+MAX_SHARED_BYTES = 4 * 1024 * 1024
+NAMESPACE = "threads"
+MAX_PENDING = 256  # writes to the shared state under way; past this, kept in process only
 # The fields a thread keeps from its ``create`` and a continuation may not send
 # (``CREATE_ONLY_FIELDS`` in the SDK's ``lib/threads/_thread_state.py``).
 CREATE_ONLY = ("system", "tools")
@@ -136,7 +147,10 @@ class Store:
     out; bounded by ``max_threads``, ``max_bytes`` and ``max_age`` seconds since last use."""
 
     def __init__(self, max_threads: int = MAX_THREADS, max_bytes: int = MAX_BYTES,
-                 max_age: float = MAX_AGE, clock=time.monotonic):
+                 max_age: float = MAX_AGE, clock=time.monotonic, shared=None):
+        # The host's state (relay.state.State) when it is shared between processes.
+        self.shared = shared
+        self._pending: set[asyncio.Task] = set()
         self.max_threads = max_threads
         self.max_bytes = max_bytes
         self.max_age = max_age
@@ -147,6 +161,29 @@ class Store:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    async def fetch(self, message_id) -> tuple[str, bytes, dict, dict] | None:
+        """:meth:`get`, and from the shared state when this process has no record. A state
+        out of reach is a record not found (the request is then forwarded or refused as for
+        any thread the relay did not see)."""
+        found = self.get(message_id)
+        if found is not None or self.shared is None:
+            return found
+        try:
+            value = (await self.shared.get(NAMESPACE, [_shared_key(message_id)]))[0]
+        except Exception as e:  # Unavailable, or a backend's own failure
+            log.warning("threads: the shared record could not be read: %s", e)
+            return None
+        if value is None:
+            return None
+        try:
+            doc = orjson.loads(value)
+            entry = (doc["backend"], orjson.dumps(doc["conversation"]), doc["renamed"],
+                     {name: orjson.dumps(field) for name, field in doc["fields"].items()})
+        except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
+            return None
+        self._keep(message_id, *entry)
+        return entry
 
     def get(self, message_id) -> tuple[str, bytes, dict, dict] | None:
         """``(backend name, conversation as JSON, renamed ids, the fields the thread was
@@ -164,21 +201,53 @@ class Store:
         """Record a conversation (the answer's ids the relay renamed for the client, and the
         create-only fields as JSON text); False when it alone is larger than the whole
         record."""
-        self.pop(message_id)
         fields = fields or {}
+        kept = self._keep(message_id, backend, conversation, renamed or {}, fields)
+        if kept and self.shared is not None and _size(conversation, fields) <= MAX_SHARED_BYTES:
+            doc = orjson.dumps({"backend": backend, "conversation": orjson.Fragment(conversation),
+                                "renamed": renamed or {},
+                                "fields": {k: orjson.Fragment(v) for k, v in fields.items()}})
+            self._share(self.shared.put(NAMESPACE, {_shared_key(message_id): doc},
+                                        self.max_age))
+        return kept
+
+    def _keep(self, message_id, backend: str, conversation: bytes, renamed: dict,
+              fields: dict) -> bool:
+        self._forget(message_id)
         size = _size(conversation, fields)
         if size > self.max_bytes:
             return False
-        self._entries[message_id] = (self.clock(), backend, conversation, renamed or {}, fields)
+        self._entries[message_id] = (self.clock(), backend, conversation, renamed, fields)
         self.bytes += size
         while len(self._entries) > self.max_threads or self.bytes > self.max_bytes:
             self._drop_oldest()
         return True
 
     def pop(self, message_id) -> None:
+        self._forget(message_id)
+        if self.shared is not None:
+            self._share(self.shared.delete(NAMESPACE, [_shared_key(message_id)]))
+
+    def _forget(self, message_id) -> None:
         entry = self._entries.pop(message_id, None)
         if entry is not None:
             self.bytes -= _size(entry[2], entry[4])
+
+    def _share(self, write) -> None:
+        """Write to the shared state in the background (the answer is not held for it); a
+        write that fails is logged: the record then stays in this process only."""
+        if len(self._pending) >= MAX_PENDING:
+            write.close()
+            return
+        task = asyncio.ensure_future(write)
+        self._pending.add(task)
+        task.add_done_callback(self._written)
+
+    def _written(self, task: asyncio.Task) -> None:
+        self._pending.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("threads: the shared record could not be written: %s",
+                        task.exception())
 
     def _drop_oldest(self) -> None:
         _, entry = self._entries.popitem(last=False)
@@ -191,6 +260,11 @@ class Store:
             if used >= limit:
                 return
             self._drop_oldest()
+
+
+def _shared_key(message_id) -> str:
+    key_name, answer_id = message_id if type(message_id) is tuple else (None, message_id)
+    return f"{key_name or ''}\x00{answer_id}"
 
 
 def _size(conversation: bytes, fields: dict[str, bytes]) -> int:
@@ -249,7 +323,7 @@ def _role(message) -> str | None:
 # --- the host's part ----------------------------------------------------------------------
 
 
-def prepare(store: Store, exchange) -> None:
+async def prepare(store: Store, exchange) -> None:
     """Read the request's ``thread`` and put on the exchange what the relay knows of the held
     part: forwarded to a backend that holds the thread, carried (see the module's docs) where
     the relay recorded it and the backend does not hold it, refused the API's way where
@@ -259,7 +333,7 @@ def prepare(store: Store, exchange) -> None:
     if thread is None:
         return
     backend = exchange.backend
-    found = store.get(_key(exchange, thread.previous_id)) \
+    found = await store.fetch(_key(exchange, thread.previous_id)) \
         if thread.previous_id is not None else None
     if found is not None:
         try:

@@ -4,6 +4,8 @@ and the record of threads the relay saw is bounded."""
 
 from __future__ import annotations
 
+import asyncio
+
 import orjson
 import pytest
 import pytest_asyncio
@@ -385,3 +387,28 @@ async def test_one_clients_thread_is_no_other_clients_to_judge_against(upstream,
     response, _ = await post(client, carry_on(first["id"], user(text("hi"))), alpha)
     assert response.status == 400  # alpha's record is still there, judged against
     assert len(received(client)) == 2
+
+
+async def test_workers_sharing_a_state_carry_each_others_threads(upstream, aiohttp_client,
+                                                                  tmp_path):
+    # Two relays on one SQLite state, as two workers (or replicas on Redis) are: a thread
+    # begun through one goes on through the other, carried whole to a backend without threads.
+    emu = await upstream(tool_turns=2, threads="refuse")
+    raw = {"pipeline": PIPELINE, "state": {"url": f"sqlite:///{tmp_path / 'state.db'}"},
+           "backends": [{"name": "emu", "url": str(emu.make_url("")).rstrip("/"),
+                         "models": ["*"], "holds_threads": False}]}
+    one, other = (await start_relay(aiohttp_client, raw), await start_relay(aiohttp_client, raw))
+    try:
+        _, first = await post(one, create(user(text("go"))))
+        for _ in range(100):  # the record is written to the state in the background
+            if (await other.chain.state.get(threads.NAMESPACE, [f"\x00{first['id']}"]))[0]:
+                break
+            await asyncio.sleep(0.02)
+        response, second = await post(other, carry_on(first["id"], user(*answers_to(first))))
+        assert response.status == 200, second
+        sent = [orjson.loads(raw) for *_, raw in emu.app[emulator.STATE].records]
+        assert [len(doc["messages"]) for doc in sent] == [1, 3]
+        assert sent[1]["tools"] == TOOLS and "thread" not in sent[1]
+    finally:
+        for client in (one, other):
+            await client.chain.shutdown(client.config)
