@@ -13,8 +13,7 @@ import pytest_asyncio
 from relay import config as config_module
 from relay import threads
 from relay.errors import ConfigError
-from relay.testing import assistant, result, text, use, user
-from relay.testing import emulator
+from relay.testing import assistant, emulator, result, text, use, user
 from relay.testing.fixtures import received, received_headers, start_relay
 
 BETA = {"anthropic-beta": "message-threads-2026-08-12"}
