@@ -178,6 +178,9 @@ class Attempt:
     """From sending to the upstream's headers (or the failure)."""
     waited: float = 0.0
     """The backoff slept before this attempt."""
+    sent: float = 0.0
+    """When it was sent, in seconds after the request was received (the exchange's clock):
+    where a trace's attempt span begins."""
 
 
 @dataclasses.dataclass(slots=True)

@@ -13,14 +13,19 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import signal
+from typing import TYPE_CHECKING
 
 import aiohttp
 import orjson
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
-from . import __version__, lifecycle, logs, threads
+if TYPE_CHECKING:
+    from .otel import Traces
+
+from . import __version__, lifecycle, logs, telemetry, threads
 from .chain import Chain
 from .config import InboundKey
 from .errors import RelayError, invalid_request
@@ -53,6 +58,8 @@ class RelayState(Preparation):
         self.gate = Gate(config.keys) if config.keys is not None else None
         # With auth on, what a client presents is a relay key: it never goes upstream.
         self.upstream = Upstream(config, strip_client_auth=self.gate is not None)
+        # While the app runs, when traces are configured (relay.telemetry).
+        self.traces: Traces | None = None
 
 
 STATE = web.AppKey("relay_state", RelayState)
@@ -198,6 +205,12 @@ class Relay:
         """The exchange is over and the client has its answer: log it, run the end hooks."""
         log_exchange(exchange, exchange.answer.status if exchange.answer else None)
         await self.state.chain.end(exchange)
+        traces = self.state.traces
+        if traces is not None:  # after the end hooks: the record is complete
+            try:
+                traces.record(exchange)
+            except Exception:
+                log.exception("%s: the exchange could not be made a trace", exchange.id)
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
         state = self.state
@@ -366,7 +379,19 @@ def create_app(config, chain: Chain) -> web.Application:
         await state.upstream.close()
 
     app.cleanup_ctx.append(session_context)
+    if telemetry.configured(config.telemetry):
+        app.cleanup_ctx.append(traces_context)
     return app
+
+
+async def traces_context(app):
+    """Traces for as long as the app serves, started in the serving process itself (each
+    worker its own, after the fork); at the end, what is queued is exported off the loop."""
+    state = app[STATE]
+    state.traces = telemetry.start(state.config.telemetry, os.environ)
+    yield
+    traces, state.traces = state.traces, None
+    await asyncio.get_running_loop().run_in_executor(None, traces.close)
 
 
 async def serve(config, chain: Chain, host: str, port: int, worker=None) -> int:

@@ -238,6 +238,7 @@ class Upstream:
             attempt = Attempt(backend.name, where, waited=waited)
             exchange.attempts.append(attempt)
             sent = time.perf_counter()
+            attempt.sent = exchange.elapsed()
             failure: BaseException | None = None
             answer: aiohttp.ClientResponse | None = None
             try:
