@@ -55,11 +55,11 @@ class RelayState(Preparation):
 
     def __init__(self, config, chain: Chain):
         super().__init__(config, chain)
+        # While the app runs, when traces are configured (relay.telemetry).
+        self.traces: Traces | None = None
         self.gate = Gate(config.keys) if config.keys is not None else None
         # With auth on, what a client presents is a relay key: it never goes upstream.
         self.upstream = Upstream(config, strip_client_auth=self.gate is not None)
-        # While the app runs, when traces are configured (relay.telemetry).
-        self.traces: Traces | None = None
 
 
 STATE = web.AppKey("relay_state", RelayState)
