@@ -26,7 +26,7 @@ from opentelemetry import trace
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanLimits, TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from opentelemetry.util.re import parse_env_headers
@@ -60,7 +60,9 @@ class Traces:
     """This process's tracer provider and its exporter: one per serving process, made
     after a worker has forked (the batch processor's thread is the process's own)."""
 
-    def __init__(self, section: dict, env=os.environ):
+    def __init__(self, section: dict, env=os.environ, exporter: SpanExporter | None = None):
+        """``exporter``: where the spans go; by default OTLP/HTTP to ``otlp_endpoint`` (a
+        test may give the SDK's in-memory one)."""
         headers = dict(section["headers"])
         if section["headers_env"]:
             text = env.get(section["headers_env"], "")
@@ -73,8 +75,9 @@ class Traces:
                                     "service.version": __version__, "process.pid": os.getpid()})
         self.provider = TracerProvider(
             resource=resource, span_limits=SpanLimits(max_attribute_length=MAX_ATTRIBUTE_CHARS))
-        self.exporter = OTLPSpanExporter(endpoint=traces_url(section["otlp_endpoint"]),
-                                         headers=headers, timeout=section["timeout"])
+        self.exporter = exporter or OTLPSpanExporter(
+            endpoint=traces_url(section["otlp_endpoint"]), headers=headers,
+            timeout=section["timeout"])
         # Bounded: when the collector is slow, spans past the queue's 2048 are dropped,
         # never held.
         self.provider.add_span_processor(BatchSpanProcessor(self.exporter))
@@ -87,10 +90,12 @@ class Traces:
     def record(self, exchange: Exchange) -> None:
         """The finished ``exchange`` as a trace, handed to the batch processor."""
         parent = PROPAGATOR.extract(exchange.client_headers)
-        start = exchange.received
+        # In nanoseconds from the one wall-clock reading, offsets added: every time of the
+        # trace is the exchange's own clock, to the nanosecond.
+        start = _ns(exchange.received)
         timings = exchange.timings
-        end = start + (timings.last_byte if timings.last_byte is not None
-                       else exchange.elapsed())
+        end = start + _ns(timings.last_byte if timings.last_byte is not None
+                          else exchange.elapsed())
         backend = exchange.backend.name if exchange.backend is not None else None
         answer = exchange.answer
         outcome = exchange.outcome
@@ -124,7 +129,7 @@ class Traces:
             attributes["relay.dump"] = os.path.basename(str(dump))
         name = f"relay {exchange.endpoint}"
         span = self.tracer.start_span(name, context=parent, kind=SpanKind.SERVER,
-                                      start_time=_ns(start), attributes=_present(attributes))
+                                      start_time=start, attributes=_present(attributes))
         try:
             for entry in exchange.timeline:
                 step, action = entry.get("step", "-"), entry.get("action", "-")
@@ -133,15 +138,15 @@ class Traces:
                     if key not in ENTRY_FIELDS and not is_credential_header(key):
                         event[f"relay.{key}"] = _value(value)
                 span.add_event(f"{step} {action}", _present(event),
-                               timestamp=_ns(entry.get("t", end)))
+                               timestamp=_ns(entry["t"]) if "t" in entry else end)
             if _failed(exchange):
                 span.set_status(Status(StatusCode.ERROR, _why(exchange)))
             context = trace.set_span_in_context(span)
             for number, attempt in enumerate(exchange.attempts, 1):
-                sent = start + getattr(attempt, "sent", 0.0)
+                sent = start + _ns(attempt.sent)
                 child = self.tracer.start_span(
                     f"upstream {attempt.backend}", context=context, kind=SpanKind.CLIENT,
-                    start_time=_ns(sent), attributes=_present({
+                    start_time=sent, attributes=_present({
                         "relay.backend": attempt.backend,
                         "relay.credential": getattr(attempt, "credential", None),
                         "relay.attempt": number,
@@ -155,9 +160,9 @@ class Traces:
                 if attempt.status is None or attempt.status >= 400:
                     child.set_status(Status(StatusCode.ERROR, attempt.error
                                             or f"HTTP {attempt.status}"))
-                child.end(end_time=_ns(sent + attempt.seconds))
+                child.end(end_time=sent + _ns(attempt.seconds))
         finally:
-            span.end(end_time=_ns(end))
+            span.end(end_time=end)
 
 
 def _usage(attributes: dict, usage) -> None:
@@ -182,6 +187,8 @@ def _usage(attributes: dict, usage) -> None:
             getattr(usage, "cache_write_1h_input_tokens", None),
         "relay.usage.cost_micro_usd": getattr(usage, "cost_micro_usd", None),
         "relay.usage.complete": getattr(usage, "complete", None),
+        "relay.usage.server_tool_requests":
+            _value(getattr(usage, "server_tool_requests", None) or None),
     })
 
 

@@ -18,14 +18,18 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
 from support import Process, Relay, backend
 from test_server import ANSWER, BODY, STREAM, Upstream, start_upstream, stream_reply
 from test_upstream import scripted
 
 from relay import config as config_module
 from relay.errors import ConfigError
+from relay.exchange import Attempt
 from relay.hookspecs import hookimpl
-from relay.testing import assistant, request, result, text, use, user
+from relay.otel import Traces
+from relay.testing import assistant, finished_exchange, request, result, text, use, user
 from relay.testing.fixtures import start_relay
 
 FAST = {"attempts": 3, "backoff": 0.01, "max_backoff": 0.05, "budget": 5}
@@ -444,3 +448,48 @@ async def test_without_the_section_nothing_is_imported_or_exported(tmp_path, aio
     assert imported["off"] == []
     assert imported["on"]  # the check sees an import when there is one
     assert len(receiver.roots()) == 3
+
+
+def test_the_record_as_spans_in_the_sdks_memory():
+    """What a finished record becomes, to the nanosecond, with what other plugins record
+    (the cache's diagnosis, the dump, server tools) and what must stay out."""
+    section = config_module.parse({"backends": [backend("http://127.0.0.1:9")],
+                                   "telemetry": {"otlp_endpoint": "http://127.0.0.1:9"}},
+                                  {}).telemetry
+    memory = InMemorySpanExporter()
+    traces = Traces(section, {}, exporter=memory)
+    exchange = finished_exchange(
+        attempts=[Attempt("emu", "http://127.0.0.1:9/v1/messages?beta=true", status=529,
+                          seconds=0.01, sent=0.001),
+                  Attempt("emu", "http://127.0.0.1:9/v1/messages?beta=true", status=200,
+                          seconds=0.01, sent=0.016, waited=0.005)],
+        timeline=[("relay", "retrying", {"backend": "emu", "status": 529, "wait": 0.005,
+                                         "x-api-key": "sk-never"})],
+        headers={"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"})
+    exchange.cache = {"status": "miss", "cause": "tools changed", "where": "tools"}
+    exchange.dump_path = "/var/lib/relay/dumps/relay_abc.json"
+    exchange.usage = type("Usage", (), dict(
+        input_tokens=3, output_tokens=4, cache_read_input_tokens=0,
+        cache_write_5m_input_tokens=0, cache_write_1h_input_tokens=0,
+        server_tool_requests={"web_search": 2}, complete=False, cost_micro_usd=None))()
+    traces.record(exchange)
+    traces.close()
+    root, = [s for s in memory.get_finished_spans() if s.kind == SpanKind.SERVER]
+    attempts = sorted((s for s in memory.get_finished_spans() if s.kind == SpanKind.CLIENT),
+                      key=lambda s: s.start_time)
+    received = int(exchange.received * 1e9)
+    assert root.start_time == received and root.end_time == received + int(0.03 * 1e9)
+    assert format(root.context.trace_id, "032x") == TRACE_ID
+    assert format(root.parent.span_id, "016x") == PARENT_ID
+    assert root.attributes["relay.cache.status"] == "miss"
+    assert root.attributes["relay.cache.cause"] == "tools changed"
+    assert root.attributes["relay.dump"] == "relay_abc.json"
+    assert root.attributes["relay.usage.server_tool_requests"] == '{"web_search":2}'
+    assert root.attributes["relay.usage.complete"] is False
+    assert "relay.usage.cost_micro_usd" not in root.attributes  # no price matched
+    [event] = root.events
+    assert event.attributes["relay.wait"] == 0.005 and "relay.x-api-key" not in event.attributes
+    assert [(s.start_time - received, s.end_time - s.start_time) for s in attempts] == [
+        (int(0.001 * 1e9), int(0.01 * 1e9)), (int(0.016 * 1e9), int(0.01 * 1e9))]
+    assert [s.attributes["url.full"] for s in attempts] == ["http://127.0.0.1:9/v1/messages"] * 2
+    assert all(s.parent.span_id == root.context.span_id for s in attempts)
