@@ -10,7 +10,6 @@ JS_CLIENTS := ai@6.0.325 @ai-sdk/anthropic@3.0.140 @anthropic-ai/sdk@1.14.0 zod@
 # Named after the pins, so that changing one installs again.
 JS_CLIENTS_STAMP := .e2e/.js-clients-$(shell echo '$(JS_CLIENTS)' | cksum | cut -d' ' -f1)
 HAPROXY := /usr/sbin/haproxy
-PROMETHEUS := /usr/bin/prometheus
 PYTEST_ARGS ?=
 # The tiers (setup.cfg's markers): the fast one starts no process (tests/conftest.py refuses
 # it) and is what `make check` runs; the rest is what only `make test` adds.
@@ -47,15 +46,6 @@ $(HAPROXY):
 	@DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends haproxy >/dev/null
 	@$(HAPROXY) -v | head -1
 
-# Prometheus, for the Grafana dashboard's test (every query run against a real scrape of a
-# relay): Debian's package. The test starts its own on loopback; the service is not used.
-$(PROMETHEUS):
-	@command -v apt-get >/dev/null || { echo "Prometheus is required for the dashboard test: install it (Debian/Ubuntu: apt-get install prometheus)" >&2; exit 1; }
-	@echo "installing prometheus from Debian's packages"
-	@apt-get update -qq >/dev/null
-	@DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null
-	@$(PROMETHEUS) --version | head -1
-
 run: $(VENV)/.installed
 	$(PY) -m relay --config relay.yaml
 
@@ -74,7 +64,7 @@ check: $(VENV)/.installed
 	$(PY) -m pytest -q $(FAST_TIER) $(PYTEST_ARGS)
 
 # `make check` first; then the tiers it leaves out, so no test runs twice.
-test: $(VENV)/.installed check $(CLAUDE) $(JS_CLIENTS_STAMP) $(HAPROXY) $(PROMETHEUS)
+test: $(VENV)/.installed check $(CLAUDE) $(JS_CLIENTS_STAMP) $(HAPROXY)
 	RELAY_CLAUDE=$(abspath $(CLAUDE)) $(PY) -m pytest $(SLOW_TIER) $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-example test-min docs
 
@@ -100,7 +90,7 @@ test-min: $(MIN_VENV)/.installed
 		tests/test_security.py tests/test_upstream.py tests/test_hooks.py tests/test_skeleton.py \
 		tests/test_sse.py tests/test_options.py
 
-unit: $(VENV)/.installed $(HAPROXY) $(PROMETHEUS)
+unit: $(VENV)/.installed $(HAPROXY)
 	$(PY) -m pytest -m "not e2e" $(PYTEST_ARGS)
 
 e2e: $(VENV)/.installed $(CLAUDE) $(JS_CLIENTS_STAMP) $(HAPROXY)
@@ -120,6 +110,18 @@ docs: $(VENV)/.installed
 
 demo: $(VENV)/.installed
 	$(PY) -m relay.demo
+
+PROMETHEUS := /usr/bin/prometheus
+# Prometheus, for the Grafana dashboard's test (every query run against a real scrape of a
+# relay): Debian's package. The test starts its own on loopback; the service is not used.
+$(PROMETHEUS):
+	@command -v apt-get >/dev/null || { echo "Prometheus is required for the dashboard test: install it (Debian/Ubuntu: apt-get install prometheus)" >&2; exit 1; }
+	@echo "installing prometheus from Debian's packages"
+	@apt-get update -qq >/dev/null
+	@DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+	@$(PROMETHEUS) --version | head -1
+
+test unit: $(PROMETHEUS)
 
 # Never dumps: they are an operator's record of failures, not build output.
 clean:

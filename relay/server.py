@@ -22,10 +22,7 @@ import orjson
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
-if TYPE_CHECKING:
-    from .otel import Traces
-
-from . import __version__, lifecycle, logs, telemetry, threads
+from . import __version__, lifecycle, logs, threads
 from .chain import Chain
 from .config import InboundKey
 from .errors import RelayError, invalid_request
@@ -45,7 +42,12 @@ from .passthrough import relay_passthrough
 from .prepare import ENDPOINTS, Fallbacks, Preparation, prepare_exchange
 from .respond import deliver, log_exchange, refuse, unreachable
 from .stream import relay_stream
+from .telemetry import configured as traces_configured
+from .telemetry import start as start_traces
 from .upstream import Unreachable, Upstream, UpstreamTooLarge, client_headers, read_capped
+
+if TYPE_CHECKING:
+    from .otel import Traces
 
 log = logging.getLogger("relay")
 
@@ -379,7 +381,7 @@ def create_app(config, chain: Chain) -> web.Application:
         await state.upstream.close()
 
     app.cleanup_ctx.append(session_context)
-    if telemetry.configured(config.telemetry):
+    if traces_configured(config.telemetry):
         app.cleanup_ctx.append(traces_context)
     return app
 
@@ -388,7 +390,7 @@ async def traces_context(app):
     """Traces for as long as the app serves, started in the serving process itself (each
     worker its own, after the fork); at the end, what is queued is exported off the loop."""
     state = app[STATE]
-    state.traces = telemetry.start(state.config.telemetry, os.environ)
+    state.traces = start_traces(state.config.telemetry, os.environ)
     yield
     traces, state.traces = state.traces, None
     await asyncio.get_running_loop().run_in_executor(None, traces.close)
