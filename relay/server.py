@@ -42,14 +42,12 @@ from .passthrough import relay_passthrough
 from .prepare import ENDPOINTS, Fallbacks, Preparation, prepare_exchange
 from .respond import deliver, log_exchange, refuse, unreachable
 from .stream import relay_stream
-from .telemetry import configured as traces_configured
-from .telemetry import start as start_traces
 from .upstream import Unreachable, Upstream, UpstreamTooLarge, client_headers, read_capped
+
+log = logging.getLogger("relay")
 
 if TYPE_CHECKING:
     from .otel import Traces
-
-log = logging.getLogger("relay")
 
 class RelayState(Preparation):
     """What the server needs for every request, built once at start-up: what preparing one
@@ -380,17 +378,23 @@ def create_app(config, chain: Chain) -> web.Application:
         yield
         await state.upstream.close()
 
+    # Before the upstream's session, so that traces are exported after it has closed.
+    app.cleanup_ctx.append(traces_context)
     app.cleanup_ctx.append(session_context)
-    if traces_configured(config.telemetry):
-        app.cleanup_ctx.append(traces_context)
     return app
 
 
 async def traces_context(app):
-    """Traces for as long as the app serves, started in the serving process itself (each
-    worker its own, after the fork); at the end, what is queued is exported off the loop."""
+    """Traces (relay.yaml's ``telemetry:``) for as long as the app serves, when configured:
+    started in the serving process itself (each worker its own, after the fork); at the end,
+    what is queued is exported off the loop."""
+    from .telemetry import configured, start
+
     state = app[STATE]
-    state.traces = start_traces(state.config.telemetry, os.environ)
+    if not configured(state.config.telemetry):
+        yield
+        return
+    state.traces = start(state.config.telemetry, os.environ)
     yield
     traces, state.traces = state.traces, None
     await asyncio.get_running_loop().run_in_executor(None, traces.close)
