@@ -44,7 +44,7 @@ FILLED = {"Requests / s", "Failed (relay or upstream)", "Open streams", "Upstrea
 
 
 # The metrics this release's other work brings (usage metering, the prompt cache's
-# diagnosis, credential pools, the shared state's stores), by a module that comes with each:
+# diagnosis, credential pools), by a module that comes with each:
 # where that module is, they are checked like every other; where it is not yet, the relay
 # cannot serve them, and their queries only have to run.
 BROUGHT_BY = {
@@ -55,7 +55,6 @@ BROUGHT_BY = {
                     "relay_credential_out_total", "relay_credential_sessions_placed_total",
                     "relay_credential_sessions_moved_total", "relay_credential_tokens_total",
                     "relay_credential_cost_micro_usd_total"},
-    "relay.state.redis": {"relay_state_unavailable_total"},
 }
 
 
