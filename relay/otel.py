@@ -5,7 +5,7 @@ One span for the exchange (kind SERVER), continuing the client's ``traceparent``
 ``tracestate`` (W3C Trace Context) when it sent them, and one child span (kind CLIENT) per
 attempt at an upstream, retries and fallbacks included. The timeline (what each plugin and
 the relay did: repairs, retries, fallbacks, refusals, dumps) becomes the exchange span's
-events. Everything is built once, from the finished record, in the end of the exchange: the
+events. Everything is built once, from the finished record, at the end of the exchange: the
 times are the exchange's own (``received``, ``timings``, each attempt's ``sent`` and
 ``seconds``), no span is open while the request is served, so none can leak on any path, and
 the SDK's batch processor exports from a thread of its own, so that the event loop never
@@ -18,8 +18,8 @@ query string.
 
 from __future__ import annotations
 
-import logging
 import os
+from urllib.parse import urlsplit
 
 import orjson
 from opentelemetry import trace
@@ -35,8 +35,6 @@ from . import __version__
 from .errors import ConfigError
 from .exchange import Exchange, Outcome, is_credential_header
 from .telemetry import traces_url
-
-log = logging.getLogger("relay.telemetry")
 
 # W3C Trace Context only (traceparent, tracestate), whatever OTEL_PROPAGATORS says: the
 # relay reads the client's trace, it does not take part in baggage.
@@ -152,8 +150,7 @@ class Traces:
                         "relay.attempt": number,
                         "relay.retry_wait_ms": round(attempt.waited * 1000, 3),
                         "http.response.status_code": attempt.status,
-                        # The upstream's address without its query: the client's words
-                        "url.full": attempt.url.partition("?")[0],
+                        "url.full": _address(attempt.url),
                         "error.type": attempt.error if attempt.status is None
                         else (str(attempt.status) if attempt.status >= 400 else None),
                     }))
@@ -163,6 +160,19 @@ class Traces:
                 child.end(end_time=sent + _ns(attempt.seconds))
         finally:
             span.end(end_time=end)
+
+
+def _address(url: str) -> str:
+    """The upstream's address without what may hold a secret: no user or password in it, no
+    query (the client's words)."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url.partition("?")[0]
+    host = parts.hostname or ""
+    netloc = f"[{host}]" if ":" in host else host
+    if parts.port is not None:
+        netloc += f":{parts.port}"
+    return f"{parts.scheme}://{netloc}{parts.path}"
 
 
 def _usage(attributes: dict, usage) -> None:

@@ -459,7 +459,7 @@ def test_the_record_as_spans_in_the_sdks_memory():
     memory = InMemorySpanExporter()
     traces = Traces(section, {}, exporter=memory)
     exchange = finished_exchange(
-        attempts=[Attempt("emu", "http://127.0.0.1:9/v1/messages?beta=true", status=529,
+        attempts=[Attempt("emu", "http://user:s3cret@127.0.0.1:9/v1/messages?beta=true", status=529,
                           seconds=0.01, sent=0.001),
                   Attempt("emu", "http://127.0.0.1:9/v1/messages?beta=true", status=200,
                           seconds=0.01, sent=0.016, waited=0.005)],
