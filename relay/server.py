@@ -22,7 +22,7 @@ import orjson
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
-from . import __version__, lifecycle, logs, threads
+from . import __version__, keys, lifecycle, logs, pools, threads
 from .chain import Chain
 from .config import InboundKey
 from .errors import RelayError, invalid_request
@@ -40,9 +40,10 @@ from .inbound import (
 from .listen import Listener
 from .passthrough import relay_passthrough
 from .prepare import ENDPOINTS, Fallbacks, Preparation, prepare_exchange
-from .respond import deliver, log_exchange, refuse, unreachable
+from .respond import deliver, log_exchange, refuse, relay_error, unreachable
+from .state import Unavailable
 from .stream import relay_stream
-from .upstream import Unreachable, Upstream, UpstreamTooLarge, client_headers, read_capped
+from .upstream import Unreachable, Upstream, UpstreamTooLarge, answer_headers, read_capped
 
 log = logging.getLogger("relay")
 
@@ -59,7 +60,8 @@ class RelayState(Preparation):
         self.traces: Traces | None = None
         self.gate = Gate(config.keys) if config.keys is not None else None
         # With auth on, what a client presents is a relay key: it never goes upstream.
-        self.upstream = Upstream(config, strip_client_auth=self.gate is not None)
+        self.upstream = Upstream(config, strip_client_auth=self.gate is not None,
+                                 state=chain.state)
 
 
 STATE = web.AppKey("relay_state", RelayState)
@@ -203,6 +205,7 @@ class Relay:
 
     async def finish(self, exchange: Exchange) -> None:
         """The exchange is over and the client has its answer: log it, run the end hooks."""
+        self.state.upstream.pools.release(exchange)
         log_exchange(exchange, exchange.answer.status if exchange.answer else None)
         await self.state.chain.end(exchange)
         traces = self.state.traces
@@ -296,7 +299,7 @@ class Relay:
             final = payload
         delivered = await deliver(request, exchange, web.Response(
             status=upstream.status, body=final,
-            headers=client_headers(response.headers, exchange.response_headers)))
+            headers=answer_headers(exchange, response.headers)))
         if exchange.thread is not None:
             try:
                 threads.record(state.threads, exchange, orjson.loads(final))
@@ -320,7 +323,7 @@ class Relay:
         exchange.outcome = Outcome.UPSTREAM_ERROR
         exchange.upstream_response = UpstreamAnswer(upstream.status, upstream.headers, payload)
         exchange.note("relay", "upstream error", status=upstream.status)
-        headers = client_headers(upstream.headers, exchange.response_headers)
+        headers = answer_headers(exchange, upstream.headers)
         # Retry-after and the status stay as sent.
         translated = exchange.backend.adapter.error_body(upstream.status, payload, exchange.id)
         if translated is not None:
@@ -365,11 +368,27 @@ class Relay:
         return lifecycle.readiness_response(request)
 
 
+BACKENDS = "/admin/backends"  # the operator's: each pooled credential's state
+
+
+def backends_handler(state: RelayState):
+    async def backends(request: web.Request) -> web.Response:
+        try:
+            listed = await pools.health(state.upstream.pools.state, state.config)
+        except Unavailable:
+            return relay_error(RelayError(503, "the shared state cannot be reached now",
+                                          "api_error"))
+        return web.json_response({"credentials": listed})
+    return backends
+
+
 def create_app(config, chain: Chain) -> web.Application:
     state = RelayState(config, chain)
     app = web.Application(client_max_size=config.max_body_bytes)
     app[STATE] = state
-    relay = Relay(state, chain.routes(config, reserved=("/healthz", "/readyz", *ENDPOINTS)))
+    routes = chain.routes(config, reserved=("/healthz", "/readyz", BACKENDS, *ENDPOINTS))
+    routes["GET", BACKENDS] = AdminRoute(backends_handler(state))
+    relay = Relay(state, routes)
     app.router.add_route("*", "/{tail:.*}", relay.dispatch)
     app.middlewares.append(relay.unrouted)
 
@@ -381,6 +400,8 @@ def create_app(config, chain: Chain) -> web.Application:
     # Before the upstream's session, so that traces are exported after it has closed.
     app.cleanup_ctx.append(traces_context)
     app.cleanup_ctx.append(session_context)
+    if state.gate is not None and chain.state is not None:
+        app.cleanup_ctx.append(keys.watching(state.gate, chain.state, config.default_limits))
     return app
 
 
