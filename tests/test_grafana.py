@@ -19,12 +19,12 @@ import pytest
 import yaml
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
-
-from relay.testing import assistant, request, result, text, use, user
-from relay.testing.fixtures import start_relay
 from support import ROOT
 from test_server import BODY, STREAM, Upstream, start_upstream, stream_reply
 from test_upstream import scripted
+
+from relay.testing import assistant, request, result, text, use, user
+from relay.testing.fixtures import start_relay
 
 DASHBOARD = ROOT / "docs" / "grafana" / "relay-dashboard.json"
 DATASOURCE = {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}
@@ -43,18 +43,11 @@ FILLED = {"Requests / s", "Failed (relay or upstream)", "Open streams", "Upstrea
           "Refused histories by plugin and rule", "Stream errors", "Dumps queued and dropped"}
 
 
-# The metrics this release's other work brings (usage metering, the prompt cache's
-# diagnosis, credential pools), by a module that comes with each:
-# where that module is, they are checked like every other; where it is not yet, the relay
-# cannot serve them, and their queries only have to run.
+# The metrics this release's other work brings (the prompt cache's diagnosis), by a module
+# that comes with them: where that module is, they are checked like every other; where it is
+# not yet, the relay cannot serve them, and their queries only have to run.
 BROUGHT_BY = {
-    "relay.usage": {"relay_tokens_total", "relay_cost_micro_usd_total",
-                    "relay_usage_unpriced_total"},
     "relay.cache": {"relay_cache_breaks_total", "relay_cache_input_tokens_total"},
-    "relay.pools": {"relay_credential_requests_total", "relay_credential_cooldown_seconds_total",
-                    "relay_credential_out_total", "relay_credential_sessions_placed_total",
-                    "relay_credential_sessions_moved_total", "relay_credential_tokens_total",
-                    "relay_credential_cost_micro_usd_total"},
 }
 
 

@@ -27,7 +27,6 @@ from test_upstream import scripted
 from relay import config as config_module
 from relay.errors import ConfigError
 from relay.exchange import Attempt
-from relay.hookspecs import hookimpl
 from relay.otel import Traces
 from relay.testing import assistant, finished_exchange, request, result, text, use, user
 from relay.testing.fixtures import start_relay
@@ -290,35 +289,25 @@ async def test_streams_their_first_byte_and_their_failure(aiohttp_server, aiohtt
     assert failed["message"] == failed["events"][0][1]["relay.message"]
 
 
-class Accounted:
-    """Sets what the usage and pools helpers' plugins set (``exchange.usage``,
-    ``exchange.credential``), as their pinned names say."""
-
-    @hookimpl
-    def relay_request(self, exchange):
-        exchange.credential = "pool-key-2"
-
-    @hookimpl
-    def relay_response(self, exchange):
-        exchange.usage = type("Usage", (), dict(
-            input_tokens=12, output_tokens=7, cache_read_input_tokens=100,
-            cache_write_5m_input_tokens=30, cache_write_1h_input_tokens=0,
-            server_tool_requests={}, complete=True, cost_micro_usd=4200))()
-
-
 async def test_key_names_usage_and_credentials_but_never_a_secret(aiohttp_server, aiohttp_client,
                                                                   receiver):
     upstream = Upstream()
+    upstream.reply = scripted(429)  # the first credential's: the pool asks the other at once
     client = await traced_relay(
         aiohttp_server, aiohttp_client, receiver,
-        [(upstream, {"api_key_env": "BACKEND_KEY"})], pipeline=["acct"],
-        extra={"acct": Accounted()},
+        [(upstream, {"credentials": [{"name": "pool-a", "key_env": "KEY_A"},
+                                     {"name": "pool-b", "key_env": "KEY_B"}]})],
+        pipeline=["usage"],
+        plugins={"usage": {"prices": [{"models": ["claude-*"], "usd_per_mtok": {
+            "input": 3, "output": 15, "cache_write_5m": 3.75, "cache_write_1h": 6,
+            "cache_read": 0.3}}]}},
         server={"auth": {"keys": [{"name": "team-a", "key_env": "RELAY_KEY"}]}},
-        env={"RELAY_KEY": RELAY_KEY, "BACKEND_KEY": BACKEND_KEY})
+        env={"RELAY_KEY": RELAY_KEY, "KEY_A": BACKEND_KEY, "KEY_B": BACKEND_KEY + "-b"})
     resp = await client.post("/v1/messages?beta=true&key=" + RELAY_KEY, json=BODY,
                              headers={"x-api-key": RELAY_KEY})
     assert resp.status == 200
-    assert upstream.received[0]["headers"]["x-api-key"] == BACKEND_KEY
+    assert {r["headers"]["x-api-key"] for r in upstream.received} == {BACKEND_KEY,
+                                                                      BACKEND_KEY + "-b"}
     resp = await client.post("/v1/messages", json=BODY, headers={"x-api-key": "wrong" * 4})
     assert resp.status == 401
     await stop(client)
@@ -326,16 +315,19 @@ async def test_key_names_usage_and_credentials_but_never_a_secret(aiohttp_server
     answered, refused = sorted(receiver.roots(), key=lambda span: span["start"])
     attributes = answered["attributes"]
     assert attributes["relay.key"] == "team-a"
-    assert attributes["relay.credential"] == "pool-key-2"
-    assert attributes["gen_ai.usage.input_tokens"] == 12 + 100 + 30
-    assert attributes["gen_ai.usage.output_tokens"] == 7
-    assert attributes["gen_ai.usage.cache_read.input_tokens"] == 100
-    assert attributes["gen_ai.usage.cache_creation.input_tokens"] == 30
-    assert attributes["relay.usage.input_tokens"] == 12
-    assert attributes["relay.usage.cost_micro_usd"] == 4200
+    first, second = receiver.children(answered)
+    assert [first["attributes"]["http.response.status_code"],
+            second["attributes"]["http.response.status_code"]] == [429, 200]
+    assert {first["attributes"]["relay.credential"],
+            second["attributes"]["relay.credential"]} == {"pool-a", "pool-b"}
+    assert attributes["relay.credential"] == second["attributes"]["relay.credential"]
+    # ANSWER's usage (1 in, 1 out), priced by the usage plugin: 3 + 15 dollars per million.
+    assert attributes["gen_ai.usage.input_tokens"] == 1
+    assert attributes["gen_ai.usage.output_tokens"] == 1
+    assert attributes["gen_ai.usage.cache_read.input_tokens"] == 0
+    assert attributes["relay.usage.cost_micro_usd"] == 18
     assert attributes["relay.usage.complete"] is True
-    [attempt] = receiver.children(answered)
-    assert "?" not in attempt["attributes"]["url.full"]
+    assert "?" not in first["attributes"]["url.full"]
     assert refused["name"] == "relay refused"
     assert refused["attributes"]["http.response.status_code"] == 401
     assert "url.path" not in refused["attributes"]
