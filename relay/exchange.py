@@ -235,7 +235,10 @@ class Exchange:
     ``replaces_headers``), and ``received`` (wall-clock time) with ``timings`` (a
     :class:`Timings`).
     What the plugins found: ``repairs`` (their total), ``repaired_by`` (one :class:`Repair`
-    per :meth:`repaired`), ``uncertain`` (one :class:`Uncertainty` per :meth:`unsure`).
+    per :meth:`repaired`), ``uncertain`` (one :class:`Uncertainty` per :meth:`unsure`),
+    ``cache`` (the ``cache`` plugin's verdict on the prompt cache: None, or a dict with
+    ``status`` ``hit`` / ``write`` / ``none`` / ``miss``, its ``cause``, ``where``, ``by``
+    and the tokens read, written and sent fresh).
 
     The record's document form, the one a dump holds and ``relay replay`` reads, is made
     by :mod:`relay.document` (:func:`relay.document.to_document`,
@@ -272,6 +275,9 @@ class Exchange:
     # The name of the backend credential the last attempt went with (relay.pools); None
     # for a backend with one key or none.
     credential: str | None = None
+    # The prompt cache's outcome for this request (the cache plugin's, plugins/cache.py):
+    # None, or ``{"status": "hit" | "write" | "none" | "miss", "cause", "where", "by", ...}``.
+    cache: dict | None = None
 
     def __init__(self, *, endpoint: str, method: str, path: str, query: str,
                  headers, raw_body: bytes = b"", body: dict | None = None,
