@@ -173,7 +173,7 @@ async def test_the_clients_traceparent_is_continued_and_the_plugins_decisions_ar
         aiohttp_server, aiohttp_client, receiver):
     upstream = Upstream()
     client = await traced_relay(aiohttp_server, aiohttp_client, receiver, [(upstream, {})],
-                                pipeline=["pairing"],
+                                pipeline=["cache", "pairing"],
                                 plugins={"pairing": {"pairing_mode": "repair"}})
     orphan = request(user(text("go")), assistant(use("toolu_a"), use("toolu_b")),
                      user(result("toolu_b"), text("and then")))
@@ -192,6 +192,8 @@ async def test_the_clients_traceparent_is_continued_and_the_plugins_decisions_ar
     assert repaired["relay.step"] == "pairing" and repaired["relay.count"] == 1
     assert repaired["relay.tool_use_ids"] == '["toolu_a"]'
     assert root["attributes"]["relay.repairs"] == 1
+    # The cache plugin's verdict: a request that marks nothing for the cache uses none.
+    assert root["attributes"]["relay.cache.status"] == "none"
 
 
 async def test_a_client_that_says_not_sampled_is_not_traced(aiohttp_server, aiohttp_client,
