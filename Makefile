@@ -120,6 +120,18 @@ docs: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(PY) -m relay.demo
 
+PROMETHEUS := /usr/bin/prometheus
+# Prometheus, for the Grafana dashboard's test (every query run against a real scrape of a
+# relay): Debian's package. The test starts its own on loopback; the service is not used.
+$(PROMETHEUS):
+	@command -v apt-get >/dev/null || { echo "Prometheus is required for the dashboard test: install it (Debian/Ubuntu: apt-get install prometheus)" >&2; exit 1; }
+	@echo "installing prometheus from Debian's packages"
+	@apt-get update -qq >/dev/null
+	@DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+	@$(PROMETHEUS) --version | head -1
+
+test unit: $(PROMETHEUS)
+
 # Never dumps: they are an operator's record of failures, not build output.
 clean:
 	rm -rf $(VENV) $(MIN_VENV) .e2e .pytest_cache .mypy_cache .ruff_cache .hypothesis .bench .load .site *.egg-info

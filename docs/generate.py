@@ -152,6 +152,14 @@ def server_options() -> str:
     return "\n".join(parts)
 
 
+def telemetry_options() -> str:
+    """relay.yaml's ``telemetry:`` section, from its declarations."""
+    from relay import telemetry
+    from relay.options import markdown_table
+
+    return markdown_table(telemetry.OPTIONS, quirks=False)
+
+
 def _plugin(name: str):
     """A built-in as the entry point loads it: its module, or the class in it that declares
     the options."""
@@ -192,7 +200,8 @@ def rules() -> str:
 
 
 PARTS = {"hookspecs": hookspecs, "exchange": exchange, "options": options,
-         "server_options": server_options, "plugins": plugins, "rules": rules}
+         "server_options": server_options, "plugins": plugins, "rules": rules,
+         "telemetry_options": telemetry_options}
 
 
 def on_page_markdown(markdown_text: str, page, config, files) -> str:

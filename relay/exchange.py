@@ -176,6 +176,9 @@ class Attempt:
     """Why it could not be reached (``pool full`` when the relay's own pool was)."""
     seconds: float = 0.0
     """From sending to the upstream's headers (or the failure)."""
+    sent: float = 0.0
+    """When it was sent, in seconds after the request was received (the exchange's clock):
+    where a trace's attempt span begins."""
     waited: float = 0.0
     """The backoff slept before this attempt."""
     credential: str | None = None
