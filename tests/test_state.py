@@ -253,8 +253,14 @@ HAMMER = textwrap.dedent("""
 
 def hammer(url: str, limit: int, processes: int = 4) -> list[int]:
     started = [subprocess.Popen([sys.executable, "-c", HAMMER, url, str(limit), str(BASE)],
-                                stdout=subprocess.PIPE, text=True) for _ in range(processes)]
-    return [int(p.communicate(timeout=60)[0]) for p in started]
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for _ in range(processes)]
+    granted = []
+    for process in started:
+        out, err = process.communicate(timeout=60)
+        assert process.returncode == 0, err
+        granted.append(int(out))
+    return granted
 
 
 @pytest.mark.slow
@@ -343,3 +349,47 @@ async def test_redis_unreachable_at_start_up_is_not_fatal(caplog):
             await state.take([Counter("key:a:rpm", "minute", limit=5)])
     finally:
         await state.close()
+
+
+class Muffler:
+    """A loopback proxy in front of Redis that, while ``mute``, passes the commands on and
+    drops the answers: a round trip that ran but whose caller never heard."""
+
+    def __init__(self, port: int):
+        self.port = port
+        self.mute = False
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return f"redis://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/0"
+
+    async def _serve(self, reader, writer):
+        upstream_reader, upstream_writer = await asyncio.open_connection("127.0.0.1", self.port)
+
+        async def pump(source, sink, muted):
+            while data := await source.read(65536):
+                if not (muted and self.mute):
+                    sink.write(data)
+            sink.close()
+
+        await asyncio.gather(pump(reader, upstream_writer, False),
+                             pump(upstream_reader, writer, True), return_exceptions=True)
+
+
+async def test_redis_a_round_trip_unheard_is_sent_again_and_counts_once(redis_server):
+    muffler = Muffler(redis_server.port)
+    state = await open_state({"url": await muffler.start(), "timeout": 0.2})
+    try:
+        otpm = Counter("key:a:otpm", "minute", amount=5)
+        await state.add([otpm], now=BASE)
+        await state.record([{"id": "once", "time": BASE}])
+        muffler.mute = True
+        with pytest.raises(Unavailable):
+            await state.counts([otpm], now=BASE)  # carries the add: it runs, unheard
+        muffler.mute = False
+        await asyncio.sleep(1.1)  # the moment a failure makes every call fail at once
+        assert [c.used for c in await state.counts([otpm], now=BASE)] == [5]
+        assert [r["id"] for r in await state.rows()] == ["once"]
+    finally:
+        await state.close()
+        muffler.server.close()

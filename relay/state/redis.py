@@ -8,7 +8,8 @@ win), and what needs no answer (:meth:`add`, :meth:`release`, :meth:`record`) is
 goes in the same pipeline as the next call, or in the background within ``LINGER`` seconds.
 
 Where things live (every key under ``relay:``): a counter is a string per window
-(``INCRBY``), expiring at its window's end; a concurrency slot set is a sorted set of release
+(``INCRBY``), expiring at its window's end, and the adds come in batches whose ids are kept
+``BATCH_SECONDS``, so that a batch sent again after an unanswered round trip counts once; a concurrency slot set is a sorted set of release
 tokens scored by lease end, trimmed as it is read, expiring with its last lease; a ledger row
 is a string set only if absent (``SET NX``: idempotent by id) expiring after the retention,
 with a sorted set of ids by time trimmed to the retention; the keys are a hash with a
@@ -40,6 +41,7 @@ log = logging.getLogger("relay.state")
 
 PREFIX = "relay:"
 LINGER = 0.005
+BATCH_SECONDS = 600
 MAX_PENDING = 10_000
 # Rows a call carries along; the background flush takes up to ROW_BATCH at a time.
 CARRIED_ROWS = 50
@@ -54,22 +56,33 @@ GRACE_SECONDS = 5
 
 # One script for every change, so that a request's writes and its take are one command:
 # first what was queued (counter adds, slot releases, ledger rows), then the take.
-# KEYS, in order: each add's counter, each release's slot set, each row's key and then the
-# ledger's sorted set (when there are rows), each counter to take, each slot set to take from.
-# ARGV: now, retention (s), the five numbers of those (adds, releases, rows, counters,
-# slots), then per add its amount and expiry (epoch s), per release its token, per row its id,
+# The adds go in batches, each applied once: a batch sent again after a round trip that
+# failed without saying whether it ran is recognised by its id (kept BATCH_SECONDS), so that
+# a Redis blip never inflates a counter.
+# KEYS, in order: per batch its id's key then its counters, each release's slot set, each
+# row's key and then the ledger's sorted set (when there are rows), each counter to take,
+# each slot set to take from. ARGV: now, retention (s), the five numbers of those (batches,
+# releases, rows, counters, slots), then per batch its number of adds, how long its id is
+# kept and per add the amount and expiry (epoch s), per release its token, per row its id,
 # time and body, per counter its limit (-1: none), amount and expiry, per slot its limit,
 # lease end and token. Returns {granted, blocked (1-based among counters then slots, 0:
 # none), slot retry (a string), used...}: the counts before the take.
 SCRIPT = """
 local now, retention = tonumber(ARGV[1]), tonumber(ARGV[2])
-local nadds, nrel, nrows = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+local nbatches, nrel, nrows = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local nc, ns = tonumber(ARGV[6]), tonumber(ARGV[7])
 local k, a = 1, 8
-for i = 1, nadds do
-  redis.call('INCRBY', KEYS[k], ARGV[a])
-  redis.call('EXPIREAT', KEYS[k], ARGV[a + 1])
+for b = 1, nbatches do
+  local count = tonumber(ARGV[a])
+  local fresh = redis.call('SET', KEYS[k], '1', 'NX', 'EX', ARGV[a + 1])
   k, a = k + 1, a + 2
+  for i = 1, count do
+    if fresh then
+      redis.call('INCRBY', KEYS[k], ARGV[a])
+      redis.call('EXPIREAT', KEYS[k], ARGV[a + 1])
+    end
+    k, a = k + 1, a + 2
+  end
 end
 for i = 1, nrel do
   redis.call('ZREM', KEYS[k], ARGV[a])
@@ -168,6 +181,9 @@ class RedisState(State):
         self._redis = Redis(connection_pool=pool)
         self._sha = ""
         self._adds: dict[str, list[int]] = {}  # counter key -> [expiry, amount]
+        # Batches of adds sent without an answer, to send again under the same id.
+        self._unsure: list[tuple[str, dict[str, list[int]]]] = []
+        self._batches = itertools.count()
         self._releases: list[tuple[str, str]] = []
         self._pending: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
         self._flusher: asyncio.Task | None = None
@@ -245,19 +261,25 @@ class RedisState(State):
     # --- one round trip: what is queued, then the call's own commands ---
 
     def _has_queued(self) -> bool:
-        return bool(self._adds or self._releases or self._pending)
+        return bool(self._adds or self._unsure or self._releases or self._pending)
 
     def _queued(self, rows: int) -> tuple[list[str], list[Any], tuple]:
         """Take what is queued off the queues, as the script's first keys and arguments
         (after its seven numbers) and what to put back should the round trip fail."""
-        adds, self._adds = self._adds, {}
+        batches, self._unsure = self._unsure, []
+        if self._adds:
+            batches.append((f"{PREFIX}batch:{self._prefix}{next(self._batches):x}", self._adds))
+            self._adds = {}
         releases, self._releases = self._releases, []
         backlog = list(itertools.islice(self._pending.items(), rows))
         keys: list[str] = []
         args: list[Any] = []
-        for key, (expiry, amount) in adds.items():
-            keys.append(key)
-            args += [amount, expiry]
+        for batch, adds in batches:
+            keys.append(batch)
+            args += [len(adds), BATCH_SECONDS]
+            for key, (expiry, amount) in adds.items():
+                keys.append(key)
+                args += [amount, expiry]
         for name, token in releases:
             keys.append(_slot_key(name))
             args.append(token)
@@ -274,16 +296,14 @@ class RedisState(State):
             written += 1
         if written:
             keys.append(LEDGER)
-        return keys, args, (adds, releases, backlog, written)
+        return keys, args, (batches, releases, backlog, written)
 
     def _restore(self, carried: tuple) -> None:
-        """A round trip that failed: what it carried waits for the next (the rows never left
-        their queue). Should it have been applied all the same, the rows and releases are
-        idempotent; the adds would count twice (the counters err on the safe side)."""
-        adds, releases, _backlog, _written = carried
-        for key, (expiry, amount) in adds.items():
-            entry = self._adds.setdefault(key, [expiry, 0])
-            entry[1] += amount
+        """A round trip that failed: what it carried goes with the next (the rows never left
+        their queue). Should it have run all the same, nothing counts twice: rows and
+        releases are idempotent, the adds' batches keep their ids."""
+        batches, releases, _backlog, _written = carried
+        self._unsure[:0] = batches[-MAX_PENDING:]
         self._releases[:0] = releases[:max(0, MAX_PENDING - len(self._releases))]
         self._schedule()
 
