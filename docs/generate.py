@@ -144,7 +144,8 @@ def server_options() -> str:
                            ("Each of `server.auth.keys`", config.KEY_OPTIONS),
                            ("Each of `backends`", config.BACKEND_OPTIONS),
                            ("A backend's `timeouts`", config.TIMEOUT_OPTIONS),
-                           ("A backend's `retries`", config.RETRY_OPTIONS)):
+                           ("A backend's `retries`", config.RETRY_OPTIONS),
+                           ("`state` (see [Shared state](state.md))", config.STATE_OPTIONS)):
         parts += [f"{title}:", "", markdown_table(options, quirks=False), ""]
     return "\n".join(parts)
 

@@ -13,8 +13,12 @@ import sys
 import textwrap
 import time
 
+import orjson
 import pytest
+from support import exchange_for
 
+from relay import config as config_module
+from relay.config import Backend
 from relay.errors import ConfigError
 from relay.state import Counter, Slot, Unavailable, open_state, window
 from relay.state import sqlite as sqlite_state
@@ -393,3 +397,92 @@ async def test_redis_a_round_trip_unheard_is_sent_again_and_counts_once(redis_se
     finally:
         await state.close()
         muffler.server.close()
+
+
+# --- start-up -------------------------------------------------------------------------------
+
+
+def test_workers_with_the_state_in_memory_are_warned_of_at_start(relay, emulator):
+    emu = emulator()
+    config = {"backends": [{"name": "emu", "url": emu.url, "models": ["*"]}]}
+    in_memory = relay(config, args=["--workers", "2"])
+    assert in_memory.wait_for_output("state.url is empty")
+    assert in_memory.output().count("state.url is empty") == 1  # the supervisor's, once
+    shared = relay(dict(config, state={"url": "sqlite:///./relay-state.db"}),
+                   args=["--workers", "2"])
+    assert shared.wait_for_output("(2 workers)")
+    assert "state.url is empty" not in shared.output()
+
+
+# --- portable's thinking provenance on the seam ---------------------------------------------
+
+
+async def replica_pair(url: str):
+    from relay_builtins import portable
+
+    two = config_module.parse({"backends": [{"name": "a", "url": "http://127.0.0.1:1"},
+                                             {"name": "k", "url": "http://127.0.0.1:2"}]})
+    replicas = []
+    for _ in range(2):
+        state = await open_state({"url": url})
+        made = portable.Portable()
+        made.relay_startup(two, {}, state)
+        replicas.append((made, state))
+    return replicas
+
+
+async def judged_elsewhere(url: str) -> dict:
+    """A thinking block answered through one replica, sent on to another backend through the
+    other: what goes up."""
+    from test_portable import KEY_A, answer, history, thought
+
+    from relay_builtins import portable
+
+    (one, one_state), (two, two_state) = await replica_pair(url)
+    try:
+        mine = thought(KEY_A)
+        answer(one, "a", "model-a", mine)
+        await one.provenance.drain(5)
+        body = {"model": "model-k", "max_tokens": 2048, "messages": history("t", thinking=mine),
+                "thinking": {"type": "enabled", "budget_tokens": 1024}}
+        exchange = exchange_for(body)
+        exchange.backend = Backend(name="k", url="http://127.0.0.1:2", models=["*"])
+        reading = two.relay_request(exchange, {o.name: o.default for o in portable.OPTIONS})
+        assert reading is not None  # not in that replica's memory: read from the state
+        await reading
+        return orjson.loads(exchange.upstream_body())
+    finally:
+        for made, state in ((one, one_state), (two, two_state)):
+            await made.relay_shutdown()
+            await state.close()
+
+
+async def test_thinking_provenance_crosses_workers_through_sqlite(tmp_path):
+    sent = await judged_elsewhere(f"sqlite:///{tmp_path}/state.db")
+    assert sent["thinking"] == {"type": "disabled"}  # the foreign block was dropped
+
+
+async def test_thinking_provenance_crosses_replicas_through_redis(redis_server):
+    sent = await judged_elsewhere(redis_server.url)
+    assert sent["thinking"] == {"type": "disabled"}
+
+
+async def test_provenance_with_the_state_out_sends_blocks_as_they_are_and_says_so():
+    from relay_builtins import portable
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    state = await open_state({"url": f"redis://127.0.0.1:{port}/0", "timeout": 0.1})
+    try:
+        record = portable.Provenance("", state=state)
+        record.record([("k1", "a", "m")])
+        await record.drain(5)
+        other = portable.Provenance("", state=state)
+        started = time.monotonic()
+        assert await other.lookup(["k1"]) == {}
+        assert time.monotonic() - started < portable.LOOKUP_SECONDS + 0.2
+        assert ("not_recorded", "unreachable") in record.trouble.drain()
+        assert ("not_known", "unreachable") in other.trouble.drain()
+    finally:
+        await state.close()

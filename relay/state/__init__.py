@@ -49,6 +49,7 @@ import asyncio
 import calendar
 import dataclasses
 import datetime
+import logging
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -222,6 +223,19 @@ class State:
 
     async def close(self) -> None:
         """Finish pending writes (within a short time) and let go of connections."""
+
+
+def warn_if_per_process(config) -> None:
+    """At start-up, before the workers fork: with several workers and the state in memory,
+    each worker would count for itself (a limit of N would let N times as much through, and
+    each worker's ledger would be its own). Said loudly rather than refused: a relay without
+    limits or usage loses nothing."""
+    if config.workers > 1 and not (config.state or {}).get("url"):
+        logging.getLogger("relay").warning(
+            "server.workers is %d and state.url is empty: each worker keeps its own counters, "
+            "concurrency slots, ledger and keys in its memory, so limits and usage are per "
+            "worker; set state.url (sqlite:///./relay-state.db for one host, redis://... for "
+            "several) to share them", config.workers)
 
 
 async def open_state(options: dict[str, Any] | None = None) -> State:
