@@ -5,15 +5,17 @@ replicas on several hosts, through redis-py's asyncio client (the ``redis`` extr
 One request costs one round trip: :meth:`RedisState.take` is one Lua script (checked and
 taken at once for every counter and slot, so replicas racing for the last unit cannot both
 win), and what needs no answer (:meth:`add`, :meth:`release`, :meth:`record`) is queued and
-goes in the same pipeline as the next call, or in the background within ``LINGER`` seconds.
+goes in the same script call as the next take (or ahead of the next other call), or in the
+background within ``LINGER`` seconds.
 
 Where things live (every key under ``relay:``): a counter is a string per window
 (``INCRBY``), expiring at its window's end, and the adds come in batches whose ids are kept
-``BATCH_SECONDS``, so that a batch sent again after an unanswered round trip counts once; a concurrency slot set is a sorted set of release
-tokens scored by lease end, trimmed as it is read, expiring with its last lease; a ledger row
-is a string set only if absent (``SET NX``: idempotent by id) expiring after the retention,
-with a sorted set of ids by time trimmed to the retention; the keys are a hash with a
-version counter (``INCR``); a key-value entry is a string with ``PX`` expiry.
+``BATCH_SECONDS``, so that a batch sent again after an unanswered round trip counts once; a
+concurrency slot set is a sorted set of release tokens scored by lease end, trimmed as it is
+read, expiring with its last lease; a ledger row is a string set only if absent (``SET NX``:
+idempotent by id) expiring after the retention, with a sorted set of ids by time trimmed to
+the retention; the keys are a hash with a version counter (``INCR``); a key-value entry is a
+string with ``PX`` expiry.
 
 Every call is bounded by ``timeout``: one that fails or does not answer in time raises
 :class:`~relay.state.Unavailable`, and for a second after that every call does so at once
