@@ -216,13 +216,17 @@ class Exchange:
     The request: ``method``, ``path``, ``query`` (as the client sent them), ``client_headers``,
     ``raw_body``, and ``endpoint`` (``messages``, ``count_tokens``, ``passthrough``, or
     ``refused`` for a request turned away before it was routed). Routing: ``backend``,
-    ``model``, ``stream``, ``key_name`` (the inbound key, when auth is on). What went up:
+    ``model``, ``stream``, ``key_name`` (the inbound key's name, when auth is on) and ``key``
+    (the :class:`relay.config.InboundKey` itself, with its limits). What went up:
     ``attempts`` (one :class:`Attempt` per try, retries and fallbacks included) and
     ``upstream_request`` (an :class:`UpstreamRequest`) / ``upstream_response`` (an
     :class:`UpstreamAnswer`), the last attempt's. What came back: ``answer`` (an
     :class:`Answer`), ``outcome`` (an :class:`Outcome`), ``error`` (a :class:`RelayError` the
     relay answered with), ``stream_failure`` (a :class:`StreamFailure` when a stream ended in
-    an error event), and ``received`` (wall-clock time) with ``timings`` (a :class:`Timings`).
+    an error event), ``usage`` (a :class:`relay.usage.Usage`, set by the usage plugin),
+    ``replaced_headers`` (the upstream's answer headers a plugin's own replaced, see
+    ``replaces_headers``), and ``received`` (wall-clock time) with ``timings`` (a
+    :class:`Timings`).
     What the plugins found: ``repairs`` (their total), ``repaired_by`` (one :class:`Repair`
     per :meth:`repaired`), ``uncertain`` (one :class:`Uncertainty` per :meth:`unsure`).
 
@@ -246,6 +250,18 @@ class Exchange:
     repaired_by: tuple[Repair, ...] = ()
     uncertain: tuple[Uncertainty, ...] = ()
     stream_failure: StreamFailure | None = None
+    # What the answer reported it used and what that cost (a relay.usage.Usage), set by the
+    # usage plugin as soon as it is known; None without that plugin, or before an answer.
+    usage: Any = None
+    # The inbound key (a relay.config.InboundKey) the client authenticated with, when auth is
+    # on: its limits are the limits plugin's.
+    key: Any = None
+    # Name prefixes (lower case) of upstream answer headers the relay's own replace: a plugin
+    # that sets its own in ``response_headers`` in place of a family of the upstream's (the
+    # key's quota for the pooled account's) names it here; what the upstream sent of it is
+    # kept in ``replaced_headers``.
+    replaces_headers: tuple[str, ...] = ()
+    replaced_headers: dict[str, str] | None = None
 
     def __init__(self, *, endpoint: str, method: str, path: str, query: str,
                  headers, raw_body: bytes = b"", body: dict | None = None,
@@ -321,6 +337,7 @@ class Exchange:
         self.received = previous.received
         self._clock = previous._clock
         self.key_name = previous.key_name
+        self.key = previous.key
         self.attempts = previous.attempts + self.attempts
         self.timeline = previous.timeline + self.timeline
         self.repaired_by = previous.repaired_by + self.repaired_by
