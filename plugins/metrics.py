@@ -19,8 +19,10 @@ client's relay key, since every backend's and every key's traffic is in it. Only
 neither inbound keys nor either of those serves it to anyone who passes the Host check, as it
 serves every route then.
 
-Put ``metrics`` first in ``pipeline:``: end hooks run in reverse order, so it then sees what
-every other plugin noted (the dump plugin's queued and dropped dumps, say).
+Put ``metrics`` before the other plugins in ``pipeline:`` (only ``limits`` and ``usage``, which
+set what it counts before any end hook runs, go before it): end hooks run in reverse order,
+so it then sees what every later plugin noted (the dump plugin's queued and dropped dumps,
+say).
 
 Options: see ``Metrics.OPTIONS``.
 """

@@ -289,3 +289,27 @@ def test_the_states_failures_are_counted_by_its_kind():
     plugin.relay_exchange_end(finished_exchange(status=200))
     found = samples(generate_latest(plugin.registry).decode())
     assert value(found, "relay_state_unavailable_total", store="redis") == 4
+
+
+def test_the_model_label_of_usage_is_bounded():
+    from relay.usage import Usage
+    from relay_builtins.metrics import MAX_MODELS
+
+    plugin = Metrics()
+    plugin.relay_startup(config=config_module.parse({"backends": [backend("http://127.0.0.1:9")]},
+                                                    env={}),
+                         options={"path": "/metrics", "scrape_key_env": ""},
+                         state=MemoryState())
+    for n in range(MAX_MODELS + 8):
+        exchange = finished_exchange()
+        exchange.model = f"model-{n}"
+        exchange.usage = Usage(input_tokens=10, output_tokens=1, cost_micro_usd=None if n % 2
+                               else 5)
+        plugin.relay_exchange_end(exchange)
+    found = samples(generate_latest(plugin.registry).decode())
+    models = {dict(labels)["model"] for name, labels in found if name == "relay_tokens_total"}
+    assert len(models) == MAX_MODELS + 1 and "other" in models
+    assert value(found, "relay_tokens_total", kind="input") == 10 * (MAX_MODELS + 8)
+    assert value(found, "relay_tokens_total", model="other", kind="output") == 8
+    assert value(found, "relay_usage_unpriced_total") == (MAX_MODELS + 8) // 2
+    assert value(found, "relay_cost_micro_usd_total") == 5 * ((MAX_MODELS + 8) // 2)
