@@ -9,6 +9,7 @@ import asyncio
 import collections
 import time
 
+import anthropic
 import orjson
 import pytest
 from support import Relay, backend
@@ -118,3 +119,33 @@ def test_redis_stopped_mid_run_lets_requests_through_and_the_ledger_catches_up(
         assert time.monotonic() < deadline, f"{len(outage & set(ids))} of the outage's rows"
         time.sleep(0.2)
     assert len(ids) == len(set(ids))
+
+
+@pytest.mark.parametrize("url", ["redis", ""], ids=["shared-in-redis", "in-each-replica"])
+def test_a_session_crossing_backends_through_both_replicas_keeps_its_thinking_valid(
+        emulator, redis_server, tmp_path, url):
+    """Each turn to the other backend (each signs its own thinking), and so, round robin,
+    through the other replica: which backend issued a thinking block is known to the replica
+    that did not see it only through the shared state."""
+    from test_portable_e2e import Session
+
+    backends = [backend(emulator("--signing-secret", f"secret-of-{name}", "--thinking",
+                                 "--tool-turns", "4").url, name=name, models=[f"model-{name}"])
+                for name in ("a", "b")]
+    config = {"state": {"url": redis_server.url if url else ""},
+              "pipeline": ["dedup", "pairing", "ordering", "portable"], "backends": backends}
+    relays = [Relay(config, directory(tmp_path / f"replica{i}")) for i in range(2)]
+    balancer = LoadBalancer([r.url for r in relays], tmp_path)
+    try:
+        session = Session([balancer.url], ["model-a", "model-b"], tmp_path, thinking=True,
+                          stream=False)
+        if url:
+            assert session.run().stop_reason == "end_turn"
+        else:
+            with pytest.raises(anthropic.BadRequestError,
+                               match="Invalid `signature` in `thinking` block"):
+                session.run()
+    finally:
+        balancer.stop()
+        for relay in relays:
+            relay.stop()
