@@ -87,6 +87,9 @@ def connect(path: str, timeout: float) -> sqlite3.Connection:
         # In WAL mode a commit without fsync cannot corrupt the file; a power cut may lose
         # the last transactions, which is what the ledger's buffer risks anyway.
         db.execute("PRAGMA synchronous=NORMAL")
+        # The WAL file is cut back to this after a checkpoint, should a long read have let
+        # it grow.
+        db.execute("PRAGMA journal_size_limit=16777216")
     except BaseException:
         db.close()
         raise
@@ -458,21 +461,16 @@ class SQLiteState(State):
 
     def _take(self, db: sqlite3.Connection, counters: tuple[Counter, ...],
               slots: tuple[Slot, ...], now: float) -> Taken:
-        looked = []
-        for counter in counters:
-            start, end = window(counter.per, now)
-            found = db.execute("SELECT used FROM counters WHERE name = ? AND start = ?",
-                               (counter.name, start)).fetchone()
-            looked.append((start, end, found[0] if found else 0))
+        looked = _looked(db, counters, now)
         for counter, (_, _, used) in zip(counters, looked, strict=True):
             if counter.limit is not None and (
                     used + counter.amount > counter.limit if counter.amount
                     else used >= counter.limit):
                 return Taken(False, _counted(counters, looked), blocked=counter.name)
         for slot in slots:
-            db.execute("DELETE FROM slots WHERE name = ? AND until <= ?", (slot.name, now))
-            held, oldest = db.execute("SELECT COUNT(*), MIN(until) FROM slots WHERE name = ?",
-                                      (slot.name,)).fetchone()
+            # A lease run out is not held (the sweep deletes it later).
+            held, oldest = db.execute("SELECT COUNT(*), MIN(until) FROM slots WHERE name = ? "
+                                      "AND until > ?", (slot.name, now)).fetchone()
             if held >= slot.limit:
                 return Taken(False, _counted(counters, looked), blocked=slot.name,
                              slot_retry=max(0.0, (oldest or now) - now))
@@ -493,13 +491,7 @@ class SQLiteState(State):
     @staticmethod
     def _counts(db: sqlite3.Connection, counters: tuple[Counter, ...], now: float
                 ) -> list[Count]:
-        result = []
-        for counter in counters:
-            start, end = window(counter.per, now)
-            found = db.execute("SELECT used FROM counters WHERE name = ? AND start = ?",
-                               (counter.name, start)).fetchone()
-            result.append(Count(counter.name, found[0] if found else 0, counter.limit, end))
-        return result
+        return list(_counted(counters, _looked(db, counters, now)))
 
     @staticmethod
     def _keys(db: sqlite3.Connection) -> tuple[int, list[dict[str, Any]]]:
@@ -569,6 +561,18 @@ class SQLiteState(State):
 
 def _nothing(_db: sqlite3.Connection) -> None:
     return None
+
+
+def _looked(db: sqlite3.Connection, counters: Sequence[Counter], now: float
+            ) -> list[tuple[int, int, int]]:
+    """Each counter's window (start, end) and its count there."""
+    looked = []
+    for counter in counters:
+        start, end = window(counter.per, now)
+        found = db.execute("SELECT used FROM counters WHERE name = ? AND start = ?",
+                           (counter.name, start)).fetchone()
+        looked.append((start, end, found[0] if found else 0))
+    return looked
 
 
 def _counted(counters: Sequence[Counter], looked: list[tuple[int, int, int]]
