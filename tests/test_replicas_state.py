@@ -1,18 +1,22 @@
 """Two replicas behind the real HAProxy sharing a real redis-server (each test starts its own
 on loopback): a key's requests per minute hold across them, the ledger holds each exchange
-exactly once, and Redis stopped mid-run costs no request a hang or a traceback (the state's
-``on_unavailable: open``), with the ledger caught up once Redis is back."""
+exactly once, a session crossing backends through both keeps its thinking valid, and Redis
+stopped mid-run costs no request a hang or a traceback: with ``on_unavailable: open`` the
+requests go through and the ledger catches up once Redis is back, with ``closed`` they get
+a clean 503 until it is."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
 import time
+import urllib.error
+import urllib.request
 
 import anthropic
 import orjson
 import pytest
-from support import Relay, backend
+from support import Relay, backend, request, text, user
 from test_limits import same_minute
 from test_limits_workers import post
 from test_replicas import LoadBalancer, directory
@@ -23,13 +27,15 @@ KEY = "team-a-key-" + "r" * 20
 
 
 @pytest.fixture
-def replicas(emulator, redis_server, tmp_path):
+def replicas(emulator, redis_server, tmp_path, request):
     started: list = []
     emu = emulator()
+    on_unavailable = getattr(request, "param", "open")
     config = {"server": {"access_log": True, "log_format": "json",
                          "auth": {"keys": [{"name": "team-a", "key_env": "RELAY_KEY",
                                             "limits": {"requests_per_minute": 10}}]}},
-              "state": {"url": redis_server.url, "timeout": 0.25},
+              "state": {"url": redis_server.url, "timeout": 0.25,
+                        "on_unavailable": on_unavailable},
               "pipeline": ["limits", "usage"], "backends": [backend(emu.url)]}
     relays = [Relay(config, directory(tmp_path / f"replica{i}"), env={"RELAY_KEY": KEY})
               for i in range(2)]
@@ -119,6 +125,35 @@ def test_redis_stopped_mid_run_lets_requests_through_and_the_ledger_catches_up(
         assert time.monotonic() < deadline, f"{len(outage & set(ids))} of the outage's rows"
         time.sleep(0.2)
     assert len(ids) == len(set(ids))
+
+
+@pytest.mark.parametrize("replicas", ["closed"], indirect=True)
+def test_redis_stopped_mid_run_with_on_unavailable_closed_refuses_cleanly(
+        replicas, redis_server):
+    relays, balancer = replicas
+    same_minute(20)
+    assert post(balancer.url, KEY)[0] == 200
+    redis_server.stop()
+    started = time.monotonic()
+    refused = []
+    for _ in range(3):
+        call = urllib.request.Request(
+            balancer.url + "/v1/messages", data=orjson.dumps(request(user(text("hi")))),
+            headers={"content-type": "application/json", "x-api-key": KEY}, method="POST")
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            urllib.request.urlopen(call, timeout=10)
+        refused.append((caught.value.code, orjson.loads(caught.value.read())))
+    assert time.monotonic() - started < 3 * 1.0
+    for status, body in refused:
+        assert status == 503 and body["type"] == "error"
+        assert "state.on_unavailable: closed" in body["error"]["message"]
+    for relay in relays:
+        assert "Traceback" not in relay.output()
+    redis_server.start()
+    deadline = time.monotonic() + 10
+    while post(balancer.url, KEY)[0] != 200:  # back: the key's requests go through again
+        assert time.monotonic() < deadline, "the relay never used Redis again"
+        time.sleep(0.2)
 
 
 @pytest.mark.parametrize("url", ["redis", ""], ids=["shared-in-redis", "in-each-replica"])
