@@ -19,8 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 MARKER = re.compile(r"^<!-- generated: ([a-z_]+) -->$", re.MULTILINE)
 # Built-in plugins in the shipped pipeline's order; each is documented by its module
 # docstring and its declared options.
-BUILTINS = ("limits", "usage", "metrics", "dedup", "pairing", "ordering", "portable",
-            "dump")
+BUILTINS = ("limits", "usage", "metrics", "cache", "dedup", "pairing", "ordering",
+            "portable", "dump")
 
 _ROLE = re.compile(r":(?:class|func|meth|mod|attr|data|exc):`~?([^`]+)`")
 
@@ -146,6 +146,8 @@ def server_options() -> str:
                            ("Each of `backends`", config.BACKEND_OPTIONS),
                            ("A backend's `timeouts`", config.TIMEOUT_OPTIONS),
                            ("A backend's `retries`", config.RETRY_OPTIONS),
+                           ("Each of a backend's `credentials`", config.CREDENTIAL_OPTIONS),
+                           ("A backend's `pool`", config.POOL_OPTIONS),
                            ("`state` (see [Shared state](state.md))", config.STATE_OPTIONS)):
         parts += [f"{title}:", "", markdown_table(options, quirks=False), ""]
     return "\n".join(parts)

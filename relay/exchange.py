@@ -178,6 +178,9 @@ class Attempt:
     """From sending to the upstream's headers (or the failure)."""
     waited: float = 0.0
     """The backoff slept before this attempt."""
+    credential: str | None = None
+    """The name of the backend's credential it went with (None for a backend with one key
+    or none: see :mod:`relay.pools`)."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -220,7 +223,8 @@ class Exchange:
     (the :class:`relay.config.InboundKey` itself, with its limits). What went up:
     ``attempts`` (one :class:`Attempt` per try, retries and fallbacks included) and
     ``upstream_request`` (an :class:`UpstreamRequest`) / ``upstream_response`` (an
-    :class:`UpstreamAnswer`), the last attempt's. What came back: ``answer`` (an
+    :class:`UpstreamAnswer`), the last attempt's, and ``credential``, the name of the pooled
+    key it went with (:mod:`relay.pools`; None without a pool). What came back: ``answer`` (an
     :class:`Answer`), ``outcome`` (an :class:`Outcome`), ``error`` (a :class:`RelayError` the
     relay answered with), ``stream_failure`` (a :class:`StreamFailure` when a stream ended in
     an error event), ``usage`` (a :class:`relay.usage.Usage`, set by the usage plugin),
@@ -228,7 +232,10 @@ class Exchange:
     ``replaces_headers``), and ``received`` (wall-clock time) with ``timings`` (a
     :class:`Timings`).
     What the plugins found: ``repairs`` (their total), ``repaired_by`` (one :class:`Repair`
-    per :meth:`repaired`), ``uncertain`` (one :class:`Uncertainty` per :meth:`unsure`).
+    per :meth:`repaired`), ``uncertain`` (one :class:`Uncertainty` per :meth:`unsure`),
+    ``cache`` (the ``cache`` plugin's verdict on the prompt cache: None, or a dict with
+    ``status`` ``hit`` / ``write`` / ``none`` / ``miss``, its ``cause``, ``where``, ``by``
+    and the tokens read, written and sent fresh).
 
     The record's document form, the one a dump holds and ``relay replay`` reads, is made
     by :mod:`relay.document` (:func:`relay.document.to_document`,
@@ -262,6 +269,12 @@ class Exchange:
     # kept in ``replaced_headers``.
     replaces_headers: tuple[str, ...] = ()
     replaced_headers: dict[str, str] | None = None
+    # The name of the backend credential the last attempt went with (relay.pools); None
+    # for a backend with one key or none.
+    credential: str | None = None
+    # The prompt cache's outcome for this request (the cache plugin's, plugins/cache.py):
+    # None, or ``{"status": "hit" | "write" | "none" | "miss", "cause", "where", "by", ...}``.
+    cache: dict | None = None
 
     def __init__(self, *, endpoint: str, method: str, path: str, query: str,
                  headers, raw_body: bytes = b"", body: dict | None = None,
@@ -402,6 +415,21 @@ class Exchange:
             return self._skeleton.field(name)
         body = self.body
         return body.get(name) if type(body) is dict else None
+
+    def set_field(self, name: str, value) -> None:
+        """Set a top-level field of the request (call :meth:`mark_changed` too); ``value``
+        may be a :class:`msgspec.Raw`, JSON text sent as it is."""
+        if self._body is None and self._skeleton is not None:
+            self._skeleton.set_field(name, value)
+        elif type(self.body) is dict:
+            self.body[name] = skeleton.value(value)
+
+    def drop_field(self, name: str) -> None:
+        """Remove a top-level field from the request (call :meth:`mark_changed` too)."""
+        if self._body is None and self._skeleton is not None:
+            self._skeleton.drop_field(name)
+        elif type(self.body) is dict:
+            self.body.pop(name, None)
 
     def other_fields(self):
         """The names of the request's top-level fields outside

@@ -107,6 +107,8 @@ async def prepare_exchange(state: Preparation, *, method: str, path: str, query:
         prepare_history(state, exchange)
         await state.chain.run("relay_request", exchange)
         threads.restore_held_ids(exchange)
+        if backend.credentials:
+            exchange.session()  # while the request is decoded: the pool keeps it sticky
         # Encoded here, where a request that cannot be is still answered in Anthropic's
         # format.
         try:
@@ -117,7 +119,7 @@ async def prepare_exchange(state: Preparation, *, method: str, path: str, query:
             log.exception("%s: the changed request could not be encoded", exchange.id)
             raise
     except RelayError as error:
-        raise refused(error) from None
+        raise refused(threads.carried_error(error, exchange.thread)) from None
     except Exception as e:  # logged by the chain with the plugin's name, or above
         raise refused(RelayError(500, "the relay failed while preparing this request",
                                  "api_error")) from e
@@ -127,7 +129,7 @@ async def prepare_exchange(state: Preparation, *, method: str, path: str, query:
 def prepare_history(state: Preparation, exchange: Exchange) -> None:
     """What the history rules must know before they run: the betas and fields they defer to
     the upstream for (:mod:`relay.betas`), and the server-held thread the request belongs
-    to (:mod:`relay.threads`; a backend that holds none refuses it here)."""
+    to (:mod:`relay.threads`: forwarded, carried, or refused the API's way)."""
     deferring = betas.deferring(exchange.client_headers, exchange.other_fields())
     if deferring:
         exchange.rules_defer = deferring
