@@ -511,3 +511,31 @@ async def test_what_is_queued_at_close_is_written(shared_url):
                                                     now=BASE)] == [3]
     finally:
         await again.close()
+
+
+async def test_redis_every_key_expires_but_the_ledgers_index_and_the_keys(redis_server):
+    import redis.asyncio
+
+    state = await open_state({"url": redis_server.url})
+    try:
+        for n in range(20):
+            taken = await state.take([Counter(f"key:{n % 3}:rpm", "minute", limit=100),
+                                      Counter(f"key:{n % 3}:spend", "month", limit=None)],
+                                     [Slot(f"key:{n % 3}:concurrent", 5)])
+            await state.add([Counter(f"key:{n % 3}:otpm", "minute", amount=9)])
+            await state.record([{"id": f"ex{n}", "time": time.time()}])
+            if n % 2:
+                await state.release(f"key:{n % 3}:concurrent", taken.tokens[0])
+        await state.put("provenance", {"k": b"v"}, ttl=60)
+        await state.put_key({"name": "a", "hash": "h"})
+        await state.rows()
+    finally:
+        await state.close()
+    client = redis.asyncio.Redis.from_url(redis_server.url)
+    try:
+        names = sorted([k.decode() async for k in client.scan_iter("*")])
+        forever = [k for k in names if await client.ttl(k) < 0]
+        assert forever == ["relay:keys", "relay:keys:version", "relay:ledger"]
+        assert all(k.startswith("relay:") for k in names)
+    finally:
+        await client.aclose()
