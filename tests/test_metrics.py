@@ -18,6 +18,7 @@ from test_server import (BODY, STREAM, Upstream, start_relay, start_upstream,  #
 from relay import config as config_module
 from relay.errors import ConfigError
 from relay.exchange import Outcome
+from relay.state.memory import MemoryState
 from relay.testing import finished_exchange
 from relay_builtins.metrics import Metrics
 
@@ -260,7 +261,8 @@ def test_a_finished_exchange_is_counted_from_its_fields():
     plugin = Metrics()
     plugin.relay_startup(config=config_module.parse({"backends": [backend("http://127.0.0.1:9")]},
                                                     env={}),
-                         options={"path": "/metrics", "scrape_key_env": ""})
+                         options={"path": "/metrics", "scrape_key_env": ""},
+                         state=MemoryState())
     exchange = finished_exchange(status=529, outcome=Outcome.UPSTREAM_ERROR,
                                  timeline=[("dump", "queued", {"reason": "upstream_error"}),
                                            ("other", "queued")])
@@ -274,6 +276,21 @@ def test_a_finished_exchange_is_counted_from_its_fields():
     assert value(found, "relay_dumps_total", result="queued") == 1
 
 
+def test_the_states_failures_are_counted_by_its_kind():
+    state = MemoryState()
+    plugin = Metrics()
+    plugin.relay_startup(config=config_module.parse({"backends": [backend("http://127.0.0.1:9")]},
+                                                    env={}),
+                         options={"path": "/metrics", "scrape_key_env": ""}, state=state)
+    state.kind, state.unavailable_count = "redis", 3  # what a store that went out counted
+    plugin.relay_exchange_end(finished_exchange(status=200))
+    plugin.relay_exchange_end(finished_exchange(status=200))
+    state.unavailable_count = 4
+    plugin.relay_exchange_end(finished_exchange(status=200))
+    found = samples(generate_latest(plugin.registry).decode())
+    assert value(found, "relay_state_unavailable_total", store="redis") == 4
+
+
 def test_the_model_label_of_usage_is_bounded():
     from relay.usage import Usage
     from relay_builtins.metrics import MAX_MODELS
@@ -281,7 +298,8 @@ def test_the_model_label_of_usage_is_bounded():
     plugin = Metrics()
     plugin.relay_startup(config=config_module.parse({"backends": [backend("http://127.0.0.1:9")]},
                                                     env={}),
-                         options={"path": "/metrics", "scrape_key_env": ""})
+                         options={"path": "/metrics", "scrape_key_env": ""},
+                         state=MemoryState())
     for n in range(MAX_MODELS + 8):
         exchange = finished_exchange()
         exchange.model = f"model-{n}"

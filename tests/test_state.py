@@ -13,8 +13,12 @@ import sys
 import textwrap
 import time
 
+import orjson
 import pytest
+from support import exchange_for
 
+from relay import config as config_module
+from relay.config import Backend
 from relay.errors import ConfigError
 from relay.state import Counter, Slot, Unavailable, open_state, window
 from relay.state import sqlite as sqlite_state
@@ -138,6 +142,19 @@ async def test_key_values_expire_and_namespaces_are_apart(state):
     assert await state.get("provenance", ["x"]) == [b"1"]
 
 
+async def rows_when_back(state, wanted: str, within: float = 15.0) -> list[dict]:
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            rows = await state.rows()
+            if any(r["id"] == wanted for r in rows):
+                return rows
+        except Unavailable:
+            pass
+        assert time.monotonic() < deadline, f"{wanted} never reached the ledger"
+        await asyncio.sleep(0.1)
+
+
 # --- SQLite: one file for the workers of a host ---------------------------------------------
 
 
@@ -208,11 +225,16 @@ async def test_sqlite_locked_past_the_timeout_is_unavailable_and_the_ledger_wait
         with pytest.raises(Unavailable):
             await state.take([Counter("key:a:rpm", "minute", limit=5)])
         assert time.monotonic() - started < 1.0
-        assert state.unavailable_count >= 1
+        started = time.monotonic()
+        with pytest.raises(Unavailable):  # at once, for a moment
+            await state.counts([Counter("key:a:rpm", "minute", limit=5)])
+        assert time.monotonic() - started < 0.1  # not the 0.2 s timeout
+        assert state.unavailable_count >= 2
         await state.record([{"id": "waited", "time": time.time()}])  # never raises
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(sqlite_state.DOWN_SECONDS)
         blocker.execute("ROLLBACK")
-        assert [r["id"] for r in await state.rows()] == ["waited"]
+        rows = await rows_when_back(state, "waited", within=5.0)
+        assert [r["id"] for r in rows] == ["waited"]
         assert (await state.take([Counter("key:a:rpm", "minute", limit=5)])).granted
     finally:
         blocker.close()
@@ -253,8 +275,14 @@ HAMMER = textwrap.dedent("""
 
 def hammer(url: str, limit: int, processes: int = 4) -> list[int]:
     started = [subprocess.Popen([sys.executable, "-c", HAMMER, url, str(limit), str(BASE)],
-                                stdout=subprocess.PIPE, text=True) for _ in range(processes)]
-    return [int(p.communicate(timeout=60)[0]) for p in started]
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for _ in range(processes)]
+    granted = []
+    for process in started:
+        out, err = process.communicate(timeout=60)
+        assert process.returncode == 0, err
+        granted.append(int(out))
+    return granted
 
 
 @pytest.mark.slow
@@ -270,19 +298,6 @@ def test_redis_take_is_atomic_across_processes(redis_server):
 
 
 # --- Redis: replicas on several hosts ---------------------------------------------------------
-
-
-async def rows_when_back(state, wanted: str, within: float = 15.0) -> list[dict]:
-    deadline = time.monotonic() + within
-    while True:
-        try:
-            rows = await state.rows()
-            if any(r["id"] == wanted for r in rows):
-                return rows
-        except Unavailable:
-            pass
-        assert time.monotonic() < deadline, f"{wanted} never reached the ledger"
-        await asyncio.sleep(0.1)
 
 
 async def test_redis_stopped_mid_run_is_unavailable_at_once_and_the_ledger_catches_up(
@@ -343,3 +358,185 @@ async def test_redis_unreachable_at_start_up_is_not_fatal(caplog):
             await state.take([Counter("key:a:rpm", "minute", limit=5)])
     finally:
         await state.close()
+
+
+class Muffler:
+    """A loopback proxy in front of Redis that, while ``mute``, passes the commands on and
+    drops the answers: a round trip that ran but whose caller never heard."""
+
+    def __init__(self, port: int):
+        self.port = port
+        self.mute = False
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return f"redis://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/0"
+
+    async def _serve(self, reader, writer):
+        upstream_reader, upstream_writer = await asyncio.open_connection("127.0.0.1", self.port)
+
+        async def pump(source, sink, muted):
+            while data := await source.read(65536):
+                if not (muted and self.mute):
+                    sink.write(data)
+            sink.close()
+
+        await asyncio.gather(pump(reader, upstream_writer, False),
+                             pump(upstream_reader, writer, True), return_exceptions=True)
+
+
+async def test_redis_a_round_trip_unheard_is_sent_again_and_counts_once(redis_server):
+    muffler = Muffler(redis_server.port)
+    state = await open_state({"url": await muffler.start(), "timeout": 0.2})
+    try:
+        otpm = Counter("key:a:otpm", "minute", amount=5)
+        await state.add([otpm], now=BASE)
+        await state.record([{"id": "once", "time": BASE}])
+        muffler.mute = True
+        with pytest.raises(Unavailable):
+            await state.counts([otpm], now=BASE)  # carries the add: it runs, unheard
+        muffler.mute = False
+        await asyncio.sleep(1.1)  # the moment a failure makes every call fail at once
+        assert [c.used for c in await state.counts([otpm], now=BASE)] == [5]
+        assert [r["id"] for r in await state.rows()] == ["once"]
+    finally:
+        await state.close()
+        muffler.server.close()
+
+
+# --- start-up -------------------------------------------------------------------------------
+
+
+def test_workers_with_the_state_in_memory_are_warned_of_at_start(relay, emulator):
+    emu = emulator()
+    config = {"backends": [{"name": "emu", "url": emu.url, "models": ["*"]}]}
+    in_memory = relay(config, args=["--workers", "2"])
+    assert in_memory.wait_for_output("state.url is empty")
+    assert in_memory.output().count("state.url is empty") == 1  # the supervisor's, once
+    shared = relay(dict(config, state={"url": "sqlite:///./relay-state.db"}),
+                   args=["--workers", "2"])
+    assert shared.wait_for_output("(2 workers)")
+    assert "state.url is empty" not in shared.output()
+
+
+# --- portable's thinking provenance on the seam ---------------------------------------------
+
+
+async def replica_pair(url: str):
+    from relay_builtins import portable
+
+    two = config_module.parse({"backends": [{"name": "a", "url": "http://127.0.0.1:1"},
+                                             {"name": "k", "url": "http://127.0.0.1:2"}]})
+    replicas = []
+    for _ in range(2):
+        state = await open_state({"url": url})
+        made = portable.Portable()
+        made.relay_startup(two, {}, state)
+        replicas.append((made, state))
+    return replicas
+
+
+async def judged_elsewhere(url: str) -> dict:
+    """A thinking block answered through one replica, sent on to another backend through the
+    other: what goes up."""
+    from test_portable import KEY_A, answer, history, thought
+
+    from relay_builtins import portable
+
+    (one, one_state), (two, two_state) = await replica_pair(url)
+    try:
+        mine = thought(KEY_A)
+        answer(one, "a", "model-a", mine)
+        await one.provenance.drain(5)
+        body = {"model": "model-k", "max_tokens": 2048, "messages": history("t", thinking=mine),
+                "thinking": {"type": "enabled", "budget_tokens": 1024}}
+        exchange = exchange_for(body)
+        exchange.backend = Backend(name="k", url="http://127.0.0.1:2", models=["*"])
+        reading = two.relay_request(exchange, {o.name: o.default for o in portable.OPTIONS})
+        assert reading is not None  # not in that replica's memory: read from the state
+        await reading
+        return orjson.loads(exchange.upstream_body())
+    finally:
+        for made, state in ((one, one_state), (two, two_state)):
+            await made.relay_shutdown()
+            await state.close()
+
+
+async def test_thinking_provenance_crosses_workers_through_sqlite(tmp_path):
+    sent = await judged_elsewhere(f"sqlite:///{tmp_path}/state.db")
+    assert sent["thinking"] == {"type": "disabled"}  # the foreign block was dropped
+
+
+async def test_thinking_provenance_crosses_replicas_through_redis(redis_server):
+    sent = await judged_elsewhere(redis_server.url)
+    assert sent["thinking"] == {"type": "disabled"}
+
+
+async def test_provenance_with_the_state_out_sends_blocks_as_they_are_and_says_so():
+    from relay_builtins import portable
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    state = await open_state({"url": f"redis://127.0.0.1:{port}/0", "timeout": 0.1})
+    try:
+        record = portable.Provenance("", state=state)
+        record.record([("k1", "a", "m")])
+        await record.drain(5)
+        other = portable.Provenance("", state=state)
+        started = time.monotonic()
+        assert await other.lookup(["k1"]) == {}
+        assert time.monotonic() - started < portable.LOOKUP_SECONDS + 0.2
+        assert ("not_recorded", "unreachable") in record.trouble.drain()
+        assert ("not_known", "unreachable") in other.trouble.drain()
+    finally:
+        await state.close()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("redis", marks=pytest.mark.slow)])
+def shared_url(request, tmp_path):
+    if request.param == "redis":
+        return request.getfixturevalue("redis_server").url
+    return f"sqlite:///{tmp_path}/state.db"
+
+
+async def test_what_is_queued_at_close_is_written(shared_url):
+    state = await open_state({"url": shared_url})
+    await state.add([Counter("key:a:otpm", "minute", amount=3)], now=BASE)
+    await state.record([{"id": "last", "time": BASE}])
+    await state.close()
+    again = await open_state({"url": shared_url})
+    try:
+        assert [r["id"] for r in await again.rows()] == ["last"]
+        assert [c.used for c in await again.counts([Counter("key:a:otpm", "minute")],
+                                                    now=BASE)] == [3]
+    finally:
+        await again.close()
+
+
+async def test_redis_every_key_expires_but_the_ledgers_index_and_the_keys(redis_server):
+    import redis.asyncio
+
+    state = await open_state({"url": redis_server.url})
+    try:
+        for n in range(20):
+            taken = await state.take([Counter(f"key:{n % 3}:rpm", "minute", limit=100),
+                                      Counter(f"key:{n % 3}:spend", "month", limit=None)],
+                                     [Slot(f"key:{n % 3}:concurrent", 5)])
+            await state.add([Counter(f"key:{n % 3}:otpm", "minute", amount=9)])
+            await state.record([{"id": f"ex{n}", "time": time.time()}])
+            if n % 2:
+                await state.release(f"key:{n % 3}:concurrent", taken.tokens[0])
+        await state.put("provenance", {"k": b"v"}, ttl=60)
+        await state.put_key({"name": "a", "hash": "h"})
+        await state.rows()
+    finally:
+        await state.close()
+    client = redis.asyncio.Redis.from_url(redis_server.url)
+    try:
+        names = sorted([k.decode() async for k in client.scan_iter("*")])
+        forever = [k for k in names if await client.ttl(k) < 0]
+        assert forever == ["relay:keys", "relay:keys:version", "relay:ledger"]
+        assert all(k.startswith("relay:") for k in names)
+    finally:
+        await client.aclose()
