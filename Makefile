@@ -108,9 +108,11 @@ e2e: $(VENV)/.installed $(CLAUDE) $(JS_CLIENTS_STAMP) $(HAPROXY) $(REDIS)
 bench: $(VENV)/.installed
 	$(PY) tests/bench/run.py
 
-# Loopback only, bounded, stops by itself (about four minutes); not part of `make test`.
-load: $(VENV)/.installed
+# Loopback only, bounded, stops by itself (about 35 minutes: the soak over SQLite, then over
+# Redis); not part of `make test`.
+load: $(VENV)/.installed $(REDIS)
 	$(PY) tests/load/run.py
+	$(PY) tests/load/run.py --only soak --state redis --out-dir .load/redis
 
 # The docs site (mkdocs.yml), built strictly: a broken link or a generated part that fails
 # stops the build. Into .site/, never committed.
