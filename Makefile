@@ -10,6 +10,8 @@ JS_CLIENTS := ai@6.0.325 @ai-sdk/anthropic@3.0.140 @anthropic-ai/sdk@1.14.0 zod@
 # Named after the pins, so that changing one installs again.
 JS_CLIENTS_STAMP := .e2e/.js-clients-$(shell echo '$(JS_CLIENTS)' | cksum | cut -d' ' -f1)
 HAPROXY := /usr/sbin/haproxy
+# Debian's Chromium and its driver, for the console's browser tests (Selenium drives them).
+CHROMEDRIVER := /usr/bin/chromedriver
 PYTEST_ARGS ?=
 # The tiers (setup.cfg's markers): the fast one starts no process (tests/conftest.py refuses
 # it) and is what `make check` runs; the rest is what only `make test` adds.
@@ -46,6 +48,15 @@ $(HAPROXY):
 	@DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends haproxy >/dev/null
 	@$(HAPROXY) -v | head -1
 
+# Chromium and chromedriver for the console's browser tests: Debian's packages, the same
+# build, so that the driver always matches the browser (tests/test_console_browser.py).
+$(CHROMEDRIVER):
+	@command -v apt-get >/dev/null || { echo "Chromium is required for the console's browser tests: install it (Debian/Ubuntu: apt-get install chromium chromium-driver)" >&2; exit 1; }
+	@echo "installing chromium and chromium-driver from Debian's packages"
+	@apt-get update -qq >/dev/null
+	@DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium chromium-driver >/dev/null
+	@$(CHROMEDRIVER) --version | head -1
+
 run: $(VENV)/.installed
 	$(PY) -m relay --config relay.yaml
 
@@ -64,7 +75,7 @@ check: $(VENV)/.installed
 	$(PY) -m pytest -q $(FAST_TIER) $(PYTEST_ARGS)
 
 # `make check` first; then the tiers it leaves out, so no test runs twice.
-test: $(VENV)/.installed check $(CLAUDE) $(JS_CLIENTS_STAMP) $(HAPROXY)
+test: $(VENV)/.installed check $(CLAUDE) $(JS_CLIENTS_STAMP) $(HAPROXY) $(CHROMEDRIVER)
 	RELAY_CLAUDE=$(abspath $(CLAUDE)) $(PY) -m pytest $(SLOW_TIER) $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-example test-min docs
 
@@ -90,7 +101,7 @@ test-min: $(MIN_VENV)/.installed
 		tests/test_security.py tests/test_upstream.py tests/test_hooks.py tests/test_skeleton.py \
 		tests/test_sse.py tests/test_options.py
 
-unit: $(VENV)/.installed $(HAPROXY)
+unit: $(VENV)/.installed $(HAPROXY) $(CHROMEDRIVER)
 	$(PY) -m pytest -m "not e2e" $(PYTEST_ARGS)
 
 e2e: $(VENV)/.installed $(CLAUDE) $(JS_CLIENTS_STAMP) $(HAPROXY)

@@ -246,6 +246,7 @@ class Exchange:
     repaired_by: tuple[Repair, ...] = ()
     uncertain: tuple[Uncertainty, ...] = ()
     stream_failure: StreamFailure | None = None
+    dump_path: str | None = None  # the dump written for it (the dump plugin's)
 
     def __init__(self, *, endpoint: str, method: str, path: str, query: str,
                  headers, raw_body: bytes = b"", body: dict | None = None,

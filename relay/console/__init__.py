@@ -1,0 +1,441 @@
+"""The operator's web console at ``/console`` (``server.console: true``).
+
+Server-rendered pages over the shared record, so that every worker and replica shows the
+same: the ledger rows of the state seam (:meth:`relay.state.State.rows`), the relay's own
+keys (:mod:`relay.keys`), the backends' health (:mod:`relay.pools`) and the dump directory.
+Nothing is kept in a process's memory, and the request path does no work for it: the pages
+read the record only when someone asks for one.
+
+Security (see docs/console.md): the admin key logs in once, at a form; after that a signed,
+HttpOnly, SameSite=Strict cookie (:mod:`relay.console.auth`) proves the session. No client
+key logs in, no key is ever in a URL. Every action is a form POST carrying a CSRF token.
+Every answer carries a Content-Security-Policy that allows this origin's stylesheet and
+nothing else (no script at all, no framing), and everything the pages need ships in the
+package.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from importlib import resources
+from typing import Any
+from urllib.parse import parse_qs
+
+import orjson
+from aiohttp import web
+
+from .. import state as shared
+from ..exchange import Outcome
+from . import auth, pages, record
+
+PREFIX = "/console"
+MAX_FORM_BYTES = 16 * 1024
+DAY = 86400.0
+# The login form takes this many tries a minute, from everyone together.
+LOGINS_PER_MINUTE = 30
+HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; script-src 'none'; object-src 'none'; "
+                               "base-uri 'none'; form-action 'self'; frame-ancestors 'none'",
+    "X-Frame-Options": "DENY",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cross-Origin-Opener-Policy": "same-origin",
+    "Cross-Origin-Resource-Policy": "same-origin",
+    "Cache-Control": "no-store",
+}
+STATIC = {"console.css": "text/css"}
+CSRF = web.RequestKey("console_csrf", str)
+SESSION = web.RequestKey("console_session", auth.Session)
+
+
+class Refused(Exception):
+    """An action refused: the status and what the operator is told."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def _optional(name: str):
+    """A module another part of the relay provides (the key store, the pools), or None when
+    this relay has none."""
+    import importlib
+    try:
+        return importlib.import_module(f"relay.{name}")
+    except ImportError:
+        return None
+
+
+class Console:
+    """The console's handlers: one instance per app, holding no record of its own."""
+
+    def __init__(self, config, chain):
+        if not config.admin_key:
+            raise ValueError("the console needs the admin key")
+        self.config = config
+        self.chain = chain
+        self.signer = auth.Signer(config.admin_key)
+        self.clients = None
+        if config.keys is not None:
+            from ..inbound import Gate
+            self.clients = Gate(config.keys)
+        folder = resources.files(__package__).joinpath("static")
+        # Read once here, at start-up: serving them touches no disk.
+        self.static = {name: folder.joinpath(name).read_bytes() for name in STATIC}
+        self.routes = {
+            ("GET", PREFIX): self.overview, ("GET", f"{PREFIX}/keys"): self.keys,
+            ("POST", f"{PREFIX}/keys/create"): self.create_key,
+            ("POST", f"{PREFIX}/keys/revoke"): self.revoke_key,
+            ("POST", f"{PREFIX}/keys/limits"): self.set_limits,
+            ("GET", f"{PREFIX}/sessions"): self.sessions,
+            ("GET", f"{PREFIX}/session"): self.session,
+            ("GET", f"{PREFIX}/exchanges"): self.exchanges,
+            ("GET", f"{PREFIX}/exchange"): self.exchange,
+            ("GET", f"{PREFIX}/dumps"): self.dumps, ("GET", f"{PREFIX}/dump"): self.dump,
+            ("GET", f"{PREFIX}/backends"): self.backends,
+            ("POST", f"{PREFIX}/logout"): self.logout,
+        }
+
+    @staticmethod
+    def serves(path: str) -> bool:
+        return path == PREFIX or path.startswith(PREFIX + "/")
+
+    @property
+    def state(self) -> shared.State:
+        state = self.chain.state
+        if state is None:
+            raise Refused(503, "the relay's state is not open")
+        return state
+
+    # --- the way in ----------------------------------------------------------------------
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        try:
+            response = await self._handle(request)
+        except Refused as refused:
+            response = self.page(request, "Refused", pages.notice(refused.message, bad=True),
+                                 status=refused.status)
+        except shared.Unavailable:
+            response = self.page(request, "Unavailable", pages.notice(
+                "The shared state cannot be reached: the console has nothing to show.",
+                bad=True), status=503)
+        response.headers.update(HEADERS)
+        return response
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        path, method = request.path, "GET" if request.method == "HEAD" else request.method
+        if path.startswith(f"{PREFIX}/static/"):
+            name = path[len(PREFIX) + 8:]
+            if method != "GET" or name not in self.static:
+                raise Refused(404, "not found")
+            return web.Response(body=self.static[name], content_type=STATIC[name])
+        if path == f"{PREFIX}/login":
+            if method == "POST":
+                return await self.login(request)
+            if method == "GET":
+                return self.login_form(request)
+            raise Refused(405, f"{method} is not allowed here")
+        handler = self.routes.get((method, path))
+        if handler is None:
+            if any(known == path for _, known in self.routes):
+                raise Refused(405, f"{method} is not allowed here")
+            raise Refused(404, "not found")
+        session = await self.session_of(request)
+        if session is None:
+            if method == "POST":
+                raise Refused(401, "not logged in")
+            return redirect(f"{PREFIX}/login")
+        request[CSRF] = self.signer.csrf(session.nonce)
+        if method == "POST":
+            form = await self.form(request)
+            if not self.signer.csrf_ok(session.nonce, form.get("csrf")):
+                raise Refused(403, "this action's form is not this session's (no or a wrong "
+                                   "CSRF token): reload the page and try again")
+            request[SESSION] = session
+            return await handler(request, form)
+        return await handler(request)
+
+    async def session_of(self, request: web.Request) -> auth.Session | None:
+        session = self.signer.check(request.cookies.get(auth.COOKIE))
+        if session is None:
+            return None
+        ended = await self.state.get(auth.LOGGED_OUT, [session.nonce])
+        return None if ended[0] is not None else session
+
+    async def form(self, request: web.Request) -> dict[str, str]:
+        """A POSTed form, bounded, from this origin only (a browser says where a form came
+        from in ``Origin``; one from elsewhere is refused before its token is looked at)."""
+        origin = request.headers.get("Origin")
+        if origin is not None and origin != "null":
+            host = origin.partition("://")[2]
+            if host != request.headers.get("Host"):
+                raise Refused(403, "this form was sent from another site")
+        kind = (request.headers.get("Content-Type") or "").partition(";")[0].strip().lower()
+        if kind != "application/x-www-form-urlencoded":
+            raise Refused(415, "a form is expected")
+        if request.content_length is not None and request.content_length > MAX_FORM_BYTES:
+            raise Refused(413, "the form is too large")
+        raw = await request.content.read(MAX_FORM_BYTES + 1)
+        if len(raw) > MAX_FORM_BYTES:
+            raise Refused(413, "the form is too large")
+        parsed = parse_qs(raw.decode("utf-8", "replace"), keep_blank_values=True,
+                          max_num_fields=20)
+        return {name: values[0] for name, values in parsed.items()}
+
+    def page(self, request: web.Request, title: str, main: str, current: str | None = None,
+             status: int = 200) -> web.Response:
+        csrf = request.get(CSRF)
+        return web.Response(text=pages.layout(title, main, current, csrf), status=status,
+                            content_type="text/html", charset="utf-8")
+
+    def login_form(self, request: web.Request, message: str | None = None,
+                   status: int = 200) -> web.Response:
+        token, _ = self.signer.issue()
+        nonce = token.split(".")[1]
+        response = web.Response(text=pages.login(self.signer.csrf("login:" + nonce), message),
+                                status=status, content_type="text/html", charset="utf-8")
+        response.set_cookie(auth.LOGIN_COOKIE, nonce, max_age=auth.LOGIN_SECONDS,
+                            path=f"{PREFIX}/login", httponly=True, samesite="Strict",
+                            secure=request.secure)
+        return response
+
+    async def login(self, request: web.Request) -> web.StreamResponse:
+        form = await self.form(request)
+        nonce = request.cookies.get(auth.LOGIN_COOKIE) or ""
+        if not nonce or not self.signer.csrf_ok("login:" + nonce, form.get("csrf")):
+            return self.login_form(request, "The login form had expired: try again.", 403)
+        taken = await self.state.take([shared.Counter("console:logins", "minute",
+                                                      LOGINS_PER_MINUTE)])
+        if not taken.granted:
+            return self.login_form(request, "Too many tries: wait a minute.", 429)
+        key = form.get("key") or ""
+        if not self.signer.is_admin_key(key):
+            message = "That is not the admin key."
+            if self.clients is not None and key:
+                try:
+                    self.clients.authenticate({"x-api-key": key})
+                    message = "That is a relay key, for clients: the console takes the admin key."
+                except Exception:
+                    pass
+            return self.login_form(request, message, 401)
+        token, session = self.signer.issue()
+        response = redirect(PREFIX)
+        response.set_cookie(auth.COOKIE, token, max_age=auth.SESSION_SECONDS, path=PREFIX,
+                            httponly=True, samesite="Strict", secure=request.secure)
+        response.del_cookie(auth.LOGIN_COOKIE, path=f"{PREFIX}/login")
+        return response
+
+    async def logout(self, request: web.Request, form: dict) -> web.StreamResponse:
+        session: auth.Session = request[SESSION]
+        left = max(session.expires - time.time(), 1.0)
+        await self.state.put(auth.LOGGED_OUT, {session.nonce: b"1"}, ttl=left)
+        response = redirect(f"{PREFIX}/login")
+        response.del_cookie(auth.COOKIE, path=PREFIX)
+        return response
+
+    # --- pages ---------------------------------------------------------------------------
+
+    async def day_rows(self, since: float | None = None) -> list[dict]:
+        now = time.time()
+        return await self.state.rows(since=now - DAY if since is None else since,
+                                     limit=record.MAX_SCAN, newest_first=True)
+
+    async def overview(self, request: web.Request) -> web.Response:
+        rows = await self.day_rows()
+        main = await asyncio.to_thread(
+            lambda: pages.overview(record.overview(rows, time.time())))
+        return self.page(request, "Overview", main, "overview")
+
+    def key_store(self):
+        return _optional("keys")
+
+    async def keys(self, request: web.Request, message: str | None = None,
+                   secret: tuple[str, str] | None = None, status: int = 200) -> web.Response:
+        store = self.key_store()
+        listed = None if store is None else await store.list_keys(self.state)
+        usage: dict[str, list] = {}
+        spend: dict[str, list] = {}
+        if listed:
+            now = time.time()
+            rows = await self.state.rows(since=now - 31 * DAY, limit=record.MAX_SCAN)
+            for key in listed:
+                usage[key["name"]] = limit_usage(key.get("limits"), key["name"], rows, now)
+                spend[key["name"]] = record.spend_by_day(rows, key["name"], now)
+        return self.page(request, "Keys", pages.keys(listed, usage, spend,
+                                                     request[CSRF], message, secret),
+                         "keys", status)
+
+    def _store(self):
+        store = self.key_store()
+        if store is None:
+            raise Refused(404, "this relay has no key store (relay/keys.py)")
+        return store
+
+    async def create_key(self, request: web.Request, form: dict) -> web.Response:
+        store = self._store()
+        name = (form.get("name") or "").strip()
+        try:
+            limits = parse_limits(form.get("limits"))
+            secret = await store.create_key(self.state, name, limits=limits)
+        except (ValueError, KeyError) as e:
+            return await self.keys(request, message=f"Not created: {e}", status=400)
+        return await self.keys(request, secret=(name, secret))
+
+    async def revoke_key(self, request: web.Request, form: dict) -> web.StreamResponse:
+        store = self._store()
+        try:
+            await store.revoke_key(self.state, form.get("name") or "")
+        except (ValueError, KeyError) as e:
+            return await self.keys(request, message=f"Not revoked: {e}", status=400)
+        return redirect(f"{PREFIX}/keys")
+
+    async def set_limits(self, request: web.Request, form: dict) -> web.StreamResponse:
+        store = self._store()
+        try:
+            await store.set_limits(self.state, form.get("name") or "",
+                                   parse_limits(form.get("limits")) or {})
+        except (ValueError, KeyError) as e:
+            return await self.keys(request, message=f"Limits not changed: {e}", status=400)
+        return redirect(f"{PREFIX}/keys")
+
+    async def sessions(self, request: web.Request) -> web.Response:
+        rows = await self.day_rows()
+        page = _page(request)
+        found = await asyncio.to_thread(record.sessions, rows)
+        pages_count = (len(found) + record.PAGE - 1) // record.PAGE
+        shown = found[page * record.PAGE:(page + 1) * record.PAGE]
+        return self.page(request, "Sessions", pages.sessions(shown, page, pages_count),
+                         "sessions")
+
+    async def session(self, request: web.Request) -> web.Response:
+        key = request.query.get("id") or ""
+        rows = await self.state.rows(since=time.time() - 7 * DAY, where={"session": key},
+                                     limit=1000)
+        return self.page(request, "Session", pages.session(key, rows), "sessions")
+
+    async def exchanges(self, request: web.Request) -> web.Response:
+        filters = {name: request.query.get(name, "") for name in
+                   ("key", "backend", "status", "outcome")}
+        where: dict[str, Any] = {name: value for name, value in filters.items()
+                                 if value and name != "status"}
+        if filters["status"]:
+            if not filters["status"].isdigit():
+                raise Refused(400, "status: a number")
+            where["status"] = int(filters["status"])
+        before = _number(request.query.get("before"))
+        rows = await self.state.rows(until=before, where=where or None,
+                                     limit=record.PAGE + 1, newest_first=True)
+        recent = await self.state.rows(since=time.time() - DAY, limit=2000, newest_first=True)
+        choices = {
+            "key": sorted({r["key"] for r in recent if r.get("key")}),
+            "backend": sorted({b.name for b in self.config.backends}
+                              | {r["backend"] for r in recent if r.get("backend")}),
+            "status": sorted({r["status"] for r in recent if isinstance(r.get("status"), int)}),
+            "outcome": [outcome.value for outcome in Outcome]}
+        return self.page(request, "Exchanges", pages.exchanges(
+            rows[:record.PAGE], filters, len(rows) > record.PAGE, choices), "exchanges")
+
+    async def exchange(self, request: web.Request) -> web.Response:
+        found = await self.state.rows(where={"id": request.query.get("id", "")}, limit=1,
+                                      newest_first=True)
+        return self.page(request, "Exchange", pages.exchange(found[0] if found else None),
+                         "exchanges")
+
+    async def dumps(self, request: web.Request) -> web.Response:
+        directory = record.dump_dir(self.config)
+        page = _page(request)
+        if directory is None:
+            main = pages.dumps(None, 0, page)
+        else:
+            listed, total = await asyncio.to_thread(record.list_dumps, directory,
+                                                    page * record.PAGE)
+            main = pages.dumps(listed, total, page)
+        return self.page(request, "Dumps", main, "dumps")
+
+    async def dump(self, request: web.Request) -> web.Response:
+        directory = record.dump_dir(self.config)
+        name = request.query.get("name", "")
+        if directory is None:
+            return self.page(request, "Dump", pages.dumps(None, 0, 0), "dumps")
+        main = await asyncio.to_thread(_dump_page, directory, name)
+        return self.page(request, f"Dump {name}", main, "dumps")
+
+    async def backends(self, request: web.Request) -> web.Response:
+        pools = _optional("pools")
+        health = None if pools is None else await pools.health(self.state, self.config)
+        return self.page(request, "Backends", pages.backends(health, self.config.backends),
+                         "backends")
+
+
+def redirect(location: str) -> web.Response:
+    """After an action, the page to see (303: the browser follows it with a GET)."""
+    return web.Response(status=303, headers={"Location": location})
+
+
+def _dump_page(directory: str, name: str) -> str:
+    """Read, check, replay and draw one dump (in a thread: files and the rebuild)."""
+    from ..document import DocumentError
+    try:
+        doc = record.read_dump(directory, name)
+    except DocumentError as e:
+        return pages.dump(name, None, str(e), None)
+    return pages.dump(name, doc, None, record.replay(doc))
+
+
+def _page(request: web.Request) -> int:
+    value = request.query.get("page", "0")
+    return min(int(value), 10_000) if value.isdigit() else 0
+
+
+def _number(value: str | None) -> float | None:
+    try:
+        return float(value) if value else None
+    except ValueError:
+        raise Refused(400, "before: a time") from None
+
+
+def parse_limits(text: str | None) -> dict | None:
+    """The limits a form gives, as JSON (an object); empty for none."""
+    if not text or not text.strip():
+        return None
+    try:
+        value = orjson.loads(text)
+    except orjson.JSONDecodeError:
+        raise ValueError("limits: not JSON") from None
+    if not isinstance(value, dict):
+        raise ValueError("limits: must be a JSON object")
+    return value
+
+
+PERIODS = {"minute": ("minute", "rpm", "tpm"), "hour": ("hour",), "day": ("day", "daily"),
+           "week": ("week",), "month": ("month",)}
+
+
+def limit_usage(limits, key: str, rows: list[dict], now: float) -> list[tuple[str, float, float]]:
+    """Each numeric limit of a key with what the ledger says was used in its current window:
+    requests, tokens or spend (US dollars) per minute, hour, day, week or month."""
+    out: list[tuple[str, float, float]] = []
+    if not isinstance(limits, dict):
+        return out
+    mine = [row for row in rows if row.get("key") == key]
+    for name, limit in limits.items():
+        if isinstance(limit, bool) or not isinstance(limit, (int, float)):
+            continue
+        label = str(name).lower()
+        period = next((p for p, words in PERIODS.items() if any(w in label for w in words)),
+                      None)
+        if period is None:
+            continue
+        start, _ = shared.window(period, now)
+        window_rows = [row for row in mine if row["time"] >= start]
+        if "token" in label or label.startswith("tp"):
+            used: float = sum((r.get("input_tokens") or 0) + (r.get("output_tokens") or 0)
+                              for r in window_rows)
+        elif any(w in label for w in ("spend", "usd", "cost", "budget", "dollar")):
+            used = sum((r.get("cost_micro_usd") or 0) for r in window_rows) / 1e6
+        else:
+            used = len(window_rows)
+        out.append((str(name), used, float(limit)))
+    return out

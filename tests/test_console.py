@@ -1,0 +1,238 @@
+"""The operator's console (``server.console``), in process: who may log in, what every
+answer carries, what each page reads from the shared record. The browser drives it in
+test_console_browser.py."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from relay import config as config_module
+from relay.console import auth
+from relay.errors import ConfigError
+from relay.testing import assistant, emulator, request, result, text, user
+from relay.testing.fixtures import start_relay
+
+ADMIN = "admin-key-0123456789abcdef"
+CLIENT = "client-key-0123456789abcdef"
+ENV = {"ADMIN": ADMIN, "K": CLIENT}
+AUTH = {"keys": [{"name": "team-a", "key_env": "K"}], "admin_key_env": "ADMIN"}
+CSRF = re.compile(r'name="csrf" value="([0-9a-f]+)"')
+
+
+async def console(aiohttp_client, aiohttp_server, tmp_path: Path, pipeline=("dump",), **server):
+    upstream = await aiohttp_server(emulator.create_app(emulator.EmulatorOptions()))
+    raw = {"server": {"auth": AUTH, "console": True, **server}, "pipeline": list(pipeline),
+           "plugins": {"dump": {"dir": str(tmp_path / "dumps")}},
+           "backends": [{"name": "emulator", "url": str(upstream.make_url("")).rstrip("/"),
+                         "models": ["*"]}]}
+    client = await start_relay(aiohttp_client, raw, env=ENV)
+    return client
+
+
+async def log_in(client, key: str = ADMIN):
+    form = await client.get("/console/login")
+    token = CSRF.search(await form.text()).group(1)
+    return await client.post("/console/login", data={"csrf": token, "key": key},
+                             allow_redirects=False)
+
+
+def csrf_of(html: str) -> str:
+    return CSRF.search(html).group(1)
+
+
+@pytest.fixture
+async def relay(aiohttp_client, aiohttp_server, tmp_path):
+    client = await console(aiohttp_client, aiohttp_server, tmp_path)
+    yield client
+    await client.close()
+    await client.chain.shutdown(client.config)
+
+
+def test_the_console_needs_the_admin_key():
+    raw = {"server": {"console": True, "auth": {"keys": [{"name": "k", "key_env": "K"}]}},
+           "backends": [{"name": "b", "url": "http://127.0.0.1:1"}]}
+    with pytest.raises(ConfigError, match="server.console: needs the admin key"):
+        config_module.parse(raw, {"K": CLIENT})
+
+
+async def test_off_unless_configured(aiohttp_client, aiohttp_server, tmp_path):
+    client = await console(aiohttp_client, aiohttp_server, tmp_path, console=False)
+    try:
+        resp = await client.get("/console/login", headers={"x-api-key": CLIENT})
+        assert resp.status == 404
+    finally:
+        await client.close()
+        await client.chain.shutdown(client.config)
+
+
+async def test_pages_wait_behind_the_login_form(relay):
+    for path in ("/console", "/console/keys", "/console/sessions", "/console/exchanges",
+                 "/console/dumps", "/console/backends", "/console/exchange?id=x"):
+        resp = await relay.get(path, allow_redirects=False)
+        assert resp.status == 303 and resp.headers["Location"] == "/console/login", path
+    # The key in a header opens nothing: only the session cookie does.
+    resp = await relay.get("/console", headers={"x-api-key": ADMIN}, allow_redirects=False)
+    assert resp.status == 303
+
+
+async def test_the_admin_key_logs_in_with_a_strict_httponly_cookie(relay):
+    resp = await log_in(relay)
+    assert resp.status == 303 and resp.headers["Location"] == "/console"
+    cookie = next(value for value in resp.headers.getall("Set-Cookie")
+                  if value.startswith(auth.COOKIE + "="))
+    assert "HttpOnly" in cookie and "SameSite=Strict" in cookie and "Path=/console" in cookie
+    assert ADMIN not in cookie
+    page = await relay.get("/console")
+    assert page.status == 200 and "<h1>Overview</h1>" in await page.text()
+    assert ADMIN not in str(page.url)
+
+
+async def test_a_client_key_cannot_log_in(relay):
+    resp = await log_in(relay, CLIENT)
+    assert resp.status == 401
+    assert "relay key" in await resp.text()
+    assert auth.COOKIE not in {c.key for c in relay.session.cookie_jar}
+    assert (await relay.get("/console", allow_redirects=False)).status == 303
+
+
+async def test_every_answer_carries_a_strict_policy(relay):
+    await log_in(relay)
+    for path in ("/console/login", "/console", "/console/static/console.css", "/console/nope"):
+        resp = await relay.get(path)
+        policy = resp.headers["Content-Security-Policy"]
+        assert "default-src 'self'" in policy and "script-src 'none'" in policy, path
+        assert "frame-ancestors 'none'" in policy and resp.headers["X-Frame-Options"] == "DENY"
+        assert resp.headers["Cache-Control"] == "no-store"
+
+
+async def test_an_action_without_the_csrf_token_is_refused(relay):
+    await log_in(relay)
+    resp = await relay.post("/console/logout", data={}, allow_redirects=False)
+    assert resp.status == 403 and "CSRF" in await resp.text()
+    resp = await relay.post("/console/logout", data={"csrf": "0" * 32}, allow_redirects=False)
+    assert resp.status == 403
+    # From another site, even with this session's token.
+    token = csrf_of(await (await relay.get("/console")).text())
+    resp = await relay.post("/console/logout", data={"csrf": token},
+                            headers={"Origin": "http://evil.example"}, allow_redirects=False)
+    assert resp.status == 403 and (await relay.get("/console")).status == 200
+
+
+async def test_logging_out_ends_the_session_for_every_copy_of_the_cookie(relay):
+    await log_in(relay)
+    cookie = next(c.value for c in relay.session.cookie_jar if c.key == auth.COOKIE)
+    token = csrf_of(await (await relay.get("/console")).text())
+    resp = await relay.post("/console/logout", data={"csrf": token}, allow_redirects=False)
+    assert resp.status == 303 and resp.headers["Location"] == "/console/login"
+    resp = await relay.get("/console", headers={"Cookie": f"{auth.COOKIE}={cookie}"},
+                           allow_redirects=False)
+    assert resp.status == 303
+
+
+def test_a_forged_or_expired_cookie_proves_nothing():
+    signer = auth.Signer(ADMIN)
+    token, session = signer.issue(now=1000.0)
+    assert signer.check(token, now=1001.0) == session
+    assert signer.check(token, now=1000.0 + auth.SESSION_SECONDS) is None
+    issued, nonce, mac = token.split(".")
+    assert signer.check(f"{issued}.{nonce}.{'0' * len(mac)}", now=1001.0) is None
+    assert signer.check(f"{int(issued) + 1}.{nonce}.{mac}", now=1001.0) is None
+    assert auth.Signer("another-admin-key-0123456").check(token, now=1001.0) is None
+
+
+def row(n: int, now: float, **fields) -> dict:
+    base = {"id": f"req_{n:06d}", "time": now - n, "key": "team-a", "backend": "emulator",
+            "credential": None, "model": "claude-test", "endpoint": "messages",
+            "stream": False, "status": 200, "outcome": "ok", "duration_ms": 12,
+            "input_tokens": 100, "output_tokens": 20, "cache_read_input_tokens": 300,
+            "cache_write_5m_input_tokens": 0, "cache_write_1h_input_tokens": 0,
+            "server_tool_requests": {}, "cost_micro_usd": 1500, "priced": True,
+            "usage_complete": True, "session": f"s{n // 10}", "cache": {"status": "hit"},
+            "repairs": 0, "notes": [], "dump": None,
+            "timeline": [{"t": now - n, "step": "pairing", "action": "checked"}],
+            "attempts": [{"backend": "emulator", "credential": None, "status": 200,
+                          "wait_ms": 0}]}
+    base.update(fields)
+    return base
+
+
+async def test_the_pages_read_the_ledger(relay):
+    now = time.time()
+    await relay.chain.state.record([
+        row(1, now, timeline=[{"t": now, "step": "dedup", "action": "rewrote",
+                               "direction": "to_upstream", "ids": [["toolu_1", "toolu_1_r"]]}],
+            repairs=1, session="sess-rewrite"),
+        row(2, now, status=400, outcome="rejected", session="sess-rewrite"),
+        row(3, now, cache={"status": "miss", "cause": "system_changed", "where": "system"},
+            session="sess-rewrite"),
+    ])
+    await log_in(relay)
+    overview = await (await relay.get("/console")).text()
+    assert 'data-metric="requests-hour">3<' in overview
+    assert 'data-metric="errors-hour">1<' in overview
+    assert 'data-metric="repairs-hour">2<' in overview  # a repair and an id rewrite
+    sessions = await (await relay.get("/console/sessions")).text()
+    assert "system_changed" in sessions and "sess-rewrite"[:16] in sessions
+    page = await (await relay.get("/console/session?id=sess-rewrite")).text()
+    assert all(f"req_00000{n}" in page for n in (1, 2, 3))
+    listed = await (await relay.get("/console/exchanges?outcome=rejected")).text()
+    assert "req_000002" in listed and "req_000001" not in listed
+    one = await (await relay.get("/console/exchange?id=req_000001")).text()
+    assert "<svg class=\"sequence\"" in one and "rewrote" in one and "toolu_1_r" in one
+
+
+async def test_exchanges_are_paginated(relay):
+    now = time.time()
+    await relay.chain.state.record([row(n, now) for n in reversed(range(120))])  # oldest first
+    await log_in(relay)
+    first = await (await relay.get("/console/exchanges")).text()
+    assert first.count('href="/console/exchange?id=') == 50
+    older = re.search(r'href="(/console/exchanges\?before=[^"]+)"', first).group(1)
+    second = await (await relay.get(older.replace("&amp;", "&"))).text()
+    ids = re.findall(r"req_\d{6}", second)
+    assert "req_000050" in ids and "req_000049" not in ids, (older, ids[:5])
+
+
+async def test_an_upstream_400_leaves_a_dump_the_console_draws_and_replays(relay):
+    # A tool_result whose call is nowhere: the emulator refuses it as the API does, naming
+    # the block; without pairing in the pipeline, the relay forwards it.
+    body = request(user(text("go")), assistant(text("sure")),
+                   user(text("see"), result("toolu_missing")))
+    resp = await relay.post("/v1/messages", json=body, headers={"x-api-key": CLIENT})
+    assert resp.status == 400
+    await log_in(relay)
+    for _ in range(100):
+        listed = await (await relay.get("/console/dumps")).text()
+        if "/console/dump?name=" in listed:
+            break
+        await asyncio.sleep(0.05)
+    name = re.search(r'href="/console/dump\?name=([^"]+)"', listed).group(1)
+    page = await (await relay.get(f"/console/dump?name={name}")).text()
+    assert 'class="block offending" id="offending"' in page
+    assert "messages.2.content.1" in page and "toolu_missing" in page
+    assert "identical to the dumped one" in page
+    assert 'class="diff"' in page
+
+
+async def test_a_dump_name_is_never_a_path(relay):
+    await log_in(relay)
+    for name in ("../../etc/passwd", "2026-01-01/../../x.json", "/etc/passwd"):
+        page = await (await relay.get("/console/dump", params={"name": name})).text()
+        assert "not a dump" in page
+
+
+async def test_pages_and_assets_weigh_at_most_300_kb(relay):
+    now = time.time()
+    await relay.chain.state.record([row(n, now) for n in reversed(range(2000))])
+    await log_in(relay)
+    total = 0
+    for path in ("/console", "/console/keys", "/console/sessions", "/console/exchanges",
+                 "/console/exchange?id=req_000001", "/console/dumps", "/console/backends",
+                 "/console/static/console.css", "/console/login"):
+        total += len(await (await relay.get(path)).read())
+    assert total <= 300 * 1024, total
