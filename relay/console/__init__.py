@@ -257,12 +257,26 @@ class Console:
         listed = None if store is None else await store.list_keys(self.state)
         usage: dict[str, list] = {}
         spend: dict[str, list] = {}
-        if listed:
+        configured = [{"name": key.name, "source": "relay.yaml",
+                       "limits": getattr(getattr(key, "limits", None), "raw", None)}
+                      for key in self.config.keys or ()]
+        if listed is not None:
+            listed = configured + [{**key, "source": "stored"} for key in listed]
             now = time.time()
-            rows = await self.state.rows(since=now - 31 * DAY, limit=record.MAX_SCAN)
+            rows = await self.state.rows(since=now - 14 * DAY, limit=record.MAX_SCAN)
             for key in listed:
-                usage[key["name"]] = limit_usage(key.get("limits"), key["name"], rows, now)
-                spend[key["name"]] = record.spend_by_day(rows, key["name"], now)
+                name = key["name"]
+                effective = None
+                if key["source"] == "relay.yaml":
+                    effective = next((getattr(k, "limits", None) for k in self.config.keys or ()
+                                      if k.name == name), None)
+                    if effective is None:
+                        usage[name] = []
+                        spend[name] = record.spend_by_day(rows, name, now)
+                        continue
+                usage[name] = await limit_usage(self.state, self.config, name,
+                                                key.get("limits"), effective)
+                spend[name] = record.spend_by_day(rows, name, now)
         return self.page(request, "Keys", pages.keys(listed, usage, spend,
                                                      request[CSRF], message, secret),
                          "keys", status)
@@ -409,33 +423,27 @@ def parse_limits(text: str | None) -> dict | None:
     return value
 
 
-PERIODS = {"minute": ("minute", "rpm", "tpm"), "hour": ("hour",), "day": ("day", "daily"),
-           "week": ("week",), "month": ("month",)}
-
-
-def limit_usage(limits, key: str, rows: list[dict], now: float) -> list[tuple[str, float, float]]:
-    """Each numeric limit of a key with what the ledger says was used in its current window:
-    requests, tokens or spend (US dollars) per minute, hour, day, week or month."""
+async def limit_usage(state: shared.State, config, name: str, own: dict | None,
+                      limits=None) -> list[tuple[str, float, float]]:
+    """Each of a key's limits with what its current window has used, read from the very
+    counters the limits plugin takes (:func:`relay.limits.plan`): requests and tokens per
+    minute, budgets in US dollars. ``limits`` is a configured key's (already effective);
+    ``own`` a stored key's raw limits, over ``server.auth.default_limits``."""
+    limiting = _optional("limits")
+    if limiting is None:
+        return []
+    if limits is None:
+        limits = limiting.effective(getattr(config, "default_limits", None), own)
+    if limits is None:
+        return []
+    plan = limiting.plan(name, limits.rules)
     out: list[tuple[str, float, float]] = []
-    if not isinstance(limits, dict):
-        return out
-    mine = [row for row in rows if row.get("key") == key]
-    for name, limit in limits.items():
-        if isinstance(limit, bool) or not isinstance(limit, (int, float)):
-            continue
-        label = str(name).lower()
-        period = next((p for p, words in PERIODS.items() if any(w in label for w in words)),
-                      None)
-        if period is None:
-            continue
-        start, _ = shared.window(period, now)
-        window_rows = [row for row in mine if row["time"] >= start]
-        if "token" in label or label.startswith("tp"):
-            used: float = sum((r.get("input_tokens") or 0) + (r.get("output_tokens") or 0)
-                              for r in window_rows)
-        elif any(w in label for w in ("spend", "usd", "cost", "budget", "dollar")):
-            used = sum((r.get("cost_micro_usd") or 0) for r in window_rows) / 1e6
-        else:
-            used = len(window_rows)
-        out.append((str(name), used, float(limit)))
+    for count in await state.counts(plan.counters):
+        limit = plan.limits[count.name]
+        label = limit.name.replace("_", " ") + limit.rule.scope()
+        used, most = float(count.used), float(limit.limit)
+        if limit.name == "budget":
+            label = f"budget per {limit.rule.budget_per} (USD){limit.rule.scope()}"
+            used, most = used / 1e6, most / 1e6
+        out.append((label, used, most))
     return out

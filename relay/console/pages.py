@@ -21,7 +21,10 @@ PAGES = (("overview", "/console", "Overview"), ("keys", "/console/keys", "Keys")
 # What one block of a payload shows at most, and how many messages around the offending one.
 BLOCK_CHARS = 4000
 AROUND = 2
-DIFF_CONTEXT = 3
+# Equal lines around a difference kept in the side-by-side replay; longer equal runs than
+# COLLAPSE lines are cut to that context.
+DIFF_CONTEXT = 10
+COLLAPSE = 60
 
 
 def e(value: Any) -> str:
@@ -158,12 +161,18 @@ def keys(listed: list[dict] | None, usage: dict[str, list], spend: dict[str, lis
         state = ("revoked" if key.get("revoked") else
                  "expired" if isinstance(key.get("expires"), (int, float))
                  and key["expires"] < dt.datetime.now(dt.timezone.utc).timestamp() else "active")
+        if key.get("source") == "relay.yaml":
+            rows.append([e(name), "configured in relay.yaml", "", "", meters or
+                         '<span class="muted">no limits</span>',
+                         svg.bars(spend.get(name, []), f"{name}: spend by day", usd, width=280,
+                                  height=70), '<span class="muted">edit relay.yaml</span>'])
+            continue
         actions = "" if key.get("revoked") else (
             f'<form class="inline" method="post" action="/console/keys/revoke">{hidden(csrf)}'
             f'<input type="hidden" name="name" value="{e(name)}">'
             f'<button class="danger" type="submit" aria-label="revoke {e(name)}">Revoke'
             f'</button></form>')
-        limits = document.orjson.dumps(key.get("limits") or {}).decode()
+        limits = document.orjson.dumps(key.get("limits") or {}, default=str).decode()
         change = (f'<form method="post" action="/console/keys/limits">{hidden(csrf)}'
                   f'<input type="hidden" name="name" value="{e(name)}">'
                   f'<label for="limits-{e(name)}">limits (JSON)</label>'
@@ -296,6 +305,11 @@ def shown(value: Any) -> str:
     return str(value)[:60]
 
 
+ONE_ATTEMPT = frozenset({"retrying", "fallback"})
+AFTER = frozenset({"upstream error", "queued", "dropped", "stream error", "keep-alive",
+                   "translated ids"})
+
+
 def timeline(row: dict) -> str:
     """The exchange as a sequence: the client's request, each plugin's and the relay's
     steps, each attempt at a backend (and credential), the answer."""
@@ -307,25 +321,37 @@ def timeline(row: dict) -> str:
         if lane not in lanes:
             lanes.append(lane)
     upstreams = []
-    for attempt in attempts:
-        lane = str(attempt.get("backend"))
-        if attempt.get("credential"):
-            lane += f" / {attempt['credential']}"
+    for tried in attempts:
+        lane = str(tried.get("backend"))
+        if tried.get("credential"):
+            lane += f" / {tried['credential']}"
         if lane not in upstreams:
             upstreams.append(lane)
     lanes += upstreams
     steps = [("client", "relay", f'{row.get("endpoint") or "request"} {row.get("model") or ""}')]
-    for entry in entries:
-        lane = _step_lane(entry)
-        steps.append((lane, lane, _described(entry)) if lane != "relay"
-                     else ("relay", "relay", _described(entry)))
-    for attempt in attempts:
-        lane = str(attempt.get("backend"))
-        if attempt.get("credential"):
-            lane += f" / {attempt['credential']}"
-        wait = attempt.get("wait_ms")
+    pending = list(attempts)
+
+    def attempt() -> None:
+        tried = pending.pop(0)
+        lane = str(tried.get("backend"))
+        if tried.get("credential"):
+            lane += f" / {tried['credential']}"
+        wait = tried.get("wait_ms")
         steps.append(("relay", lane, "attempt" + (f" after {wait} ms" if wait else "")))
-        steps.append((lane, "relay", f'{attempt.get("status")}'))
+        steps.append((lane, "relay", f'{tried.get("status")}'))
+
+    # Attempts carry no time: each goes before the note its answer led to (a retry, a
+    # fallback), the rest before the first step of the way back.
+    for entry in entries:
+        if pending and entry.get("action") in ONE_ATTEMPT:
+            attempt()
+        elif entry.get("action") in AFTER or entry.get("direction") == "to_client":
+            while pending:
+                attempt()
+        lane = _step_lane(entry)
+        steps.append((lane, lane, _described(entry)))
+    while pending:
+        attempt()
     steps.append(("relay", "client", f'{row.get("status")} {row.get("outcome")}'))
     return svg.sequence(lanes, steps)
 
@@ -434,7 +460,7 @@ def side_by_side(before: str, after: str) -> str:
                                                        ).get_opcodes():
         if tag == "equal":
             run = old[i1:i2]
-            if len(run) > 2 * DIFF_CONTEXT + 1:
+            if len(run) > COLLAPSE:
                 cut = f"… {len(run) - 2 * DIFF_CONTEXT} equal lines"
                 run = run[:DIFF_CONTEXT] + [cut] + run[-DIFF_CONTEXT:]
             text = "".join(f"{e(line)}\n" for line in run)
@@ -513,6 +539,11 @@ def backends(health: list[dict] | None, configured: list) -> str:
         rows.append([e(item.get("backend")), e(item.get("credential") or "-"),
                      f'<span class="{"good" if state == "healthy" else "bad"}">{e(state)}</span>',
                      until, since, e(item.get("reason") or ""),
-                     e(" ".join(map(str, list(statuses)[-20:])))])
+                     e(" ".join(map(str, list(statuses)[:20])))])
+    pooled = {item.get("backend") for item in health}
+    for backend in configured:
+        if backend.name not in pooled:
+            rows.append([e(backend.name), "-", '<span class="muted">one key: no pool</span>',
+                         "", "", "", ""])
     return table(["Backend", "Credential", "State", "Cooling until", "Since", "Reason",
-                  "Recent statuses"], rows)
+                  "Recent statuses (newest first)"], rows)

@@ -12,13 +12,13 @@ def _e(value) -> str:
 
 def bars(points: Sequence[tuple[str, float]], title: str,
          shown: Callable[[float], str] = lambda v: f"{v:g}",
-         width: int = 560, height: int = 120) -> str:
+         width: int = 320, height: int = 90) -> str:
     """A bar chart of ``points`` (label, value), oldest first: each bar says its label and
     value on hover, the largest value is written at the top."""
     top = max((value for _, value in points), default=0) or 1
     n = max(len(points), 1)
     step = (width - 40) / n
-    plot = height - 20
+    plot = height - 14
     parts = [f'<svg class="chart" viewBox="0 0 {width} {height}" role="img" '
              f'aria-label="{_e(title)}"><title>{_e(title)}</title>',
              f'<line x1="40" y1="{plot}" x2="{width}" y2="{plot}" class="axis"/>',

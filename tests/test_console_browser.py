@@ -1,0 +1,196 @@
+"""The console in a real headless Chromium (Debian's ``chromium`` and ``chromium-driver``,
+installed by the Makefile), driven by Selenium, after real traffic through a relay
+subprocess: a tool session whose ids the upstream reuses (dedup rewrites them), a history
+the relay refuses, an upstream 400 that leaves a dump. Each step saves a screenshot into
+the test's temporary directory."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from selenium import webdriver
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+from selenium.webdriver.support import expected_conditions
+from selenium.webdriver.support.ui import WebDriverWait
+
+from support import backend
+
+pytestmark = pytest.mark.slow
+
+ADMIN = "browser-admin-key-0123456789"
+CLIENT = "browser-client-key-0123456789"
+CHROMIUM = "/usr/bin/chromium"
+CHROMEDRIVER = "/usr/bin/chromedriver"
+SESSION = "browser-test-session"
+
+
+def post(url: str, body: dict, key: str = CLIENT) -> tuple[int, dict]:
+    call = urllib.request.Request(url + "/v1/messages", data=json.dumps(body).encode(),
+                                  method="POST", headers={"content-type": "application/json",
+                                                          "x-api-key": key})
+    try:
+        with urllib.request.urlopen(call, timeout=20) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def tool_session(url: str) -> int:
+    """A tool loop of one session as an agent drives it; returns its turns."""
+    messages: list[dict] = [{"role": "user", "content": "Run the tool until you are done."}]
+    tools = [{"name": "Bash", "description": "Run a command", "input_schema": {
+        "type": "object", "properties": {"command": {"type": "string"}}}}]
+    for turn in range(1, 10):
+        status, message = post(url, {"model": "claude-test", "max_tokens": 100, "tools": tools,
+                                     "metadata": {"user_id": SESSION}, "messages": messages})
+        assert status == 200, message
+        messages.append({"role": "assistant", "content": message["content"]})
+        calls = [b for b in message["content"] if b["type"] == "tool_use"]
+        if not calls:
+            return turn
+        messages.append({"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": c["id"], "content": "ok"} for c in calls]})
+    raise AssertionError("the session did not end")
+
+
+@pytest.fixture
+def browser(tmp_path):
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for argument in ("--headless=new", "--no-sandbox", "--disable-gpu",
+                     "--disable-dev-shm-usage", "--window-size=1280,1000",
+                     f"--user-data-dir={tmp_path / 'chromium'}"):
+        options.add_argument(argument)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    driver.implicitly_wait(0)
+    yield driver
+    driver.quit()
+
+
+@pytest.fixture
+def stack(emulator, relay, tmp_path):
+    tools = emulator("--tool-turns", "3", "--reuse-ids")
+    strict = emulator("--expect-own-ids")
+    r = relay({"server": {"console": True, "auth": {
+                   "keys": [{"name": "team-a", "key_env": "CLIENT_KEY"}],
+                   "admin_key_env": "ADMIN_KEY"}},
+               "pipeline": ["dedup", "pairing", "dump"],
+               "plugins": {"dump": {"dir": str(tmp_path / "dumps")}},
+               "backends": [backend(tools.url, "tools", models=["claude-*"]),
+                            backend(strict.url, "strict", models=["strict-*"])]},
+              env={"CLIENT_KEY": CLIENT, "ADMIN_KEY": ADMIN})
+    return r
+
+
+class Console:
+    """The browser on the console, saving a screenshot of each page it is asked to."""
+
+    def __init__(self, driver, url: str, shots: Path):
+        self.driver, self.url, self.shots = driver, url, shots
+        shots.mkdir(exist_ok=True)
+
+    def open(self, path: str) -> None:
+        self.driver.get(self.url + path)
+
+    def text(self) -> str:
+        return self.driver.find_element(By.TAG_NAME, "body").text
+
+    def shot(self, name: str) -> None:
+        self.driver.save_screenshot(str(self.shots / f"{name}.png"))
+
+    def log_in(self, key: str) -> None:
+        self.open("/console/login")
+        self.driver.find_element(By.ID, "key").send_keys(key)
+        self.click("form.login button")
+
+    def click(self, selector: str) -> None:
+        """Click, and wait for the page it leads to (a form's answer arrives after the click
+        returns)."""
+        page = self.driver.find_element(By.TAG_NAME, "html")
+        self.driver.find_element(By.CSS_SELECTOR, selector).click()
+        WebDriverWait(self.driver, 10).until(expected_conditions.staleness_of(page))
+
+
+def wait_for(condition, timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(0.1)
+
+
+def test_the_console_shows_real_traffic_and_keeps_strangers_out(stack, browser, tmp_path):
+    url = stack.url
+    turns = tool_session(url)
+    # A history the relay refuses: a result for a call that is nowhere.
+    status, refused = post(url, {"model": "claude-test", "max_tokens": 10, "messages": [
+        {"role": "user", "content": "go"}, {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_nowhere",
+                                      "content": "x"}]}]})
+    assert status == 400 and refused["error"]["type"] == "invalid_request_error"
+    # The strict upstream refuses a call id it never issued, naming the block: a dump.
+    status, failed = post(url, {"model": "strict-model", "max_tokens": 10, "messages": [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_foreign",
+                                           "name": "Bash", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_foreign",
+                                      "content": "x"}]}]})
+    assert status == 400 and "messages.1.content.0" in failed["error"]["message"]
+
+    console = Console(browser, url, tmp_path / "screenshots")
+    console.log_in(CLIENT)
+    assert "relay key" in console.text() and "Log in" in browser.title
+    assert not any(c["name"] == "relay_console" for c in browser.get_cookies())
+    console.shot("login-refused")
+
+    console.log_in(ADMIN)
+    assert browser.current_url == url + "/console" and CLIENT not in browser.current_url
+    cookie = next(c for c in browser.get_cookies() if c["name"] == "relay_console")
+    assert cookie["httpOnly"] and cookie["sameSite"] == "Strict" and ADMIN not in cookie["value"]
+    console.shot("overview")
+
+    console.open("/console/dumps")
+    # The dump is written in the background: it may take a moment to appear.
+    assert wait_for(lambda: browser.refresh() or browser.find_elements(
+        By.CSS_SELECTOR, "a[href^='/console/dump?name=']"))
+    console.shot("dumps")
+    console.click("a[href^='/console/dump?name=']")
+    offending = browser.find_element(By.ID, "offending")
+    assert "toolu_foreign" in offending.text and "messages.1.content.0" in offending.text
+    assert "offending" in offending.get_attribute("class")
+    assert "unknown `tool_use` id toolu_foreign" in browser.find_element(
+        By.ID, "error-message").text
+    assert "identical to the dumped one" in console.text()
+    columns = browser.find_elements(By.CSS_SELECTOR, ".diff pre")
+    assert len(columns) == 2
+    assert "toolu_foreign" in columns[0].text and "toolu_foreign" in columns[1].text
+    console.shot("dump")
+
+    console.open("/console/backends")
+    assert "tools" in console.text() and "strict" in console.text()
+    console.shot("backends")
+
+    # An action from a form without its token: refused, and the session goes on.
+    console.open("/console")
+    # The page runs no script (its policy says so); the driver's own may still edit it.
+    page = browser.find_element(By.TAG_NAME, "html")
+    browser.execute_script("const f = document.querySelector('header form');"
+                           "f.querySelector('input[name=csrf]').remove(); f.submit();")
+    WebDriverWait(browser, 10).until(expected_conditions.staleness_of(page))
+    assert "CSRF" in console.text()
+    console.open("/console")
+    assert "Overview" in browser.title
+
+    console.click("header form button")
+    assert browser.current_url == url + "/console/login"
+    console.open("/console/sessions")
+    assert browser.current_url == url + "/console/login"
+    assert turns == 4
+
