@@ -13,13 +13,13 @@ from . import config as config_module
 from .chain import Chain, load_plugins
 from .errors import ConfigError
 
-COMMANDS = ("serve", "emulate", "validate", "replay")
+COMMANDS = ("serve", "emulate", "validate", "replay", "keys")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="relay", usage="relay [serve] [--config relay.yaml] [--host H] [--port P]\n"
-                            "       relay {emulate,validate,replay} ...",
+                            "       relay {emulate,validate,replay,keys} ...",
         description="A relay for Anthropic's Messages API that repairs tool-use faults on the "
                     "way through.",
         epilog="Without a command, relay serves: --config names relay.yaml (default: "
@@ -42,6 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
     from . import replay
     replay_parser = commands.add_parser("replay", help="rebuild a dumped exchange and compare")
     replay.add_arguments(replay_parser)
+
+    from . import keys
+    keys_parser = commands.add_parser(
+        "keys", help="make, list, change and revoke the relay's own keys while it serves")
+    keys.add_arguments(keys_parser)
     return parser
 
 
@@ -74,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
         return emulators[args.format].main(args)
     if args.command == "validate":
         return validate.main(args)
+    if args.command == "keys":
+        from . import keys
+        return keys.main(args)
     from . import replay
     return replay.main(args)
 

@@ -16,6 +16,7 @@ import yaml
 from .beta_filter import QUIRKS as BETA_QUIRKS
 from .errors import ConfigError
 from .formats import ADAPTERS, FORMATS, Adapter
+from .limits import Limits, check_limits, effective
 from .options import Option, check_section, unknown
 from .redact import secrets_of
 from .state import OPTIONS as STATE_OPTIONS
@@ -152,6 +153,9 @@ class InboundKey:
     secret: str = field(repr=False)
     backends: list[str] | None = None  # the backends it may reach; None: all
     models: list[str] | None = None  # model name patterns it may ask for; None: all
+    # Its limits with server.auth.default_limits under them (relay.limits); None: none.
+    limits: Limits | None = None
+    expires: float | None = None  # epoch seconds; a key made by `relay keys create --expires`
 
     def may_use(self, backend: Backend, model: str | None) -> bool:
         if self.backends is not None and backend.name not in self.backends:
@@ -277,6 +281,8 @@ class Config:
     # Empty for a Config built in code (validate); relay.yaml's default is DEFAULT_PASSTHROUGH.
     passthrough: list[Passthrough] = field(default_factory=list)
     keys: list[InboundKey] | None = None  # None: inbound auth off
+    # server.auth.default_limits, checked: under every key's own, those `relay keys` made too.
+    default_limits: dict = field(default_factory=dict)
     admin_key: str | None = field(default=None, repr=False)  # server.auth.admin_key_env/_file
     log_format: str = SERVER["log_format"].default
     workers: int = SERVER["workers"].default
@@ -374,6 +380,8 @@ def parse(raw, env=os.environ, require_keys: bool = True) -> Config:
     config.stream_keepalive = float(values["stream_keepalive"])
     if values["auth"] is not None:
         config.keys = _keys(values["auth"], "server.auth", env, require_keys)
+        config.default_limits = check_limits(values["auth"].get("default_limits"),
+                                             "server.auth.default_limits")
         config.admin_key = _admin_key(values["auth"], "server.auth", env, require_keys,
                                       config.keys)
     if config.console and not (values["auth"] and any(k in values["auth"] for k in ADMIN_KEYS)):
@@ -440,6 +448,8 @@ AUTH_OPTIONS = (
     Option("admin_key_env", str, None, "the environment variable holding the operator's key "
            "for admin routes (`/metrics`)", expect="an environment variable name"),
     Option("admin_key_file", str, None, "or the file holding it", expect="a file path"),
+    Option("default_limits", dict, None, "limits for every key, under each key's own "
+           "`limits` (see docs/accounting.md)", parse=check_limits),
 )
 KEY_OPTIONS = (
     Option("name", str, None, "shown in logs and metrics, never the key", required=True,
@@ -451,15 +461,17 @@ KEY_OPTIONS = (
     Option("backends", list, None, "the backends it may reach (default: all)", parse=_names),
     Option("models", list, None, "the model name patterns it may ask for (default: all)",
            parse=_names),
+    Option("limits", dict, None, "its rate limits, concurrency and budgets, over "
+           "`default_limits` (see docs/accounting.md)",
+           parse=check_limits),
 )
 
 
 def _keys(raw: dict, path: str, env, require_keys: bool) -> list[InboundKey]:
     """The inbound keys: each from an environment variable or a file, never from relay.yaml."""
     auth = check_section(raw, AUTH_OPTIONS, path, "key")
+    # An empty list: only the keys `relay keys create` stores (until one is, none passes).
     entries = _expect(auth["keys"], list, f"{path}.keys", "a list of keys")
-    if not entries:
-        raise ConfigError(f"{path}.keys: at least one key is required when auth is on")
     keys: list[InboundKey] = []
     names = set()
     for i, item in enumerate(entries):
@@ -475,7 +487,8 @@ def _keys(raw: dict, path: str, env, require_keys: bool) -> list[InboundKey]:
                               f"(a key is never written in relay.yaml)")
         secret = _secret(item, where, env, require_keys)
         keys.append(InboundKey(name=name, secret=secret, backends=values["backends"],
-                               models=values["models"]))
+                               models=values["models"],
+                               limits=effective(auth["default_limits"], values["limits"])))
     return keys
 
 

@@ -247,6 +247,15 @@ class Exchange:
     uncertain: tuple[Uncertainty, ...] = ()
     stream_failure: StreamFailure | None = None
     dump_path: str | None = None  # the dump written for it (the dump plugin's)
+    # The inbound key (a relay.config.InboundKey) the client authenticated with, when auth is
+    # on: its limits are the limits plugin's.
+    key: Any = None
+    # Name prefixes (lower case) of upstream answer headers the relay's own replace: a plugin
+    # that sets its own in ``response_headers`` in place of a family of the upstream's (the
+    # key's quota for the pooled account's) names it here; what the upstream sent of it is
+    # kept in ``replaced_headers``.
+    replaces_headers: tuple[str, ...] = ()
+    replaced_headers: dict[str, str] | None = None
 
     def __init__(self, *, endpoint: str, method: str, path: str, query: str,
                  headers, raw_body: bytes = b"", body: dict | None = None,
@@ -322,6 +331,7 @@ class Exchange:
         self.received = previous.received
         self._clock = previous._clock
         self.key_name = previous.key_name
+        self.key = previous.key
         self.attempts = previous.attempts + self.attempts
         self.timeline = previous.timeline + self.timeline
         self.repaired_by = previous.repaired_by + self.repaired_by

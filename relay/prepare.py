@@ -78,7 +78,8 @@ async def prepare_exchange(state: Preparation, *, method: str, path: str, query:
     else:
         exchange = Exchange(endpoint=endpoint, method=method, path=path, query=query,
                             headers=headers, raw_body=raw_body, skeleton=parsed)
-    exchange.key_name = key.name if key is not None else None
+    if key is not None:
+        exchange.key, exchange.key_name = key, key.name
     exchange.response_headers["x-relay-request-id"] = exchange.id
 
     def refused(error: RelayError) -> RelayError:

@@ -20,7 +20,7 @@ import orjson
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
-from . import __version__, lifecycle, logs, threads
+from . import __version__, keys, lifecycle, logs, threads
 from .chain import Chain
 from .config import InboundKey
 from .errors import RelayError, invalid_request
@@ -40,7 +40,7 @@ from .passthrough import relay_passthrough
 from .prepare import ENDPOINTS, Fallbacks, Preparation, prepare_exchange
 from .respond import deliver, log_exchange, refuse, unreachable
 from .stream import relay_stream
-from .upstream import Unreachable, Upstream, UpstreamTooLarge, client_headers, read_capped
+from .upstream import Unreachable, Upstream, UpstreamTooLarge, answer_headers, read_capped
 
 log = logging.getLogger("relay")
 
@@ -288,7 +288,7 @@ class Relay:
             final = payload
         delivered = await deliver(request, exchange, web.Response(
             status=upstream.status, body=final,
-            headers=client_headers(response.headers, exchange.response_headers)))
+            headers=answer_headers(exchange, response.headers)))
         if exchange.thread is not None:
             try:
                 threads.record(state.threads, exchange, orjson.loads(final))
@@ -312,7 +312,7 @@ class Relay:
         exchange.outcome = Outcome.UPSTREAM_ERROR
         exchange.upstream_response = UpstreamAnswer(upstream.status, upstream.headers, payload)
         exchange.note("relay", "upstream error", status=upstream.status)
-        headers = client_headers(upstream.headers, exchange.response_headers)
+        headers = answer_headers(exchange, upstream.headers)
         # Retry-after and the status stay as sent.
         translated = exchange.backend.adapter.error_body(upstream.status, payload, exchange.id)
         if translated is not None:
@@ -376,6 +376,8 @@ def create_app(config, chain: Chain) -> web.Application:
         await state.upstream.close()
 
     app.cleanup_ctx.append(session_context)
+    if state.gate is not None and chain.state is not None:
+        app.cleanup_ctx.append(keys.watching(state.gate, chain.state, config.default_limits))
     return app
 
 

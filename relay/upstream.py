@@ -80,6 +80,22 @@ def client_headers(upstream_headers, extra: dict | None = None, secrets=()) -> C
     return redact_headers(out, secrets) if secrets else out
 
 
+def answer_headers(exchange, upstream_headers, secrets=()) -> CIMultiDict:
+    """:func:`client_headers` for ``exchange``'s answer: without the upstream's headers that
+    the relay's own replace (``exchange.replaces_headers``; what they held is kept in
+    ``exchange.replaced_headers``), with ``exchange.response_headers``."""
+    prefixes = exchange.replaces_headers
+    if not prefixes:
+        return client_headers(upstream_headers, exchange.response_headers, secrets)
+    out = end_to_end(upstream_headers)
+    replaced = {}
+    for name in {name.lower() for name in out if name.lower().startswith(prefixes)}:
+        replaced[name] = ", ".join(out.popall(name))
+    exchange.replaced_headers = replaced
+    out.update(exchange.response_headers)
+    return redact_headers(out, secrets) if secrets else out
+
+
 class Fallbacks(Protocol):
     """Where the exchanges for a backend's fallbacks come from (:class:`relay.prepare.
     Fallbacks`): prepared by the layer that prepares requests, handed to the seam."""

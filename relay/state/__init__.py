@@ -29,12 +29,14 @@ kept (bounded) and written when the backend is back.
 
 from __future__ import annotations
 
+import asyncio
 import calendar
 import dataclasses
 import datetime
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from ..errors import ConfigError
 from ..options import Option
 
 PERIODS = ("minute", "hour", "day", "week", "month")
@@ -208,11 +210,26 @@ async def open_state(options: dict[str, Any] | None = None) -> State:
     """The state backend ``options`` (relay.yaml's checked ``state:`` section) names."""
     options = options or {}
     url = options.get("url") or ""
+    timeout = float(options.get("timeout", 0.25))
+    retention_days = int(options.get("retention_days", 90))
     if not url:
         from .memory import MemoryState
-        state: State = MemoryState()
+        state: State = MemoryState(retention_days=retention_days)
+    elif url.startswith("sqlite:"):
+        import sqlite3
+
+        from .sqlite import SQLiteState, path_of
+        try:
+            sqlite = SQLiteState(path_of(url), timeout, retention_days)
+            await asyncio.get_running_loop().run_in_executor(None, sqlite.create)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        except sqlite3.Error as e:
+            raise ConfigError(f"state.url: {sqlite.path}: {e}") from None
+        state = sqlite
     else:
-        raise ValueError(f"state.url: {url!r} names no state backend this relay has")
+        raise ConfigError(f"state.url: {url!r} names no state backend this relay has "
+                          f"(sqlite:///PATH, redis://HOST:PORT/DB, rediss://...)")
     state.on_unavailable = options.get("on_unavailable", "open")
-    state.timeout = float(options.get("timeout", 0.25))
+    state.timeout = timeout
     return state

@@ -1,0 +1,259 @@
+"""The state seam's contract, held by every backend alike (memory, SQLite, Redis): windowed
+counters, slots and their leases, the idempotent ledger, the keys' version, the key-value
+store's expiry; and what only the shared backends promise: atomic takes across processes,
+a file that stays bounded, a clean ``Unavailable`` when the store cannot answer."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from relay.errors import ConfigError
+from relay.state import Counter, Slot, Unavailable, open_state, window
+from relay.state import sqlite as sqlite_state
+
+# A minute well ahead of the clock: its windows are whole and no sweep reaches them.
+BASE = window("minute", time.time())[1] + 3600
+
+
+@pytest.fixture(params=["memory", "sqlite"])
+async def state(request, tmp_path):
+    url = {"memory": "", "sqlite": f"sqlite:///{tmp_path}/state.db"}[request.param]
+    opened = await open_state({"url": url})
+    yield opened
+    await opened.close()
+
+
+async def test_take_grants_up_to_the_limit_then_refuses_naming_the_counter(state):
+    rpm = Counter("key:a:rpm", "minute", limit=3)
+    granted = [await state.take([rpm], now=BASE + i) for i in range(3)]
+    assert [t.granted for t in granted] == [True, True, True]
+    assert [t.counts[0].used for t in granted] == [1, 2, 3]
+    refused = await state.take([rpm], now=BASE + 5)
+    assert not refused.granted and refused.blocked == "key:a:rpm"
+    assert refused.counts[0].used == 3 and refused.counts[0].limit == 3
+    assert refused.counts[0].reset == BASE + 60
+
+
+async def test_a_refusal_changes_nothing(state):
+    free = Counter("key:a:rpm", "minute", limit=10)
+    unlimited = Counter("key:a:requests", "day")
+    full = Counter("key:a:itpm", "minute", limit=100, amount=0)
+    await state.add([Counter("key:a:itpm", "minute", amount=100)], now=BASE)
+    refused = await state.take([free, unlimited, full], now=BASE + 1)
+    assert not refused.granted and refused.blocked == "key:a:itpm"
+    counts = await state.counts([free, unlimited, full], now=BASE + 2)
+    assert [c.used for c in counts] == [0, 0, 100]
+
+
+async def test_an_amount_of_zero_checks_the_count_is_under_the_limit(state):
+    itpm = Counter("key:a:itpm", "minute", limit=1000, amount=0)
+    await state.add([Counter("key:a:itpm", "minute", amount=999)], now=BASE)
+    assert (await state.take([itpm], now=BASE)).granted
+    await state.add([Counter("key:a:itpm", "minute", amount=5)], now=BASE)
+    taken = await state.take([itpm], now=BASE)
+    assert not taken.granted and taken.counts[0].used == 1004
+
+
+async def test_windows_are_fixed_and_reset_at_their_end(state):
+    rpm = Counter("key:a:rpm", "minute", limit=1)
+    day = Counter("key:a:spend", "day", limit=None, amount=7)
+    assert (await state.take([rpm, day], now=BASE + 59)).granted
+    assert not (await state.take([rpm], now=BASE + 59.9)).granted
+    again = await state.take([rpm, day], now=BASE + 60)
+    assert again.granted and again.counts[0].reset == BASE + 120
+    assert again.counts[1].used == 14 and again.counts[1].reset == window("day", BASE)[1]
+
+
+async def test_slots_are_held_until_released_or_their_lease_runs_out(state):
+    slot = Slot("key:a:concurrent", limit=2, lease=30)
+    first = await state.take([], [slot], now=BASE)
+    second = await state.take([], [slot], now=BASE + 1)
+    assert first.granted and second.granted and first.tokens != second.tokens
+    third = await state.take([], [slot], now=BASE + 10)
+    assert not third.granted and third.blocked == "key:a:concurrent"
+    assert third.slot_retry == pytest.approx(20, abs=0.01)
+    await state.release(slot.name, first.tokens[0])
+    await state.release(slot.name, first.tokens[0])  # twice: nothing more comes back
+    assert (await state.take([], [slot], now=BASE + 11)).granted
+    assert not (await state.take([], [slot], now=BASE + 12)).granted
+    # The second's lease (taken at +1 for 30 s) runs out at +31: its slot is free again.
+    assert (await state.take([], [slot], now=BASE + 31.5)).granted
+
+
+async def test_a_slot_refused_takes_no_counter(state):
+    rpm = Counter("key:a:rpm", "minute", limit=10)
+    slot = Slot("key:a:concurrent", limit=1)
+    assert (await state.take([rpm], [slot], now=BASE)).granted
+    refused = await state.take([rpm], [slot], now=BASE)
+    assert not refused.granted and refused.blocked == slot.name
+    assert (await state.counts([rpm], now=BASE))[0].used == 1
+
+
+async def test_the_ledger_keeps_one_row_per_id(state):
+    rows = [{"id": f"ex{i}", "time": BASE + i, "key": "a" if i % 2 else "b", "cost": i}
+            for i in range(6)]
+    await state.record(rows[:4])
+    await state.record(rows[2:] + [dict(rows[0], cost=99)])  # a retried write
+    found = await state.rows()
+    assert [r["id"] for r in found] == [f"ex{i}" for i in range(6)]
+    assert found[0]["cost"] == 0
+    assert [r["id"] for r in await state.rows(since=BASE + 2, until=BASE + 5)] == [
+        "ex2", "ex3", "ex4"]
+    assert [r["id"] for r in await state.rows(where={"key": "a"}, limit=2,
+                                              newest_first=True)] == ["ex5", "ex3"]
+
+
+async def test_keys_carry_a_version_that_changes_with_each_change(state):
+    before = await state.keys_version()
+    await state.put_key({"name": "team-a", "hash": "a" * 64, "limits": {"rpm": 10}})
+    await state.put_key({"name": "team-b", "hash": "b" * 64})
+    await state.put_key({"name": "team-a", "hash": "a" * 64, "revoked": True})
+    version, keys = await state.keys()
+    assert version == await state.keys_version() == before + 3
+    assert sorted(keys, key=lambda k: k["name"]) == [
+        {"name": "team-a", "hash": "a" * 64, "revoked": True},
+        {"name": "team-b", "hash": "b" * 64}]
+
+
+async def test_key_values_expire_and_namespaces_are_apart(state):
+    await state.put("provenance", {"x": b"1", "y": b"2"}, ttl=60)
+    await state.put("sticky", {"x": b"other"}, ttl=0.2)
+    assert await state.get("provenance", ["x", "y", "z"]) == [b"1", b"2", None]
+    assert await state.get("sticky", ["x"]) == [b"other"]
+    await state.delete("provenance", ["y"])
+    assert await state.get("provenance", ["y"]) == [None]
+    await asyncio.sleep(0.3)
+    assert await state.get("sticky", ["x"]) == [None]
+    assert await state.get("provenance", ["x"]) == [b"1"]
+
+
+# --- SQLite: one file for the workers of a host ---------------------------------------------
+
+
+async def test_sqlite_states_on_one_file_share_counters_slots_and_keys(tmp_path):
+    url = f"sqlite:///{tmp_path}/state.db"
+    one, two = await open_state({"url": url}), await open_state({"url": url})
+    try:
+        rpm = Counter("key:a:rpm", "minute", limit=3)
+        slot = Slot("key:a:concurrent", limit=1)
+        assert (await one.take([rpm], [slot], now=BASE)).granted
+        refused = await two.take([rpm], [slot], now=BASE)
+        assert not refused.granted and refused.counts[0].used == 1
+        await one.put_key({"name": "a", "hash": "h"})
+        assert await two.keys_version() == 1
+        await one.record([{"id": "x", "time": BASE}])
+        await one.rows()  # lands what this one queued
+        assert [r["id"] for r in await two.rows()] == ["x"]
+    finally:
+        await one.close()
+        await two.close()
+
+
+async def test_sqlite_what_owes_no_answer_lands_by_itself(tmp_path):
+    path = tmp_path / "state.db"
+    state = await open_state({"url": f"sqlite:///{path}"})
+    try:
+        await state.add([Counter("key:a:otpm", "minute", amount=42)], now=BASE)
+        await state.record([{"id": "x", "time": BASE}])
+        await asyncio.sleep(0.2)
+        db = sqlite3.connect(path)
+        assert db.execute("SELECT used FROM counters").fetchall() == [(42,)]
+        assert db.execute("SELECT id FROM ledger").fetchall() == [("x",)]
+        db.close()
+    finally:
+        await state.close()
+
+
+async def test_sqlite_sweeps_what_expired_so_the_file_stays_bounded(tmp_path, monkeypatch):
+    monkeypatch.setattr(sqlite_state, "SWEEP_SECONDS", 0.1)
+    path = tmp_path / "state.db"
+    state = await open_state({"url": f"sqlite:///{path}", "retention_days": 1})
+    try:
+        past = time.time() - 2 * 86400
+        await state.take([Counter("old", "minute", limit=5)], [Slot("old", 1, lease=1)],
+                         now=past)
+        await state.take([Counter("new", "minute", limit=5)], [Slot("new", 1)])
+        await state.record([{"id": "old", "time": past}, {"id": "new", "time": time.time()}])
+        await state.put("ns", {"gone": b"1"}, ttl=0.05)
+        await state.put("ns", {"kept": b"1"}, ttl=60)
+        await asyncio.sleep(0.5)
+        db = sqlite3.connect(path)
+        assert db.execute("SELECT name FROM counters").fetchall() == [("new",)]
+        assert db.execute("SELECT name FROM slots").fetchall() == [("new",)]
+        assert db.execute("SELECT id FROM ledger").fetchall() == [("new",)]
+        assert db.execute("SELECT key FROM kv").fetchall() == [("kept",)]
+        db.close()
+    finally:
+        await state.close()
+
+
+async def test_sqlite_locked_past_the_timeout_is_unavailable_and_the_ledger_waits(tmp_path):
+    path = tmp_path / "state.db"
+    state = await open_state({"url": f"sqlite:///{path}", "timeout": 0.2})
+    blocker = sqlite3.connect(path, isolation_level=None)
+    try:
+        blocker.execute("BEGIN IMMEDIATE")  # another process holding the write lock
+        started = time.monotonic()
+        with pytest.raises(Unavailable):
+            await state.take([Counter("key:a:rpm", "minute", limit=5)])
+        assert time.monotonic() - started < 1.0
+        assert state.unavailable_count >= 1
+        await state.record([{"id": "waited", "time": time.time()}])  # never raises
+        await asyncio.sleep(0.3)
+        blocker.execute("ROLLBACK")
+        assert [r["id"] for r in await state.rows()] == ["waited"]
+        assert (await state.take([Counter("key:a:rpm", "minute", limit=5)])).granted
+    finally:
+        blocker.close()
+        await state.close()
+
+
+async def test_sqlite_url_names_a_file_in_a_directory_that_exists(tmp_path):
+    with pytest.raises(ConfigError, match="state.url: the directory .* does not exist"):
+        await open_state({"url": f"sqlite:///{tmp_path}/missing/state.db"})
+    (tmp_path / "junk.db").write_bytes(b"not a database, not at all" * 100)
+    with pytest.raises(ConfigError, match="state.url: .*junk.db"):
+        await open_state({"url": f"sqlite:///{tmp_path}/junk.db"})
+    with pytest.raises(ConfigError, match="names no state backend"):
+        await open_state({"url": "postgres://db/relay"})
+
+
+# A worker process: takes one unit at a time from one counter until refused, prints how
+# many it was granted.
+HAMMER = textwrap.dedent("""
+    import asyncio, sys
+    from relay.state import Counter, open_state
+
+    async def main(url, limit, now):
+        state = await open_state({"url": url, "timeout": 5.0})
+        granted = 0
+        counter = Counter("key:shared:rpm", "minute", limit=limit)
+        while True:
+            taken = await state.take([counter], now=now)
+            if not taken.granted:
+                break
+            granted += 1
+        await state.close()
+        print(granted)
+
+    asyncio.run(main(sys.argv[1], int(sys.argv[2]), float(sys.argv[3])))
+""")
+
+
+def hammer(url: str, limit: int, processes: int = 4) -> list[int]:
+    started = [subprocess.Popen([sys.executable, "-c", HAMMER, url, str(limit), str(BASE)],
+                                stdout=subprocess.PIPE, text=True) for _ in range(processes)]
+    return [int(p.communicate(timeout=60)[0]) for p in started]
+
+
+@pytest.mark.slow
+def test_sqlite_take_is_atomic_across_processes(tmp_path):
+    granted = hammer(f"sqlite:///{tmp_path}/state.db", limit=150)
+    assert sum(granted) == 150
