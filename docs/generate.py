@@ -144,7 +144,9 @@ def server_options() -> str:
                            ("Each of `server.auth.keys`", config.KEY_OPTIONS),
                            ("Each of `backends`", config.BACKEND_OPTIONS),
                            ("A backend's `timeouts`", config.TIMEOUT_OPTIONS),
-                           ("A backend's `retries`", config.RETRY_OPTIONS)):
+                           ("A backend's `retries`", config.RETRY_OPTIONS),
+                           ("Each of a backend's `credentials`", config.CREDENTIAL_OPTIONS),
+                           ("A backend's `pool`", config.POOL_OPTIONS)):
         parts += [f"{title}:", "", markdown_table(options, quirks=False), ""]
     return "\n".join(parts)
 

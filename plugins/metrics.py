@@ -207,6 +207,29 @@ class Metrics:
         self.auth_failures = Counter(
             "relay_auth_failures", "Requests refused for a missing or wrong relay key.",
             registry=registry)
+        # A backend's pool of credentials (relay.pools): names from relay.yaml only.
+        self.credential_requests = Counter(
+            "relay_credential_requests", "Attempts sent with each pooled credential, by the "
+            "upstream's status (- when none came).", ["backend", "credential", "status"],
+            registry=registry)
+        self.credential_cooldown = Counter(
+            "relay_credential_cooldown_seconds", "Seconds of cooldown put on each pooled "
+            "credential (429, 529, connection failures).", ["backend", "credential"],
+            registry=registry)
+        self.credential_out = Counter(
+            "relay_credential_out", "Times a pooled credential was taken out (401, 403).",
+            ["backend", "credential"], registry=registry)
+        self.sessions_placed = Counter(
+            "relay_credential_sessions_placed", "New sessions placed on each pooled credential.",
+            ["backend", "credential"], registry=registry)
+        self.sessions_moved = Counter(
+            "relay_credential_sessions_moved", "Sessions moved off a pooled credential that was "
+            "cooling or out (each move costs the session a prompt-cache miss).",
+            ["backend", "credential", "to"], registry=registry)
+        self.credential_tokens = Counter(
+            "relay_credential_tokens", "Tokens of the answers each pooled credential got, by "
+            "kind (where the usage plugin runs).", ["backend", "credential", "kind"],
+            registry=registry)
 
     def _child(self, metric, *labels):
         """``metric.labels(*labels)``, looked up once: every label value is bounded by the
@@ -270,6 +293,9 @@ class Metrics:
             return
         previous = None
         for attempt in exchange.attempts:
+            if attempt.credential is not None:
+                self._child(self.credential_requests, attempt.backend, attempt.credential,
+                            str(attempt.status) if attempt.status is not None else "-").inc()
             if attempt.status is not None:
                 self._child(self.upstream_latency, attempt.backend).observe(attempt.seconds)
             if attempt.backend == previous:
@@ -292,10 +318,37 @@ class Metrics:
             for missed in entry["counts"]:
                 self.provenance_missed.labels(missed["result"], missed["reason"]).inc(
                     missed["count"])
+        if exchange.credential is not None:
+            self._credentials(exchange)
         for kind, name in exchange.rules_defer:
             self._child(self.deferred, kind, self._deferred_name(name)).inc()
         if exchange.outcome == Outcome.REJECTED and error is not None and error.plugin is not None:
             self.refused.labels(error.plugin, error.rule or error.plugin).inc()
+
+
+    def _credentials(self, exchange) -> None:
+        """What a pool noted on the exchange (relay.pools) and the usage it was answered
+        with, per credential."""
+        for entry in exchange.noted("relay", "credential placed", "credential moved",
+                                    "credential cooling", "credential backoff",
+                                    "credential out"):
+            backend, credential, action = entry["backend"], entry["credential"], entry["action"]
+            if action == "credential placed":
+                self._child(self.sessions_placed, backend, credential).inc()
+            elif action == "credential moved":
+                self._child(self.sessions_moved, backend, credential, entry["to"]).inc()
+            elif action == "credential out":
+                self._child(self.credential_out, backend, credential).inc()
+            else:
+                self._child(self.credential_cooldown, backend, credential).inc(entry["seconds"])
+        usage = getattr(exchange, "usage", None)
+        if usage is not None and exchange.backend is not None:
+            for kind in ("input_tokens", "output_tokens", "cache_read_input_tokens",
+                         "cache_write_5m_input_tokens", "cache_write_1h_input_tokens"):
+                count = getattr(usage, kind, 0)
+                if count:
+                    self._child(self.credential_tokens, exchange.backend.name,
+                                exchange.credential, kind).inc(count)
 
 
 def collect_processes() -> bytes:

@@ -13,13 +13,13 @@ from . import config as config_module
 from .chain import Chain, load_plugins
 from .errors import ConfigError
 
-COMMANDS = ("serve", "emulate", "validate", "replay", "keys")
+COMMANDS = ("serve", "emulate", "validate", "replay", "keys", "backends")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="relay", usage="relay [serve] [--config relay.yaml] [--host H] [--port P]\n"
-                            "       relay {emulate,validate,replay,keys} ...",
+                            "       relay {emulate,validate,replay,keys,backends} ...",
         description="A relay for Anthropic's Messages API that repairs tool-use faults on the "
                     "way through.",
         epilog="Without a command, relay serves: --config names relay.yaml (default: "
@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     keys_parser = commands.add_parser(
         "keys", help="make, list, change and revoke the relay's own keys while it serves")
     keys.add_arguments(keys_parser)
+    from . import pools
+    pools.add_arguments(commands.add_parser(
+        "backends", help="each pooled upstream credential's state (healthy, cooling, out)"))
     return parser
 
 
@@ -82,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "keys":
         from . import keys
         return keys.main(args)
+    if args.command == "backends":
+        from . import pools
+        return pools.main(args)
     from . import replay
     return replay.main(args)
 

@@ -102,6 +102,54 @@ class Retries:
     statuses: frozenset = frozenset(RETRY_STATUSES)
 
 
+def _weight(value) -> str | None:
+    return None if value > 0 else "must be a positive number"
+
+
+POOL_OPTIONS = (
+    Option("max_cooldown", float, 300.0, "the longest a credential cools down, in seconds, "
+           "whatever `retry-after` asks", expect="a positive number", check=_positive),
+    Option("default_cooldown", float, 10.0, "seconds a `429` or `529` without `retry-after` "
+           "(or an exhausted `anthropic-ratelimit-*-reset`) cools a credential",
+           expect="a positive number", check=_positive),
+    Option("backoff", float, 1.0, "the first cooldown after a connection failure; doubled for "
+           "each failure in a row (up to `max_cooldown`)", expect="a positive number",
+           check=_positive),
+    Option("refresh", float, 1.0, "seconds this process trusts what it knows of other "
+           "processes' cooldowns and sessions before reading the shared state again (0: every "
+           "request)", expect="a number of seconds, 0 or more",
+           check=lambda value: None if value >= 0 else "must be 0 or more"),
+    Option("sticky_seconds", float, 3600.0, "how long a session idle that long stays on its "
+           "credential (the prompt cache lives at most an hour)", expect="a positive number",
+           check=_positive),
+)
+POOL = {option.name: option for option in POOL_OPTIONS}
+
+
+@dataclass
+class PoolOptions:
+    """How a backend's credentials are chosen and cooled down (:mod:`relay.pools`)."""
+
+    max_cooldown: float = POOL["max_cooldown"].default
+    default_cooldown: float = POOL["default_cooldown"].default
+    backoff: float = POOL["backoff"].default
+    refresh: float = POOL["refresh"].default
+    sticky_seconds: float = POOL["sticky_seconds"].default
+
+
+@dataclass
+class Credential:
+    """One upstream key of a backend's pool (``credentials:``): its name goes in logs,
+    metrics, dumps and the timeline; its key never does."""
+
+    name: str
+    key: str = field(repr=False)
+    weight: float = 1.0
+    key_env: str | None = None
+    key_file: str | None = None
+    limits: dict | None = None  # stored for what enforces them; the pool does not
+
+
 @dataclass
 class Backend:
     name: str
@@ -119,6 +167,9 @@ class Backend:
     format: str = "anthropic"  # the wire format it speaks (relay.formats.FORMATS)
     # Whether it keeps conversations sent with ``thread`` (relay.threads); see _holds_threads.
     holds_threads: bool = False
+    # A pool of upstream keys (relay.pools); empty for one key (api_key_env) or none.
+    credentials: list[Credential] = field(default_factory=list)
+    pool: PoolOptions = field(default_factory=PoolOptions)
 
     @functools.cached_property
     def adapter(self) -> Adapter:
@@ -130,11 +181,17 @@ class Backend:
         return any(fnmatch.fnmatchcase(model, pattern) for pattern in self.models)
 
     @functools.cached_property
-    def credentials(self) -> tuple[bytes, ...]:
-        """Every credential of the relay's that goes to this backend (one key today; a pool
-        would list all of its keys here), as :func:`relay.redact.secrets_of` searches for
-        them in what goes back to clients. Empty when the client's own key goes up."""
-        return secrets_of([self.api_key] if self.api_key else [])
+    def secrets(self) -> tuple[bytes, ...]:
+        """Every key of the relay's that goes to this backend (its ``api_key_env`` key, or
+        each of its ``credentials``), as :func:`relay.redact.secrets_of` searches for them
+        in what goes back to clients. Empty when the client's own key goes up."""
+        return secrets_of([self.api_key] if self.api_key else
+                          [credential.key for credential in self.credentials])
+
+    @property
+    def keyed(self) -> bool:
+        """Whether the operator's key (or keys) go up, not the client's."""
+        return bool(self.api_key_env or self.credentials)
 
     def upstream_model(self, model: str) -> str | None:
         """The model name to send up, when relay.yaml renames this one."""
@@ -549,7 +606,7 @@ def check_exposure(config: Config, host: str) -> None:
     with a backend key and no inbound auth would be an open proxy for that key."""
     if is_loopback(host) or config.keys is not None or config.allow_unauthenticated:
         return
-    keyed = [b.name for b in config.backends if b.api_key_env]
+    keyed = [b.name for b in config.backends if b.keyed]
     if keyed:
         raise ConfigError(
             f"server.host: {host} listens beyond loopback, and backends {', '.join(keyed)} "
@@ -584,6 +641,23 @@ BACKEND_OPTIONS = (
     Option("format", str, "anthropic", "the wire format it speaks", choices=tuple(FORMATS)),
     Option("holds_threads", bool, None, "whether it keeps conversations sent with `thread`: "
            "by default only `api.anthropic.com`, never `format: openai`"),
+    Option("credentials", list, [], "a pool of upstream keys in place of `api_key_env`, each a "
+           "mapping of the keys below; a session stays on one while it is healthy (see "
+           "pools.md)"),
+    Option("pool", dict, {}, "how the pool's credentials cool down and are shared (below)"),
+)
+
+CREDENTIAL_OPTIONS = (
+    Option("name", str, None, "shown in logs, metrics, dumps and `relay backends`, never the "
+           "key", required=True, expect="a string"),
+    Option("key_env", str, None, "the environment variable holding the key",
+           expect="an environment variable name"),
+    Option("key_file", str, None, "or the file holding it (one of the two)",
+           expect="a file path"),
+    Option("weight", float, 1.0, "its share of new sessions, against the others' weights",
+           expect="a positive number", check=_weight),
+    Option("limits", dict, None, "this credential's own limits, in the shape of a relay key's "
+           "(kept with the credential for what enforces them)", expect="a mapping"),
 )
 
 
@@ -634,6 +708,15 @@ def _backend(item, path: str, env, require_keys: bool) -> Backend:
         if not env.get(var) and require_keys:
             raise ConfigError(f"{path}.api_key_env: environment variable {var} is not set")
         backend.api_key_env, backend.api_key = var, env.get(var) or None
+    if "credentials" in item:
+        if "api_key_env" in item:
+            raise ConfigError(f"{path}: give api_key_env (one key) or credentials (a pool), "
+                              f"not both")
+        backend.credentials = _credentials(item["credentials"], f"{path}.credentials", env,
+                                           require_keys)
+    backend.pool = PoolOptions(**check_section(
+        _expect(item.get("pool", {}) or {}, dict, f"{path}.pool", "a mapping"), POOL_OPTIONS,
+        f"{path}.pool", "key"))
     backend.holds_threads = _holds_threads(item, backend, path)
     backend.retries = _retries(item.get("retries", {}) or {}, f"{path}.retries")
     fallbacks = _expect(item.get("fallbacks", []) or [], list, f"{path}.fallbacks",
@@ -645,6 +728,31 @@ def _backend(item, path: str, env, require_keys: bool) -> Backend:
     backend.timeouts = Timeouts(**check_section(timeouts, TIMEOUT_OPTIONS, f"{path}.timeouts",
                                                 "key"))
     return backend
+
+
+def _credentials(raw, path: str, env, require_keys: bool) -> list[Credential]:
+    """A backend's pool: each key from an environment variable or a file, as a relay key's."""
+    entries = _expect(raw, list, path, "a list of credentials")
+    if not entries:
+        raise ConfigError(f"{path}: at least one credential (or leave it out)")
+    found: list[Credential] = []
+    for i, item in enumerate(entries):
+        where = f"{path}[{i}]"
+        values = check_section(_expect(item, dict, where, "a mapping"), CREDENTIAL_OPTIONS,
+                               where, "key")
+        name = values["name"]
+        if any(credential.name == name for credential in found):
+            raise ConfigError(f"{where}.name: {name!r} is used twice")
+        if ("key_env" in item) == ("key_file" in item):
+            raise ConfigError(f"{where}: give exactly one of key_env or key_file "
+                              f"(a key is never written in relay.yaml)")
+        secret = _secret(item, where, env, require_keys)
+        if secret and any(credential.key == secret for credential in found):
+            raise ConfigError(f"{where}: the same key as another credential of this backend")
+        found.append(Credential(name=name, key=secret, weight=float(values["weight"]),
+                                key_env=values["key_env"], key_file=values["key_file"],
+                                limits=values["limits"]))
+    return found
 
 
 # Anthropic's own API holds threads (beta message-threads-2026-08-12, SDK 2.14's

@@ -178,6 +178,9 @@ class Attempt:
     """From sending to the upstream's headers (or the failure)."""
     waited: float = 0.0
     """The backoff slept before this attempt."""
+    credential: str | None = None
+    """The name of the backend's credential it went with (None for a backend with one key
+    or none: see :mod:`relay.pools`)."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -219,7 +222,8 @@ class Exchange:
     ``model``, ``stream``, ``key_name`` (the inbound key, when auth is on). What went up:
     ``attempts`` (one :class:`Attempt` per try, retries and fallbacks included) and
     ``upstream_request`` (an :class:`UpstreamRequest`) / ``upstream_response`` (an
-    :class:`UpstreamAnswer`), the last attempt's. What came back: ``answer`` (an
+    :class:`UpstreamAnswer`), the last attempt's, and ``credential``, the name of the pooled
+    key it went with (:mod:`relay.pools`; None without a pool). What came back: ``answer`` (an
     :class:`Answer`), ``outcome`` (an :class:`Outcome`), ``error`` (a :class:`RelayError` the
     relay answered with), ``stream_failure`` (a :class:`StreamFailure` when a stream ended in
     an error event), and ``received`` (wall-clock time) with ``timings`` (a :class:`Timings`).
@@ -256,6 +260,9 @@ class Exchange:
     # kept in ``replaced_headers``.
     replaces_headers: tuple[str, ...] = ()
     replaced_headers: dict[str, str] | None = None
+    # The name of the backend credential the last attempt went with (relay.pools); None
+    # for a backend with one key or none.
+    credential: str | None = None
 
     def __init__(self, *, endpoint: str, method: str, path: str, query: str,
                  headers, raw_body: bytes = b"", body: dict | None = None,

@@ -74,6 +74,7 @@ def access_fields(exchange, status: int | None) -> dict:
         "endpoint": exchange.endpoint,
         "model": exchange.model,
         "backend": backend.name if backend is not None else None,
+        "credential": exchange.credential,
         "status": status,
         "outcome": exchange.outcome,
         "stream": exchange.stream,

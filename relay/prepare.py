@@ -107,6 +107,8 @@ async def prepare_exchange(state: Preparation, *, method: str, path: str, query:
         prepare_history(state, exchange)
         await state.chain.run("relay_request", exchange)
         threads.restore_held_ids(exchange)
+        if backend.credentials:
+            exchange.session()  # while the request is decoded: the pool keeps it sticky
         # Encoded here, where a request that cannot be is still answered in Anthropic's
         # format.
         try:

@@ -20,7 +20,7 @@ import orjson
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
-from . import __version__, keys, lifecycle, logs, threads
+from . import __version__, keys, lifecycle, logs, pools, threads
 from .chain import Chain
 from .config import InboundKey
 from .errors import RelayError, invalid_request
@@ -52,7 +52,8 @@ class RelayState(Preparation):
         super().__init__(config, chain)
         self.gate = Gate(config.keys) if config.keys is not None else None
         # With auth on, what a client presents is a relay key: it never goes upstream.
-        self.upstream = Upstream(config, strip_client_auth=self.gate is not None)
+        self.upstream = Upstream(config, strip_client_auth=self.gate is not None,
+                                 state=chain.state)
 
 
 STATE = web.AppKey("relay_state", RelayState)
@@ -201,6 +202,7 @@ class Relay:
 
     async def finish(self, exchange: Exchange) -> None:
         """The exchange is over and the client has its answer: log it, run the end hooks."""
+        self.state.upstream.pools.release(exchange)
         log_exchange(exchange, exchange.answer.status if exchange.answer else None)
         await self.state.chain.end(exchange)
 
@@ -357,6 +359,16 @@ class Relay:
         return lifecycle.readiness_response(request)
 
 
+BACKENDS = "/admin/backends"  # the operator's: each pooled credential's state
+
+
+def backends_handler(state: RelayState):
+    async def backends(request: web.Request) -> web.Response:
+        listed = await pools.health(state.upstream.pools.state, state.config)
+        return web.json_response({"credentials": listed})
+    return backends
+
+
 def create_app(config, chain: Chain) -> web.Application:
     state = RelayState(config, chain)
     app = web.Application(client_max_size=config.max_body_bytes)
@@ -365,8 +377,9 @@ def create_app(config, chain: Chain) -> web.Application:
     if config.console:
         from .console import Console  # only a relay that serves the console loads it
         console = Console(config, chain)
-    relay = Relay(state, chain.routes(config, reserved=("/healthz", "/readyz", *ENDPOINTS)),
-                  console)
+    routes = chain.routes(config, reserved=("/healthz", "/readyz", BACKENDS, *ENDPOINTS))
+    routes["GET", BACKENDS] = AdminRoute(backends_handler(state))
+    relay = Relay(state, routes, console)
     app.router.add_route("*", "/{tail:.*}", relay.dispatch)
     app.middlewares.append(relay.unrouted)
 

@@ -284,7 +284,7 @@ async def relay_stream(state, request: web.Request, exchange: Exchange,
     the stream can fail ends it with an ``error`` event."""
     plan = await state.chain.stream_plan(exchange)
     backend = exchange.backend
-    secrets = backend.credentials
+    secrets = backend.secrets
     headers = answer_headers(exchange, upstream.headers, secrets)
     # What the SDKs report as the request id, when the upstream gave none (a translated
     # stream).

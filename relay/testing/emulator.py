@@ -33,13 +33,16 @@ import asyncio
 import base64
 import binascii
 import dataclasses
+import datetime
 import hashlib
 import hmac
 import itertools
+import math
 import os
 import re
 import signal
 import sys
+import time
 from typing import Any
 
 import orjson
@@ -102,6 +105,13 @@ class EmulatorOptions:
     ``fail_status`` alone fails every /v1/messages request; with ``fail_count`` it fails the
     first C, with ``fail_every`` every K-th (both may be combined). ``cut_after`` and
     ``stream_error_after`` count stream events, ``ping`` included.
+
+    Keys, as an account's API would treat them: ``key_budget`` allows each key (its
+    ``x-api-key`` or Bearer token) that many requests per fixed ``key_window`` seconds, then
+    answers ``429 rate_limit_error`` with ``retry-after`` (the seconds left in its window) and
+    ``anthropic-ratelimit-requests-remaining: 0`` with the window's end as its ``-reset``;
+    ``revoked_keys`` answer ``401 authentication_error``. ``POST /_emulator/keys`` changes
+    both while serving (``{"revoke": [...], "restore": [...], "reset_budgets": true}``).
     """
 
     host: str = "127.0.0.1"
@@ -129,6 +139,9 @@ class EmulatorOptions:
     delay_ms: int = 0
     record: bool = True
     threads: str = "ignore"
+    key_budget: int | None = None
+    key_window: float = 60.0
+    revoked_keys: tuple[str, ...] = ()
 
     @property
     def signing_key(self) -> bytes:
@@ -186,11 +199,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the API refuses what it cannot thread")
     parser.add_argument("--no-record", dest="record", action="store_false",
                         help="keep no request log (long benchmarks)")
+    parser.add_argument("--key-budget", type=int, default=d.key_budget,
+                        help="requests each key may make per --key-window, then 429 with "
+                             "retry-after")
+    parser.add_argument("--key-window", type=float, default=d.key_window,
+                        help="seconds of each key's budget window")
+    parser.add_argument("--revoke-key", dest="revoked_keys", action="append",
+                        default=[], metavar="KEY",
+                        help="answer this key with 401 (may be repeated)")
 
 
 def options_from_args(args) -> EmulatorOptions:
     names = [f.name for f in dataclasses.fields(EmulatorOptions)]
-    return EmulatorOptions(**{n: getattr(args, n) for n in names if hasattr(args, n)})
+    values = {n: getattr(args, n) for n in names if hasattr(args, n)}
+    if "revoked_keys" in values:  # repeatable on the command line: a list there
+        values["revoked_keys"] = tuple(values["revoked_keys"])
+    return EmulatorOptions(**values)
 
 
 # --- validation -------------------------------------------------------------------------------
@@ -777,6 +801,11 @@ class EmulatorState:
     received: int = 0  # every /v1/* request
     messages: int = 0  # authorised /v1/messages requests: what faults and the budget count
     stalled: bool = False  # --stall-after has had its stream
+    revoked: set = dataclasses.field(default_factory=set)  # keys answered with 401
+    windows: dict = dataclasses.field(default_factory=dict)  # key -> [window start, used]
+
+    def __post_init__(self) -> None:
+        self.revoked.update(self.options.revoked_keys)
 
 
 STATE = web.AppKey("emulator_state", EmulatorState)
@@ -856,8 +885,8 @@ async def _stamp_headers(request: web.Request, response: web.StreamResponse) -> 
     else:
         limit = options.max_requests
         remaining = max(0, limit - request.app[STATE].messages)
-    response.headers["anthropic-ratelimit-requests-limit"] = str(limit)
-    response.headers["anthropic-ratelimit-requests-remaining"] = str(remaining)
+    response.headers.setdefault("anthropic-ratelimit-requests-limit", str(limit))
+    response.headers.setdefault("anthropic-ratelimit-requests-remaining", str(remaining))
 
 
 def _checked_body(request: web.Request, options: EmulatorOptions, *, needs_max_tokens: bool):
@@ -885,11 +914,57 @@ async def admit(request: web.Request, refuse=None) -> web.Response | None:
         # x-should-retry: false makes SDK clients give up at once instead of retrying.
         return refuse(request, 429, "request budget exhausted",
                       headers={"retry-after": "0", "x-should-retry": "false"})
+    refusal = _key_refusal(request, state, refuse)
+    if refusal is not None:
+        return refusal
     status = options.fail_status
     if status is not None and is_fault(number, options):
         return refuse(request, status, FAULT_MESSAGES.get(status, "Emulated failure"),
                       headers={"retry-after": "0"} if status == 429 else None)
     return None
+
+
+def presented_key(request: web.Request) -> str | None:
+    """The key a request carries: its ``x-api-key``, else its Bearer token."""
+    key = request.headers.get("x-api-key")
+    if key:
+        return key
+    authorization = request.headers.get("authorization", "")
+    return authorization[7:] if authorization.lower().startswith("bearer ") else None
+
+
+def _key_refusal(request: web.Request, state: EmulatorState, refuse) -> web.Response | None:
+    """A revoked key's 401, or the 429 of a key past its budget in this window."""
+    key = presented_key(request)
+    if key is not None and key in state.revoked:
+        return refuse(request, 401, FAULT_MESSAGES[401])
+    options = state.options
+    if options.key_budget is None or key is None:
+        return None
+    now = time.time()
+    window = state.windows.get(key)
+    if window is None or now >= window[0] + options.key_window:
+        window = state.windows[key] = [now, 0]
+    if window[1] >= options.key_budget:
+        end = window[0] + options.key_window
+        reset = datetime.datetime.fromtimestamp(end, datetime.timezone.utc)
+        return refuse(request, 429, FAULT_MESSAGES[429], headers={
+            "retry-after": str(max(1, math.ceil(end - now))),
+            "anthropic-ratelimit-requests-limit": str(options.key_budget),
+            "anthropic-ratelimit-requests-remaining": "0",
+            "anthropic-ratelimit-requests-reset": reset.isoformat().replace("+00:00", "Z")})
+    window[1] += 1
+    return None
+
+
+async def handle_keys(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    asked = orjson.loads(await request.read() or b"{}")
+    state.revoked.update(asked.get("revoke") or ())
+    state.revoked.difference_update(asked.get("restore") or ())
+    if asked.get("reset_budgets"):
+        state.windows.clear()
+    return _json({"revoked": len(state.revoked)})
 
 
 async def handle_messages(request: web.Request) -> web.StreamResponse:
@@ -1112,6 +1187,7 @@ def create_app(options: EmulatorOptions) -> web.Application:
     app.router.add_get("/_emulator/requests", handle_records)
     app.router.add_delete("/_emulator/requests", handle_clear_records)
     app.router.add_get("/_emulator/stats", handle_stats)
+    app.router.add_post("/_emulator/keys", handle_keys)
     return app
 
 
