@@ -24,7 +24,8 @@ AUTH = {"keys": [{"name": "team-a", "key_env": "K"}], "admin_key_env": "ADMIN"}
 CSRF = re.compile(r'name="csrf" value="([0-9a-f]+)"')
 
 
-async def console(aiohttp_client, aiohttp_server, tmp_path: Path, pipeline=("dump",), **server):
+async def console(aiohttp_client, aiohttp_server, tmp_path: Path, pipeline=("limits", "dump"),
+                  **server):
     upstream = await aiohttp_server(emulator.create_app(emulator.EmulatorOptions()))
     raw = {"server": {"auth": AUTH, "console": True, **server}, "pipeline": list(pipeline),
            "plugins": {"dump": {"dir": str(tmp_path / "dumps")}},
@@ -143,6 +144,57 @@ def test_a_forged_or_expired_cookie_proves_nothing():
     assert signer.check(f"{issued}.{nonce}.{'0' * len(mac)}", now=1001.0) is None
     assert signer.check(f"{int(issued) + 1}.{nonce}.{mac}", now=1001.0) is None
     assert auth.Signer("another-admin-key-0123456").check(token, now=1001.0) is None
+
+
+async def status_with(client, key: str) -> int:
+    resp = await client.post("/v1/messages", json=request(user(text("hi"))),
+                             headers={"x-api-key": key})
+    await resp.read()
+    return resp.status
+
+
+async def until_status(client, key: str, wanted: int, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while await status_with(client, key) != wanted:
+        assert time.monotonic() < deadline, f"never {wanted}"
+        await asyncio.sleep(0.1)
+
+
+async def test_keys_are_made_limited_and_revoked_by_the_key_stores_own_operations(relay):
+    await log_in(relay)
+    page = await (await relay.get("/console/keys")).text()
+    assert "team-a" in page and "configured in relay.yaml" in page
+    made = await relay.post("/console/keys/create", data={
+        "csrf": csrf_of(page), "name": "team-new",
+        "limits": '{"requests_per_minute": 100, "budget": {"usd": 5, "per": "day"}}'})
+    shown = await made.text()
+    secret = re.search(r'id="new-secret">([^<]+)<', shown).group(1)
+    assert made.status == 200 and secret.startswith("sk-relay-")
+    # Shown once: the listing never holds it again.
+    assert secret not in await (await relay.get("/console/keys")).text()
+    await until_status(relay, secret, 200)
+    page = await (await relay.get("/console/keys")).text()
+    assert "requests per minute: 1 / 100" in page and "budget (USD)" in page
+    assert 'class="meter"' in page
+
+    refused = await relay.post("/console/keys/create", data={
+        "csrf": csrf_of(page), "name": "team-new"})
+    assert refused.status == 400 and "exists" in await refused.text()
+    bad = await relay.post("/console/keys/limits", data={
+        "csrf": csrf_of(page), "name": "team-new", "limits": '{"requests_per_minute": -1}'})
+    assert bad.status == 400 and "Limits not changed" in await bad.text()
+    changed = await relay.post("/console/keys/limits", data={
+        "csrf": csrf_of(page), "name": "team-new", "limits": '{"requests_per_minute": 1}'},
+        allow_redirects=False)
+    assert changed.status == 303
+    await until_status(relay, secret, 429)
+
+    revoked = await relay.post("/console/keys/revoke", data={
+        "csrf": csrf_of(page), "name": "team-new"}, allow_redirects=False)
+    assert revoked.status == 303 and revoked.headers["Location"] == "/console/keys"
+    await until_status(relay, secret, 401)
+    assert await status_with(relay, CLIENT) == 200
+    assert "revoked" in await (await relay.get("/console/keys")).text()
 
 
 def row(n: int, now: float, **fields) -> dict:

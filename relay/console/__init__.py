@@ -26,6 +26,7 @@ import orjson
 from aiohttp import web
 
 from .. import state as shared
+from ..errors import ConfigError
 from ..exchange import Outcome
 from . import auth, pages, record
 
@@ -45,6 +46,9 @@ HEADERS = {
     "Cache-Control": "no-store",
 }
 STATIC = {"console.css": "text/css"}
+# What the key store's operations raise for a request they refuse (a name taken, no such
+# key, limits that do not check).
+REFUSED = (ValueError, LookupError, ConfigError)
 CSRF = web.RequestKey("console_csrf", str)
 SESSION = web.RequestKey("console_session", auth.Session)
 
@@ -254,29 +258,15 @@ class Console:
     async def keys(self, request: web.Request, message: str | None = None,
                    secret: tuple[str, str] | None = None, status: int = 200) -> web.Response:
         store = self.key_store()
-        listed = None if store is None else await store.list_keys(self.state)
+        listed = None if store is None else await store.listing(self.state, self.config)
         usage: dict[str, list] = {}
         spend: dict[str, list] = {}
-        configured = [{"name": key.name, "source": "relay.yaml",
-                       "limits": getattr(getattr(key, "limits", None), "raw", None)}
-                      for key in self.config.keys or ()]
-        if listed is not None:
-            listed = configured + [{**key, "source": "stored"} for key in listed]
+        if listed:
             now = time.time()
             rows = await self.state.rows(since=now - 14 * DAY, limit=record.MAX_SCAN)
             for key in listed:
-                name = key["name"]
-                effective = None
-                if key["source"] == "relay.yaml":
-                    effective = next((getattr(k, "limits", None) for k in self.config.keys or ()
-                                      if k.name == name), None)
-                    if effective is None:
-                        usage[name] = []
-                        spend[name] = record.spend_by_day(rows, name, now)
-                        continue
-                usage[name] = await limit_usage(self.state, self.config, name,
-                                                key.get("limits"), effective)
-                spend[name] = record.spend_by_day(rows, name, now)
+                usage[key["name"]] = [meter(entry) for entry in key.get("usage") or ()]
+                spend[key["name"]] = record.spend_by_day(rows, key["name"], now)
         return self.page(request, "Keys", pages.keys(listed, usage, spend,
                                                      request[CSRF], message, secret),
                          "keys", status)
@@ -291,9 +281,11 @@ class Console:
         store = self._store()
         name = (form.get("name") or "").strip()
         try:
+            if any(key.name == name for key in self.config.keys or ()):
+                raise ValueError(f"{name!r} is a key in relay.yaml already")
             limits = parse_limits(form.get("limits"))
             secret = await store.create_key(self.state, name, limits=limits)
-        except (ValueError, KeyError) as e:
+        except REFUSED as e:
             return await self.keys(request, message=f"Not created: {e}", status=400)
         return await self.keys(request, secret=(name, secret))
 
@@ -301,7 +293,7 @@ class Console:
         store = self._store()
         try:
             await store.revoke_key(self.state, form.get("name") or "")
-        except (ValueError, KeyError) as e:
+        except REFUSED as e:
             return await self.keys(request, message=f"Not revoked: {e}", status=400)
         return redirect(f"{PREFIX}/keys")
 
@@ -310,7 +302,7 @@ class Console:
         try:
             await store.set_limits(self.state, form.get("name") or "",
                                    parse_limits(form.get("limits")) or {})
-        except (ValueError, KeyError) as e:
+        except REFUSED as e:
             return await self.keys(request, message=f"Limits not changed: {e}", status=400)
         return redirect(f"{PREFIX}/keys")
 
@@ -423,27 +415,13 @@ def parse_limits(text: str | None) -> dict | None:
     return value
 
 
-async def limit_usage(state: shared.State, config, name: str, own: dict | None,
-                      limits=None) -> list[tuple[str, float, float]]:
-    """Each of a key's limits with what its current window has used, read from the very
-    counters the limits plugin takes (:func:`relay.limits.plan`): requests and tokens per
-    minute, budgets in US dollars. ``limits`` is a configured key's (already effective);
-    ``own`` a stored key's raw limits, over ``server.auth.default_limits``."""
-    limiting = _optional("limits")
-    if limiting is None:
-        return []
-    if limits is None:
-        limits = limiting.effective(getattr(config, "default_limits", None), own)
-    if limits is None:
-        return []
-    plan = limiting.plan(name, limits.rules)
-    out: list[tuple[str, float, float]] = []
-    for count in await state.counts(plan.counters):
-        limit = plan.limits[count.name]
-        label = limit.name.replace("_", " ") + limit.rule.scope()
-        used, most = float(count.used), float(limit.limit)
-        if limit.name == "budget":
-            label = f"budget per {limit.rule.budget_per} (USD){limit.rule.scope()}"
-            used, most = used / 1e6, most / 1e6
-        out.append((label, used, most))
-    return out
+def meter(entry: dict) -> tuple[str, float, float]:
+    """One of :func:`relay.keys.listing`'s usage entries as a bar: its label, what its
+    window has used and its limit (a budget in US dollars)."""
+    label = str(entry.get("limit")).replace("_", " ")
+    if entry.get("models"):
+        label += f" for models {entry['models']}"
+    used, most = float(entry.get("used") or 0), float(entry.get("of") or 0)
+    if entry.get("limit") == "budget":
+        label, used, most = f"{label} (USD)", used / 1e6, most / 1e6
+    return label, used, most

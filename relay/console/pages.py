@@ -158,9 +158,7 @@ def keys(listed: list[dict] | None, usage: dict[str, list], spend: dict[str, lis
             f'<div>{e(label)}: {e(f"{used:g}")} / {e(f"{limit:g}")} '
             f'{svg.meter(used, limit, f"{name} {label}: {used:g} of {limit:g}")}</div>'
             for label, used, limit in usage.get(name, ()))
-        state = ("revoked" if key.get("revoked") else
-                 "expired" if isinstance(key.get("expires"), (int, float))
-                 and key["expires"] < dt.datetime.now(dt.timezone.utc).timestamp() else "active")
+        state = key.get("status") or ("revoked" if key.get("revoked") else "active")
         if key.get("source") == "relay.yaml":
             rows.append([e(name), "configured in relay.yaml", "", "", meters or
                          '<span class="muted">no limits</span>',
