@@ -3,8 +3,9 @@
 Everything here is read off the finished exchange (:class:`relay.exchange.Exchange`) in
 ``relay_exchange_end``, plus one gauge for the streams open now: the plugin needs nothing
 from the host but the record. Labels are only what the operator's configuration bounds
-(backend names, inbound key names, endpoints, statuses, plugin and rule names), never a
-value the client chooses, such as a model name.
+(backend names, inbound key names, endpoints, statuses, plugin and rule names), or a value
+the client chooses held to a few distinct names, the rest counted as ``other`` (the model
+of the token and cost counters, from ``exchange.usage``, which the usage plugin sets).
 
 With several worker processes (``relay serve --workers N``) the metrics go through
 prometheus-client's multi-process mode: each worker writes its values under
@@ -139,6 +140,13 @@ MIN_KEY_CHARS = 16  # as for relay keys
 # their own label, the rest count as "other", so that no client can grow the label set.
 NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
 MAX_NAMES = 32
+MODEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@\[\]-]{0,127}")
+MAX_MODELS = 32
+# The Usage fields counted in relay_tokens_total, by their ``kind`` label.
+TOKEN_KINDS = (("input", "input_tokens"), ("output", "output_tokens"),
+               ("cache_read", "cache_read_input_tokens"),
+               ("cache_write_5m", "cache_write_5m_input_tokens"),
+               ("cache_write_1h", "cache_write_1h_input_tokens"))
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
@@ -151,6 +159,7 @@ class Metrics:
         self.children: dict = {}
         self.scrape_keys: tuple[InboundKey, ...] = ()
         self.deferred_names: set[str] = set()
+        self.model_names: set[str] = set()
 
     OPTIONS = (Option("path", str, "/metrics", "where the metrics are served",
                       check=lambda path: None if path.startswith("/") and " " not in path
@@ -204,6 +213,18 @@ class Metrics:
             "relay_provenance_missed", "Thinking blocks the portable plugin's record on disk "
             "could not write (not_recorded) or read (not_known), by reason (locked, full, ...).",
             ["result", "reason"], registry=registry)
+        self.tokens = Counter(
+            "relay_tokens", "Tokens the upstreams reported, by backend, inbound key, model "
+            f"(the first {MAX_MODELS} names seen, then other) and kind (input, output, "
+            "cache_read, cache_write_5m, cache_write_1h).", ["backend", "key", "model", "kind"],
+            registry=registry)
+        self.cost = Counter(
+            "relay_cost_micro_usd", "What the reported usage cost by the usage plugin's "
+            "prices, in micro-dollars, by backend, inbound key and model.",
+            ["backend", "key", "model"], registry=registry)
+        self.unpriced = Counter(
+            "relay_usage_unpriced", "Exchanges whose usage no price matched: counted in "
+            "tokens, not in cost.", ["backend", "key", "model"], registry=registry)
         self.auth_failures = Counter(
             "relay_auth_failures", "Requests refused for a missing or wrong relay key.",
             registry=registry)
@@ -248,6 +269,27 @@ class Metrics:
             return name
         return "other"
 
+    def _model_name(self, name: str | None) -> str:
+        if name is None:
+            return "-"
+        if name in self.model_names:
+            return name
+        if len(self.model_names) < MAX_MODELS and MODEL.fullmatch(name):
+            self.model_names.add(name)
+            return name
+        return "other"
+
+    def _usage(self, used, backend: str, key: str, model: str | None) -> None:
+        model = self._model_name(model)
+        for kind, name in TOKEN_KINDS:
+            count = getattr(used, name)
+            if count:
+                self._child(self.tokens, backend, key, model, kind).inc(count)
+        if used.cost_micro_usd is None:
+            self._child(self.unpriced, backend, key, model).inc()
+        elif used.cost_micro_usd:
+            self._child(self.cost, backend, key, model).inc(used.cost_micro_usd)
+
     @hookimpl
     def relay_shutdown(self):
         if "PROMETHEUS_MULTIPROC_DIR" in os.environ:
@@ -291,6 +333,9 @@ class Metrics:
             if error is not None and error.status == 401:
                 self.auth_failures.inc()
             return
+        used = getattr(exchange, "usage", None)
+        if used is not None:
+            self._usage(used, backend, exchange.key_name or "-", exchange.model)
         previous = None
         for attempt in exchange.attempts:
             if attempt.credential is not None:

@@ -1,4 +1,4 @@
-"""Command line: serve (the default), emulate, validate, replay."""
+"""Command line: serve (the default), emulate, validate, replay, usage."""
 
 from __future__ import annotations
 
@@ -13,13 +13,13 @@ from . import config as config_module
 from .chain import Chain, load_plugins
 from .errors import ConfigError
 
-COMMANDS = ("serve", "emulate", "validate", "replay", "keys", "backends")
+COMMANDS = ("serve", "emulate", "validate", "replay", "keys", "backends", "usage")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="relay", usage="relay [serve] [--config relay.yaml] [--host H] [--port P]\n"
-                            "       relay {emulate,validate,replay,keys,backends} ...",
+                            "       relay {emulate,validate,replay,keys,backends,usage} ...",
         description="A relay for Anthropic's Messages API that repairs tool-use faults on the "
                     "way through.",
         epilog="Without a command, relay serves: --config names relay.yaml (default: "
@@ -50,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     from . import pools
     pools.add_arguments(commands.add_parser(
         "backends", help="each pooled upstream credential's state (healthy, cooling, out)"))
+    from . import usage
+    usage_parser = commands.add_parser("usage", help="what each key used and cost, from the "
+                                                     "ledger")
+    usage.add_arguments(usage_parser)
     return parser
 
 
@@ -88,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "backends":
         from . import pools
         return pools.main(args)
+    if args.command == "usage":
+        from . import usage
+        return usage.main(args)
     from . import replay
     return replay.main(args)
 

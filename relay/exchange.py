@@ -226,7 +226,8 @@ class Exchange:
     key it went with (:mod:`relay.pools`; None without a pool). What came back: ``answer`` (an
     :class:`Answer`), ``outcome`` (an :class:`Outcome`), ``error`` (a :class:`RelayError` the
     relay answered with), ``stream_failure`` (a :class:`StreamFailure` when a stream ended in
-    an error event), and ``received`` (wall-clock time) with ``timings`` (a :class:`Timings`).
+    an error event), ``usage`` (a :class:`relay.usage.Usage`, set by the usage plugin), and
+    ``received`` (wall-clock time) with ``timings`` (a :class:`Timings`).
     What the plugins found: ``repairs`` (their total), ``repaired_by`` (one :class:`Repair`
     per :meth:`repaired`), ``uncertain`` (one :class:`Uncertainty` per :meth:`unsure`).
 
@@ -263,6 +264,9 @@ class Exchange:
     # The name of the backend credential the last attempt went with (relay.pools); None
     # for a backend with one key or none.
     credential: str | None = None
+    # What the answer reported it used and what that cost (a relay.usage.Usage), set by the
+    # usage plugin as soon as it is known; None without that plugin, or before an answer.
+    usage: Any = None
 
     def __init__(self, *, endpoint: str, method: str, path: str, query: str,
                  headers, raw_body: bytes = b"", body: dict | None = None,

@@ -89,8 +89,29 @@ def access_fields(exchange, status: int | None) -> dict:
         "repairs": exchange.repairs,
         "key": getattr(exchange, "key_name", None),
     }
+    used = getattr(exchange, "usage", None)
+    if used is not None:
+        fields.update(usage_fields(used))
     return {name: value if value is None or isinstance(value, (bool, int, float))
             else cap(str(value)) for name, value in fields.items() if value is not None}
+
+
+def usage_fields(used) -> dict:
+    """The access line's account of what the answer used (a :class:`relay.usage.Usage`):
+    input and output always, the cache columns when not 0, the cost in micro-dollars
+    (``unpriced`` when no price matched) and ``usage_complete=false`` for a stream that ended
+    before its usage was final."""
+    fields = {"input_tokens": used.input_tokens, "output_tokens": used.output_tokens}
+    for name in ("cache_read_input_tokens", "cache_write_5m_input_tokens",
+                 "cache_write_1h_input_tokens"):
+        count = getattr(used, name)
+        if count:
+            fields[name] = count
+    fields["cost_micro_usd"] = ("unpriced" if used.cost_micro_usd is None
+                                else used.cost_micro_usd)
+    if not used.complete:
+        fields["usage_complete"] = False
+    return fields
 
 
 def access_line(fields: dict) -> str:

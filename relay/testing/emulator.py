@@ -142,6 +142,7 @@ class EmulatorOptions:
     key_budget: int | None = None
     key_window: float = 60.0
     revoked_keys: tuple[str, ...] = ()
+    usage: str | None = None
 
     @property
     def signing_key(self) -> bytes:
@@ -197,6 +198,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests with `thread`: ignore the field (a backend that knows no "
                              "threads), hold conversations as the API does, or refuse them as "
                              "the API refuses what it cannot thread")
+    parser.add_argument("--usage", default=d.usage, metavar="SPEC",
+                        help="the usage every answer reports, as `name=count,...` with names "
+                             f"{', '.join(USAGE_NAMES)} (a request's {USAGE_HEADER} header "
+                             "overrides it); input defaults to a quarter of the body's bytes, "
+                             "output to a quarter of the answer's")
     parser.add_argument("--no-record", dest="record", action="store_false",
                         help="keep no request log (long benchmarks)")
     parser.add_argument("--key-budget", type=int, default=d.key_budget,
@@ -679,8 +685,53 @@ def plan_reply(body: dict, options: EmulatorOptions) -> tuple[list[dict], str]:
     return content, "tool_use"
 
 
-def build_message(body: dict, options: EmulatorOptions, input_tokens: int) -> dict:
+# What an answer's usage can be told to report (--usage, or a request's x-emulator-usage):
+# counts by name; `split=0` leaves out the cache_creation breakdown by lifetime, as answers
+# from before one-hour caching did.
+USAGE_HEADER = "x-emulator-usage"
+USAGE_NAMES = ("input", "output", "cache_read", "cache_write_5m", "cache_write_1h",
+               "web_search", "web_fetch", "split")
+
+
+def parse_usage(spec: str | None) -> dict[str, int]:
+    """``"input=10,cache_read=900"`` as ``{"input": 10, "cache_read": 900}``; a ValueError
+    naming what is wrong."""
+    report: dict[str, int] = {}
+    for part in (spec or "").split(","):
+        if not part.strip():
+            continue
+        name, _, value = part.partition("=")
+        name = name.strip()
+        if name not in USAGE_NAMES or not value.strip().isdigit():
+            raise ValueError(f"{USAGE_HEADER}: {part.strip()!r} is not NAME=COUNT with a name "
+                             f"among {', '.join(USAGE_NAMES)}")
+        report[name] = int(value)
+    return report
+
+
+def message_usage(report: dict[str, int], input_tokens: int, output_tokens: int) -> dict:
+    """An answer's ``usage`` as the API shapes it: the input the cache neither served nor
+    took, the cache's reads and writes apart (the writes by lifetime), the server tools'
+    requests when there were any."""
+    five, hour = report.get("cache_write_5m", 0), report.get("cache_write_1h", 0)
+    usage: dict = {"input_tokens": report.get("input", input_tokens),
+                   "cache_creation_input_tokens": five + hour,
+                   "cache_read_input_tokens": report.get("cache_read", 0)}
+    if report.get("split", 1):
+        usage["cache_creation"] = {"ephemeral_5m_input_tokens": five,
+                                   "ephemeral_1h_input_tokens": hour}
+    usage["output_tokens"] = report.get("output", output_tokens)
+    tools = {f"{name}_requests": report[name] for name in ("web_search", "web_fetch")
+             if report.get(name)}
+    if tools:
+        usage["server_tool_use"] = {"web_search_requests": 0, "web_fetch_requests": 0, **tools}
+    return usage
+
+
+def build_message(body: dict, options: EmulatorOptions, input_tokens: int,
+                  report: dict[str, int] | None = None) -> dict:
     content, stop_reason = plan_reply(body, options)
+    output_tokens = max(1, len(orjson.dumps(content)) // 4)
     return {
         "id": "msg_01" + _base62(int.from_bytes(os.urandom(17), "big"), 22),
         "type": "message",
@@ -689,9 +740,7 @@ def build_message(body: dict, options: EmulatorOptions, input_tokens: int) -> di
         "content": content,
         "stop_reason": stop_reason,
         "stop_sequence": None,
-        "usage": {"input_tokens": input_tokens,
-                  "output_tokens": max(1, len(orjson.dumps(content)) // 4),
-                  "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0},
+        "usage": message_usage(report or {}, input_tokens, output_tokens),
     }
 
 
@@ -726,16 +775,21 @@ def _block_events(index: int, block: dict) -> list[dict]:
 
 
 def stream_events(message: dict) -> list[dict]:
-    """The SSE events that carry ``message``, in the API's order."""
+    """The SSE events that carry ``message``, in the API's order: ``message_start`` with the
+    input side of the usage (and one output token), the ``message_delta`` with the usage so
+    far, cumulative, without the breakdown by lifetime (the SDK's MessageDeltaUsage)."""
     usage = message["usage"]
+    # No server tool has run yet when the stream starts.
     start = dict(message, content=[], stop_reason=None, stop_sequence=None,
-                 usage=dict(usage, output_tokens=1))
+                 usage={**{name: value for name, value in usage.items()
+                           if name != "server_tool_use"}, "output_tokens": 1})
     events: list[dict] = [{"type": "message_start", "message": start}, {"type": "ping"}]
     for index, block in enumerate(message["content"]):
         events.extend(_block_events(index, block))
     events.append({"type": "message_delta",
                    "delta": {"stop_reason": message["stop_reason"], "stop_sequence": None},
-                   "usage": usage})
+                   "usage": {name: value for name, value in usage.items()
+                             if name != "cache_creation"}})
     events.append({"type": "message_stop"})
     return events
 
@@ -978,7 +1032,11 @@ async def handle_messages(request: web.Request) -> web.StreamResponse:
     body, refusal = _checked_body(request, options, needs_max_tokens=True)
     if refusal:
         return refusal
-    message = build_message(body, options, len(request[INCOMING].raw) // 4)
+    try:
+        report = parse_usage(request.headers.get(USAGE_HEADER, options.usage))
+    except ValueError as e:
+        return error_response(request, 400, str(e))
+    message = build_message(body, options, len(request[INCOMING].raw) // 4, report)
     _diagnose(request.app[STATE], body, message)
     if thread is not None:
         _hold(request.app[STATE], thread, body, message)
