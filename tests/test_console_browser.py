@@ -30,15 +30,22 @@ CHROMEDRIVER = "/usr/bin/chromedriver"
 SESSION = "browser-test-session"
 
 
-def post(url: str, body: dict, key: str = CLIENT) -> tuple[int, dict]:
+def send(url: str, body: dict, key: str = CLIENT) -> tuple[int, dict, str]:
+    """The status, body and request id of one Messages request."""
     call = urllib.request.Request(url + "/v1/messages", data=json.dumps(body).encode(),
                                   method="POST", headers={"content-type": "application/json",
                                                           "x-api-key": key})
     try:
         with urllib.request.urlopen(call, timeout=20) as response:
-            return response.status, json.loads(response.read())
+            return (response.status, json.loads(response.read()),
+                    response.headers["x-relay-request-id"])
     except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
+        return error.code, json.loads(error.read()), error.headers["x-relay-request-id"]
+
+
+def post(url: str, body: dict, key: str = CLIENT) -> tuple[int, dict]:
+    status, answer, _ = send(url, body, key)
+    return status, answer
 
 
 def tool_session(url: str) -> int:
@@ -80,7 +87,7 @@ def stack(emulator, relay, tmp_path):
     r = relay({"server": {"console": True, "auth": {
                    "keys": [{"name": "team-a", "key_env": "CLIENT_KEY"}],
                    "admin_key_env": "ADMIN_KEY"}},
-               "pipeline": ["dedup", "pairing", "dump"],
+               "pipeline": ["limits", "usage", "dedup", "pairing", "dump"],
                "plugins": {"dump": {"dir": str(tmp_path / "dumps")}},
                "backends": [backend(tools.url, "tools", models=["claude-*"]),
                             backend(strict.url, "strict", models=["strict-*"])]},
@@ -129,19 +136,24 @@ def wait_for(condition, timeout: float = 10.0):
 def test_the_console_shows_real_traffic_and_keeps_strangers_out(stack, browser, tmp_path):
     url = stack.url
     turns = tool_session(url)
+    assert turns == 4
     # A history the relay refuses: a result for a call that is nowhere.
-    status, refused = post(url, {"model": "claude-test", "max_tokens": 10, "messages": [
+    status, refused, refused_id = send(url, {"model": "claude-test", "max_tokens": 10,
+                                             "messages": [
         {"role": "user", "content": "go"}, {"role": "assistant", "content": "ok"},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_nowhere",
                                       "content": "x"}]}]})
     assert status == 400 and refused["error"]["type"] == "invalid_request_error"
-    # The strict upstream refuses a call id it never issued, naming the block: a dump.
-    status, failed = post(url, {"model": "strict-model", "max_tokens": 10, "messages": [
-        {"role": "user", "content": "go"},
-        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_foreign",
-                                           "name": "Bash", "input": {}}]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_foreign",
-                                      "content": "x"}]}]})
+    # In the same session, the strict upstream refuses a call id it never issued, naming the
+    # block: a dump.
+    status, failed, failed_id = send(url, {
+        "model": "strict-model", "max_tokens": 10, "metadata": {"user_id": SESSION},
+        "messages": [
+            {"role": "user", "content": "go"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_foreign",
+                                               "name": "Bash", "input": {}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_foreign",
+                                          "content": "x"}]}]})
     assert status == 400 and "messages.1.content.0" in failed["error"]["message"]
 
     console = Console(browser, url, tmp_path / "screenshots")
@@ -154,13 +166,48 @@ def test_the_console_shows_real_traffic_and_keeps_strangers_out(stack, browser, 
     assert browser.current_url == url + "/console" and CLIENT not in browser.current_url
     cookie = next(c for c in browser.get_cookies() if c["name"] == "relay_console")
     assert cookie["httpOnly"] and cookie["sameSite"] == "Strict" and ADMIN not in cookie["value"]
+
+    def metric(name: str) -> float:
+        shown = browser.find_element(By.CSS_SELECTOR, f"[data-metric='{name}']").text
+        return float(shown.strip("$").replace(",", ""))
+
+    assert metric("requests-hour") == turns + 2 and metric("errors-hour") == 2
+    # dedup's: the answers of turns 2 and 3 reuse the first call's id, rewritten for the
+    # client, and the ids restored on their way back up.
+    assert metric("repairs-hour") >= 2
+    assert len(browser.find_elements(By.CSS_SELECTOR, "svg.chart")) >= 8
     console.shot("overview")
 
-    console.open("/console/dumps")
+    # The refused history, by its outcome.
+    console.open("/console/exchanges?outcome=rejected")
+    assert refused_id in console.text() and failed_id not in console.text()
+    console.open("/console/exchanges")
+    assert failed_id in console.text() and refused_id in console.text()
+    console.shot("exchanges")
+
+    # From the session to its exchange, to the exchange's dump.
+    console.open("/console/sessions")
+    session_row = browser.find_element(By.CSS_SELECTOR, "tbody tr")
+    cells = [cell.text for cell in session_row.find_elements(By.TAG_NAME, "td")]
+    assert cells[2] == str(turns + 1)  # its turns and the strict request
+    assert "tools" in cells[3] and "strict" in cells[3] and int(cells[6]) >= 2
+    console.shot("sessions")
+    console.click("tbody tr a[href^='/console/session?id=']")
+    assert failed_id in console.text()
+    rewritten_id = next(
+        cells[0].text for cells in (row.find_elements(By.TAG_NAME, "td")
+                                    for row in browser.find_elements(By.CSS_SELECTOR, "tbody tr"))
+        if cells[9].text != "0")  # its id rewrites
+    console.click(f"a[href='/console/exchange?id={rewritten_id}']")
+    assert "rewrote" in browser.find_element(By.CSS_SELECTOR, "svg.sequence").text
+    browser.back()
+    console.click(f"a[href='/console/exchange?id={failed_id}']")
+    sequence = browser.find_element(By.CSS_SELECTOR, "svg.sequence").text
+    assert "strict" in sequence and "400" in sequence
+    console.shot("exchange")
     # The dump is written in the background: it may take a moment to appear.
     assert wait_for(lambda: browser.refresh() or browser.find_elements(
         By.CSS_SELECTOR, "a[href^='/console/dump?name=']"))
-    console.shot("dumps")
     console.click("a[href^='/console/dump?name=']")
     offending = browser.find_element(By.ID, "offending")
     assert "toolu_foreign" in offending.text and "messages.1.content.0" in offending.text
@@ -172,15 +219,34 @@ def test_the_console_shows_real_traffic_and_keeps_strangers_out(stack, browser, 
     assert len(columns) == 2
     assert "toolu_foreign" in columns[0].text and "toolu_foreign" in columns[1].text
     console.shot("dump")
+    console.open("/console/dumps")
+    assert failed_id in console.text()
 
     console.open("/console/backends")
     assert "tools" in console.text() and "strict" in console.text()
     console.shot("backends")
 
+    # A key made in the console works until it is revoked there.
+    console.open("/console/keys")
+    browser.find_element(By.ID, "new-name").send_keys("team-b")
+    browser.find_element(By.ID, "new-limits").send_keys('{"requests_per_minute": 60}')
+    console.click("form[action='/console/keys/create'] button")
+    secret = browser.find_element(By.ID, "new-secret").text
+    assert secret.startswith("sk-relay-")
+    assert wait_for(lambda: post(url, {"model": "claude-test", "max_tokens": 10, "messages": [
+        {"role": "user", "content": "hi"}]}, key=secret)[0] == 200)
+    console.open("/console/keys")
+    assert secret not in console.text()
+    console.shot("keys")
+    console.click("button[aria-label='revoke team-b']")
+    assert browser.current_url == url + "/console/keys" and "revoked" in console.text()
+    assert wait_for(lambda: post(url, {"model": "claude-test", "max_tokens": 10, "messages": [
+        {"role": "user", "content": "hi"}]}, key=secret)[0] == 401)
+
     # An action from a form without its token: refused, and the session goes on.
     console.open("/console")
-    # The page runs no script (its policy says so); the driver's own may still edit it.
     page = browser.find_element(By.TAG_NAME, "html")
+    # The page runs no script (its policy says so); the driver's own may still edit it.
     browser.execute_script("const f = document.querySelector('header form');"
                            "f.querySelector('input[name=csrf]').remove(); f.submit();")
     WebDriverWait(browser, 10).until(expected_conditions.staleness_of(page))
@@ -192,5 +258,3 @@ def test_the_console_shows_real_traffic_and_keeps_strangers_out(stack, browser, 
     assert browser.current_url == url + "/console/login"
     console.open("/console/sessions")
     assert browser.current_url == url + "/console/login"
-    assert turns == 4
-

@@ -123,7 +123,9 @@ def overview(data: dict) -> str:
             f'<p><span class="big" data-metric="{name}-hour">{e(fmt(total_hour))}</span> '
             f'<span class="muted">last hour</span> · <span data-metric="{name}-day">'
             f'{e(fmt(total_day))}</span> <span class="muted">last day</span></p>'
+            f'<p class="caption">last hour, by minute</p>'
             f'{svg.bars(points(name, "hour"), f"{title}, last hour by minute", fmt)}'
+            f'<p class="caption">last day, by hour</p>'
             f'{svg.bars(points(name, "day"), f"{title}, last day by hour", fmt)}</section>')
     cards.append(
         '<section class="card" aria-label="Prompt cache"><h2>Prompt cache hit ratio</h2>'
@@ -161,9 +163,8 @@ def keys(listed: list[dict] | None, usage: dict[str, list], spend: dict[str, lis
         state = key.get("status") or ("revoked" if key.get("revoked") else "active")
         if key.get("source") == "relay.yaml":
             rows.append([e(name), "configured in relay.yaml", "", "", meters or
-                         '<span class="muted">no limits</span>',
-                         svg.bars(spend.get(name, []), f"{name}: spend by day", usd, width=280,
-                                  height=70), '<span class="muted">edit relay.yaml</span>'])
+                         '<span class="muted">no limits</span>', spark(spend.get(name, []), name),
+                         '<span class="muted">edit relay.yaml</span>'])
             continue
         actions = "" if key.get("revoked") else (
             f'<form class="inline" method="post" action="/console/keys/revoke">{hidden(csrf)}'
@@ -178,9 +179,7 @@ def keys(listed: list[dict] | None, usage: dict[str, list], spend: dict[str, lis
                   f'<button type="submit">Set</button></form>')
         rows.append([e(name), e(state), when(key.get("created")),
                      when(key.get("expires")) or "never", meters or '<span class="muted">no '
-                     'limits</span>', svg.bars(spend.get(name, []), f"{name}: spend by day", usd,
-                                               width=280, height=70),
-                     actions + change])
+                     'limits</span>', spark(spend.get(name, []), name), actions + change])
     parts.append(table(["Key", "State", "Created", "Expires", "Usage against limits",
                         "Spend by day", "Actions"], rows))
     parts.append(
@@ -190,6 +189,11 @@ def keys(listed: list[dict] | None, usage: dict[str, list], spend: dict[str, lis
         'optional)</label><input id="new-limits" name="limits" size="40"></div>'
         '<button type="submit">Create</button></form>')
     return "".join(parts)
+
+
+def spark(points: list, name: str) -> str:
+    chart = svg.bars(points, f"{name}: spend by day", usd, width=240, height=70)
+    return f'<div class="spark">{chart}</div>'
 
 
 # --- sessions and exchanges ----------------------------------------------------------------
@@ -369,7 +373,8 @@ def exchange(row: dict | None) -> str:
              ("stream", row.get("stream")), ("status", row.get("status")),
              ("outcome", row.get("outcome")), ("duration", f'{row.get("duration_ms")} ms'),
              ("repairs", record.repairs_of(row)), ("id rewrites", record.rewrites_of(row))]
-    cells = "".join(f"<tr><th scope=row>{e(k)}</th><td>{e(v)}</td></tr>" for k, v in facts + usage)
+    cells = "".join(f"<tr><th scope=row>{e(k)}</th><td>{e(v)}</td></tr>" for k, v in facts)
+    used = "".join(f"<tr><th scope=row>{e(k)}</th><td>{e(v)}</td></tr>" for k, v in usage)
     extra = ""
     if row.get("session"):
         session_link = link("/console/session", row["session"][:16], id=row["session"])
@@ -389,7 +394,8 @@ def exchange(row: dict | None) -> str:
                     e(", ".join(f"{k}={shown(v)}" for k, v in entry.items()
                                 if k not in ("t", "step", "action")))]
                    for entry in row.get("timeline") or () if isinstance(entry, dict)])
-    return (f'<table class="facts"><tbody>{cells}</tbody></table>{extra}'
+    return (f'<table class="facts"><tbody>{cells}</tbody></table>'
+            f'<table class="facts"><tbody>{used}</tbody></table>{extra}'
             f'<h2>Timeline</h2>{timeline(row)}{steps}')
 
 

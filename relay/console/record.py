@@ -24,7 +24,7 @@ DUMP_NAME = re.compile(r"^\d{6}\.\d{6}-[A-Za-z0-9_-]+\.json$")
 MAX_DUMP_BYTES = 64 * 1024 * 1024
 # Where an error names the part of the request it refuses: "messages.3.content.1: ...".
 ERROR_PATH = re.compile(r"\bmessages\.(\d+)(?:\.content\.(\d+))?")
-REWRITES = frozenset({"rewrote", "translated ids", "restored held ids"})
+REWRITES = frozenset({"rewrote", "restored", "translated ids", "restored held ids"})
 CACHE_BREAKS = frozenset({"miss", "break", "broken"})
 
 
