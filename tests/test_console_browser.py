@@ -22,11 +22,15 @@ from selenium.webdriver.support.ui import WebDriverWait
 from support import backend
 
 pytestmark = pytest.mark.slow
+# Every page the test visits is also checked for accessibility (Console.shot).
 
 ADMIN = "browser-admin-key-0123456789"
 CLIENT = "browser-client-key-0123456789"
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
+AXE = Path(__file__).resolve().parent.parent / ".axe" / "node_modules" / "axe-core" / "axe.min.js"
+# What axe-core finds on a page and may not be: its two worst impacts.
+SERIOUS = ("serious", "critical")
 SESSION = "browser-test-session"
 
 
@@ -109,7 +113,18 @@ class Console:
         return self.driver.find_element(By.TAG_NAME, "body").text
 
     def shot(self, name: str) -> None:
+        """Save a screenshot of the page, and check it with axe-core: no serious or critical
+        accessibility violation."""
         self.driver.save_screenshot(str(self.shots / f"{name}.png"))
+        # The page runs no script of its own (its policy allows none); the driver's may.
+        self.driver.execute_script(AXE.read_text(encoding="utf-8"))
+        found = self.driver.execute_async_script(
+            "const done = arguments[arguments.length - 1];"
+            "axe.run(document, {resultTypes: ['violations']}).then(r => done(r.violations.map("
+            "v => ({id: v.id, impact: v.impact, help: v.help, where: v.nodes.map("
+            "n => n.target.join(' ')).slice(0, 3)})))).catch(e => done(String(e)));")
+        assert isinstance(found, list), found
+        assert not [v for v in found if v["impact"] in SERIOUS], (name, found)
 
     def log_in(self, key: str) -> None:
         self.open("/console/login")
@@ -194,6 +209,7 @@ def test_the_console_shows_real_traffic_and_keeps_strangers_out(stack, browser, 
     console.shot("sessions")
     console.click("tbody tr a[href^='/console/session?id=']")
     assert failed_id in console.text()
+    console.shot("session")
     rewritten_id = next(
         cells[0].text for cells in (row.find_elements(By.TAG_NAME, "td")
                                     for row in browser.find_elements(By.CSS_SELECTOR, "tbody tr"))
@@ -221,6 +237,7 @@ def test_the_console_shows_real_traffic_and_keeps_strangers_out(stack, browser, 
     console.shot("dump")
     console.open("/console/dumps")
     assert failed_id in console.text()
+    console.shot("dumps")
 
     console.open("/console/backends")
     assert "tools" in console.text() and "strict" in console.text()

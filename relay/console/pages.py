@@ -428,7 +428,7 @@ def payload(body: Any, where: tuple[int, int | None] | None) -> str:
     from it, a message is one line."""
     messages = body.get("messages") if isinstance(body, dict) else None
     if not isinstance(messages, list):
-        return f"<pre>{e(_pretty(body))}</pre>"
+        return f'<pre tabindex="0">{e(_pretty(body))}</pre>'
     target = where[0] if where else None
     parts = []
     for n, message in enumerate(messages):
@@ -449,7 +449,7 @@ def payload(body: Any, where: tuple[int, int | None] | None) -> str:
             label = f"messages.{n}.content.{k}" if isinstance(content, list) else f"messages.{n}"
             inner.append(f'<div class="block{mark}"><div>{"<mark>" if hit else ""}{e(label)}'
                          f'{" ← the error names this" if hit else ""}{"</mark>" if hit else ""}'
-                         f'</div><pre>{e(_pretty(block))}</pre></div>')
+                         f'</div><pre tabindex="0">{e(_pretty(block))}</pre></div>')
         parts.append(f'<div class="message"><b>messages.{n}</b> {e(role)}{"".join(inner)}</div>')
     return "".join(parts)
 
@@ -475,8 +475,8 @@ def side_by_side(before: str, after: str) -> str:
         right.append("".join(f'<span class="add">{e(line)}</span>' for line in new[j1:j2]))
         pad = (j2 - j1) - (i2 - i1)
         (left if pad > 0 else right).append("\n" * abs(pad))
-    return (f'<div class="diff"><div><h3>dumped</h3><pre>{"".join(left)}</pre></div>'
-            f'<div><h3>replayed</h3><pre>{"".join(right)}</pre></div></div>')
+    return (f'<div class="diff"><div><h3>dumped</h3><pre tabindex="0">{"".join(left)}</pre></div>'
+            f'<div><h3>replayed</h3><pre tabindex="0">{"".join(right)}</pre></div></div>')
 
 
 def dump(name: str, doc: dict | None, error: str | None, replayed) -> str:
