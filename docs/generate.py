@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 MARKER = re.compile(r"^<!-- generated: ([a-z_]+) -->$", re.MULTILINE)
 # Built-in plugins in the shipped pipeline's order; each is documented by its module
 # docstring and its declared options.
-BUILTINS = ("limits", "usage", "metrics", "dedup", "pairing", "ordering", "portable", "dump")
+BUILTINS = ("limits", "usage", "metrics", "cache", "dedup", "pairing", "ordering", "portable",
+            "dump")
 
 _ROLE = re.compile(r":(?:class|func|meth|mod|attr|data|exc):`~?([^`]+)`")
 

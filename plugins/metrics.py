@@ -251,6 +251,15 @@ class Metrics:
             "relay_credential_tokens", "Tokens of the answers each pooled credential got, by "
             "kind (where the usage plugin runs).", ["backend", "credential", "kind"],
             registry=registry)
+        # The prompt cache, from the cache plugin's exchange.cache (its causes are a closed
+        # set of the relay's words).
+        self.cache_breaks = Counter(
+            "relay_cache_breaks", "Requests whose prompt-cache prefix no longer matched the "
+            "session's previous request, by cause.", ["cause"], registry=registry)
+        self.cache_tokens = Counter(
+            "relay_cache_input_tokens", "Input tokens by what the prompt cache did with them "
+            "(read, written, fresh), per backend and inbound key.", ["backend", "key", "kind"],
+            registry=registry)
 
     def _child(self, metric, *labels):
         """``metric.labels(*labels)``, looked up once: every label value is bounded by the
@@ -369,6 +378,15 @@ class Metrics:
             self._child(self.deferred, kind, self._deferred_name(name)).inc()
         if exchange.outcome == Outcome.REJECTED and error is not None and error.plugin is not None:
             self.refused.labels(error.plugin, error.rule or error.plugin).inc()
+        cache = exchange.cache
+        if cache:
+            if cache.get("status") == "miss":
+                self._child(self.cache_breaks, str(cache.get("cause"))).inc()
+            for kind in ("read", "written", "fresh"):
+                tokens = cache.get(f"{kind}_input_tokens")
+                if tokens:
+                    self._child(self.cache_tokens, backend, exchange.key_name or "-",
+                                kind).inc(tokens)
 
 
     def _credentials(self, exchange) -> None:

@@ -170,6 +170,8 @@ class Backend:
     # A pool of upstream keys (relay.pools); empty for one key (api_key_env) or none.
     credentials: list[Credential] = field(default_factory=list)
     pool: PoolOptions = field(default_factory=PoolOptions)
+    # Whether it answers ``diagnostics.previous_message_id`` itself; see _holds_diagnostics.
+    holds_diagnostics: bool = False
 
     @functools.cached_property
     def adapter(self) -> Adapter:
@@ -645,6 +647,9 @@ BACKEND_OPTIONS = (
            "mapping of the keys below; a session stays on one while it is healthy (see "
            "pools.md)"),
     Option("pool", dict, {}, "how the pool's credentials cool down and are shared (below)"),
+    Option("holds_diagnostics", bool, None, "whether it answers a request's "
+           "`diagnostics.previous_message_id` with `diagnostics.cache_miss_reason` itself "
+           "(else the relay answers from its own record): by default only `api.anthropic.com`"),
 )
 
 CREDENTIAL_OPTIONS = (
@@ -718,6 +723,9 @@ def _backend(item, path: str, env, require_keys: bool) -> Backend:
         _expect(item.get("pool", {}) or {}, dict, f"{path}.pool", "a mapping"), POOL_OPTIONS,
         f"{path}.pool", "key"))
     backend.holds_threads = _holds_threads(item, backend, path)
+    backend.holds_diagnostics = _expect(
+        item.get("holds_diagnostics", urlsplit(backend.url).hostname in DIAGNOSTICS_HOSTS),
+        bool, f"{path}.holds_diagnostics", "true or false")
     backend.retries = _retries(item.get("retries", {}) or {}, f"{path}.retries")
     fallbacks = _expect(item.get("fallbacks", []) or [], list, f"{path}.fallbacks",
                         "a list of backend names")
@@ -758,6 +766,11 @@ def _credentials(raw, path: str, env, require_keys: bool) -> list[Credential]:
 # Anthropic's own API holds threads (beta message-threads-2026-08-12, SDK 2.14's
 # lib/threads); Anthropic-compatible servers elsewhere are not known to.
 THREAD_HOSTS = ("api.anthropic.com",)
+
+
+# Cache diagnostics are "available on the Claude API only" (the cache diagnostics guide; not
+# on Bedrock or Vertex AI): docs/evidence/cache.json.
+DIAGNOSTICS_HOSTS = ("api.anthropic.com",)
 
 
 def _holds_threads(item: dict, backend: Backend, path: str) -> bool:

@@ -267,6 +267,9 @@ class Exchange:
     # What the answer reported it used and what that cost (a relay.usage.Usage), set by the
     # usage plugin as soon as it is known; None without that plugin, or before an answer.
     usage: Any = None
+    # The prompt cache's outcome for this request (the cache plugin's, plugins/cache.py):
+    # None, or ``{"status": "hit" | "write" | "none" | "miss", "cause", "where", "by", ...}``.
+    cache: dict | None = None
 
     def __init__(self, *, endpoint: str, method: str, path: str, query: str,
                  headers, raw_body: bytes = b"", body: dict | None = None,

@@ -88,6 +88,7 @@ def access_fields(exchange, status: int | None) -> dict:
                              if entry.get("direction") == "to_client"),
         "repairs": exchange.repairs,
         "key": getattr(exchange, "key_name", None),
+        "cache": _cache(exchange.cache),
     }
     used = getattr(exchange, "usage", None)
     if used is not None:
@@ -112,6 +113,15 @@ def usage_fields(used) -> dict:
     if not used.complete:
         fields["usage_complete"] = False
     return fields
+
+
+def _cache(cache: dict | None) -> str | None:
+    """The prompt cache's verdict (the cache plugin's ``exchange.cache``) as the header
+    ``x-relay-cache`` words it: ``hit``, ``write``, ``none``, ``miss; cause=...``."""
+    if not cache:
+        return None
+    text = str(cache.get("status"))
+    return f"{text}; cause={cache['cause']}" if cache.get("cause") else text
 
 
 def access_line(fields: dict) -> str:

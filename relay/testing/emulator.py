@@ -143,6 +143,8 @@ class EmulatorOptions:
     key_window: float = 60.0
     revoked_keys: tuple[str, ...] = ()
     usage: str | None = None
+    prompt_cache: bool = False
+    diagnostics: bool = True
 
     @property
     def signing_key(self) -> bytes:
@@ -203,6 +205,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{', '.join(USAGE_NAMES)} (a request's {USAGE_HEADER} header "
                              "overrides it); input defaults to a quarter of the body's bytes, "
                              "output to a quarter of the answer's")
+    parser.add_argument("--prompt-cache", action="store_true",
+                        help="keep a prompt cache as the API does (prefixes up to each "
+                             "cache_control breakpoint) and report its reads and writes in usage")
+    parser.add_argument("--no-diagnostics", dest="diagnostics", action="store_false",
+                        help="ignore `diagnostics` (a backend without cache diagnostics)")
     parser.add_argument("--no-record", dest="record", action="store_false",
                         help="keep no request log (long benchmarks)")
     parser.add_argument("--key-budget", type=int, default=d.key_budget,
@@ -852,6 +859,8 @@ class EmulatorState:
     threads: dict = dataclasses.field(default_factory=dict)
     continued: dict = dataclasses.field(default_factory=dict)  # answer ids continued, in order
     answered: dict = dataclasses.field(default_factory=dict)  # ids of answers with diagnostics
+    # --prompt-cache: the hash of a prefix up to a breakpoint -> when it expires (monotonic)
+    prompt_cache: dict = dataclasses.field(default_factory=dict)
     received: int = 0  # every /v1/* request
     messages: int = 0  # authorised /v1/messages requests: what faults and the budget count
     stalled: bool = False  # --stall-after has had its stream
@@ -1037,7 +1046,10 @@ async def handle_messages(request: web.Request) -> web.StreamResponse:
     except ValueError as e:
         return error_response(request, 400, str(e))
     message = build_message(body, options, len(request[INCOMING].raw) // 4, report)
-    _diagnose(request.app[STATE], body, message)
+    if options.prompt_cache:
+        _cache_usage(request.app[STATE], body, message)
+    if options.diagnostics:
+        _diagnose(request.app[STATE], body, message)
     if thread is not None:
         _hold(request.app[STATE], thread, body, message)
     if body.get("stream"):
@@ -1130,6 +1142,100 @@ def _diagnose(state: EmulatorState, body: dict, message: dict) -> None:
     state.answered[message["id"]] = True
     if len(state.answered) > MAX_HELD:
         del state.answered[next(iter(state.answered))]
+
+
+# --- the prompt cache ---------------------------------------------------------------------
+# Anthropic's prompt caching guide, read on its own: the prompt is tools, then system, then
+# messages; a breakpoint caches the prefix up to and including its block, for 5 minutes (ttl
+# "1h": an hour), refreshed on each read; the model is part of every entry, and the thinking
+# settings and tool_choice of the messages' part. The emulator hashes decoded values (its
+# own rendering, apart from the relay's fingerprint of the raw bytes) and counts a token per
+# four bytes of them. Only exact breakpoint positions hit (the API also looks back up to 20
+# blocks from each).
+
+CACHE_TTL = {"5m": 300.0, "1h": 3600.0}
+
+
+def _uncached(value):
+    if isinstance(value, dict):
+        return {k: _uncached(v) for k, v in value.items() if k != "cache_control"}
+    if isinstance(value, list):
+        return [_uncached(v) for v in value]
+    return value
+
+
+def _control(value) -> dict | None:
+    """The block's cache_control, or one inside it (a tool result's content)."""
+    if isinstance(value, dict):
+        if isinstance(value.get("cache_control"), dict):
+            return value["cache_control"]
+        for item in value.values():
+            found = _control(item)
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for item in value:
+            found = _control(item)
+            if found is not None:
+                return found
+    return None
+
+
+def _cache_usage(state: EmulatorState, body: dict, message: dict) -> None:
+    pieces: list = [["model", body.get("model"), body.get("speed")]]
+    marks: list = [None]
+    for tool in body.get("tools") or ():
+        pieces.append(_uncached(tool))
+        marks.append(_control(tool))
+    system = body.get("system")
+    for block in ([{"type": "text", "text": system}] if isinstance(system, str)
+                  else system or ()):
+        pieces.append(_uncached(block))
+        marks.append(_control(block))
+    pieces.append(["parameters", body.get("thinking"), body.get("tool_choice")])
+    marks.append(None)
+    for item in body.get("messages") or ():
+        pieces.append(["role", item.get("role")])
+        marks.append(None)
+        content = item.get("content")
+        for block in ([{"type": "text", "text": content}] if isinstance(content, str)
+                      else content or ()):
+            pieces.append(_uncached(block))
+            marks.append(_control(block))
+    if isinstance(body.get("cache_control"), dict):
+        marks[-1] = body["cache_control"]
+    now = time.monotonic()
+    digest = hashlib.sha256()
+    chain, tokens, total = [], [], 0
+    for piece in pieces:
+        raw = orjson.dumps(piece, option=orjson.OPT_SORT_KEYS)
+        digest.update(raw)
+        chain.append(digest.copy().digest())
+        total += len(raw) // 4
+        tokens.append(total)
+    breakpoints = [i for i, mark in enumerate(marks) if mark is not None]
+    cache = state.prompt_cache
+    hit = -1
+    for i in reversed(breakpoints):
+        if cache.get(chain[i], 0.0) > now:
+            hit = i
+            break
+    read = tokens[hit] if hit >= 0 else 0
+    written = {"5m": 0, "1h": 0}
+    done = read
+    for i in breakpoints:
+        ttl = marks[i].get("ttl") if marks[i].get("ttl") in CACHE_TTL else "5m"
+        cache[chain[i]] = max(cache.get(chain[i], 0.0), now + CACHE_TTL[ttl])
+        if i > hit:
+            written[ttl] += tokens[i] - done
+            done = tokens[i]
+    while len(cache) > MAX_HELD:
+        del cache[next(iter(cache))]
+    usage = message["usage"]
+    usage.update(input_tokens=max(0, total - done), cache_read_input_tokens=read,
+                 cache_creation_input_tokens=written["5m"] + written["1h"],
+                 cache_creation={"ephemeral_5m_input_tokens": written["5m"],
+                                 "ephemeral_1h_input_tokens": written["1h"]})
 
 
 def _hold(state: EmulatorState, thread: dict, body: dict, message: dict) -> None:
