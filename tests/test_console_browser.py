@@ -70,6 +70,23 @@ def tool_session(url: str) -> int:
     raise AssertionError("the session did not end")
 
 
+def cached_session(url: str) -> None:
+    """Two turns of another session with a cached system prompt, the second with that prompt
+    changed: a cache break whose cause is the system's."""
+    marker = {"type": "ephemeral"}
+    for turn, rule in enumerate(("Be terse.", "Be verbose.")):
+        messages = [{"role": "user" if n % 2 == 0 else "assistant",
+                     "content": [{"type": "text", "text": f"message {n} " * 30}]}
+                    for n in range(2 * turn + 1)]
+        messages[-1]["content"][0]["cache_control"] = marker
+        status, answer = post(url, {
+            "model": "claude-test", "max_tokens": 100, "metadata": {"user_id": "cached"},
+            "system": [{"type": "text", "text": "You are a coding agent. " * 20},
+                       {"type": "text", "text": rule, "cache_control": marker}],
+            "messages": messages})
+        assert status == 200, answer
+
+
 @pytest.fixture
 def browser(tmp_path):
     options = webdriver.ChromeOptions()
@@ -86,12 +103,12 @@ def browser(tmp_path):
 
 @pytest.fixture
 def stack(emulator, relay, tmp_path):
-    tools = emulator("--tool-turns", "3", "--reuse-ids")
+    tools = emulator("--tool-turns", "3", "--reuse-ids", "--prompt-cache")
     strict = emulator("--expect-own-ids")
     r = relay({"server": {"console": True, "auth": {
                    "keys": [{"name": "team-a", "key_env": "CLIENT_KEY"}],
                    "admin_key_env": "ADMIN_KEY"}},
-               "pipeline": ["limits", "usage", "dedup", "pairing", "dump"],
+               "pipeline": ["limits", "usage", "cache", "dedup", "pairing", "dump"],
                "plugins": {"dump": {"dir": str(tmp_path / "dumps")}},
                "backends": [backend(tools.url, "tools", models=["claude-*"]),
                             backend(strict.url, "strict", models=["strict-*"])]},
@@ -131,11 +148,11 @@ class Console:
         self.driver.find_element(By.ID, "key").send_keys(key)
         self.click("form.login button")
 
-    def click(self, selector: str) -> None:
+    def click(self, selector: str, within=None) -> None:
         """Click, and wait for the page it leads to (a form's answer arrives after the click
         returns)."""
         page = self.driver.find_element(By.TAG_NAME, "html")
-        self.driver.find_element(By.CSS_SELECTOR, selector).click()
+        (within or self.driver).find_element(By.CSS_SELECTOR, selector).click()
         WebDriverWait(self.driver, 10).until(expected_conditions.staleness_of(page))
 
 
@@ -170,6 +187,7 @@ def test_the_console_shows_real_traffic_and_keeps_strangers_out(stack, browser, 
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_foreign",
                                           "content": "x"}]}]})
     assert status == 400 and "messages.1.content.0" in failed["error"]["message"]
+    cached_session(url)
 
     console = Console(browser, url, tmp_path / "screenshots")
     console.log_in(CLIENT)
@@ -186,7 +204,7 @@ def test_the_console_shows_real_traffic_and_keeps_strangers_out(stack, browser, 
         shown = browser.find_element(By.CSS_SELECTOR, f"[data-metric='{name}']").text
         return float(shown.strip("$").replace(",", ""))
 
-    assert metric("requests-hour") == turns + 2 and metric("errors-hour") == 2
+    assert metric("requests-hour") == turns + 4 and metric("errors-hour") == 2
     # dedup's: the answers of turns 2 and 3 reuse the first call's id, rewritten for the
     # client, and the ids restored on their way back up.
     assert metric("repairs-hour") >= 2
@@ -200,14 +218,17 @@ def test_the_console_shows_real_traffic_and_keeps_strangers_out(stack, browser, 
     assert failed_id in console.text() and refused_id in console.text()
     console.shot("exchanges")
 
-    # From the session to its exchange, to the exchange's dump.
+    # The cache break, with its cause, in its session; from the tool session to its
+    # exchange, to the exchange's dump.
     console.open("/console/sessions")
-    session_row = browser.find_element(By.CSS_SELECTOR, "tbody tr")
+    rows = browser.find_elements(By.CSS_SELECTOR, "tbody tr")
+    assert sum("system_changed" in row.text for row in rows) == 1
+    session_row = next(row for row in rows if "strict" in row.text)
     cells = [cell.text for cell in session_row.find_elements(By.TAG_NAME, "td")]
     assert cells[2] == str(turns + 1)  # its turns and the strict request
     assert "tools" in cells[3] and "strict" in cells[3] and int(cells[6]) >= 2
     console.shot("sessions")
-    console.click("tbody tr a[href^='/console/session?id=']")
+    console.click("a[href^='/console/session?id=']", within=session_row)
     assert failed_id in console.text()
     console.shot("session")
     rewritten_id = next(

@@ -208,7 +208,9 @@ def sessions(found: list[dict], page: int, pages: int) -> str:
     rows = []
     for s in found:
         breaks = "".join(f'<div>{link("/console/exchange", "turn", id=row_id)}: '
-                         f'{e(cache.get("cause"))}</div>' for row_id, cache in s["breaks"][:5])
+                         f'{e(cache.get("cause"))}'
+                         f'{" at " + e(cache["where"]) if cache.get("where") else ""}</div>'
+                         for row_id, cache in s["breaks"][:5])
         rows.append([link("/console/session", s["session"][:16], id=s["session"]),
                      when(s["last"]), str(s["turns"]), _top(s["backends"]), _top(s["models"]),
                      str(s["repairs"]), str(s["rewrites"]), str(s["errors"]),
