@@ -15,6 +15,7 @@ HAPROXY := /usr/sbin/haproxy
 CHROMEDRIVER := /usr/bin/chromedriver
 AXE_CORE_VERSION := 4.14.1
 AXE := .axe/node_modules/axe-core/axe.min.js
+REDIS := /usr/bin/redis-server
 PYTEST_ARGS ?=
 # The tiers (setup.cfg's markers): the fast one starts no process (tests/conftest.py refuses
 # it) and is what `make check` runs; the rest is what only `make test` adds.
@@ -66,6 +67,14 @@ $(AXE):
 	mkdir -p .axe
 	npm install --silent --no-audit --no-fund --save-exact --prefix .axe axe-core@$(AXE_CORE_VERSION)
 
+# redis-server, for the shared state's tests (each starts its own on loopback): Debian's package.
+$(REDIS):
+	@command -v apt-get >/dev/null || { echo "redis-server is required for the shared-state tests: install it (Debian/Ubuntu: apt-get install redis-server)" >&2; exit 1; }
+	@echo "installing redis-server from Debian's packages"
+	@apt-get update -qq >/dev/null
+	@DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >/dev/null
+	@$(REDIS) --version
+
 run: $(VENV)/.installed
 	$(PY) -m relay --config relay.yaml
 
@@ -84,7 +93,7 @@ check: $(VENV)/.installed
 	$(PY) -m pytest -q $(FAST_TIER) $(PYTEST_ARGS)
 
 # `make check` first; then the tiers it leaves out, so no test runs twice.
-test: $(VENV)/.installed check $(CLAUDE) $(JS_CLIENTS_STAMP) $(HAPROXY) $(CHROMEDRIVER) $(AXE)
+test: $(VENV)/.installed check $(CLAUDE) $(JS_CLIENTS_STAMP) $(HAPROXY) $(REDIS) $(CHROMEDRIVER) $(AXE)
 	RELAY_CLAUDE=$(abspath $(CLAUDE)) $(PY) -m pytest $(SLOW_TIER) $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-example test-min docs
 
@@ -110,10 +119,10 @@ test-min: $(MIN_VENV)/.installed
 		tests/test_security.py tests/test_upstream.py tests/test_hooks.py tests/test_skeleton.py \
 		tests/test_sse.py tests/test_options.py
 
-unit: $(VENV)/.installed $(HAPROXY) $(CHROMEDRIVER) $(AXE)
+unit: $(VENV)/.installed $(HAPROXY) $(REDIS) $(CHROMEDRIVER) $(AXE)
 	$(PY) -m pytest -m "not e2e" $(PYTEST_ARGS)
 
-e2e: $(VENV)/.installed $(CLAUDE) $(JS_CLIENTS_STAMP) $(HAPROXY)
+e2e: $(VENV)/.installed $(CLAUDE) $(JS_CLIENTS_STAMP) $(HAPROXY) $(REDIS)
 	RELAY_CLAUDE=$(abspath $(CLAUDE)) $(PY) -m pytest -m e2e $(PYTEST_ARGS)
 
 bench: $(VENV)/.installed

@@ -147,7 +147,8 @@ def server_options() -> str:
                            ("A backend's `timeouts`", config.TIMEOUT_OPTIONS),
                            ("A backend's `retries`", config.RETRY_OPTIONS),
                            ("Each of a backend's `credentials`", config.CREDENTIAL_OPTIONS),
-                           ("A backend's `pool`", config.POOL_OPTIONS)):
+                           ("A backend's `pool`", config.POOL_OPTIONS),
+                           ("`state` (see [Shared state](state.md))", config.STATE_OPTIONS)):
         parts += [f"{title}:", "", markdown_table(options, quirks=False), ""]
     return "\n".join(parts)
 

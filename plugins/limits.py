@@ -82,12 +82,14 @@ class Limits:
             exchange.state["limits"] = before
             exchange.response_headers.update(before.headers)
             return
-        rules = key.limits.applying(exchange.model)
-        if not rules:
+        plan = key.limits.plan(key.name, exchange.model)
+        if plan is None:
             return
-        plan = limits.plan(key.name, rules)
+        assert self.state is not None  # relay_startup ran
         try:
-            taken = await self._take(plan)
+            # Not shielded: a backend gives back what it granted a caller that gave up (the
+            # client gone while the state decided).
+            taken = await self.state.take(plan.counters, plan.slots)
         except Unavailable as e:
             self._unreachable(exchange, e)
             return
@@ -102,7 +104,7 @@ class Limits:
         held = Held(plan, taken.tokens, headers, task)
         exchange.state["limits"] = held
         exchange.response_headers.update(headers)
-        if not held.released and task is not None:
+        if task is not None:  # for a fallback to find, and the task's end to give back
             self.held[task] = held
             task.add_done_callback(self._task_done)
 
@@ -123,21 +125,6 @@ class Limits:
             except Unavailable as e:
                 self._warn(f"limits: the state is unreachable; the usage of {exchange.id} "
                            f"is not counted toward its key's limits ({e})")
-
-    async def _take(self, plan: limits.Plan):
-        assert self.state is not None  # relay_startup ran
-        # Shielded: a client gone while the state decides must not leave a slot taken.
-        pending = asyncio.ensure_future(self.state.take(plan.counters, plan.slots))
-        try:
-            return await asyncio.shield(pending)
-        except asyncio.CancelledError:
-            pending.add_done_callback(lambda done: self._give_back(plan, done))
-            raise
-
-    def _give_back(self, plan: limits.Plan, done: asyncio.Future) -> None:
-        if done.cancelled() or done.exception() is not None or not done.result().granted:
-            return
-        self._in_background(self._release(Held(plan, done.result().tokens, {}, None)))
 
     def _task_done(self, task: asyncio.Task) -> None:
         """The request's task ended without its exchange's end (the handler failed before

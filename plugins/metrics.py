@@ -19,8 +19,10 @@ client's relay key, since every backend's and every key's traffic is in it. Only
 neither inbound keys nor either of those serves it to anyone who passes the Host check, as it
 serves every route then.
 
-Put ``metrics`` first in ``pipeline:``: end hooks run in reverse order, so it then sees what
-every other plugin noted (the dump plugin's queued and dropped dumps, say).
+Put ``metrics`` before the other plugins in ``pipeline:`` (only ``limits`` and ``usage``, which
+set what it counts before any end hook runs, go before it): end hooks run in reverse order,
+so it then sees what every later plugin noted (the dump plugin's queued and dropped dumps,
+say).
 
 Options: see ``Metrics.OPTIONS``.
 """
@@ -44,6 +46,7 @@ from relay.exchange import Outcome
 from relay.hookspecs import hookimpl
 from relay.inbound import AdminRoute
 from relay.options import Option
+from relay.state import State
 
 log = logging.getLogger("relay.plugins.metrics")
 
@@ -155,6 +158,8 @@ class Metrics:
 
     def __init__(self):
         self.registry = CollectorRegistry()  # replaced at start-up; empty until then
+        self.state = State()  # the host's, from start-up
+        self.state_unavailable_seen = 0
         self.path = "/metrics"
         self.children: dict = {}
         self.scrape_keys: tuple[InboundKey, ...] = ()
@@ -169,7 +174,9 @@ class Metrics:
                       "(a scraper's), besides the admin key; never a client's relay key"))
 
     @hookimpl
-    def relay_startup(self, config, options):
+    def relay_startup(self, config, options, state):
+        self.state = state
+        self.state_unavailable_seen = 0
         self.path = options["path"]
         self.scrape_keys = scrape_keys(options["scrape_key_env"], config)
         registry = self.registry = CollectorRegistry()
@@ -177,6 +184,9 @@ class Metrics:
             "relay_requests", "Exchanges answered, by backend, inbound key, endpoint, status, "
             "stream and outcome.", ["backend", "key", "endpoint", "status", "stream", "outcome"],
             registry=registry)
+        self.state_unavailable = Counter(
+            "relay_state_unavailable", "Calls to the shared state (state.url) that found it "
+            "unreachable, by its kind.", ["store"], registry=registry)
         self.upstream_latency = Histogram(
             "relay_upstream_latency_seconds", "From sending a request upstream to its answer's "
             "headers (each attempt).", ["backend"], buckets=BUCKETS, registry=registry)
@@ -327,6 +337,12 @@ class Metrics:
     def relay_exchange_end(self, exchange):
         if exchange.state.pop(PLUGIN, False):
             self.active_streams.dec()
+        # The state counts its own failures; what it counted since the last exchange.
+        unavailable = self.state.unavailable_count
+        if unavailable > self.state_unavailable_seen:
+            self.state_unavailable.labels(self.state.kind).inc(
+                unavailable - self.state_unavailable_seen)
+            self.state_unavailable_seen = unavailable
         backend = exchange.backend.name if exchange.backend is not None else "-"
         answer = exchange.answer
         stream = "true" if answer is not None and answer.stream else "false"

@@ -24,7 +24,7 @@ Options: see ``Usage.OPTIONS``.
 
 from __future__ import annotations
 
-import logging
+import asyncio
 import os
 
 import orjson
@@ -35,8 +35,6 @@ from relay.errors import error_body
 from relay.hookspecs import hookimpl
 from relay.inbound import AdminRoute
 from relay.options import Option
-
-log = logging.getLogger("relay.plugins.usage")
 
 PLUGIN = "usage"
 PATH = "/v1/relay/usage"
@@ -96,10 +94,11 @@ class Usage:
     @hookimpl
     def relay_stream_event(self, exchange, event):
         meter = exchange.state[PLUGIN]
-        if event.name == "message_start":
-            used = meter.message_start(event.data)
-        else:
-            used = meter.message_delta(event.data)
+        # The event's bytes, read for its usage alone, unless a plugin changed its data.
+        used = None if event.changed else meter.event(event.name, event.raw)
+        if used is None:
+            used = (meter.message_start(event.data) if event.name == "message_start"
+                    else meter.message_delta(event.data))
         exchange.usage = self.prices.price(used, meter.model or exchange.model)
 
     @hookimpl
@@ -121,8 +120,10 @@ class Usage:
                                 content_type="application/json")
         assert self.state is not None  # routes are served after start-up
         rows = await self.state.rows(since=since, until=until)
-        return web.Response(body=orjson.dumps(metering.aggregate(rows, by)),
-                            content_type="application/json")
+        # Months of rows are a lot of adding up: not on the event loop.
+        groups = await asyncio.get_running_loop().run_in_executor(
+            None, metering.aggregate, rows, by)
+        return web.Response(body=orjson.dumps(groups), content_type="application/json")
 
 
 def ledger_row(exchange) -> dict:

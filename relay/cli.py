@@ -12,6 +12,7 @@ from . import __version__, logs, validate
 from . import config as config_module
 from .chain import Chain, load_plugins
 from .errors import ConfigError
+from .state import warn_if_per_process
 
 COMMANDS = ("serve", "emulate", "validate", "replay", "keys", "backends", "usage")
 
@@ -138,6 +139,7 @@ def run_serve(args) -> int:
         if name not in config.pipeline:
             logging.getLogger("relay").warning(
                 "plugins.%s: options for a plugin that is not in the pipeline", name)
+    warn_if_per_process(config)
     logs.announce(describe(config))
     try:
         if config.workers > 1:

@@ -219,15 +219,18 @@ class Exchange:
     The request: ``method``, ``path``, ``query`` (as the client sent them), ``client_headers``,
     ``raw_body``, and ``endpoint`` (``messages``, ``count_tokens``, ``passthrough``, or
     ``refused`` for a request turned away before it was routed). Routing: ``backend``,
-    ``model``, ``stream``, ``key_name`` (the inbound key, when auth is on). What went up:
+    ``model``, ``stream``, ``key_name`` (the inbound key's name, when auth is on) and ``key``
+    (the :class:`relay.config.InboundKey` itself, with its limits). What went up:
     ``attempts`` (one :class:`Attempt` per try, retries and fallbacks included) and
     ``upstream_request`` (an :class:`UpstreamRequest`) / ``upstream_response`` (an
     :class:`UpstreamAnswer`), the last attempt's, and ``credential``, the name of the pooled
     key it went with (:mod:`relay.pools`; None without a pool). What came back: ``answer`` (an
     :class:`Answer`), ``outcome`` (an :class:`Outcome`), ``error`` (a :class:`RelayError` the
     relay answered with), ``stream_failure`` (a :class:`StreamFailure` when a stream ended in
-    an error event), ``usage`` (a :class:`relay.usage.Usage`, set by the usage plugin), and
-    ``received`` (wall-clock time) with ``timings`` (a :class:`Timings`).
+    an error event), ``usage`` (a :class:`relay.usage.Usage`, set by the usage plugin),
+    ``replaced_headers`` (the upstream's answer headers a plugin's own replaced, see
+    ``replaces_headers``), and ``received`` (wall-clock time) with ``timings`` (a
+    :class:`Timings`).
     What the plugins found: ``repairs`` (their total), ``repaired_by`` (one :class:`Repair`
     per :meth:`repaired`), ``uncertain`` (one :class:`Uncertainty` per :meth:`unsure`).
 

@@ -132,7 +132,10 @@ def stored(records, default_limits: dict | None, taken=()) -> dict[bytes, Inboun
     table: dict[bytes, InboundKey] = {}
     for record in records:
         name = record.get("name")
-        if record.get("revoked") or not record.get("hash") or name in taken:
+        if record.get("revoked") or not record.get("hash"):
+            continue
+        if name in taken:
+            log.warning("stored key %r is left out: relay.yaml has a key of that name", name)
             continue
         try:
             key_limits = limits_module.effective(default_limits, record.get("limits"))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import fnmatch
+import functools
 import math
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -33,6 +34,12 @@ RATES = {
     "concurrent": "requests in flight at once",
 }
 FIELDS = (*RATES, "budget")
+HEADER_FAMILIES = {"requests_per_minute": "requests",
+                   "input_tokens_per_minute": "input-tokens",
+                   "output_tokens_per_minute": "output-tokens"}
+FAMILY_HEADERS = {family: tuple(f"anthropic-ratelimit-{family}-{part}"
+                                for part in ("limit", "remaining", "reset"))
+                  for family in HEADER_FAMILIES.values()}
 BUDGET_PERIODS = ("day", "week", "month")
 # The words Claude Code's usage-limit headers use for a budget's period (its gateway
 # contract, docs/accounting.md).
@@ -149,12 +156,13 @@ class Rule:
 class Limits:
     """A key's effective limits: its own rule and one per model pattern."""
 
-    __slots__ = ("rules", "raw", "_applying")
+    __slots__ = ("rules", "raw", "_applying", "_plans")
 
     def __init__(self, rules: Sequence[Rule], raw: dict):
         self.rules = tuple(rules)
         self.raw = raw  # the checked form, for listings
         self._applying: dict[str, tuple[Rule, ...]] = {}
+        self._plans: dict[tuple[str, str], Plan] = {}
 
     @classmethod
     def of(cls, raw: dict) -> Limits | None:
@@ -177,6 +185,19 @@ class Limits:
             self._applying[name] = found
         return found
 
+    def plan(self, key: str, model: str | None) -> Plan | None:
+        """What a request by ``key`` for ``model`` takes (:func:`plan`), or None when no
+        limit applies; made once per model (cached like :meth:`applying`)."""
+        found = self._plans.get((key, model or ""))
+        if found is None:
+            rules = self.applying(model)
+            if not rules:
+                return None
+            if len(self._plans) >= MAX_CACHED_MODELS:
+                self._plans.clear()
+            found = self._plans[key, model or ""] = plan(key, rules)
+        return found
+
 
 def effective(default: dict | None, own: dict | None) -> Limits | None:
     return Limits.of(overlay(default, own))
@@ -194,17 +215,23 @@ class Limit:
     limit: int
 
 
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class Plan:
     """What one request takes (in one :meth:`relay.state.State.take`) and, once answered,
-    adds: ``counters`` and ``slots``, and what each stands for (``limits``, by counter or
-    slot name)."""
+    adds: ``counters`` and ``slots``, what each stands for (``limits``, by counter or slot
+    name), and which of the answer's amounts each counter adds (``adds``: ``itpm``,
+    ``otpm``, ``usd`` or None)."""
 
     key: str
     rules: tuple[Rule, ...]
-    counters: list[Counter]
-    slots: list[Slot]
+    counters: tuple[Counter, ...]
+    slots: tuple[Slot, ...]
     limits: dict[str, Limit]
+    adds: tuple[str | None, ...]
+    # By position among the counters (a take's counts come in their order): the header
+    # family each rate limit reports to, and the budgets.
+    families: tuple[tuple[int, str], ...] = ()
+    budgets: tuple[int, ...] = ()
 
 
 def counter_name(key: str, rule: Rule, kind: str) -> str:
@@ -244,7 +271,13 @@ def plan(key: str, rules: Iterable[Rule]) -> Plan:
             slot = Slot(counter_name(key, rule, "slots"), rule.concurrent, SLOT_LEASE)
             slots.append(slot)
             limits[slot.name] = Limit(rule, "concurrent", rule.concurrent)
-    return Plan(key, rules, budgets + tokens + requests, slots, limits)
+    counters = (*budgets, *tokens, *requests)
+    adds = tuple(kind if kind in ("itpm", "otpm", "usd") else None
+                 for kind in (c.name.rsplit(":", 1)[1] for c in counters))
+    families = tuple((i, HEADER_FAMILIES[limits[c.name].name]) for i, c in enumerate(counters)
+                     if limits[c.name].name in HEADER_FAMILIES)
+    return Plan(key, rules, counters, tuple(slots), limits, adds, families,
+                tuple(range(len(budgets))))
 
 
 def spent(plan: Plan, usage) -> list[Counter]:
@@ -258,11 +291,10 @@ def spent(plan: Plan, usage) -> list[Counter]:
         + (getattr(usage, "cache_write_5m_input_tokens", 0) or 0) \
         + (getattr(usage, "cache_write_1h_input_tokens", 0) or 0)
     amounts = {"itpm": fresh, "otpm": getattr(usage, "output_tokens", 0) or 0,
-               "usd": getattr(usage, "cost_micro_usd", None) or 0}
+               "usd": getattr(usage, "cost_micro_usd", None) or 0, None: 0}
     added = []
-    for counter in plan.counters:
-        kind = counter.name.rsplit(":", 1)[1]
-        amount = amounts.get(kind, 0)
+    for counter, kind in zip(plan.counters, plan.adds, strict=True):
+        amount = amounts[kind]
         if amount > 0:
             added.append(Counter(counter.name, counter.per, counter.limit, amount))
     return added
@@ -271,6 +303,7 @@ def spent(plan: Plan, usage) -> list[Counter]:
 # --- what the client is told --------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=64)  # a window's end: the same for a minute, or a month
 def rfc3339(epoch: int) -> str:
     """The form the API's ``anthropic-ratelimit-*-reset`` headers take."""
     return datetime.datetime.fromtimestamp(epoch, datetime.timezone.utc).strftime(
@@ -282,40 +315,40 @@ def seconds_until(reset: int, now: float) -> int:
     return max(1, math.ceil(reset - now))
 
 
-HEADER_FAMILIES = {"requests_per_minute": "requests",
-                   "input_tokens_per_minute": "input-tokens",
-                   "output_tokens_per_minute": "output-tokens"}
-
-
 def quota_headers(plan: Plan, counts: Sequence[Count]) -> dict[str, str]:
+    """An answer's quota headers: :func:`rate_headers`, then the usage-limit headers of the
+    fullest budget (:func:`budget_headers`)."""
+    headers = rate_headers(plan, counts)
+    if plan.budgets:
+        headers.update(budget_headers(plan, counts))
+    return headers
+
+
+def rate_headers(plan: Plan, counts: Sequence[Count]) -> dict[str, str]:
     """``anthropic-ratelimit-{requests,input-tokens,output-tokens}-{limit,remaining,reset}``
-    from the key's own counts, as the API sends its own: for each family, the limit with the
-    least left. A family the key has no limit for is not sent. Then the usage-limit headers
-    of the fullest budget (:func:`budget_headers`)."""
+    from the key's own counts (in the order of ``plan.counters``), as the API sends its own:
+    for each family, the limit with the least left. A family the key has no limit for is
+    not sent."""
     headers: dict[str, str] = {}
     tightest: dict[str, tuple[int, Count]] = {}
-    for count in counts:
-        limit = plan.limits.get(count.name)
-        if limit is None or count.limit is None:
-            continue
-        if limit.name in HEADER_FAMILIES:
-            left = max(0, count.limit - count.used)
-            family = HEADER_FAMILIES[limit.name]
-            if family not in tightest or left < tightest[family][0]:
-                tightest[family] = (left, count)
+    for index, family in plan.families:
+        count = counts[index]
+        left = max(0, (count.limit or 0) - count.used)
+        if family not in tightest or left < tightest[family][0]:
+            tightest[family] = (left, count)
     for family, (left, count) in tightest.items():
-        headers[f"{RATELIMIT_PREFIX}{family}-limit"] = str(count.limit)
-        headers[f"{RATELIMIT_PREFIX}{family}-remaining"] = str(left)
-        headers[f"{RATELIMIT_PREFIX}{family}-reset"] = rfc3339(count.reset)
-    headers.update(budget_headers(plan, counts))
+        names = FAMILY_HEADERS[family]
+        headers[names[0]] = str(count.limit)
+        headers[names[1]] = str(left)
+        headers[names[2]] = rfc3339(count.reset)
     return headers
 
 
 def _fullest(plan: Plan, counts: Sequence[Count]) -> tuple[float, Count] | None:
     best = None
-    for count in counts:
-        limit = plan.limits.get(count.name)
-        if limit is None or limit.name != "budget" or not count.limit:
+    for index in plan.budgets:
+        count = counts[index]
+        if not count.limit:
             continue
         used = count.used / count.limit
         if best is None or used > best[0] or (used == best[0] and count.reset > best[1].reset):
@@ -350,6 +383,10 @@ def budget_headers(plan: Plan, counts: Sequence[Count]) -> dict[str, str]:
     return headers
 
 
+def dollars(usd: float) -> str:
+    return f"${usd:,.2f}" if usd >= 0.01 or usd == 0 else f"${usd:g}"
+
+
 def refusal(plan: Plan, counts: Sequence[Count], blocked: str, now: float
             ) -> tuple[RelayError, dict[str, str]]:
     """The 429 for a request the state refused (``blocked``: the counter or slot that did),
@@ -370,10 +407,7 @@ def refusal(plan: Plan, counts: Sequence[Count], blocked: str, now: float
         message = (f"rate limit: the relay key {key!r} may have {limit.limit} "
                    f"request{'s' if limit.limit != 1 else ''} in flight at once"
                    f"{rule.scope()} (concurrent); retry when one has finished")
-        headers = quota_headers(plan, counts)
-        for name in [n for n in headers if n.startswith(f"{RATELIMIT_PREFIX}unified-")]:
-            del headers[name]
-        headers["retry-after"] = str(retry)
+        headers = {**rate_headers(plan, counts), "retry-after": str(retry)}
         return RelayError(429, message, "rate_limit_error"), headers
     assert count is not None  # a counter the state refused is among those it returned
     retry = seconds_until(count.reset, now)
@@ -382,7 +416,7 @@ def refusal(plan: Plan, counts: Sequence[Count], blocked: str, now: float
         usd = (rule.budget_micro_usd or 0) / 1_000_000
         resets = datetime.datetime.fromtimestamp(count.reset, datetime.timezone.utc)
         message = (f"spend limit reached: the relay key {key!r} has used its "
-                   f"{PERIOD_WORDS[period]} budget of ${usd:,.2f}{rule.scope()} · resets "
+                   f"{PERIOD_WORDS[period]} budget of {dollars(usd)}{rule.scope()} · resets "
                    f"{resets:%b} {resets.day} {resets:%H:%M} UTC · ask the relay's operator "
                    f"to raise it")
         headers = {
@@ -399,7 +433,5 @@ def refusal(plan: Plan, counts: Sequence[Count], blocked: str, now: float
         return RelayError(429, message, "billing_error"), headers
     message = (f"rate limit: the relay key {key!r} may use {limit.limit} "
                f"{RATES[limit.name]}{rule.scope()} ({limit.name}); retry in {retry} s")
-    headers = {name: value for name, value in quota_headers(plan, counts).items()
-               if not name.startswith(f"{RATELIMIT_PREFIX}unified-")}
-    headers["retry-after"] = str(retry)
+    headers = {**rate_headers(plan, counts), "retry-after": str(retry)}
     return RelayError(429, message, "rate_limit_error"), headers

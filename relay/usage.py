@@ -95,14 +95,21 @@ def apply(usage: Usage, reported) -> Usage:
     """Fold an Anthropic ``usage`` object into ``usage``: every count it gives replaces the
     one there (usage objects are cumulative), counts it leaves out stay. Values that are not
     counts are ignored. Returns ``usage``."""
+    # Written out, not looped: this runs for every answer and twice for every stream.
     if reported.__class__ is not dict:
         return usage
-    for name in ("input_tokens", "output_tokens", "cache_read_input_tokens"):
-        count = _count(reported.get(name))
-        if count is not None:
-            setattr(usage, name, count)
-    split = reported.get("cache_creation")
-    total = _count(reported.get("cache_creation_input_tokens"))
+    get = reported.get
+    count = get("input_tokens")
+    if count.__class__ is int and 0 <= count <= MAX_COUNT:
+        usage.input_tokens = count
+    count = get("output_tokens")
+    if count.__class__ is int and 0 <= count <= MAX_COUNT:
+        usage.output_tokens = count
+    count = get("cache_read_input_tokens")
+    if count.__class__ is int and 0 <= count <= MAX_COUNT:
+        usage.cache_read_input_tokens = count
+    split = get("cache_creation")
+    total = _count(get("cache_creation_input_tokens"))
     if split.__class__ is dict:
         five = _count(split.get("ephemeral_5m_input_tokens")) or 0
         hour = _count(split.get("ephemeral_1h_input_tokens")) or 0
@@ -114,9 +121,10 @@ def apply(usage: Usage, reported) -> Usage:
         # stays one-hour, as far as the total allows; the rest is five-minute.
         hour = min(usage.cache_write_1h_input_tokens, total)
         usage.cache_write_5m_input_tokens, usage.cache_write_1h_input_tokens = total - hour, hour
-    tools = _tools(reported.get("server_tool_use"))
-    if tools is not None:
-        usage.server_tool_requests = tools
+    if "server_tool_use" in reported:
+        tools = _tools(reported["server_tool_use"])
+        if tools is not None:
+            usage.server_tool_requests = tools
     return usage
 
 
@@ -146,8 +154,37 @@ def answer_fields(body: bytes) -> tuple[str | None, dict | None]:
     return model, usage
 
 
+class _Start(msgspec.Struct):
+    message: _Answer | None = None
+
+
+class _Delta(msgspec.Struct):
+    usage: Any = None
+
+
+_start = msgspec.json.Decoder(_Start).decode
+_delta = msgspec.json.Decoder(_Delta).decode
+
+
+def _data_line(raw: bytes) -> bytes | None:
+    """The data of an event framed as Anthropic frames one (its name, then one ``data:``
+    line); None for any other framing, which the caller parses the slow way."""
+    start = raw.find(b"\ndata: ")
+    if start < 0:
+        return None
+    start += 7
+    end = raw.find(b"\n", start)
+    if end < 0:
+        end = len(raw)
+    elif raw.find(b"data:", end) >= 0:  # its data in several lines
+        return None
+    return raw[start:end]
+
+
 class StreamMeter:
-    """The usage of one stream, fed its ``message_start`` and ``message_delta`` data."""
+    """The usage of one stream, fed its ``message_start`` and ``message_delta`` events: as
+    parsed data (:meth:`message_start`, :meth:`message_delta`), or as their bytes
+    (:meth:`event`), read for ``model`` and ``usage`` alone."""
 
     __slots__ = ("usage", "model")
 
@@ -158,15 +195,36 @@ class StreamMeter:
     def message_start(self, data) -> Usage:
         message = data.get("message") if data.__class__ is dict else None
         if message.__class__ is dict:
-            model = message.get("model")
-            if model.__class__ is str:
-                self.model = model
-            apply(self.usage, message.get("usage"))
+            self._started(message.get("model"), message.get("usage"))
         return self.usage
+
+    def _started(self, model, reported) -> None:
+        if model.__class__ is str:
+            self.model = model
+        apply(self.usage, reported)
 
     def message_delta(self, data) -> Usage:
         if data.__class__ is dict:
             apply(self.usage, data.get("usage"))
+        self.usage.complete = True
+        return self.usage
+
+    def event(self, name: str | None, raw: bytes) -> Usage | None:
+        """Fold in the ``message_start`` or ``message_delta`` event framed as ``raw``; None
+        when its bytes are not one JSON object on one ``data:`` line (then give its parsed
+        data to :meth:`message_start` or :meth:`message_delta`)."""
+        line = _data_line(raw)
+        if line is None:
+            return None
+        try:
+            if name == "message_start":
+                message = _start(line).message
+                if message is not None:
+                    self._started(message.model, message.usage)
+                return self.usage
+            apply(self.usage, _delta(line).usage)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return None
         self.usage.complete = True
         return self.usage
 
@@ -324,16 +382,20 @@ def _group_value(row: dict, by: str):
     return row.get(by)
 
 
-def aggregate(rows: Iterable[dict], by: str = "key") -> list[dict]:
-    """Ledger rows added up by ``by`` (key, model, backend or day, UTC): one dict per group
-    with the group's field, ``requests``, the token columns, ``cost_micro_usd`` (of the rows
-    that were priced) and ``unpriced_requests`` (rows with usage but no price: their tokens
-    are counted, their cost is not known). Ordered by the group's value, an unknown (None)
-    last."""
+def aggregate(rows: Iterable[dict], by: str = "key", since: float | None = None,
+              until: float | None = None) -> list[dict]:
+    """Ledger rows with ``since <= time < until`` added up by ``by`` (key, model, backend or
+    day, UTC): one dict per group with the group's field, ``requests``, the token columns,
+    ``cost_micro_usd`` (of the rows that were priced) and ``unpriced_requests`` (rows with
+    usage but no price: their tokens are counted, their cost is not known). Ordered by the
+    group's value, an unknown (None) last."""
     if by not in GROUPS:
         raise ValueError(f"cannot group by {by!r} (one of {', '.join(GROUPS)})")
     groups: dict[Any, dict] = {}
     for row in rows:
+        if (since is not None and row["time"] < since) or (
+                until is not None and row["time"] >= until):
+            continue
         value = _group_value(row, by)
         group = groups.get(value)
         if group is None:
@@ -427,7 +489,8 @@ def main(args) -> int:
     from . import config as config_module
 
     try:
-        config = config_module.load(args.config)
+        # Only state: is read: the keys' variables need not be set where the command runs.
+        config = config_module.load(args.config, require_keys=False)
         since = parse_time(args.since) if args.since else None
         until = parse_time(args.until, end=True) if args.until else None
     except (ConfigError, ValueError) as e:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from types import SimpleNamespace
 
 import aiohttp
 import pytest
@@ -25,40 +24,14 @@ from relay.testing import emulator
 from relay.testing.fixtures import received
 
 KEYS = {"KEY_A": "a-key-" + "a" * 20, "KEY_B": "b-key-" + "b" * 20}
-# What the stand-in for the usage plugin charges: $3 and $15 per million input and output
-# tokens, in micro-dollars per token.
-INPUT_PRICE, OUTPUT_PRICE = 3, 15
-
-
-class FakeUsage:
-    """Stands in for the usage plugin: ``exchange.usage`` with the pinned fields, from the
-    answer (non-streamed) or the stream's ``message_start`` and last ``message_delta``."""
-
-    @staticmethod
-    def _set(exchange, usage: dict, complete: bool) -> None:
-        input_tokens = usage.get("input_tokens", 0)
-        output_tokens = usage.get("output_tokens", 0)
-        exchange.usage = SimpleNamespace(
-            input_tokens=input_tokens, output_tokens=output_tokens, cache_read_input_tokens=0,
-            cache_write_5m_input_tokens=0, cache_write_1h_input_tokens=0,
-            server_tool_requests={}, complete=complete,
-            cost_micro_usd=input_tokens * INPUT_PRICE + output_tokens * OUTPUT_PRICE)
-
-    @hookimpl
-    def relay_response(self, exchange, response):
-        self._set(exchange, response.data["usage"], True)
-
-    @hookimpl
-    def relay_stream_events(self, exchange):
-        return {"message_start", "message_delta"}
-
-    @hookimpl
-    def relay_stream_event(self, exchange, event):
-        if event.name == "message_start":
-            self._set(exchange, event.data["message"]["usage"], False)
-        else:
-            self._set(exchange, {"input_tokens": exchange.usage.input_tokens,
-                                 **event.data["usage"]}, True)
+# What every answer reports (the emulator is told), and what it costs at the prices below:
+# 1000 input tokens at $3 per million, 100 output at $15, 1000 cache reads at $0.30 and 400
+# five-minute cache writes at $3.75: 3000 + 1500 + 300 + 1500 micro-dollars.
+USAGE = "input=1000,output=100,cache_read=1000,cache_write_5m=400"
+COST = 6300
+FRESH_INPUT = 1400  # what counts toward input tokens per minute: no cache reads
+PRICES = [{"models": ["*"], "usd_per_mtok": {"input": 3, "output": 15, "cache_write_5m": 3.75,
+                                               "cache_write_1h": 6, "cache_read": 0.3}}]
 
 
 def auth(a: dict | None = None, b: dict | None = None, default: dict | None = None) -> dict:
@@ -74,11 +47,11 @@ async def start(aiohttp_client, aiohttp_server, server_auth: dict, *, state=None
     upstream = await aiohttp_server(emulator.create_app(
         emulator.EmulatorOptions(**emulator_options)))
     raw = {"pipeline": list(pipeline), "server": {"auth": server_auth},
+           "plugins": {"usage": {"prices": PRICES}},
            "backends": [{"name": "emulator", "url": str(upstream.make_url("")).rstrip("/"),
                          "models": ["*"]}]}
     config = config_module.parse(raw, KEYS)
-    chain = Chain(load_plugins(config.pipeline, extra={"usage": FakeUsage(), **(extra or {})}),
-                  config)
+    chain = Chain(load_plugins(config.pipeline, extra=extra), config)
     chain.state = state
     await chain.startup(config)
     client = await aiohttp_client(create_app(config, chain))
@@ -87,7 +60,7 @@ async def start(aiohttp_client, aiohttp_server, server_auth: dict, *, state=None
 
 
 def headers(key: str = "KEY_A") -> dict:
-    return {"x-api-key": KEYS[key]}
+    return {"x-api-key": KEYS[key], "x-emulator-usage": USAGE}
 
 
 async def post(client, key="KEY_A", model="claude-test", **extra):
@@ -146,12 +119,17 @@ async def test_requests_per_minute_per_key(aiohttp_client, aiohttp_server):
 async def test_token_limits_count_the_answers(aiohttp_client, aiohttp_server):
     same_minute()
     client = await start(aiohttp_client, aiohttp_server,
-                         auth({"input_tokens_per_minute": 1}, {"output_tokens_per_minute": 1}))
+                         auth({"input_tokens_per_minute": FRESH_INPUT + 100},
+                              {"output_tokens_per_minute": 1}))
     resp, body = await post(client)
-    assert resp.status == 200 and body["usage"]["input_tokens"] >= 1
-    assert resp.headers["anthropic-ratelimit-input-tokens-limit"] == "1"
-    assert resp.headers["anthropic-ratelimit-input-tokens-remaining"] == "1"
+    assert resp.status == 200 and body["usage"]["cache_read_input_tokens"] == 1000
+    assert resp.headers["anthropic-ratelimit-input-tokens-limit"] == "1500"
+    assert resp.headers["anthropic-ratelimit-input-tokens-remaining"] == "1500"
     assert "anthropic-ratelimit-requests-limit" not in resp.headers  # no such limit: not sent
+    # Fresh input and cache writes counted, cache reads not: 100 left, still under.
+    resp, body = await post(client)
+    assert resp.status == 200
+    assert resp.headers["anthropic-ratelimit-input-tokens-remaining"] == "100"
     resp, body = await post(client)
     assert resp.status == 429 and "input_tokens_per_minute" in body["error"]["message"]
     assert resp.headers["anthropic-ratelimit-input-tokens-remaining"] == "0"
@@ -170,13 +148,8 @@ def day_end() -> int:
 
 
 async def test_budget_warns_then_refuses(aiohttp_client, aiohttp_server):
-    client = await start(aiohttp_client, aiohttp_server, auth())
-    resp, body = await post(client)
-    cost = body["usage"]["input_tokens"] * INPUT_PRICE + body["usage"]["output_tokens"] * OUTPUT_PRICE
-    await client.chain.shutdown(client.config)
-
-    # A budget the first answer fills to 80%: the second answer warns, the third crosses.
-    budget = {"budget": {"usd": cost / 0.8 / 1e6, "per": "day"}}
+    # A budget the first answer fills to 80%: the second answer warns, and crosses it.
+    budget = {"budget": {"usd": COST / 0.8 / 1e6, "per": "day"}}
     client = await start(aiohttp_client, aiohttp_server, auth(budget))
     resp, _ = await post(client)
     assert resp.status == 200
@@ -189,7 +162,7 @@ async def test_budget_warns_then_refuses(aiohttp_client, aiohttp_server):
     assert resp.status == 200
     assert resp.headers["anthropic-ratelimit-unified-status"] == "allowed_warning"
     assert resp.headers["anthropic-ratelimit-unified-overage-status"] == "allowed_warning"
-    assert 0.75 <= float(resp.headers["anthropic-ratelimit-unified-overage-utilization"]) <= 0.8
+    assert resp.headers["anthropic-ratelimit-unified-overage-utilization"] == "0.80"
     assert resp.headers["anthropic-ratelimit-unified-overage-surpassed-threshold"] == "0.75"
     # Crossed by that answer: the next is refused, in the shape Claude Code reads.
     resp, body = await post(client)
@@ -239,7 +212,11 @@ async def test_model_pattern_limits_stand_beside_the_keys(aiohttp_client, aiohtt
 
 async def concurrent_posts(client, n: int, key="KEY_A") -> list[int]:
     async def one():
-        resp, _ = await post(client, key)
+        resp, body = await post(client, key)
+        if resp.status == 429:
+            assert resp.headers["retry-after"] == "1"
+            assert "(concurrent)" in body["error"]["message"], body
+            assert body["error"]["type"] == "rate_limit_error"
         return resp.status
     return list(await asyncio.gather(*(one() for _ in range(n))))
 
@@ -350,14 +327,31 @@ async def test_state_unreachable_open_and_closed(aiohttp_client, aiohttp_server,
     await client.chain.shutdown(client.config)
 
 
+class Ended:
+    """Keeps every finished exchange."""
+
+    def __init__(self):
+        self.exchanges = []
+
+    @hookimpl
+    def relay_exchange_end(self, exchange):
+        self.exchanges.append(exchange)
+
+
 async def test_streams_carry_the_keys_headers(aiohttp_client, aiohttp_server):
     same_minute()
-    client = await start(aiohttp_client, aiohttp_server, auth({"requests_per_minute": 7}))
+    ended = Ended()
+    client = await start(aiohttp_client, aiohttp_server, auth({"requests_per_minute": 7}),
+                         pipeline=("limits", "usage", "ended"), extra={"ended": ended})
     resp = await client.post("/v1/messages", json=request(user(text("hi")), stream=True),
                              headers=headers())
     await resp.read()
     assert resp.headers["anthropic-ratelimit-requests-limit"] == "7"
     assert resp.headers["anthropic-ratelimit-requests-remaining"] == "6"
+    # The upstream's (the pooled account's) stay in the record.
+    assert ended.exchanges[-1].replaced_headers == {
+        "anthropic-ratelimit-requests-limit": "4000",
+        "anthropic-ratelimit-requests-remaining": "3999"}
     # A key without limits sees none of the pooled account's.
     resp = await client.post("/v1/messages", json=request(user(text("hi")), stream=True),
                              headers=headers("KEY_B"))
@@ -401,3 +395,29 @@ def test_a_keys_limits_overlay_the_defaults():
     assert found.applying("claude-opus-4") == (key, opus)
     assert found.applying("claude-haiku-4") == (key,)
     assert limits.effective(None, {"requests_per_minute": None}) is None
+
+
+@pytest.mark.parametrize("concurrent", [1, None])
+async def test_a_fallback_is_the_same_request(aiohttp_client, aiohttp_server, concurrent):
+    """A request its first backend fails and a fallback answers counts once, holds one slot
+    and gives it back once."""
+    same_minute()
+    failing = await aiohttp_server(emulator.create_app(emulator.EmulatorOptions(fail_status=529)))
+    working = await aiohttp_server(emulator.create_app(emulator.EmulatorOptions()))
+    url = lambda server: str(server.make_url("")).rstrip("/")  # noqa: E731
+    raw = {"pipeline": ["limits", "usage"], "plugins": {"usage": {"prices": PRICES}},
+           "server": {"auth": auth({"requests_per_minute": 3, "concurrent": concurrent})},
+           "backends": [{"name": "first", "url": url(failing), "models": ["*"],
+                         "fallbacks": ["second"]},
+                        {"name": "second", "url": url(working), "models": []}]}
+    config = config_module.parse(raw, KEYS)
+    chain = Chain(load_plugins(config.pipeline), config)
+    await chain.startup(config)
+    client = await aiohttp_client(create_app(config, chain))
+    for remaining in ("2", "1"):
+        resp, body = await post(client)
+        assert resp.status == 200, body
+        assert resp.headers["anthropic-ratelimit-requests-remaining"] == remaining
+    slot = limits.counter_name("team-a", limits.Rule(), "slots")
+    assert not chain.state._held(slot, time.time())
+    await chain.shutdown(config)

@@ -4,6 +4,7 @@ revokes from another process while it serves."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import subprocess
 import sys
@@ -85,3 +86,29 @@ def test_two_workers_share_limits_and_keys(emulator, relay, tmp_path):
 
     taken = keys_command(server.config_path, "create", "team-a")
     assert taken.returncode == 1 and "already" in taken.stderr
+
+
+def test_a_drain_gives_the_slots_back(emulator, relay, tmp_path):
+    """A stream cut short by the drain ends its exchange: its slot is back in the shared
+    state, not held for the lease's 15 minutes, so the next relay serves the key at once."""
+    emu = emulator("--stall-after", "2", "--stall-ms", "30000")
+    config = {"server": {"auth": {"keys": [{"name": "team-a", "key_env": "RELAY_KEY",
+                                            "limits": {"concurrent": 1}}]},
+                         "drain_seconds": 0.3},
+              "state": {"url": f"sqlite:///{tmp_path / 'state.db'}"},
+              "pipeline": ["limits"], "backends": [backend(emu.url)]}
+    first = relay(config, env={"RELAY_KEY": KEY})
+    host, port = first.url.removeprefix("http://").split(":")
+    stream = http.client.HTTPConnection(host, int(port), timeout=10)
+    stream.request("POST", "/v1/messages",
+                   body=json.dumps(request(user(text("hi")), stream=True)),
+                   headers={"content-type": "application/json", "x-api-key": KEY})
+    answer = stream.getresponse()
+    assert answer.status == 200
+    assert answer.read1(65536).startswith(b"event: message_start")
+    assert post(first.url, KEY)[0] == 429  # its one slot is taken
+    first.stop()  # SIGTERM: the drain ends the stream with an error event
+    assert b"event: error" in answer.read()
+    config["backends"] = [backend(emulator().url)]
+    second = relay(config, env={"RELAY_KEY": KEY})
+    assert post(second.url, KEY)[0] == 200

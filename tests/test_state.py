@@ -6,14 +6,19 @@ a file that stays bounded, a clean ``Unavailable`` when the store cannot answer.
 from __future__ import annotations
 
 import asyncio
+import socket
 import sqlite3
 import subprocess
 import sys
 import textwrap
 import time
 
+import orjson
 import pytest
+from support import exchange_for
 
+from relay import config as config_module
+from relay.config import Backend
 from relay.errors import ConfigError
 from relay.state import Counter, Slot, Unavailable, open_state, window
 from relay.state import sqlite as sqlite_state
@@ -22,9 +27,12 @@ from relay.state import sqlite as sqlite_state
 BASE = window("minute", time.time())[1] + 3600
 
 
-@pytest.fixture(params=["memory", "sqlite"])
+@pytest.fixture(params=["memory", "sqlite", pytest.param("redis", marks=pytest.mark.slow)])
 async def state(request, tmp_path):
-    url = {"memory": "", "sqlite": f"sqlite:///{tmp_path}/state.db"}[request.param]
+    if request.param == "redis":
+        url = request.getfixturevalue("redis_server").url
+    else:
+        url = {"memory": "", "sqlite": f"sqlite:///{tmp_path}/state.db"}[request.param]
     opened = await open_state({"url": url})
     yield opened
     await opened.close()
@@ -249,11 +257,232 @@ HAMMER = textwrap.dedent("""
 
 def hammer(url: str, limit: int, processes: int = 4) -> list[int]:
     started = [subprocess.Popen([sys.executable, "-c", HAMMER, url, str(limit), str(BASE)],
-                                stdout=subprocess.PIPE, text=True) for _ in range(processes)]
-    return [int(p.communicate(timeout=60)[0]) for p in started]
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for _ in range(processes)]
+    granted = []
+    for process in started:
+        out, err = process.communicate(timeout=60)
+        assert process.returncode == 0, err
+        granted.append(int(out))
+    return granted
 
 
 @pytest.mark.slow
 def test_sqlite_take_is_atomic_across_processes(tmp_path):
     granted = hammer(f"sqlite:///{tmp_path}/state.db", limit=150)
     assert sum(granted) == 150
+
+
+@pytest.mark.slow
+def test_redis_take_is_atomic_across_processes(redis_server):
+    granted = hammer(redis_server.url, limit=150)
+    assert sum(granted) == 150
+
+
+# --- Redis: replicas on several hosts ---------------------------------------------------------
+
+
+async def rows_when_back(state, wanted: str, within: float = 15.0) -> list[dict]:
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            rows = await state.rows()
+            if any(r["id"] == wanted for r in rows):
+                return rows
+        except Unavailable:
+            pass
+        assert time.monotonic() < deadline, f"{wanted} never reached the ledger"
+        await asyncio.sleep(0.1)
+
+
+async def test_redis_stopped_mid_run_is_unavailable_at_once_and_the_ledger_catches_up(
+        redis_server, caplog):
+    state = await open_state({"url": redis_server.url, "timeout": 0.2})
+    try:
+        rpm = Counter("key:a:rpm", "minute", limit=100)
+        assert (await state.take([rpm])).granted
+        redis_server.stop()
+        caplog.clear()
+        for call in (state.take([rpm]), state.counts([rpm]), state.get("ns", ["x"]),
+                     state.keys_version(), state.put("ns", {"x": b"1"}, 60)):
+            started = time.monotonic()
+            with pytest.raises(Unavailable):
+                await call
+            assert time.monotonic() - started < 0.5
+        assert state.unavailable_count >= 5
+        warnings = [r for r in caplog.records if "unreachable" in r.getMessage()]
+        assert len(warnings) == 1 and "Traceback" not in warnings[0].getMessage()
+        await state.record([{"id": "during", "time": time.time()}])  # never raises
+        await state.add([Counter("key:a:otpm", "minute", amount=7)])
+        redis_server.start()
+        await rows_when_back(state, "during")
+        counts = await state.counts([rpm, Counter("key:a:otpm", "minute")])
+        assert [c.used for c in counts] == [0, 7]  # Redis kept nothing; what waited landed
+        assert (await state.take([rpm])).granted
+    finally:
+        await state.close()
+
+
+async def test_redis_that_never_answers_is_unavailable_within_the_timeout():
+    async def silent(reader, writer):
+        await reader.read()  # reads the commands, answers none
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    state = await open_state({"url": f"redis://127.0.0.1:{port}/0", "timeout": 0.2})
+    try:
+        started = time.monotonic()
+        with pytest.raises(Unavailable):
+            await state.take([Counter("key:a:rpm", "minute", limit=5)])
+        assert time.monotonic() - started < 0.6
+        await state.record([{"id": "x", "time": time.time()}])
+    finally:
+        await state.close()
+        server.close()
+
+
+async def test_redis_unreachable_at_start_up_is_not_fatal(caplog):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens there once closed
+    state = await open_state({"url": f"redis://:secret@127.0.0.1:{port}/0", "timeout": 0.2})
+    try:
+        assert any("unreachable at start-up" in r.getMessage() for r in caplog.records)
+        assert not any("secret" in r.getMessage() for r in caplog.records)
+        with pytest.raises(Unavailable):
+            await state.take([Counter("key:a:rpm", "minute", limit=5)])
+    finally:
+        await state.close()
+
+
+class Muffler:
+    """A loopback proxy in front of Redis that, while ``mute``, passes the commands on and
+    drops the answers: a round trip that ran but whose caller never heard."""
+
+    def __init__(self, port: int):
+        self.port = port
+        self.mute = False
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return f"redis://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/0"
+
+    async def _serve(self, reader, writer):
+        upstream_reader, upstream_writer = await asyncio.open_connection("127.0.0.1", self.port)
+
+        async def pump(source, sink, muted):
+            while data := await source.read(65536):
+                if not (muted and self.mute):
+                    sink.write(data)
+            sink.close()
+
+        await asyncio.gather(pump(reader, upstream_writer, False),
+                             pump(upstream_reader, writer, True), return_exceptions=True)
+
+
+async def test_redis_a_round_trip_unheard_is_sent_again_and_counts_once(redis_server):
+    muffler = Muffler(redis_server.port)
+    state = await open_state({"url": await muffler.start(), "timeout": 0.2})
+    try:
+        otpm = Counter("key:a:otpm", "minute", amount=5)
+        await state.add([otpm], now=BASE)
+        await state.record([{"id": "once", "time": BASE}])
+        muffler.mute = True
+        with pytest.raises(Unavailable):
+            await state.counts([otpm], now=BASE)  # carries the add: it runs, unheard
+        muffler.mute = False
+        await asyncio.sleep(1.1)  # the moment a failure makes every call fail at once
+        assert [c.used for c in await state.counts([otpm], now=BASE)] == [5]
+        assert [r["id"] for r in await state.rows()] == ["once"]
+    finally:
+        await state.close()
+        muffler.server.close()
+
+
+# --- start-up -------------------------------------------------------------------------------
+
+
+def test_workers_with_the_state_in_memory_are_warned_of_at_start(relay, emulator):
+    emu = emulator()
+    config = {"backends": [{"name": "emu", "url": emu.url, "models": ["*"]}]}
+    in_memory = relay(config, args=["--workers", "2"])
+    assert in_memory.wait_for_output("state.url is empty")
+    assert in_memory.output().count("state.url is empty") == 1  # the supervisor's, once
+    shared = relay(dict(config, state={"url": "sqlite:///./relay-state.db"}),
+                   args=["--workers", "2"])
+    assert shared.wait_for_output("(2 workers)")
+    assert "state.url is empty" not in shared.output()
+
+
+# --- portable's thinking provenance on the seam ---------------------------------------------
+
+
+async def replica_pair(url: str):
+    from relay_builtins import portable
+
+    two = config_module.parse({"backends": [{"name": "a", "url": "http://127.0.0.1:1"},
+                                             {"name": "k", "url": "http://127.0.0.1:2"}]})
+    replicas = []
+    for _ in range(2):
+        state = await open_state({"url": url})
+        made = portable.Portable()
+        made.relay_startup(two, {}, state)
+        replicas.append((made, state))
+    return replicas
+
+
+async def judged_elsewhere(url: str) -> dict:
+    """A thinking block answered through one replica, sent on to another backend through the
+    other: what goes up."""
+    from test_portable import KEY_A, answer, history, thought
+
+    from relay_builtins import portable
+
+    (one, one_state), (two, two_state) = await replica_pair(url)
+    try:
+        mine = thought(KEY_A)
+        answer(one, "a", "model-a", mine)
+        await one.provenance.drain(5)
+        body = {"model": "model-k", "max_tokens": 2048, "messages": history("t", thinking=mine),
+                "thinking": {"type": "enabled", "budget_tokens": 1024}}
+        exchange = exchange_for(body)
+        exchange.backend = Backend(name="k", url="http://127.0.0.1:2", models=["*"])
+        reading = two.relay_request(exchange, {o.name: o.default for o in portable.OPTIONS})
+        assert reading is not None  # not in that replica's memory: read from the state
+        await reading
+        return orjson.loads(exchange.upstream_body())
+    finally:
+        for made, state in ((one, one_state), (two, two_state)):
+            await made.relay_shutdown()
+            await state.close()
+
+
+async def test_thinking_provenance_crosses_workers_through_sqlite(tmp_path):
+    sent = await judged_elsewhere(f"sqlite:///{tmp_path}/state.db")
+    assert sent["thinking"] == {"type": "disabled"}  # the foreign block was dropped
+
+
+async def test_thinking_provenance_crosses_replicas_through_redis(redis_server):
+    sent = await judged_elsewhere(redis_server.url)
+    assert sent["thinking"] == {"type": "disabled"}
+
+
+async def test_provenance_with_the_state_out_sends_blocks_as_they_are_and_says_so():
+    from relay_builtins import portable
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    state = await open_state({"url": f"redis://127.0.0.1:{port}/0", "timeout": 0.1})
+    try:
+        record = portable.Provenance("", state=state)
+        record.record([("k1", "a", "m")])
+        await record.drain(5)
+        other = portable.Provenance("", state=state)
+        started = time.monotonic()
+        assert await other.lookup(["k1"]) == {}
+        assert time.monotonic() - started < portable.LOOKUP_SECONDS + 0.2
+        assert ("not_recorded", "unreachable") in record.trouble.drain()
+        assert ("not_known", "unreachable") in other.trouble.drain()
+    finally:
+        await state.close()

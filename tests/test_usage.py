@@ -191,3 +191,40 @@ def test_aggregate_adds_up_by_group_and_flags_unpriced_rows():
     assert aggregate([], "backend") == []
     with pytest.raises(ValueError):
         aggregate(rows, "colour")
+
+
+def framed(name: str, data: dict, eol: bytes = b"\n") -> bytes:
+    return b"event: " + name.encode() + eol + b"data: " + orjson.dumps(data) + eol + eol
+
+
+@pytest.mark.parametrize("eol", [b"\n", b"\r\n"])
+def test_a_stream_is_read_from_its_events_bytes(eol):
+    meter = StreamMeter()
+    start = {"type": "message_start", "message": {"model": "claude-x", "content": [],
+                                                   "usage": {"input_tokens": 5, "output_tokens": 1}}}
+    assert meter.event("message_start", framed("message_start", start, eol)) == Usage(
+        input_tokens=5, output_tokens=1, complete=False)
+    assert meter.model == "claude-x"
+    delta = {"type": "message_delta", "delta": {"stop_reason": "end_turn"},
+             "usage": {"output_tokens": 40}}
+    assert meter.event("message_delta", framed("message_delta", delta, eol)) == Usage(
+        input_tokens=5, output_tokens=40, complete=True)
+
+
+@pytest.mark.parametrize("raw", [
+    b'event: message_delta\ndata: {"usage":\ndata: {"output_tokens": 3}}\n\n',  # two lines
+    b'event: message_delta\ndata: {"usage": \n\n',                             # not JSON
+    b'event: message_delta\n\n',                                             # no data
+    b'event: message_start\ndata: {"message": [1]}\n\n',                      # not a message
+])
+def test_events_framed_otherwise_are_left_to_the_parsed_data(raw):
+    meter = StreamMeter()
+    assert meter.event("message_start" if b"start" in raw else "message_delta", raw) is None
+    assert meter.usage == Usage(complete=False)
+
+
+def test_aggregate_keeps_to_its_window():
+    rows = [{"time": t, "key": "a", "cost_micro_usd": 1} for t in (10.0, 20.0, 30.0)]
+    assert [g["requests"] for g in aggregate(rows, "key", since=20.0)] == [2]
+    assert [g["requests"] for g in aggregate(rows, "key", since=10.0, until=30.0)] == [2]
+    assert aggregate(rows, "key", until=10.0) == []

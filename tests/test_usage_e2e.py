@@ -264,3 +264,52 @@ async def test_relay_usage_prints_the_ledger_added_up(aiohttp_client, aiohttp_se
     if by == "backend":
         assert lines[1].split()[0] == "emu" and metering.usd(2 * COST) in lines[1]
     assert (await run("--json", "--until", "2000-01-01")).strip() == "[]"
+
+
+@pytest.mark.slow
+def test_relay_usage_reads_the_ledger_a_serving_relay_wrote(emulator, relay, tmp_path):
+    """Across processes: a relay writes its rows to a SQLite state, `relay usage` (a process
+    of its own, on the same relay.yaml) adds them up."""
+    import json
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from support import ROOT, backend
+
+    emu = emulator("--usage", "input=100,output=10,cache_read=50,cache_write_1h=8")
+    state = tmp_path / "state.db"
+    served = relay({"server": {"auth": {"keys": [{"name": "team-a", "key_env": "KEY_A"}],
+                                        "admin_key_env": "ADMIN"}},
+                    "state": {"url": f"sqlite:///{state}"}, "pipeline": ["usage"],
+                    "plugins": {"usage": {"prices": PRICES}},
+                    "backends": [backend(emu.url)]}, env=KEYS)
+    for model in ("claude-sonnet-5-5", "kimi-k2"):
+        call = urllib.request.Request(
+            served.url + "/v1/messages", method="POST",
+            data=orjson.dumps(request(user(text("go")), model=model)),
+            headers={"content-type": "application/json", "x-api-key": KEYS["KEY_A"]})
+        with urllib.request.urlopen(call, timeout=10) as answer:
+            assert answer.status == 200
+
+    def usage(*options: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "relay", "usage", "--config",
+                               str(served.config_path), *options], cwd=ROOT,
+                              capture_output=True, text=True, timeout=60)
+    deadline = time.monotonic() + 10
+    while True:  # the serving relay writes its rows in batches
+        done = usage("--by", "model", "--json")
+        assert done.returncode == 0, done.stderr
+        groups = json.loads(done.stdout)
+        if sum(g["requests"] for g in groups) == 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert [(g["model"], g["requests"], g["cost_micro_usd"], g["unpriced_requests"])
+            for g in groups] == [("claude-sonnet-5-5", 1, 100 * 3 + 10 * 15 + 50 * 0.3 + 8 * 6, 0),
+                                 ("kimi-k2", 1, 0, 1)]
+    assert done.stderr == ""
+    table = usage()
+    assert table.returncode == 0 and table.stdout.split("\n")[1].split()[:2] == ["team-a", "2"]
+    bad = usage("--since", "last tuesday")
+    assert bad.returncode == 2 and "neither a date" in bad.stderr
