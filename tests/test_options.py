@@ -238,7 +238,8 @@ def test_the_docs_tables_hold_every_declared_key():
     declarations = (config_module.SERVER_OPTIONS, config_module.AUTH_OPTIONS,
                     config_module.KEY_OPTIONS, config_module.BACKEND_OPTIONS,
                     config_module.TIMEOUT_OPTIONS, config_module.RETRY_OPTIONS,
-                    config_module.CREDENTIAL_OPTIONS, config_module.POOL_OPTIONS)
+                    config_module.CREDENTIAL_OPTIONS, config_module.POOL_OPTIONS,
+                    config_module.STATE_OPTIONS)
     assert len(tables) == len(declarations)
     for rows, options in zip(tables.values(), declarations, strict=True):
         assert [row.split("`")[1] for row in rows] == [option.name for option in options]
