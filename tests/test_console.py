@@ -61,6 +61,11 @@ def test_the_console_needs_the_admin_key():
         config_module.parse(raw, {"K": CLIENT})
 
 
+def test_a_relay_without_the_console_never_loads_it():
+    from test_layers import imported_at_load
+    assert not any(name.startswith("relay.console") for name in imported_at_load("relay.cli"))
+
+
 async def test_off_unless_configured(aiohttp_client, aiohttp_server, tmp_path):
     client = await console(aiohttp_client, aiohttp_server, tmp_path, console=False)
     try:
