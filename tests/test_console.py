@@ -63,7 +63,7 @@ def test_the_console_needs_the_admin_key():
 
 def test_a_relay_without_the_console_never_loads_it():
     from test_layers import imported_at_load
-    assert not any(name.startswith("relay.console") for name in imported_at_load("relay.cli"))
+    assert not any(name.startswith("relay.console") for name in imported_at_load("relay.server"))
 
 
 async def test_off_unless_configured(aiohttp_client, aiohttp_server, tmp_path):
