@@ -9,6 +9,7 @@ import re
 import time
 from pathlib import Path
 
+import orjson
 import pytest
 
 from relay import config as config_module
@@ -124,9 +125,10 @@ async def test_an_action_without_the_csrf_token_is_refused(relay):
     assert resp.status == 403
     # From another site, even with this session's token.
     token = csrf_of(await (await relay.get("/console")).text())
-    resp = await relay.post("/console/logout", data={"csrf": token},
-                            headers={"Origin": "http://evil.example"}, allow_redirects=False)
-    assert resp.status == 403 and (await relay.get("/console")).status == 200
+    for origin in ("http://evil.example", "null"):
+        resp = await relay.post("/console/logout", data={"csrf": token},
+                                headers={"Origin": origin}, allow_redirects=False)
+        assert resp.status == 403 and (await relay.get("/console")).status == 200
 
 
 async def test_logging_out_ends_the_session_for_every_copy_of_the_cookie(relay):
@@ -274,6 +276,14 @@ async def test_an_upstream_400_leaves_a_dump_the_console_draws_and_replays(relay
     assert "messages.2.content.1" in page and "toolu_missing" in page
     assert "identical to the dumped one" in page
     assert 'class="diff"' in page
+
+
+def test_a_dump_written_after_midnight_is_found_under_the_next_day(tmp_path):
+    from relay.console import record
+    (tmp_path / "2026-01-02").mkdir()
+    written = {"dump_format": 2, "client_request": {}}
+    (tmp_path / "2026-01-02" / "000000.000001-req_1.json").write_bytes(orjson.dumps(written))
+    assert record.read_dump(str(tmp_path), "2026-01-01/000000.000001-req_1.json") == written
 
 
 async def test_a_dump_name_is_never_a_path(relay):

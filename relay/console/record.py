@@ -190,6 +190,14 @@ def read_dump(directory: str, name: str) -> dict:
     path = dump_file(directory, name)
     if path is None:
         raise document.DocumentError("not a dump's name")
+    if not os.path.lexists(path):
+        # The ledger names the file; its day is the exchange's start, and a dump written
+        # just after midnight is in the next day's directory.
+        day, _, file = name.partition("/")
+        following = dt.date.fromisoformat(day) + dt.timedelta(days=1)
+        later = os.path.join(directory, following.isoformat(), file)
+        if os.path.lexists(later):
+            path = later
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError as e:
