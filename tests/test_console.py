@@ -303,3 +303,15 @@ async def test_pages_and_assets_weigh_at_most_300_kb(relay):
                  "/console/static/console.css", "/console/login"):
         total += len(await (await relay.get(path)).read())
     assert total <= 300 * 1024, total
+
+
+@pytest.mark.slow  # a process of its own
+def test_the_console_benchmark_runs_and_keeps_to_its_limits():
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parent.parent
+    run = subprocess.run([sys.executable, str(root / "tests" / "bench" / "console.py"),
+                          "--exchanges", "500", "--dumps", "20", "--rounds", "2", "--sqlite"],
+                         cwd=root, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "all pages and assets" in run.stdout and "/console/dump?name=" in run.stdout

@@ -91,6 +91,8 @@ class Console:
         folder = resources.files(__package__).joinpath("static")
         # Read once here, at start-up: serving them touches no disk.
         self.static = {name: folder.joinpath(name).read_bytes() for name in STATIC}
+        self.last_day = Recent(DAY)
+        self.last_week = Recent(record.SPEND_DAYS * DAY)
         self.routes = {
             ("GET", PREFIX): self.overview, ("GET", f"{PREFIX}/keys"): self.keys,
             ("POST", f"{PREFIX}/keys/create"): self.create_key,
@@ -242,10 +244,8 @@ class Console:
 
     # --- pages ---------------------------------------------------------------------------
 
-    async def day_rows(self, since: float | None = None) -> list[dict]:
-        now = time.time()
-        return await self.state.rows(since=now - DAY if since is None else since,
-                                     limit=record.MAX_SCAN, newest_first=True)
+    async def day_rows(self) -> list[dict]:
+        return await self.last_day.rows(self.state)
 
     async def overview(self, request: web.Request) -> web.Response:
         rows = await self.day_rows()
@@ -264,7 +264,7 @@ class Console:
         spend: dict[str, list] = {}
         if listed:
             now = time.time()
-            rows = await self.state.rows(since=now - 14 * DAY, limit=record.MAX_SCAN)
+            rows = await self.last_week.rows(self.state)
             for key in listed:
                 usage[key["name"]] = [meter(entry) for entry in key.get("usage") or ()]
                 spend[key["name"]] = record.spend_by_day(rows, key["name"], now)
@@ -334,7 +334,7 @@ class Console:
         before = _number(request.query.get("before"))
         rows = await self.state.rows(until=before, where=where or None,
                                      limit=record.PAGE + 1, newest_first=True)
-        recent = await self.state.rows(since=time.time() - DAY, limit=2000, newest_first=True)
+        recent = await self.day_rows()
         choices = {
             "key": sorted({r["key"] for r in recent if r.get("key")}),
             "backend": sorted({b.name for b in self.config.backends}
@@ -374,6 +374,55 @@ class Console:
         health = None if pools is None else await pools.health(self.state, self.config)
         return self.page(request, "Backends", pages.backends(health, self.config.backends),
                          "backends")
+
+
+class Recent:
+    """The shared record's rows of the last ``span`` seconds, kept between page views so that
+    looking again does not read them all again: a full read at most every ``FULL`` seconds;
+    between full reads, at most every ``FRESH`` seconds, only the rows of exchanges that
+    began since the last read, less ``MARGIN`` (a row is written when its exchange ends,
+    under the time it began: one that ran longer than the margin shows from the next full
+    read). Let go of after ``IDLE`` seconds without a look, so that a console nobody looks
+    at holds nothing."""
+
+    FULL = 60.0
+    FRESH = 2.0
+    MARGIN = 900.0
+    IDLE = 300.0
+
+    def __init__(self, span: float):
+        self.span = span
+        self.kept: dict[str, dict] = {}
+        self.full_at = self.read_at = self.looked_at = 0.0
+        self.lock = asyncio.Lock()
+        self.forgetting: asyncio.TimerHandle | None = None
+
+    async def rows(self, state: shared.State) -> list[dict]:
+        async with self.lock:
+            now = time.time()
+            if now - self.full_at > self.FULL:
+                found = await state.rows(since=now - self.span, limit=record.MAX_SCAN,
+                                         newest_first=True)
+                self.kept = {row["id"]: row for row in found}
+                self.full_at = self.read_at = now
+            elif now - self.read_at > self.FRESH:
+                for row in await state.rows(since=self.read_at - self.MARGIN,
+                                            limit=record.MAX_SCAN, newest_first=True):
+                    self.kept[row["id"]] = row
+                self.read_at = now
+            self.looked_at = now
+            if self.forgetting is None:
+                self.forgetting = asyncio.get_running_loop().call_later(self.IDLE, self.forget)
+            oldest = now - self.span
+            return [row for row in self.kept.values() if row["time"] >= oldest]
+
+    def forget(self) -> None:
+        idle = time.time() - self.looked_at
+        if idle >= self.IDLE:
+            self.kept, self.full_at, self.forgetting = {}, 0.0, None
+        else:
+            self.forgetting = asyncio.get_running_loop().call_later(self.IDLE - idle,
+                                                                   self.forget)
 
 
 def redirect(location: str) -> web.Response:

@@ -18,6 +18,7 @@ from .. import document
 # The most rows one page reads: a day of a busy relay is summarised from at most this many.
 MAX_SCAN = 50_000
 PAGE = 50
+SPEND_DAYS = 7  # the Keys page's spend by day
 DAY_NAME = re.compile(r"^\d{4}-\d{2}-\d{2}$")
 DUMP_NAME = re.compile(r"^\d{6}\.\d{6}-[A-Za-z0-9_-]+\.json$")
 # A dump holds at most four bodies of the writer's max_body_bytes (8 MiB by default).
@@ -128,7 +129,8 @@ def sessions(rows: list[dict]) -> list[dict]:
     return sorted(found.values(), key=lambda s: s["last"], reverse=True)
 
 
-def spend_by_day(rows: list[dict], key: str, now: float, days: int = 14) -> list[tuple[str, float]]:
+def spend_by_day(rows: list[dict], key: str, now: float, days: int = SPEND_DAYS
+                 ) -> list[tuple[str, float]]:
     start = now - now % 86400 - (days - 1) * 86400
     mine = [row for row in rows if row.get("key") == key]
     totals = buckets(mine, start, 86400, days, lambda r: (r.get("cost_micro_usd") or 0) / 1e6)

@@ -1,13 +1,16 @@
 """The console's pages with a full record: how long each takes to render and how much it
 weighs, against the targets (under 200 ms; pages and assets together at most 300 KB).
 
-    python tests/bench/console.py [--exchanges 10000] [--dumps 1000] [--rounds 7]
+    python tests/bench/console.py [--exchanges 10000] [--dumps 1000] [--rounds 7] [--sqlite]
 
-A relay in process with the console on, its shared state (MemoryState) holding
+A relay in process with the console on, its shared state (in memory, or with ``--sqlite``
+a SQLite file, as workers share it) holding
 ``--exchanges`` ledger rows over the last day (sessions, repairs, id rewrites, cache breaks,
 errors, dumps named), and ``--dumps`` dump files in its dump directory (copies of one real
 dump of an upstream 400). Each page is fetched ``--rounds`` times through a real socket after
-logging in; the median wall time per page is printed with its size. Not a test: a figure.
+logging in; the first fetch's wall time (the console reads the record afresh) and the
+median of the rest (it reads only what is new since, see relay.console.Recent) are printed
+per page with its size. Not a test: a figure.
 """
 
 from __future__ import annotations
@@ -102,6 +105,7 @@ async def main(args) -> int:
             "server": {"console": True, "auth": {"keys": [{"name": "team-0", "key_env": "K"}],
                                                  "admin_key_env": "ADMIN"}},
             "pipeline": ["dump"], "plugins": {"dump": {"dir": dumps}},
+            "state": {"url": f"sqlite:///{directory}/state.db"} if args.sqlite else {},
             "backends": [{"name": "emulator", "url": f"http://127.0.0.1:{port}"}]},
             {"ADMIN": ADMIN, "K": CLIENT})
         chain = Chain(load_plugins(config.pipeline), config)
@@ -124,10 +128,11 @@ async def main(args) -> int:
                                          cookie_jar=aiohttp.CookieJar(unsafe=True)) as http:
             form = await (await http.get("/console/login")).text()
             token = CSRF.search(form).group(1)  # type: ignore[union-attr]
-            await http.post("/console/login", data={"csrf": token, "key": ADMIN})
-            print(f"{args.exchanges} exchanges, {args.dumps} dumps on record; median of "
-                  f"{args.rounds} rounds")
-            print(f"{'page':52} {'ms':>8} {'bytes':>9}")
+            await http.post("/console/login", data={"csrf": token, "key": ADMIN},
+                            allow_redirects=False)  # the first page is fetched cold
+            print(f"{args.exchanges} exchanges, {args.dumps} dumps on record "
+                  f"({chain.state.kind} state); median of {args.rounds} rounds")
+            print(f"{'page':52} {'first':>8} {'median':>8} {'bytes':>9}")
             weight = 0
             for page in pages:
                 times = []
@@ -137,12 +142,12 @@ async def main(args) -> int:
                         body = await resp.read()
                         assert resp.status == 200, (page, resp.status)
                     times.append((time.perf_counter() - started) * 1000)
-                median = statistics.median(times)
+                median = statistics.median(times[1:])
                 weight += len(body)
-                verdict = "" if median < RENDER_TARGET_MS else "  OVER TARGET"
+                verdict = "" if max(times[0], median) < RENDER_TARGET_MS else "  OVER TARGET"
                 failed |= bool(verdict)
-                print(f"{page[:52]:52} {median:8.1f} {len(body):9d}{verdict}")
-            print(f"{'all pages and assets':52} {'':8} {weight:9d}"
+                print(f"{page[:52]:52} {times[0]:8.1f} {median:8.1f} {len(body):9d}{verdict}")
+            print(f"{'all pages and assets':52} {'':8} {'':8} {weight:9d}"
                   f"{'' if weight <= WEIGHT_TARGET else '  OVER TARGET'}")
             failed |= weight > WEIGHT_TARGET
         await relay.cleanup()
@@ -156,4 +161,5 @@ if __name__ == "__main__":
     parser.add_argument("--exchanges", type=int, default=10_000)
     parser.add_argument("--dumps", type=int, default=1_000)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--sqlite", action="store_true", help="the state in a SQLite file")
     sys.exit(asyncio.run(main(parser.parse_args())))
