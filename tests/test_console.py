@@ -245,6 +245,27 @@ async def test_the_pages_read_the_ledger(relay):
     assert "<svg class=\"sequence\"" in one and "rewrote" in one and "toolu_1_r" in one
 
 
+async def test_a_look_again_reads_only_what_is_new_and_sees_it(relay, monkeypatch):
+    from relay.console import Recent
+    now = time.time()
+    await relay.chain.state.record([row(n, now) for n in reversed(range(5))])
+    await log_in(relay)
+    assert 'data-metric="requests-hour">5<' in await (await relay.get("/console")).text()
+    reads = []
+    rows = relay.chain.state.rows
+
+    async def counted(**kwargs):
+        reads.append(kwargs)
+        return await rows(**kwargs)
+
+    monkeypatch.setattr(relay.chain.state, "rows", counted)
+    monkeypatch.setattr(Recent, "FRESH", 0.0)
+    await relay.chain.state.record([row(0, time.time(), id="req_new")])
+    assert 'data-metric="requests-hour">6<' in await (await relay.get("/console")).text()
+    [read] = reads
+    assert read["since"] >= now - Recent.MARGIN - 1  # not the whole day again
+
+
 async def test_exchanges_are_paginated(relay):
     now = time.time()
     await relay.chain.state.record([row(n, now) for n in reversed(range(120))])  # oldest first
