@@ -204,6 +204,29 @@ async def test_keys_are_made_limited_and_revoked_by_the_key_stores_own_operation
     assert "revoked" in await (await relay.get("/console/keys")).text()
 
 
+async def test_the_backends_page_shows_each_pooled_credentials_health(aiohttp_client,
+                                                                      aiohttp_server, tmp_path):
+    upstream = await aiohttp_server(emulator.create_app(emulator.EmulatorOptions()))
+    raw = {"server": {"auth": AUTH, "console": True}, "pipeline": [],
+           "backends": [{"name": "pooled", "url": str(upstream.make_url("")).rstrip("/"),
+                         "models": ["*"],
+                         "credentials": [{"name": "first", "key_env": "UP_1"},
+                                         {"name": "second", "key_env": "UP_2"}]}]}
+    client = await start_relay(aiohttp_client, raw, env={
+        **ENV, "UP_1": "upstream-key-one-0123456789", "UP_2": "upstream-key-two-0123456789"})
+    try:
+        assert await status_with(client, CLIENT) == 200
+        await log_in(client)
+        page = await (await client.get("/console/backends")).text()
+        cells = re.findall(r"<td>(.*?)</td>", page)
+        assert "first" in cells and "second" in cells
+        assert page.count(">healthy<") == 2
+        assert "upstream-key-one" not in page
+    finally:
+        await client.close()
+        await client.chain.shutdown(client.config)
+
+
 def row(n: int, now: float, **fields) -> dict:
     base = {"id": f"req_{n:06d}", "time": now - n, "key": "team-a", "backend": "emulator",
             "credential": None, "model": "claude-test", "endpoint": "messages",

@@ -25,9 +25,12 @@ from urllib.parse import parse_qs
 import orjson
 from aiohttp import web
 
+from .. import keys as keystore
+from .. import pools
 from .. import state as shared
-from ..errors import ConfigError
+from ..errors import ConfigError, RelayError
 from ..exchange import Outcome
+from ..inbound import Gate
 from . import auth, pages, record
 
 PREFIX = "/console"
@@ -65,16 +68,6 @@ class Refused(Exception):
         self.message = message
 
 
-def _optional(name: str):
-    """A module another part of the relay provides (the key store, the pools), or None when
-    this relay has none."""
-    import importlib
-    try:
-        return importlib.import_module(f"relay.{name}")
-    except ImportError:
-        return None
-
-
 class Console:
     """The console's handlers: one instance per app, holding no record of its own."""
 
@@ -84,10 +77,8 @@ class Console:
         self.config = config
         self.chain = chain
         self.signer = auth.Signer(config.admin_key)
-        self.clients = None
-        if config.keys is not None:
-            from ..inbound import Gate
-            self.clients = Gate(config.keys)
+        # To tell an operator who typed a client's key what it is.
+        self.clients = Gate(config.keys) if config.keys is not None else None
         folder = resources.files(__package__).joinpath("static")
         # Read once here, at start-up: serving them touches no disk.
         self.static = {name: folder.joinpath(name).read_bytes() for name in STATIC}
@@ -224,7 +215,7 @@ class Console:
                 try:
                     self.clients.authenticate({"x-api-key": key})
                     message = "That is a relay key, for clients: the console takes the admin key."
-                except Exception:
+                except RelayError:
                     pass
             return self.login_form(request, message, 401)
         token, session = self.signer.issue()
@@ -253,13 +244,10 @@ class Console:
             lambda: pages.overview(record.overview(rows, time.time())))
         return self.page(request, "Overview", main, "overview")
 
-    def key_store(self):
-        return _optional("keys")
-
     async def keys(self, request: web.Request, message: str | None = None,
                    secret: tuple[str, str] | None = None, status: int = 200) -> web.Response:
-        store = self.key_store()
-        listed = None if store is None else await store.listing(self.state, self.config)
+        # relay keys' own listing: each key with its usage, read from the limits' counters.
+        listed = await keystore.listing(self.state, self.config)
         usage: dict[str, list] = {}
         spend: dict[str, list] = {}
         if listed:
@@ -272,36 +260,27 @@ class Console:
                                                      request[CSRF], message, secret),
                          "keys", status)
 
-    def _store(self):
-        store = self.key_store()
-        if store is None:
-            raise Refused(404, "this relay has no key store (relay/keys.py)")
-        return store
-
     async def create_key(self, request: web.Request, form: dict) -> web.Response:
-        store = self._store()
         name = (form.get("name") or "").strip()
         try:
             if any(key.name == name for key in self.config.keys or ()):
                 raise ValueError(f"{name!r} is a key in relay.yaml already")
             limits = parse_limits(form.get("limits"))
-            secret = await store.create_key(self.state, name, limits=limits)
+            secret = await keystore.create_key(self.state, name, limits=limits)
         except REFUSED as e:
             return await self.keys(request, message=f"Not created: {e}", status=400)
         return await self.keys(request, secret=(name, secret))
 
     async def revoke_key(self, request: web.Request, form: dict) -> web.StreamResponse:
-        store = self._store()
         try:
-            await store.revoke_key(self.state, form.get("name") or "")
+            await keystore.revoke_key(self.state, form.get("name") or "")
         except REFUSED as e:
             return await self.keys(request, message=f"Not revoked: {e}", status=400)
         return redirect(f"{PREFIX}/keys")
 
     async def set_limits(self, request: web.Request, form: dict) -> web.StreamResponse:
-        store = self._store()
         try:
-            await store.set_limits(self.state, form.get("name") or "",
+            await keystore.set_limits(self.state, form.get("name") or "",
                                    parse_limits(form.get("limits")) or {})
         except REFUSED as e:
             return await self.keys(request, message=f"Limits not changed: {e}", status=400)
@@ -370,8 +349,7 @@ class Console:
         return self.page(request, f"Dump {name}", main, "dumps")
 
     async def backends(self, request: web.Request) -> web.Response:
-        pools = _optional("pools")
-        health = None if pools is None else await pools.health(self.state, self.config)
+        health = await pools.health(self.state, self.config)
         return self.page(request, "Backends", pages.backends(health, self.config.backends),
                          "backends")
 

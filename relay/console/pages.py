@@ -141,7 +141,7 @@ def overview(data: dict) -> str:
 # --- keys ----------------------------------------------------------------------------------
 
 
-def keys(listed: list[dict] | None, usage: dict[str, list], spend: dict[str, list],
+def keys(listed: list[dict], usage: dict[str, list], spend: dict[str, list],
          csrf: str, message: str | None = None, secret: tuple[str, str] | None = None) -> str:
     parts = []
     if secret is not None:
@@ -150,9 +150,6 @@ def keys(listed: list[dict] | None, usage: dict[str, list], spend: dict[str, lis
                      f'{e(secret[1])}</code></p>')
     if message:
         parts.append(notice(message, bad=True))
-    if listed is None:
-        parts.append(not_configured("Keys", "this relay has no key store, relay/keys.py"))
-        return "".join(parts)
     rows = []
     for key in listed:
         name = str(key.get("name"))
@@ -531,17 +528,13 @@ def dump(name: str, doc: dict | None, error: str | None, replayed) -> str:
 # --- backends ------------------------------------------------------------------------------
 
 
-def backends(health: list[dict] | None, configured: list) -> str:
-    if health is None:
-        return not_configured("Backend health", "this relay has no pools, relay/pools.py") + \
-            table(["Backend", "URL", "Format"],
-                  [[e(b.name), e(document.redact_url(b.url)), e(b.format)] for b in configured])
+def backends(health: list[dict], configured: list) -> str:
     rows = []
     for item in health:
         state = str(item.get("state"))
         since = when(item.get("since")) if item.get("since") else ""
         until = when(item.get("until")) if item.get("until") else ""
-        statuses = item.get("recent") or item.get("recent_statuses") or item.get("statuses") or []
+        statuses = item.get("recent") or []
         rows.append([e(item.get("backend")), e(item.get("credential") or "-"),
                      f'<span class="{"good" if state == "healthy" else "bad"}">{e(state)}</span>',
                      until, since, e(item.get("reason") or ""),
