@@ -3,8 +3,8 @@
 Server-rendered pages over the shared record, so that every worker and replica shows the
 same: the ledger rows of the state seam (:meth:`relay.state.State.rows`), the relay's own
 keys (:mod:`relay.keys`), the backends' health (:mod:`relay.pools`) and the dump directory.
-Nothing is kept in a process's memory, and the request path does no work for it: the pages
-read the record only when someone asks for one.
+The request path does no work for it: the pages read the record only when someone asks
+for one, and what a page read is kept only for the next look (:class:`Recent`).
 
 Security (see docs/console.md): the admin key logs in once, at a form; after that a signed,
 HttpOnly, SameSite=Strict cookie (:mod:`relay.console.auth`) proves the session. No client
@@ -17,6 +17,7 @@ package.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from importlib import resources
 from typing import Any
@@ -32,6 +33,8 @@ from ..errors import ConfigError, RelayError
 from ..exchange import Outcome
 from ..inbound import Gate
 from . import auth, pages, record
+
+log = logging.getLogger("relay.console")
 
 PREFIX = "/console"
 MAX_FORM_BYTES = 16 * 1024
@@ -121,6 +124,10 @@ class Console:
             response = self.page(request, "Unavailable", pages.notice(
                 "The shared state cannot be reached: the console has nothing to show.",
                 bad=True), status=503)
+        except Exception:
+            log.exception("console: %s %s failed", request.method, request.path)
+            response = self.page(request, "Error", pages.notice(
+                "This page could not be made; the relay's log says why.", bad=True), status=500)
         response.headers.update(HEADERS)
         return response
 
