@@ -171,7 +171,7 @@ def keys(listed: list[dict], usage: dict[str, list], spend: dict[str, list],
         limits = document.orjson.dumps(key.get("limits") or {}, default=str).decode()
         change = (f'<form method="post" action="/console/keys/limits">{hidden(csrf)}'
                   f'<input type="hidden" name="name" value="{e(name)}">'
-                  f'<label for="limits-{e(name)}">limits (JSON)</label>'
+                  f'<label for="limits-{e(name)}">limits (YAML or JSON)</label>'
                   f'<input id="limits-{e(name)}" name="limits" value="{e(limits)}" size="30">'
                   f'<button type="submit">Set</button></form>')
         rows.append([e(name), e(state), when(key.get("created")),
@@ -182,8 +182,8 @@ def keys(listed: list[dict], usage: dict[str, list], spend: dict[str, list],
     parts.append(
         '<h2>Create a key</h2><form class="filters" method="post" action="/console/keys/create">'
         f'{hidden(csrf)}<div><label for="new-name">name</label><input id="new-name" name="name" '
-        'required pattern="[A-Za-z0-9._-]+"></div><div><label for="new-limits">limits (JSON, '
-        'optional)</label><input id="new-limits" name="limits" size="40"></div>'
+        'required pattern="[A-Za-z0-9._-]+"></div><div><label for="new-limits">limits (YAML '
+        'or JSON, optional)</label><input id="new-limits" name="limits" size="40"></div>'
         '<button type="submit">Create</button></form>')
     return "".join(parts)
 
