@@ -25,6 +25,7 @@ Options: see ``Usage.OPTIONS``.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 
 import orjson
@@ -36,10 +37,13 @@ from relay.hookspecs import hookimpl
 from relay.inbound import AdminRoute
 from relay.options import Option
 
+log = logging.getLogger("relay.plugins.usage")
+
 PLUGIN = "usage"
 PATH = "/v1/relay/usage"
 TIMELINE = 64  # entries of an exchange's timeline a row keeps
 STREAM_EVENTS = ("message_start", "message_delta")
+MAX_WARNED = 64  # unpriced models named in the log, once each: the names are the clients'
 
 
 class Usage:
@@ -56,6 +60,7 @@ class Usage:
     def __init__(self):
         self.prices = metering.Prices()
         self.state = None
+        self.warned: set[str] = set()
 
     @hookimpl
     def relay_startup(self, options, state):
@@ -105,7 +110,18 @@ class Usage:
     async def relay_exchange_end(self, exchange):
         if exchange.endpoint == "refused" or self.state is None:
             return
+        used = exchange.usage
+        if used is not None and used.cost_micro_usd is None:
+            self._unpriced(exchange.model)
         await self.state.record([ledger_row(exchange)])
+
+    def _unpriced(self, model: str | None) -> None:
+        name = str(model)[:200]
+        if name in self.warned or len(self.warned) >= MAX_WARNED:
+            return
+        self.warned.add(name)
+        log.warning("plugins.usage.prices: no price for model %r: its usage is counted in "
+                    "tokens, not in cost (relay_usage_unpriced_total)", name)
 
     async def serve(self, request: web.Request) -> web.Response:
         query = request.query

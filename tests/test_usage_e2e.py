@@ -165,20 +165,26 @@ async def test_one_row_per_exchange_retries_included(aiohttp_client, aiohttp_ser
     assert len(await client.chain.state.rows()) == 1
 
 
-async def test_a_model_without_a_price_is_counted_and_flagged(aiohttp_client, aiohttp_server):
+async def test_a_model_without_a_price_is_counted_and_flagged(aiohttp_client, aiohttp_server,
+                                                            caplog):
     client = await relay_for(aiohttp_client, aiohttp_server)
-    resp = await post(client, request(user(text("go")), model="kimi-k2"))
-    assert resp.status == 200
-    [row] = await ledger(client, 1)
+    for _ in range(2):
+        resp = await post(client, request(user(text("go")), model="kimi-k2"))
+        assert resp.status == 200
+    rows = await ledger(client, 2)
+    assert [r.message for r in caplog.records if "no price" in r.message] == [
+        "plugins.usage.prices: no price for model 'kimi-k2': its usage is counted in tokens, "
+        "not in cost (relay_usage_unpriced_total)"]  # once a model
+    row = rows[0]
     assert row["cost_micro_usd"] is None and row["priced"] is False
     assert row["input_tokens"] == 120
     found = await (await client.get("/metrics", headers=key("ADMIN"))).text()
-    assert metric(found, "relay_usage_unpriced_total", key="team-a", model="kimi-k2") == 1
+    assert metric(found, "relay_usage_unpriced_total", key="team-a", model="kimi-k2") == 2
     usage = await (await client.get("/v1/relay/usage?by=model", headers=key("ADMIN"))).json()
-    assert usage == [{"model": "kimi-k2", "requests": 1, "input_tokens": 120,
-                      "output_tokens": 45, "cache_read_input_tokens": 900,
-                      "cache_write_5m_input_tokens": 200, "cache_write_1h_input_tokens": 64,
-                      "cost_micro_usd": 0, "unpriced_requests": 1}]
+    assert usage == [{"model": "kimi-k2", "requests": 2, "input_tokens": 240,
+                      "output_tokens": 90, "cache_read_input_tokens": 1800,
+                      "cache_write_5m_input_tokens": 400, "cache_write_1h_input_tokens": 128,
+                      "cost_micro_usd": 0, "unpriced_requests": 2}]
 
 
 async def test_the_usage_endpoint_is_the_operators(aiohttp_client, aiohttp_server):
