@@ -261,6 +261,10 @@ class Metrics:
             "relay_credential_tokens", "Tokens of the answers each pooled credential got, by "
             "kind (where the usage plugin runs).", ["backend", "credential", "kind"],
             registry=registry)
+        self.credential_cost = Counter(
+            "relay_credential_cost_micro_usd", "What the answers each pooled credential got "
+            "cost, in millionths of a US dollar (where the usage plugin prices them).",
+            ["backend", "credential"], registry=registry)
         # The prompt cache, from the cache plugin's exchange.cache (its causes are a closed
         # set of the relay's words).
         self.cache_breaks = Counter(
@@ -428,6 +432,10 @@ class Metrics:
                 if count:
                     self._child(self.credential_tokens, exchange.backend.name,
                                 exchange.credential, kind).inc(count)
+            cost = getattr(usage, "cost_micro_usd", None)
+            if cost:
+                self._child(self.credential_cost, exchange.backend.name,
+                            exchange.credential).inc(cost)
 
 
 def collect_processes() -> bytes:

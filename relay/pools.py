@@ -316,6 +316,11 @@ class Pools:
                 pass  # what this process knows is all there is
             elif found is not None:
                 current = found
+            elif session is not None and (placed := pool.sticky.get(session)) is not None \
+                    and placed is not entry:
+                # Another request of this session placed it while this one read (a client
+                # sends its first requests together): the same credential, not a second one.
+                current = placed[0]
             else:
                 stored = False
         usable = [name for name in pool.order if name not in tried and not pool.blocked(name, now)]
@@ -342,6 +347,7 @@ class Pools:
                     exchange.note("relay", "credential moved", backend=pool.backend,
                                   credential=current, to=chosen,
                                   reason=health.reason if health is not None else "failed")
+                pool.remember(session, chosen, now)  # before the write's wait: see above
                 await self._put(pool, {session_key(pool.backend, session):
                                        orjson.dumps([chosen, now])},
                                 pool.options.sticky_seconds)
@@ -511,21 +517,28 @@ def main(args) -> int:
     async def run() -> int:
         state = await open_state(config.state)
         try:
-            if args.reinstate:
-                backend, _, credential = args.reinstate.partition("/")
-                if not await reinstate(state, config, backend, credential):
-                    print(f"relay: --reinstate: {args.reinstate!r} names no credential of "
-                          f"relay.yaml (BACKEND/CREDENTIAL)", file=sys.stderr)
-                    return 2
-            listed = await health(state, config)
+            return await report(state)
+        except Unavailable as e:
+            print(f"relay: the shared state ({state.kind}) cannot be reached: {e}",
+                  file=sys.stderr)
+            return 1
         finally:
             await state.close()
+
+    async def report(state: State) -> int:
+        if args.reinstate:
+            backend, _, credential = args.reinstate.partition("/")
+            if not await reinstate(state, config, backend, credential):
+                print(f"relay: --reinstate: {args.reinstate!r} names no credential of "
+                      f"relay.yaml (BACKEND/CREDENTIAL)", file=sys.stderr)
+                return 2
+        listed = await health(state, config)
         if args.json:
             print(orjson.dumps(listed, option=orjson.OPT_INDENT_2).decode())
             return 0
         now = time.time()
-        for line in (described(entry, now) for entry in listed):
-            print(line)
+        for entry in listed:
+            print(described(entry, now))
         for backend in config.backends:
             if not backend.credentials:
                 how = "one key (api_key_env)" if backend.api_key_env else "the client's own key"
@@ -535,4 +548,8 @@ def main(args) -> int:
                   "relay's cooldowns are at its GET /admin/backends", file=sys.stderr)
         return 0
 
-    return asyncio.run(run())
+    try:
+        return asyncio.run(run())
+    except ConfigError as e:  # a state.url this installation cannot open
+        print(f"relay: config error: {e}", file=sys.stderr)
+        return 2

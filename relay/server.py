@@ -38,7 +38,8 @@ from .inbound import (
 from .listen import Listener
 from .passthrough import relay_passthrough
 from .prepare import ENDPOINTS, Fallbacks, Preparation, prepare_exchange
-from .respond import deliver, log_exchange, refuse, unreachable
+from .respond import deliver, log_exchange, refuse, relay_error, unreachable
+from .state import Unavailable
 from .stream import relay_stream
 from .upstream import Unreachable, Upstream, UpstreamTooLarge, answer_headers, read_capped
 
@@ -364,7 +365,11 @@ BACKENDS = "/admin/backends"  # the operator's: each pooled credential's state
 
 def backends_handler(state: RelayState):
     async def backends(request: web.Request) -> web.Response:
-        listed = await pools.health(state.upstream.pools.state, state.config)
+        try:
+            listed = await pools.health(state.upstream.pools.state, state.config)
+        except Unavailable:
+            return relay_error(RelayError(503, "the shared state cannot be reached now",
+                                          "api_error"))
         return web.json_response({"credentials": listed})
     return backends
 

@@ -45,14 +45,14 @@ def upstream_url(backend, path: str, query: str) -> URL:
 
 
 def forward_headers(headers, backend, strip_client_auth: bool = False,
-                    shaped=None, key: str | None = None) -> CIMultiDict:
+                    shaped=None) -> CIMultiDict:
     """The headers that go upstream: the client's end-to-end ones (or ``shaped``, what the
     plugins made of them through ``exchange.upstream_headers``), with the backend's
-    credentials: its own key when it has one (``key``, one of a pool's, else its
-    ``api_key_env`` key), else the client's (unless ``strip_client_auth``: with inbound auth
-    on, what the client presented is the relay's key and never goes up). Credentials are
-    the host's alone: a plugin cannot set or read them."""
-    key = key or backend.api_key
+    credentials: its own key when it has one (a pool's is put on each attempt by
+    :meth:`Upstream.send`), else the client's (unless ``strip_client_auth``: with inbound
+    auth on, what the client presented is the relay's key and never goes up). Credentials
+    are the host's alone: a plugin cannot set or read them."""
+    key = backend.api_key
     own = bool(key) or bool(backend.credentials)
     if shaped is None:
         out = end_to_end(headers)

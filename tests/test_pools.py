@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import orjson
 import pytest
@@ -15,8 +16,9 @@ from relay import cli, pools
 from relay import config as config_module
 from relay.chain import Chain, load_plugins
 from relay.errors import ConfigError
+from relay.hookspecs import hookimpl
 from relay.server import STATE, create_app
-from relay.state import Unavailable
+from relay.state import Unavailable, open_state
 from relay.state.memory import MemoryState
 from relay.testing import assistant, emulator, exchange_for, request, text, user
 
@@ -39,15 +41,15 @@ class Relays:
         self.started = []
 
     async def start(self, upstream_url: str, creds: list[dict], state=None, pool=None,
-                    pipeline=("metrics",), retries=None):
+                    pipeline=("metrics",), plugins=None, more=(), extra=None, **fields):
         recorder = Recorder()
         backend = {"name": "emu", "url": upstream_url, "models": ["*"], "credentials": creds,
-                   "pool": pool or {}}
-        if retries:
-            backend["retries"] = retries
-        config = config_module.parse({"pipeline": [*pipeline, "rec"], "backends": [backend]},
-                                     KEYS)
-        chain = Chain(load_plugins(config.pipeline, extra={"rec": recorder}), config)
+                   "pool": pool or {}, **fields}
+        config = config_module.parse({"pipeline": [*pipeline, "rec"],
+                                      "backends": [backend, *more],
+                                      "plugins": plugins or {}}, KEYS)
+        chain = Chain(load_plugins(config.pipeline, extra={"rec": recorder, **(extra or {})}),
+                      config)
         chain.state = state
         await chain.startup(config)
         client = await self.aiohttp_client(create_app(config, chain))
@@ -191,6 +193,47 @@ def test_new_sessions_go_where_least_is_in_flight_for_the_weight():
     assert pools.pick(("a", "b"), weights, {"a": 0, "b": 0}, {"a": 1, "b": 2}) == "a"
 
 
+def pool_of(*names, **pool):
+    config = config_module.parse({"backends": [{
+        "name": "p", "url": "http://127.0.0.1:1", "credentials": credentials(*names),
+        "pool": pool}]}, KEYS)
+    return config, config.backends[0]
+
+
+async def test_connection_failures_back_off_doubling_and_an_answer_starts_over():
+    config, backend = pool_of("a", "b", backoff=1, max_cooldown=3)
+    clock = [1000.0]
+    made = pools.Pools(config, clock=lambda: clock[0])
+    pool, exchange = made.pools["p"], exchange_for(request(user(text("hi"))), backend=backend)
+    waits = []
+    for _ in range(4):
+        assert not await made.report(exchange, pool, "a", None)  # retried as retries say
+        waits.append(pool.health["a"].until - clock[0])
+        clock[0] = pool.health["a"].until  # cooled down: the next failure is one in a row
+    assert waits == [1, 2, 3, 3]
+    assert [e["failures"] for e in exchange.noted("relay", "credential backoff")] == [1, 2, 3, 4]
+    await made.report(exchange, pool, "a", 200)
+    assert "a" not in pool.health and await made.state.get(pools.NAMESPACE, ["h:p:a"]) == [None]
+    await made.report(exchange, pool, "a", None)
+    assert pool.health["a"].until - clock[0] == 1
+
+
+async def test_every_credential_overloaded_is_a_529_and_out_ones_a_503():
+    config, backend = pool_of("a", "b")
+    made = pools.Pools(config, clock=lambda: 1000.0)
+    pool, exchange = made.pools["p"], exchange_for(request(user(text("hi"))), backend=backend)
+    await made.report(exchange, pool, "a", 529, {"retry-after": "7"})
+    await made.report(exchange, pool, "b", 401)
+    with pytest.raises(pools.Exhausted) as refused:
+        await made.choose(exchange, pool, set())
+    assert (refused.value.error.status, refused.value.error.type) == (529, "overloaded_error")
+    assert exchange.response_headers["retry-after"] == "7"
+    await made.report(exchange, pool, "a", 403)
+    with pytest.raises(pools.Exhausted) as refused:
+        await made.choose(exchange, pool, set())
+    assert refused.value.error.status == 503 and refused.value.retry is None
+
+
 async def test_a_replica_honours_another_s_cooldown_within_the_refresh_and_reads_once():
     """The in-process cache: a healthy sticky session costs no round trip; another process's
     cooldown is seen once this one's view is ``refresh`` seconds old."""
@@ -262,6 +305,41 @@ async def test_a_twenty_turn_session_stays_on_one_credential(aiohttp_server, rel
                         status="200") == 20
 
 
+async def test_tokens_and_cost_per_credential_where_the_usage_is_known(aiohttp_server, relays):
+    class Usage:  # what the usage plugin sets on exchange.usage (the pinned fields)
+        input_tokens, output_tokens, cache_read_input_tokens = 100, 20, 900
+        cache_write_5m_input_tokens = cache_write_1h_input_tokens = 0
+        cost_micro_usd = 1500
+
+    class Meter:
+        @hookimpl
+        def relay_exchange_end(self, exchange):
+            exchange.usage = Usage()
+
+    server, url = await emulated(aiohttp_server)
+    client = await relays.start(url, credentials("a"), pipeline=("metrics", "meter"),
+                                extra={"meter": Meter()})
+    assert await converse(client, 2, session="s") == [200, 200]
+    assert await metric(client, "relay_credential_tokens_total", credential="a",
+                        kind="cache_read_input_tokens") == 1800
+    assert await metric(client, "relay_credential_cost_micro_usd_total", credential="a") == 3000
+
+
+async def test_a_session_s_first_requests_sent_together_go_with_one_credential(
+        aiohttp_server, relays, tmp_path):
+    """A client opens a session with requests at once (Claude Code's title and first turn):
+    with a state whose reads wait (SQLite's thread), each request places the session only
+    if no other of it did while it waited."""
+    server, url = await emulated(aiohttp_server)
+    state = await open_state({"url": f"sqlite:///{tmp_path}/state.db"})  # the chain closes it
+    client = await relays.start(url, credentials("a", "b", "c"), state=state)
+    statuses = await asyncio.gather(*(converse(client, 1, session="together",
+                                               first=f"request {i}") for i in range(6)))
+    assert statuses == [[200]] * 6
+    assert len(set(keys_seen(server))) == 1
+    assert len(noted(client, "credential placed")) == 1
+
+
 async def test_a_rate_limited_credential_moves_its_session_once_unseen_by_the_client(
         aiohttp_server, relays):
     server, url = await emulated(aiohttp_server, key_budget=12, key_window=120)
@@ -331,6 +409,19 @@ async def test_every_credential_cooling_is_one_clean_429_with_the_shortest_wait(
     assert last.attempts == [] and last.outcome == "rejected"
 
 
+async def test_another_credential_is_tried_before_the_fallbacks(aiohttp_server, relays):
+    limited, url = await emulated(aiohttp_server, key_budget=0)
+    spare, spare_url = await emulated(aiohttp_server)
+    client = await relays.start(url, credentials("a", "b"), fallbacks=["spare"],
+                                more=[{"name": "spare", "url": spare_url}])
+    resp = await client.post("/v1/messages", json=request(user(text("hi"))))
+    assert resp.status == 200
+    ended = client.recorder.ended[-1]
+    assert [(a.backend, a.credential, a.status) for a in ended.attempts] == [
+        ("emu", "a", 429), ("emu", "b", 429), ("spare", None, 200)]
+    assert ended.credential is None and keys_seen(limited) == ["a", "b"]
+
+
 async def test_a_revoked_key_is_taken_out_once_and_never_retried(aiohttp_server, relays,
                                                                  caplog):
     server, url = await emulated(aiohttp_server, revoked_keys=(KEYS["POOL_A"],))
@@ -363,14 +454,25 @@ async def test_every_key_revoked_is_a_503_that_says_so(aiohttp_server, relays):
     assert keys_seen(server) == ["a", "b"]
 
 
-async def test_replicas_sharing_state_keep_a_session_and_honour_each_other(aiohttp_server,
-                                                                            relays):
-    """Two relays over one MemoryState in this process (the state seam's SQLite and Redis
-    backends are the state helper's; this is the same interface)."""
+@pytest.fixture(params=["memory", "sqlite", pytest.param("redis", marks=pytest.mark.slow)])
+async def replica_states(request, tmp_path):
+    """Two states for two replicas: one MemoryState both hold (in this process), or two
+    connections each to one SQLite file or one redis-server, as two processes would have."""
+    if request.param == "memory":
+        shared = MemoryState()
+        yield shared, shared
+        return
+    url = (request.getfixturevalue("redis_server").url if request.param == "redis"
+           else f"sqlite:///{tmp_path}/state.db")
+    yield [await open_state({"url": url}) for _ in range(2)]  # each relay's chain closes its own
+
+
+async def test_replicas_sharing_state_keep_a_session_and_honour_each_other(
+        aiohttp_server, relays, replica_states):
     server, url = await emulated(aiohttp_server, key_budget=6, key_window=120)
-    shared = MemoryState()
-    one = await relays.start(url, credentials("a", "b"), state=shared, pool={"refresh": 0})
-    two = await relays.start(url, credentials("a", "b"), state=shared, pool={"refresh": 0})
+    first, second = replica_states
+    one = await relays.start(url, credentials("a", "b"), state=first, pool={"refresh": 0})
+    two = await relays.start(url, credentials("a", "b"), state=second, pool={"refresh": 0})
     messages = [user(text("start"))]
     headers = {"x-claude-code-session-id": "shared"}
     for turn in range(10):  # alternating replicas, as a round-robin balancer sends them
@@ -408,7 +510,7 @@ async def test_an_unreachable_state_leaves_the_pool_to_what_this_process_knows(
     assert len([r for r in caplog.records if "unreachable" in r.getMessage()]) == 1
 
 
-async def test_no_credential_reaches_a_client_in_an_answer(aiohttp_server, relays):
+async def test_no_credential_reaches_a_client_or_a_dump(aiohttp_server, relays, tmp_path):
     async def echo(request):
         return web.json_response(
             {"type": "error", "error": {"type": "invalid_request_error",
@@ -417,7 +519,9 @@ async def test_no_credential_reaches_a_client_in_an_answer(aiohttp_server, relay
     app = web.Application()
     app.router.add_post("/v1/messages", echo)
     server = await aiohttp_server(app)
-    client = await relays.start(str(server.make_url("")).rstrip("/"), credentials("a", "b"))
+    dumps = tmp_path / "dumps"
+    client = await relays.start(str(server.make_url("")).rstrip("/"), credentials("a", "b"),
+                                pipeline=("dump",), plugins={"dump": {"dir": str(dumps)}})
     for n in range(4):
         resp = await client.post("/v1/messages", json=request(user(text("hi"))),
                                  headers={"x-claude-code-session-id": f"s{n}"})
@@ -426,6 +530,13 @@ async def test_no_credential_reaches_a_client_in_an_answer(aiohttp_server, relay
         assert resp.headers["x-echo"] == "[redacted]"
         assert all(key.encode() not in raw for key in KEYS.values())
     assert {e.credential for e in client.recorder.ended} == {"a", "b"}
+    await client.chain.shutdown(client.config)  # the dumps are written
+    written = sorted(dumps.rglob("*.json"))
+    assert len(written) == 4
+    documents = [orjson.loads(path.read_bytes()) for path in written]
+    assert all(key.encode() not in path.read_bytes() for path in written
+               for key in KEYS.values())
+    assert {d["attempts"][0]["credential"] for d in documents} == {"a", "b"}
 
 
 async def test_a_pass_through_route_goes_with_a_pooled_key_never_the_client_s(aiohttp_server,
@@ -454,9 +565,12 @@ def test_relay_backends_lists_each_credential(tmp_path, capsys, monkeypatch):
     asyncio.run(state.put(pools.NAMESPACE, {pools.health_key("pooled", "b"): pools.Health(
         "out", 1_700_000_000.0, "401 from upstream", status=401,
         key=pools.fingerprint(KEYS["POOL_B"])).encode()}, 60))
+    asyncio.run(state.record([{"id": f"r{n}", "time": time.time() - 10 + n, "attempts": [
+        {"backend": "pooled", "credential": "a", "status": status, "wait_ms": 0}]}
+        for n, status in enumerate((429, 200))]))
     assert cli.main(["backends", "--config", str(path)]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out == ["pooled/a  healthy",
+    assert out == ["pooled/a  healthy  (recent: 200 429)",
                    "pooled/b  out since 2023-11-14T22:13:20Z: 401 from upstream",
                    "single  one key (api_key_env)"]
     assert cli.main(["backends", "--config", str(path), "--reinstate", "pooled/b",
