@@ -70,7 +70,12 @@ from relay.sessions import (
 )
 
 PLUGIN = "cache"
+REQUEST = "cache request"  # exchange.state: what relay_request read of the request
 HEADER = "x-relay-cache"
+_KEY = b'"cache_control"'
+# The verdict on a request that asks nothing of the cache.
+NOTHING = {"status": "none", "cause": None, "where": None, "by": None, "api": None,
+           "gap_seconds": None, "predicted": False}
 # Breaks the relay knows more about than the API says.
 BACKEND, CREDENTIAL, TTL, UNEXPLAINED = ("backend_changed", "credential_changed",
                                          "ttl_expired", "unexplained")
@@ -124,7 +129,7 @@ class Judgement:
 
 
 def describe(cache: dict | None, predicted: bool = False) -> str | None:
-    """The ``x-relay-cache`` value (and the access log's ``cache`` field) for a verdict."""
+    """The ``x-relay-cache`` value for a verdict (the access log keeps status and cause)."""
     if not cache:
         return None
     text = cache["status"]
@@ -174,8 +179,12 @@ def _continues(lane: Fingerprint, request: Fingerprint) -> bool:
     start_a = lane.tools + lane.system + 2
     start_b = request.tools + request.system + 2
     a, b = lane.messages[0], request.messages[0]
-    return a == b and memoryview(lane.parts)[start_a:start_a + a] == \
-        memoryview(request.parts)[start_b:start_b + b]
+    if a != b:
+        return False
+    for mine, theirs in ((lane.crcs, request.crcs), (lane.lengths, request.lengths)):
+        if memoryview(mine)[start_a:start_a + a] != memoryview(theirs)[start_b:start_b + b]:
+            return False
+    return True
 
 
 def choose_lane(record: Record | None, request: Fingerprint, backend: str | None,
@@ -277,7 +286,7 @@ class Cache:
         Option("max_sessions", int, MAX_SESSIONS, "session records kept (least recently used "
                "out first)"),
         Option("max_bytes", int, MAX_BYTES, "bytes the session records may hold in this "
-               "process, fingerprints included"),
+               "process, fingerprints included (and as many the diagnosed answers')"),
         Option("max_age", float, MAX_AGE, "seconds a session record (and a diagnosed "
                "answer's fingerprint) is kept after its last use"),
         Option("max_answers", int, MAX_SESSIONS, "fingerprints kept for answers whose "
@@ -301,15 +310,44 @@ class Cache:
             self.answers = Records(options["max_answers"], options["max_bytes"],
                                    options["max_age"])
 
+    @hookimpl
+    def relay_request(self, exchange):
+        # What the answer's account needs of the request, read while it is still decoded:
+        # after it has gone up, it would be decoded again from the bytes sent.
+        if exchange.endpoint != "messages":
+            return
+        requested = exchange.field("diagnostics")
+        wants = isinstance(requested, dict) and "previous_message_id" in requested
+        if not wants and _KEY not in exchange.raw_body:
+            # No breakpoint, no diagnostics: nothing is cached, nothing to compare, nothing
+            # to answer (the session record counts the requests that use the cache).
+            exchange.state[REQUEST] = None
+            return
+        exchange.state[REQUEST] = requested if wants else _UNSET
+        exchange.session()
+
+    async def summary(self, key: str) -> dict | None:
+        """A session's record without its fingerprints (:meth:`relay.sessions.Record.summary`),
+        by its key (``exchange.session()``), or None when none is kept: for a console."""
+        record = await self.records.get(key)
+        return record.summary() if record is not None else None
+
     async def _judge(self, exchange) -> Judgement | None:
         if exchange.endpoint != "messages" or PLUGIN in exchange.state:
             return exchange.state.get(PLUGIN)
+        requested = exchange.state.get(REQUEST, _UNSET)
+        if requested is None:
+            exchange.cache = dict(NOTHING)
+            exchange.response_headers[HEADER] = "none"
+            exchange.state[PLUGIN] = None
+            return None
         sent = exchange.upstream_body()
         upstream = fingerprints.fingerprint(sent)
         raw = exchange.raw_body
         client = None if sent is raw or sent == raw else fingerprints.fingerprint(raw)
         thread = exchange.thread
-        if thread is not None and thread.continues:
+        if thread is not None and thread.continues and exchange.backend is not None \
+                and exchange.backend.holds_threads:
             upstream = None  # the upstream holds the head: this body is not the prompt
         key = exchange.session()
         record = await self.records.get(key) if key and upstream is not None else None
@@ -326,7 +364,8 @@ class Cache:
         judgement = exchange.state[PLUGIN] = Judgement(key, record, upstream, client, lane,
                                                        rewriters, cache)
         exchange.cache = cache
-        requested = exchange.field("diagnostics")
+        if requested is _UNSET and REQUEST not in exchange.state:
+            requested = exchange.field("diagnostics")  # the request hook did not run
         if isinstance(requested, dict) and "previous_message_id" in requested:
             judgement.wants_diagnostics = True
             if exchange.backend is not None and not exchange.backend.holds_diagnostics:

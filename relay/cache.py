@@ -9,18 +9,19 @@ without touching tools or system: the thinking settings and ``tool_choice`` (the
 "what invalidates the cache" table; the cache diagnostics guide reports them as
 ``unavailable``). Sources, and what each rule rests on: ``docs/evidence/cache.json``.
 
-A :class:`Fingerprint` is one request's prefix as a sequence of *parts*, each a 64-bit
-value: the CRC-32 of a tool, a system block or a message's block (a message opens with a
-part for its role) with the length of its bytes, separated by fixed markers between the
-sections, so that the first part where two fingerprints differ says which section changed
-first, and where. ``cache_control`` is taken out of each part's bytes before it is hashed:
-clients move their breakpoints forward every turn, and a moved marker changes no cached
-token. The parts that held one are the breakpoints (with their ``ttl``).
+A :class:`Fingerprint` is one request's prefix as a sequence of *parts*, each the CRC-32
+of a tool, a system block or a message's block (a message opens with a part for its role)
+with the length of its bytes, separated by fixed markers between the sections, so that the
+first part where two fingerprints differ says which section changed first, and where.
+``cache_control`` is taken out of each part's bytes before it is hashed: clients move their
+breakpoints forward every turn, and a moved marker changes no cached token. The parts that
+held one are the breakpoints (with their ``ttl``).
 
 Cheap by construction: a body with whitespace between its tokens is minified first (one C
-pass), then one decode of the body into raw JSON values (msgspec keeps each as
-the bytes that came, nothing is re-encoded), a CRC per part, and a decode of a part's bytes
-only where it holds ``cache_control`` (a few per request). The hash is not cryptographic: a
+pass), then one decode of the body into raw JSON values (msgspec keeps each as the bytes
+that came, nothing is re-encoded), and the parts' CRCs and lengths are taken by C loops
+(``map``) into two arrays, message by message; only the few parts that hold
+``cache_control`` are looked at one by one, to take it out. The hash is not cryptographic: a
 fingerprint says whether a prefix changed, for diagnosis, and never decides what goes up.
 """
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import zlib
 from array import array
+from typing import Any
 
 import msgspec
 import orjson
@@ -51,15 +53,16 @@ _KEY = b'"cache_control"'
 # A comma, a space and an unescaped quote: between two members or items, never inside a
 # string (there a quote is escaped, and a string that ends in ", " is only a needless check).
 _SPACED = b', "'
-# Markers between the sections: values no CRC with a length under 2**32 - 3 can take.
-_END_TOOLS = 0xFFFFFFFF_FFFFFFFD
-_END_SYSTEM = 0xFFFFFFFF_FFFFFFFE
-_NO_PART = 0xFFFFFFFF_FFFFFFFF
+# Markers between the sections, as lengths no part has (a body is at most 32 MB).
+_END_TOOLS = 0xFFFFFFFD
+_END_SYSTEM = 0xFFFFFFFE
 
 
 class _Message(msgspec.Struct):
     role: Raw = Raw(b"null")
-    content: Raw = Raw(b"null")
+    # Decoded in the same pass as the rest: a list as its blocks' raw bytes, a string as
+    # the text (see _text_block).
+    content: list[Raw] | str | None = None
 
 
 class _Request(msgspec.Struct):
@@ -75,24 +78,30 @@ class _Request(msgspec.Struct):
 
 _request = msgspec.json.Decoder(_Request)
 _raws = msgspec.json.Decoder(list[Raw])
+_encode = msgspec.json.Encoder().encode
 
 
 @dataclasses.dataclass(slots=True)
 class Fingerprint:
-    """One request's cacheable prefix (see the module). ``parts`` in prefix order;
-    ``tools`` and ``system`` their counts; ``messages`` each message's part count (its role
-    part included); ``breakpoints`` the indexes of the parts that carried ``cache_control``
-    and ``ttls`` their lifetimes in seconds; ``model`` the model with ``speed``;
-    ``parameters`` the CRC of each of :data:`PARAMETERS`."""
+    """One request's cacheable prefix (see the module). ``crcs`` and ``lengths``: the
+    parts in prefix order; ``tools`` and ``system`` their counts; ``messages`` each
+    message's part count (its role part included); ``breakpoints`` the indexes of the parts
+    that carried ``cache_control`` and ``ttls`` their lifetimes in seconds; ``model`` the
+    model with ``speed``; ``parameters`` the CRC of each of :data:`PARAMETERS`."""
 
     model: str
-    parts: array
+    crcs: array
+    lengths: array
     tools: int
     system: int
     messages: array
     breakpoints: array
     ttls: array
     parameters: tuple[int, ...]
+
+    def __len__(self) -> int:
+        """How many parts (markers included)."""
+        return len(self.lengths)
 
     @property
     def last_breakpoint(self) -> int:
@@ -106,12 +115,12 @@ class Fingerprint:
 
     def size(self, start: int = 0, end: int | None = None) -> int:
         """The bytes of the parts from ``start`` up to ``end`` (excluded)."""
-        return sum(part & 0xFFFFFFFF for part in self.parts[start:end]
-                   if part < _END_TOOLS)
+        return sum(length for length in self.lengths[start:end] if length < _END_TOOLS)
 
     def nbytes(self) -> int:
         """What this fingerprint holds in memory, roughly."""
-        return 200 + 8 * len(self.parts) + 4 * (len(self.messages) + 2 * len(self.breakpoints))
+        return 200 + 8 * len(self.lengths) + 4 * (len(self.messages)
+                                                   + 3 * len(self.breakpoints))
 
     def location(self, index: int) -> str:
         """Where part ``index`` is in the request: ``tools[3]``, ``system[1]``,
@@ -139,15 +148,16 @@ class Fingerprint:
     def to_bytes(self) -> bytes:
         """A compact, process-independent form (for the shared state)."""
         return msgspec.msgpack.encode((
-            self.model, self.parts.tobytes(), self.tools, self.system,
+            self.model, self.crcs.tobytes(), self.lengths.tobytes(), self.tools, self.system,
             self.messages.tobytes(), self.breakpoints.tobytes(), self.ttls.tobytes(),
             list(self.parameters)))
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> Fingerprint:
-        model, parts, tools, system, messages, breakpoints, ttls, parameters = \
+        model, crcs, lengths, tools, system, messages, breakpoints, ttls, parameters = \
             msgspec.msgpack.decode(raw)
-        return cls(model, _array("Q", parts), tools, system, _array("I", messages),
+        return cls(model, _array("I", crcs), _array("I", lengths), tools, system,
+                   _array("I", messages),
                    _array("I", breakpoints), _array("d", ttls), tuple(parameters))
 
 
@@ -160,77 +170,106 @@ def _array(kind: str, raw: bytes) -> array:
 def fingerprint(body: bytes) -> Fingerprint | None:
     """The fingerprint of a Messages request body, or None for one that is not a request."""
     try:
-        if _SPACED in body or b"\n" in body:
+        head = body[:4096]
+        if _SPACED in head or b"\n" in head:
             # Whitespace between tokens is no part of the prompt, and the relay's own encoder
             # writes none: a spaced body (the Python SDK's) and its re-encoding must agree.
+            # An encoder spaces all its separators or none, so the first few are enough
+            # (searching a whole history for these bytes costs more than the rest).
             body = msgspec.json.format(body, indent=-1)
         request = _request.decode(body)
         model = msgspec.json.decode(request.model)
         speed = msgspec.json.decode(request.speed)
+        system = _items(request.system)
     except (msgspec.MsgspecError, ValueError, RecursionError):
         return None
-    if not isinstance(model, str):
+    if not isinstance(model, str) or system is None:
         return None
-    parts = array("Q")
-    breakpoints = array("I")
-    ttls = array("d")
-    add = parts.append
+    automatic = bytes(request.cache_control) != b"null"
+    # Markers are few, and clients put them on the newest messages: the messages that hold
+    # one are found from the end, and every other message is hashed in C.
+    left = body.count(_KEY) - automatic
+    crcs, lengths = array("I"), array("I")
+    breakpoints, ttls = array("I"), array("d")
     tools = request.tools or ()
-    for tool in tools:
-        add(_part(tool, parts, breakpoints, ttls))
-    add(_END_TOOLS)
-    system = _items(request.system)
-    if system is None:
-        return None
-    for block in system:
-        add(_part(block, parts, breakpoints, ttls))
-    add(_END_SYSTEM)
+    for section, end in ((tools, _END_TOOLS), (system, _END_SYSTEM)):
+        for item in section:
+            left -= _part(item, crcs, lengths, breakpoints, ttls)
+        crcs.append(0)
+        lengths.append(end)
+    messages = request.messages
+    contents: list[list[Any]] = []
+    for message in messages:
+        value = message.content
+        contents.append(value if type(value) is list else
+                        [_text_block(value)] if type(value) is str else [])
+    marked = set()
+    for i in range(len(contents) - 1, -1, -1):
+        if left <= 0:
+            break
+        found = sum(bytes(block).count(_KEY) for block in contents[i])
+        if found:
+            marked.add(i)
+            left -= found
     counts = array("I")
-    for message in request.messages:
-        add(_crc(message.role))
-        content = _items(message.content)
-        if content is None:
-            return None
-        for block in content:
-            add(_part(block, parts, breakpoints, ttls))
-        counts.append(1 + len(content))
-    if bytes(request.cache_control) != b"null":
+    crc32 = zlib.crc32
+    for i, message in enumerate(messages):
+        role = message.role
+        crcs.append(crc32(role))
+        lengths.append(len(role))
+        blocks = contents[i]
+        if i in marked:
+            for block in blocks:
+                _part(block, crcs, lengths, breakpoints, ttls)
+        else:
+            crcs.extend(map(crc32, blocks))
+            lengths.extend(map(len, blocks))
+        counts.append(1 + len(blocks))
+    if automatic:
         # Automatic caching: the API puts the breakpoint on the last cacheable block.
-        breakpoints.append(len(parts) - 1)
+        breakpoints.append(len(lengths) - 1)
         ttls.append(_ttl(request.cache_control))
     order = sorted(range(len(breakpoints)), key=breakpoints.__getitem__)
     return Fingerprint(
-        model if speed is None else f"{model} speed={speed}", parts, len(tools), len(system),
-        counts, array("I", (breakpoints[i] for i in order)),
+        model if speed is None else f"{model} speed={speed}", crcs, lengths, len(tools),
+        len(system), counts, array("I", (breakpoints[i] for i in order)),
         array("d", (ttls[i] for i in order)),
         (zlib.crc32(request.thinking), zlib.crc32(request.tool_choice)))
 
 
 def _items(value: Raw) -> list | None:
-    """A ``system`` or ``content`` value as its parts: a list's items, a string as one part,
-    nothing for null; None for anything else."""
+    """``system`` as its parts: a list's items; a string as the one text block it stands
+    for; nothing for null; None for anything else."""
     view = memoryview(value)  # a Raw is a buffer: read in place
     head = view[:1].tobytes()
     if head == b"[":
         return _raws.decode(value)
     if head == b'"':
-        return [value]
+        return [b'{"type":"text","text":' + bytes(value) + b"}"]
     return [] if view == b"null" else None
 
 
-def _crc(raw) -> int:
-    return zlib.crc32(raw) << 32 | min(len(raw), 0xFFFFFFFC)
+def _text_block(text: str) -> bytes:
+    """The text block a string content stands for (the API reads ``"hi"`` as ``[{"type":
+    "text", "text": "hi"}]``, and Claude Code sends one message in either form from one turn
+    to the next), as a client's encoder writes it: the string re-encoded, which gives the
+    client's bytes unless it escaped what needs no escape (``ensure_ascii``)."""
+    return b'{"type":"text","text":' + _encode(text) + b"}"
 
 
-def _part(raw: Raw, parts: array, breakpoints: array, ttls: array) -> int:
+def _part(raw: Raw | bytes, crcs: array, lengths: array, breakpoints: array, ttls: array) -> int:
+    """Add one part, without its markers; returns how many it held."""
     data = bytes(raw)
-    if _KEY not in data:
-        return _crc(data)
-    stripped, found = strip_cache_control(data)
-    for ttl in found:
-        breakpoints.append(len(parts))
-        ttls.append(ttl)
-    return _crc(stripped)
+    if _KEY in data:
+        data, found = strip_cache_control(data)
+        for ttl in found:
+            breakpoints.append(len(lengths))
+            ttls.append(ttl)
+    else:
+        found = []
+    crcs.append(zlib.crc32(data))
+    lengths.append(len(data))
+    return len(found)
 
 
 def strip_cache_control(raw: bytes) -> tuple[bytes, list[float]]:
@@ -274,6 +313,13 @@ def _skip(raw: bytes, at: int) -> int:
 
 def _value_end(raw: bytes, at: int) -> int | None:
     """Where the JSON value starting at ``at`` ends (an object, or a bare word)."""
+    if raw[at:at + 1] == b"{":
+        # A marker is flat ({"type": "ephemeral", "ttl": "1h"}): its first closing brace
+        # ends it, unless a brace or quote inside says otherwise (then walk it).
+        close = raw.find(b"}", at)
+        if close > 0 and raw.find(b"{", at + 1, close) < 0 \
+                and raw.find(b"\\", at, close) < 0 and raw.count(b'"', at, close) % 2 == 0:
+            return close + 1
     if raw[at:at + 1] != b"{":
         end = at
         while end < len(raw) and raw[end] not in b",}] \t\r\n":
@@ -325,8 +371,8 @@ class Divergence:
 
 
 def first_difference(previous: array, current: array) -> int:
-    """The first index where two part sequences differ (the shorter one's length when one
-    is a prefix of the other), found by comparing slices: C speed on long histories."""
+    """The first index where two arrays differ (the shorter one's length when one is a
+    prefix of the other), found by comparing slices: C speed on long histories."""
     a, b = memoryview(previous), memoryview(current)
     n = min(len(a), len(b))
     if a[:n] == b[:n]:
@@ -346,10 +392,11 @@ def diverge(previous: Fingerprint, current: Fingerprint) -> Divergence | None:
     last = previous.last_breakpoint
     if previous.model != current.model:
         return Divergence(MODEL, "model", 0, last >= 0, previous.size(0, last + 1))
-    index = first_difference(previous.parts, current.parts)
+    index = min(first_difference(previous.crcs, current.crcs),
+                first_difference(previous.lengths, current.lengths))
     messages_start = previous.tools + 1 + previous.system + 1
-    if index < len(previous.parts) and index < messages_start:
-        where = current.location(index) if index < len(current.parts) else \
+    if index < len(previous) and index < messages_start:
+        where = current.location(index) if index < len(current) else \
             previous.location(index)
         return Divergence(previous.section(index), where, index, index <= last,
                           previous.size(index, last + 1))
@@ -358,9 +405,9 @@ def diverge(previous: Fingerprint, current: Fingerprint) -> Divergence | None:
         if before != now:
             return Divergence(reason, name, messages_start, messages_start <= last,
                               previous.size(messages_start, last + 1))
-    if index >= len(previous.parts):
+    if index >= len(previous):
         return None
-    where = current.location(index) if index < len(current.parts) else \
+    where = current.location(index) if index < len(current) else \
         previous.location(index)
     return Divergence(MESSAGES, where, index, index <= last, previous.size(index, last + 1))
 

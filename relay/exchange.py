@@ -233,7 +233,10 @@ class Exchange:
     :class:`Timings`).
     What the plugins found: ``repairs`` (their total), ``repaired_by`` (one :class:`Repair`
     per :meth:`repaired`), ``uncertain`` (one :class:`Uncertainty` per :meth:`unsure`),
-    ``dump_path`` (the file the dump plugin is writing for it, or None).
+    ``dump_path`` (the file the dump plugin is writing for it, or None),
+    ``cache`` (the ``cache`` plugin's verdict on the prompt cache: None, or a dict with
+    ``status`` ``hit`` / ``write`` / ``none`` / ``miss``, its ``cause``, ``where``, ``by``
+    and the tokens read, written and sent fresh).
 
     The record's document form, the one a dump holds and ``relay replay`` reads, is made
     by :mod:`relay.document` (:func:`relay.document.to_document`,

@@ -48,8 +48,8 @@ def test_a_moved_breakpoint_changes_no_part(dumps):
     after = fp([turn(0), turn(1), turn(2), turn(3, marked=True)], tools=TOOLS, system=SYSTEM,
                dumps=dumps)
     assert cache.diverge(before, after) is None
-    assert before.last_breakpoint == len(before.parts) - 1
-    assert list(after.breakpoints) == [1, 4, len(after.parts) - 1]
+    assert before.last_breakpoint == len(before) - 1
+    assert list(after.breakpoints) == [1, 4, len(after) - 1]
 
 
 def test_strip_takes_the_member_and_its_comma():
@@ -59,6 +59,8 @@ def test_strip_takes_the_member_and_its_comma():
         (b'{"cache_control":{"type":"ephemeral","ttl":"1h"},"type":"text"}', b'{"type":"text"}'),
         (b'{"type":"text","cache_control":{"type":"ephemeral"},"text":"a"}',
          b'{"type":"text","text":"a"}'),
+        (b'{"cache_control":{"type":"a}b"},"type":"text"}', b'{"type":"text"}'),
+        (b'{"cache_control":{"type":"ephemeral","x":{"y":1}},"type":"text"}', b'{"type":"text"}'),
         (b'{"type":"text","text":"say \\"cache_control\\": x"}',
          b'{"type":"text","text":"say \\"cache_control\\": x"}'),
     ]:
@@ -105,7 +107,7 @@ def test_a_change_after_the_last_breakpoint_breaks_nothing_cached():
 
 def test_automatic_caching_marks_the_last_block():
     marked = fp([turn(0), turn(1)], cache_control=CC)
-    assert marked.last_breakpoint == len(marked.parts) - 1
+    assert marked.last_breakpoint == len(marked) - 1
 
 
 def test_ttl_and_round_trip():
@@ -123,10 +125,10 @@ def test_not_a_request(raw):
 
 def test_first_difference_on_long_sequences():
     from array import array
-    a = array("Q", range(10_000))
+    a = array("I", range(10_000))
     for at in (0, 1, 4_999, 9_999):
-        b = array("Q", a)
-        b[at] = 1 << 63
+        b = array("I", a)
+        b[at] = 1 << 31
         assert cache.first_difference(a, b) == at
     assert cache.first_difference(a, a[:500]) == 500
 
@@ -149,3 +151,11 @@ def test_the_encoders_whitespace_is_no_part_of_the_prompt():
         {"model": "claude-x", "max_tokens": 10, "messages": messages, "tools": TOOLS,
          "system": SYSTEM}, indent=2).encode())
     assert spaced == compact == indented
+
+
+def test_a_string_is_the_text_block_it_stands_for():
+    as_string = fp([{"role": "user", "content": "hi"}, turn(1, marked=True)], system="be terse")
+    as_blocks = fp([{"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                    turn(1, marked=True)], system=[{"type": "text", "text": "be terse"}])
+    assert cache.diverge(as_string, as_blocks) is None
+    assert cache.diverge(as_blocks, as_string) is None

@@ -4,7 +4,9 @@ a backend without them, checked with the SDK's own types; the session record."""
 
 from __future__ import annotations
 
+import argparse
 import copy
+import dataclasses
 import datetime
 
 import orjson
@@ -27,7 +29,7 @@ from relay.hookspecs import hookimpl
 from relay.server import create_app
 from relay.sessions import Record
 from relay.state.memory import MemoryState
-from relay.testing import emulator
+from relay.testing import emulator, emulator_openai
 from relay.testing.fixtures import relay_client, start_relay  # noqa: F401  (the fixture)
 
 CC = {"type": "ephemeral"}
@@ -172,7 +174,8 @@ async def test_a_plugins_rewrite_is_named(relay_client):
     _, header = await send(client, conversation(2))
     assert header == "miss; cause=system_changed; where=system[0]; by=stamp"
     assert await breaks(client) == {"system_changed": 1}
-    assert noted(client)["by"] == "stamp"
+    entry = noted(client)
+    assert (entry["cause"], entry["where"], entry["by"]) == ("system_changed", "system[0]", "stamp")
 
 
 async def test_the_lifetime_lapsing(relay_client):
@@ -188,7 +191,8 @@ async def test_the_lifetime_lapsing(relay_client):
         state.prompt_cache[digest] -= 360
     _, header = await send(client, conversation(2))
     assert header == "miss; cause=ttl_expired"
-    assert noted(client)["gap_seconds"] >= 360
+    entry = noted(client)
+    assert entry["cause"] == "ttl_expired" and entry["gap_seconds"] >= 360
     assert await breaks(client) == {"ttl_expired": 1}
 
 
@@ -198,6 +202,7 @@ async def test_a_prefix_the_upstream_no_longer_holds(relay_client):
     client.upstream.app[emulator.STATE].prompt_cache.clear()  # evicted upstream
     _, header = await send(client, conversation(2))
     assert header == "miss; cause=unexplained"
+    assert noted(client)["cause"] == "unexplained"
     assert await breaks(client) == {"unexplained": 1}
 
 
@@ -209,6 +214,7 @@ async def test_a_credential_switch(relay_client):
     client.upstream.app[emulator.STATE].prompt_cache.clear()  # another organisation's cache
     _, header = await send(client, conversation(2))
     assert header == "miss; cause=credential_changed"
+    assert noted(client)["cause"] == "credential_changed"
     assert await breaks(client) == {"credential_changed": 1}
 
 
@@ -228,6 +234,7 @@ async def test_a_backend_switch(aiohttp_server, aiohttp_client):
         await send(client, conversation(1, model="claude-a"))
         _, header = await send(client, conversation(2, model="claude-b"))
         assert header == "miss; cause=backend_changed; where=a -> b"
+        assert noted(client)["cause"] == "backend_changed"
         assert await breaks(client) == {"backend_changed": 1}
         # And back: b's record is the newest, a's cache has lapsed for nobody.
         _, header = await send(client, conversation(3, model="claude-b"))
@@ -357,7 +364,8 @@ async def test_the_session_record(relay_client):
     await send(client, body)
     plugin = client.chain.pm.get_plugin("cache")
     (record,) = [entry[2] for entry in plugin.records._entries.values()]
-    summary = record.summary()
+    summary = await plugin.summary(client.recorder.exchanges[-1].session())
+    assert summary == record.summary()
     assert summary["turns"] == 4 and summary["backends"] == {"emulator": 4}
     assert summary["models"] == {"claude-test": 4}
     assert summary["cache"]["breaks"] == {"system_changed": 1}
@@ -429,3 +437,67 @@ async def test_replicas_on_a_shared_state_share_the_record(aiohttp_server, aioht
     assert Record.from_bytes(stored[0]).turns == 3
     for client in replicas:
         await client.close()
+
+
+async def test_a_request_that_asks_nothing_of_the_cache_costs_nothing(relay_client):
+    client = await start(relay_client)
+    plain = {"model": "claude-test", "max_tokens": 50,
+             "messages": [{"role": "user", "content": "hi"}]}
+    for _ in range(2):
+        _, header = await send(client, plain)
+        assert header == "none"
+    plugin = client.chain.pm.get_plugin("cache")
+    assert len(plugin.records) == 0
+    assert client.recorder.exchanges[-1].cache["status"] == "none"
+    resp = await client.post("/v1/messages/count_tokens", json=conversation(1))
+    assert resp.status == 200 and "x-relay-cache" not in resp.headers
+
+
+class Unreachable(SharedMemory):
+    async def get(self, namespace, keys):
+        raise ConnectionError("state down")
+
+    async def put(self, namespace, items, ttl):
+        raise ConnectionError("state down")
+
+
+async def test_a_shared_state_out_of_reach_costs_the_account_not_the_answer(
+        aiohttp_server, aiohttp_client, caplog):
+    upstream = await aiohttp_server(emulator.create_app(emulator.EmulatorOptions(
+        prompt_cache=True, diagnostics=False)))
+    config = config_module.parse({
+        "pipeline": ["cache"],
+        "backends": [{"name": "emulator", "url": str(upstream.make_url("")).rstrip("/"),
+                      "models": ["*"]}]}, {})
+    chain = Chain(load_plugins(config.pipeline), config)
+    chain.state = Unreachable()
+    await chain.startup(config)
+    client = await aiohttp_client(create_app(config, chain))
+    headers = [(await send(client, conversation(turns)))[1] for turns in (1, 2, 3)]
+    # No record to compare with: the upstream's usage alone says what happened.
+    assert headers == ["write", "hit", "hit"]
+    warnings = [r for r in caplog.records if "session records" in r.getMessage()]
+    assert len(warnings) == 1  # once a minute, not once a request
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_diagnostics_from_an_openai_format_backend(aiohttp_server, aiohttp_client, stream):
+    """A Chat Completions backend has no diagnostics: the relay answers them, in the
+    translated answer as in a native one."""
+    options = emulator_openai.options_for(argparse.Namespace(
+        **dataclasses.asdict(emulator.EmulatorOptions())))
+    upstream = await aiohttp_server(emulator_openai.create_app(options))
+    client = await start_relay(aiohttp_client, {
+        "pipeline": ["cache"],
+        "backends": [{"name": "oa", "url": str(upstream.make_url("/v1")), "models": ["*"],
+                      "format": "openai"}]})
+    try:
+        first = await answer(client, asking(conversation(1, model="gpt-test"), None), stream)
+        assert first.diagnostics is None
+        body = asking(conversation(2, model="gpt-test"), first.id)
+        body["tools"][0]["description"] = "changed"
+        second = await answer(client, body, stream)
+        assert isinstance(second.diagnostics.cache_miss_reason, BetaCacheMissToolsChanged)
+    finally:
+        await client.close()
+        await client.chain.shutdown(client.config)
