@@ -189,11 +189,15 @@ class RedisState(State):
         self._releases: list[tuple[str, str]] = []
         self._pending: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
         self._flusher: asyncio.Task | None = None
+        # Script calls of this turn of the loop: (keys, arguments, reply, seconds to wait).
+        self._outgoing: list[tuple[list[str], list[Any], asyncio.Future, float]] = []
+        self._senders: set[asyncio.Task] = set()
         self._down_until = 0.0
         self._warned = 0.0
         self._quiet = 0
         self._prefix = secrets.token_hex(4)
         self._tokens = itertools.count()
+        self._closing = False
         self._closed = False
 
     @property
@@ -217,18 +221,21 @@ class RedisState(State):
             raise self._failure(e) from None
 
     async def close(self) -> None:
-        if self._closed:
+        if self._closing:
             return
-        self._closed = True
+        self._closing = True  # no background flush from now on; what is queued goes here
         if self._flusher is not None:
             self._flusher.cancel()
             self._flusher = None
         deadline = time.monotonic() + CLOSE_SECONDS
+        if self._senders:
+            await asyncio.wait(set(self._senders), timeout=CLOSE_SECONDS)
         while self._has_queued() and time.monotonic() < deadline:
             try:
                 await self._flush()
             except Unavailable:
                 break
+        self._closed = True
         try:
             await self._redis.aclose()
         except Exception as e:  # a connection already broken: nothing left to let go of
@@ -273,7 +280,9 @@ class RedisState(State):
             batches.append((f"{PREFIX}batch:{self._prefix}{next(self._batches):x}", self._adds))
             self._adds = {}
         releases, self._releases = self._releases, []
-        backlog = list(itertools.islice(self._pending.items(), rows))
+        # Off the queue while in flight: calls sent at once never carry the same rows.
+        pending = self._pending
+        backlog = [pending.popitem(last=False) for _ in range(min(rows, len(pending)))]
         keys: list[str] = []
         args: list[Any] = []
         for batch, adds in batches:
@@ -301,50 +310,95 @@ class RedisState(State):
         return keys, args, (batches, releases, backlog, written)
 
     def _restore(self, carried: tuple) -> None:
-        """A round trip that failed: what it carried goes with the next (the rows never left
-        their queue). Should it have run all the same, nothing counts twice: rows and
+        """A round trip that failed: what it carried goes with the next, ahead of what
+        queued since. Should it have run all the same, nothing counts twice: rows and
         releases are idempotent, the adds' batches keep their ids."""
-        batches, releases, _backlog, _written = carried
+        batches, releases, backlog, _written = carried
+        pending = self._pending
+        for row_id, row in reversed(backlog):
+            if row_id not in pending:
+                pending[row_id] = row
+                pending.move_to_end(row_id, last=False)
+        while len(pending) > MAX_PENDING:
+            pending.popitem(last=False)
         self._unsure[:0] = batches[-MAX_PENDING:]
         self._releases[:0] = releases[:max(0, MAX_PENDING - len(self._releases))]
         self._schedule()
-
-    def _landed(self, carried: tuple) -> None:
-        for row_id, row in carried[2]:
-            if self._pending.get(row_id) is row:
-                del self._pending[row_id]
 
     async def _script(self, keys: list[str], args: list[Any], counters: int = 0,
                       slots: int = 0, rows: int = CARRIED_ROWS, wait: float | None = None,
                       now: float | None = None) -> list:
         """One ``EVALSHA`` of :data:`SCRIPT`: what is queued, then ``keys``/``args`` (the
         take's counters and slots)."""
-        from redis.exceptions import NoScriptError
         self._check_up()
         queued_keys, queued_args, carried = self._queued(rows)
         head = [time.time() if now is None else now, self.retention, len(carried[0]),
                 len(carried[1]), carried[3], counters, slots]
         all_keys = queued_keys + keys
         argv = head + queued_args + args
+        loop = asyncio.get_running_loop()
+        reply = loop.create_future()
+        self._outgoing.append((all_keys, argv, reply, self.timeout if wait is None else wait))
+        if len(self._outgoing) == 1:
+            # Sent once every task that runs in this turn of the loop has put its call in:
+            # concurrent requests share a round trip.
+            loop.call_soon(self._send_outgoing)
         try:
-            for attempt in (1, 2):
-                if not self._sha:
-                    self._sha = await asyncio.wait_for(self._redis.script_load(SCRIPT),
-                                                       self.timeout)
-                try:
-                    reply = await asyncio.wait_for(
-                        self._redis.evalsha(self._sha, len(all_keys), *all_keys, *argv),
-                        self.timeout if wait is None else wait)
-                    break
-                except NoScriptError:
-                    self._sha = ""  # Redis restarted (or was flushed): load it again
-                    if attempt == 2:
-                        raise
+            result = await reply
+        except asyncio.CancelledError:
+            self._restore(carried)  # sent again, counted once (the batches keep their ids)
+            raise
         except Exception as e:  # refused, reset, timed out, or an error reply
             self._restore(carried)
             raise self._failure(e) from None
-        self._landed(carried)
-        return reply
+        return result
+
+    def _send_outgoing(self) -> None:
+        calls, self._outgoing = self._outgoing, []
+        task = asyncio.get_running_loop().create_task(self._send(calls))
+        self._senders.add(task)
+        task.add_done_callback(self._senders.discard)
+
+    async def _send(self, calls: list) -> None:
+        """The script calls queued in one turn of the loop, in one pipeline; each caller gets
+        its reply, or the error."""
+        from redis.exceptions import NoScriptError
+        wait = max(call[3] for call in calls)
+        try:
+            if not self._sha:
+                self._sha = await asyncio.wait_for(self._redis.script_load(SCRIPT), wait)
+            replies = await asyncio.wait_for(self._evalshas(calls), wait)
+            again = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+            if again:  # Redis restarted (or was flushed): load the script again
+                self._sha = await asyncio.wait_for(self._redis.script_load(SCRIPT), wait)
+                resent = await asyncio.wait_for(self._evalshas([calls[i] for i in again]),
+                                                wait)
+                for i, reply in zip(again, resent, strict=True):
+                    replies[i] = reply
+        except Exception as e:  # the round trip itself failed: every caller hears it
+            for call in calls:
+                if not call[2].done():
+                    call[2].set_exception(e)
+            return
+        for call, reply in zip(calls, replies, strict=True):
+            if not call[2].done():
+                if isinstance(reply, Exception):
+                    call[2].set_exception(reply)
+                else:
+                    call[2].set_result(reply)
+
+    async def _evalshas(self, calls: list) -> list:
+        from redis.exceptions import ResponseError
+        if len(calls) == 1:
+            keys, argv = calls[0][0], calls[0][1]
+            try:
+                return [await self._redis.evalsha(self._sha, len(keys), *keys, *argv)]
+            except ResponseError as e:  # an error reply (NOSCRIPT, say), not a lost Redis
+                return [e]
+        pipe = self._redis.pipeline(transaction=False)
+        for keys, argv, _, _ in calls:
+            pipe.evalsha(self._sha, len(keys), *keys, *argv)
+        return await pipe.execute(raise_on_error=False)
 
     async def _commands(self, build, wait: float | None = None) -> list:
         """What is queued (when anything is), then the commands ``build`` adds to a pipeline,
@@ -385,7 +439,7 @@ class RedisState(State):
         try:
             # The take's own clock: a caller's ``now`` decides its windows and leases.
             reply = await self._script(keys, args, len(counters), len(slots), now=now)
-        except Unavailable:
+        except (Unavailable, asyncio.CancelledError):
             # It may have been taken all the same: the slots go back (releasing a token
             # never taken does nothing).
             for slot, token in zip(slots, tokens, strict=True):
@@ -457,6 +511,8 @@ class RedisState(State):
         # What this process recorded lands first, so that it reads its own rows.
         while self._pending:
             await self._script([], [], rows=ROW_BATCH, wait=ROWS_SECONDS)
+        if self._senders:  # and what other calls carry now
+            await asyncio.wait(set(self._senders), timeout=ROWS_SECONDS)
         low = "-inf" if since is None else repr(float(since))
         high = "+inf" if until is None else f"({float(until)!r}"
         found: list[dict[str, Any]] = []
@@ -524,7 +580,7 @@ class RedisState(State):
     # --- the background flush: what is queued, when no call carries it ---
 
     def _schedule(self) -> None:
-        if self._closed:
+        if self._closing:
             return
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.get_running_loop().create_task(self._flush_loop())

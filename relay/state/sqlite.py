@@ -51,6 +51,8 @@ ROW_BATCH = 2000
 # Reading the ledger (``relay usage``, the console) is no request's wait: it gets longer.
 ROWS_SECONDS = 10.0
 CLOSE_SECONDS = 2.0
+# After a failure, calls fail at once for this long instead of each waiting the timeout.
+DOWN_SECONDS = 1.0
 
 SCHEMA = (
     "CREATE TABLE IF NOT EXISTS counters (name TEXT NOT NULL, start INTEGER NOT NULL, "
@@ -87,6 +89,9 @@ def connect(path: str, timeout: float) -> sqlite3.Connection:
         # In WAL mode a commit without fsync cannot corrupt the file; a power cut may lose
         # the last transactions, which is what the ledger's buffer risks anyway.
         db.execute("PRAGMA synchronous=NORMAL")
+        # The WAL file is cut back to this after a checkpoint, should a long read have let
+        # it grow.
+        db.execute("PRAGMA journal_size_limit=16777216")
     except BaseException:
         db.close()
         raise
@@ -124,6 +129,7 @@ class SQLiteState(State):
         self._pending: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
         self._queued_since: float | None = None  # when work with no answer owed first waited
         self._stopping = False
+        self._down_until = 0.0  # monotonic; set by either thread (a float: one store)
         self._idle = False  # the worker sleeps until woken (or the next sweep)
         self._prefix = secrets.token_hex(4)  # slot tokens: unique across processes
         self._tokens = itertools.count()
@@ -173,23 +179,28 @@ class SQLiteState(State):
                     wait: float | None = None) -> Any:
         if self._thread is None:
             raise Unavailable("the SQLite state is closed")
+        if time.monotonic() < self._down_until:
+            self._unreachable(1, "unreachable a moment ago")
+            raise Unavailable(f"{self.path}: unreachable (a moment ago)")
         loop = asyncio.get_running_loop()
         call = _Call(run, args, loop.create_future(), loop, flush)
         with self._wake:
             self._calls.append(call)
             self._wake.notify()
-        timer = loop.call_later(self.timeout if wait is None else wait, self._give_up, call)
+        timer = loop.call_later(self.timeout if wait is None else wait, self._give_up, call,
+                                self.timeout if wait is None else wait)
         try:
             return await call.future
         finally:
             timer.cancel()
 
-    def _give_up(self, call: _Call) -> None:
+    def _give_up(self, call: _Call, seconds: float) -> None:
         if not call.future.done():
             call.abandoned = True
-            self._unreachable(1, f"no answer within {self.timeout} s")
+            self._down_until = time.monotonic() + DOWN_SECONDS
+            self._unreachable(1, f"no answer within {seconds} s")
             call.future.set_exception(Unavailable(f"{self.path}: no answer within "
-                                                  f"{self.timeout} s"))
+                                                  f"{seconds} s"))
 
     def _answer(self, answers: list[tuple[_Call, Any, BaseException | None]]) -> None:
         """On the loop: hand each call its result (one wake-up for the whole transaction)."""
@@ -416,6 +427,7 @@ class SQLiteState(State):
                 ) -> None:
         """The file could not be written (locked past the timeout, full, gone): the callers
         hear so, and what owed no answer waits for the next transaction."""
+        self._down_until = time.monotonic() + DOWN_SECONDS
         with self._wake:
             for key, (end, amount) in adds.items():
                 entry = self._adds.setdefault(key, [end, 0])
@@ -458,21 +470,16 @@ class SQLiteState(State):
 
     def _take(self, db: sqlite3.Connection, counters: tuple[Counter, ...],
               slots: tuple[Slot, ...], now: float) -> Taken:
-        looked = []
-        for counter in counters:
-            start, end = window(counter.per, now)
-            found = db.execute("SELECT used FROM counters WHERE name = ? AND start = ?",
-                               (counter.name, start)).fetchone()
-            looked.append((start, end, found[0] if found else 0))
+        looked = _looked(db, counters, now)
         for counter, (_, _, used) in zip(counters, looked, strict=True):
             if counter.limit is not None and (
                     used + counter.amount > counter.limit if counter.amount
                     else used >= counter.limit):
                 return Taken(False, _counted(counters, looked), blocked=counter.name)
         for slot in slots:
-            db.execute("DELETE FROM slots WHERE name = ? AND until <= ?", (slot.name, now))
-            held, oldest = db.execute("SELECT COUNT(*), MIN(until) FROM slots WHERE name = ?",
-                                      (slot.name,)).fetchone()
+            # A lease run out is not held (the sweep deletes it later).
+            held, oldest = db.execute("SELECT COUNT(*), MIN(until) FROM slots WHERE name = ? "
+                                      "AND until > ?", (slot.name, now)).fetchone()
             if held >= slot.limit:
                 return Taken(False, _counted(counters, looked), blocked=slot.name,
                              slot_retry=max(0.0, (oldest or now) - now))
@@ -493,13 +500,7 @@ class SQLiteState(State):
     @staticmethod
     def _counts(db: sqlite3.Connection, counters: tuple[Counter, ...], now: float
                 ) -> list[Count]:
-        result = []
-        for counter in counters:
-            start, end = window(counter.per, now)
-            found = db.execute("SELECT used FROM counters WHERE name = ? AND start = ?",
-                               (counter.name, start)).fetchone()
-            result.append(Count(counter.name, found[0] if found else 0, counter.limit, end))
-        return result
+        return list(_counted(counters, _looked(db, counters, now)))
 
     @staticmethod
     def _keys(db: sqlite3.Connection) -> tuple[int, list[dict[str, Any]]]:
@@ -569,6 +570,18 @@ class SQLiteState(State):
 
 def _nothing(_db: sqlite3.Connection) -> None:
     return None
+
+
+def _looked(db: sqlite3.Connection, counters: Sequence[Counter], now: float
+            ) -> list[tuple[int, int, int]]:
+    """Each counter's window (start, end) and its count there."""
+    looked = []
+    for counter in counters:
+        start, end = window(counter.per, now)
+        found = db.execute("SELECT used FROM counters WHERE name = ? AND start = ?",
+                           (counter.name, start)).fetchone()
+        looked.append((start, end, found[0] if found else 0))
+    return looked
 
 
 def _counted(counters: Sequence[Counter], looked: list[tuple[int, int, int]]
