@@ -256,6 +256,8 @@ def test_the_console_shows_real_traffic_and_keeps_strangers_out(stack, browser, 
     assert len(columns) == 2
     assert "toolu_foreign" in columns[0].text and "toolu_foreign" in columns[1].text
     console.shot("dump")
+    browser.execute_script("arguments[0].scrollIntoView({block: 'center'})", offending)
+    console.shot("dump-block")
     console.open("/console/dumps")
     assert failed_id in console.text()
     console.shot("dumps")
