@@ -41,6 +41,7 @@ MAX_FORM_BYTES = 16 * 1024
 DAY = 86400.0
 # The login form takes this many tries a minute, from everyone together.
 LOGINS_PER_MINUTE = 30
+SESSION_ROWS = 1000  # the most exchanges one session's page lists
 HEADERS = {
     "Content-Security-Policy": "default-src 'self'; script-src 'none'; object-src 'none'; "
                                "base-uri 'none'; form-action 'self'; frame-ancestors 'none'",
@@ -309,8 +310,9 @@ class Console:
 
     async def session(self, request: web.Request) -> web.Response:
         key = request.query.get("id") or ""
-        rows = await self.state.rows(since=time.time() - 7 * DAY, where={"session": key},
-                                     limit=1000)
+        # Its latest exchanges, shown in their order.
+        rows = (await self.state.rows(since=time.time() - 7 * DAY, where={"session": key},
+                                      limit=SESSION_ROWS, newest_first=True))[::-1]
         return self.page(request, "Session", pages.session(key, rows), "sessions")
 
     async def exchanges(self, request: web.Request) -> web.Response:
