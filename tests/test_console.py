@@ -48,7 +48,8 @@ def csrf_of(html: str) -> str:
 
 
 @pytest.fixture
-async def relay(aiohttp_client, aiohttp_server, tmp_path):
+async def served(aiohttp_client, aiohttp_server, tmp_path):
+    """A relay in process with the console on (not ``relay``: that is the subprocess one)."""
     client = await console(aiohttp_client, aiohttp_server, tmp_path)
     yield client
     await client.close()
@@ -77,67 +78,67 @@ async def test_off_unless_configured(aiohttp_client, aiohttp_server, tmp_path):
         await client.chain.shutdown(client.config)
 
 
-async def test_pages_wait_behind_the_login_form(relay):
+async def test_pages_wait_behind_the_login_form(served):
     for path in ("/console", "/console/keys", "/console/sessions", "/console/exchanges",
                  "/console/dumps", "/console/backends", "/console/exchange?id=x"):
-        resp = await relay.get(path, allow_redirects=False)
+        resp = await served.get(path, allow_redirects=False)
         assert resp.status == 303 and resp.headers["Location"] == "/console/login", path
     # The key in a header opens nothing: only the session cookie does.
-    resp = await relay.get("/console", headers={"x-api-key": ADMIN}, allow_redirects=False)
+    resp = await served.get("/console", headers={"x-api-key": ADMIN}, allow_redirects=False)
     assert resp.status == 303
 
 
-async def test_the_admin_key_logs_in_with_a_strict_httponly_cookie(relay):
-    resp = await log_in(relay)
+async def test_the_admin_key_logs_in_with_a_strict_httponly_cookie(served):
+    resp = await log_in(served)
     assert resp.status == 303 and resp.headers["Location"] == "/console"
     cookie = next(value for value in resp.headers.getall("Set-Cookie")
                   if value.startswith(auth.COOKIE + "="))
     assert "HttpOnly" in cookie and "SameSite=Strict" in cookie and "Path=/console" in cookie
     assert ADMIN not in cookie
-    page = await relay.get("/console")
+    page = await served.get("/console")
     assert page.status == 200 and "<h1>Overview</h1>" in await page.text()
     assert ADMIN not in str(page.url)
 
 
-async def test_a_client_key_cannot_log_in(relay):
-    resp = await log_in(relay, CLIENT)
+async def test_a_client_key_cannot_log_in(served):
+    resp = await log_in(served, CLIENT)
     assert resp.status == 401
     assert "relay key" in await resp.text()
-    assert auth.COOKIE not in {c.key for c in relay.session.cookie_jar}
-    assert (await relay.get("/console", allow_redirects=False)).status == 303
+    assert auth.COOKIE not in {c.key for c in served.session.cookie_jar}
+    assert (await served.get("/console", allow_redirects=False)).status == 303
 
 
-async def test_every_answer_carries_a_strict_policy(relay):
-    await log_in(relay)
+async def test_every_answer_carries_a_strict_policy(served):
+    await log_in(served)
     for path in ("/console/login", "/console", "/console/static/console.css", "/console/nope"):
-        resp = await relay.get(path)
+        resp = await served.get(path)
         policy = resp.headers["Content-Security-Policy"]
         assert "default-src 'self'" in policy and "script-src 'none'" in policy, path
         assert "frame-ancestors 'none'" in policy and resp.headers["X-Frame-Options"] == "DENY"
         assert resp.headers["Cache-Control"] == "no-store"
 
 
-async def test_an_action_without_the_csrf_token_is_refused(relay):
-    await log_in(relay)
-    resp = await relay.post("/console/logout", data={}, allow_redirects=False)
+async def test_an_action_without_the_csrf_token_is_refused(served):
+    await log_in(served)
+    resp = await served.post("/console/logout", data={}, allow_redirects=False)
     assert resp.status == 403 and "CSRF" in await resp.text()
-    resp = await relay.post("/console/logout", data={"csrf": "0" * 32}, allow_redirects=False)
+    resp = await served.post("/console/logout", data={"csrf": "0" * 32}, allow_redirects=False)
     assert resp.status == 403
     # From another site, even with this session's token.
-    token = csrf_of(await (await relay.get("/console")).text())
+    token = csrf_of(await (await served.get("/console")).text())
     for origin in ("http://evil.example", "null"):
-        resp = await relay.post("/console/logout", data={"csrf": token},
+        resp = await served.post("/console/logout", data={"csrf": token},
                                 headers={"Origin": origin}, allow_redirects=False)
-        assert resp.status == 403 and (await relay.get("/console")).status == 200
+        assert resp.status == 403 and (await served.get("/console")).status == 200
 
 
-async def test_logging_out_ends_the_session_for_every_copy_of_the_cookie(relay):
-    await log_in(relay)
-    cookie = next(c.value for c in relay.session.cookie_jar if c.key == auth.COOKIE)
-    token = csrf_of(await (await relay.get("/console")).text())
-    resp = await relay.post("/console/logout", data={"csrf": token}, allow_redirects=False)
+async def test_logging_out_ends_the_session_for_every_copy_of_the_cookie(served):
+    await log_in(served)
+    cookie = next(c.value for c in served.session.cookie_jar if c.key == auth.COOKIE)
+    token = csrf_of(await (await served.get("/console")).text())
+    resp = await served.post("/console/logout", data={"csrf": token}, allow_redirects=False)
     assert resp.status == 303 and resp.headers["Location"] == "/console/login"
-    resp = await relay.get("/console", headers={"Cookie": f"{auth.COOKIE}={cookie}"},
+    resp = await served.get("/console", headers={"Cookie": f"{auth.COOKIE}={cookie}"},
                            allow_redirects=False)
     assert resp.status == 303
 
@@ -167,41 +168,41 @@ async def until_status(client, key: str, wanted: int, timeout: float = 5.0) -> N
         await asyncio.sleep(0.1)
 
 
-async def test_keys_are_made_limited_and_revoked_by_the_key_stores_own_operations(relay):
-    await log_in(relay)
-    page = await (await relay.get("/console/keys")).text()
+async def test_keys_are_made_limited_and_revoked_by_the_key_stores_own_operations(served):
+    await log_in(served)
+    page = await (await served.get("/console/keys")).text()
     assert "team-a" in page and "configured in relay.yaml" in page
-    made = await relay.post("/console/keys/create", data={
+    made = await served.post("/console/keys/create", data={
         "csrf": csrf_of(page), "name": "team-new",
         "limits": '{"requests_per_minute": 100, "budget": {"usd": 5, "per": "day"}}'})
     shown = await made.text()
     secret = re.search(r'id="new-secret">([^<]+)<', shown).group(1)
     assert made.status == 200 and secret.startswith("sk-relay-")
     # Shown once: the listing never holds it again.
-    assert secret not in await (await relay.get("/console/keys")).text()
-    await until_status(relay, secret, 200)
-    page = await (await relay.get("/console/keys")).text()
+    assert secret not in await (await served.get("/console/keys")).text()
+    await until_status(served, secret, 200)
+    page = await (await served.get("/console/keys")).text()
     assert "requests per minute: 1 / 100" in page and "budget (USD)" in page
     assert 'class="meter"' in page
 
-    refused = await relay.post("/console/keys/create", data={
+    refused = await served.post("/console/keys/create", data={
         "csrf": csrf_of(page), "name": "team-new"})
     assert refused.status == 400 and "exists" in await refused.text()
-    bad = await relay.post("/console/keys/limits", data={
+    bad = await served.post("/console/keys/limits", data={
         "csrf": csrf_of(page), "name": "team-new", "limits": '{"requests_per_minute": -1}'})
     assert bad.status == 400 and "Limits not changed" in await bad.text()
-    changed = await relay.post("/console/keys/limits", data={
+    changed = await served.post("/console/keys/limits", data={
         "csrf": csrf_of(page), "name": "team-new", "limits": '{"requests_per_minute": 1}'},
         allow_redirects=False)
     assert changed.status == 303
-    await until_status(relay, secret, 429)
+    await until_status(served, secret, 429)
 
-    revoked = await relay.post("/console/keys/revoke", data={
+    revoked = await served.post("/console/keys/revoke", data={
         "csrf": csrf_of(page), "name": "team-new"}, allow_redirects=False)
     assert revoked.status == 303 and revoked.headers["Location"] == "/console/keys"
-    await until_status(relay, secret, 401)
-    assert await status_with(relay, CLIENT) == 200
-    assert "revoked" in await (await relay.get("/console/keys")).text()
+    await until_status(served, secret, 401)
+    assert await status_with(served, CLIENT) == 200
+    assert "revoked" in await (await served.get("/console/keys")).text()
 
 
 async def test_the_backends_page_shows_each_pooled_credentials_health(aiohttp_client,
@@ -243,9 +244,9 @@ def row(n: int, now: float, **fields) -> dict:
     return base
 
 
-async def test_the_pages_read_the_ledger(relay):
+async def test_the_pages_read_the_ledger(served):
     now = time.time()
-    await relay.chain.state.record([
+    await served.chain.state.record([
         row(1, now, timeline=[{"t": now, "step": "dedup", "action": "rewrote",
                                "direction": "to_upstream", "ids": [["toolu_1", "toolu_1_r"]]}],
             repairs=1, session="sess-rewrite"),
@@ -253,69 +254,69 @@ async def test_the_pages_read_the_ledger(relay):
         row(3, now, cache={"status": "miss", "cause": "system_changed", "where": "system"},
             session="sess-rewrite"),
     ])
-    await log_in(relay)
-    overview = await (await relay.get("/console")).text()
+    await log_in(served)
+    overview = await (await served.get("/console")).text()
     assert 'data-metric="requests-hour">3<' in overview
     assert 'data-metric="errors-hour">1<' in overview
     assert 'data-metric="repairs-hour">2<' in overview  # a repair and an id rewrite
-    sessions = await (await relay.get("/console/sessions")).text()
+    sessions = await (await served.get("/console/sessions")).text()
     assert "system_changed" in sessions and "sess-rewrite"[:16] in sessions
-    page = await (await relay.get("/console/session?id=sess-rewrite")).text()
+    page = await (await served.get("/console/session?id=sess-rewrite")).text()
     assert all(f"req_00000{n}" in page for n in (1, 2, 3))
-    listed = await (await relay.get("/console/exchanges?outcome=rejected")).text()
+    listed = await (await served.get("/console/exchanges?outcome=rejected")).text()
     assert "req_000002" in listed and "req_000001" not in listed
-    one = await (await relay.get("/console/exchange?id=req_000001")).text()
+    one = await (await served.get("/console/exchange?id=req_000001")).text()
     assert "<svg class=\"sequence\"" in one and "rewrote" in one and "toolu_1_r" in one
 
 
-async def test_a_look_again_reads_only_what_is_new_and_sees_it(relay, monkeypatch):
+async def test_a_look_again_reads_only_what_is_new_and_sees_it(served, monkeypatch):
     from relay.console import Recent
     now = time.time()
-    await relay.chain.state.record([row(n, now) for n in reversed(range(5))])
-    await log_in(relay)
-    assert 'data-metric="requests-hour">5<' in await (await relay.get("/console")).text()
+    await served.chain.state.record([row(n, now) for n in reversed(range(5))])
+    await log_in(served)
+    assert 'data-metric="requests-hour">5<' in await (await served.get("/console")).text()
     reads = []
-    rows = relay.chain.state.rows
+    rows = served.chain.state.rows
 
     async def counted(**kwargs):
         reads.append(kwargs)
         return await rows(**kwargs)
 
-    monkeypatch.setattr(relay.chain.state, "rows", counted)
+    monkeypatch.setattr(served.chain.state, "rows", counted)
     monkeypatch.setattr(Recent, "FRESH", 0.0)
-    await relay.chain.state.record([row(0, time.time(), id="req_new")])
-    assert 'data-metric="requests-hour">6<' in await (await relay.get("/console")).text()
+    await served.chain.state.record([row(0, time.time(), id="req_new")])
+    assert 'data-metric="requests-hour">6<' in await (await served.get("/console")).text()
     [read] = reads
     assert read["since"] >= now - Recent.MARGIN - 1  # not the whole day again
 
 
-async def test_exchanges_are_paginated(relay):
+async def test_exchanges_are_paginated(served):
     now = time.time()
-    await relay.chain.state.record([row(n, now) for n in reversed(range(120))])  # oldest first
-    await log_in(relay)
-    first = await (await relay.get("/console/exchanges")).text()
+    await served.chain.state.record([row(n, now) for n in reversed(range(120))])  # oldest first
+    await log_in(served)
+    first = await (await served.get("/console/exchanges")).text()
     assert first.count('href="/console/exchange?id=') == 50
     older = re.search(r'href="(/console/exchanges\?before=[^"]+)"', first).group(1)
-    second = await (await relay.get(older.replace("&amp;", "&"))).text()
+    second = await (await served.get(older.replace("&amp;", "&"))).text()
     ids = re.findall(r"req_\d{6}", second)
     assert "req_000050" in ids and "req_000049" not in ids, (older, ids[:5])
 
 
-async def test_an_upstream_400_leaves_a_dump_the_console_draws_and_replays(relay):
+async def test_an_upstream_400_leaves_a_dump_the_console_draws_and_replays(served):
     # A tool_result whose call is nowhere: the emulator refuses it as the API does, naming
     # the block; without pairing in the pipeline, the relay forwards it.
     body = request(user(text("go")), assistant(text("sure")),
                    user(text("see"), result("toolu_missing")))
-    resp = await relay.post("/v1/messages", json=body, headers={"x-api-key": CLIENT})
+    resp = await served.post("/v1/messages", json=body, headers={"x-api-key": CLIENT})
     assert resp.status == 400
-    await log_in(relay)
+    await log_in(served)
     for _ in range(100):
-        listed = await (await relay.get("/console/dumps")).text()
+        listed = await (await served.get("/console/dumps")).text()
         if "/console/dump?name=" in listed:
             break
         await asyncio.sleep(0.05)
     name = re.search(r'href="/console/dump\?name=([^"]+)"', listed).group(1)
-    page = await (await relay.get(f"/console/dump?name={name}")).text()
+    page = await (await served.get(f"/console/dump?name={name}")).text()
     assert 'class="block offending" id="offending"' in page
     assert "messages.2.content.1" in page and "toolu_missing" in page
     assert "identical to the dumped one" in page
@@ -330,22 +331,22 @@ def test_a_dump_written_after_midnight_is_found_under_the_next_day(tmp_path):
     assert record.read_dump(str(tmp_path), "2026-01-01/000000.000001-req_1.json") == written
 
 
-async def test_a_dump_name_is_never_a_path(relay):
-    await log_in(relay)
+async def test_a_dump_name_is_never_a_path(served):
+    await log_in(served)
     for name in ("../../etc/passwd", "2026-01-01/../../x.json", "/etc/passwd"):
-        page = await (await relay.get("/console/dump", params={"name": name})).text()
+        page = await (await served.get("/console/dump", params={"name": name})).text()
         assert "not a dump" in page
 
 
-async def test_pages_and_assets_weigh_at_most_300_kb(relay):
+async def test_pages_and_assets_weigh_at_most_300_kb(served):
     now = time.time()
-    await relay.chain.state.record([row(n, now) for n in reversed(range(2000))])
-    await log_in(relay)
+    await served.chain.state.record([row(n, now) for n in reversed(range(2000))])
+    await log_in(served)
     total = 0
     for path in ("/console", "/console/keys", "/console/sessions", "/console/exchanges",
                  "/console/exchange?id=req_000001", "/console/dumps", "/console/backends",
                  "/console/static/console.css", "/console/login"):
-        total += len(await (await relay.get(path)).read())
+        total += len(await (await served.get(path)).read())
     assert total <= 300 * 1024, total
 
 
