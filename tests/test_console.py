@@ -361,3 +361,15 @@ def test_the_console_benchmark_runs():
     # Its figures are not judged here (1 is a page over its limit): only that it runs.
     assert run.returncode in (0, 1) and "Traceback" not in run.stderr, run.stderr[-3000:]
     assert "all pages and assets" in run.stdout and "/console/dump?name=" in run.stdout
+
+
+def test_the_replay_side_by_side_marks_what_differs_and_cuts_long_equal_runs():
+    from relay.console import pages
+    before = "\n".join(f"line {n}" for n in range(200))
+    after = before.replace("line 100", "line one hundred")
+    drawn = pages.side_by_side(before, after)
+    assert '<span class="del">line 100</span>' in drawn
+    assert '<span class="add">line one hundred</span>' in drawn
+    assert "equal lines" in drawn and "line 50\n" not in drawn  # far from the change: cut
+    assert "line 95\n" in drawn  # its context kept
+    assert pages.side_by_side("<b>", "<b>").count("&lt;b&gt;") == 2  # escaped
