@@ -128,9 +128,11 @@ e2e: $(VENV)/.installed $(CLAUDE) $(JS_CLIENTS_STAMP) $(HAPROXY) $(REDIS)
 bench: $(VENV)/.installed
 	$(PY) tests/bench/run.py
 
-# Loopback only, bounded, stops by itself (about four minutes); not part of `make test`.
-load: $(VENV)/.installed
+# Loopback only, bounded, stops by itself (about 35 minutes: the soak over SQLite, then over
+# Redis); not part of `make test`.
+load: $(VENV)/.installed $(REDIS)
 	$(PY) tests/load/run.py
+	$(PY) tests/load/run.py --only soak --state redis --out-dir .load/redis
 
 # The docs site (mkdocs.yml), built strictly: a broken link or a generated part that fails
 # stops the build. Into .site/, never committed.
@@ -139,6 +141,18 @@ docs: $(VENV)/.installed
 
 demo: $(VENV)/.installed
 	$(PY) -m relay.demo
+
+PROMETHEUS := /usr/bin/prometheus
+# Prometheus, for the Grafana dashboard's test (every query run against a real scrape of a
+# relay): Debian's package. The test starts its own on loopback; the service is not used.
+$(PROMETHEUS):
+	@command -v apt-get >/dev/null || { echo "Prometheus is required for the dashboard test: install it (Debian/Ubuntu: apt-get install prometheus)" >&2; exit 1; }
+	@echo "installing prometheus from Debian's packages"
+	@apt-get update -qq >/dev/null
+	@DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+	@$(PROMETHEUS) --version | head -1
+
+test unit: $(PROMETHEUS)
 
 # Never dumps: they are an operator's record of failures, not build output.
 clean:

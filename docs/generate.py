@@ -19,8 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 MARKER = re.compile(r"^<!-- generated: ([a-z_]+) -->$", re.MULTILINE)
 # Built-in plugins in the shipped pipeline's order; each is documented by its module
 # docstring and its declared options.
-BUILTINS = ("limits", "usage", "metrics", "cache", "dedup", "pairing", "ordering", "portable",
-            "dump")
+BUILTINS = ("limits", "usage", "metrics", "cache", "dedup", "pairing", "ordering",
+            "portable", "dump")
 
 _ROLE = re.compile(r":(?:class|func|meth|mod|attr|data|exc):`~?([^`]+)`")
 
@@ -153,6 +153,14 @@ def server_options() -> str:
     return "\n".join(parts)
 
 
+def telemetry_options() -> str:
+    """relay.yaml's ``telemetry:`` section, from its declarations."""
+    from relay import telemetry
+    from relay.options import markdown_table
+
+    return markdown_table(telemetry.OPTIONS, quirks=False)
+
+
 def _plugin(name: str):
     """A built-in as the entry point loads it: its module, or the class in it that declares
     the options."""
@@ -193,7 +201,8 @@ def rules() -> str:
 
 
 PARTS = {"hookspecs": hookspecs, "exchange": exchange, "options": options,
-         "server_options": server_options, "plugins": plugins, "rules": rules}
+         "server_options": server_options, "plugins": plugins, "rules": rules,
+         "telemetry_options": telemetry_options}
 
 
 def on_page_markdown(markdown_text: str, page, config, files) -> str:

@@ -14,13 +14,13 @@ from .chain import Chain, load_plugins
 from .errors import ConfigError
 from .state import warn_if_per_process
 
-COMMANDS = ("serve", "emulate", "validate", "replay", "keys", "backends", "usage")
+COMMANDS = ("serve", "emulate", "validate", "replay", "usage", "keys", "backends")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="relay", usage="relay [serve] [--config relay.yaml] [--host H] [--port P]\n"
-                            "       relay {emulate,validate,replay,keys,backends,usage} ...",
+                            "       relay {emulate,validate,replay,usage,keys,backends} ...",
         description="A relay for Anthropic's Messages API that repairs tool-use faults on the "
                     "way through.",
         epilog="Without a command, relay serves: --config names relay.yaml (default: "
@@ -44,6 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
     replay_parser = commands.add_parser("replay", help="rebuild a dumped exchange and compare")
     replay.add_arguments(replay_parser)
 
+    from . import usage
+    usage_parser = commands.add_parser("usage", help="what each key used and cost, from the "
+                                                     "ledger")
+    usage.add_arguments(usage_parser)
+
     from . import keys
     keys_parser = commands.add_parser(
         "keys", help="make, list, change and revoke the relay's own keys while it serves")
@@ -51,10 +56,6 @@ def build_parser() -> argparse.ArgumentParser:
     from . import pools
     pools.add_arguments(commands.add_parser(
         "backends", help="each pooled upstream credential's state (healthy, cooling, out)"))
-    from . import usage
-    usage_parser = commands.add_parser("usage", help="what each key used and cost, from the "
-                                                     "ledger")
-    usage.add_arguments(usage_parser)
     return parser
 
 
@@ -87,15 +88,15 @@ def main(argv: list[str] | None = None) -> int:
         return emulators[args.format].main(args)
     if args.command == "validate":
         return validate.main(args)
+    if args.command == "usage":
+        from . import usage
+        return usage.main(args)
     if args.command == "keys":
         from . import keys
         return keys.main(args)
     if args.command == "backends":
         from . import pools
         return pools.main(args)
-    if args.command == "usage":
-        from . import usage
-        return usage.main(args)
     from . import replay
     return replay.main(args)
 

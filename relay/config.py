@@ -20,6 +20,7 @@ from .limits import Limits, check_limits, effective
 from .options import Option, check_section, unknown
 from .redact import secrets_of
 from .state import OPTIONS as STATE_OPTIONS
+from .telemetry import OPTIONS as TELEMETRY_OPTIONS
 
 # Quirks the host itself reads (the wire formats', the beta filter's), beside those
 # plugins declare.
@@ -350,6 +351,8 @@ class Config:
     console: bool = SERVER["console"].default
     # The checked ``state:`` section (relay.state.OPTIONS): where shared state lives.
     state: dict = field(default_factory=dict)
+    # The checked ``telemetry:`` section (relay.telemetry.OPTIONS): traces, off by default.
+    telemetry: dict = field(default_factory=dict)
     source: str | None = None
     _routes: dict = field(default_factory=dict, repr=False, compare=False)
     _routes_bytes: int = field(default=0, repr=False, compare=False)
@@ -419,10 +422,12 @@ def parse(raw, env=os.environ, require_keys: bool = True) -> Config:
     whose ``api_key_env`` variable is unset then simply has no key.
     """
     _expect(raw, dict, "(top level)", "a mapping")
-    _unknown(raw, {"server", "pipeline", "plugins", "backends", "state"}, "")
+    _unknown(raw, {"server", "pipeline", "plugins", "backends", "state", "telemetry"}, "")
     config = Config(backends=[])
     state = _expect(raw.get("state", {}) or {}, dict, "state", "a mapping")
     config.state = check_section(state, STATE_OPTIONS, "state", "key")
+    telemetry = _expect(raw.get("telemetry", {}) or {}, dict, "telemetry", "a mapping")
+    config.telemetry = check_section(telemetry, TELEMETRY_OPTIONS, "telemetry", "key")
 
     server = _expect(raw.get("server", {}) or {}, dict, "server", "a mapping")
     values = check_section(server, SERVER_OPTIONS, "server", "key")

@@ -176,6 +176,9 @@ class Attempt:
     """Why it could not be reached (``pool full`` when the relay's own pool was)."""
     seconds: float = 0.0
     """From sending to the upstream's headers (or the failure)."""
+    sent: float = 0.0
+    """When it was sent, in seconds after the request was received (the exchange's clock):
+    where a trace's attempt span begins."""
     waited: float = 0.0
     """The backoff slept before this attempt."""
     credential: str | None = None
@@ -259,6 +262,9 @@ class Exchange:
     uncertain: tuple[Uncertainty, ...] = ()
     stream_failure: StreamFailure | None = None
     dump_path: str | None = None  # the dump written for it (the dump plugin's)
+    # What the answer reported it used and what that cost (a relay.usage.Usage), set by the
+    # usage plugin as soon as it is known; None without that plugin, or before an answer.
+    usage: Any = None
     # The inbound key (a relay.config.InboundKey) the client authenticated with, when auth is
     # on: its limits are the limits plugin's.
     key: Any = None
@@ -271,9 +277,6 @@ class Exchange:
     # The name of the backend credential the last attempt went with (relay.pools); None
     # for a backend with one key or none.
     credential: str | None = None
-    # What the answer reported it used and what that cost (a relay.usage.Usage), set by the
-    # usage plugin as soon as it is known; None without that plugin, or before an answer.
-    usage: Any = None
     # The prompt cache's outcome for this request (the cache plugin's, plugins/cache.py):
     # None, or ``{"status": "hit" | "write" | "none" | "miss", "cause", "where", "by", ...}``.
     cache: dict | None = None
@@ -417,6 +420,21 @@ class Exchange:
             return self._skeleton.field(name)
         body = self.body
         return body.get(name) if type(body) is dict else None
+
+    def set_field(self, name: str, value) -> None:
+        """Set a top-level field of the request (call :meth:`mark_changed` too); ``value``
+        may be a :class:`msgspec.Raw`, JSON text sent as it is."""
+        if self._body is None and self._skeleton is not None:
+            self._skeleton.set_field(name, value)
+        elif type(self.body) is dict:
+            self.body[name] = skeleton.value(value)
+
+    def drop_field(self, name: str) -> None:
+        """Remove a top-level field from the request (call :meth:`mark_changed` too)."""
+        if self._body is None and self._skeleton is not None:
+            self._skeleton.drop_field(name)
+        elif type(self.body) is dict:
+            self.body.pop(name, None)
 
     def other_fields(self):
         """The names of the request's top-level fields outside

@@ -113,8 +113,6 @@ def usage_fields(used) -> dict:
     if not used.complete:
         fields["usage_complete"] = False
     return fields
-
-
 def _cache(cache: dict | None) -> str | None:
     """The prompt cache's verdict (the cache plugin's ``exchange.cache``) as the header
     ``x-relay-cache`` words it: ``hit``, ``write``, ``none``, ``miss; cause=...``."""

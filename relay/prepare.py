@@ -33,7 +33,10 @@ class Preparation:
     def __init__(self, config: Config, chain: Chain):
         self.config = config
         self.chain = chain
-        self.threads = threads.Store()
+        state = chain.state
+        # Shared with the other workers and replicas when the host's state is.
+        self.threads = threads.Store(
+            shared=state if state is not None and state.kind != "memory" else None)
 
 
 def parse_request(raw: bytes) -> Skeleton | dict:
@@ -104,7 +107,7 @@ async def prepare_exchange(state: Preparation, *, method: str, path: str, query:
         exchange.set_model(target)
         exchange.note("relay", "renamed model", model=model, upstream_model=target)
     try:
-        prepare_history(state, exchange)
+        await prepare_history(state, exchange)
         await state.chain.run("relay_request", exchange)
         threads.restore_held_ids(exchange)
         if backend.credentials:
@@ -119,24 +122,24 @@ async def prepare_exchange(state: Preparation, *, method: str, path: str, query:
             log.exception("%s: the changed request could not be encoded", exchange.id)
             raise
     except RelayError as error:
-        raise refused(error) from None
+        raise refused(threads.carried_error(error, exchange.thread)) from None
     except Exception as e:  # logged by the chain with the plugin's name, or above
         raise refused(RelayError(500, "the relay failed while preparing this request",
                                  "api_error")) from e
     return exchange
 
 
-def prepare_history(state: Preparation, exchange: Exchange) -> None:
+async def prepare_history(state: Preparation, exchange: Exchange) -> None:
     """What the history rules must know before they run: the betas and fields they defer to
     the upstream for (:mod:`relay.betas`), and the server-held thread the request belongs
-    to (:mod:`relay.threads`; a backend that holds none refuses it here)."""
+    to (:mod:`relay.threads`: forwarded, carried, or refused the API's way)."""
     deferring = betas.deferring(exchange.client_headers, exchange.other_fields())
     if deferring:
         exchange.rules_defer = deferring
         exchange.note("relay", "history rules defer", reasons=betas.described(deferring))
         exchange.flag("history-rules-deferred")
     if exchange.endpoint == "messages":
-        threads.prepare(state.threads, exchange)
+        await threads.prepare(state.threads, exchange)
 
 
 class Fallbacks:

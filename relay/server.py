@@ -13,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import signal
+from typing import TYPE_CHECKING
 
 import aiohttp
 import orjson
@@ -45,12 +47,17 @@ from .upstream import Unreachable, Upstream, UpstreamTooLarge, answer_headers, r
 
 log = logging.getLogger("relay")
 
+if TYPE_CHECKING:
+    from .otel import Traces
+
 class RelayState(Preparation):
     """What the server needs for every request, built once at start-up: what preparing one
     needs, the inbound gate and the upstream seam."""
 
     def __init__(self, config, chain: Chain):
         super().__init__(config, chain)
+        # While the app runs, when traces are configured (relay.telemetry).
+        self.traces: Traces | None = None
         self.gate = Gate(config.keys) if config.keys is not None else None
         # With auth on, what a client presents is a relay key: it never goes upstream.
         self.upstream = Upstream(config, strip_client_auth=self.gate is not None,
@@ -206,6 +213,12 @@ class Relay:
         self.state.upstream.pools.release(exchange)
         log_exchange(exchange, exchange.answer.status if exchange.answer else None)
         await self.state.chain.end(exchange)
+        traces = self.state.traces
+        if traces is not None:  # after the end hooks: the record is complete
+            try:
+                traces.record(exchange)
+            except Exception:
+                log.exception("%s: the exchange could not be made a trace", exchange.id)
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
         state = self.state
@@ -393,10 +406,28 @@ def create_app(config, chain: Chain) -> web.Application:
         yield
         await state.upstream.close()
 
+    # Before the upstream's session, so that traces are exported after it has closed.
+    app.cleanup_ctx.append(traces_context)
     app.cleanup_ctx.append(session_context)
     if state.gate is not None and chain.state is not None:
         app.cleanup_ctx.append(keys.watching(state.gate, chain.state, config.default_limits))
     return app
+
+
+async def traces_context(app):
+    """Traces (relay.yaml's ``telemetry:``) for as long as the app serves, when configured:
+    started in the serving process itself (each worker its own, after the fork); at the end,
+    what is queued is exported off the loop."""
+    from .telemetry import configured, start
+
+    state = app[STATE]
+    if not configured(state.config.telemetry):
+        yield
+        return
+    state.traces = start(state.config.telemetry, os.environ)
+    yield
+    traces, state.traces = state.traces, None
+    await asyncio.get_running_loop().run_in_executor(None, traces.close)
 
 
 async def serve(config, chain: Chain, host: str, port: int, worker=None) -> int:

@@ -279,6 +279,7 @@ class Upstream:
                               credential=credential.name if credential is not None else None)
             exchange.attempts.append(attempt)
             sent = time.perf_counter()
+            attempt.sent = exchange.elapsed()
             failure: BaseException | None = None
             answer: aiohttp.ClientResponse | None = None
             try:

@@ -156,6 +156,7 @@ def test_redis_stopped_mid_run_with_on_unavailable_closed_refuses_cleanly(
         time.sleep(0.2)
 
 
+@pytest.mark.e2e  # the anthropic SDK drives the session
 @pytest.mark.parametrize("url", ["redis", ""], ids=["shared-in-redis", "in-each-replica"])
 def test_a_session_crossing_backends_through_both_replicas_keeps_its_thinking_valid(
         emulator, redis_server, tmp_path, url):

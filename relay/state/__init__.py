@@ -27,8 +27,9 @@ and send them with the next call (or within milliseconds), so they cost a reques
 nothing; a process always reads its own writes.
 
 **When the backend cannot be reached** a method raises :class:`Unavailable` after at most
-``timeout`` seconds (and, right after a failure, at once: no request waits for a store that
-is out), the backend counts it in :attr:`State.unavailable_count` (the metrics plugin's
+``timeout`` seconds (:meth:`State.rows`, an operator's read that no request waits for, gets
+ten; and right after a failure every method raises at once: no request waits for a store
+that is out), the backend counts it in :attr:`State.unavailable_count` (the metrics plugin's
 ``relay_state_unavailable_total``) and logs a warning at most once a minute. What the caller
 then does is ``State.on_unavailable``, the operator's choice:
 

@@ -57,7 +57,10 @@ CLOSE_SECONDS = 2.0
 GRACE_SECONDS = 5
 
 # One script for every change, so that a request's writes and its take are one command:
-# first what was queued (counter adds, slot releases, ledger rows), then the take.
+# first what was queued (counter adds, slot releases, ledger rows), then the take. Redis runs
+# a script atomically, nothing else meanwhile (https://redis.io/topics/eval-intro): the check
+# and the take cannot interleave with another replica's. The script cache does not survive a
+# restart: a NOSCRIPT reply loads it again.
 # The adds go in batches, each applied once: a batch sent again after a round trip that
 # failed without saying whether it ran is recognised by its id (kept BATCH_SECONDS), so that
 # a Redis blip never inflates a counter.

@@ -7,13 +7,15 @@ across every process that opens the file: two workers can never both see the las
 unit of a counter.
 
 The event loop never waits for SQLite. Every statement runs in one thread of this state's
-own (:class:`_Worker`), which takes whatever queued meanwhile into one transaction: under
-load, many requests' takes share one commit. What needs no answer (:meth:`add`,
+own (``SQLiteState._work``), which takes whatever queued meanwhile into one transaction:
+under load, many requests' takes share one commit. What needs no answer (:meth:`add`,
 :meth:`release`, :meth:`record`) is only queued; the next transaction carries it, within
 ``LINGER`` seconds when nothing else wakes the thread, and before any later call of the same
 process, so a process always reads its own writes. A call that gets no answer within
-``timeout`` raises :class:`~relay.state.Unavailable`; if the thread still grants it later,
-the take is undone (its slots released, its amounts taken back).
+``timeout`` raises :class:`~relay.state.Unavailable` (and for ``DOWN_SECONDS`` after a
+failure every call does so at once); if the thread still grants it later, the take is undone
+(its slots released, its amounts taken back). The ledger is read (:meth:`rows`) on another
+thread, bounded by ``ROWS_SECONDS``: no request waits for it.
 
 Bounded on disk: counters are deleted once their window ends, slots when their lease runs
 out, key-value entries at their expiry, ledger rows after ``retention_days``, in a sweep

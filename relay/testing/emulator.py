@@ -139,10 +139,10 @@ class EmulatorOptions:
     delay_ms: int = 0
     record: bool = True
     threads: str = "ignore"
+    usage: str | None = None
     key_budget: int | None = None
     key_window: float = 60.0
     revoked_keys: tuple[str, ...] = ()
-    usage: str | None = None
     prompt_cache: bool = False
     diagnostics: bool = True
 
