@@ -10,6 +10,11 @@ JS_CLIENTS := ai@6.0.325 @ai-sdk/anthropic@3.0.140 @anthropic-ai/sdk@1.14.0 zod@
 # Named after the pins, so that changing one installs again.
 JS_CLIENTS_STAMP := .e2e/.js-clients-$(shell echo '$(JS_CLIENTS)' | cksum | cut -d' ' -f1)
 HAPROXY := /usr/sbin/haproxy
+# Debian's Chromium and its driver, for the console's browser tests (Selenium drives them),
+# and axe-core, the accessibility checker those tests run on each page, pinned.
+CHROMEDRIVER := /usr/bin/chromedriver
+AXE_CORE_VERSION := 4.14.1
+AXE := .axe/node_modules/axe-core/axe.min.js
 REDIS := /usr/bin/redis-server
 PYTEST_ARGS ?=
 # The tiers (setup.cfg's markers): the fast one starts no process (tests/conftest.py refuses
@@ -47,6 +52,21 @@ $(HAPROXY):
 	@DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends haproxy >/dev/null
 	@$(HAPROXY) -v | head -1
 
+# Chromium and chromedriver for the console's browser tests: Debian's packages, the same
+# build, so that the driver always matches the browser (tests/test_console_browser.py).
+$(CHROMEDRIVER):
+	@command -v apt-get >/dev/null || { echo "Chromium is required for the console's browser tests: install it (Debian/Ubuntu: apt-get install chromium chromium-driver)" >&2; exit 1; }
+	@echo "installing chromium and chromium-driver from Debian's packages"
+	@apt-get update -qq >/dev/null
+	@DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium chromium-driver >/dev/null
+	@$(CHROMEDRIVER) --version | head -1
+
+# In a prefix of its own: .e2e is the Claude Code install's.
+$(AXE):
+	@command -v npm >/dev/null || { echo "npm is required for the console's accessibility check: install Node.js 18+ and npm" >&2; exit 1; }
+	mkdir -p .axe
+	npm install --silent --no-audit --no-fund --save-exact --prefix .axe axe-core@$(AXE_CORE_VERSION)
+
 # redis-server, for the shared state's tests (each starts its own on loopback): Debian's package.
 $(REDIS):
 	@command -v apt-get >/dev/null || { echo "redis-server is required for the shared-state tests: install it (Debian/Ubuntu: apt-get install redis-server)" >&2; exit 1; }
@@ -73,7 +93,7 @@ check: $(VENV)/.installed
 	$(PY) -m pytest -q $(FAST_TIER) $(PYTEST_ARGS)
 
 # `make check` first; then the tiers it leaves out, so no test runs twice.
-test: $(VENV)/.installed check $(CLAUDE) $(JS_CLIENTS_STAMP) $(HAPROXY) $(REDIS)
+test: $(VENV)/.installed check $(CLAUDE) $(JS_CLIENTS_STAMP) $(HAPROXY) $(REDIS) $(CHROMEDRIVER) $(AXE)
 	RELAY_CLAUDE=$(abspath $(CLAUDE)) $(PY) -m pytest $(SLOW_TIER) $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-example test-min docs
 
@@ -99,7 +119,7 @@ test-min: $(MIN_VENV)/.installed
 		tests/test_security.py tests/test_upstream.py tests/test_hooks.py tests/test_skeleton.py \
 		tests/test_sse.py tests/test_options.py
 
-unit: $(VENV)/.installed $(HAPROXY) $(REDIS)
+unit: $(VENV)/.installed $(HAPROXY) $(REDIS) $(CHROMEDRIVER) $(AXE)
 	$(PY) -m pytest -m "not e2e" $(PYTEST_ARGS)
 
 e2e: $(VENV)/.installed $(CLAUDE) $(JS_CLIENTS_STAMP) $(HAPROXY) $(REDIS)
@@ -136,4 +156,4 @@ test unit: $(PROMETHEUS)
 
 # Never dumps: they are an operator's record of failures, not build output.
 clean:
-	rm -rf $(VENV) $(MIN_VENV) .e2e .pytest_cache .mypy_cache .ruff_cache .hypothesis .bench .load .site *.egg-info
+	rm -rf $(VENV) $(MIN_VENV) .e2e .axe .pytest_cache .mypy_cache .ruff_cache .hypothesis .bench .load .site *.egg-info

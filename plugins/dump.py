@@ -23,6 +23,11 @@ Options (``plugins.dump``; backend quirks do not change them):
   is noted on the exchange's timeline, ``queued`` or ``dropped`` with its reason (what the
   metrics plugin counts).
 
+``exchange.dump_path`` is the path of the dump being written for the exchange (None when
+there is none), set in this plugin's ``relay_exchange_end``, which runs before the other
+plugins' (dump is last in the pipeline): the ledger row names the file, and the console
+links an exchange to its dump by it. The file may still be on its way to the disk.
+
 A fault is noticed where it happens (``relay_upstream_error``, the ``error`` stream event) but
 the file is written at ``relay_exchange_end``, so that its timeline holds what every plugin
 did, to the end. Building and writing the document happen in a one-thread executor per relay,
@@ -264,6 +269,13 @@ def open_day(base: int, day: str, directory: str, create: bool = False) -> int:
     return fd
 
 
+def dump_name(request_id: str, when: dt.datetime) -> tuple[str, str]:
+    """The day directory and the file name's stem (``.json`` follows) of the dump of
+    ``request_id`` written at ``when``."""
+    when = when.astimezone(dt.timezone.utc)
+    return when.strftime("%Y-%m-%d"), f"{when:%H%M%S.%f}-{safe_name(request_id)}"
+
+
 def write_dump(directory: str, data: bytes, request_id: str, when: dt.datetime) -> str:
     """Write ``data`` once, as a new file named after ``when`` (UTC) and the request id.
 
@@ -271,10 +283,8 @@ def write_dump(directory: str, data: bytes, request_id: str, when: dt.datetime) 
     fails rather than replace an existing file: a reader sees the whole dump or none, and a
     clash gets the next free ``-N`` suffix. Returns the path written.
     """
-    when = when.astimezone(dt.timezone.utc)
-    day = when.strftime("%Y-%m-%d")
+    day, stem = dump_name(request_id, when)
     make_private_dirs(directory)
-    stem = f"{when:%H%M%S.%f}-{safe_name(request_id)}"
     temporary = f".{stem}.{os.urandom(6).hex()}.tmp"
     with opened(directory) as base:
         day_fd = open_day(base, day, directory, create=True)
@@ -529,6 +539,11 @@ class Dump:
             return None
         exchange.note(PLUGIN, "queued", reason=reason)
         when = dt.datetime.now(dt.timezone.utc)
+        # Known before the write, for the end hooks that run after this one (the ledger
+        # row names it); only a clash (the same request id in the same microsecond) would
+        # give the file a suffix.
+        day, stem = dump_name(exchange.id, when)
+        exchange.dump_path = os.path.join(settings.dir, day, f"{stem}.json")
         noticed = exchange.state.get(PLUGIN)
         stream_error = noticed.get("stream_error") if noticed else None
         if stream_error is None and reason == "stream_error":

@@ -309,6 +309,9 @@ SERVER_OPTIONS = (
     # 15 s (archestra 10 s, LiteLLM 15 s).
     Option("stream_keepalive", float, 10.0, "seconds a stream may be quiet toward its client "
            "before a ping (0: never)", expect=_KEEPALIVE, check=_at_least_zero(_KEEPALIVE)),
+    Option("console", bool, False, "serve the operator's web console at `/console`, behind "
+           "the admin key (`auth.admin_key_env` / `admin_key_file`, which it needs)",
+           expect="true or false"),
 )
 SERVER = {option.name: option for option in SERVER_OPTIONS}
 
@@ -345,6 +348,7 @@ class Config:
     workers: int = SERVER["workers"].default
     drain_seconds: float = SERVER["drain_seconds"].default
     stream_keepalive: float = SERVER["stream_keepalive"].default
+    console: bool = SERVER["console"].default
     # The checked ``state:`` section (relay.state.OPTIONS): where shared state lives.
     state: dict = field(default_factory=dict)
     # The checked ``telemetry:`` section (relay.telemetry.OPTIONS): traces, off by default.
@@ -429,7 +433,7 @@ def parse(raw, env=os.environ, require_keys: bool = True) -> Config:
     values = check_section(server, SERVER_OPTIONS, "server", "key")
     for name in ("host", "port", "access_log", "header_timeout", "body_timeout",
                  "allowed_hosts", "allow_unauthenticated", "passthrough", "log_format",
-                 "workers"):
+                 "workers", "console"):
         setattr(config, name, values[name])
     # Counts and sizes have always taken a number and dropped its fraction.
     for name in ("max_body_bytes", "upstream_connections", "max_upstream_body_bytes",
@@ -444,6 +448,9 @@ def parse(raw, env=os.environ, require_keys: bool = True) -> Config:
                                              "server.auth.default_limits")
         config.admin_key = _admin_key(values["auth"], "server.auth", env, require_keys,
                                       config.keys)
+    if config.console and not (values["auth"] and any(k in values["auth"] for k in ADMIN_KEYS)):
+        raise ConfigError("server.console: needs the admin key (server.auth.admin_key_env or "
+                          "admin_key_file): the console is the operator's, never open")
 
     pipeline = _expect(raw.get("pipeline", []) or [], list, "pipeline", "a list of plugin names")
     for i, name in enumerate(pipeline):

@@ -236,6 +236,7 @@ class Exchange:
     :class:`Timings`).
     What the plugins found: ``repairs`` (their total), ``repaired_by`` (one :class:`Repair`
     per :meth:`repaired`), ``uncertain`` (one :class:`Uncertainty` per :meth:`unsure`),
+    ``dump_path`` (the file the dump plugin is writing for it, or None),
     ``cache`` (the ``cache`` plugin's verdict on the prompt cache: None, or a dict with
     ``status`` ``hit`` / ``write`` / ``none`` / ``miss``, its ``cause``, ``where``, ``by``
     and the tokens read, written and sent fresh).
@@ -260,6 +261,7 @@ class Exchange:
     repaired_by: tuple[Repair, ...] = ()
     uncertain: tuple[Uncertainty, ...] = ()
     stream_failure: StreamFailure | None = None
+    dump_path: str | None = None  # the dump written for it (the dump plugin's)
     # What the answer reported it used and what that cost (a relay.usage.Usage), set by the
     # usage plugin as soon as it is known; None without that plugin, or before an answer.
     usage: Any = None

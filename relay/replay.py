@@ -263,6 +263,28 @@ def dumped_config(dump: dict):
 # --- rebuilding and comparing ---------------------------------------------------------------
 
 
+async def rebuild_dump(dump: dict) -> tuple[Result, Result]:
+    """What the dump recorded and what its client request alone makes now, with the
+    pipeline, plugin options and backends the dump recorded: the comparison this command
+    prints, for a caller that shows it otherwise (the console). Raises UnusableDump."""
+    check_endpoint(dump)
+    exchange = record.from_document(dump)
+    request = client_request(exchange)
+    config = dumped_config(dump)
+    try:
+        chain = Chain(load_plugins(config.pipeline), config)
+        await chain.startup(config)
+    except Exception as e:  # the dump's options are data: a plugin may refuse them
+        raise UnusableDump(f"the plugins could not start with its options: "
+                           f"{type(e).__name__} {e}") from None
+    try:
+        _, rebuilt = await rebuild(Preparation(config, chain), request)
+    finally:
+        await chain.shutdown(config)
+    return recorded_result(exchange), rebuilt
+
+
+
 async def rebuild(state: Preparation, request: ClientRequest):
     """Run the request through the chain as serving does; return (exchange, Result). For a
     backend whose format translates, the upstream-bound body is the translated one, as it

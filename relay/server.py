@@ -116,8 +116,9 @@ ROUTE = web.RequestKey("relay_route", Route)
 class Relay:
     """Request handlers. One instance per app; no state survives an exchange."""
 
-    def __init__(self, state: RelayState, plugin_routes: dict | None = None):
+    def __init__(self, state: RelayState, plugin_routes: dict | None = None, console=None):
         self.state = state
+        self.console = console  # a relay.console.Console when server.console is on
         self.plugin_routes = plugin_routes or {}  # (method, path) -> handler, from relay_routes
         # The operator's routes: authenticated by the admin key, not by the client gate.
         self.admin_routes = {
@@ -157,6 +158,10 @@ class Relay:
                                   f"{request.headers.get('Host', '')[:200]!r} (see "
                                   "server.allowed_hosts)", "permission_error")
         method = request.method
+        if self.console is not None and self.console.serves(path):
+            # The console authenticates by its own session cookie and takes forms: it is
+            # routed before the client gate and the JSON check.
+            return Route(self.console.handle, path, query, None)
         if path in ("/healthz", "/readyz"):
             if method not in ("GET", "HEAD"):
                 raise not_allowed(method, path)
@@ -386,9 +391,13 @@ def create_app(config, chain: Chain) -> web.Application:
     state = RelayState(config, chain)
     app = web.Application(client_max_size=config.max_body_bytes)
     app[STATE] = state
+    console = None
+    if config.console:
+        from .console import Console  # only a relay that serves the console loads it
+        console = Console(config, chain)
     routes = chain.routes(config, reserved=("/healthz", "/readyz", BACKENDS, *ENDPOINTS))
     routes["GET", BACKENDS] = AdminRoute(backends_handler(state))
-    relay = Relay(state, routes)
+    relay = Relay(state, routes, console)
     app.router.add_route("*", "/{tail:.*}", relay.dispatch)
     app.middlewares.append(relay.unrouted)
 

@@ -395,6 +395,25 @@ async def test_upstream_400_is_dumped_in_process(start):
     assert CLIENT_KEY.encode() not in path.read_bytes()
 
 
+async def test_the_end_hooks_after_dump_know_the_dump_file(start):
+    seen: dict = {}
+
+    class Reader:
+        @hookimpl
+        def relay_exchange_end(self, exchange):
+            seen[exchange.id] = exchange.dump_path
+
+    # Listed first, so its end hook runs after dump's (the ledger's place).
+    relay = await start(fail_status=400, fail_count=1, pipeline=("reader", "dump"),
+                        extra={"reader": Reader()})
+    failed, _ = await relay.post()
+    ok, _ = await relay.post()
+    await relay.stop()
+    [path] = dump_files(relay.dir)
+    assert seen[failed.headers["x-relay-request-id"]] == str(path)
+    assert seen[ok.headers["x-relay-request-id"]] is None
+
+
 async def test_successful_exchanges_are_dumped_when_asked(start):
     relay = await start(dump_options={"statuses": ["200-299", "400-499"]})
     response, payload = await relay.post()

@@ -23,13 +23,23 @@ def test_the_licence_file_is_the_declared_one():
     assert "Apache License" in text and "Version 2.0, January 2004" in text
 
 
-def test_the_runtime_packages_hold_code_and_py_typed_only():
+def test_the_runtime_packages_hold_code_py_typed_and_the_console_only():
     # The evidence tables are test and docs data (docs/evidence/): nothing at run time reads
-    # them, so they stay out of what is installed.
-    shipped = [path.relative_to(ROOT).as_posix()
-               for package in ("relay", "plugins") for path in (ROOT / package).rglob("*")
-               if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".py"]
-    assert shipped == ["relay/py.typed"]
+    # them, so they stay out of what is installed. The console's page template and
+    # stylesheet are what it serves, declared as package data so that they install.
+    shipped = sorted(path.relative_to(ROOT).as_posix()
+                     for package in ("relay", "plugins") for path in (ROOT / package).rglob("*")
+                     if path.is_file() and "__pycache__" not in path.parts
+                     and path.suffix != ".py")
+    console = [name for name in shipped if name.startswith("relay/console/")]
+    assert [name for name in shipped if name not in console] == ["relay/py.typed"]
+    setup = configparser.ConfigParser()
+    setup.read(ROOT / "setup.cfg")
+    patterns = setup["options.package_data"]["relay.console"].replace(",", " ").split()
+    assert sorted(console) == sorted(
+        path.relative_to(ROOT).as_posix() for pattern in patterns
+        for path in (ROOT / "relay" / "console").glob(pattern))
+    assert "relay.console" in setup["options"]["packages"]
     assert sorted(p.name for p in (ROOT / "docs" / "evidence").iterdir()) == [
         "betas.json", "cache.json", "rules.json"]
 
