@@ -245,6 +245,10 @@ SERVER_OPTIONS = (
     # 15 s (archestra 10 s, LiteLLM 15 s).
     Option("stream_keepalive", float, 10.0, "seconds a stream may be quiet toward its client "
            "before a ping (0: never)", expect=_KEEPALIVE, check=_at_least_zero(_KEEPALIVE)),
+    Option("resume_bytes", float, 64 * 1024 * 1024, "memory kept so that a session's next "
+           "request is checked from where its previous one ended (its new turn only), in all; "
+           "one session takes at most a quarter (0: every request is walked whole)",
+           expect="a number of bytes", check=lambda n: None if n >= 0 else "must be 0 or more"),
 )
 SERVER = {option.name: option for option in SERVER_OPTIONS}
 
@@ -279,6 +283,7 @@ class Config:
     workers: int = SERVER["workers"].default
     drain_seconds: float = SERVER["drain_seconds"].default
     stream_keepalive: float = SERVER["stream_keepalive"].default
+    resume_bytes: int = SERVER["resume_bytes"].default
     # The checked ``state:`` section (relay.state.OPTIONS): where shared state lives.
     state: dict = field(default_factory=dict)
     source: str | None = None
@@ -363,7 +368,7 @@ def parse(raw, env=os.environ, require_keys: bool = True) -> Config:
         setattr(config, name, values[name])
     # Counts and sizes have always taken a number and dropped its fraction.
     for name in ("max_body_bytes", "upstream_connections", "max_upstream_body_bytes",
-                 "max_connections"):
+                 "max_connections", "resume_bytes"):
         setattr(config, name, int(values[name]))
     config.log_level = values["log_level"].upper()
     config.drain_seconds = float(values["drain_seconds"])

@@ -261,6 +261,9 @@ class Exchange:
     rules_defer: tuple = ()
     _changed = False
     _session: str | None | bool = False  # False: not worked out yet
+    # Where the request chain may go on from the session's previous request
+    # (relay.resume.Resume), for the plugins that can; None: resuming is off.
+    resume: Any = None
 
     def __init__(self, *, endpoint: str, method: str, path: str, query: str,
                  headers, raw_body: bytes = b"", body: dict | None = None,

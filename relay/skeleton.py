@@ -139,6 +139,26 @@ def decode(raw: bytes) -> Skeleton | None:
         return None
 
 
+def decode_messages(raw: Raw) -> list:
+    """A ``messages`` array's JSON text as the skeleton holds it (see :func:`decode`)."""
+    messages = _messages.decode(raw)
+    _expose(messages)
+    return messages
+
+
+def decode_model(raw) -> str:
+    return _model.decode(raw) if type(raw) is Raw else raw
+
+
+def from_fields(model: str, messages: list, fields: dict) -> Skeleton:
+    """The skeleton of a request made of these parts (``fields``: the other top-level
+    fields, each a :data:`KNOWN_FIELDS` name with its raw JSON text), as :func:`decode`
+    makes it for the same body."""
+    stream = fields.get("stream", UNSET)
+    return Skeleton(_Known(model=model, messages=messages, **fields), messages, model,
+                    stream is not UNSET and bool(_decode(stream)))
+
+
 def value(item):
     """``item`` as a Python value, whether it is still raw JSON text or already decoded."""
     return _decode(item) if type(item) is Raw else item

@@ -1,0 +1,219 @@
+"""A session's request resumed from where its previous one ended (relay.resume) comes out
+exactly as the full walk makes it: the bytes that go upstream, the refusal, the repairs,
+the rewrites, the record's timeline and tables. Over generated sessions (the history
+generator of test_history_properties, with reused ids, faults and repairs, ids outside the
+grammar, foreign thinking, and Claude Code's moving cache marker), two relays side by side:
+one resuming, one walking every request whole."""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from multidict import CIMultiDict, CIMultiDictProxy
+from support import assistant, result, text, use, user
+from test_history_properties import histories
+
+from relay import config as config_module
+from relay import resume
+from relay.chain import Chain, load_plugins
+from relay.errors import RelayError
+from relay.hookspecs import hookimpl
+from relay.prepare import Preparation, prepare_exchange
+from relay_builtins import portable
+
+PIPELINE = ["dedup", "pairing", "ordering", "portable"]
+RUN = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SESSION = {"x-claude-code-session-id": "session-1", "content-type": "application/json"}
+FOREIGN = "sig-other"  # a thinking signature another backend issued
+
+
+def relay(pipeline=PIPELINE, plugins=None, resume_bytes=64 * 1024 * 1024, extra=None):
+    raw = {"pipeline": pipeline, "plugins": plugins or {},
+           "server": {"resume_bytes": resume_bytes},
+           "backends": [{"name": "emu", "url": "http://127.0.0.1:9", "models": ["*"]},
+                        {"name": "other", "url": "http://127.0.0.1:9", "models": ["other-*"]}]}
+    config = config_module.parse(raw, {})
+    chain = Chain(load_plugins(config.pipeline, extra=extra), config)
+    asyncio.run(chain.startup(config))
+    if "portable" in pipeline:
+        block = {"type": "thinking", "signature": FOREIGN}
+        chain.pm.get_plugin("portable").provenance.record(
+            [(portable.block_key(block), "other", "other-model")])
+    return Preparation(config, chain)
+
+
+def headers(extra=None):
+    return CIMultiDictProxy(CIMultiDict({**SESSION, **(extra or {})}))
+
+
+def prepared(state: Preparation, raw: bytes, extra_headers=None):
+    """What preparing ``raw`` gave: everything the exchange records, or the refusal."""
+    try:
+        exchange = asyncio.run(prepare_exchange(
+            state, method="POST", path="/v1/messages", query="", headers=headers(extra_headers),
+            raw_body=raw))
+    except RelayError as error:
+        return ("refused", error.status, error.message, error.rule), None
+    ledger = exchange.state.get("dedup", {}).get("ledger")
+    found = (exchange.upstream_body(),
+             {k: v for k, v in exchange.response_headers.items() if k != "x-relay-request-id"},
+             exchange.translation, exchange.repairs, exchange.repaired_by, exchange.uncertain,
+             [{k: v for k, v in entry.items() if k != "t"} for entry in exchange.timeline],
+             exchange.state.get(portable.RAW_IDS),
+             (ledger.taken, ledger.counts, ledger.next_free) if ledger else None,
+             exchange.model)
+    return found, exchange
+
+
+def body(messages, **fields) -> bytes:
+    return orjson.dumps({"model": "claude-test", "max_tokens": 64, "messages": messages,
+                         **fields})
+
+
+def marked(messages: list) -> list:
+    """The request as Claude Code sends it: a cache breakpoint on its last block."""
+    messages = orjson.loads(orjson.dumps(messages))
+    last = messages[-1]
+    if isinstance(last["content"], str):
+        last["content"] = [{"type": "text", "text": last["content"]}]
+    if last["content"]:
+        last["content"][-1]["cache_control"] = {"type": "ephemeral"}
+    return messages
+
+
+@st.composite
+def sessions(draw):
+    """A conversation and how it is sent: one request per message, growing, each the
+    previous one's messages (byte for byte, but for a moving cache marker) plus one."""
+    messages, _ = draw(histories())
+    if draw(st.booleans()):  # ids another provider minted, outside Anthropic's grammar
+        messages = orjson.loads(orjson.dumps(messages).replace(b'"toolu_', b'"fn.tool:'))
+    if draw(st.booleans()):  # thinking, some of it issued by another backend, some unsigned
+        for message in messages:
+            if message["role"] == "assistant" and isinstance(message["content"], list):
+                signature = draw(st.sampled_from(["sig-ours", FOREIGN, ""]))
+                message["content"].insert(0, {"type": "thinking", "thinking": "hm",
+                                              "signature": signature})
+    fields = draw(st.sampled_from([{}, {"system": "be brief"},
+                                   {"thinking": {"type": "enabled", "budget_tokens": 1024}}]))
+    marker = draw(st.booleans())
+    options = {"pairing": {"pairing_mode": draw(st.sampled_from(["reject", "repair"]))},
+               "ordering": {"ordering_mode": draw(st.sampled_from(["reject", "repair"]))}}
+    requests = [body(marked(messages[:n]) if marker else messages[:n], **fields)
+                for n in range(1, len(messages) + 1)]
+    return options, requests
+
+
+@RUN
+@given(sessions())
+def test_a_resumed_request_is_the_full_walk_byte_for_byte(session):
+    options, requests = session
+    resuming, whole = relay(plugins=options), relay(plugins=options, resume_bytes=0)
+    assert resuming.resume is not None and whole.resume is None
+    for raw in requests:
+        ours, _ = prepared(resuming, raw)
+        theirs, _ = prepared(whole, raw)
+        assert ours == theirs
+
+
+def conversation(turns: int, reuse: bool = False) -> list:
+    messages = [user(text("start"))]
+    for n in range(turns):
+        tool_id = "toolu_0" if reuse and n % 3 == 2 else f"toolu_{n + 1}"
+        messages += [assistant(text("looking"), use(tool_id)), user(result(tool_id))]
+    return messages
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+def test_each_request_of_a_growing_session_walks_only_its_new_turn(reuse):
+    state, whole = relay(), relay(resume_bytes=0)
+    messages = conversation(12, reuse)
+    starts = []
+    for n in range(3, len(messages) + 1, 2):
+        raw = body(marked(messages[:n]))
+        ours, exchange = prepared(state, raw)
+        assert ours == prepared(whole, raw)[0]
+        starts.append(exchange.resume.start)
+        if not reuse:
+            assert exchange.upstream_body() == raw  # the client's own bytes
+    # The first request is walked whole; each one after goes on from before the previous
+    # request's last message, whose marker moved.
+    assert starts == [0, *range(2, len(messages) - 2, 2)]
+
+
+def test_an_edited_history_or_another_model_is_walked_whole():
+    state = relay()
+    messages = conversation(4)
+    prepared(state, body(messages))
+    edited = [user(text("another start")), *messages[1:]]
+    _, exchange = prepared(state, body(edited + [assistant(text("ok"))]))
+    assert exchange.resume.start == 0
+    _, exchange = prepared(state, body(edited + [assistant(text("ok")), user(text("go"))],
+                                       model="other-model"))
+    assert exchange.resume.start == 0  # another backend: the record is not used
+
+
+def test_an_evicted_session_costs_a_full_walk_and_the_budget_holds():
+    state = relay(resume_bytes=40_000)  # a quarter: 10,000 bytes per session
+    messages = conversation(6)
+    for name in ("a", "b", "c", "d", "e"):
+        prepared(state, body(messages), {"x-claude-code-session-id": name})
+    assert state.resume.bytes <= 40_000 and len(state.resume.records) < 5
+    _, exchange = prepared(state, body(messages + [assistant(text("ok"))]),
+                           {"x-claude-code-session-id": "a"})
+    assert exchange.resume.start == 0  # "a" was evicted first
+    big = conversation(6)
+    big[0] = user(text("x" * 20_000))
+    prepared(state, body(big), {"x-claude-code-session-id": "big"})
+    assert "big" not in str(list(state.resume.records))  # over a session's share: not kept
+    assert state.resume.bytes <= 40_000
+
+
+class Walker:
+    """A third-party plugin that walks requests and has not opted in."""
+
+    seen: list = []
+
+    @hookimpl
+    def relay_request(self, exchange):
+        Walker.seen.append(len(exchange.messages))
+
+
+def test_a_plugin_that_does_not_opt_in_gets_every_request_whole():
+    state = relay(pipeline=[*PIPELINE, "walker"], extra={"walker": Walker})
+    assert state.resume is None
+    messages = conversation(3)
+    for n in range(3, len(messages) + 1, 2):
+        _, exchange = prepared(state, body(messages[:n]))
+        assert exchange.resume is None
+    assert Walker.seen == [3, 5, 7]
+
+
+def test_the_fields_around_the_messages_are_the_new_request_s():
+    state, whole = relay(), relay(resume_bytes=0)
+    messages = conversation(4)
+    prepared(state, body(messages, system="one"))
+    raw = body(messages + [assistant(text("ok"))], system="two")  # after "messages"
+    ours, exchange = prepared(state, raw)
+    assert exchange.resume.start == len(messages) and ours == prepared(whole, raw)[0]
+    assert orjson.loads(ours[0])["system"] == "two"
+    state = relay()
+    prepared(state, orjson.dumps({"system": "one", "model": "claude-test",
+                                  "messages": messages}))
+    raw = orjson.dumps({"system": "two", "model": "claude-test",
+                        "messages": messages + [assistant(text("ok"))]})
+    ours, exchange = prepared(state, raw)
+    assert exchange.resume.start == 0 and ours == prepared(whole, raw)[0]
+
+
+def test_a_record_holds_no_more_than_its_marks():
+    record_state = relay()
+    messages = conversation(3)
+    prepared(record_state, body(messages))
+    (record,) = record_state.resume.records.values()
+    assert sorted(record.states) == list(range(len(messages) - resume.MARKS + 1,
+                                               len(messages) + 1))
