@@ -162,7 +162,9 @@ def _resume(state: Preparation, exchange: Exchange, resuming: tuple | None):
         if resuming is not None and resuming[2] is not None:
             raise resume.Decline()
         return None
-    _, _, resumed = resuming
+    store, session, resumed = resuming
+    if resumed is None and not store.wants(session):
+        return None  # the session's first request: nothing is kept (see Store.wants)
     messages = exchange.messages or []
     count = len(messages)
     chain = state.chain

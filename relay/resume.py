@@ -44,6 +44,7 @@ _MESSAGES_NAME = b'"messages"'
 # dicts, lists and Raw values of the skeleton), for the byte budget.
 MESSAGE_BYTES = 400
 BLOCK_BYTES = 300
+MAX_SEEN = 4096  # sessions remembered as seen (a digest each: about 0.5 MB at most)
 
 _tail = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _encoder = msgspec.json.Encoder()
@@ -149,6 +150,20 @@ class Store:
         self.budget = budget
         self.records: collections.OrderedDict[str, Record] = collections.OrderedDict()
         self.bytes = 0
+        # The sessions seen once: a record is kept from a session's second request on, so
+        # that a request that is the only one of its session (a script's single call) costs
+        # nothing more than before.
+        self.seen: collections.OrderedDict[str, None] = collections.OrderedDict()
+
+    def wants(self, session: str) -> bool:
+        """Whether a record of this session's request is worth keeping."""
+        if session in self.seen:
+            self.seen.move_to_end(session)
+            return True
+        self.seen[session] = None
+        if len(self.seen) > MAX_SEEN:
+            self.seen.popitem(last=False)
+        return False
 
     def take(self, session: str) -> Record | None:
         record = self.records.pop(session, None)
@@ -270,14 +285,17 @@ def match(record: Record, raw: bytes) -> int:
     if record.offsets is None and not _locate(record):
         return 0
     old = memoryview(record.raw)
+    offsets = record.offsets or {}
     best = 0
-    for index in sorted(record.offsets or (), reverse=True):
-        if index <= 0 or index not in record.states:
-            continue
-        end = record.offsets[index]  # type: ignore[index]
-        if len(raw) > end and raw[end] in b",]" and raw.startswith(old[:end]):
-            best = index
+    checked = 0  # raw[:checked] is the record's bytes
+    # From the earliest boundary on, each check comparing only the bytes after the last one.
+    for index in sorted(offsets):
+        end = offsets[index]
+        if len(raw) <= end or not raw.startswith(old[checked:end], checked):
             break
+        checked = end
+        if index > 0 and index in record.states and raw[end] in b",]":
+            best = index
     return best
 
 

@@ -137,18 +137,25 @@ def test_each_request_of_a_growing_session_walks_only_its_new_turn(reuse):
         raw = body(marked(messages[:n]))
         ours, exchange = prepared(state, raw)
         assert ours == prepared(whole, raw)[0]
-        starts.append(exchange.resume.start)
+        starts.append(exchange.resume.start if exchange.resume is not None else None)
         if not reuse:
             assert exchange.upstream_body() == raw  # the client's own bytes
-    # The first request is walked whole; each one after goes on from before the previous
-    # request's last message, whose marker moved.
-    assert starts == [0, *range(2, len(messages) - 2, 2)]
+    # The first request of a session keeps nothing (most sessions of one request never send
+    # another), the second is walked whole and kept; each one after goes on from before the
+    # previous request's last message, whose marker moved.
+    assert starts == [None, 0, *range(4, len(messages) - 2, 2)]
+
+
+def opened(state, raw, extra_headers=None):
+    """A session's first two requests: from the second on, the relay keeps a record."""
+    prepared(state, raw, extra_headers)
+    return prepared(state, raw, extra_headers)
 
 
 def test_an_edited_history_or_another_model_is_walked_whole():
     state = relay()
     messages = conversation(4)
-    prepared(state, body(messages))
+    opened(state, body(messages))
     edited = [user(text("another start")), *messages[1:]]
     _, exchange = prepared(state, body(edited + [assistant(text("ok"))]))
     assert exchange.resume.start == 0
@@ -161,14 +168,14 @@ def test_an_evicted_session_costs_a_full_walk_and_the_budget_holds():
     state = relay(resume_bytes=40_000)  # a quarter: 10,000 bytes per session
     messages = conversation(6)
     for name in ("a", "b", "c", "d", "e"):
-        prepared(state, body(messages), {"x-claude-code-session-id": name})
+        opened(state, body(messages), {"x-claude-code-session-id": name})
     assert state.resume.bytes <= 40_000 and len(state.resume.records) < 5
     _, exchange = prepared(state, body(messages + [assistant(text("ok"))]),
                            {"x-claude-code-session-id": "a"})
     assert exchange.resume.start == 0  # "a" was evicted first
     big = conversation(6)
     big[0] = user(text("x" * 20_000))
-    prepared(state, body(big), {"x-claude-code-session-id": "big"})
+    opened(state, body(big), {"x-claude-code-session-id": "big"})
     assert "big" not in str(list(state.resume.records))  # over a session's share: not kept
     assert state.resume.bytes <= 40_000
 
@@ -196,14 +203,14 @@ def test_a_plugin_that_does_not_opt_in_gets_every_request_whole():
 def test_the_fields_around_the_messages_are_the_new_request_s():
     state, whole = relay(), relay(resume_bytes=0)
     messages = conversation(4)
-    prepared(state, body(messages, system="one"))
+    opened(state, body(messages, system="one"))
     raw = body(messages + [assistant(text("ok"))], system="two")  # after "messages"
     ours, exchange = prepared(state, raw)
     assert exchange.resume.start == len(messages) and ours == prepared(whole, raw)[0]
     assert orjson.loads(ours[0])["system"] == "two"
     state = relay()
-    prepared(state, orjson.dumps({"system": "one", "model": "claude-test",
-                                  "messages": messages}))
+    opened(state, orjson.dumps({"system": "one", "model": "claude-test",
+                                "messages": messages}))
     raw = orjson.dumps({"system": "two", "model": "claude-test",
                         "messages": messages + [assistant(text("ok"))]})
     ours, exchange = prepared(state, raw)
@@ -213,7 +220,7 @@ def test_the_fields_around_the_messages_are_the_new_request_s():
 def test_a_record_holds_no_more_than_its_marks():
     record_state = relay()
     messages = conversation(3)
-    prepared(record_state, body(messages))
+    opened(record_state, body(messages))
     (record,) = record_state.resume.records.values()
     assert sorted(record.states) == list(range(len(messages) - resume.MARKS + 1,
                                                len(messages) + 1))
