@@ -80,10 +80,9 @@ async def prepare_exchange(state: Preparation, *, method: str, path: str, query:
         return await _prepare(state, endpoint, method, path, query, headers, raw_body, key,
                               backend, parse_request(raw_body))
     session, decoded = resume.session_of(raw_body, headers, key.name if key else None)
-    record = store.take(session) if session is not None else None
+    record, start = store.take(session, raw_body) if session is not None else (None, 0)
     if record is not None:
-        start = resume.match(record, raw_body)
-        resumed = resume.decode_from(record, raw_body, start) if start else None
+        resumed = resume.decode_from(record, raw_body, start)
         if resumed is not None:
             try:
                 return await _prepare(state, endpoint, method, path, query, headers, raw_body,

@@ -29,6 +29,7 @@ messages' values reference it) and the plugins' states.
 from __future__ import annotations
 
 import collections
+import itertools
 from typing import Any
 
 import msgspec
@@ -45,6 +46,7 @@ _MESSAGES_NAME = b'"messages"'
 MESSAGE_BYTES = 400
 BLOCK_BYTES = 300
 MAX_SEEN = 4096  # sessions remembered as seen (a digest each: about 0.5 MB at most)
+LANES = 4  # conversations kept per session
 
 _tail = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _encoder = msgspec.json.Encoder()
@@ -143,13 +145,18 @@ class Record:
 
 
 class Store:
-    """The records of the sessions in flight, bounded by ``budget`` bytes in all and a
-    quarter of it per session, oldest evicted first."""
+    """The records of the sessions in flight: up to :data:`LANES` per session (a session
+    holds more than one conversation: Claude Code's subagents and side calls share its id),
+    bounded by ``budget`` bytes in all and a quarter of it per session, oldest evicted
+    first."""
 
     def __init__(self, budget: int):
         self.budget = budget
-        self.records: collections.OrderedDict[str, Record] = collections.OrderedDict()
+        self.records: collections.OrderedDict[tuple[str, int], Record] = \
+            collections.OrderedDict()
+        self.lanes: dict[str, list[int]] = {}
         self.bytes = 0
+        self._lane = itertools.count()
         # The sessions seen once: a record is kept from a session's second request on, so
         # that a request that is the only one of its session (a script's single call) costs
         # nothing more than before.
@@ -165,22 +172,42 @@ class Store:
             self.seen.popitem(last=False)
         return False
 
-    def take(self, session: str) -> Record | None:
-        record = self.records.pop(session, None)
-        if record is not None:
-            self.bytes -= record.size
-        return record
+    def take(self, session: str, raw: bytes) -> tuple[Record | None, int]:
+        """The session's record that ``raw`` goes on from furthest, taken out of the store,
+        and the boundary it goes on from (0: none does)."""
+        best: Record | None = None
+        start = lane = 0
+        for candidate in self.lanes.get(session, ()):
+            record = self.records[session, candidate]
+            found = match(record, raw)
+            if found > start:
+                best, start, lane = record, found, candidate
+        if best is not None:
+            self._drop(session, lane)
+        return best, start
 
     def put(self, session: str, record: Record) -> None:
-        old = self.take(session)
-        del old
-        if record.size > self.budget // 4:
+        share = self.budget // 4
+        if record.size > share:
             return
-        self.records[session] = record
+        lanes = self.lanes.setdefault(session, [])
+        while lanes and (len(lanes) >= LANES or record.size + sum(
+                self.records[session, lane].size for lane in lanes) > share):
+            self._drop(session, lanes[0])
+        lane = next(self._lane)
+        self.lanes.setdefault(session, []).append(lane)
+        self.records[session, lane] = record
         self.bytes += record.size
         while self.bytes > self.budget:
-            _, evicted = self.records.popitem(last=False)
-            self.bytes -= evicted.size
+            self._drop(*next(iter(self.records)))
+
+    def _drop(self, session: str, lane: int) -> None:
+        record = self.records.pop((session, lane))
+        self.bytes -= record.size
+        lanes = self.lanes[session]
+        lanes.remove(lane)
+        if not lanes:
+            del self.lanes[session]
 
 
 class _Unread(list):
@@ -283,6 +310,7 @@ def match(record: Record, raw: bytes) -> int:
     """The largest kept boundary ``k`` (0 when none) such that ``raw`` starts with the bytes
     of the record's first ``k`` messages, followed by another message or the array's end."""
     if record.offsets is None and not _locate(record):
+        record.offsets = {}  # not to be looked for again
         return 0
     old = memoryview(record.raw)
     offsets = record.offsets or {}

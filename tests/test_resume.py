@@ -14,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from multidict import CIMultiDict, CIMultiDictProxy
+from relay_builtins import portable
 from support import assistant, result, text, use, user
 from test_history_properties import histories
 
@@ -23,7 +24,7 @@ from relay.chain import Chain, load_plugins
 from relay.errors import RelayError
 from relay.hookspecs import hookimpl
 from relay.prepare import Preparation, prepare_exchange
-from relay_builtins import portable
+from relay.testing.fixtures import received, relay_client  # noqa: F401  (the fixture)
 
 PIPELINE = ["dedup", "pairing", "ordering", "portable"]
 RUN = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -176,8 +177,21 @@ def test_an_evicted_session_costs_a_full_walk_and_the_budget_holds():
     big = conversation(6)
     big[0] = user(text("x" * 20_000))
     opened(state, body(big), {"x-claude-code-session-id": "big"})
-    assert "big" not in str(list(state.resume.records))  # over a session's share: not kept
+    assert "big" not in state.resume.lanes  # over a session's share: not kept
     assert state.resume.bytes <= 40_000
+
+
+def test_two_conversations_of_one_session_each_go_on_from_their_own_record():
+    state, whole = relay(), relay(resume_bytes=0)
+    main, side = conversation(6), [user(text("summarise this session")), *conversation(2)[1:]]
+    for messages in (main, side):
+        opened(state, body(messages))
+    for turn in range(3):  # interleaved, as Claude Code's main loop and a subagent are
+        for messages in (main, side):
+            messages += [assistant(text(f"turn {turn}")), user(text("go on"))]
+            ours, exchange = prepared(state, body(messages))
+            assert exchange.resume.start == len(messages) - 2
+            assert ours == prepared(whole, body(messages))[0]
 
 
 class Walker:
@@ -224,3 +238,28 @@ def test_a_record_holds_no_more_than_its_marks():
     (record,) = record_state.resume.records.values()
     assert sorted(record.states) == list(range(len(messages) - resume.MARKS + 1,
                                                len(messages) + 1))
+
+
+async def test_through_the_server_the_upstream_gets_what_the_full_walk_sends(relay_client):
+    """A growing session with reused ids through two relays in front of the emulator, one
+    resuming, one walking every request whole: the same bytes upstream, the same headers
+    back."""
+    pipeline = ["metrics", *PIPELINE]
+    resuming = await relay_client(pipeline)
+    whole = await relay_client(pipeline, server={"resume_bytes": 0})
+    messages = conversation(9, reuse=True)
+    for n in range(3, len(messages) + 1, 2):
+        answers = []
+        for client in (resuming, whole):
+            response = await client.post("/v1/messages", data=body(marked(messages[:n])),
+                                         headers={**SESSION, "x-api-key": "test",
+                                                  "anthropic-version": "2023-06-01"})
+            assert response.status == 200, await response.text()
+            answers.append({k: v for k, v in response.headers.items()
+                            if k.startswith("x-relay-") and k != "x-relay-request-id"})
+        assert answers[0] == answers[1]
+    assert received(resuming) == received(whole)
+    assert "x-relay-rewrites" in answers[0]  # the reused ids were rewritten all along
+    from relay.server import STATE
+    assert resuming.server.app[STATE].resume.records  # and the session went on from them
+    assert whole.server.app[STATE].resume is None
