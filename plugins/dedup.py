@@ -195,16 +195,13 @@ def _snapshot(walk: Walk, answered: list, calls) -> tuple:
 
 
 def _restore(walk: Walk, answered: list, saved: tuple):
+    """Go on from a snapshot (taken over: a record is used once)."""
     taken, counts, next_free, answered_before, tool_uses, tool_results, recognised, calls = saved
     ledger = walk.ledger
-    ledger.taken = set(taken)
-    ledger.counts = dict(counts)
-    ledger.next_free = dict(next_free)
+    ledger.taken, ledger.counts, ledger.next_free = taken, counts, next_free
     answered.extend(answered_before)
-    walk.tool_uses = list(tool_uses)
-    walk.tool_results = tool_results
-    walk.recognised = list(recognised)
-    return None if calls is None else {key: list(queue) for key, queue in calls.items()}
+    walk.tool_uses, walk.tool_results, walk.recognised = tool_uses, tool_results, recognised
+    return calls
 
 
 def _unique_walk(messages: list, lo: int, hi: int, walk: Walk, answered: list, calls,

@@ -217,16 +217,15 @@ def _clean(messages: list, unique_ids: bool, resume=None) -> bool:
             saved = resume.state("pairing")
             if saved is None:
                 return False
-            seen, pending, programmatic, previous = saved
-            state = [None if seen is None else set(seen),
-                     None if pending is None else list(pending), programmatic, previous]
+            seen, pending, programmatic, previous = saved  # taken over: used once
+            state = [seen, None if pending is None else list(pending), programmatic, previous]
         for mark in resume.marks:
             if mark >= at:
                 if not _clean_walk(messages, at, mark, state):
                     return False
                 at = mark
                 seen, pending, programmatic, previous = state
-                resume.save("pairing", mark, (None if seen is None else frozenset(seen),
+                resume.save("pairing", mark, (None if seen is None else set(seen),
                                               None if pending is None else tuple(pending),
                                               programmatic, previous))
     return _clean_walk(messages, at, len(messages), state) and state[1] is None

@@ -48,7 +48,7 @@ BLOCK_BYTES = 300
 MAX_SEEN = 4096  # sessions remembered as seen (a digest each: about 0.5 MB at most)
 LANES = 4  # conversations kept per session
 
-_tail = msgspec.json.Decoder(dict[str, msgspec.Raw])
+_fields = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _encoder = msgspec.json.Encoder()
 
 
@@ -83,7 +83,8 @@ class Resume:
         self._position = position or {}
 
     def state(self, plugin: str):
-        """What ``plugin`` saved at ``start`` (None on a full walk)."""
+        """What ``plugin`` saved at ``start`` (None on a full walk); the plugin's to change,
+        since a record is used once."""
         found = self._states.get(plugin)
         return found[0] if found is not None else None
 
@@ -271,7 +272,7 @@ def _locate(record: Record) -> bool:
     if at < 0 or _MESSAGES_NAME in raw[:at]:
         return False
     try:
-        before = _tail.decode(raw[:at] + b'"messages":[]}')
+        before = _fields.decode(raw[:at] + b'"messages":[]}')
     except msgspec.DecodeError:
         return False
     before.pop("messages", None)
@@ -344,30 +345,21 @@ def decode_from(record: Record, raw: bytes, start: int) -> Resumed | None:
     """The skeleton of ``raw`` resumed at boundary ``start`` of ``record``, or None when it
     cannot be held as one (then the full decode decides)."""
     end = record.offsets[start]  # type: ignore[index]
-    rest = raw[end + 1:] if raw[end] == 44 else raw[end:]  # 44: ","
+    comma = raw[end] == 44  # ","
     try:
-        after = _tail.decode(b'{"messages":[' + rest)
-    except msgspec.DecodeError:
-        return None
-    fields = dict(record.before)
-    for name in after:
-        if name != "messages" and name in fields:
+        tail, after = skeleton.decode_rest(b'{"messages":[' + (raw[end + 1:] if comma
+                                                               else raw[end:]))
+        before = record.before
+        if any(name in before for name in after):
             return None  # a field given twice: the full decode decides which one counts
-    fields.update(after)
-    try:
-        tail = skeleton.decode_messages(after["messages"])
+        fields = {**before, **after}
         model = skeleton.decode_model(fields.pop("model"))
+        if any(name not in skeleton.KNOWN_NAMES for name in fields):
+            return None
+        found = skeleton.from_fields(model, record.messages[:start] + tail, fields)
     except (msgspec.MsgspecError, ValueError, KeyError, TypeError, RecursionError):
         return None
-    del fields["messages"]
-    if any(name not in skeleton.KNOWN_NAMES for name in fields):
-        return None
-    messages = record.messages[:start] + tail
-    try:
-        found = skeleton.from_fields(model, messages, fields)
-    except (msgspec.MsgspecError, ValueError, TypeError):
-        return None
-    return Resumed(found, start, record, end + 1 if raw[end] == 44 else end)
+    return Resumed(found, start, record, end + 1 if comma else end)
 
 
 def canonical(messages: list) -> list[bytes] | None:

@@ -139,11 +139,26 @@ def decode(raw: bytes) -> Skeleton | None:
         return None
 
 
-def decode_messages(raw: Raw) -> list:
-    """A ``messages`` array's JSON text as the skeleton holds it (see :func:`decode`)."""
-    messages = _messages.decode(raw)
+_Rest = msgspec.defstruct(
+    "_Rest", [("messages", list[Message])]
+    + [(name, Raw | UnsetType, UNSET) for name in ("model", *KNOWN_FIELDS)],
+    forbid_unknown_fields=True)
+_rest = msgspec.json.Decoder(_Rest)
+
+
+def decode_rest(raw: bytes) -> tuple[list, dict]:
+    """The messages of a body's last part (``{"messages":[`` followed by the rest of a
+    body), as the skeleton holds them, and the other fields given there, raw. Raises
+    :class:`msgspec.DecodeError` for a field outside ``KNOWN_FIELDS``."""
+    rest: Any = _rest.decode(raw)
+    messages = rest.messages
     _expose(messages)
-    return messages
+    fields = {}
+    for name in rest.__struct_fields__[1:]:
+        item = getattr(rest, name)
+        if item is not UNSET:
+            fields[name] = item
+    return messages, fields
 
 
 def decode_model(raw) -> str:
