@@ -76,7 +76,7 @@ async def prepare_exchange(state: Preparation, *, method: str, path: str, query:
     """
     endpoint = ENDPOINTS[path]
     store = state.resume if endpoint == "messages" and backend is None else None
-    if store is None:
+    if store is None or len(raw_body) < store.min_bytes:
         return await _prepare(state, endpoint, method, path, query, headers, raw_body, key,
                               backend, parse_request(raw_body))
     session, decoded = resume.session_of(raw_body, headers, key.name if key else None)

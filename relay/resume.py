@@ -47,6 +47,7 @@ MESSAGE_BYTES = 400
 BLOCK_BYTES = 300
 MAX_SEEN = 4096  # sessions remembered as seen (a digest each: about 0.5 MB at most)
 LANES = 4  # conversations kept per session
+MIN_BYTES = 32 * 1024  # smaller requests cost less walked whole than resumed
 
 _fields = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _encoder = msgspec.json.Encoder()
@@ -151,8 +152,10 @@ class Store:
     bounded by ``budget`` bytes in all and a quarter of it per session, oldest evicted
     first."""
 
-    def __init__(self, budget: int):
+    def __init__(self, budget: int, min_bytes: int | None = None):
         self.budget = budget
+        # Below this a request is walked whole: its decode costs less than the bookkeeping.
+        self.min_bytes = MIN_BYTES if min_bytes is None else min_bytes
         self.records: collections.OrderedDict[tuple[str, int], Record] = \
             collections.OrderedDict()
         self.lanes: dict[str, list[int]] = {}

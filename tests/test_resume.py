@@ -40,11 +40,14 @@ def relay(pipeline=PIPELINE, plugins=None, resume_bytes=64 * 1024 * 1024, extra=
     config = config_module.parse(raw, {})
     chain = Chain(load_plugins(config.pipeline, extra=extra), config)
     asyncio.run(chain.startup(config))
+    state = Preparation(config, chain)
+    if state.resume is not None:
+        state.resume.min_bytes = 0  # the histories here are small
     if "portable" in pipeline:
         block = {"type": "thinking", "signature": FOREIGN}
         chain.pm.get_plugin("portable").provenance.record(
             [(portable.block_key(block), "other", "other-model")])
-    return Preparation(config, chain)
+    return state
 
 
 def headers(extra=None):
@@ -121,11 +124,12 @@ def test_a_resumed_request_is_the_full_walk_byte_for_byte(session):
         assert ours == theirs
 
 
-def conversation(turns: int, reuse: bool = False) -> list:
+def conversation(turns: int, reuse: bool = False, size: int = 0) -> list:
     messages = [user(text("start"))]
     for n in range(turns):
         tool_id = "toolu_0" if reuse and n % 3 == 2 else f"toolu_{n + 1}"
-        messages += [assistant(text("looking"), use(tool_id)), user(result(tool_id))]
+        messages += [assistant(text("looking"), use(tool_id)),
+                     user(result(tool_id, "done" + "." * size))]
     return messages
 
 
@@ -247,7 +251,8 @@ async def test_through_the_server_the_upstream_gets_what_the_full_walk_sends(rel
     pipeline = ["metrics", *PIPELINE]
     resuming = await relay_client(pipeline)
     whole = await relay_client(pipeline, server={"resume_bytes": 0})
-    messages = conversation(9, reuse=True)
+    # Results large enough that the later requests are worth resuming (resume.MIN_BYTES).
+    messages = conversation(12, reuse=True, size=5000)
     for n in range(3, len(messages) + 1, 2):
         answers = []
         for client in (resuming, whole):
@@ -263,3 +268,13 @@ async def test_through_the_server_the_upstream_gets_what_the_full_walk_sends(rel
     from relay.server import STATE
     assert resuming.server.app[STATE].resume.records  # and the session went on from them
     assert whole.server.app[STATE].resume is None
+
+
+def test_a_small_request_is_walked_whole_without_bookkeeping():
+    state = relay()
+    state.resume.min_bytes = resume.MIN_BYTES
+    messages = conversation(3)
+    for _ in range(3):
+        _, exchange = prepared(state, body(messages))
+        assert exchange.resume is None
+    assert not state.resume.records and not state.resume.seen
