@@ -286,12 +286,15 @@ class Metrics:
                 self.rewritten.labels(backend, direction).inc(count)
         for repair in exchange.repaired_by:
             self.repaired.labels(repair.step, repair.rule).inc(repair.count)
-        for entry in exchange.noted("dump", "queued", "dropped"):
-            self.dumps.labels(entry["action"]).inc()
-        for entry in exchange.noted("portable", "provenance missed"):
-            for missed in entry["counts"]:
-                self.provenance_missed.labels(missed["result"], missed["reason"]).inc(
-                    missed["count"])
+        # One pass over the timeline for what the dump and portable plugins note.
+        for entry in exchange.timeline:
+            step = entry.get("step")
+            if step == "dump" and entry.get("action") in ("queued", "dropped"):
+                self.dumps.labels(entry["action"]).inc()
+            elif step == "portable" and entry.get("action") == "provenance missed":
+                for missed in entry["counts"]:
+                    self.provenance_missed.labels(missed["result"], missed["reason"]).inc(
+                        missed["count"])
         for kind, name in exchange.rules_defer:
             self._child(self.deferred, kind, self._deferred_name(name)).inc()
         if exchange.outcome == Outcome.REJECTED and error is not None and error.plugin is not None:
