@@ -214,6 +214,7 @@ def _keep(exchange: Exchange, resuming: tuple, keeping: tuple) -> None:
         record = resume.Record(raw, count, context, messages, states, None, offsets,
                                old.before, old.array,
                                old.blocks + resume.blocks_in(messages[resumed.start:]))
+        record.after = resumed.after
     store.put(session, record)
 
 

@@ -125,7 +125,7 @@ class Record:
     """What the session's last request left for its next one."""
 
     __slots__ = ("raw", "count", "context", "messages", "states", "offsets", "before",
-                 "array", "pending", "size", "blocks")
+                 "array", "pending", "size", "blocks", "after")
 
     def __init__(self, raw: bytes, count: int, context: tuple, messages: list, states: dict,
                  pending: list[bytes] | None, offsets: dict | None, before, array: int,
@@ -144,6 +144,9 @@ class Record:
         self.array = array  # the offset where the messages array's first value starts
         self.blocks = blocks
         self.size = len(raw) + MESSAGE_BYTES * count + BLOCK_BYTES * blocks
+        # The top-level fields after "messages", as Raw values, once a resumed request has
+        # decoded them (the bytes after the messages array are then compared, not decoded).
+        self.after: dict | None = None
 
 
 class Store:
@@ -335,23 +338,37 @@ class Resumed:
     """A request decoded from a record: its skeleton (the record's first ``start`` messages,
     then the new ones), and where its new messages' bytes begin."""
 
-    __slots__ = ("skeleton", "start", "record", "offset")
+    __slots__ = ("skeleton", "start", "record", "offset", "after")
 
-    def __init__(self, skeleton_: skeleton.Skeleton, start: int, record: Record, offset: int):
+    def __init__(self, skeleton_: skeleton.Skeleton, start: int, record: Record, offset: int,
+                 after: dict):
         self.skeleton = skeleton_
         self.start = start
         self.record = record
         self.offset = offset
+        self.after = after
 
 
 def decode_from(record: Record, raw: bytes, start: int) -> Resumed | None:
     """The skeleton of ``raw`` resumed at boundary ``start`` of ``record``, or None when it
     cannot be held as one (then the full decode decides)."""
-    end = record.offsets[start]  # type: ignore[index]
+    offsets = record.offsets or {}
+    end = offsets[start]
     comma = raw[end] == 44  # ","
     try:
-        tail, after = skeleton.decode_rest(b'{"messages":[' + (raw[end + 1:] if comma
-                                                               else raw[end:]))
+        after = record.after
+        closing = offsets[record.count]  # the "]" of the record's messages
+        suffix = memoryview(record.raw)[closing:]
+        last = len(raw) - len(suffix)  # where this request's "]" is, if it ends the same
+        if after is not None and last >= end and raw.endswith(suffix):
+            # The fields after the messages are the same bytes: only the messages between
+            # are decoded.
+            tail = skeleton.decode_messages(b"[" + raw[end + 1:last] + b"]") if comma else []
+            if not comma and last != end:
+                return None
+        else:
+            tail, after = skeleton.decode_rest(b'{"messages":[' + (raw[end + 1:] if comma
+                                                                   else raw[end:]))
         before = record.before
         if any(name in before for name in after):
             return None  # a field given twice: the full decode decides which one counts
@@ -362,7 +379,7 @@ def decode_from(record: Record, raw: bytes, start: int) -> Resumed | None:
         found = skeleton.from_fields(model, record.messages[:start] + tail, fields)
     except (msgspec.MsgspecError, ValueError, KeyError, TypeError, RecursionError):
         return None
-    return Resumed(found, start, record, end + 1 if comma else end)
+    return Resumed(found, start, record, end + 1 if comma else end, after)
 
 
 def canonical(messages: list) -> list[bytes] | None:

@@ -146,6 +146,13 @@ _Rest = msgspec.defstruct(
 _rest = msgspec.json.Decoder(_Rest)
 
 
+def decode_messages(raw: bytes) -> list:
+    """A ``messages`` array's JSON text as the skeleton holds it (see :func:`decode`)."""
+    messages = _messages.decode(raw)
+    _expose(messages)
+    return messages
+
+
 def decode_rest(raw: bytes) -> tuple[list, dict]:
     """The messages of a body's last part (``{"messages":[`` followed by the rest of a
     body), as the skeleton holds them, and the other fields given there, raw. Raises
