@@ -166,6 +166,8 @@ def _resume(state: Preparation, exchange: Exchange, resuming: tuple | None):
         return None  # the session's first request: nothing is kept (see Store.wants)
     messages = exchange.messages or []
     count = len(messages)
+    if not count:
+        return None  # no boundary to keep
     chain = state.chain
     context = resume.context(exchange)
     if resumed is None:

@@ -109,7 +109,7 @@ class Resume:
         """This resume, for a plugin about to walk ``messages``; None (walk them whole, save
         nothing) when a plugin before it merged or dropped messages, which moves every
         boundary: a request resumed from one is then walked whole instead."""
-        if type(messages) is list and len(messages) == self.marks[-1]:
+        if type(messages) is list and self.marks and len(messages) == self.marks[-1]:
             return self
         if self.start:
             self.decline()

@@ -278,3 +278,9 @@ def test_a_small_request_is_walked_whole_without_bookkeeping():
         _, exchange = prepared(state, body(messages))
         assert exchange.resume is None
     assert not state.resume.records and not state.resume.seen
+
+
+def test_a_request_without_messages_is_judged_as_before():
+    state, whole = relay(), relay(resume_bytes=0)
+    for raw in (body([]), body([]), body([user(text("hi"))])):
+        assert prepared(state, raw)[0] == prepared(whole, raw)[0]
