@@ -186,22 +186,24 @@ def _resume(state: Preparation, exchange: Exchange, resuming: tuple | None):
     # before any plugin changes them.
     encoded = resume.canonical(messages[start:] if resumed is not None
                                else messages[max(count - resume.MARKS + 1, 0):])
-    return context, count, encoded, chain.walkers
+    return context, count, encoded
 
 
 def _keep(exchange: Exchange, resuming: tuple, keeping: tuple) -> None:
     """Keep what this request's chain left, for the session's next request."""
     store, session, resumed = resuming
-    context, count, encoded, walkers = keeping
+    context, count, encoded = keeping
     messages = exchange.messages
     saved = exchange.resume.saved if exchange.resume is not None else {}
     # Kept only when the chain left the request a skeleton of the same messages, each
-    # position still the client's (nothing merged or dropped), and every plugin that walks
-    # requests can go on from a boundary.
+    # position still the client's (nothing merged or dropped), and at a boundary where
+    # every plugin that keeps a state (saved one anywhere) saved it.
     if (encoded is None or exchange._skeleton is None or messages is None
             or len(messages) != count or not saved):
         return
-    states = {index: found for index, found in saved.items() if walkers <= found.keys()}
+    keeping_state = set().union(*(found.keys() for found in saved.values()))
+    states = {index: found for index, found in saved.items()
+              if keeping_state <= found.keys()}
     if not states:
         return
     raw = exchange.raw_body

@@ -84,8 +84,9 @@ class Resume:
         self._position = position or {}
 
     def state(self, plugin: str):
-        """What ``plugin`` saved at ``start`` (None on a full walk); the plugin's to change,
-        since a record is used once."""
+        """What ``plugin`` saved at ``start``: None on a full walk, and when it saved
+        nothing in the request resumed from (a plugin that keeps a state walks whole or
+        declines then); the plugin's to change, since a record is used once."""
         found = self._states.get(plugin)
         return found[0] if found is not None else None
 

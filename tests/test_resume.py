@@ -208,6 +208,27 @@ class Walker:
         Walker.seen.append(len(exchange.messages))
 
 
+class Stateless:
+    """A plugin whose request hook reads no history: it opts in and does nothing more."""
+
+    RESUMABLE = True
+    models: list = []
+
+    @hookimpl
+    def relay_request(self, exchange):
+        Stateless.models.append(exchange.model)
+
+
+def test_a_plugin_that_reads_no_history_opts_in_and_need_do_nothing_more():
+    state = relay(pipeline=["stateless", *PIPELINE], extra={"stateless": Stateless})
+    messages = conversation(4)
+    starts = []
+    for n in range(3, len(messages) + 1, 2):
+        _, exchange = prepared(state, body(messages[:n]))
+        starts.append(exchange.resume.start if exchange.resume is not None else None)
+    assert starts == [None, 0, 5, 7] and len(Stateless.models) == 4
+
+
 def test_a_plugin_that_does_not_opt_in_gets_every_request_whole():
     state = relay(pipeline=[*PIPELINE, "walker"], extra={"walker": Walker})
     assert state.resume is None
