@@ -40,6 +40,7 @@ class Load:
         self.idle_release: asyncio.Event | None = None
 
     runs = 0
+    turns: dict = {}  # (url, connection) -> the growing session's next turn
 
     def session(self, base: str) -> aiohttp.ClientSession:
         session = self.sessions.get(base)
@@ -76,13 +77,16 @@ class Load:
             headers = base
             if sessions == "grow":  # one session per connection, the same in every run
                 headers = {**base, workloads.SESSION_HEADER: f"bench-{cmd['url']}-{worker}"}
-            turn = 0
+            # A session goes on where its last run left it, not from its first turn again.
+            where = (cmd["url"], worker)
+            turn = self.turns.get(where, 0)
             while issued < count and perf_counter() < deadline:
                 issued += 1
                 if sessions == "fresh":
                     headers = {**base, workloads.SESSION_HEADER: f"bench-{run}-{issued}"}
                 body = bodies[turn % len(bodies)]
                 turn += 1
+                self.turns[where] = turn
                 t0 = perf_counter()
                 try:
                     async with session.post(url, data=body, headers=headers) as response:
