@@ -10,6 +10,7 @@ JS_CLIENTS := ai@6.0.325 @ai-sdk/anthropic@3.0.140 @anthropic-ai/sdk@1.14.0 zod@
 # Named after the pins, so that changing one installs again.
 JS_CLIENTS_STAMP := .e2e/.js-clients-$(shell echo '$(JS_CLIENTS)' | cksum | cut -d' ' -f1)
 HAPROXY := /usr/sbin/haproxy
+REDIS := /usr/bin/redis-server
 PYTEST_ARGS ?=
 # The tiers (setup.cfg's markers): the fast one starts no process (tests/conftest.py refuses
 # it) and is what `make check` runs; the rest is what only `make test` adds.
@@ -46,6 +47,14 @@ $(HAPROXY):
 	@DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends haproxy >/dev/null
 	@$(HAPROXY) -v | head -1
 
+# redis-server, for the shared state's tests (each starts its own on loopback): Debian's package.
+$(REDIS):
+	@command -v apt-get >/dev/null || { echo "redis-server is required for the shared-state tests: install it (Debian/Ubuntu: apt-get install redis-server)" >&2; exit 1; }
+	@echo "installing redis-server from Debian's packages"
+	@apt-get update -qq >/dev/null
+	@DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >/dev/null
+	@$(REDIS) --version
+
 run: $(VENV)/.installed
 	$(PY) -m relay --config relay.yaml
 
@@ -64,7 +73,7 @@ check: $(VENV)/.installed
 	$(PY) -m pytest -q $(FAST_TIER) $(PYTEST_ARGS)
 
 # `make check` first; then the tiers it leaves out, so no test runs twice.
-test: $(VENV)/.installed check $(CLAUDE) $(JS_CLIENTS_STAMP) $(HAPROXY)
+test: $(VENV)/.installed check $(CLAUDE) $(JS_CLIENTS_STAMP) $(HAPROXY) $(REDIS)
 	RELAY_CLAUDE=$(abspath $(CLAUDE)) $(PY) -m pytest $(SLOW_TIER) $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-example test-min docs
 
@@ -90,18 +99,20 @@ test-min: $(MIN_VENV)/.installed
 		tests/test_security.py tests/test_upstream.py tests/test_hooks.py tests/test_skeleton.py \
 		tests/test_sse.py tests/test_options.py
 
-unit: $(VENV)/.installed $(HAPROXY)
+unit: $(VENV)/.installed $(HAPROXY) $(REDIS)
 	$(PY) -m pytest -m "not e2e" $(PYTEST_ARGS)
 
-e2e: $(VENV)/.installed $(CLAUDE) $(JS_CLIENTS_STAMP) $(HAPROXY)
+e2e: $(VENV)/.installed $(CLAUDE) $(JS_CLIENTS_STAMP) $(HAPROXY) $(REDIS)
 	RELAY_CLAUDE=$(abspath $(CLAUDE)) $(PY) -m pytest -m e2e $(PYTEST_ARGS)
 
 bench: $(VENV)/.installed
 	$(PY) tests/bench/run.py
 
-# Loopback only, bounded, stops by itself (about four minutes); not part of `make test`.
-load: $(VENV)/.installed
+# Loopback only, bounded, stops by itself (about 35 minutes: the soak over SQLite, then over
+# Redis); not part of `make test`.
+load: $(VENV)/.installed $(REDIS)
 	$(PY) tests/load/run.py
+	$(PY) tests/load/run.py --only soak --state redis --out-dir .load/redis
 
 # The docs site (mkdocs.yml), built strictly: a broken link or a generated part that fails
 # stops the build. Into .site/, never committed.
@@ -110,6 +121,18 @@ docs: $(VENV)/.installed
 
 demo: $(VENV)/.installed
 	$(PY) -m relay.demo
+
+PROMETHEUS := /usr/bin/prometheus
+# Prometheus, for the Grafana dashboard's test (every query run against a real scrape of a
+# relay): Debian's package. The test starts its own on loopback; the service is not used.
+$(PROMETHEUS):
+	@command -v apt-get >/dev/null || { echo "Prometheus is required for the dashboard test: install it (Debian/Ubuntu: apt-get install prometheus)" >&2; exit 1; }
+	@echo "installing prometheus from Debian's packages"
+	@apt-get update -qq >/dev/null
+	@DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+	@$(PROMETHEUS) --version | head -1
+
+test unit: $(PROMETHEUS)
 
 # Never dumps: they are an operator's record of failures, not build output.
 clean:

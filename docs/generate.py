@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 MARKER = re.compile(r"^<!-- generated: ([a-z_]+) -->$", re.MULTILINE)
 # Built-in plugins in the shipped pipeline's order; each is documented by its module
 # docstring and its declared options.
-BUILTINS = ("metrics", "dedup", "pairing", "ordering", "portable", "dump")
+BUILTINS = ("limits", "usage", "metrics", "cache", "dedup", "pairing", "ordering",
+            "portable", "dump")
 
 _ROLE = re.compile(r":(?:class|func|meth|mod|attr|data|exc):`~?([^`]+)`")
 
@@ -144,9 +145,20 @@ def server_options() -> str:
                            ("Each of `server.auth.keys`", config.KEY_OPTIONS),
                            ("Each of `backends`", config.BACKEND_OPTIONS),
                            ("A backend's `timeouts`", config.TIMEOUT_OPTIONS),
-                           ("A backend's `retries`", config.RETRY_OPTIONS)):
+                           ("A backend's `retries`", config.RETRY_OPTIONS),
+                           ("Each of a backend's `credentials`", config.CREDENTIAL_OPTIONS),
+                           ("A backend's `pool`", config.POOL_OPTIONS),
+                           ("`state` (see [Shared state](state.md))", config.STATE_OPTIONS)):
         parts += [f"{title}:", "", markdown_table(options, quirks=False), ""]
     return "\n".join(parts)
+
+
+def telemetry_options() -> str:
+    """relay.yaml's ``telemetry:`` section, from its declarations."""
+    from relay import telemetry
+    from relay.options import markdown_table
+
+    return markdown_table(telemetry.OPTIONS, quirks=False)
 
 
 def _plugin(name: str):
@@ -189,7 +201,8 @@ def rules() -> str:
 
 
 PARTS = {"hookspecs": hookspecs, "exchange": exchange, "options": options,
-         "server_options": server_options, "plugins": plugins, "rules": rules}
+         "server_options": server_options, "plugins": plugins, "rules": rules,
+         "telemetry_options": telemetry_options}
 
 
 def on_page_markdown(markdown_text: str, page, config, files) -> str:

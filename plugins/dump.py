@@ -49,11 +49,12 @@ Secrets never reach the disk. Every header whose name suggests a credential (see
 ``anthropic-api-key``, ``x-goog-api-key``, ``x-auth-token``, ...) is redacted wherever headers
 are recorded, whatever its value, and so is such a query parameter, and the password of a URL.
 Elsewhere in the document (bodies, the translation table, the timeline) every occurrence of
-such a value or of a backend's ``api_key`` is replaced by ``[redacted]`` too, but only for
-secrets of at least ``MIN_SECRET_LENGTH`` (16) characters, and never inside a JSON key: a short
-value cannot be told apart from ordinary text (a client key ``e`` would turn every "e" of the
-dump, its keys included, into ``[redacted]`` and leave nothing to read or replay), and a
-credential that short protects nothing anyway. Real API keys and tokens are far longer, and a
+such a value or of a backend's key (its ``api_key_env``, each of its ``credentials``) is
+replaced by ``[redacted]`` too, but only for secrets of at least ``MIN_SECRET_LENGTH`` (16)
+characters, and never inside a JSON key: a short value cannot be told apart from ordinary
+text (a client key ``e`` would turn every "e" of the dump, its keys included, into
+``[redacted]`` and leave nothing to read or replay), and a credential that short protects
+nothing anyway. Real API keys and tokens are far longer, and a
 16-character random string does not turn up by chance.
 
 The plugin is a class: the host makes one instance per plugin manager, that is per running
@@ -437,7 +438,10 @@ class Dump:
     def relay_startup(self, config, options):
         self.settings = settings = parse_options(options)
         self.config_doc = record.config_document(config)
-        self.secrets = {backend.api_key for backend in config.backends if backend.api_key}
+        self.secrets = {key for backend in config.backends
+                        for key in (backend.api_key,
+                                    *(credential.key for credential in backend.credentials))
+                        if key}
         self.retention = Retention(settings.dir, settings.max_files, settings.max_bytes)
         if self.executor is None:
             self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="relay-dump")

@@ -3,8 +3,9 @@
 Everything here is read off the finished exchange (:class:`relay.exchange.Exchange`) in
 ``relay_exchange_end``, plus one gauge for the streams open now: the plugin needs nothing
 from the host but the record. Labels are only what the operator's configuration bounds
-(backend names, inbound key names, endpoints, statuses, plugin and rule names), never a
-value the client chooses, such as a model name.
+(backend names, inbound key names, endpoints, statuses, plugin and rule names), or a value
+the client chooses held to a few distinct names, the rest counted as ``other`` (the model
+of the token and cost counters, from ``exchange.usage``, which the usage plugin sets).
 
 With several worker processes (``relay serve --workers N``) the metrics go through
 prometheus-client's multi-process mode: each worker writes its values under
@@ -18,8 +19,10 @@ client's relay key, since every backend's and every key's traffic is in it. Only
 neither inbound keys nor either of those serves it to anyone who passes the Host check, as it
 serves every route then.
 
-Put ``metrics`` first in ``pipeline:``: end hooks run in reverse order, so it then sees what
-every other plugin noted (the dump plugin's queued and dropped dumps, say).
+Put ``metrics`` before the other plugins in ``pipeline:`` (only ``limits`` and ``usage``, which
+set what it counts before any end hook runs, go before it): end hooks run in reverse order,
+so it then sees what every later plugin noted (the dump plugin's queued and dropped dumps,
+say).
 
 Options: see ``Metrics.OPTIONS``.
 """
@@ -43,6 +46,7 @@ from relay.exchange import Outcome
 from relay.hookspecs import hookimpl
 from relay.inbound import AdminRoute
 from relay.options import Option
+from relay.state import State
 
 log = logging.getLogger("relay.plugins.metrics")
 
@@ -139,6 +143,13 @@ MIN_KEY_CHARS = 16  # as for relay keys
 # their own label, the rest count as "other", so that no client can grow the label set.
 NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
 MAX_NAMES = 32
+MODEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@\[\]-]{0,127}")
+MAX_MODELS = 32
+# The Usage fields counted in relay_tokens_total, by their ``kind`` label.
+TOKEN_KINDS = (("input", "input_tokens"), ("output", "output_tokens"),
+               ("cache_read", "cache_read_input_tokens"),
+               ("cache_write_5m", "cache_write_5m_input_tokens"),
+               ("cache_write_1h", "cache_write_1h_input_tokens"))
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
@@ -147,10 +158,13 @@ class Metrics:
 
     def __init__(self):
         self.registry = CollectorRegistry()  # replaced at start-up; empty until then
+        self.state = State()  # the host's, from start-up
+        self.state_unavailable_seen = 0
         self.path = "/metrics"
         self.children: dict = {}
         self.scrape_keys: tuple[InboundKey, ...] = ()
         self.deferred_names: set[str] = set()
+        self.model_names: set[str] = set()
 
     OPTIONS = (Option("path", str, "/metrics", "where the metrics are served",
                       check=lambda path: None if path.startswith("/") and " " not in path
@@ -160,7 +174,9 @@ class Metrics:
                       "(a scraper's), besides the admin key; never a client's relay key"))
 
     @hookimpl
-    def relay_startup(self, config, options):
+    def relay_startup(self, config, options, state):
+        self.state = state
+        self.state_unavailable_seen = 0
         self.path = options["path"]
         self.scrape_keys = scrape_keys(options["scrape_key_env"], config)
         registry = self.registry = CollectorRegistry()
@@ -168,6 +184,9 @@ class Metrics:
             "relay_requests", "Exchanges answered, by backend, inbound key, endpoint, status, "
             "stream and outcome.", ["backend", "key", "endpoint", "status", "stream", "outcome"],
             registry=registry)
+        self.state_unavailable = Counter(
+            "relay_state_unavailable", "Calls to the shared state (state.url) that found it "
+            "unreachable, by its kind.", ["store"], registry=registry)
         self.upstream_latency = Histogram(
             "relay_upstream_latency_seconds", "From sending a request upstream to its answer's "
             "headers (each attempt).", ["backend"], buckets=BUCKETS, registry=registry)
@@ -204,8 +223,56 @@ class Metrics:
             "relay_provenance_missed", "Thinking blocks the portable plugin's record on disk "
             "could not write (not_recorded) or read (not_known), by reason (locked, full, ...).",
             ["result", "reason"], registry=registry)
+        self.tokens = Counter(
+            "relay_tokens", "Tokens the upstreams reported, by backend, inbound key, model "
+            f"(the first {MAX_MODELS} names seen, then other) and kind (input, output, "
+            "cache_read, cache_write_5m, cache_write_1h).", ["backend", "key", "model", "kind"],
+            registry=registry)
+        self.cost = Counter(
+            "relay_cost_micro_usd", "What the reported usage cost by the usage plugin's "
+            "prices, in micro-dollars, by backend, inbound key and model.",
+            ["backend", "key", "model"], registry=registry)
+        self.unpriced = Counter(
+            "relay_usage_unpriced", "Exchanges whose usage no price matched: counted in "
+            "tokens, not in cost.", ["backend", "key", "model"], registry=registry)
         self.auth_failures = Counter(
             "relay_auth_failures", "Requests refused for a missing or wrong relay key.",
+            registry=registry)
+        # A backend's pool of credentials (relay.pools): names from relay.yaml only.
+        self.credential_requests = Counter(
+            "relay_credential_requests", "Attempts sent with each pooled credential, by the "
+            "upstream's status (- when none came).", ["backend", "credential", "status"],
+            registry=registry)
+        self.credential_cooldown = Counter(
+            "relay_credential_cooldown_seconds", "Seconds of cooldown put on each pooled "
+            "credential (429, 529, connection failures).", ["backend", "credential"],
+            registry=registry)
+        self.credential_out = Counter(
+            "relay_credential_out", "Times a pooled credential was taken out (401, 403).",
+            ["backend", "credential"], registry=registry)
+        self.sessions_placed = Counter(
+            "relay_credential_sessions_placed", "New sessions placed on each pooled credential.",
+            ["backend", "credential"], registry=registry)
+        self.sessions_moved = Counter(
+            "relay_credential_sessions_moved", "Sessions moved off a pooled credential that was "
+            "cooling or out (each move costs the session a prompt-cache miss).",
+            ["backend", "credential", "to"], registry=registry)
+        self.credential_tokens = Counter(
+            "relay_credential_tokens", "Tokens of the answers each pooled credential got, by "
+            "kind (where the usage plugin runs).", ["backend", "credential", "kind"],
+            registry=registry)
+        self.credential_cost = Counter(
+            "relay_credential_cost_micro_usd", "What the answers each pooled credential got "
+            "cost, in millionths of a US dollar (where the usage plugin prices them).",
+            ["backend", "credential"], registry=registry)
+        # The prompt cache, from the cache plugin's exchange.cache (its causes are a closed
+        # set of the relay's words).
+        self.cache_breaks = Counter(
+            "relay_cache_breaks", "Requests whose prompt-cache prefix no longer matched the "
+            "session's previous request, by cause.", ["cause"], registry=registry)
+        self.cache_tokens = Counter(
+            "relay_cache_input_tokens", "Input tokens by what the prompt cache did with them "
+            "(read, written, fresh), per backend and inbound key.", ["backend", "key", "kind"],
             registry=registry)
 
     def _child(self, metric, *labels):
@@ -224,6 +291,27 @@ class Metrics:
             self.deferred_names.add(name)
             return name
         return "other"
+
+    def _model_name(self, name: str | None) -> str:
+        if name is None:
+            return "-"
+        if name in self.model_names:
+            return name
+        if len(self.model_names) < MAX_MODELS and MODEL.fullmatch(name):
+            self.model_names.add(name)
+            return name
+        return "other"
+
+    def _usage(self, used, backend: str, key: str, model: str | None) -> None:
+        model = self._model_name(model)
+        for kind, name in TOKEN_KINDS:
+            count = getattr(used, name)
+            if count:
+                self._child(self.tokens, backend, key, model, kind).inc(count)
+        if used.cost_micro_usd is None:
+            self._child(self.unpriced, backend, key, model).inc()
+        elif used.cost_micro_usd:
+            self._child(self.cost, backend, key, model).inc(used.cost_micro_usd)
 
     @hookimpl
     def relay_shutdown(self):
@@ -253,6 +341,12 @@ class Metrics:
     def relay_exchange_end(self, exchange):
         if exchange.state.pop(PLUGIN, False):
             self.active_streams.dec()
+        # The state counts its own failures; what it counted since the last exchange.
+        unavailable = self.state.unavailable_count
+        if unavailable > self.state_unavailable_seen:
+            self.state_unavailable.labels(self.state.kind).inc(
+                unavailable - self.state_unavailable_seen)
+            self.state_unavailable_seen = unavailable
         backend = exchange.backend.name if exchange.backend is not None else "-"
         answer = exchange.answer
         stream = "true" if answer is not None and answer.stream else "false"
@@ -268,8 +362,14 @@ class Metrics:
             if error is not None and error.status == 401:
                 self.auth_failures.inc()
             return
+        used = getattr(exchange, "usage", None)
+        if used is not None:
+            self._usage(used, backend, exchange.key_name or "-", exchange.model)
         previous = None
         for attempt in exchange.attempts:
+            if attempt.credential is not None:
+                self._child(self.credential_requests, attempt.backend, attempt.credential,
+                            str(attempt.status) if attempt.status is not None else "-").inc()
             if attempt.status is not None:
                 self._child(self.upstream_latency, attempt.backend).observe(attempt.seconds)
             if attempt.backend == previous:
@@ -295,10 +395,50 @@ class Metrics:
                 for missed in entry["counts"]:
                     self.provenance_missed.labels(missed["result"], missed["reason"]).inc(
                         missed["count"])
+        if exchange.credential is not None:
+            self._credentials(exchange)
         for kind, name in exchange.rules_defer:
             self._child(self.deferred, kind, self._deferred_name(name)).inc()
         if exchange.outcome == Outcome.REJECTED and error is not None and error.plugin is not None:
             self.refused.labels(error.plugin, error.rule or error.plugin).inc()
+        cache = exchange.cache
+        if cache:
+            if cache.get("status") == "miss":
+                self._child(self.cache_breaks, str(cache.get("cause"))).inc()
+            for kind in ("read", "written", "fresh"):
+                tokens = cache.get(f"{kind}_input_tokens")
+                if tokens:
+                    self._child(self.cache_tokens, backend, exchange.key_name or "-",
+                                kind).inc(tokens)
+
+
+    def _credentials(self, exchange) -> None:
+        """What a pool noted on the exchange (relay.pools) and the usage it was answered
+        with, per credential."""
+        for entry in exchange.noted("relay", "credential placed", "credential moved",
+                                    "credential cooling", "credential backoff",
+                                    "credential out"):
+            backend, credential, action = entry["backend"], entry["credential"], entry["action"]
+            if action == "credential placed":
+                self._child(self.sessions_placed, backend, credential).inc()
+            elif action == "credential moved":
+                self._child(self.sessions_moved, backend, credential, entry["to"]).inc()
+            elif action == "credential out":
+                self._child(self.credential_out, backend, credential).inc()
+            else:
+                self._child(self.credential_cooldown, backend, credential).inc(entry["seconds"])
+        usage = getattr(exchange, "usage", None)
+        if usage is not None and exchange.backend is not None:
+            for kind in ("input_tokens", "output_tokens", "cache_read_input_tokens",
+                         "cache_write_5m_input_tokens", "cache_write_1h_input_tokens"):
+                count = getattr(usage, kind, 0)
+                if count:
+                    self._child(self.credential_tokens, exchange.backend.name,
+                                exchange.credential, kind).inc(count)
+            cost = getattr(usage, "cost_micro_usd", None)
+            if cost:
+                self._child(self.credential_cost, exchange.backend.name,
+                            exchange.credential).inc(cost)
 
 
 def collect_processes() -> bytes:

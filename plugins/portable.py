@@ -38,12 +38,16 @@ will really go up) and makes the history fit that backend:
   that switch are counted in ``x-relay-repairs`` and noted on the timeline; id translations
   are counted in ``x-relay-rewrites``.
 
-The record is bounded (``provenance_rows``) and lives in process memory, or in a SQLite file
-(``provenance_db``) that survives a restart and is shared by every worker and replica on the
-same host. A replica that has no record of a block sends it as it is. The file is checked at
-start-up and never waited for on the event loop (see :class:`Provenance`); what it could not
-record or tell is logged once a minute at most per condition, and counted on the timeline of
-the next exchange that ends (``provenance missed``), where the metrics plugin reads it.
+The record lives in the relay's shared state when there is one (``state.url``: one SQLite
+file for the workers of a host, Redis for replicas on several hosts, so that a session
+crossing backends through different replicas keeps its thinking valid), each block kept
+``SHARED_DAYS`` days; else in process memory (``provenance_rows`` blocks). The older
+``provenance_db`` (a SQLite file of its own, for the workers and replicas of one host) still
+works and then wins; ``state.url`` replaces it. A replica that has no record of a block sends
+it as it is. The record is never waited for on the event loop past ``LOOKUP_SECONDS`` (see
+:class:`Provenance`); what it could not record or tell is logged once a minute at most per
+condition, and counted on the timeline of the next exchange that ends (``provenance
+missed``), where the metrics plugin reads it.
 
 Options (plugin options or backend quirks): see ``OPTIONS``.
 """
@@ -69,6 +73,7 @@ from relay import skeleton
 from relay.errors import ConfigError
 from relay.hookspecs import hookimpl
 from relay.options import Option
+from relay.state import State, Unavailable
 
 PLUGIN = "portable"
 RAW_IDS = "portable.raw"  # exchange.state: the tool_use ids the client holds outside the grammar
@@ -88,6 +93,10 @@ MAX_READS = 32
 CACHE_ROWS = 10000
 WRITE_QUEUE = 1024
 WRITE_BATCH = 64
+# In the shared state, each block's issuer is kept this long (a session resumed later than
+# that sends its thinking as it is, which is what a relay without the record does).
+SHARED_NAMESPACE = "provenance"
+SHARED_DAYS = 7
 # A condition (a held lock, a full disk) is logged once, then again at most this often.
 WARN_EVERY = 60.0
 # Why the record could not be written or read: the metric's reason label, and the log's words.
@@ -101,6 +110,7 @@ REASONS = {
     "queue": "too many records wait for the writer",
     "busy": "too many reads wait already",
     "slow": f"no answer within {LOOKUP_SECONDS} s",
+    "unreachable": "the shared state (state.url) cannot be reached",
     "error": "SQLite failed",
 }
 # SQLite's primary result codes (https://sqlite.org/rescode.html), and the words of the
@@ -132,8 +142,9 @@ OPTIONS = (
            "who a signature is valid for: the model that made it, or any model of its backend",
            choices=("model", "backend"), quirk=True),
     Option("provenance_db", str, "",
-           "the SQLite file recording which backend and model issued each thinking block; "
-           "empty: process memory only (lost on restart, not shared between workers)"),
+           "deprecated (set `state.url`, which holds the record then): a SQLite file of its "
+           "own recording which backend and model issued each thinking block; empty: the "
+           "shared state, or without one process memory only"),
     Option("provenance_rows", int, 100000,
            "how many thinking blocks the record keeps (the oldest go first)",
            check=lambda n: None if n > 0 else "must be positive"),
@@ -326,7 +337,10 @@ def reason_of(error: Exception) -> str:
 class Provenance:
     """Which backend and model issued each thinking block, bounded to ``rows`` entries.
 
-    Without ``path`` the record is this process's memory. With one, it is a SQLite file, and
+    Without ``path`` the record is the shared ``state`` (a :class:`relay.state.State` other
+    than memory: SQLite, Redis), in namespace ``provenance``, written by a task of its own
+    from a bounded queue and read with a deadline, with a memory cache in front; without
+    either, this process's memory. With ``path``, it is a SQLite file, and
     the event loop never waits for it: writes go to a thread of their own through a bounded
     queue, reads to another with a deadline, every statement gives up on a lock after
     ``BUSY_SECONDS``, and what this process wrote or read is kept in memory (bounded too), so
@@ -335,11 +349,15 @@ class Provenance:
     client sent it, which is what a replica without the record does anyway.
     """
 
-    def __init__(self, path: str = "", rows: int = 100000):
+    def __init__(self, path: str = "", rows: int = 100000, state: State | None = None):
         self.path = path
         self.rows = rows
-        # Without a file, memory is the record; with one, a cache of it.
-        self.memory_rows = min(rows, CACHE_ROWS) if path else rows
+        self.shared = state if not path and state is not None and state.kind != "memory" \
+            else None
+        # Without a file or a shared state, memory is the record; with one, a cache of it.
+        self.memory_rows = min(rows, CACHE_ROWS) if path or self.shared else rows
+        self._shares: collections.deque = collections.deque()  # records for the state
+        self._sharer: asyncio.Task | None = None
         self.memory: collections.OrderedDict[str, tuple[str, str]] = collections.OrderedDict()
         self.trouble = Trouble()
         self._writes: queue.Queue = queue.Queue(maxsize=WRITE_QUEUE)
@@ -396,6 +414,9 @@ class Provenance:
             return
         for key, backend, model in entries:
             self._remember(key, (backend, model))
+        if self.shared is not None:
+            self._share(entries)
+            return
         if not self.path:
             return
         if self._writer is None:
@@ -417,13 +438,15 @@ class Provenance:
                 found[key] = issuer
             else:
                 missing.append(key)
-        return found, (missing if self.path else [])
+        return found, (missing if self.path or self.shared else [])
 
     async def lookup(self, keys) -> dict[str, tuple[str, str]]:
         """Who issued each of ``keys``, as far as is known within ``LOOKUP_SECONDS``."""
         found, missing = self.known(keys)
         if not missing:
             return found
+        if self.shared is not None:
+            return await self._look_up_shared(found, missing)
         # A read given up on may still be queued or running (a slow disk): those count too,
         # until the thread is done with them, so the reader's queue stays bounded.
         with self._reads_lock:
@@ -455,6 +478,66 @@ class Provenance:
     def _read_done(self, _job) -> None:
         with self._reads_lock:
             self._reads -= 1
+
+    # --- the shared state ---
+
+    def _share(self, entries: list[tuple[str, str, str]]) -> None:
+        if len(self._shares) >= WRITE_QUEUE:
+            self.trouble.report("not_recorded", "queue", len(entries))
+            return
+        self._shares.append(entries)
+        if self._sharer is None or self._sharer.done():
+            self._sharer = asyncio.get_running_loop().create_task(self._share_loop())
+
+    async def _share_loop(self) -> None:
+        assert self.shared is not None
+        while self._shares:
+            batch: dict[str, bytes] = {}
+            while self._shares and len(batch) < WRITE_BATCH:
+                for key, backend, model in self._shares.popleft():
+                    batch[key] = f"{backend}\0{model}".encode()
+            try:
+                await self.shared.put(SHARED_NAMESPACE, batch, SHARED_DAYS * 86400)
+            except Unavailable as e:
+                self.trouble.report("not_recorded", "unreachable", len(batch), str(e))
+            except Exception as e:  # a value the state could not take: the task goes on
+                self.trouble.report("not_recorded", "error", len(batch), str(e))
+
+    async def _look_up_shared(self, found: dict[str, tuple[str, str]], missing: list[str]
+                              ) -> dict[str, tuple[str, str]]:
+        assert self.shared is not None
+        if self._reads >= MAX_READS:
+            self.trouble.report("not_known", "busy", len(missing))
+            return found
+        self._reads += 1
+        try:
+            values = await asyncio.wait_for(self.shared.get(SHARED_NAMESPACE, missing),
+                                            LOOKUP_SECONDS)
+        except asyncio.TimeoutError:
+            self.trouble.report("not_known", "slow", len(missing))
+            return found
+        except Unavailable as e:
+            self.trouble.report("not_known", "unreachable", len(missing), str(e))
+            return found
+        except Exception as e:  # a state that failed otherwise: the blocks go as they are
+            self.trouble.report("not_known", "error", len(missing), str(e))
+            return found
+        finally:
+            self._reads -= 1
+        for key, value in zip(missing, values, strict=True):
+            if value is not None:
+                backend, _, model = value.decode().partition("\0")
+                self._remember(key, (backend, model))
+                found[key] = (backend, model)
+        return found
+
+    async def drain(self, timeout: float) -> None:
+        """Give the records still queued for the shared state ``timeout`` seconds to land."""
+        if self._sharer is not None and not self._sharer.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(self._sharer), timeout)
+            except asyncio.TimeoutError:
+                self._sharer.cancel()
 
     # --- the threads ---
 
@@ -759,10 +842,10 @@ class Portable:
         self.recording = True  # until relay_startup knows the backends
 
     @hookimpl
-    def relay_startup(self, config, options):
+    def relay_startup(self, config, options, state):
         self.provenance.close()
         path = options.get("provenance_db") or ""
-        provenance = Provenance(path, options.get("provenance_rows") or 100000)
+        provenance = Provenance(path, options.get("provenance_rows") or 100000, state)
         if path:
             # Once, before the first request: a directory that is missing or a file that is
             # no database is the operator's to fix, not a warning per request later.
@@ -771,11 +854,13 @@ class Portable:
         # Who issued a thinking block matters only where there is another backend to carry it
         # to, now or after a restart with another configuration (a record kept on disk): else
         # recording would cost every thinking stream its deltas' framing for nothing.
-        self.recording = len(config.backends) > 1 or bool(path)
+        self.recording = len(config.backends) > 1 or bool(path) or provenance.shared is not None
 
     @hookimpl
     async def relay_shutdown(self):
-        # The records still queued get a moment to land, waited for off the loop.
+        # The records still queued get a moment to land (before the host closes the state),
+        # waited for off the loop.
+        await self.provenance.drain(SHUTDOWN_SECONDS)
         await asyncio.get_running_loop().run_in_executor(None, self.provenance.close,
                                                          SHUTDOWN_SECONDS)
 

@@ -1,4 +1,4 @@
-"""Command line: serve (the default), emulate, validate, replay."""
+"""Command line: serve (the default), emulate, validate, replay, usage."""
 
 from __future__ import annotations
 
@@ -12,14 +12,15 @@ from . import __version__, logs, validate
 from . import config as config_module
 from .chain import Chain, load_plugins
 from .errors import ConfigError
+from .state import warn_if_per_process
 
-COMMANDS = ("serve", "emulate", "validate", "replay")
+COMMANDS = ("serve", "emulate", "validate", "replay", "usage", "keys", "backends")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="relay", usage="relay [serve] [--config relay.yaml] [--host H] [--port P]\n"
-                            "       relay {emulate,validate,replay} ...",
+                            "       relay {emulate,validate,replay,usage,keys,backends} ...",
         description="A relay for Anthropic's Messages API that repairs tool-use faults on the "
                     "way through.",
         epilog="Without a command, relay serves: --config names relay.yaml (default: "
@@ -42,6 +43,19 @@ def build_parser() -> argparse.ArgumentParser:
     from . import replay
     replay_parser = commands.add_parser("replay", help="rebuild a dumped exchange and compare")
     replay.add_arguments(replay_parser)
+
+    from . import usage
+    usage_parser = commands.add_parser("usage", help="what each key used and cost, from the "
+                                                     "ledger")
+    usage.add_arguments(usage_parser)
+
+    from . import keys
+    keys_parser = commands.add_parser(
+        "keys", help="make, list, change and revoke the relay's own keys while it serves")
+    keys.add_arguments(keys_parser)
+    from . import pools
+    pools.add_arguments(commands.add_parser(
+        "backends", help="each pooled upstream credential's state (healthy, cooling, out)"))
     return parser
 
 
@@ -74,6 +88,15 @@ def main(argv: list[str] | None = None) -> int:
         return emulators[args.format].main(args)
     if args.command == "validate":
         return validate.main(args)
+    if args.command == "usage":
+        from . import usage
+        return usage.main(args)
+    if args.command == "keys":
+        from . import keys
+        return keys.main(args)
+    if args.command == "backends":
+        from . import pools
+        return pools.main(args)
     from . import replay
     return replay.main(args)
 
@@ -117,6 +140,7 @@ def run_serve(args) -> int:
         if name not in config.pipeline:
             logging.getLogger("relay").warning(
                 "plugins.%s: options for a plugin that is not in the pipeline", name)
+    warn_if_per_process(config)
     logs.announce(describe(config))
     try:
         if config.workers > 1:

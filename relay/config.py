@@ -16,9 +16,11 @@ import yaml
 from .beta_filter import QUIRKS as BETA_QUIRKS
 from .errors import ConfigError
 from .formats import ADAPTERS, FORMATS, Adapter
+from .limits import Limits, check_limits, effective
 from .options import Option, check_section, unknown
 from .redact import secrets_of
 from .state import OPTIONS as STATE_OPTIONS
+from .telemetry import OPTIONS as TELEMETRY_OPTIONS
 
 # Quirks the host itself reads (the wire formats', the beta filter's), beside those
 # plugins declare.
@@ -101,6 +103,54 @@ class Retries:
     statuses: frozenset = frozenset(RETRY_STATUSES)
 
 
+def _weight(value) -> str | None:
+    return None if value > 0 else "must be a positive number"
+
+
+POOL_OPTIONS = (
+    Option("max_cooldown", float, 300.0, "the longest a credential cools down, in seconds, "
+           "whatever `retry-after` asks", expect="a positive number", check=_positive),
+    Option("default_cooldown", float, 10.0, "seconds a `429` or `529` without `retry-after` "
+           "(or an exhausted `anthropic-ratelimit-*-reset`) cools a credential",
+           expect="a positive number", check=_positive),
+    Option("backoff", float, 1.0, "the first cooldown after a connection failure; doubled for "
+           "each failure in a row (up to `max_cooldown`)", expect="a positive number",
+           check=_positive),
+    Option("refresh", float, 1.0, "seconds this process trusts what it knows of other "
+           "processes' cooldowns and sessions before reading the shared state again (0: every "
+           "request)", expect="a number of seconds, 0 or more",
+           check=lambda value: None if value >= 0 else "must be 0 or more"),
+    Option("sticky_seconds", float, 3600.0, "how long a session idle that long stays on its "
+           "credential (the prompt cache lives at most an hour)", expect="a positive number",
+           check=_positive),
+)
+POOL = {option.name: option for option in POOL_OPTIONS}
+
+
+@dataclass
+class PoolOptions:
+    """How a backend's credentials are chosen and cooled down (:mod:`relay.pools`)."""
+
+    max_cooldown: float = POOL["max_cooldown"].default
+    default_cooldown: float = POOL["default_cooldown"].default
+    backoff: float = POOL["backoff"].default
+    refresh: float = POOL["refresh"].default
+    sticky_seconds: float = POOL["sticky_seconds"].default
+
+
+@dataclass
+class Credential:
+    """One upstream key of a backend's pool (``credentials:``): its name goes in logs,
+    metrics, dumps and the timeline; its key never does."""
+
+    name: str
+    key: str = field(repr=False)
+    weight: float = 1.0
+    key_env: str | None = None
+    key_file: str | None = None
+    limits: dict | None = None  # stored for what enforces them; the pool does not
+
+
 @dataclass
 class Backend:
     name: str
@@ -118,6 +168,11 @@ class Backend:
     format: str = "anthropic"  # the wire format it speaks (relay.formats.FORMATS)
     # Whether it keeps conversations sent with ``thread`` (relay.threads); see _holds_threads.
     holds_threads: bool = False
+    # A pool of upstream keys (relay.pools); empty for one key (api_key_env) or none.
+    credentials: list[Credential] = field(default_factory=list)
+    pool: PoolOptions = field(default_factory=PoolOptions)
+    # Whether it answers ``diagnostics.previous_message_id`` itself; see _holds_diagnostics.
+    holds_diagnostics: bool = False
 
     @functools.cached_property
     def adapter(self) -> Adapter:
@@ -129,11 +184,17 @@ class Backend:
         return any(fnmatch.fnmatchcase(model, pattern) for pattern in self.models)
 
     @functools.cached_property
-    def credentials(self) -> tuple[bytes, ...]:
-        """Every credential of the relay's that goes to this backend (one key today; a pool
-        would list all of its keys here), as :func:`relay.redact.secrets_of` searches for
-        them in what goes back to clients. Empty when the client's own key goes up."""
-        return secrets_of([self.api_key] if self.api_key else [])
+    def secrets(self) -> tuple[bytes, ...]:
+        """Every key of the relay's that goes to this backend (its ``api_key_env`` key, or
+        each of its ``credentials``), as :func:`relay.redact.secrets_of` searches for them
+        in what goes back to clients. Empty when the client's own key goes up."""
+        return secrets_of([self.api_key] if self.api_key else
+                          [credential.key for credential in self.credentials])
+
+    @property
+    def keyed(self) -> bool:
+        """Whether the operator's key (or keys) go up, not the client's."""
+        return bool(self.api_key_env or self.credentials)
 
     def upstream_model(self, model: str) -> str | None:
         """The model name to send up, when relay.yaml renames this one."""
@@ -152,6 +213,9 @@ class InboundKey:
     secret: str = field(repr=False)
     backends: list[str] | None = None  # the backends it may reach; None: all
     models: list[str] | None = None  # model name patterns it may ask for; None: all
+    # Its limits with server.auth.default_limits under them (relay.limits); None: none.
+    limits: Limits | None = None
+    expires: float | None = None  # epoch seconds; a key made by `relay keys create --expires`
 
     def may_use(self, backend: Backend, model: str | None) -> bool:
         if self.backends is not None and backend.name not in self.backends:
@@ -278,6 +342,8 @@ class Config:
     # Empty for a Config built in code (validate); relay.yaml's default is DEFAULT_PASSTHROUGH.
     passthrough: list[Passthrough] = field(default_factory=list)
     keys: list[InboundKey] | None = None  # None: inbound auth off
+    # server.auth.default_limits, checked: under every key's own, those `relay keys` made too.
+    default_limits: dict = field(default_factory=dict)
     admin_key: str | None = field(default=None, repr=False)  # server.auth.admin_key_env/_file
     log_format: str = SERVER["log_format"].default
     workers: int = SERVER["workers"].default
@@ -286,6 +352,8 @@ class Config:
     resume_bytes: int = SERVER["resume_bytes"].default
     # The checked ``state:`` section (relay.state.OPTIONS): where shared state lives.
     state: dict = field(default_factory=dict)
+    # The checked ``telemetry:`` section (relay.telemetry.OPTIONS): traces, off by default.
+    telemetry: dict = field(default_factory=dict)
     source: str | None = None
     _routes: dict = field(default_factory=dict, repr=False, compare=False)
     _routes_bytes: int = field(default=0, repr=False, compare=False)
@@ -355,10 +423,12 @@ def parse(raw, env=os.environ, require_keys: bool = True) -> Config:
     whose ``api_key_env`` variable is unset then simply has no key.
     """
     _expect(raw, dict, "(top level)", "a mapping")
-    _unknown(raw, {"server", "pipeline", "plugins", "backends", "state"}, "")
+    _unknown(raw, {"server", "pipeline", "plugins", "backends", "state", "telemetry"}, "")
     config = Config(backends=[])
     state = _expect(raw.get("state", {}) or {}, dict, "state", "a mapping")
     config.state = check_section(state, STATE_OPTIONS, "state", "key")
+    telemetry = _expect(raw.get("telemetry", {}) or {}, dict, "telemetry", "a mapping")
+    config.telemetry = check_section(telemetry, TELEMETRY_OPTIONS, "telemetry", "key")
 
     server = _expect(raw.get("server", {}) or {}, dict, "server", "a mapping")
     values = check_section(server, SERVER_OPTIONS, "server", "key")
@@ -375,6 +445,8 @@ def parse(raw, env=os.environ, require_keys: bool = True) -> Config:
     config.stream_keepalive = float(values["stream_keepalive"])
     if values["auth"] is not None:
         config.keys = _keys(values["auth"], "server.auth", env, require_keys)
+        config.default_limits = check_limits(values["auth"].get("default_limits"),
+                                             "server.auth.default_limits")
         config.admin_key = _admin_key(values["auth"], "server.auth", env, require_keys,
                                       config.keys)
 
@@ -438,6 +510,8 @@ AUTH_OPTIONS = (
     Option("admin_key_env", str, None, "the environment variable holding the operator's key "
            "for admin routes (`/metrics`)", expect="an environment variable name"),
     Option("admin_key_file", str, None, "or the file holding it", expect="a file path"),
+    Option("default_limits", dict, None, "limits for every key, under each key's own "
+           "`limits` (see docs/accounting.md)", parse=check_limits),
 )
 KEY_OPTIONS = (
     Option("name", str, None, "shown in logs and metrics, never the key", required=True,
@@ -449,15 +523,17 @@ KEY_OPTIONS = (
     Option("backends", list, None, "the backends it may reach (default: all)", parse=_names),
     Option("models", list, None, "the model name patterns it may ask for (default: all)",
            parse=_names),
+    Option("limits", dict, None, "its rate limits, concurrency and budgets, over "
+           "`default_limits` (see docs/accounting.md)",
+           parse=check_limits),
 )
 
 
 def _keys(raw: dict, path: str, env, require_keys: bool) -> list[InboundKey]:
     """The inbound keys: each from an environment variable or a file, never from relay.yaml."""
     auth = check_section(raw, AUTH_OPTIONS, path, "key")
+    # An empty list: only the keys `relay keys create` stores (until one is, none passes).
     entries = _expect(auth["keys"], list, f"{path}.keys", "a list of keys")
-    if not entries:
-        raise ConfigError(f"{path}.keys: at least one key is required when auth is on")
     keys: list[InboundKey] = []
     names = set()
     for i, item in enumerate(entries):
@@ -473,7 +549,8 @@ def _keys(raw: dict, path: str, env, require_keys: bool) -> list[InboundKey]:
                               f"(a key is never written in relay.yaml)")
         secret = _secret(item, where, env, require_keys)
         keys.append(InboundKey(name=name, secret=secret, backends=values["backends"],
-                               models=values["models"]))
+                               models=values["models"],
+                               limits=effective(auth["default_limits"], values["limits"])))
     return keys
 
 
@@ -534,7 +611,7 @@ def check_exposure(config: Config, host: str) -> None:
     with a backend key and no inbound auth would be an open proxy for that key."""
     if is_loopback(host) or config.keys is not None or config.allow_unauthenticated:
         return
-    keyed = [b.name for b in config.backends if b.api_key_env]
+    keyed = [b.name for b in config.backends if b.keyed]
     if keyed:
         raise ConfigError(
             f"server.host: {host} listens beyond loopback, and backends {', '.join(keyed)} "
@@ -569,6 +646,26 @@ BACKEND_OPTIONS = (
     Option("format", str, "anthropic", "the wire format it speaks", choices=tuple(FORMATS)),
     Option("holds_threads", bool, None, "whether it keeps conversations sent with `thread`: "
            "by default only `api.anthropic.com`, never `format: openai`"),
+    Option("credentials", list, [], "a pool of upstream keys in place of `api_key_env`, each a "
+           "mapping of the keys below; a session stays on one while it is healthy (see "
+           "pools.md)"),
+    Option("pool", dict, {}, "how the pool's credentials cool down and are shared (below)"),
+    Option("holds_diagnostics", bool, None, "whether it answers a request's "
+           "`diagnostics.previous_message_id` with `diagnostics.cache_miss_reason` itself "
+           "(else the relay answers from its own record): by default only `api.anthropic.com`"),
+)
+
+CREDENTIAL_OPTIONS = (
+    Option("name", str, None, "shown in logs, metrics, dumps and `relay backends`, never the "
+           "key", required=True, expect="a string"),
+    Option("key_env", str, None, "the environment variable holding the key",
+           expect="an environment variable name"),
+    Option("key_file", str, None, "or the file holding it (one of the two)",
+           expect="a file path"),
+    Option("weight", float, 1.0, "its share of new sessions, against the others' weights",
+           expect="a positive number", check=_weight),
+    Option("limits", dict, None, "this credential's own limits, in the shape of a relay key's "
+           "(kept with the credential for what enforces them)", expect="a mapping"),
 )
 
 
@@ -619,7 +716,19 @@ def _backend(item, path: str, env, require_keys: bool) -> Backend:
         if not env.get(var) and require_keys:
             raise ConfigError(f"{path}.api_key_env: environment variable {var} is not set")
         backend.api_key_env, backend.api_key = var, env.get(var) or None
+    if "credentials" in item:
+        if "api_key_env" in item:
+            raise ConfigError(f"{path}: give api_key_env (one key) or credentials (a pool), "
+                              f"not both")
+        backend.credentials = _credentials(item["credentials"], f"{path}.credentials", env,
+                                           require_keys)
+    backend.pool = PoolOptions(**check_section(
+        _expect(item.get("pool", {}) or {}, dict, f"{path}.pool", "a mapping"), POOL_OPTIONS,
+        f"{path}.pool", "key"))
     backend.holds_threads = _holds_threads(item, backend, path)
+    backend.holds_diagnostics = _expect(
+        item.get("holds_diagnostics", urlsplit(backend.url).hostname in DIAGNOSTICS_HOSTS),
+        bool, f"{path}.holds_diagnostics", "true or false")
     backend.retries = _retries(item.get("retries", {}) or {}, f"{path}.retries")
     fallbacks = _expect(item.get("fallbacks", []) or [], list, f"{path}.fallbacks",
                         "a list of backend names")
@@ -632,9 +741,39 @@ def _backend(item, path: str, env, require_keys: bool) -> Backend:
     return backend
 
 
+def _credentials(raw, path: str, env, require_keys: bool) -> list[Credential]:
+    """A backend's pool: each key from an environment variable or a file, as a relay key's."""
+    entries = _expect(raw, list, path, "a list of credentials")
+    if not entries:
+        raise ConfigError(f"{path}: at least one credential (or leave it out)")
+    found: list[Credential] = []
+    for i, item in enumerate(entries):
+        where = f"{path}[{i}]"
+        values = check_section(_expect(item, dict, where, "a mapping"), CREDENTIAL_OPTIONS,
+                               where, "key")
+        name = values["name"]
+        if any(credential.name == name for credential in found):
+            raise ConfigError(f"{where}.name: {name!r} is used twice")
+        if ("key_env" in item) == ("key_file" in item):
+            raise ConfigError(f"{where}: give exactly one of key_env or key_file "
+                              f"(a key is never written in relay.yaml)")
+        secret = _secret(item, where, env, require_keys)
+        if secret and any(credential.key == secret for credential in found):
+            raise ConfigError(f"{where}: the same key as another credential of this backend")
+        found.append(Credential(name=name, key=secret, weight=float(values["weight"]),
+                                key_env=values["key_env"], key_file=values["key_file"],
+                                limits=values["limits"]))
+    return found
+
+
 # Anthropic's own API holds threads (beta message-threads-2026-08-12, SDK 2.14's
 # lib/threads); Anthropic-compatible servers elsewhere are not known to.
 THREAD_HOSTS = ("api.anthropic.com",)
+
+
+# Cache diagnostics are "available on the Claude API only" (the cache diagnostics guide; not
+# on Bedrock or Vertex AI): docs/evidence/cache.json.
+DIAGNOSTICS_HOSTS = ("api.anthropic.com",)
 
 
 def _holds_threads(item: dict, backend: Backend, path: str) -> bool:

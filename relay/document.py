@@ -350,6 +350,7 @@ def to_document(exchange: Exchange, *, reason: str, when: dt.datetime, config: d
         "attempts": [dataclasses.asdict(attempt) for attempt in exchange.attempts],
         "timings": dataclasses.asdict(exchange.timings),
         "translation": exchange.translation,
+        "cache": exchange.cache,
         "timeline": {"messages": message_outline(exchange_messages(exchange)),
                      "steps": exchange.timeline},
         "config": {**config, "quirks": backend.quirks if backend else {}},

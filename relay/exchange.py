@@ -176,8 +176,14 @@ class Attempt:
     """Why it could not be reached (``pool full`` when the relay's own pool was)."""
     seconds: float = 0.0
     """From sending to the upstream's headers (or the failure)."""
+    sent: float = 0.0
+    """When it was sent, in seconds after the request was received (the exchange's clock):
+    where a trace's attempt span begins."""
     waited: float = 0.0
     """The backoff slept before this attempt."""
+    credential: str | None = None
+    """The name of the backend's credential it went with (None for a backend with one key
+    or none: see :mod:`relay.pools`)."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -216,15 +222,23 @@ class Exchange:
     The request: ``method``, ``path``, ``query`` (as the client sent them), ``client_headers``,
     ``raw_body``, and ``endpoint`` (``messages``, ``count_tokens``, ``passthrough``, or
     ``refused`` for a request turned away before it was routed). Routing: ``backend``,
-    ``model``, ``stream``, ``key_name`` (the inbound key, when auth is on). What went up:
+    ``model``, ``stream``, ``key_name`` (the inbound key's name, when auth is on) and ``key``
+    (the :class:`relay.config.InboundKey` itself, with its limits). What went up:
     ``attempts`` (one :class:`Attempt` per try, retries and fallbacks included) and
     ``upstream_request`` (an :class:`UpstreamRequest`) / ``upstream_response`` (an
-    :class:`UpstreamAnswer`), the last attempt's. What came back: ``answer`` (an
+    :class:`UpstreamAnswer`), the last attempt's, and ``credential``, the name of the pooled
+    key it went with (:mod:`relay.pools`; None without a pool). What came back: ``answer`` (an
     :class:`Answer`), ``outcome`` (an :class:`Outcome`), ``error`` (a :class:`RelayError` the
     relay answered with), ``stream_failure`` (a :class:`StreamFailure` when a stream ended in
-    an error event), and ``received`` (wall-clock time) with ``timings`` (a :class:`Timings`).
+    an error event), ``usage`` (a :class:`relay.usage.Usage`, set by the usage plugin),
+    ``replaced_headers`` (the upstream's answer headers a plugin's own replaced, see
+    ``replaces_headers``), and ``received`` (wall-clock time) with ``timings`` (a
+    :class:`Timings`).
     What the plugins found: ``repairs`` (their total), ``repaired_by`` (one :class:`Repair`
-    per :meth:`repaired`), ``uncertain`` (one :class:`Uncertainty` per :meth:`unsure`).
+    per :meth:`repaired`), ``uncertain`` (one :class:`Uncertainty` per :meth:`unsure`),
+    ``cache`` (the ``cache`` plugin's verdict on the prompt cache: None, or a dict with
+    ``status`` ``hit`` / ``write`` / ``none`` / ``miss``, its ``cause``, ``where``, ``by``
+    and the tokens read, written and sent fresh).
 
     The record's document form, the one a dump holds and ``relay replay`` reads, is made
     by :mod:`relay.document` (:func:`relay.document.to_document`,
@@ -264,6 +278,24 @@ class Exchange:
     # Where the request chain may go on from the session's previous request
     # (relay.resume.Resume), for the plugins that can; None: resuming is off.
     resume: Any = None
+    # What the answer reported it used and what that cost (a relay.usage.Usage), set by the
+    # usage plugin as soon as it is known; None without that plugin, or before an answer.
+    usage: Any = None
+    # The inbound key (a relay.config.InboundKey) the client authenticated with, when auth is
+    # on: its limits are the limits plugin's.
+    key: Any = None
+    # Name prefixes (lower case) of upstream answer headers the relay's own replace: a plugin
+    # that sets its own in ``response_headers`` in place of a family of the upstream's (the
+    # key's quota for the pooled account's) names it here; what the upstream sent of it is
+    # kept in ``replaced_headers``.
+    replaces_headers: tuple[str, ...] = ()
+    replaced_headers: dict[str, str] | None = None
+    # The name of the backend credential the last attempt went with (relay.pools); None
+    # for a backend with one key or none.
+    credential: str | None = None
+    # The prompt cache's outcome for this request (the cache plugin's, plugins/cache.py):
+    # None, or ``{"status": "hit" | "write" | "none" | "miss", "cause", "where", "by", ...}``.
+    cache: dict | None = None
 
     def __init__(self, *, endpoint: str, method: str, path: str, query: str,
                  headers, raw_body: bytes = b"", body: dict | None = None,
@@ -324,6 +356,7 @@ class Exchange:
         self.received = previous.received
         self._clock = previous._clock
         self.key_name = previous.key_name
+        self.key = previous.key
         self.attempts = previous.attempts + self.attempts
         self.timeline = previous.timeline + self.timeline
         self.repaired_by = previous.repaired_by + self.repaired_by
@@ -388,6 +421,21 @@ class Exchange:
             return self._skeleton.field(name)
         body = self.body
         return body.get(name) if type(body) is dict else None
+
+    def set_field(self, name: str, value) -> None:
+        """Set a top-level field of the request (call :meth:`mark_changed` too); ``value``
+        may be a :class:`msgspec.Raw`, JSON text sent as it is."""
+        if self._body is None and self._skeleton is not None:
+            self._skeleton.set_field(name, value)
+        elif type(self.body) is dict:
+            self.body[name] = skeleton.value(value)
+
+    def drop_field(self, name: str) -> None:
+        """Remove a top-level field from the request (call :meth:`mark_changed` too)."""
+        if self._body is None and self._skeleton is not None:
+            self._skeleton.drop_field(name)
+        elif type(self.body) is dict:
+            self.body.pop(name, None)
 
     def other_fields(self):
         """The names of the request's top-level fields outside

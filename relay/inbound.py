@@ -11,6 +11,7 @@ import functools
 import hashlib
 import hmac
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -106,12 +107,21 @@ def presented_key(headers) -> str | None:
 
 
 class Gate:
-    """The relay's inbound keys. Keys are compared as SHA-256 digests with
+    """The relay's inbound keys. relay.yaml's are compared as SHA-256 digests with
     :func:`hmac.compare_digest`, every key every time, so the time taken says nothing about
-    which key (or how much of one) matched."""
+    which key (or how much of one) matched. Those ``relay keys`` stored (:mod:`relay.keys`),
+    which may be many, are looked up by digest: what a lookup's time could tell is about the
+    digest of what was presented, which says nothing of any key's value."""
 
     def __init__(self, keys: list[InboundKey]):
         self.keys = [(hashlib.sha256(key.secret.encode()).digest(), key) for key in keys]
+        self.configured_names = frozenset(key.name for key in keys)
+        self.stored: dict[bytes, InboundKey] = {}
+
+    def replace(self, stored: dict[bytes, InboundKey]) -> None:
+        """Serve with these stored keys from now on (by digest), in one assignment: a
+        request in flight keeps the key it came in with."""
+        self.stored = stored
 
     def authenticate(self, headers) -> InboundKey:
         presented = presented_key(headers)
@@ -124,7 +134,11 @@ class Gate:
             if hmac.compare_digest(digest, known):
                 found = key
         if found is None:
+            found = self.stored.get(digest)
+        if found is None:
             raise RelayError(401, "invalid x-api-key", "authentication_error")
+        if found.expires is not None and found.expires <= time.time():
+            raise RelayError(401, "this relay key has expired", "authentication_error")
         return found
 
 

@@ -74,6 +74,7 @@ def access_fields(exchange, status: int | None) -> dict:
         "endpoint": exchange.endpoint,
         "model": exchange.model,
         "backend": backend.name if backend is not None else None,
+        "credential": exchange.credential,
         "status": status,
         "outcome": exchange.outcome,
         "stream": exchange.stream,
@@ -87,9 +88,38 @@ def access_fields(exchange, status: int | None) -> dict:
                              if entry.get("direction") == "to_client"),
         "repairs": exchange.repairs,
         "key": getattr(exchange, "key_name", None),
+        "cache": _cache(exchange.cache),
     }
+    used = getattr(exchange, "usage", None)
+    if used is not None:
+        fields.update(usage_fields(used))
     return {name: value if value is None or isinstance(value, (bool, int, float))
             else cap(str(value)) for name, value in fields.items() if value is not None}
+
+
+def usage_fields(used) -> dict:
+    """The access line's account of what the answer used (a :class:`relay.usage.Usage`):
+    input and output always, the cache columns when not 0, the cost in micro-dollars
+    (``unpriced`` when no price matched) and ``usage_complete=false`` for a stream that ended
+    before its usage was final."""
+    fields = {"input_tokens": used.input_tokens, "output_tokens": used.output_tokens}
+    for name in ("cache_read_input_tokens", "cache_write_5m_input_tokens",
+                 "cache_write_1h_input_tokens"):
+        count = getattr(used, name)
+        if count:
+            fields[name] = count
+    fields["cost_micro_usd"] = ("unpriced" if used.cost_micro_usd is None
+                                else used.cost_micro_usd)
+    if not used.complete:
+        fields["usage_complete"] = False
+    return fields
+def _cache(cache: dict | None) -> str | None:
+    """The prompt cache's verdict (the cache plugin's ``exchange.cache``) as the header
+    ``x-relay-cache`` words it: ``hit``, ``write``, ``none``, ``miss; cause=...``."""
+    if not cache:
+        return None
+    text = str(cache.get("status"))
+    return f"{text}; cause={cache['cause']}" if cache.get("cause") else text
 
 
 def access_line(fields: dict) -> str:

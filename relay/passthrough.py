@@ -40,7 +40,7 @@ async def relay_passthrough(state, request: web.Request, exchange: Exchange,
             return await _translated(state, request, exchange, upstream)
         if upstream.status >= 300:
             exchange.outcome = Outcome.UPSTREAM_ERROR
-        secrets = backend.credentials
+        secrets = backend.secrets
         response = web.StreamResponse(status=upstream.status,
                                       headers=client_headers(upstream.headers, None, secrets))
         answer = exchange.answer = Answer(response.status, response.headers)

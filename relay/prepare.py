@@ -33,7 +33,10 @@ class Preparation:
     def __init__(self, config: Config, chain: Chain):
         self.config = config
         self.chain = chain
-        self.threads = threads.Store()
+        state = chain.state
+        # Shared with the other workers and replicas when the host's state is.
+        self.threads = threads.Store(
+            shared=state if state is not None and state.kind != "memory" else None)
         # Where each session's last request ended (relay.resume), when every plugin that
         # walks a request can go on from there.
         self.resume = (resume.Store(config.resume_bytes)
@@ -104,7 +107,8 @@ async def _prepare(state: Preparation, endpoint: str, method: str, path: str, qu
     else:
         exchange = Exchange(endpoint=endpoint, method=method, path=path, query=query,
                             headers=headers, raw_body=raw_body, skeleton=parsed)
-    exchange.key_name = key.name if key is not None else None
+    if key is not None:
+        exchange.key, exchange.key_name = key, key.name
     exchange.response_headers["x-relay-request-id"] = exchange.id
 
     def refused(error: RelayError) -> RelayError:
@@ -129,12 +133,14 @@ async def _prepare(state: Preparation, endpoint: str, method: str, path: str, qu
         exchange.set_model(target)
         exchange.note("relay", "renamed model", model=model, upstream_model=target)
     try:
-        prepare_history(state, exchange)
+        await prepare_history(state, exchange)
         keeping = _resume(state, exchange, resuming)
         await state.chain.run("relay_request", exchange)
         threads.restore_held_ids(exchange)
         if keeping is not None and resuming is not None:
             _keep(exchange, resuming, keeping)
+        if backend.credentials:
+            exchange.session()  # while the request is decoded: the pool keeps it sticky
         # Encoded here, where a request that cannot be is still answered in Anthropic's
         # format.
         try:
@@ -147,7 +153,7 @@ async def _prepare(state: Preparation, endpoint: str, method: str, path: str, qu
     except resume.Decline:
         raise
     except RelayError as error:
-        raise refused(error) from None
+        raise refused(threads.carried_error(error, exchange.thread)) from None
     except Exception as e:  # logged by the chain with the plugin's name, or above
         raise refused(RelayError(500, "the relay failed while preparing this request",
                                  "api_error")) from e
@@ -222,17 +228,17 @@ def _keep(exchange: Exchange, resuming: tuple, keeping: tuple) -> None:
     store.put(session, record)
 
 
-def prepare_history(state: Preparation, exchange: Exchange) -> None:
+async def prepare_history(state: Preparation, exchange: Exchange) -> None:
     """What the history rules must know before they run: the betas and fields they defer to
     the upstream for (:mod:`relay.betas`), and the server-held thread the request belongs
-    to (:mod:`relay.threads`; a backend that holds none refuses it here)."""
+    to (:mod:`relay.threads`: forwarded, carried, or refused the API's way)."""
     deferring = betas.deferring(exchange.client_headers, exchange.other_fields())
     if deferring:
         exchange.rules_defer = deferring
         exchange.note("relay", "history rules defer", reasons=betas.described(deferring))
         exchange.flag("history-rules-deferred")
     if exchange.endpoint == "messages":
-        threads.prepare(state.threads, exchange)
+        await threads.prepare(state.threads, exchange)
 
 
 class Fallbacks:

@@ -15,6 +15,7 @@ from aiohttp import web
 from . import logs
 from .errors import RelayError
 from .exchange import Answer, Exchange, Outcome
+from .pools import Exhausted
 from .redact import redact, redact_headers
 from .upstream import PoolFull, UpstreamTooLarge
 
@@ -55,7 +56,7 @@ async def deliver(request: web.Request, exchange: Exchange,
     """Send a complete answer now, recording it on the exchange, so that whatever runs after
     (the end hooks) runs once the client has it. None of the backend's credentials go with
     it (see :mod:`relay.redact`)."""
-    secrets = exchange.backend.credentials if exchange.backend is not None else ()
+    secrets = exchange.backend.secrets if exchange.backend is not None else ()
     if secrets:
         body = response.body
         if body and isinstance(body, bytes):
@@ -81,6 +82,10 @@ async def unreachable(request: web.Request, exchange: Exchange,
                       e: BaseException) -> web.Response:
     """The answer when the upstream could not be reached, went silent or sent more than the
     relay takes: what the library said goes to the log, plain words to the client."""
+    if isinstance(e, Exhausted):  # every credential of a pool is cooling or out
+        log.info("%s: %s", exchange.id, e.error.message)
+        return await refuse(request, exchange, e.error, Outcome.REJECTED if e.error.status < 500
+                            else Outcome.UPSTREAM_UNREACHABLE)
     error = upstream_failure(exchange.backend, e)
     log.warning("%s: %s (%s)", exchange.id, error.message, f"{type(e).__name__} {e}".rstrip())
     return await refuse(request, exchange, error, Outcome.POOL_FULL if isinstance(e, PoolFull)

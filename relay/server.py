@@ -13,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import signal
+from typing import TYPE_CHECKING
 
 import aiohttp
 import orjson
@@ -21,7 +23,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 from aiohttp.web_urldispatcher import UrlMappingMatchInfo
 
-from . import __version__, lifecycle, logs, threads
+from . import __version__, keys, lifecycle, logs, pools, threads
 from .chain import Chain
 from .config import InboundKey
 from .errors import RelayError, invalid_request
@@ -39,11 +41,15 @@ from .inbound import (
 from .listen import Listener
 from .passthrough import relay_passthrough
 from .prepare import ENDPOINTS, Fallbacks, Preparation, prepare_exchange
-from .respond import deliver, log_exchange, refuse, unreachable
+from .respond import deliver, log_exchange, refuse, relay_error, unreachable
+from .state import Unavailable
 from .stream import relay_stream
-from .upstream import Unreachable, Upstream, UpstreamTooLarge, client_headers, read_capped
+from .upstream import Unreachable, Upstream, UpstreamTooLarge, answer_headers, read_capped
 
 log = logging.getLogger("relay")
+
+if TYPE_CHECKING:
+    from .otel import Traces
 
 class RelayState(Preparation):
     """What the server needs for every request, built once at start-up: what preparing one
@@ -51,9 +57,12 @@ class RelayState(Preparation):
 
     def __init__(self, config, chain: Chain):
         super().__init__(config, chain)
+        # While the app runs, when traces are configured (relay.telemetry).
+        self.traces: Traces | None = None
         self.gate = Gate(config.keys) if config.keys is not None else None
         # With auth on, what a client presents is a relay key: it never goes upstream.
-        self.upstream = Upstream(config, strip_client_auth=self.gate is not None)
+        self.upstream = Upstream(config, strip_client_auth=self.gate is not None,
+                                 state=chain.state)
 
 
 STATE = web.AppKey("relay_state", RelayState)
@@ -196,10 +205,17 @@ class Relay:
 
     async def finish(self, exchange: Exchange) -> None:
         """The exchange is over and the client has its answer: log it, run the end hooks."""
+        self.state.upstream.pools.release(exchange)
         log_exchange(exchange, exchange.answer.status if exchange.answer else None)
         chain = self.state.chain
         if chain.impls["relay_exchange_end"]:  # a pipeline without end hooks pays nothing
             await chain.end(exchange)
+        traces = self.state.traces
+        if traces is not None:  # after the end hooks: the record is complete
+            try:
+                traces.record(exchange)
+            except Exception:
+                log.exception("%s: the exchange could not be made a trace", exchange.id)
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
         state = self.state
@@ -285,7 +301,7 @@ class Relay:
             final = payload
         delivered = await deliver(request, exchange, web.Response(
             status=upstream.status, body=final,
-            headers=client_headers(response.headers, exchange.response_headers)))
+            headers=answer_headers(exchange, response.headers)))
         if exchange.thread is not None:
             try:
                 threads.record(state.threads, exchange, orjson.loads(final))
@@ -309,7 +325,7 @@ class Relay:
         exchange.outcome = Outcome.UPSTREAM_ERROR
         exchange.upstream_response = UpstreamAnswer(upstream.status, upstream.headers, payload)
         exchange.note("relay", "upstream error", status=upstream.status)
-        headers = client_headers(upstream.headers, exchange.response_headers)
+        headers = answer_headers(exchange, upstream.headers)
         # Retry-after and the status stay as sent.
         translated = exchange.backend.adapter.error_body(upstream.status, payload, exchange.id)
         if translated is not None:
@@ -354,6 +370,20 @@ class Relay:
         return lifecycle.readiness_response(request)
 
 
+BACKENDS = "/admin/backends"  # the operator's: each pooled credential's state
+
+
+def backends_handler(state: RelayState):
+    async def backends(request: web.Request) -> web.Response:
+        try:
+            listed = await pools.health(state.upstream.pools.state, state.config)
+        except Unavailable:
+            return relay_error(RelayError(503, "the shared state cannot be reached now",
+                                          "api_error"))
+        return web.json_response({"credentials": listed})
+    return backends
+
+
 def create_app(config, chain: Chain,
                serving: lifecycle.Lifecycle | None = None) -> web.Application:
     """The relay's aiohttp app; ``serving`` when it serves under :func:`serve` (the
@@ -361,8 +391,9 @@ def create_app(config, chain: Chain,
     state = RelayState(config, chain)
     app = web.Application(client_max_size=config.max_body_bytes)
     app[STATE] = state
-    relay = Relay(state, chain.routes(config, reserved=("/healthz", "/readyz", *ENDPOINTS)),
-                  serving)
+    routes = chain.routes(config, reserved=("/healthz", "/readyz", BACKENDS, *ENDPOINTS))
+    routes["GET", BACKENDS] = AdminRoute(backends_handler(state))
+    relay = Relay(state, routes, serving)
     everything = app.router.add_route("*", "/{tail:.*}", relay.dispatch)
 
     async def resolve(request: web.Request) -> UrlMappingMatchInfo:
@@ -378,8 +409,28 @@ def create_app(config, chain: Chain,
         yield
         await state.upstream.close()
 
+    # Before the upstream's session, so that traces are exported after it has closed.
+    app.cleanup_ctx.append(traces_context)
     app.cleanup_ctx.append(session_context)
+    if state.gate is not None and chain.state is not None:
+        app.cleanup_ctx.append(keys.watching(state.gate, chain.state, config.default_limits))
     return app
+
+
+async def traces_context(app):
+    """Traces (relay.yaml's ``telemetry:``) for as long as the app serves, when configured:
+    started in the serving process itself (each worker its own, after the fork); at the end,
+    what is queued is exported off the loop."""
+    from .telemetry import configured, start
+
+    state = app[STATE]
+    if not configured(state.config.telemetry):
+        yield
+        return
+    state.traces = start(state.config.telemetry, os.environ)
+    yield
+    traces, state.traces = state.traces, None
+    await asyncio.get_running_loop().run_in_executor(None, traces.close)
 
 
 async def serve(config, chain: Chain, host: str, port: int, worker=None) -> int:

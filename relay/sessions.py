@@ -15,15 +15,29 @@ In order:
 
 The key is namespaced by the inbound key's name, so two tenants never share a session, and
 is a short hex digest: it never holds what the client sent.
+
+Per session the relay keeps a :class:`Record` (turns, backends and models used, repairs,
+rewrites, cache figures, and the *lanes*: the last requests' prompt-cache fingerprints, see
+:mod:`relay.cache`), in a :class:`Records` store: bounded by count and by bytes, each record
+expiring after ``max_age`` seconds unused; in process memory by default, on the host's state
+seam (namespace ``sessions``) when the state is shared between processes.
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import hashlib
+import logging
+import time
 
+import msgspec
 import orjson
 
 from . import skeleton
+from .cache import Fingerprint
+
+log = logging.getLogger("relay.sessions")
 
 HEADER = "x-claude-code-session-id"
 MAX_ID = 256  # longer header or user_id values are hashed like any other
@@ -63,3 +77,192 @@ def _without_cache_control(item):
     if isinstance(item, list):
         return [_without_cache_control(v) for v in item]
     return item
+
+
+# --- the session record -------------------------------------------------------------------
+
+# Requests of one session that keep prefixes of their own: Claude Code's main loop, its
+# subagents and its small-model calls share one session id, and each prefix is cached apart.
+MAX_LANES = 4
+MAX_SESSIONS = 10_000
+MAX_BYTES = 64 * 1024 * 1024
+# The longest cache lifetime is an hour (ttl "1h"); a record idle past two has nothing left
+# to explain.
+MAX_AGE = 7200.0
+WARN_EVERY = 60.0  # seconds between warnings that the shared state failed
+
+
+@dataclasses.dataclass(slots=True)
+class Lane:
+    """One prefix of a session as its last request sent it: the fingerprint of what went up
+    (``upstream``) and of what the client sent (``client``; None when they were the same
+    bytes), when (``time``, the request's arrival), where (``backend``, ``credential``), who
+    rewrote it (``rewriters``), its input tokens all told (``tokens``: fresh, read and
+    written; None when unknown) and whether the upstream cached any of it (``cached``)."""
+
+    upstream: Fingerprint
+    client: Fingerprint | None
+    time: float
+    backend: str | None
+    credential: str | None
+    rewriters: tuple[str, ...] = ()
+    tokens: int | None = None
+    cached: bool = False
+
+    def nbytes(self) -> int:
+        return 120 + self.upstream.nbytes() + (self.client.nbytes() if self.client else 0)
+
+    def to_tuple(self) -> tuple:
+        return (self.upstream.to_bytes(), self.client.to_bytes() if self.client else None,
+                self.time, self.backend, self.credential, list(self.rewriters), self.tokens,
+                self.cached)
+
+    @classmethod
+    def from_tuple(cls, item) -> Lane:
+        upstream, client, when, backend, credential, rewriters, tokens, cached = item
+        return cls(Fingerprint.from_bytes(upstream),
+                   Fingerprint.from_bytes(client) if client else None, when, backend,
+                   credential, tuple(rewriters), tokens, cached)
+
+
+@dataclasses.dataclass(slots=True)
+class Record:
+    """What the relay knows of one session: ``turns`` answered, by ``backends`` and
+    ``models`` (counts), ``repairs`` made, ``rewrites`` (requests each plugin rewrote), the
+    cache figures summed over its answers (``read``, ``written``, ``fresh`` input tokens),
+    ``breaks`` (cache breaks by cause), ``started`` and ``updated`` (epoch seconds) and its
+    ``lanes`` (most recent first)."""
+
+    started: float
+    updated: float
+    turns: int = 0
+    backends: dict[str, int] = dataclasses.field(default_factory=dict)
+    models: dict[str, int] = dataclasses.field(default_factory=dict)
+    repairs: int = 0
+    rewrites: dict[str, int] = dataclasses.field(default_factory=dict)
+    read: int = 0
+    written: int = 0
+    fresh: int = 0
+    breaks: dict[str, int] = dataclasses.field(default_factory=dict)
+    lanes: list[Lane] = dataclasses.field(default_factory=list)
+
+    def nbytes(self) -> int:
+        """Roughly what the record holds in memory."""
+        # Measured: about 1 kB of Python objects besides the fingerprints (tracemalloc).
+        return 1400 + 80 * (len(self.backends) + len(self.models) + len(self.rewrites)
+                           + len(self.breaks)) + sum(lane.nbytes() for lane in self.lanes)
+
+    def summary(self) -> dict:
+        """The record without its fingerprints: what a person or a console is shown."""
+        return {"started": self.started, "updated": self.updated, "turns": self.turns,
+                "backends": dict(self.backends), "models": dict(self.models),
+                "repairs": self.repairs, "rewrites": dict(self.rewrites),
+                "cache": {"read_input_tokens": self.read, "written_input_tokens": self.written,
+                          "fresh_input_tokens": self.fresh, "breaks": dict(self.breaks)}}
+
+    def to_bytes(self) -> bytes:
+        return msgspec.msgpack.encode((
+            self.started, self.updated, self.turns, self.backends, self.models, self.repairs,
+            self.rewrites, self.read, self.written, self.fresh, self.breaks,
+            [lane.to_tuple() for lane in self.lanes]))
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> Record:
+        (started, updated, turns, backends, models, repairs, rewrites, read, written, fresh,
+         breaks, lanes) = msgspec.msgpack.decode(raw)
+        return cls(started, updated, turns, backends, models, repairs, rewrites, read,
+                   written, fresh, breaks, [Lane.from_tuple(lane) for lane in lanes])
+
+
+class Records:
+    """Records by key in this process: least recently used out first past ``max_entries``
+    or ``max_bytes``, and each gone ``max_age`` seconds after its last use. Values are
+    anything with ``nbytes()``. Coroutines, like the shared store's, so callers need not
+    know which they hold."""
+
+    shared = False
+
+    def __init__(self, max_entries: int = MAX_SESSIONS, max_bytes: int = MAX_BYTES,
+                 max_age: float = MAX_AGE, clock=time.monotonic):
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.max_age = max_age
+        self.bytes = 0
+        self._clock = clock
+        self._entries: collections.OrderedDict[str, tuple[float, int, object]] = \
+            collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    async def get(self, key: str):
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        if self._clock() - entry[0] > self.max_age:
+            self._drop(key)
+            return None
+        return entry[2]
+
+    async def put(self, key: str, value) -> None:
+        if key in self._entries:
+            self._drop(key)
+        size = value.nbytes()
+        now = self._clock()
+        self._entries[key] = (now, size, value)
+        self.bytes += size
+        entries = self._entries
+        while entries and (len(entries) > self.max_entries or self.bytes > self.max_bytes
+                           or now - next(iter(entries.values()))[0] > self.max_age):
+            self._drop(next(iter(entries)))
+
+    def _drop(self, key: str) -> None:
+        _, size, _ = self._entries.pop(key)
+        self.bytes -= size
+
+
+class SharedRecords:
+    """Records on the host's state seam (:class:`relay.state.State`), under ``namespace``,
+    each expiring ``max_age`` seconds after its last write: what replicas and workers
+    share. The state backend bounds what it holds. A state that cannot be reached is a
+    record not found (a warning in the log): the cache's account of that request is then
+    the one of a session's first."""
+
+    shared = True
+
+    def __init__(self, state, namespace: str, decode, max_age: float = MAX_AGE):
+        self.state = state
+        self.namespace = namespace
+        self.decode = decode
+        self.max_age = max_age
+        self._failures = 0
+        self._warned = -WARN_EVERY
+
+    def _failed(self, doing: str, error: Exception) -> None:
+        """Log a failure at most once a minute, with how many there were in between."""
+        self._failures += 1
+        now = time.monotonic()
+        if now - self._warned >= WARN_EVERY:
+            log.warning("session records (%s): the state could not be %s (%s); %d failure(s) "
+                        "since the last warning", self.namespace, doing, error, self._failures)
+            self._warned, self._failures = now, 0
+
+    async def get(self, key: str):
+        try:
+            found = await self.state.get(self.namespace, [key])
+        except Exception as e:  # the seam's Unavailable, or a backend's own failure
+            self._failed("read", e)
+            return None
+        raw = found[0] if found else None
+        if raw is None:
+            return None
+        try:
+            return self.decode(raw)
+        except (msgspec.MsgspecError, ValueError, TypeError):
+            return None  # written by another version of the relay: start afresh
+
+    async def put(self, key: str, value) -> None:
+        try:
+            await self.state.put(self.namespace, {key: value.to_bytes()}, self.max_age)
+        except Exception as e:
+            self._failed("written", e)

@@ -82,6 +82,19 @@ class Skeleton:
         item = top.get(name) if type(top) is dict else getattr(top, name, None)
         return None if item is None or item is UNSET else value(item)
 
+    def set_field(self, name: str, value) -> None:
+        if type(self._top) is dict:
+            self._top[name] = value
+        else:
+            setattr(self._top, name, value)
+
+    def drop_field(self, name: str) -> None:
+        top = self._top
+        if type(top) is dict:
+            top.pop(name, None)
+        elif name in KNOWN_FIELDS:
+            setattr(top, name, UNSET)
+
     def other_fields(self):
         """The names of top-level fields outside ``KNOWN_FIELDS`` (none in the usual request,
         which decodes into the fixed form)."""

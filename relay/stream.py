@@ -24,7 +24,7 @@ from .exchange import Answer, Exchange, Outcome, UpstreamAnswer
 from .formats import Translator
 from .redact import redacting_writer
 from .sse import Event, LazyFramer, names_events
-from .upstream import client_headers
+from .upstream import answer_headers
 
 log = logging.getLogger("relay")
 
@@ -284,8 +284,8 @@ async def relay_stream(state, request: web.Request, exchange: Exchange,
     the stream can fail ends it with an ``error`` event."""
     plan = await state.chain.stream_plan(exchange)
     backend = exchange.backend
-    secrets = backend.credentials
-    headers = client_headers(upstream.headers, exchange.response_headers, secrets)
+    secrets = backend.secrets
+    headers = answer_headers(exchange, upstream.headers, secrets)
     # What the SDKs report as the request id, when the upstream gave none (a translated
     # stream).
     headers.setdefault("request-id", exchange.id)

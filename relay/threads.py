@@ -13,28 +13,47 @@ whole conversation; where it did not (a restart, another replica, a thread made 
 they judge only what the tail can show, and the exchange says so (``x-relay-notes:
 thread-head-unseen``).
 
-A backend that holds no threads (``holds_threads: false``) never gets a ``thread``: the relay
-answers a thread request the way the API answers one it cannot serve, 400 with
-``error.details.error_code: "thread_unsupported_request"``, and the SDKs then resend the full
-history without ``thread`` (``_unsupported_features`` / ``recovers_from`` in the SDK; types
+A backend that holds no threads (``holds_threads: false``, every OpenAI-format backend) never
+gets a ``thread``: the relay carries the thread for it. A ``create`` goes up without the field;
+a ``continue`` whose earlier turns the relay recorded goes up as the whole conversation, the
+recorded turns followed by the request's own, without the field (and without the threads beta
+in ``anthropic-beta``), and its answer is recorded in turn, so the client threads as it would
+against the API. A thread also moves this way with its session: a continuation of a thread
+held by one backend, bound for another (a fallback, a ``/model`` switch), is carried. The
+plugins then see a whole conversation, as if the client had sent it all.
+
+Where the relay has no record to carry (evicted, expired, another replica), a backend that
+holds threads gets the request as it came; one that holds none gets the answer the API gives
+a thread it cannot serve, 400 with ``error.details.error_code:
+"thread_unsupported_request"``, and the SDKs then resend the full history without ``thread``
+(``_unsupported_features`` / ``recovers_from`` in the SDK; types
 ``thread_unsupported_request_error*.py``).
 
-The functions are pure but for :class:`Store`, an in-process map the host owns; nothing here
-needs the server, so the record can later move onto a state shared between replicas.
+The functions are pure but for :class:`Store`, an in-process map the host owns. When the
+host's state is shared (``state.url``: SQLite for one host's workers, Redis for replicas), each
+record also goes there (namespace ``threads``, expiring with the record's age; a conversation
+over :data:`MAX_SHARED_BYTES` stays in its process), so a continuation that reaches another
+worker or replica finds it: the local map answers first, the state when it does not.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import dataclasses
+import logging
+import re
 import time
 from typing import Any
 
 import msgspec
 import orjson
 
+from . import beta_filter
 from .errors import RelayError
 from .sse import SSEDecoder
+
+log = logging.getLogger("relay.threads")
 
 BETA = "message-threads-2026-08-12"
 # The SDK reads `unsupported` as a list of ThreadUnsupportedFeatureName values and falls back
@@ -51,6 +70,13 @@ MAX_AGE = 3600.0
 # A streamed answer kept for the record, events and all: beyond this it is not recorded (its
 # thread's next turn is then judged as unseen). An answer of 300k output tokens fits.
 MAX_STREAM_BYTES = 16 * 1024 * 1024
+# A record larger than this is not written to a shared state.
+MAX_SHARED_BYTES = 4 * 1024 * 1024
+NAMESPACE = "threads"
+MAX_PENDING = 256  # writes to the shared state under way; past this, kept in process only
+# The fields a thread keeps from its ``create`` and a continuation may not send
+# (``CREATE_ONLY_FIELDS`` in the SDK's ``lib/threads/_thread_state.py``).
+CREATE_ONLY = ("system", "tools")
 
 
 @dataclasses.dataclass(slots=True)
@@ -71,16 +97,21 @@ class Thread:
     # The ids the relay gave the client for calls of the held answer that the server holds
     # under the upstream's own: client id -> upstream id.
     renamed: dict | None = None
+    # Carried by the relay (the backend holds no thread of it): where the request's own
+    # messages start in the conversation that goes up (0 for a ``create``); None otherwise.
+    carried: int | None = None
+    # The create-only fields (``system``, ``tools``) as JSON text, from the record.
+    fields: dict | None = None
 
     @property
     def continues(self) -> bool:
         """Whether the server holds a part of this conversation that the request leaves out."""
-        return self.kind != "create"
+        return self.kind != "create" and self.carried is None
 
     @property
     def unseen(self) -> bool:
         """A continuation whose held part this relay does not know."""
-        return self.kind != "create" and self.head is None
+        return self.kind != "create" and self.head is None and self.carried is None
 
 
 def requested(value) -> Thread | None:
@@ -116,21 +147,47 @@ class Store:
     out; bounded by ``max_threads``, ``max_bytes`` and ``max_age`` seconds since last use."""
 
     def __init__(self, max_threads: int = MAX_THREADS, max_bytes: int = MAX_BYTES,
-                 max_age: float = MAX_AGE, clock=time.monotonic):
+                 max_age: float = MAX_AGE, clock=time.monotonic, shared=None):
+        # The host's state (relay.state.State) when it is shared between processes.
+        self.shared = shared
+        self._pending: set[asyncio.Task] = set()
         self.max_threads = max_threads
         self.max_bytes = max_bytes
         self.max_age = max_age
         self.clock = clock
         self.bytes = 0
-        self._entries: collections.OrderedDict[object, tuple[float, str, bytes, dict]] = \
-            collections.OrderedDict()
+        self._entries: collections.OrderedDict[
+            object, tuple[float, str, bytes, dict, dict]] = collections.OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, message_id) -> tuple[str, bytes, dict] | None:
-        """``(backend name, conversation as JSON, renamed ids)`` recorded under
-        ``message_id``."""
+    async def fetch(self, message_id) -> tuple[str, bytes, dict, dict] | None:
+        """:meth:`get`, and from the shared state when this process has no record. A state
+        out of reach is a record not found (the request is then forwarded or refused as for
+        any thread the relay did not see)."""
+        found = self.get(message_id)
+        if found is not None or self.shared is None:
+            return found
+        try:
+            value = (await self.shared.get(NAMESPACE, [_shared_key(message_id)]))[0]
+        except Exception as e:  # Unavailable, or a backend's own failure
+            log.warning("threads: the shared record could not be read: %s", e)
+            return None
+        if value is None:
+            return None
+        try:
+            doc = orjson.loads(value)
+            entry = (doc["backend"], orjson.dumps(doc["conversation"]), doc["renamed"],
+                     {name: orjson.dumps(field) for name, field in doc["fields"].items()})
+        except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
+            return None
+        self._keep(message_id, *entry)
+        return entry
+
+    def get(self, message_id) -> tuple[str, bytes, dict, dict] | None:
+        """``(backend name, conversation as JSON, renamed ids, the fields the thread was
+        created with)`` recorded under ``message_id``."""
         self._expire()
         entry = self._entries.get(message_id)
         if entry is None:
@@ -140,26 +197,61 @@ class Store:
         return entry[1:]
 
     def put(self, message_id, backend: str, conversation: bytes,
-            renamed: dict | None = None) -> bool:
-        """Record a conversation (and the answer's ids the relay renamed for the client);
-        False when it alone is larger than the whole record."""
-        self.pop(message_id)
-        if len(conversation) > self.max_bytes:
+            renamed: dict | None = None, fields: dict[str, bytes] | None = None) -> bool:
+        """Record a conversation (the answer's ids the relay renamed for the client, and the
+        create-only fields as JSON text); False when it alone is larger than the whole
+        record."""
+        fields = fields or {}
+        kept = self._keep(message_id, backend, conversation, renamed or {}, fields)
+        if kept and self.shared is not None and _size(conversation, fields) <= MAX_SHARED_BYTES:
+            doc = orjson.dumps({"backend": backend, "conversation": orjson.Fragment(conversation),
+                                "renamed": renamed or {},
+                                "fields": {k: orjson.Fragment(v) for k, v in fields.items()}})
+            self._share(self.shared.put(NAMESPACE, {_shared_key(message_id): doc},
+                                        self.max_age))
+        return kept
+
+    def _keep(self, message_id, backend: str, conversation: bytes, renamed: dict,
+              fields: dict) -> bool:
+        self._forget(message_id)
+        size = _size(conversation, fields)
+        if size > self.max_bytes:
             return False
-        self._entries[message_id] = (self.clock(), backend, conversation, renamed or {})
-        self.bytes += len(conversation)
+        self._entries[message_id] = (self.clock(), backend, conversation, renamed, fields)
+        self.bytes += size
         while len(self._entries) > self.max_threads or self.bytes > self.max_bytes:
             self._drop_oldest()
         return True
 
     def pop(self, message_id) -> None:
+        self._forget(message_id)
+        if self.shared is not None:
+            self._share(self.shared.delete(NAMESPACE, [_shared_key(message_id)]))
+
+    def _forget(self, message_id) -> None:
         entry = self._entries.pop(message_id, None)
         if entry is not None:
-            self.bytes -= len(entry[2])
+            self.bytes -= _size(entry[2], entry[4])
+
+    def _share(self, write) -> None:
+        """Write to the shared state in the background (the answer is not held for it); a
+        write that fails is logged: the record then stays in this process only."""
+        if len(self._pending) >= MAX_PENDING:
+            write.close()
+            return
+        task = asyncio.ensure_future(write)
+        self._pending.add(task)
+        task.add_done_callback(self._written)
+
+    def _written(self, task: asyncio.Task) -> None:
+        self._pending.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("threads: the shared record could not be written: %s",
+                        task.exception())
 
     def _drop_oldest(self) -> None:
         _, entry = self._entries.popitem(last=False)
-        self.bytes -= len(entry[2])
+        self.bytes -= _size(entry[2], entry[4])
 
     def _expire(self) -> None:
         limit = self.clock() - self.max_age
@@ -168,6 +260,15 @@ class Store:
             if used >= limit:
                 return
             self._drop_oldest()
+
+
+def _shared_key(message_id) -> str:
+    key_name, answer_id = message_id if type(message_id) is tuple else (None, message_id)
+    return f"{key_name or ''}\x00{answer_id}"
+
+
+def _size(conversation: bytes, fields: dict[str, bytes]) -> int:
+    return len(conversation) + sum(len(value) for value in fields.values())
 
 
 # --- what the rules see -------------------------------------------------------------------
@@ -222,36 +323,89 @@ def _role(message) -> str | None:
 # --- the host's part ----------------------------------------------------------------------
 
 
-def prepare(store: Store, exchange) -> None:
-    """Read the request's ``thread``, refuse it for a backend that holds none, and put on the
-    exchange what the relay knows of the held part. Costs a field lookup without ``thread``."""
+async def prepare(store: Store, exchange) -> None:
+    """Read the request's ``thread`` and put on the exchange what the relay knows of the held
+    part: forwarded to a backend that holds the thread, carried (see the module's docs) where
+    the relay recorded it and the backend does not hold it, refused the API's way where
+    neither holds it. Costs a field lookup without ``thread``."""
     thread = requested(exchange.field("thread"))
     exchange.thread = thread
     if thread is None:
         return
     backend = exchange.backend
+    found = await store.fetch(_key(exchange, thread.previous_id)) \
+        if thread.previous_id is not None else None
+    if found is not None:
+        try:
+            head = orjson.loads(found[1])
+        except orjson.JSONDecodeError:  # not written by ``record``: treat it as unseen
+            found = head = None
+    holds = backend.holds_threads and (found is None or found[0] == backend.name)
+    if thread.kind == "create" and not backend.holds_threads or not holds and found:
+        if found:
+            _carry(exchange, thread, head, found[1], found[3])
+        else:
+            _carry(exchange, thread, [], None, None)
+        return
     if not backend.holds_threads:
         exchange.note("relay", "thread refused", kind=thread.kind, backend=backend.name,
-                      reason="the backend holds no threads (holds_threads: false)")
+                      reason="the backend holds no threads (holds_threads: false) and the "
+                             "relay has no record of this one to carry")
         raise ThreadUnsupported()
     if thread.kind == "create":
         return
-    found = store.get(_key(exchange, thread.previous_id)) \
-        if thread.previous_id is not None else None
-    if found is not None and found[0] == backend.name:
-        try:
-            thread.head = orjson.loads(found[1])
-            thread.recorded, thread.renamed = found[1], found[2]
-        except orjson.JSONDecodeError:  # not written by ``record``: treat it as unseen
-            thread.head = None
-    if thread.head is None:
-        exchange.note("relay", "thread head unseen", previous_message_id=thread.previous_id,
-                      reason="this relay did not see the earlier turns: the rules judge only "
-                             "what the request holds, and the upstream judges the rest")
-        exchange.flag("thread-head-unseen")
-    else:
+    if found is not None:
+        thread.head, thread.recorded, thread.renamed = head, found[1], found[2]
         exchange.note("relay", "thread head known", previous_message_id=thread.previous_id,
-                      messages=len(thread.head))
+                      messages=len(head))
+        return
+    exchange.note("relay", "thread head unseen", previous_message_id=thread.previous_id,
+                  reason="this relay did not see the earlier turns: the rules judge only "
+                         "what the request holds, and the upstream judges the rest")
+    exchange.flag("thread-head-unseen")
+
+
+def _carry(exchange, thread: Thread, head: list, recorded: bytes | None,
+           fields: dict[str, bytes] | None) -> None:
+    """Send the whole conversation up in place of a thread the backend does not hold: the
+    turns recorded, and the fields a thread keeps from its ``create`` (``system``,
+    ``tools``), which a continuation may not send."""
+    messages = exchange.messages
+    if type(messages) is not list or type(head) is not list:
+        raise ThreadUnsupported()
+    messages[:0] = head
+    for name, value in (fields or {}).items():
+        exchange.set_field(name, msgspec.Raw(value))
+    exchange.drop_field("thread")
+    thread.fields = fields
+    exchange.mark_changed()
+    beta_filter.filter_header(exchange.upstream_headers, {"drop_betas": [BETA]})
+    thread.carried, thread.recorded = len(head), recorded
+    exchange.note("relay", "thread carried", kind=thread.kind, backend=exchange.backend.name,
+                  previous_message_id=thread.previous_id, messages=len(head),
+                  reason="the backend does not hold this thread: the relay sends the "
+                         "conversation it recorded, without `thread`")
+
+
+def carried_error(error: RelayError, thread: Thread | None) -> RelayError:
+    """A refusal of a carried conversation, its ``messages.N`` locations named at the
+    client's own indexes (``messages.N`` of the part the relay carried stays, and says so)."""
+    if thread is None or not thread.carried:
+        return error
+    offset = thread.carried
+
+    def own(match: re.Match) -> str:
+        n = int(match.group(1))
+        return f"messages.{n - offset}" if n >= offset \
+            else f"messages.{n} (of the thread's earlier turns)"
+
+    message = _LOCATION.sub(own, error.message)
+    if message != error.message:
+        error.message = message
+    return error
+
+
+_LOCATION = re.compile(r"messages\.(\d+)")
 
 
 def record(store: Store, exchange, answer) -> None:
@@ -266,9 +420,12 @@ def record(store: Store, exchange, answer) -> None:
     if type(message_id) is not str or type(content) is not list:
         return
     try:
-        sent = _messages_json(exchange.raw_body)
+        top = _top_level.decode(exchange.raw_body)
+        sent = _messages_json(top)
     except (msgspec.MsgspecError, KeyError, TypeError):
         return
+    fields = thread.fields if thread.fields is not None else {
+        name: bytes(top[name]) for name in CREATE_ONLY if name in top}
     reply = orjson.dumps([{"role": "assistant", "content": content}])
     if thread.previous_id is not None:
         store.pop(_key(exchange, thread.previous_id))
@@ -279,8 +436,10 @@ def record(store: Store, exchange, answer) -> None:
         held = _held_id(exchange.translation, client_id)
         if held is not None:
             renamed[client_id] = held
-    store.put(_key(exchange, message_id), exchange.backend.name,
-              _joined(thread.recorded or b"[]", sent, reply), renamed)
+    # A carried thread is held by no backend: its next turn is carried again, wherever it goes.
+    holder = "" if thread.carried is not None else exchange.backend.name
+    store.put(_key(exchange, message_id), holder,
+              _joined(thread.recorded or b"[]", sent, reply), renamed, fields)
 
 
 def _held_id(table: dict, client_id: str) -> str | None:
@@ -308,9 +467,9 @@ def _key(exchange, message_id: str):
 _top_level = msgspec.json.Decoder(dict[str, msgspec.Raw])
 
 
-def _messages_json(raw: bytes) -> bytes:
+def _messages_json(top: dict) -> bytes:
     """The request's ``messages`` as the client's own JSON text, found without decoding it."""
-    messages = bytes(_top_level.decode(raw)["messages"])
+    messages = bytes(top["messages"])
     if not messages.startswith(b"["):
         raise TypeError("messages is not a list")
     return messages

@@ -24,6 +24,7 @@ from .config import Retries
 from .errors import RelayError
 from .exchange import Attempt, UpstreamRequest
 from .headers import AUTH_HEADERS, end_to_end
+from .pools import Exhausted, Pools
 from .redact import redact_headers
 
 
@@ -47,28 +48,36 @@ def forward_headers(headers, backend, strip_client_auth: bool = False,
                     shaped=None) -> CIMultiDict:
     """The headers that go upstream: the client's end-to-end ones (or ``shaped``, what the
     plugins made of them through ``exchange.upstream_headers``), with the backend's
-    credentials: its own key when it has one, else the client's (unless ``strip_client_auth``:
-    with inbound auth on, what the client presented is the relay's key and never goes up).
-    Credentials are the host's alone: a plugin cannot set or read them."""
+    credentials: its own key when it has one (a pool's is put on each attempt by
+    :meth:`Upstream.send`), else the client's (unless ``strip_client_auth``: with inbound
+    auth on, what the client presented is the relay's key and never goes up). Credentials
+    are the host's alone: a plugin cannot set or read them."""
+    key = backend.api_key
+    own = bool(key) or bool(backend.credentials)
     if shaped is None:
         out = end_to_end(headers)
     else:
         out = CIMultiDict(shaped)
         for name in AUTH_HEADERS:
             out.popall(name, None)
-        if not backend.api_key and not strip_client_auth:
+        if not own and not strip_client_auth:
             for name in AUTH_HEADERS:
                 for value in headers.getall(name, ()):
                     out.add(name, value)
-    if backend.api_key or strip_client_auth:
+    if own or strip_client_auth:
         for name in AUTH_HEADERS:
             out.popall(name, None)
-    if backend.api_key:
-        if backend.auth == "bearer":
-            out["Authorization"] = "Bearer " + backend.api_key
-        else:
-            out["x-api-key"] = backend.api_key
+    if key:
+        set_key(out, backend, key)
     return out
+
+
+def set_key(headers: CIMultiDict, backend, key: str) -> None:
+    """Put ``key`` on ``headers`` the way ``backend`` takes it (``auth``)."""
+    if backend.auth == "bearer":
+        headers["Authorization"] = "Bearer " + key
+    else:
+        headers["x-api-key"] = key
 
 
 def client_headers(upstream_headers, extra: dict | None = None, secrets=()) -> CIMultiDict:
@@ -77,6 +86,22 @@ def client_headers(upstream_headers, extra: dict | None = None, secrets=()) -> C
     out = end_to_end(upstream_headers)
     if extra:
         out.update(extra)
+    return redact_headers(out, secrets) if secrets else out
+
+
+def answer_headers(exchange, upstream_headers, secrets=()) -> CIMultiDict:
+    """:func:`client_headers` for ``exchange``'s answer: without the upstream's headers that
+    the relay's own replace (``exchange.replaces_headers``; what they held is kept in
+    ``exchange.replaced_headers``), with ``exchange.response_headers``."""
+    prefixes = exchange.replaces_headers
+    if not prefixes:
+        return client_headers(upstream_headers, exchange.response_headers, secrets)
+    out = end_to_end(upstream_headers)
+    replaced = {}
+    for name in {name.lower() for name in out if name.lower().startswith(prefixes)}:
+        replaced[name] = ", ".join(out.popall(name))
+    exchange.replaced_headers = replaced
+    out.update(exchange.response_headers)
     return redact_headers(out, secrets) if secrets else out
 
 
@@ -178,8 +203,11 @@ class Upstream:
     the key to another host), retries and fallback. Serving, pass-through and
     ``relay replay --send`` all go through it."""
 
-    def __init__(self, config, strip_client_auth: bool = False, sleep=asyncio.sleep):
+    def __init__(self, config, strip_client_auth: bool = False, sleep=asyncio.sleep,
+                 state=None):
         self.config = config
+        # The backends' pools of credentials, over the host's shared state (relay.pools).
+        self.pools = Pools(config, state)
         self.strip_client_auth = strip_client_auth
         self.session: aiohttp.ClientSession | None = None
         self.timeouts = {
@@ -234,10 +262,24 @@ class Upstream:
             raise RuntimeError("Upstream.send before Upstream.start")
         started = time.perf_counter()
         waited = 0.0
+        pools = self.pools
+        pool = pools.pool(backend)
+        tried: set[str] = set()  # credentials this request failed with: not asked again
+        counted = 0  # attempts the retries count (a switch of credential is not one)
         while True:
-            attempt = Attempt(backend.name, where, waited=waited)
+            credential = None
+            if pool is not None:
+                try:
+                    credential = await pools.choose(exchange, pool, tried)
+                except Exhausted as e:
+                    raise Unreachable(backend.name) from e
+                set_key(out_headers, backend, credential.key)
+                exchange.credential = credential.name
+            attempt = Attempt(backend.name, where, waited=waited,
+                              credential=credential.name if credential is not None else None)
             exchange.attempts.append(attempt)
             sent = time.perf_counter()
+            attempt.sent = exchange.elapsed()
             failure: BaseException | None = None
             answer: aiohttp.ClientResponse | None = None
             try:
@@ -253,6 +295,7 @@ class Upstream:
                     attempt.error = "pool full"
                     limit = session.connector.limit if session.connector is not None else 0
                     exchange.note("relay", "pool full", backend=backend.name, limit=limit)
+                    pools.release(exchange)
                     raise Unreachable(backend.name) from PoolFull(limit)
             except RETRYABLE_ERRORS as e:
                 failure = e
@@ -260,20 +303,35 @@ class Upstream:
             attempt.seconds = time.perf_counter() - sent
             if answer is not None:
                 attempt.status = answer.status
-                if answer.status not in retries.statuses:
-                    exchange.timings.upstream_headers = exchange.elapsed()
-                    return answer
-            tried = sum(1 for a in exchange.attempts if a.backend == backend.name)
+            if pool is not None and credential is not None and await pools.report(
+                    exchange, pool, credential.name, attempt.status,
+                    answer.headers if answer is not None else None):
+                # The credential's own fault (rate limited, overloaded, refused): another
+                # one of the pool is asked now, without a wait and without using a retry.
+                tried.add(credential.name)
+                pools.release(exchange)
+                if answer is not None:
+                    answer.release()
+                exchange.note("relay", "next credential", backend=backend.name,
+                              credential=credential.name, status=attempt.status)
+                waited = 0.0
+                continue
+            if answer is not None and answer.status not in retries.statuses:
+                exchange.timings.upstream_headers = exchange.elapsed()
+                return answer
+            counted += 1
             wait = None
-            if tried < retries.attempts:
-                wait = backoff(retries, tried, answer.headers if answer is not None else None)
+            if counted < retries.attempts:
+                wait = backoff(retries, counted, answer.headers if answer is not None else None)
             if wait is None or time.perf_counter() - started + wait > retries.budget:
                 if answer is not None:
                     exchange.timings.upstream_headers = exchange.elapsed()
                     return answer
+                pools.release(exchange)
                 raise Unreachable(backend.name) from failure
             if answer is not None:
                 answer.release()
+            pools.release(exchange)
             exchange.note("relay", "retrying", backend=backend.name,
                           status=attempt.status, error=attempt.error, wait=round(wait, 3))
             await self._sleep(wait)
@@ -301,7 +359,9 @@ class Upstream:
                 return exchange, answer
             following = await fallbacks.next() if fallbacks is not None else None
             if following is None:
-                _mark_retried(exchange)
+                if failure is None or not isinstance(failure.__cause__, Exhausted):
+                    # A pool's own refusal says when to come back: the client may.
+                    _mark_retried(exchange)
                 if answer is None:
                     assert failure is not None  # no answer came: send raised
                     failure.exchange = exchange

@@ -9,10 +9,10 @@ import os
 import subprocess
 
 import pytest
-from support import Emulator, Relay, Server
+from support import Emulator, RedisServer, Relay, Server
 
 # Asking for one of these is starting a process: such a test is slow without saying so.
-PROCESS_FIXTURES = frozenset({"emulator", "relay"})
+PROCESS_FIXTURES = frozenset({"emulator", "relay", "redis_server"})
 PROCESS_TIERS = ("slow", "e2e")
 
 
@@ -73,3 +73,11 @@ def relay(tmp_path):
     yield start
     for server in started:
         server.stop()
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A redis-server of the test's own (see support.RedisServer), stopped after."""
+    server = RedisServer(tmp_path)
+    yield server
+    server.stop()

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -13,6 +15,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
 import yaml
 
 # The plugin test kit the package ships (relay.testing), re-exported for the suites here.
@@ -115,3 +118,45 @@ def backend(url: str, name: str = "emu", models=("*",), **extra) -> dict:
     """A relay.yaml backend entry pointing at a test server."""
     return {"name": name, "url": url, "models": list(models), **extra}
 
+
+
+REDIS_SERVER = "/usr/bin/redis-server"
+
+
+class RedisServer:
+    """A ``redis-server`` of the test's own on a free loopback port, keeping nothing on disk;
+    :meth:`stop` and :meth:`start` again (same port) stand for an outage."""
+
+    def __init__(self, directory: Path):
+        self.binary = shutil.which("redis-server") or REDIS_SERVER
+        if not os.access(self.binary, os.X_OK):
+            pytest.fail("redis-server is missing: run `make test` (it installs Debian's "
+                        "redis-server)", pytrace=False)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.directory = directory
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.process: Process | None = None
+        self.start()
+
+    def start(self) -> None:
+        self.process = Process([self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
+                                "--save", "", "--appendonly", "no", "--dir",
+                                str(self.directory), "--loglevel", "warning"])
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                time.sleep(0.02)
+        self.stop()
+        raise RuntimeError(f"redis-server did not start:\n{self.process.output()}")
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.stop()
+            self.process = None

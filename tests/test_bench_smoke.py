@@ -37,7 +37,7 @@ def test_quick_bench_reports_every_figure(tmp_path):
     meta = result["meta"]
     assert meta["quick"] is True and meta["workloads"] == list(WORKLOADS)
     assert meta["targets"][:4] == ["direct", "bare", "bare_skeleton", "relay"]
-    assert "relay_openai" in meta["targets"]
+    assert "relay_openai" in meta["targets"] and "relay_accounting" in meta["targets"]
     assert meta["pipeline"], "the relay ran without plugins"
 
     for workload in WORKLOADS:

@@ -107,7 +107,8 @@ def test_key_comes_from_the_environment_only():
 
 def test_shipped_relay_yaml_is_valid():
     config = config_module.load(str(ROOT / "relay.yaml"))
-    assert config.pipeline == ["metrics", "dedup", "pairing", "ordering", "portable", "dump"]
+    assert config.pipeline == ["limits", "usage", "metrics", "cache", "dedup", "pairing",
+                               "ordering", "portable", "dump"]
     assert config.host == "127.0.0.1"
     assert config.backend_for("claude-sonnet-4-6").name == "anthropic"
     load_plugins(config.pipeline)

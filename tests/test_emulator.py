@@ -790,3 +790,48 @@ def test_standalone_process_announces_its_port_and_stops_on_sigterm():
         finally:
             if process.poll() is None:
                 process.kill()
+
+
+# --- the usage it reports -------------------------------------------------------------------
+
+async def test_usage_is_what_the_option_or_the_header_says(aiohttp_client):
+    client = await make_client(aiohttp_client, usage="input=7,cache_read=300")
+    told = await (await client.post("/v1/messages", json=request(user(text("go"))))).json()
+    assert told["usage"] == {"input_tokens": 7, "cache_creation_input_tokens": 0,
+                             "cache_read_input_tokens": 300,
+                             "cache_creation": {"ephemeral_5m_input_tokens": 0,
+                                                "ephemeral_1h_input_tokens": 0},
+                             "output_tokens": told["usage"]["output_tokens"]}
+    header = {"x-emulator-usage": "output=9,cache_write_5m=20,cache_write_1h=30,web_search=2"}
+    told = await (await client.post("/v1/messages", json=request(user(text("go"))),
+                                    headers=header)).json()
+    usage = told["usage"]
+    assert usage["output_tokens"] == 9 and usage["cache_creation_input_tokens"] == 50
+    assert usage["cache_creation"] == {"ephemeral_5m_input_tokens": 20,
+                                       "ephemeral_1h_input_tokens": 30}
+    assert usage["server_tool_use"] == {"web_search_requests": 2, "web_fetch_requests": 0}
+    assert usage["cache_read_input_tokens"] == 0  # the header replaces the option whole
+    split = await (await client.post("/v1/messages", json=request(user(text("go"))),
+                                     headers={"x-emulator-usage": "cache_write_1h=5,split=0"})
+                   ).json()
+    assert "cache_creation" not in split["usage"]
+    assert split["usage"]["cache_creation_input_tokens"] == 5
+    bad = await client.post("/v1/messages", json=request(user(text("go"))),
+                            headers={"x-emulator-usage": "cache_hits=5"})
+    assert bad.status == 400 and "x-emulator-usage" in (await bad.json())["error"]["message"]
+
+
+def test_a_stream_reports_its_input_at_the_start_and_its_usage_so_far_at_the_end():
+    message = build_message(request(user(text("go"))), EmulatorOptions(), 10,
+                            {"cache_read": 5, "cache_write_1h": 3, "web_search": 1})
+    events = stream_events(message)
+    start = events[0]["message"]["usage"]
+    assert start["output_tokens"] == 1 and start["cache_read_input_tokens"] == 5
+    assert start["cache_creation"]["ephemeral_1h_input_tokens"] == 3
+    assert "server_tool_use" not in start  # no search has run yet
+    [delta] = [e for e in events if e["type"] == "message_delta"]
+    assert delta["usage"] == {"input_tokens": 10, "cache_creation_input_tokens": 3,
+                              "cache_read_input_tokens": 5,
+                              "output_tokens": message["usage"]["output_tokens"],
+                              "server_tool_use": {"web_search_requests": 1,
+                                                  "web_fetch_requests": 0}}

@@ -216,3 +216,12 @@ def test_models_parse_with_the_sdk(openai_emulator):
     assert sdk.models.retrieve(models.data[0].id).id == models.data[0].id
     with pytest.raises(openai.NotFoundError):
         sdk.models.retrieve("nope")
+
+
+def test_usage_counts_cached_tokens_inside_prompt_tokens():
+    from relay.testing.emulator_openai import usage
+    reply = {"message": {"role": "assistant", "content": "hi"}}
+    assert usage(40, reply, {"input": 10, "cache_read": 90, "output": 3}) == {
+        "prompt_tokens": 100, "completion_tokens": 3, "total_tokens": 103,
+        "prompt_tokens_details": {"cached_tokens": 90}}
+    assert usage(40, reply)["prompt_tokens"] == 40

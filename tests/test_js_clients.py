@@ -259,35 +259,33 @@ def test_ts_tool_runner_keeps_its_thread_on_a_backend_that_holds_threads(
 
 @RUNNER_MODES
 @pytest.mark.parametrize("kind", ["not-holding", "openai"])
-def test_ts_tool_runner_falls_back_to_full_histories_on_a_backend_without_threads(
+def test_ts_tool_runner_keeps_its_thread_carried_by_the_relay_on_a_backend_without_threads(
         emulator, relay, run_js, dumps, kind, mode):
     emu, r = runner_through_relay(emulator, relay, dumps, kind)
     out = run_js("ts_tool_runner.cjs", r.url, mode, "10")
     assert_runner_completed(out)
-    # The relay answers the thread request the API's way, the runner sends that turn again
-    # without a thread, and every later turn as the whole history.
-    refused, *rest = out["exchanges"]
-    assert (refused["thread"], refused["status"], refused["errorCode"]) == (
-        {"type": "create"}, 400, "thread_unsupported_request")
-    assert refused["relayRequestId"]
-    assert [(x["thread"], x["messages"], x["status"]) for x in rest] == [
-        (None, 1 + 2 * turn, 200) for turn in range(RUNNER_TURNS + 1)]
-    # The backend never saw a thread: the refusal was the relay's own.
+    # The runner threads as against the API, never refused: the relay carries the thread.
+    sent = [(x["thread"]["type"], x["messages"], x["status"]) for x in out["exchanges"]]
+    assert sent == [("create", 1, 200)] + [("continue", 1, 200)] * RUNNER_TURNS
+    # The backend never saw a thread: it got each turn as the whole history.
     bodies = upstream_bodies(emu)
     assert len(bodies) == RUNNER_TURNS + 1
     assert not any("thread" in b for b in bodies)
+    if kind == "not-holding":
+        assert [len(b["messages"]) for b in bodies] == [
+            1 + 2 * turn for turn in range(RUNNER_TURNS + 1)]
 
 
 @RUNNER_MODES
-def test_ts_tool_runner_falls_back_and_gets_unique_ids_from_a_backend_that_reuses_them(
+def test_ts_tool_runner_gets_unique_ids_from_a_backend_that_reuses_them(
         emulator, relay, run_js, dumps, mode):
-    # Only without threads: what a server holds, the relay cannot rewrite, so an emulator
-    # holding its own repeated ids refuses its own head; Anthropic's API, the one backend
-    # known to hold threads, mints unique ids.
+    # Only where the relay carries the thread: what a server holds, the relay cannot rewrite,
+    # so an emulator holding its own repeated ids refuses its own head; Anthropic's API, the
+    # one backend known to hold threads, mints unique ids.
     emu, r = runner_through_relay(emulator, relay, dumps, "not-holding", "--reuse-ids")
     out = run_js("ts_tool_runner.cjs", r.url, mode, "10")
     assert_runner_completed(out)
     assert [c["id"] for c in out["calls"]] == [suffixed(REUSED, t) for t in range(RUNNER_TURNS)]
-    assert [x["status"] for x in out["exchanges"]] == [400] + [200] * (RUNNER_TURNS + 1)
+    assert [x["status"] for x in out["exchanges"]] == [200] * (RUNNER_TURNS + 1)
     assert upstream_tool_ids(emu.requests()[-1]) == [
         [suffixed(REUSED, t)] for t in range(RUNNER_TURNS)]

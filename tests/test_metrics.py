@@ -18,6 +18,7 @@ from test_server import (BODY, STREAM, Upstream, start_relay, start_upstream,  #
 from relay import config as config_module
 from relay.errors import ConfigError
 from relay.exchange import Outcome
+from relay.state.memory import MemoryState
 from relay.testing import finished_exchange
 from relay_builtins.metrics import Metrics
 
@@ -260,7 +261,8 @@ def test_a_finished_exchange_is_counted_from_its_fields():
     plugin = Metrics()
     plugin.relay_startup(config=config_module.parse({"backends": [backend("http://127.0.0.1:9")]},
                                                     env={}),
-                         options={"path": "/metrics", "scrape_key_env": ""})
+                         options={"path": "/metrics", "scrape_key_env": ""},
+                         state=MemoryState())
     exchange = finished_exchange(status=529, outcome=Outcome.UPSTREAM_ERROR,
                                  timeline=[("dump", "queued", {"reason": "upstream_error"}),
                                            ("other", "queued")])
@@ -272,3 +274,42 @@ def test_a_finished_exchange_is_counted_from_its_fields():
     assert value(found, "relay_histories_repaired_total", plugin="dedup",
                  rule="repeated_id") == 2
     assert value(found, "relay_dumps_total", result="queued") == 1
+
+
+def test_the_states_failures_are_counted_by_its_kind():
+    state = MemoryState()
+    plugin = Metrics()
+    plugin.relay_startup(config=config_module.parse({"backends": [backend("http://127.0.0.1:9")]},
+                                                    env={}),
+                         options={"path": "/metrics", "scrape_key_env": ""}, state=state)
+    state.kind, state.unavailable_count = "redis", 3  # what a store that went out counted
+    plugin.relay_exchange_end(finished_exchange(status=200))
+    plugin.relay_exchange_end(finished_exchange(status=200))
+    state.unavailable_count = 4
+    plugin.relay_exchange_end(finished_exchange(status=200))
+    found = samples(generate_latest(plugin.registry).decode())
+    assert value(found, "relay_state_unavailable_total", store="redis") == 4
+
+
+def test_the_model_label_of_usage_is_bounded():
+    from relay.usage import Usage
+    from relay_builtins.metrics import MAX_MODELS
+
+    plugin = Metrics()
+    plugin.relay_startup(config=config_module.parse({"backends": [backend("http://127.0.0.1:9")]},
+                                                    env={}),
+                         options={"path": "/metrics", "scrape_key_env": ""},
+                         state=MemoryState())
+    for n in range(MAX_MODELS + 8):
+        exchange = finished_exchange()
+        exchange.model = f"model-{n}"
+        exchange.usage = Usage(input_tokens=10, output_tokens=1, cost_micro_usd=None if n % 2
+                               else 5)
+        plugin.relay_exchange_end(exchange)
+    found = samples(generate_latest(plugin.registry).decode())
+    models = {dict(labels)["model"] for name, labels in found if name == "relay_tokens_total"}
+    assert len(models) == MAX_MODELS + 1 and "other" in models
+    assert value(found, "relay_tokens_total", kind="input") == 10 * (MAX_MODELS + 8)
+    assert value(found, "relay_tokens_total", model="other", kind="output") == 8
+    assert value(found, "relay_usage_unpriced_total") == (MAX_MODELS + 8) // 2
+    assert value(found, "relay_cost_micro_usd_total") == 5 * ((MAX_MODELS + 8) // 2)

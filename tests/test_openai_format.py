@@ -263,7 +263,9 @@ def test_an_answer_translates():
         {"type": "tool_use", "id": "functions.Bash:0", "name": "Bash", "input": {"command": "ls"}},
         {"type": "tool_use", "id": "call_2", "name": "Read", "input": {}}]
     assert message["usage"] == {"input_tokens": 60, "output_tokens": 7,
-                                "cache_creation_input_tokens": 0, "cache_read_input_tokens": 40}
+                                "cache_creation_input_tokens": 0, "cache_read_input_tokens": 40,
+                                "cache_creation": {"ephemeral_5m_input_tokens": 0,
+                                                   "ephemeral_1h_input_tokens": 0}}
 
 
 @pytest.mark.parametrize("finish, expected", [
@@ -430,7 +432,9 @@ def test_interleaved_calls_become_whole_blocks_in_order():
         ("message_delta", "tool_use", 3), ("message_stop",)]
     assert events[0]["message"]["model"] == "ds"
     assert events[-2]["usage"] == {"input_tokens": 9, "output_tokens": 3,
-                                   "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
+                                   "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0,
+                                   "cache_creation": {"ephemeral_5m_input_tokens": 0,
+                                                      "ephemeral_1h_input_tokens": 0}}
 
 
 def test_ids_and_names_that_come_late_hold_the_call_until_known():
@@ -763,3 +767,32 @@ def test_what_waits_behind_a_live_call_is_bounded(monkeypatch):
         out += translator.feed(sse(chunk({"content": "y" * 100}), done=False))
     assert b"event: error\n" in out and translator.fault[0] == "stream_error"
     assert translator.held == []
+
+
+@pytest.mark.parametrize("usage, expected", [
+    # OpenAI: prompt_tokens holds the cache hits; Anthropic's input_tokens does not.
+    ({"prompt_tokens": 1000, "completion_tokens": 5,
+      "prompt_tokens_details": {"cached_tokens": 900}}, (100, 0, 900)),
+    # OpenRouter: and its cache writes (https://openrouter.ai/docs/use-cases/usage-accounting).
+    ({"prompt_tokens": 194, "completion_tokens": 2,
+      "prompt_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 100}}, (94, 100, 0)),
+    # Parts larger than the prompt are cut to it: never more than prompt_tokens in all.
+    ({"prompt_tokens": 10, "completion_tokens": 1,
+      "prompt_tokens_details": {"cached_tokens": 40, "cache_write_tokens": 5}}, (0, 0, 10)),
+])
+def test_usage_counts_each_prompt_token_once(usage, expected):
+    out = openai.anthropic_usage(usage)
+    assert (out["input_tokens"], out["cache_creation_input_tokens"],
+            out["cache_read_input_tokens"]) == expected
+    assert sum(expected) <= usage["prompt_tokens"]
+
+
+def test_a_streamed_usage_chunk_with_cache_hits_counts_them_once():
+    events, ended = translate(sse(
+        chunk({"role": "assistant", "content": "hi"}), chunk({}, "stop"),
+        chunk(usage={"prompt_tokens": 1200, "completion_tokens": 30,
+                     "prompt_tokens_details": {"cached_tokens": 1024}})))
+    assert ended and not any(events[0]["message"]["usage"]["cache_creation"].values())
+    usage = events[-2]["usage"]
+    assert (usage["input_tokens"], usage["output_tokens"], usage["cache_read_input_tokens"],
+            usage["cache_creation_input_tokens"]) == (176, 30, 1024, 0)

@@ -165,10 +165,12 @@ def test_a_backend_without_its_keys_takes_the_declared_defaults():
     parsed = config_module.parse({"backends": [{"name": "a", "url": "http://127.0.0.1:1"}]})
     found = parsed.backends[0]
     for option in config_module.BACKEND_OPTIONS:
-        if option.name in ("timeouts", "retries", "auth", "holds_threads", "name", "url"):
+        if option.name in ("timeouts", "retries", "auth", "holds_threads", "holds_diagnostics",
+                           "name", "url", "pool"):
             continue
         assert getattr(found, option.name) == option.default, option.name
     assert found.auth == "x-api-key" and found.holds_threads is False
+    assert found.holds_diagnostics is False
     assert found.timeouts == config_module.Timeouts() == config_module.Timeouts(**{
         option.name: option.default for option in config_module.TIMEOUT_OPTIONS})
     assert found.retries == config_module.Retries() == config_module.Retries(**{
@@ -235,7 +237,9 @@ def test_the_docs_tables_hold_every_declared_key():
         tables[len(tables)] = rows
     declarations = (config_module.SERVER_OPTIONS, config_module.AUTH_OPTIONS,
                     config_module.KEY_OPTIONS, config_module.BACKEND_OPTIONS,
-                    config_module.TIMEOUT_OPTIONS, config_module.RETRY_OPTIONS)
+                    config_module.TIMEOUT_OPTIONS, config_module.RETRY_OPTIONS,
+                    config_module.CREDENTIAL_OPTIONS, config_module.POOL_OPTIONS,
+                    config_module.STATE_OPTIONS)
     assert len(tables) == len(declarations)
     for rows, options in zip(tables.values(), declarations, strict=True):
         assert [row.split("`")[1] for row in rows] == [option.name for option in options]

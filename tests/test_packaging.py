@@ -30,8 +30,8 @@ def test_the_runtime_packages_hold_code_and_py_typed_only():
                for package in ("relay", "plugins") for path in (ROOT / package).rglob("*")
                if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".py"]
     assert shipped == ["relay/py.typed"]
-    assert sorted(p.name for p in (ROOT / "docs" / "evidence").iterdir()) == ["betas.json",
-                                                                               "rules.json"]
+    assert sorted(p.name for p in (ROOT / "docs" / "evidence").iterdir()) == [
+        "betas.json", "cache.json", "rules.json"]
 
 
 @pytest.mark.slow

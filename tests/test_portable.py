@@ -17,6 +17,7 @@ from relay import config as config_module
 from relay.config import Backend
 from relay.exchange import UpstreamResponse
 from relay.sse import Event
+from relay.state.memory import MemoryState
 from relay.testing.emulator import EmulatorOptions, find_problem, sign_thinking
 from relay.testing.fixtures import relay_client  # noqa: F401  (the fixture)
 from relay_builtins import dedup, portable
@@ -118,7 +119,8 @@ def plugin(tmp_path=None) -> portable.Portable:
     made = portable.Portable()
     two = config_module.parse({"backends": [{"name": "a", "url": "http://127.0.0.1:1"},
                                              {"name": "b", "url": "http://127.0.0.1:2"}]})
-    made.relay_startup(two, {"provenance_db": str(tmp_path / "p.db") if tmp_path else ""})
+    made.relay_startup(two, {"provenance_db": str(tmp_path / "p.db") if tmp_path else ""},
+                       MemoryState())
     return made
 
 
@@ -443,7 +445,7 @@ def test_with_one_backend_there_is_nothing_to_record_and_no_delta_is_framed():
                   b'"content_block":{"type":"thinking","thinking":"","signature":""}}\n\n')
     one = config_module.parse({"backends": [{"name": "a", "url": "http://127.0.0.1:1"}]})
     made = portable.Portable()
-    made.relay_startup(one, {})
+    made.relay_startup(one, {}, MemoryState())
     exchange = exchange_for({"model": "m", "max_tokens": 9, "thinking": {"type": "enabled",
                                                                           "budget_tokens": 9},
                              "messages": [{"role": "user", "content": "hi"}]})
@@ -452,7 +454,7 @@ def test_with_one_backend_there_is_nothing_to_record_and_no_delta_is_framed():
     assert made.relay_stream_event(exchange, start) is None
     made.relay_startup(config_module.parse({"backends": [
         {"name": "a", "url": "http://127.0.0.1:1"}, {"name": "b", "url": "http://127.0.0.1:2"}]}),
-        {})
+        {}, MemoryState())
     # A thinking block's start asks for the deltas that carry its signature, once a stream.
     assert made.relay_stream_events(exchange) == {"content_block_start"}
     assert made.relay_stream_event(exchange, start) == ("content_block_delta",

@@ -4,6 +4,8 @@ and the record of threads the relay saw is bounded."""
 
 from __future__ import annotations
 
+import asyncio
+
 import orjson
 import pytest
 import pytest_asyncio
@@ -11,9 +13,8 @@ import pytest_asyncio
 from relay import config as config_module
 from relay import threads
 from relay.errors import ConfigError
-from relay.testing import assistant, result, text, use, user
-from relay.testing import emulator
-from relay.testing.fixtures import received, start_relay
+from relay.testing import assistant, emulator, result, text, use, user
+from relay.testing.fixtures import received, received_headers, start_relay
 
 BETA = {"anthropic-beta": "message-threads-2026-08-12"}
 TOOLS = [{"name": "Bash", "description": "Run a command", "input_schema": {
@@ -151,10 +152,42 @@ async def test_a_streamed_answer_is_recorded_too(upstream, relay):
     assert response.status == 200
 
 
-async def test_a_backend_without_threads_refuses_them_as_the_api_does(upstream, relay):
+async def test_a_backend_without_threads_gets_the_whole_conversation_carried(upstream, relay):
+    # The emulator refuses any thread itself: it must never see one.
+    emu = await upstream(tool_turns=2, threads="refuse")
+    client = await relay(emu, holds_threads=False)
+    response, first = await post(client, create(user(text("go"))))
+    assert response.status == 200 and first["stop_reason"] == "tool_use"
+    response, second = await post(client, carry_on(first["id"], user(*answers_to(first))))
+    assert response.status == 200, second
+    response, third = await post(client, carry_on(second["id"], user(*answers_to(second))))
+    assert response.status == 200 and third["stop_reason"] == "end_turn"
+    sent = received(client)
+    assert all("thread" not in doc for doc in sent)
+    # Each went up whole: 1, 3, 5 messages, each valid for the strict emulator.
+    assert [len(doc["messages"]) for doc in sent] == [1, 3, 5]
+    assert sent[2]["messages"][:3] == sent[1]["messages"]
+    assert all(BETA["anthropic-beta"] not in headers.get("anthropic-beta", "")
+               for headers in received_headers(client))
+
+
+async def test_a_carried_conversation_is_judged_whole_and_named_at_the_clients_indexes(
+        upstream, relay):
+    client = await relay(await upstream(tool_turns=2, threads="refuse"), holds_threads=False)
+    _, first = await post(client, create(user(text("go"))))
+    response, error = await post(client, carry_on(first["id"], user(result("toolu_nobody"))))
+    assert response.status == 400
+    assert error["error"]["message"].startswith(
+        "messages.0.content.0: unexpected `tool_use_id` found in `tool_result` blocks: "
+        "toolu_nobody")
+    assert len(received(client)) == 1
+
+
+async def test_a_thread_the_relay_cannot_carry_is_refused_as_the_api_does(upstream, relay):
     emu = await upstream(tool_turns=1, threads="refuse")
     client = await relay(emu, holds_threads=False)
-    for doc in (create(user(text("go"))), carry_on("msg_x", user(result("toolu_a")))):
+    for doc in (carry_on("msg_x", user(result("toolu_a"))),
+                body(user(text("go")), thread={"type": "branch"})):
         response, error = await post(client, doc)
         assert response.status == 400
         assert error["type"] == "error"
@@ -166,15 +199,30 @@ async def test_a_backend_without_threads_refuses_them_as_the_api_does(upstream, 
     assert response.status == 200
 
 
-async def test_an_openai_format_backend_holds_no_threads(aiohttp_server, aiohttp_client):
-    from relay.testing import emulator_openai
-    server = await aiohttp_server(emulator_openai.create_app(emulator.EmulatorOptions()))
-    client = await start_relay(aiohttp_client, {"pipeline": ["pairing"], "backends": [
-        {"name": "oa", "url": str(server.make_url("/v1")), "format": "openai", "models": ["*"]}]})
-    response, error = await post(client, create(user(text("go"))))
-    assert response.status == 400
-    assert error["error"]["details"]["error_code"] == "thread_unsupported_request"
-    assert server.app[emulator.STATE].records == []
+async def test_a_thread_moves_to_a_backend_that_does_not_hold_it(upstream, aiohttp_client):
+    holding = await upstream(tool_turns=2, threads="hold")
+    other = await upstream(tool_turns=2, threads="refuse")
+    client = await start_relay(aiohttp_client, {"pipeline": PIPELINE, "backends": [
+        {"name": "a", "url": str(holding.make_url("")).rstrip("/"), "models": ["claude-a"],
+         "holds_threads": True},
+        {"name": "b", "url": str(other.make_url("")).rstrip("/"), "models": ["claude-b"],
+         "holds_threads": True}]})
+    try:
+        _, first = await post(client, create(user(text("go")), model="claude-a"))
+        # A /model switch: the other backend never held this thread, so it is carried there.
+        response, second = await post(client, carry_on(first["id"], user(*answers_to(first)),
+                                                       model="claude-b"))
+        assert response.status == 200, second
+        sent = [orjson.loads(raw) for *_, raw in other.app[emulator.STATE].records]
+        assert "thread" not in sent[0] and len(sent[0]["messages"]) == 3
+        # And carried from then on, wherever it goes next.
+        response, third = await post(client, carry_on(second["id"], user(*answers_to(second)),
+                                                      model="claude-a"))
+        assert response.status == 200, third
+        back = [orjson.loads(raw) for *_, raw in holding.app[emulator.STATE].records]
+        assert "thread" not in back[-1] and len(back[-1]["messages"]) == 5
+    finally:
+        await client.chain.shutdown(client.config)
 
 
 @pytest.mark.parametrize("url, extra, holds", [
@@ -338,3 +386,28 @@ async def test_one_clients_thread_is_no_other_clients_to_judge_against(upstream,
     response, _ = await post(client, carry_on(first["id"], user(text("hi"))), alpha)
     assert response.status == 400  # alpha's record is still there, judged against
     assert len(received(client)) == 2
+
+
+async def test_workers_sharing_a_state_carry_each_others_threads(upstream, aiohttp_client,
+                                                                  tmp_path):
+    # Two relays on one SQLite state, as two workers (or replicas on Redis) are: a thread
+    # begun through one goes on through the other, carried whole to a backend without threads.
+    emu = await upstream(tool_turns=2, threads="refuse")
+    raw = {"pipeline": PIPELINE, "state": {"url": f"sqlite:///{tmp_path / 'state.db'}"},
+           "backends": [{"name": "emu", "url": str(emu.make_url("")).rstrip("/"),
+                         "models": ["*"], "holds_threads": False}]}
+    one, other = (await start_relay(aiohttp_client, raw), await start_relay(aiohttp_client, raw))
+    try:
+        _, first = await post(one, create(user(text("go"))))
+        for _ in range(100):  # the record is written to the state in the background
+            if (await other.chain.state.get(threads.NAMESPACE, [f"\x00{first['id']}"]))[0]:
+                break
+            await asyncio.sleep(0.02)
+        response, second = await post(other, carry_on(first["id"], user(*answers_to(first))))
+        assert response.status == 200, second
+        sent = [orjson.loads(raw) for *_, raw in emu.app[emulator.STATE].records]
+        assert [len(doc["messages"]) for doc in sent] == [1, 3]
+        assert sent[1]["tools"] == TOOLS and "thread" not in sent[1]
+    finally:
+        for client in (one, other):
+            await client.chain.shutdown(client.config)

@@ -10,6 +10,7 @@ import json
 import urllib.request
 
 import anthropic
+import httpx2
 import pytest
 
 from support import backend
@@ -30,8 +31,12 @@ def run(command: str) -> str:
     return f"ran {command}"
 
 
-def sdk(url: str) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=url, api_key="sk-test-client", max_retries=0)
+def sdk(url: str, statuses: list | None = None) -> anthropic.Anthropic:
+    """A client; ``statuses`` collects the status of every answer it gets."""
+    hooks = {"response": [lambda response: statuses.append(response.status_code)]} \
+        if statuses is not None else {}
+    return anthropic.Anthropic(base_url=url, api_key="sk-test-client", max_retries=0,
+                               http_client=httpx2.Client(event_hooks=hooks))
 
 
 def finish(client: anthropic.Anthropic, stream: bool):
@@ -68,12 +73,15 @@ def test_the_tool_runner_threads_through_a_backend_that_holds_threads(emulator, 
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
-def test_the_tool_runner_falls_back_to_full_histories_without_threads(emulator, relay, stream):
-    # The emulator would refuse a thread itself: it must never see one.
+def test_the_tool_runner_threads_through_a_backend_without_threads(emulator, relay, stream):
+    # The emulator would refuse a thread itself: it must never see one. The relay carries the
+    # thread: the client threads as against the API, and is never refused.
     emu = emulator("--threads", "refuse", "--tool-turns", str(TURNS))
     r = relay({"backends": [backend(emu.url)]})
-    final = finish(sdk(r.url), stream)
+    statuses: list[int] = []
+    final = finish(sdk(r.url, statuses), stream)
     assert final.stop_reason == "end_turn"
+    assert statuses == [200] * (TURNS + 1)
     sent = messages_requests(emu)
     assert len(sent) == TURNS + 1
     assert all("thread" not in request["body"] for request in sent)
@@ -82,11 +90,13 @@ def test_the_tool_runner_falls_back_to_full_histories_without_threads(emulator, 
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
-def test_the_tool_runner_falls_back_through_an_openai_format_backend(emulator, relay, stream):
+def test_the_tool_runner_threads_through_an_openai_format_backend(emulator, relay, stream):
     emu = emulator("--format", "openai", "--tool-turns", str(TURNS))
     r = relay({"backends": [backend(emu.url + "/v1", format="openai")]})
-    final = finish(sdk(r.url), stream)
+    statuses: list[int] = []
+    final = finish(sdk(r.url, statuses), stream)
     assert final.stop_reason == "end_turn"
+    assert statuses == [200] * (TURNS + 1)
     sent = messages_requests(emu, "/v1/chat/completions")
     assert len(sent) == TURNS + 1
     assert all("thread" not in request["body"] for request in sent)

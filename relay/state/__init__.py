@@ -19,22 +19,42 @@ One :class:`State` per running relay, opened from relay.yaml's ``state:`` sectio
   :meth:`State.delete`), for records such as thinking provenance, sticky sessions, cooldowns.
 
 Where the state lives is the backend's business: :class:`relay.state.memory.MemoryState` (one
-process; the default), SQLite in one file for the workers of one host, Redis for replicas on
-several hosts. Each method is one round trip at most. When the backend cannot be reached a
-method raises :class:`Unavailable` after at most ``timeout`` seconds; what a caller then does
-follows ``State.on_unavailable`` (``open``: go on without it, warn and count; ``closed``:
-refuse what needs it). :meth:`State.record` never raises: rows that cannot be written are
-kept (bounded) and written when the backend is back.
+process; the default), :class:`relay.state.sqlite.SQLiteState` (``sqlite:///PATH``: one file
+for the workers of one host), :class:`relay.state.redis.RedisState` (``redis://``: replicas
+on several hosts). Each method is one round trip at most. :meth:`State.add`,
+:meth:`State.release` and :meth:`State.record` owe no answer: the shared backends queue them
+and send them with the next call (or within milliseconds), so they cost a request next to
+nothing; a process always reads its own writes.
+
+**When the backend cannot be reached** a method raises :class:`Unavailable` after at most
+``timeout`` seconds (:meth:`State.rows`, an operator's read that no request waits for, gets
+ten; and right after a failure every method raises at once: no request waits for a store
+that is out), the backend counts it in :attr:`State.unavailable_count` (the metrics plugin's
+``relay_state_unavailable_total``) and logs a warning at most once a minute. What the caller
+then does is ``State.on_unavailable``, the operator's choice:
+
+- ``open`` (the default): go on without the state, as if the limit had room: the request
+  is served and not counted (a rate limit or budget is not enforced while the store is out);
+- ``closed``: refuse what needs the state, with a 503 in Anthropic's error format
+  (``RelayError(503, ...)``: a status clients retry), never a traceback.
+
+Only the caller knows what "needs the state" means (a key with limits does; a key without
+none may still pass), so the seam raises and the caller decides; nothing here refuses.
+:meth:`State.record` never raises: rows that cannot be written are kept (bounded) and
+written when the backend is back.
 """
 
 from __future__ import annotations
 
+import asyncio
 import calendar
 import dataclasses
 import datetime
+import logging
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from ..errors import ConfigError
 from ..options import Option
 
 PERIODS = ("minute", "hour", "day", "week", "month")
@@ -136,6 +156,8 @@ class State:
     on_unavailable: str = "open"
     timeout: float = 0.25
     kind: str = "memory"  # memory | sqlite | redis: for logs, metrics and docs
+    # Calls that found the backend unreachable (raised Unavailable), since it was opened.
+    unavailable_count: int = 0
 
     async def take(self, counters: Sequence[Counter], slots: Sequence[Slot] = (),
                    now: float | None = None) -> Taken:
@@ -204,15 +226,51 @@ class State:
         """Finish pending writes (within a short time) and let go of connections."""
 
 
+def warn_if_per_process(config) -> None:
+    """At start-up, before the workers fork: with several workers and the state in memory,
+    each worker would count for itself (a limit of N would let N times as much through, and
+    each worker's ledger would be its own). Said loudly rather than refused: a relay without
+    limits or usage loses nothing."""
+    if config.workers > 1 and not (config.state or {}).get("url"):
+        logging.getLogger("relay").warning(
+            "server.workers is %d and state.url is empty: each worker keeps its own counters, "
+            "concurrency slots, ledger and keys in its memory, so limits and usage are per "
+            "worker; set state.url (sqlite:///./relay-state.db for one host, redis://... for "
+            "several) to share them", config.workers)
+
+
 async def open_state(options: dict[str, Any] | None = None) -> State:
     """The state backend ``options`` (relay.yaml's checked ``state:`` section) names."""
     options = options or {}
     url = options.get("url") or ""
+    timeout = float(options.get("timeout", 0.25))
+    retention_days = int(options.get("retention_days", 90))
     if not url:
         from .memory import MemoryState
-        state: State = MemoryState()
+        state: State = MemoryState(retention_days=retention_days)
+    elif url.startswith("sqlite:"):
+        import sqlite3
+
+        from .sqlite import SQLiteState, path_of
+        try:
+            sqlite = SQLiteState(path_of(url), timeout, retention_days)
+            await asyncio.get_running_loop().run_in_executor(None, sqlite.create)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        except sqlite3.Error as e:
+            raise ConfigError(f"state.url: {sqlite.path}: {e}") from None
+        state = sqlite
+    elif url.startswith(("redis://", "rediss://", "unix://")):
+        from .redis import RedisState
+        try:
+            redis = RedisState(url, timeout, retention_days)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        await redis.connect()
+        state = redis
     else:
-        raise ValueError(f"state.url: {url!r} names no state backend this relay has")
+        raise ConfigError(f"state.url: {url!r} names no state backend this relay has "
+                          f"(sqlite:///PATH, redis://HOST:PORT/DB, rediss://...)")
     state.on_unavailable = options.get("on_unavailable", "open")
-    state.timeout = float(options.get("timeout", 0.25))
+    state.timeout = timeout
     return state

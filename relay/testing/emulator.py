@@ -33,13 +33,16 @@ import asyncio
 import base64
 import binascii
 import dataclasses
+import datetime
 import hashlib
 import hmac
 import itertools
+import math
 import os
 import re
 import signal
 import sys
+import time
 from typing import Any
 
 import orjson
@@ -102,6 +105,13 @@ class EmulatorOptions:
     ``fail_status`` alone fails every /v1/messages request; with ``fail_count`` it fails the
     first C, with ``fail_every`` every K-th (both may be combined). ``cut_after`` and
     ``stream_error_after`` count stream events, ``ping`` included.
+
+    Keys, as an account's API would treat them: ``key_budget`` allows each key (its
+    ``x-api-key`` or Bearer token) that many requests per fixed ``key_window`` seconds, then
+    answers ``429 rate_limit_error`` with ``retry-after`` (the seconds left in its window) and
+    ``anthropic-ratelimit-requests-remaining: 0`` with the window's end as its ``-reset``;
+    ``revoked_keys`` answer ``401 authentication_error``. ``POST /_emulator/keys`` changes
+    both while serving (``{"revoke": [...], "restore": [...], "reset_budgets": true}``).
     """
 
     host: str = "127.0.0.1"
@@ -129,6 +139,12 @@ class EmulatorOptions:
     delay_ms: int = 0
     record: bool = True
     threads: str = "ignore"
+    usage: str | None = None
+    key_budget: int | None = None
+    key_window: float = 60.0
+    revoked_keys: tuple[str, ...] = ()
+    prompt_cache: bool = False
+    diagnostics: bool = True
 
     @property
     def signing_key(self) -> bytes:
@@ -184,13 +200,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests with `thread`: ignore the field (a backend that knows no "
                              "threads), hold conversations as the API does, or refuse them as "
                              "the API refuses what it cannot thread")
+    parser.add_argument("--usage", default=d.usage, metavar="SPEC",
+                        help="the usage every answer reports, as `name=count,...` with names "
+                             f"{', '.join(USAGE_NAMES)} (a request's {USAGE_HEADER} header "
+                             "overrides it); input defaults to a quarter of the body's bytes, "
+                             "output to a quarter of the answer's")
+    parser.add_argument("--prompt-cache", action="store_true",
+                        help="keep a prompt cache as the API does (prefixes up to each "
+                             "cache_control breakpoint) and report its reads and writes in usage")
+    parser.add_argument("--no-diagnostics", dest="diagnostics", action="store_false",
+                        help="ignore `diagnostics` (a backend without cache diagnostics)")
     parser.add_argument("--no-record", dest="record", action="store_false",
                         help="keep no request log (long benchmarks)")
+    parser.add_argument("--key-budget", type=int, default=d.key_budget,
+                        help="requests each key may make per --key-window, then 429 with "
+                             "retry-after")
+    parser.add_argument("--key-window", type=float, default=d.key_window,
+                        help="seconds of each key's budget window")
+    parser.add_argument("--revoke-key", dest="revoked_keys", action="append",
+                        default=[], metavar="KEY",
+                        help="answer this key with 401 (may be repeated)")
 
 
 def options_from_args(args) -> EmulatorOptions:
     names = [f.name for f in dataclasses.fields(EmulatorOptions)]
-    return EmulatorOptions(**{n: getattr(args, n) for n in names if hasattr(args, n)})
+    values = {n: getattr(args, n) for n in names if hasattr(args, n)}
+    if "revoked_keys" in values:  # repeatable on the command line: a list there
+        values["revoked_keys"] = tuple(values["revoked_keys"])
+    return EmulatorOptions(**values)
 
 
 # --- validation -------------------------------------------------------------------------------
@@ -655,8 +692,53 @@ def plan_reply(body: dict, options: EmulatorOptions) -> tuple[list[dict], str]:
     return content, "tool_use"
 
 
-def build_message(body: dict, options: EmulatorOptions, input_tokens: int) -> dict:
+# What an answer's usage can be told to report (--usage, or a request's x-emulator-usage):
+# counts by name; `split=0` leaves out the cache_creation breakdown by lifetime, as answers
+# from before one-hour caching did.
+USAGE_HEADER = "x-emulator-usage"
+USAGE_NAMES = ("input", "output", "cache_read", "cache_write_5m", "cache_write_1h",
+               "web_search", "web_fetch", "split")
+
+
+def parse_usage(spec: str | None) -> dict[str, int]:
+    """``"input=10,cache_read=900"`` as ``{"input": 10, "cache_read": 900}``; a ValueError
+    naming what is wrong."""
+    report: dict[str, int] = {}
+    for part in (spec or "").split(","):
+        if not part.strip():
+            continue
+        name, _, value = part.partition("=")
+        name = name.strip()
+        if name not in USAGE_NAMES or not value.strip().isdigit():
+            raise ValueError(f"{USAGE_HEADER}: {part.strip()!r} is not NAME=COUNT with a name "
+                             f"among {', '.join(USAGE_NAMES)}")
+        report[name] = int(value)
+    return report
+
+
+def message_usage(report: dict[str, int], input_tokens: int, output_tokens: int) -> dict:
+    """An answer's ``usage`` as the API shapes it: the input the cache neither served nor
+    took, the cache's reads and writes apart (the writes by lifetime), the server tools'
+    requests when there were any."""
+    five, hour = report.get("cache_write_5m", 0), report.get("cache_write_1h", 0)
+    usage: dict = {"input_tokens": report.get("input", input_tokens),
+                   "cache_creation_input_tokens": five + hour,
+                   "cache_read_input_tokens": report.get("cache_read", 0)}
+    if report.get("split", 1):
+        usage["cache_creation"] = {"ephemeral_5m_input_tokens": five,
+                                   "ephemeral_1h_input_tokens": hour}
+    usage["output_tokens"] = report.get("output", output_tokens)
+    tools = {f"{name}_requests": report[name] for name in ("web_search", "web_fetch")
+             if report.get(name)}
+    if tools:
+        usage["server_tool_use"] = {"web_search_requests": 0, "web_fetch_requests": 0, **tools}
+    return usage
+
+
+def build_message(body: dict, options: EmulatorOptions, input_tokens: int,
+                  report: dict[str, int] | None = None) -> dict:
     content, stop_reason = plan_reply(body, options)
+    output_tokens = max(1, len(orjson.dumps(content)) // 4)
     return {
         "id": "msg_01" + _base62(int.from_bytes(os.urandom(17), "big"), 22),
         "type": "message",
@@ -665,9 +747,7 @@ def build_message(body: dict, options: EmulatorOptions, input_tokens: int) -> di
         "content": content,
         "stop_reason": stop_reason,
         "stop_sequence": None,
-        "usage": {"input_tokens": input_tokens,
-                  "output_tokens": max(1, len(orjson.dumps(content)) // 4),
-                  "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0},
+        "usage": message_usage(report or {}, input_tokens, output_tokens),
     }
 
 
@@ -702,16 +782,21 @@ def _block_events(index: int, block: dict) -> list[dict]:
 
 
 def stream_events(message: dict) -> list[dict]:
-    """The SSE events that carry ``message``, in the API's order."""
+    """The SSE events that carry ``message``, in the API's order: ``message_start`` with the
+    input side of the usage (and one output token), the ``message_delta`` with the usage so
+    far, cumulative, without the breakdown by lifetime (the SDK's MessageDeltaUsage)."""
     usage = message["usage"]
+    # No server tool has run yet when the stream starts.
     start = dict(message, content=[], stop_reason=None, stop_sequence=None,
-                 usage=dict(usage, output_tokens=1))
+                 usage={**{name: value for name, value in usage.items()
+                           if name != "server_tool_use"}, "output_tokens": 1})
     events: list[dict] = [{"type": "message_start", "message": start}, {"type": "ping"}]
     for index, block in enumerate(message["content"]):
         events.extend(_block_events(index, block))
     events.append({"type": "message_delta",
                    "delta": {"stop_reason": message["stop_reason"], "stop_sequence": None},
-                   "usage": usage})
+                   "usage": {name: value for name, value in usage.items()
+                             if name != "cache_creation"}})
     events.append({"type": "message_stop"})
     return events
 
@@ -774,9 +859,16 @@ class EmulatorState:
     threads: dict = dataclasses.field(default_factory=dict)
     continued: dict = dataclasses.field(default_factory=dict)  # answer ids continued, in order
     answered: dict = dataclasses.field(default_factory=dict)  # ids of answers with diagnostics
+    # --prompt-cache: the hash of a prefix up to a breakpoint -> when it expires (monotonic)
+    prompt_cache: dict = dataclasses.field(default_factory=dict)
     received: int = 0  # every /v1/* request
     messages: int = 0  # authorised /v1/messages requests: what faults and the budget count
     stalled: bool = False  # --stall-after has had its stream
+    revoked: set = dataclasses.field(default_factory=set)  # keys answered with 401
+    windows: dict = dataclasses.field(default_factory=dict)  # key -> [window start, used]
+
+    def __post_init__(self) -> None:
+        self.revoked.update(self.options.revoked_keys)
 
 
 STATE = web.AppKey("emulator_state", EmulatorState)
@@ -856,8 +948,8 @@ async def _stamp_headers(request: web.Request, response: web.StreamResponse) -> 
     else:
         limit = options.max_requests
         remaining = max(0, limit - request.app[STATE].messages)
-    response.headers["anthropic-ratelimit-requests-limit"] = str(limit)
-    response.headers["anthropic-ratelimit-requests-remaining"] = str(remaining)
+    response.headers.setdefault("anthropic-ratelimit-requests-limit", str(limit))
+    response.headers.setdefault("anthropic-ratelimit-requests-remaining", str(remaining))
 
 
 def _checked_body(request: web.Request, options: EmulatorOptions, *, needs_max_tokens: bool):
@@ -885,11 +977,57 @@ async def admit(request: web.Request, refuse=None) -> web.Response | None:
         # x-should-retry: false makes SDK clients give up at once instead of retrying.
         return refuse(request, 429, "request budget exhausted",
                       headers={"retry-after": "0", "x-should-retry": "false"})
+    refusal = _key_refusal(request, state, refuse)
+    if refusal is not None:
+        return refusal
     status = options.fail_status
     if status is not None and is_fault(number, options):
         return refuse(request, status, FAULT_MESSAGES.get(status, "Emulated failure"),
                       headers={"retry-after": "0"} if status == 429 else None)
     return None
+
+
+def presented_key(request: web.Request) -> str | None:
+    """The key a request carries: its ``x-api-key``, else its Bearer token."""
+    key = request.headers.get("x-api-key")
+    if key:
+        return key
+    authorization = request.headers.get("authorization", "")
+    return authorization[7:] if authorization.lower().startswith("bearer ") else None
+
+
+def _key_refusal(request: web.Request, state: EmulatorState, refuse) -> web.Response | None:
+    """A revoked key's 401, or the 429 of a key past its budget in this window."""
+    key = presented_key(request)
+    if key is not None and key in state.revoked:
+        return refuse(request, 401, FAULT_MESSAGES[401])
+    options = state.options
+    if options.key_budget is None or key is None:
+        return None
+    now = time.time()
+    window = state.windows.get(key)
+    if window is None or now >= window[0] + options.key_window:
+        window = state.windows[key] = [now, 0]
+    if window[1] >= options.key_budget:
+        end = window[0] + options.key_window
+        reset = datetime.datetime.fromtimestamp(end, datetime.timezone.utc)
+        return refuse(request, 429, FAULT_MESSAGES[429], headers={
+            "retry-after": str(max(1, math.ceil(end - now))),
+            "anthropic-ratelimit-requests-limit": str(options.key_budget),
+            "anthropic-ratelimit-requests-remaining": "0",
+            "anthropic-ratelimit-requests-reset": reset.isoformat().replace("+00:00", "Z")})
+    window[1] += 1
+    return None
+
+
+async def handle_keys(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    asked = orjson.loads(await request.read() or b"{}")
+    state.revoked.update(asked.get("revoke") or ())
+    state.revoked.difference_update(asked.get("restore") or ())
+    if asked.get("reset_budgets"):
+        state.windows.clear()
+    return _json({"revoked": len(state.revoked)})
 
 
 async def handle_messages(request: web.Request) -> web.StreamResponse:
@@ -903,8 +1041,15 @@ async def handle_messages(request: web.Request) -> web.StreamResponse:
     body, refusal = _checked_body(request, options, needs_max_tokens=True)
     if refusal:
         return refusal
-    message = build_message(body, options, len(request[INCOMING].raw) // 4)
-    _diagnose(request.app[STATE], body, message)
+    try:
+        report = parse_usage(request.headers.get(USAGE_HEADER, options.usage))
+    except ValueError as e:
+        return error_response(request, 400, str(e))
+    message = build_message(body, options, len(request[INCOMING].raw) // 4, report)
+    if options.prompt_cache:
+        _cache_usage(request.app[STATE], body, message)
+    if options.diagnostics:
+        _diagnose(request.app[STATE], body, message)
     if thread is not None:
         _hold(request.app[STATE], thread, body, message)
     if body.get("stream"):
@@ -997,6 +1142,100 @@ def _diagnose(state: EmulatorState, body: dict, message: dict) -> None:
     state.answered[message["id"]] = True
     if len(state.answered) > MAX_HELD:
         del state.answered[next(iter(state.answered))]
+
+
+# --- the prompt cache ---------------------------------------------------------------------
+# Anthropic's prompt caching guide, read on its own: the prompt is tools, then system, then
+# messages; a breakpoint caches the prefix up to and including its block, for 5 minutes (ttl
+# "1h": an hour), refreshed on each read; the model is part of every entry, and the thinking
+# settings and tool_choice of the messages' part. The emulator hashes decoded values (its
+# own rendering, apart from the relay's fingerprint of the raw bytes) and counts a token per
+# four bytes of them. Only exact breakpoint positions hit (the API also looks back up to 20
+# blocks from each).
+
+CACHE_TTL = {"5m": 300.0, "1h": 3600.0}
+
+
+def _uncached(value):
+    if isinstance(value, dict):
+        return {k: _uncached(v) for k, v in value.items() if k != "cache_control"}
+    if isinstance(value, list):
+        return [_uncached(v) for v in value]
+    return value
+
+
+def _control(value) -> dict | None:
+    """The block's cache_control, or one inside it (a tool result's content)."""
+    if isinstance(value, dict):
+        if isinstance(value.get("cache_control"), dict):
+            return value["cache_control"]
+        for item in value.values():
+            found = _control(item)
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for item in value:
+            found = _control(item)
+            if found is not None:
+                return found
+    return None
+
+
+def _cache_usage(state: EmulatorState, body: dict, message: dict) -> None:
+    pieces: list = [["model", body.get("model"), body.get("speed")]]
+    marks: list = [None]
+    for tool in body.get("tools") or ():
+        pieces.append(_uncached(tool))
+        marks.append(_control(tool))
+    system = body.get("system")
+    for block in ([{"type": "text", "text": system}] if isinstance(system, str)
+                  else system or ()):
+        pieces.append(_uncached(block))
+        marks.append(_control(block))
+    pieces.append(["parameters", body.get("thinking"), body.get("tool_choice")])
+    marks.append(None)
+    for item in body.get("messages") or ():
+        pieces.append(["role", item.get("role")])
+        marks.append(None)
+        content = item.get("content")
+        for block in ([{"type": "text", "text": content}] if isinstance(content, str)
+                      else content or ()):
+            pieces.append(_uncached(block))
+            marks.append(_control(block))
+    if isinstance(body.get("cache_control"), dict):
+        marks[-1] = body["cache_control"]
+    now = time.monotonic()
+    digest = hashlib.sha256()
+    chain, tokens, total = [], [], 0
+    for piece in pieces:
+        raw = orjson.dumps(piece, option=orjson.OPT_SORT_KEYS)
+        digest.update(raw)
+        chain.append(digest.copy().digest())
+        total += len(raw) // 4
+        tokens.append(total)
+    breakpoints = [i for i, mark in enumerate(marks) if mark is not None]
+    cache = state.prompt_cache
+    hit = -1
+    for i in reversed(breakpoints):
+        if cache.get(chain[i], 0.0) > now:
+            hit = i
+            break
+    read = tokens[hit] if hit >= 0 else 0
+    written = {"5m": 0, "1h": 0}
+    done = read
+    for i in breakpoints:
+        ttl = marks[i].get("ttl") if marks[i].get("ttl") in CACHE_TTL else "5m"
+        cache[chain[i]] = max(cache.get(chain[i], 0.0), now + CACHE_TTL[ttl])
+        if i > hit:
+            written[ttl] += tokens[i] - done
+            done = tokens[i]
+    while len(cache) > MAX_HELD:
+        del cache[next(iter(cache))]
+    usage = message["usage"]
+    usage.update(input_tokens=max(0, total - done), cache_read_input_tokens=read,
+                 cache_creation_input_tokens=written["5m"] + written["1h"],
+                 cache_creation={"ephemeral_5m_input_tokens": written["5m"],
+                                 "ephemeral_1h_input_tokens": written["1h"]})
 
 
 def _hold(state: EmulatorState, thread: dict, body: dict, message: dict) -> None:
@@ -1112,6 +1351,7 @@ def create_app(options: EmulatorOptions) -> web.Application:
     app.router.add_get("/_emulator/requests", handle_records)
     app.router.add_delete("/_emulator/requests", handle_clear_records)
     app.router.add_get("/_emulator/stats", handle_stats)
+    app.router.add_post("/_emulator/keys", handle_keys)
     return app
 
 

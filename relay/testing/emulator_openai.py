@@ -284,21 +284,27 @@ def plan_reply(body: dict, options) -> dict:
     return {"message": message, "finish_reason": "tool_calls"}
 
 
-def usage(prompt_tokens: int, reply: dict) -> dict:
-    completion = max(1, len(orjson.dumps(reply["message"])) // 4)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": 0}}
+def usage(prompt_tokens: int, reply: dict, report: dict[str, int] | None = None) -> dict:
+    """The usage object: ``prompt_tokens`` is the whole prompt, the tokens served from the
+    cache (``cache_read`` of the emulator's usage report) included, as OpenAI counts them."""
+    report = report or {}
+    cached = report.get("cache_read", 0)
+    prompt = report.get("input", prompt_tokens) + cached
+    completion = report.get("output", max(1, len(orjson.dumps(reply["message"])) // 4))
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def completion(body: dict, reply: dict, prompt_tokens: int, completion_id: str) -> dict:
+def completion(body: dict, reply: dict, prompt_tokens: int, completion_id: str,
+               report: dict[str, int] | None = None) -> dict:
     message = dict(reply["message"])
     message.setdefault("content", None)
     return {"id": completion_id, "object": "chat.completion", "created": int(time.time()),
             "model": body["model"],
             "choices": [{"index": 0, "message": message, "logprobs": None,
                          "finish_reason": reply["finish_reason"]}],
-            "usage": usage(prompt_tokens, reply)}
+            "usage": usage(prompt_tokens, reply, report)}
 
 
 def _pieces(text: str, count: int = 3) -> list[str]:
@@ -320,7 +326,7 @@ def _call_fragments(index: int, call: dict, options) -> list[dict]:
 
 
 def stream_chunks(body: dict, reply: dict, prompt_tokens: int, completion_id: str,
-                  options) -> list[dict]:
+                  options, report: dict[str, int] | None = None) -> list[dict]:
     """The ``chat.completion.chunk`` objects of one streamed answer, in order."""
     base = {"id": completion_id, "object": "chat.completion.chunk",
             "created": int(time.time()), "model": body["model"]}
@@ -347,7 +353,7 @@ def stream_chunks(body: dict, reply: dict, prompt_tokens: int, completion_id: st
         chunks += [chunk({"tool_calls": [f]}) for queue in fragments for f in queue]
     chunks.append(chunk({}, reply["finish_reason"]))
     if (body.get("stream_options") or {}).get("include_usage"):
-        chunks.append({**base, "choices": [], "usage": usage(prompt_tokens, reply)})
+        chunks.append({**base, "choices": [], "usage": usage(prompt_tokens, reply, report)})
     return chunks
 
 
@@ -385,14 +391,20 @@ async def handle_completions(request: web.Request) -> web.StreamResponse:
     problem = incoming.json_problem or find_problem(incoming.body)
     if problem:
         return error_response(request, 400, problem)
+    try:
+        report = anthropic.parse_usage(request.headers.get(anthropic.USAGE_HEADER,
+                                                           options.usage))
+    except ValueError as e:
+        return error_response(request, 400, str(e))
     body = incoming.body
     reply = plan_reply(body, options)
     completion_id = "chatcmpl-" + os.urandom(12).hex()
     prompt_tokens = len(incoming.raw) // 4
     if body.get("stream"):
         return await _stream(request, stream_chunks(body, reply, prompt_tokens, completion_id,
-                                                    options), options)
-    return web.Response(body=orjson.dumps(completion(body, reply, prompt_tokens, completion_id)),
+                                                    options, report), options)
+    return web.Response(body=orjson.dumps(completion(body, reply, prompt_tokens, completion_id,
+                                                     report)),
                         content_type="application/json")
 
 

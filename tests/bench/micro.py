@@ -63,6 +63,26 @@ def relay_config(pipeline: list[str], upstream: str, dump_dir: str,
     return config
 
 
+# The benchmark's relay key for the accounting relay, and limits it never reaches: every
+# request takes and adds to each, and none is refused.
+ACCOUNTING_KEY_ENV = "RELAY_BENCH_KEY"
+ACCOUNTING_LIMITS = {"requests_per_minute": 10**9, "output_tokens_per_minute": 10**12,
+                     "concurrent": 10**6, "budget": {"usd": 10**6, "per": "day"}}
+
+
+def accounting_config(pipeline: list[str], upstream: str, dump_dir: str, state: str) -> dict:
+    """The benchmark's relay.yaml with usage and limits in front of ``pipeline``, one relay
+    key with limits, prices for every model, and the embedded store (SQLite at ``state``)."""
+    config = relay_config(["limits", "usage", *pipeline], upstream, dump_dir)
+    config["server"]["auth"] = {"keys": [{"name": "bench", "key_env": ACCOUNTING_KEY_ENV,
+                                          "limits": ACCOUNTING_LIMITS}]}
+    config["state"] = {"url": f"sqlite:///{state}"}
+    config.setdefault("plugins", {})["usage"] = {"prices": [{
+        "models": ["*"], "usd_per_mtok": {"input": 3, "output": 15, "cache_write_5m": 3.75,
+                                          "cache_write_1h": 6, "cache_read": 0.3}}]}
+    return config
+
+
 class Budget:
     """Iterate until ``count`` calls or ``seconds`` of wall time, whichever comes first."""
 

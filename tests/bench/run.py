@@ -5,7 +5,9 @@
 
 Starts a fast mock upstream (mock_upstream.py), the relay with the default full pipeline
 (``python -m relay --config FILE --port 0``, config in a temp dir), the same relay in front of
-the mock's OpenAI Chat Completions side (``relay_openai``: what translation adds), a bare aiohttp
+the mock's OpenAI Chat Completions side (``relay_openai``: what translation adds), the same
+relay with usage and limits on a relay key over SQLite state (``relay_accounting``: what
+accounting adds), a bare aiohttp
 pass-through (bare_proxy.py), the same pass-through decoding each request's skeleton and
 nothing more (``bare_skeleton``: the floor for any relay that checks histories), and a load
 generator in a process of its own (load.py). Every
@@ -189,6 +191,16 @@ class Bench:
         self.servers["relay_openai"] = procs.Server(
             "relay_openai", [py, "-m", "relay", "--config", openai_config, "--port", "0"],
             cwd=self.tmp.name, env=env)
+        # The same relay with usage and limits on a relay key, over the embedded store: what
+        # accounting adds.
+        accounting_config = os.path.join(self.tmp.name, "relay-accounting.yaml")
+        with open(accounting_config, "w") as f:
+            yaml.safe_dump(micro.accounting_config(
+                self.pipeline, upstream, os.path.join(self.tmp.name, "dumps-accounting"),
+                os.path.join(self.tmp.name, "state.db")), f, sort_keys=False)
+        self.servers["relay_accounting"] = procs.Server(
+            "relay_accounting", [py, "-m", "relay", "--config", accounting_config, "--port", "0"],
+            cwd=self.tmp.name, env={**env, micro.ACCOUNTING_KEY_ENV: workloads.KEY})
         self.servers["bare"] = procs.Server(
             "bare", [py, os.path.join(procs.HERE, "bare_proxy.py"), "--upstream", upstream], env=env)
         self.servers["bare_skeleton"] = procs.Server(
@@ -569,6 +581,11 @@ def targets(result: dict) -> list[dict]:
                entry["cpu_per_req_ratio"], 1.1, "x",
                note=f"req/s vs one process {entry['rps_ratio']}; requests per CPU-second "
                     f"{entry['workers']['req_per_cpu_second']} vs {entry['relay']['req_per_cpu_second']}")
+    accounting = relay("small", 1, "proxy_cpu_ms_per_req"), figure(
+        w, "small", 1, "relay_accounting", "proxy_cpu_ms_per_req")
+    target("usage + limits (a relay key, SQLite state): added CPU per small request",
+           None if None in accounting else r((accounting[1] - accounting[0]) * 1000, 1), 20.0,
+           "us", note="relay_accounting against relay, c=1")
     ends = m["end"]["per_exchange_us"]
     if "metrics" in ends:
         target("metrics plugin: per finished exchange (micro)", r(ends["metrics"], 2), 20.0, "us")

@@ -17,7 +17,9 @@ import orjson
 from relay_builtins import portable
 
 MODEL = "claude-sonnet-4-5-20250929"
-HEADERS = {"content-type": "application/json", "x-api-key": "bench-key",
+# Long enough to be a relay key too (16 characters or more): the accounting relay's client.
+KEY = "bench-key-0123456789"
+HEADERS = {"content-type": "application/json", "x-api-key": KEY,
            "anthropic-version": "2023-06-01"}
 HISTORY_MESSAGES = 500
 HISTORY_PAIRS = 250

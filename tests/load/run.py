@@ -1,7 +1,7 @@
 """`make load`: what the relay holds under load, over time and against hostile clients.
 
     python tests/load/run.py [--only streams,soak,slow_clients,connection_cap,endless] [--quick]
-                             [--out-dir .load]
+                             [--out-dir .load] [--state sqlite|redis]
 
 Everything runs on loopback, bounded in count and time, and stops by itself (about
 seventeen minutes, fifteen of them the soak; ``--quick`` takes seconds and proves only that
@@ -14,8 +14,9 @@ subprocess, as in `make bench`. Scenarios:
   so dedup rewrites that block's id: the rewritten event is compared as JSON, every other one
   byte for byte).
 - ``soak``: fifteen minutes of steady mixed load through a relay shaped as shipped (inbound
-  keys, an Anthropic-format and an OpenAI-format backend, both the mock, the provenance
-  record in its SQLite file): answers and streams checked byte for byte, rewrites, refused
+  keys with limits on each (rates, tokens, concurrency, budgets, none of them reached), usage
+  priced, the shared state in a SQLite file or, with ``--state redis``, in a redis-server the
+  run starts on loopback; an Anthropic-format and an OpenAI-format backend, both the mock): answers and streams checked byte for byte, rewrites, refused
   histories that are dumped, client disconnects, count_tokens, 1 MB histories, wrong keys,
   the same answers translated from the OpenAI-format backend, and thinking answers each with
   its own signature and tool id, carried back in later histories to either backend (dropped
@@ -24,7 +25,9 @@ subprocess, as in `make bench`. Scenarios:
   through the lowest sample of each 20 s, which a leak lifts and a request in flight does
   not, against time and against requests answered. A slope beyond its limit fails, and once
   the load stops the fds must come back to where they were at rest (after the relay's idle
-  upstream connections expire).
+  upstream connections expire). What the state holds is sampled too: the counters and slots
+  must stay bounded throughout and no slot may be held once the load stops; the ledger's rows
+  (one per exchange, kept for its retention) and the key-value records are reported.
 - ``slow_clients``: 1,100 connections that send half their headers or half their body and
   hold, while a normal client keeps asking; with ``server.header_timeout``,
   ``server.body_timeout`` and ``server.max_connections`` set small, every slow connection
@@ -50,10 +53,12 @@ import argparse
 import asyncio
 import collections
 import os
+import pathlib
 import resource
 import sys
 import tempfile
 import time
+from importlib.metadata import entry_points
 
 import aiohttp
 import orjson
@@ -403,21 +408,92 @@ SOAK_MIX = ("json", "stream", "rewrite", "refused", "disconnect", "count_tokens"
             "oai_think_json", "oai_disconnect", "oai_think_history", "stream")
 
 
+# Limits on every key, high enough that the soak's own load never reaches them, so each
+# request is counted, slotted and priced like a team's, and nothing is refused for it.
+SOAK_LIMITS = {"requests_per_minute": 1_000_000, "input_tokens_per_minute": 10**12,
+               "output_tokens_per_minute": 10**12, "concurrent": 256,
+               "budget": {"usd": 1_000_000, "per": "day"},
+               "models": {"claude-*": {"budget": {"usd": 1_000_000, "per": "week"}}}}
+SOAK_PRICES = [{"models": ["claude-*", workloads.OPENAI_MODEL],
+                "usd_per_mtok": {"input": 3, "output": 15, "cache_write_5m": 3.75,
+                                 "cache_write_1h": 6, "cache_read": 0.30}}]
+# The accounting plugins, where this relay has them, in the shipped order.
+ACCOUNTING = ("limits", "usage")
+
+
+def soak_state(folder: str) -> str:
+    """The state the soak's relay shares its counts in: SQLite in the run's folder, or the
+    runner's redis-server (``--state redis``)."""
+    if SOAK_REDIS.get("url"):
+        return SOAK_REDIS["url"]
+    return f"sqlite:///{os.path.join(folder, 'state.db')}"
+
+
 def soak_setup(config: dict, folder: str) -> dict:
     """The shipped shape: two backends (Anthropic- and OpenAI-format, both the mock), inbound
-    keys, the provenance record on disk; the environment holding the keys."""
+    keys with limits, usage priced, the shared state (counters, slots, the ledger, the
+    provenance record) in SQLite or Redis; the environment holding the keys."""
     upstream = config["backends"][0]["url"]
     config["server"]["auth"] = {"keys": [{"name": "team-a", "key_env": "RELAY_SOAK_KEY_A"},
-                                         {"name": "team-b", "key_env": "RELAY_SOAK_KEY_B"}]}
+                                         {"name": "team-b", "key_env": "RELAY_SOAK_KEY_B"}],
+                                "default_limits": SOAK_LIMITS}
+    found = {ep.name for ep in entry_points(group="relay.plugins")}
+    config["pipeline"] = [name for name in ACCOUNTING if name in found] + [
+        name for name in config["pipeline"] if name not in ACCOUNTING]
+    if "cache" in found and "cache" not in config["pipeline"]:
+        config["pipeline"].insert(config["pipeline"].index("metrics") + 1
+                                  if "metrics" in config["pipeline"] else 0, "cache")
+    config["state"] = {"url": soak_state(folder)}
     config["backends"] = [
         {"name": "anthropic", "url": upstream, "models": ["claude-*"], "default": True,
          "api_key_env": "RELAY_SOAK_UPSTREAM"},
         {"name": "openai", "url": upstream + "/v1", "format": "openai",
          "models": [workloads.OPENAI_MODEL], "api_key_env": "RELAY_SOAK_UPSTREAM"}]
     plugins = config.setdefault("plugins", {})
-    if "portable" in config["pipeline"]:
-        plugins["portable"] = {"provenance_db": os.path.join(folder, "provenance.db")}
+    if "usage" in config["pipeline"]:
+        plugins["usage"] = {"prices": SOAK_PRICES}
     return SOAK_KEYS
+
+
+SOAK_REDIS: dict = {}  # the runner's redis-server, with --state redis
+# What lives in the state only while it is in use: counters (their window) and slots (their
+# request), as SQLite tables and as Redis key kinds. Two keys with five limits each, over the
+# windows alive at once, are a few dozen.
+LIVE_KINDS = ("counters", "slots", "c", "s")
+LIVE_BOUND = 200
+
+
+def state_counts(stack: Stack) -> dict:
+    """What the shared state holds, by kind: rows of each SQLite table, or Redis keys by the
+    kind their name says. Counters end with their window, slots when released, key-value
+    entries with their expiry; the ledger grows by a row per exchange (until its retention)."""
+    if SOAK_REDIS.get("url"):
+        import redis
+        client = redis.Redis.from_url(SOAK_REDIS["url"])
+        counts: dict = collections.Counter()
+        for key in client.scan_iter(count=1000):
+            parts = key.decode().split(":")
+            counts[parts[1] if len(parts) > 1 else parts[0]] += 1
+        client.close()
+        return dict(counts)
+    import sqlite3
+    path = os.path.join(stack.tmp.name, "state.db")
+    if not os.path.exists(path):
+        return {}
+    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
+    try:
+        counts = {table: db.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
+                  for table in ("counters", "slots", "ledger", "kv")}
+    except sqlite3.Error as e:
+        counts = {"error": str(e)}
+    finally:
+        db.close()
+    for suffix in ("", "-wal"):
+        try:
+            counts[f"bytes{suffix}"] = os.path.getsize(path + suffix)
+        except OSError:
+            pass
+    return counts
 
 
 class Soak:
@@ -613,12 +689,23 @@ async def scenario_soak(stack: Stack, seconds: float, warmup: float, concurrency
                 problems.append(problem)
             n += concurrency
 
+    # (seconds, what the shared state holds): counters and slots must stay bounded.
+    state_samples: list[tuple[float, dict]] = []
+
+    async def sample_state() -> None:
+        while True:
+            counts = await asyncio.to_thread(state_counts, stack)
+            state_samples.append((time.monotonic() - started, counts))
+            await asyncio.sleep(max(sample_every * 15, 1))
+
     sampler = asyncio.create_task(sample())
+    state_sampler = asyncio.create_task(sample_state())
     cpu0 = procs.cpu_seconds(stack.pid)
     try:
         await asyncio.gather(*(loop(w) for w in range(concurrency)))
     finally:
         sampler.cancel()
+        state_sampler.cancel()
     cpu = procs.cpu_seconds(stack.pid) - cpu0
     await session.close()
     stopped_at = time.time()
@@ -628,6 +715,9 @@ async def scenario_soak(stack: Stack, seconds: float, warmup: float, concurrency
     while stack.fds() > fds_before + 2 and time.monotonic() - stopped < REST_WAIT:
         await asyncio.sleep(1)
     fds_after, rest_after = stack.fds(), time.monotonic() - stopped
+    state_after = await asyncio.to_thread(state_counts, stack)
+    held = [sum(counts.get(kind, 0) for kind in LIVE_KINDS)
+            for t, counts in state_samples if t >= warmup]
     # Dumps still being written after the load stopped are the writer's backlog.
     backlog = max(0.0, stack.newest_dump() - stopped_at)
     steady = [s for s in samples if s[0] >= warmup]
@@ -652,6 +742,10 @@ async def scenario_soak(stack: Stack, seconds: float, warmup: float, concurrency
             fd_slope is not None and fd_slope < FD_SLOPE_LIMIT_PER_MIN,
         f"fds back to rest within {REST_WAIT} s of the load stopping": fds_after <= fds_before + 2,
         "relay healthy": not stack.health(),
+        "no concurrency slot held once the load stopped":
+            state_after.get("slots", 0) + state_after.get("s", 0) == 0,
+        f"counters and slots in the state under {LIVE_BOUND} throughout":
+            max(held, default=0) < LIVE_BOUND,
     }
     rss = [s[1] for s in samples] or [0]
     return {
@@ -662,7 +756,9 @@ async def scenario_soak(stack: Stack, seconds: float, warmup: float, concurrency
                     f"{r(rss_slope, 3)} MB/min, {r(rss_per_10k, 3)} MB per 10k requests (raw "
                     f"{r(raw_rss_slope, 3)} MB/min); fd floor slope {r(fd_slope, 3)}/min, "
                     f"{fds_before} before / {fds_after} {rest_after:.0f} s after; dumps written "
-                    f"until {backlog:.0f} s after; relay CPU "
+                    f"until {backlog:.0f} s after; state "
+                    f"({SOAK_REDIS.get('url', 'sqlite').split(':')[0]}) after: {state_after}, "
+                    f"counters and slots at most {max(held, default=0)}; relay CPU "
                     f"{cpu / max(1, counts['requests']) * 1000:.2f} ms/request"),
         "requests": counts["requests"], "failed": counts["failed"], "seconds": seconds,
         "thinking_answers": soak.seq, "warmup_s": warmup, "concurrency": concurrency,
@@ -675,6 +771,9 @@ async def scenario_soak(stack: Stack, seconds: float, warmup: float, concurrency
         "samples": [{"t": r(t), "rss_kib": rss_kib, "fds": fds, "requests": done}
                     for t, rss_kib, fds, done in samples],
         "relay_cpu_ms_per_request": r(cpu / max(1, counts["requests"]) * 1000, 3),
+        "state": SOAK_REDIS.get("url", "sqlite").split(":")[0], "state_after": state_after,
+        "state_samples": [{"t": r(t), **counts} for t, counts in state_samples],
+        "state_live_max": max(held, default=0),
         "problems": problems[:20] + stack.health(), "checks": checks,
     }
 
@@ -1097,11 +1196,24 @@ def main() -> int:
     parser.add_argument("--only", help="comma-separated scenarios: " + ", ".join(SCENARIOS))
     parser.add_argument("--quick", action="store_true", help="tiny versions, to check they run")
     parser.add_argument("--out-dir", default=os.path.join(procs.ROOT, ".load"))
+    parser.add_argument("--state", choices=("sqlite", "redis"), default="sqlite",
+                        help="where the soak's relay shares its counts: a SQLite file, or a "
+                             "redis-server the run starts on loopback")
     args = parser.parse_args()
     names = [n for n in SCENARIOS if not args.only or n in args.only.split(",")]
     fds = raise_fd_limit()
     started = time.time()
-    results = asyncio.run(run(names, QUICK if args.quick else FULL))
+    redis_server = None
+    if args.state == "redis":
+        redis_dir = tempfile.TemporaryDirectory(prefix="relay-load-redis-")
+        redis_server = procs.support.RedisServer(pathlib.Path(redis_dir.name))
+        SOAK_REDIS["url"] = redis_server.url
+    try:
+        results = asyncio.run(run(names, QUICK if args.quick else FULL))
+    finally:
+        if redis_server is not None:
+            redis_server.stop()
+            redis_dir.cleanup()
     meta = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
             "duration_s": r(time.time() - started, 1), "quick": args.quick, "fd_limit": fds,
             "cpus": os.cpu_count(), "loadavg_after": procs.loadavg(),

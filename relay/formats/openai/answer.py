@@ -55,7 +55,13 @@ def _count(value, where: str) -> int:
 
 
 def anthropic_usage(usage, where: str = "usage") -> dict:
-    """Chat Completions usage as Anthropic's: cached prompt tokens are not input tokens there.
+    """Chat Completions usage as Anthropic's. There ``prompt_tokens`` is the whole prompt,
+    cache hits included (``prompt_tokens_details.cached_tokens``, DeepSeek's
+    ``prompt_cache_hit_tokens``) and, on OpenRouter, cache writes too
+    (``prompt_tokens_details.cache_write_tokens``: https://openrouter.ai/docs/use-cases/
+    usage-accounting); Anthropic's ``input_tokens`` is only what was neither read from the
+    cache nor written to it. So each part comes out of ``prompt_tokens`` once, and a part
+    larger than what is left is cut to it: the prompt is never counted past its total.
     Counts must be counts (Malformed otherwise): a string or a fraction is never passed on."""
     usage = _optional(usage, dict, where, "an object") or {}
     prompt = _count(usage.get("prompt_tokens"), f"{where}.prompt_tokens")
@@ -63,9 +69,15 @@ def anthropic_usage(usage, where: str = "usage") -> dict:
                         f"{where}.prompt_tokens_details", "an object") or {}
     cached = (_count(details.get("cached_tokens"), f"{where}.prompt_tokens_details.cached_tokens")
               or _count(usage.get("prompt_cache_hit_tokens"), f"{where}.prompt_cache_hit_tokens"))
-    return {"input_tokens": max(0, prompt - cached),
+    cached = min(cached, prompt)
+    written = min(_count(details.get("cache_write_tokens"),
+                         f"{where}.prompt_tokens_details.cache_write_tokens"), prompt - cached)
+    return {"input_tokens": prompt - cached - written,
             "output_tokens": _count(usage.get("completion_tokens"), f"{where}.completion_tokens"),
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
+            "cache_creation_input_tokens": written, "cache_read_input_tokens": cached,
+            # Writes of a lifetime no Chat Completions server names: the API's default one.
+            "cache_creation": {"ephemeral_5m_input_tokens": written,
+                               "ephemeral_1h_input_tokens": 0}}
 
 
 def stop_reason(finish_reason, called: bool) -> str:

@@ -27,6 +27,13 @@ def _event(name: bytes, data: dict) -> bytes:
 
 _PING = _event(b"ping", {"type": "ping"})
 _STOP = _event(b"message_stop", {"type": "message_stop"})
+# message_start's usage, shaped as Anthropic's: a Chat Completions stream reports its counts
+# only at its end, so they come in the message_delta. Read, never written.
+_START_USAGE = {"input_tokens": 0, "cache_creation_input_tokens": 0,
+                "cache_read_input_tokens": 0,
+                "cache_creation": {"ephemeral_5m_input_tokens": 0,
+                                   "ephemeral_1h_input_tokens": 0},
+                "output_tokens": 0}
 
 
 def _payload(event: bytes) -> bytes | None:
@@ -294,7 +301,7 @@ class StreamTranslator:
         message: dict = {"id": self.id, "type": "message", "role": "assistant",
                    "model": model or self.model, "content": [],
                    "stop_reason": None, "stop_sequence": None,
-                   "usage": {"input_tokens": 0, "output_tokens": 0}}
+                   "usage": _START_USAGE}
         out.append(_event(b"message_start", {"type": "message_start", "message": message}))
         out.append(_PING)
 

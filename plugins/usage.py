@@ -1,0 +1,189 @@
+"""usage: what each exchange used and cost, on the exchange, in the ledger, and queryable.
+
+The usage of an exchange is what its answer reports (:mod:`relay.usage` says how it is read,
+counted and priced): a complete answer's ``usage``, read without decoding the answer's
+content; a stream's ``message_start`` and ``message_delta`` events, the only ones this plugin
+asks to see. It is set on the exchange as ``exchange.usage`` (a :class:`relay.usage.Usage`) as
+soon as it is known, for the access log, the metrics and the other plugins' end hooks, and
+written to the ledger (:meth:`relay.state.State.record`) once the exchange is over: one row per
+exchange, by its id, so a write that is retried never counts twice. A request turned away
+before it was routed (a wrong key, a bad Host) makes no row: whoever sends those cannot fill
+the ledger.
+
+``GET /v1/relay/usage?by=key|model|backend|day&since=...&until=...`` is the ledger added up,
+as ``relay usage --json`` prints it. It is the operator's (a :class:`relay.inbound.AdminRoute`):
+it takes the admin key (``server.auth.admin_key_env``), never a client's relay key, since it
+shows every key's spend.
+
+Put ``usage`` early in ``pipeline:`` (after ``limits``): end hooks run in reverse order, so
+its row is written after every later plugin has noted what it did (a dump's file name), and
+before ``limits`` reads ``exchange.usage``.
+
+Options: see ``Usage.OPTIONS``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+
+import orjson
+from aiohttp import web
+
+from relay import usage as metering
+from relay.errors import error_body
+from relay.hookspecs import hookimpl
+from relay.inbound import AdminRoute
+from relay.options import Option
+
+log = logging.getLogger("relay.plugins.usage")
+
+PLUGIN = "usage"
+PATH = "/v1/relay/usage"
+TIMELINE = 64  # entries of an exchange's timeline a row keeps
+STREAM_EVENTS = ("message_start", "message_delta")
+MAX_WARNED = 64  # unpriced models named in the log, once each: the names are the clients'
+
+
+class Usage:
+    """The usage plugin; the host makes one instance per relay."""
+
+    # Its request hook reads no history: a session's request may go on from where the
+    # previous one ended (relay.resume) with this plugin in the pipeline.
+    RESUMABLE = True
+    OPTIONS = (Option(
+        "prices", list, [],
+        "what each model costs: a list of `{models: [glob, ...], usd_per_mtok: {input, "
+        "output, cache_write_5m, cache_write_1h, cache_read}, usd_per_server_tool_request: "
+        "{web_search: ...}}`, the first entry whose globs match the model wins; a model no "
+        "entry matches is counted in tokens and flagged unpriced",
+        parse=metering.parse_prices),)
+
+    def __init__(self):
+        self.prices = metering.Prices()
+        self.state = None
+        self.warned: set[str] = set()
+
+    @hookimpl
+    def relay_startup(self, options, state):
+        self.prices = options["prices"]
+        self.state = state
+
+    @hookimpl
+    def relay_routes(self):
+        return {f"GET {PATH}": AdminRoute(self.serve)}
+
+    @hookimpl
+    def relay_request(self, exchange):
+        # While the request is still held as the skeleton: after it has gone upstream, the
+        # session would cost a second decode of the whole request.
+        exchange.session()
+
+    @hookimpl
+    def relay_response(self, exchange, response):
+        if response.changed:  # a plugin changed the answer: what it says now counts
+            data = response.data
+            if data.__class__ is not dict:
+                return
+            model, reported = data.get("model"), data.get("usage")
+        else:
+            model, reported = metering.answer_fields(response.body)
+        if reported is None:
+            return
+        exchange.usage = self.prices.price(metering.from_answer(reported),
+                                           model if model.__class__ is str else exchange.model)
+
+    @hookimpl
+    def relay_stream_events(self, exchange):
+        exchange.state[PLUGIN] = metering.StreamMeter()
+        return STREAM_EVENTS
+
+    @hookimpl
+    def relay_stream_event(self, exchange, event):
+        meter = exchange.state[PLUGIN]
+        # The event's bytes, read for its usage alone, unless a plugin changed its data.
+        used = None if event.changed else meter.event(event.name, event.raw)
+        if used is None:
+            used = (meter.message_start(event.data) if event.name == "message_start"
+                    else meter.message_delta(event.data))
+        exchange.usage = self.prices.price(used, meter.model or exchange.model)
+
+    @hookimpl
+    async def relay_exchange_end(self, exchange):
+        if exchange.endpoint == "refused" or self.state is None:
+            return
+        used = exchange.usage
+        if used is not None and used.cost_micro_usd is None:
+            self._unpriced(exchange.model)
+        await self.state.record([ledger_row(exchange)])
+
+    def _unpriced(self, model: str | None) -> None:
+        name = str(model)[:200]
+        if name in self.warned or len(self.warned) >= MAX_WARNED:
+            return
+        self.warned.add(name)
+        log.warning("plugins.usage.prices: no price for model %r: its usage is counted in "
+                    "tokens, not in cost (relay_usage_unpriced_total)", name)
+
+    async def serve(self, request: web.Request) -> web.Response:
+        query = request.query
+        by = query.get("by", "key")
+        try:
+            since = metering.parse_time(query["since"]) if "since" in query else None
+            until = metering.parse_time(query["until"], end=True) if "until" in query else None
+            if by not in metering.GROUPS:
+                raise ValueError(f"by: must be one of {', '.join(metering.GROUPS)}")
+        except ValueError as e:
+            return web.Response(status=400, body=error_body("invalid_request_error", str(e)),
+                                content_type="application/json")
+        assert self.state is not None  # routes are served after start-up
+        rows = await self.state.rows(since=since, until=until)
+        # Months of rows are a lot of adding up: not on the event loop.
+        groups = await asyncio.get_running_loop().run_in_executor(
+            None, metering.aggregate, rows, by)
+        return web.Response(body=orjson.dumps(groups), content_type="application/json")
+
+
+def ledger_row(exchange) -> dict:
+    """The exchange's row in the ledger (the fields every reader of the ledger relies on)."""
+    used = exchange.usage
+    answer = exchange.answer
+    backend = exchange.backend
+    dump = getattr(exchange, "dump_path", None)
+    notes = exchange.response_headers.get("x-relay-notes")
+    row = {
+        "id": exchange.id,
+        "time": exchange.received,
+        "key": exchange.key_name,
+        "backend": backend.name if backend is not None else None,
+        "credential": getattr(exchange, "credential", None),
+        "model": exchange.model,
+        "endpoint": exchange.endpoint,
+        "stream": exchange.stream,
+        "status": answer.status if answer is not None else None,
+        "outcome": str(exchange.outcome) if exchange.outcome is not None else None,
+        "duration_ms": round(exchange.elapsed() * 1000, 1),
+        "session": exchange.session(),
+        "cache": getattr(exchange, "cache", None),
+        "repairs": exchange.repairs,
+        "notes": notes.split(", ") if notes else [],
+        "dump": os.path.basename(dump) if dump else None,
+        "timeline": exchange.timeline[:TIMELINE],
+        "attempts": [{"backend": attempt.backend,
+                      "credential": getattr(attempt, "credential", None),
+                      "status": attempt.status, "wait_ms": round(attempt.waited * 1000, 1)}
+                     for attempt in exchange.attempts],
+    }
+    if used is None:  # nothing was reported (an error, a refusal): nothing to pay for
+        row.update(dict.fromkeys(metering.TOKEN_FIELDS, 0), server_tool_requests={},
+                   cost_micro_usd=0, priced=True, usage_complete=True)
+    else:
+        row.update(input_tokens=used.input_tokens, output_tokens=used.output_tokens,
+                   cache_read_input_tokens=used.cache_read_input_tokens,
+                   cache_write_5m_input_tokens=used.cache_write_5m_input_tokens,
+                   cache_write_1h_input_tokens=used.cache_write_1h_input_tokens,
+                   server_tool_requests=dict(used.server_tool_requests),
+                   cost_micro_usd=used.cost_micro_usd, priced=used.cost_micro_usd is not None,
+                   usage_complete=used.complete)
+    return row

@@ -1,0 +1,542 @@
+"""The state seam's contract, held by every backend alike (memory, SQLite, Redis): windowed
+counters, slots and their leases, the idempotent ledger, the keys' version, the key-value
+store's expiry; and what only the shared backends promise: atomic takes across processes,
+a file that stays bounded, a clean ``Unavailable`` when the store cannot answer."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import time
+
+import orjson
+import pytest
+from support import exchange_for
+
+from relay import config as config_module
+from relay.config import Backend
+from relay.errors import ConfigError
+from relay.state import Counter, Slot, Unavailable, open_state, window
+from relay.state import sqlite as sqlite_state
+
+# A minute well ahead of the clock: its windows are whole and no sweep reaches them.
+BASE = window("minute", time.time())[1] + 3600
+
+
+@pytest.fixture(params=["memory", "sqlite", pytest.param("redis", marks=pytest.mark.slow)])
+async def state(request, tmp_path):
+    if request.param == "redis":
+        url = request.getfixturevalue("redis_server").url
+    else:
+        url = {"memory": "", "sqlite": f"sqlite:///{tmp_path}/state.db"}[request.param]
+    opened = await open_state({"url": url})
+    yield opened
+    await opened.close()
+
+
+async def test_take_grants_up_to_the_limit_then_refuses_naming_the_counter(state):
+    rpm = Counter("key:a:rpm", "minute", limit=3)
+    granted = [await state.take([rpm], now=BASE + i) for i in range(3)]
+    assert [t.granted for t in granted] == [True, True, True]
+    assert [t.counts[0].used for t in granted] == [1, 2, 3]
+    refused = await state.take([rpm], now=BASE + 5)
+    assert not refused.granted and refused.blocked == "key:a:rpm"
+    assert refused.counts[0].used == 3 and refused.counts[0].limit == 3
+    assert refused.counts[0].reset == BASE + 60
+
+
+async def test_a_refusal_changes_nothing(state):
+    free = Counter("key:a:rpm", "minute", limit=10)
+    unlimited = Counter("key:a:requests", "day")
+    full = Counter("key:a:itpm", "minute", limit=100, amount=0)
+    await state.add([Counter("key:a:itpm", "minute", amount=100)], now=BASE)
+    refused = await state.take([free, unlimited, full], now=BASE + 1)
+    assert not refused.granted and refused.blocked == "key:a:itpm"
+    counts = await state.counts([free, unlimited, full], now=BASE + 2)
+    assert [c.used for c in counts] == [0, 0, 100]
+
+
+async def test_an_amount_of_zero_checks_the_count_is_under_the_limit(state):
+    itpm = Counter("key:a:itpm", "minute", limit=1000, amount=0)
+    await state.add([Counter("key:a:itpm", "minute", amount=999)], now=BASE)
+    assert (await state.take([itpm], now=BASE)).granted
+    await state.add([Counter("key:a:itpm", "minute", amount=5)], now=BASE)
+    taken = await state.take([itpm], now=BASE)
+    assert not taken.granted and taken.counts[0].used == 1004
+
+
+async def test_windows_are_fixed_and_reset_at_their_end(state):
+    rpm = Counter("key:a:rpm", "minute", limit=1)
+    day = Counter("key:a:spend", "day", limit=None, amount=7)
+    assert (await state.take([rpm, day], now=BASE + 59)).granted
+    assert not (await state.take([rpm], now=BASE + 59.9)).granted
+    again = await state.take([rpm, day], now=BASE + 60)
+    assert again.granted and again.counts[0].reset == BASE + 120
+    assert again.counts[1].used == 14 and again.counts[1].reset == window("day", BASE)[1]
+
+
+async def test_slots_are_held_until_released_or_their_lease_runs_out(state):
+    slot = Slot("key:a:concurrent", limit=2, lease=30)
+    first = await state.take([], [slot], now=BASE)
+    second = await state.take([], [slot], now=BASE + 1)
+    assert first.granted and second.granted and first.tokens != second.tokens
+    third = await state.take([], [slot], now=BASE + 10)
+    assert not third.granted and third.blocked == "key:a:concurrent"
+    assert third.slot_retry == pytest.approx(20, abs=0.01)
+    await state.release(slot.name, first.tokens[0])
+    await state.release(slot.name, first.tokens[0])  # twice: nothing more comes back
+    assert (await state.take([], [slot], now=BASE + 11)).granted
+    assert not (await state.take([], [slot], now=BASE + 12)).granted
+    # The second's lease (taken at +1 for 30 s) runs out at +31: its slot is free again.
+    assert (await state.take([], [slot], now=BASE + 31.5)).granted
+
+
+async def test_a_slot_refused_takes_no_counter(state):
+    rpm = Counter("key:a:rpm", "minute", limit=10)
+    slot = Slot("key:a:concurrent", limit=1)
+    assert (await state.take([rpm], [slot], now=BASE)).granted
+    refused = await state.take([rpm], [slot], now=BASE)
+    assert not refused.granted and refused.blocked == slot.name
+    assert (await state.counts([rpm], now=BASE))[0].used == 1
+
+
+async def test_the_ledger_keeps_one_row_per_id(state):
+    rows = [{"id": f"ex{i}", "time": BASE + i, "key": "a" if i % 2 else "b", "cost": i}
+            for i in range(6)]
+    await state.record(rows[:4])
+    await state.record(rows[2:] + [dict(rows[0], cost=99)])  # a retried write
+    found = await state.rows()
+    assert [r["id"] for r in found] == [f"ex{i}" for i in range(6)]
+    assert found[0]["cost"] == 0
+    assert [r["id"] for r in await state.rows(since=BASE + 2, until=BASE + 5)] == [
+        "ex2", "ex3", "ex4"]
+    assert [r["id"] for r in await state.rows(where={"key": "a"}, limit=2,
+                                              newest_first=True)] == ["ex5", "ex3"]
+
+
+async def test_keys_carry_a_version_that_changes_with_each_change(state):
+    before = await state.keys_version()
+    await state.put_key({"name": "team-a", "hash": "a" * 64, "limits": {"rpm": 10}})
+    await state.put_key({"name": "team-b", "hash": "b" * 64})
+    await state.put_key({"name": "team-a", "hash": "a" * 64, "revoked": True})
+    version, keys = await state.keys()
+    assert version == await state.keys_version() == before + 3
+    assert sorted(keys, key=lambda k: k["name"]) == [
+        {"name": "team-a", "hash": "a" * 64, "revoked": True},
+        {"name": "team-b", "hash": "b" * 64}]
+
+
+async def test_key_values_expire_and_namespaces_are_apart(state):
+    await state.put("provenance", {"x": b"1", "y": b"2"}, ttl=60)
+    await state.put("sticky", {"x": b"other"}, ttl=0.2)
+    assert await state.get("provenance", ["x", "y", "z"]) == [b"1", b"2", None]
+    assert await state.get("sticky", ["x"]) == [b"other"]
+    await state.delete("provenance", ["y"])
+    assert await state.get("provenance", ["y"]) == [None]
+    await asyncio.sleep(0.3)
+    assert await state.get("sticky", ["x"]) == [None]
+    assert await state.get("provenance", ["x"]) == [b"1"]
+
+
+async def rows_when_back(state, wanted: str, within: float = 15.0) -> list[dict]:
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            rows = await state.rows()
+            if any(r["id"] == wanted for r in rows):
+                return rows
+        except Unavailable:
+            pass
+        assert time.monotonic() < deadline, f"{wanted} never reached the ledger"
+        await asyncio.sleep(0.1)
+
+
+# --- SQLite: one file for the workers of a host ---------------------------------------------
+
+
+async def test_sqlite_states_on_one_file_share_counters_slots_and_keys(tmp_path):
+    url = f"sqlite:///{tmp_path}/state.db"
+    one, two = await open_state({"url": url}), await open_state({"url": url})
+    try:
+        rpm = Counter("key:a:rpm", "minute", limit=3)
+        slot = Slot("key:a:concurrent", limit=1)
+        assert (await one.take([rpm], [slot], now=BASE)).granted
+        refused = await two.take([rpm], [slot], now=BASE)
+        assert not refused.granted and refused.counts[0].used == 1
+        await one.put_key({"name": "a", "hash": "h"})
+        assert await two.keys_version() == 1
+        await one.record([{"id": "x", "time": BASE}])
+        await one.rows()  # lands what this one queued
+        assert [r["id"] for r in await two.rows()] == ["x"]
+    finally:
+        await one.close()
+        await two.close()
+
+
+async def test_sqlite_what_owes_no_answer_lands_by_itself(tmp_path):
+    path = tmp_path / "state.db"
+    state = await open_state({"url": f"sqlite:///{path}"})
+    try:
+        await state.add([Counter("key:a:otpm", "minute", amount=42)], now=BASE)
+        await state.record([{"id": "x", "time": BASE}])
+        await asyncio.sleep(0.2)
+        db = sqlite3.connect(path)
+        assert db.execute("SELECT used FROM counters").fetchall() == [(42,)]
+        assert db.execute("SELECT id FROM ledger").fetchall() == [("x",)]
+        db.close()
+    finally:
+        await state.close()
+
+
+async def test_sqlite_sweeps_what_expired_so_the_file_stays_bounded(tmp_path, monkeypatch):
+    monkeypatch.setattr(sqlite_state, "SWEEP_SECONDS", 0.1)
+    path = tmp_path / "state.db"
+    state = await open_state({"url": f"sqlite:///{path}", "retention_days": 1})
+    try:
+        past = time.time() - 2 * 86400
+        await state.take([Counter("old", "minute", limit=5)], [Slot("old", 1, lease=1)],
+                         now=past)
+        await state.take([Counter("new", "minute", limit=5)], [Slot("new", 1)])
+        await state.record([{"id": "old", "time": past}, {"id": "new", "time": time.time()}])
+        await state.put("ns", {"gone": b"1"}, ttl=0.05)
+        await state.put("ns", {"kept": b"1"}, ttl=60)
+        await asyncio.sleep(0.5)
+        db = sqlite3.connect(path)
+        assert db.execute("SELECT name FROM counters").fetchall() == [("new",)]
+        assert db.execute("SELECT name FROM slots").fetchall() == [("new",)]
+        assert db.execute("SELECT id FROM ledger").fetchall() == [("new",)]
+        assert db.execute("SELECT key FROM kv").fetchall() == [("kept",)]
+        db.close()
+    finally:
+        await state.close()
+
+
+async def test_sqlite_locked_past_the_timeout_is_unavailable_and_the_ledger_waits(tmp_path):
+    path = tmp_path / "state.db"
+    state = await open_state({"url": f"sqlite:///{path}", "timeout": 0.2})
+    blocker = sqlite3.connect(path, isolation_level=None)
+    try:
+        blocker.execute("BEGIN IMMEDIATE")  # another process holding the write lock
+        started = time.monotonic()
+        with pytest.raises(Unavailable):
+            await state.take([Counter("key:a:rpm", "minute", limit=5)])
+        assert time.monotonic() - started < 1.0
+        started = time.monotonic()
+        with pytest.raises(Unavailable):  # at once, for a moment
+            await state.counts([Counter("key:a:rpm", "minute", limit=5)])
+        assert time.monotonic() - started < 0.1  # not the 0.2 s timeout
+        assert state.unavailable_count >= 2
+        await state.record([{"id": "waited", "time": time.time()}])  # never raises
+        await asyncio.sleep(sqlite_state.DOWN_SECONDS)
+        blocker.execute("ROLLBACK")
+        rows = await rows_when_back(state, "waited", within=5.0)
+        assert [r["id"] for r in rows] == ["waited"]
+        assert (await state.take([Counter("key:a:rpm", "minute", limit=5)])).granted
+    finally:
+        blocker.close()
+        await state.close()
+
+
+async def test_sqlite_url_names_a_file_in_a_directory_that_exists(tmp_path):
+    with pytest.raises(ConfigError, match="state.url: the directory .* does not exist"):
+        await open_state({"url": f"sqlite:///{tmp_path}/missing/state.db"})
+    (tmp_path / "junk.db").write_bytes(b"not a database, not at all" * 100)
+    with pytest.raises(ConfigError, match="state.url: .*junk.db"):
+        await open_state({"url": f"sqlite:///{tmp_path}/junk.db"})
+    with pytest.raises(ConfigError, match="names no state backend"):
+        await open_state({"url": "postgres://db/relay"})
+
+
+# A worker process: takes one unit at a time from one counter until refused, prints how
+# many it was granted.
+HAMMER = textwrap.dedent("""
+    import asyncio, sys
+    from relay.state import Counter, open_state
+
+    async def main(url, limit, now):
+        state = await open_state({"url": url, "timeout": 5.0})
+        granted = 0
+        counter = Counter("key:shared:rpm", "minute", limit=limit)
+        while True:
+            taken = await state.take([counter], now=now)
+            if not taken.granted:
+                break
+            granted += 1
+        await state.close()
+        print(granted)
+
+    asyncio.run(main(sys.argv[1], int(sys.argv[2]), float(sys.argv[3])))
+""")
+
+
+def hammer(url: str, limit: int, processes: int = 4) -> list[int]:
+    started = [subprocess.Popen([sys.executable, "-c", HAMMER, url, str(limit), str(BASE)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for _ in range(processes)]
+    granted = []
+    for process in started:
+        out, err = process.communicate(timeout=60)
+        assert process.returncode == 0, err
+        granted.append(int(out))
+    return granted
+
+
+@pytest.mark.slow
+def test_sqlite_take_is_atomic_across_processes(tmp_path):
+    granted = hammer(f"sqlite:///{tmp_path}/state.db", limit=150)
+    assert sum(granted) == 150
+
+
+@pytest.mark.slow
+def test_redis_take_is_atomic_across_processes(redis_server):
+    granted = hammer(redis_server.url, limit=150)
+    assert sum(granted) == 150
+
+
+# --- Redis: replicas on several hosts ---------------------------------------------------------
+
+
+async def test_redis_stopped_mid_run_is_unavailable_at_once_and_the_ledger_catches_up(
+        redis_server, caplog):
+    state = await open_state({"url": redis_server.url, "timeout": 0.2})
+    try:
+        rpm = Counter("key:a:rpm", "minute", limit=100)
+        assert (await state.take([rpm])).granted
+        redis_server.stop()
+        caplog.clear()
+        for call in (state.take([rpm]), state.counts([rpm]), state.get("ns", ["x"]),
+                     state.keys_version(), state.put("ns", {"x": b"1"}, 60)):
+            started = time.monotonic()
+            with pytest.raises(Unavailable):
+                await call
+            assert time.monotonic() - started < 0.5
+        assert state.unavailable_count >= 5
+        warnings = [r for r in caplog.records if "unreachable" in r.getMessage()]
+        assert len(warnings) == 1 and "Traceback" not in warnings[0].getMessage()
+        await state.record([{"id": "during", "time": time.time()}])  # never raises
+        await state.add([Counter("key:a:otpm", "minute", amount=7)])
+        redis_server.start()
+        await rows_when_back(state, "during")
+        counts = await state.counts([rpm, Counter("key:a:otpm", "minute")])
+        assert [c.used for c in counts] == [0, 7]  # Redis kept nothing; what waited landed
+        assert (await state.take([rpm])).granted
+    finally:
+        await state.close()
+
+
+async def test_redis_that_never_answers_is_unavailable_within_the_timeout():
+    async def silent(reader, writer):
+        await reader.read()  # reads the commands, answers none
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    state = await open_state({"url": f"redis://127.0.0.1:{port}/0", "timeout": 0.2})
+    try:
+        started = time.monotonic()
+        with pytest.raises(Unavailable):
+            await state.take([Counter("key:a:rpm", "minute", limit=5)])
+        assert time.monotonic() - started < 0.6
+        await state.record([{"id": "x", "time": time.time()}])
+    finally:
+        await state.close()
+        server.close()
+
+
+async def test_redis_unreachable_at_start_up_is_not_fatal(caplog):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens there once closed
+    state = await open_state({"url": f"redis://:secret@127.0.0.1:{port}/0", "timeout": 0.2})
+    try:
+        assert any("unreachable at start-up" in r.getMessage() for r in caplog.records)
+        assert not any("secret" in r.getMessage() for r in caplog.records)
+        with pytest.raises(Unavailable):
+            await state.take([Counter("key:a:rpm", "minute", limit=5)])
+    finally:
+        await state.close()
+
+
+class Muffler:
+    """A loopback proxy in front of Redis that, while ``mute``, passes the commands on and
+    drops the answers: a round trip that ran but whose caller never heard."""
+
+    def __init__(self, port: int):
+        self.port = port
+        self.mute = False
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return f"redis://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/0"
+
+    async def _serve(self, reader, writer):
+        upstream_reader, upstream_writer = await asyncio.open_connection("127.0.0.1", self.port)
+
+        async def pump(source, sink, muted):
+            while data := await source.read(65536):
+                if not (muted and self.mute):
+                    sink.write(data)
+            sink.close()
+
+        await asyncio.gather(pump(reader, upstream_writer, False),
+                             pump(upstream_reader, writer, True), return_exceptions=True)
+
+
+async def test_redis_a_round_trip_unheard_is_sent_again_and_counts_once(redis_server):
+    muffler = Muffler(redis_server.port)
+    state = await open_state({"url": await muffler.start(), "timeout": 0.2})
+    try:
+        otpm = Counter("key:a:otpm", "minute", amount=5)
+        await state.add([otpm], now=BASE)
+        await state.record([{"id": "once", "time": BASE}])
+        muffler.mute = True
+        with pytest.raises(Unavailable):
+            await state.counts([otpm], now=BASE)  # carries the add: it runs, unheard
+        muffler.mute = False
+        await asyncio.sleep(1.1)  # the moment a failure makes every call fail at once
+        assert [c.used for c in await state.counts([otpm], now=BASE)] == [5]
+        assert [r["id"] for r in await state.rows()] == ["once"]
+    finally:
+        await state.close()
+        muffler.server.close()
+
+
+# --- start-up -------------------------------------------------------------------------------
+
+
+def test_workers_with_the_state_in_memory_are_warned_of_at_start(relay, emulator):
+    emu = emulator()
+    config = {"backends": [{"name": "emu", "url": emu.url, "models": ["*"]}]}
+    in_memory = relay(config, args=["--workers", "2"])
+    assert in_memory.wait_for_output("state.url is empty")
+    assert in_memory.output().count("state.url is empty") == 1  # the supervisor's, once
+    shared = relay(dict(config, state={"url": "sqlite:///./relay-state.db"}),
+                   args=["--workers", "2"])
+    assert shared.wait_for_output("(2 workers)")
+    assert "state.url is empty" not in shared.output()
+
+
+# --- portable's thinking provenance on the seam ---------------------------------------------
+
+
+async def replica_pair(url: str):
+    from relay_builtins import portable
+
+    two = config_module.parse({"backends": [{"name": "a", "url": "http://127.0.0.1:1"},
+                                             {"name": "k", "url": "http://127.0.0.1:2"}]})
+    replicas = []
+    for _ in range(2):
+        state = await open_state({"url": url})
+        made = portable.Portable()
+        made.relay_startup(two, {}, state)
+        replicas.append((made, state))
+    return replicas
+
+
+async def judged_elsewhere(url: str) -> dict:
+    """A thinking block answered through one replica, sent on to another backend through the
+    other: what goes up."""
+    from test_portable import KEY_A, answer, history, thought
+
+    from relay_builtins import portable
+
+    (one, one_state), (two, two_state) = await replica_pair(url)
+    try:
+        mine = thought(KEY_A)
+        answer(one, "a", "model-a", mine)
+        await one.provenance.drain(5)
+        body = {"model": "model-k", "max_tokens": 2048, "messages": history("t", thinking=mine),
+                "thinking": {"type": "enabled", "budget_tokens": 1024}}
+        exchange = exchange_for(body)
+        exchange.backend = Backend(name="k", url="http://127.0.0.1:2", models=["*"])
+        reading = two.relay_request(exchange, {o.name: o.default for o in portable.OPTIONS})
+        assert reading is not None  # not in that replica's memory: read from the state
+        await reading
+        return orjson.loads(exchange.upstream_body())
+    finally:
+        for made, state in ((one, one_state), (two, two_state)):
+            await made.relay_shutdown()
+            await state.close()
+
+
+async def test_thinking_provenance_crosses_workers_through_sqlite(tmp_path):
+    sent = await judged_elsewhere(f"sqlite:///{tmp_path}/state.db")
+    assert sent["thinking"] == {"type": "disabled"}  # the foreign block was dropped
+
+
+async def test_thinking_provenance_crosses_replicas_through_redis(redis_server):
+    sent = await judged_elsewhere(redis_server.url)
+    assert sent["thinking"] == {"type": "disabled"}
+
+
+async def test_provenance_with_the_state_out_sends_blocks_as_they_are_and_says_so():
+    from relay_builtins import portable
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    state = await open_state({"url": f"redis://127.0.0.1:{port}/0", "timeout": 0.1})
+    try:
+        record = portable.Provenance("", state=state)
+        record.record([("k1", "a", "m")])
+        await record.drain(5)
+        other = portable.Provenance("", state=state)
+        started = time.monotonic()
+        assert await other.lookup(["k1"]) == {}
+        assert time.monotonic() - started < portable.LOOKUP_SECONDS + 0.2
+        assert ("not_recorded", "unreachable") in record.trouble.drain()
+        assert ("not_known", "unreachable") in other.trouble.drain()
+    finally:
+        await state.close()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("redis", marks=pytest.mark.slow)])
+def shared_url(request, tmp_path):
+    if request.param == "redis":
+        return request.getfixturevalue("redis_server").url
+    return f"sqlite:///{tmp_path}/state.db"
+
+
+async def test_what_is_queued_at_close_is_written(shared_url):
+    state = await open_state({"url": shared_url})
+    await state.add([Counter("key:a:otpm", "minute", amount=3)], now=BASE)
+    await state.record([{"id": "last", "time": BASE}])
+    await state.close()
+    again = await open_state({"url": shared_url})
+    try:
+        assert [r["id"] for r in await again.rows()] == ["last"]
+        assert [c.used for c in await again.counts([Counter("key:a:otpm", "minute")],
+                                                    now=BASE)] == [3]
+    finally:
+        await again.close()
+
+
+async def test_redis_every_key_expires_but_the_ledgers_index_and_the_keys(redis_server):
+    import redis.asyncio
+
+    state = await open_state({"url": redis_server.url})
+    try:
+        for n in range(20):
+            taken = await state.take([Counter(f"key:{n % 3}:rpm", "minute", limit=100),
+                                      Counter(f"key:{n % 3}:spend", "month", limit=None)],
+                                     [Slot(f"key:{n % 3}:concurrent", 5)])
+            await state.add([Counter(f"key:{n % 3}:otpm", "minute", amount=9)])
+            await state.record([{"id": f"ex{n}", "time": time.time()}])
+            if n % 2:
+                await state.release(f"key:{n % 3}:concurrent", taken.tokens[0])
+        await state.put("provenance", {"k": b"v"}, ttl=60)
+        await state.put_key({"name": "a", "hash": "h"})
+        await state.rows()
+    finally:
+        await state.close()
+    client = redis.asyncio.Redis.from_url(redis_server.url)
+    try:
+        names = sorted([k.decode() async for k in client.scan_iter("*")])
+        forever = [k for k in names if await client.ttl(k) < 0]
+        assert forever == ["relay:keys", "relay:keys:version", "relay:ledger"]
+        assert all(k.startswith("relay:") for k in names)
+    finally:
+        await client.aclose()
