@@ -282,6 +282,9 @@ def _count(counts: dict, name: str | None) -> None:
 class Cache:
     """The cache plugin; the host makes one instance per relay."""
 
+    # Its request hook reads no history: a session's request may go on from where the
+    # previous one ended (relay.resume) with this plugin in the pipeline.
+    RESUMABLE = True
     OPTIONS = (
         Option("max_sessions", int, MAX_SESSIONS, "session records kept (least recently used "
                "out first)"),
@@ -318,7 +321,9 @@ class Cache:
             return
         requested = exchange.field("diagnostics")
         wants = isinstance(requested, dict) and "previous_message_id" in requested
-        if not wants and _KEY not in exchange.raw_body:
+        # Looked for from the end: clients put their breakpoints on the last messages, and
+        # a search from the front reads the whole history first.
+        if not wants and exchange.raw_body.rfind(_KEY) < 0:
             # No breakpoint, no diagnostics: nothing is cached, nothing to compare, nothing
             # to answer (the session record counts the requests that use the cache).
             exchange.state[REQUEST] = None

@@ -35,6 +35,8 @@ from relay.hookspecs import hookimpl
 from relay.options import Option
 
 PLUGIN = "dedup"
+# The request walk goes on from where the session's previous request ended (relay.resume).
+RESUMABLE = True
 DEFAULT_SEPARATOR = "-"
 
 
@@ -142,7 +144,8 @@ class Walk:
         return bool(self.tool_uses or self.tool_results)
 
 
-def make_unique(messages: list, sep: str = DEFAULT_SEPARATOR, answer: bool = True) -> Walk:
+def make_unique(messages: list, sep: str = DEFAULT_SEPARATOR, answer: bool = True,
+                resume=None) -> Walk:
     """Rewrite ``messages`` in place so that its tool_use ids are unique (the default mode).
 
     A tool_use whose id is already taken by an earlier upstream-bound tool_use becomes
@@ -151,14 +154,66 @@ def make_unique(messages: list, sep: str = DEFAULT_SEPARATOR, answer: bool = Tru
     ``answer`` (an answer with content will follow), the walk's ledger ends up holding every
     id of the history — upstream-bound, as the client sent it, and every tool_result's — for
     the answer to be checked against; without it, only what the walk itself needs.
+
+    With ``resume`` (a :class:`relay.resume.Resume`), the walk starts at ``resume.start``
+    from the state saved there, and saves its state at each of ``resume.marks``: a decision
+    about ``messages[i]`` follows from ``messages[:i+1]`` alone, so walking on from a
+    boundary decides what the whole walk would.
     """
     walk = Walk(sep)
+    answered: list[str] = []
+    calls = None  # the previous assistant message's content and renamed blocks, if any changed
+    start, marks = 0, range(0)
+    if resume is not None:
+        start, marks = resume.start, resume.marks
+        if start:
+            saved = resume.state(PLUGIN)
+            if saved is None:
+                resume.decline()
+            calls = _restore(walk, answered, saved)
+    at = start
+    for mark in marks:
+        if mark >= at:
+            calls = _unique_walk(messages, at, mark, walk, answered, calls, answer)
+            at = mark
+            resume.save(PLUGIN, mark, _snapshot(walk, answered, calls), walk.changed)
+    calls = _unique_walk(messages, at, len(messages), walk, answered, calls, answer)
+    walk.ledger.taken.update(answered)
+    return walk
+
+
+def _snapshot(walk: Walk, answered: list, calls) -> tuple:
+    """The walk's state at a boundary, as values (the next request's walk goes on from a
+    copy: nothing here refers to a message, which later plugins may change)."""
+    ledger = walk.ledger
+    if calls is not None and type(calls) is not dict:
+        calls = _result_queues(*calls)
+    if calls is not None:
+        calls = {key: list(queue) for key, queue in calls.items()}
+    return (set(ledger.taken), dict(ledger.counts), dict(ledger.next_free), list(answered),
+            list(walk.tool_uses), walk.tool_results, list(walk.recognised), calls)
+
+
+def _restore(walk: Walk, answered: list, saved: tuple):
+    """Go on from a snapshot (taken over: a record is used once)."""
+    taken, counts, next_free, answered_before, tool_uses, tool_results, recognised, calls = saved
+    ledger = walk.ledger
+    ledger.taken, ledger.counts, ledger.next_free = taken, counts, next_free
+    answered.extend(answered_before)
+    walk.tool_uses, walk.tool_results, walk.recognised = tool_uses, tool_results, recognised
+    return calls
+
+
+def _unique_walk(messages: list, lo: int, hi: int, walk: Walk, answered: list, calls,
+                 answer: bool):
+    """:func:`make_unique` over ``messages[lo:hi]``; returns what the next user message's
+    results follow (the renamed calls before it, or their result queues)."""
     ledger = walk.ledger
     seen = ledger.taken  # while walking: exactly the upstream-bound tool_use ids so far
     counts = ledger.counts
-    answered = []
-    calls = None  # the previous assistant message's content and renamed blocks, if any changed
-    for i, message in enumerate(messages):
+    sep = ledger.sep
+    for i in range(lo, hi):
+        message = messages[i]
         if type(message) is not dict:
             continue
         role = message.get("role")
@@ -198,7 +253,10 @@ def make_unique(messages: list, sep: str = DEFAULT_SEPARATOR, answer: bool = Tru
             if type(content) is not list:
                 calls = None
                 continue
-            queues = _result_queues(*calls) if calls is not None else None
+            if calls is None:
+                queues = None
+            else:
+                queues = calls if type(calls) is dict else _result_queues(*calls)
             calls = None
             for block in content:
                 if type(block) is not dict or block.get("type") != "tool_result":
@@ -215,8 +273,7 @@ def make_unique(messages: list, sep: str = DEFAULT_SEPARATOR, answer: bool = Tru
                         if upstream_id != client_id:
                             block["tool_use_id"] = upstream_id
                             walk.tool_results += 1
-    ledger.taken.update(answered)
-    return walk
+    return calls
 
 
 def _result_queues(content: list, renamed: dict) -> dict[str, list[str]]:
@@ -347,6 +404,8 @@ def relay_request(exchange, options):
     enabled, sep, restore = _settings(options)
     messages = exchange.messages if enabled else None
     if messages is None:
+        if exchange.resume is not None:
+            exchange.resume.save_all(PLUGIN)
         return
     # A count_tokens answer holds no content, so nothing is kept for it.
     answer = exchange.endpoint == "messages"
@@ -354,7 +413,15 @@ def relay_request(exchange, options):
     # message from those before it, so the request's messages come out as they did when the
     # whole conversation was sent), and the answer is checked against all of it.
     whole, offset = threads.conversation(exchange)
-    walk = (restore_originals if restore else make_unique)(whole, sep, answer)
+    resume = exchange.resume.usable(messages) if exchange.resume is not None else None
+    if resume is not None and (restore or offset):
+        if resume.start:
+            resume.decline()
+        resume = None  # restore mode and threads walk whole
+    if restore:
+        walk = restore_originals(whole, sep, answer)
+    else:
+        walk = make_unique(whole, sep, answer, resume)
     if answer:
         exchange.state[PLUGIN] = {"ledger": walk.ledger, "restore": restore,
                                   "message_index": len(messages)}

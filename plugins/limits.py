@@ -55,6 +55,9 @@ class Held:
 
 class Limits:
     OPTIONS = ()
+    # Its request hook reads no history: a session's request may go on from where the
+    # previous one ended (relay.resume) with this plugin in the pipeline.
+    RESUMABLE = True
 
     def __init__(self) -> None:
         self.state: State | None = None

@@ -386,12 +386,15 @@ class Metrics:
                 self.rewritten.labels(backend, direction).inc(count)
         for repair in exchange.repaired_by:
             self.repaired.labels(repair.step, repair.rule).inc(repair.count)
-        for entry in exchange.noted("dump", "queued", "dropped"):
-            self.dumps.labels(entry["action"]).inc()
-        for entry in exchange.noted("portable", "provenance missed"):
-            for missed in entry["counts"]:
-                self.provenance_missed.labels(missed["result"], missed["reason"]).inc(
-                    missed["count"])
+        # One pass over the timeline for what the dump and portable plugins note.
+        for entry in exchange.timeline:
+            step = entry.get("step")
+            if step == "dump" and entry.get("action") in ("queued", "dropped"):
+                self.dumps.labels(entry["action"]).inc()
+            elif step == "portable" and entry.get("action") == "provenance missed":
+                for missed in entry["counts"]:
+                    self.provenance_missed.labels(missed["result"], missed["reason"]).inc(
+                        missed["count"])
         if exchange.credential is not None:
             self._credentials(exchange)
         for kind, name in exchange.rules_defer:

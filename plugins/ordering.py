@@ -41,6 +41,8 @@ from relay.hookspecs import hookimpl
 from relay.options import Option
 
 log = logging.getLogger("relay.plugins.ordering")
+# The quick walk goes on from where the session's previous request ended (relay.resume).
+RESUMABLE = True
 
 MODES = ("reject", "repair", "off")
 OPTIONS = (
@@ -72,13 +74,36 @@ def _not_after(index: int, ids: list, turn: list, calls: bool) -> Problem:
                    index, tuple(turn), calls, rule)
 
 
-def _clean(messages: list) -> bool:
+def _clean(messages: list, resume=None) -> bool:
     """True when no call is followed by another block in its message, no user message holds a
     result after another kind of block, and no two messages in a row share a role; False
-    means "look closer". The quick walk every request takes, for well-formed messages."""
+    means "look closer". The quick walk every request takes, for well-formed messages; with
+    ``resume`` (:class:`relay.resume.Resume`) it goes on from the role saved at
+    ``resume.start`` and saves the role at each mark it gets past."""
+    previous = None
+    at = 0
+    if resume is not None:
+        at = resume.start
+        if at:
+            previous = resume.state("ordering")
+            if previous is None:
+                return False
+        for mark in resume.marks:
+            if mark >= at:
+                previous = _clean_walk(messages, at, mark, previous)
+                if previous is False:
+                    return False
+                at = mark
+                resume.save("ordering", mark, previous or "")
+    return _clean_walk(messages, at, len(messages), previous) is not False
+
+
+def _clean_walk(messages: list, lo: int, hi: int, previous):
+    """:func:`_clean` over ``messages[lo:hi]`` after a message of role ``previous`` (None or
+    "" for none): the role of the last message then, or False to look closer."""
     try:
-        previous = None
-        for message in messages:
+        for i in range(lo, hi):
+            message = messages[i]
             role = message["role"]
             if role == "system":
                 continue
@@ -103,7 +128,7 @@ def _clean(messages: list) -> bool:
                         called = True
                     elif called:
                         return False
-        return True
+        return previous
     except (LookupError, AttributeError, TypeError):
         return False
 
@@ -130,11 +155,13 @@ def _blocks(messages: list, indexes: list[int]) -> list[dict]:
     return found
 
 
-def check(messages) -> tuple[list[Problem], list[tuple[str, str]]]:
+def check(messages, resume=None) -> tuple[list[Problem], list[tuple[str, str]]]:
     """Every turn with calls or results out of place, in message order, and ``(location,
     reason)`` for what the relay is unsure of."""
-    if type(messages) is not list or _clean(messages):
+    if type(messages) is not list or _clean(messages, resume):
         return [], []
+    if resume is not None and resume.start and not resume.seen("ordering"):
+        resume.decline()  # the full walk reads what a later plugin changed
     found: list[Problem] = []
     unsure: list[tuple[str, str]] = []
     calls: list[str] = []  # the ids of the last assistant turn
@@ -230,11 +257,16 @@ def _note_unsure(exchange, unsure) -> None:
 @hookimpl
 def relay_request(exchange, options):
     mode = _mode(options)
+    resume = exchange.resume
     if mode == "off":
+        if resume is not None:
+            resume.save_all("ordering")
         return
     messages = exchange.messages
+    if resume is not None:
+        resume = resume.usable(messages)
     whole, offset = threads.conversation(exchange)
-    found, unsure = check(whole)
+    found, unsure = check(whole, None if offset else resume)
     if offset:
         found, unsure = _own(found, unsure, offset)
     _note_unsure(exchange, unsure)

@@ -64,6 +64,8 @@ from relay.hookspecs import hookimpl
 from relay.options import Option
 
 log = logging.getLogger("relay.plugins.pairing")
+# The quick walk goes on from where the session's previous request ended (relay.resume).
+RESUMABLE = True
 
 MODES = ("reject", "repair", "off")
 OPTIONS = (
@@ -198,20 +200,43 @@ def _open_server_call(index: int, k: int, name: str, tool_use_id: str, rule: str
                    rule=rule)
 
 
-def _clean(messages: list, unique_ids: bool) -> bool:
+def _clean(messages: list, unique_ids: bool, resume=None) -> bool:
     """True when ``messages`` certainly break no rule of this plugin; False means "look closer".
 
     The quick walk every request takes: it assumes well-formed, strictly alternating messages
     with results given in the order of their calls, and leaves anything else (consecutive
     messages of one role, system entries out of place, server results, ``caller``) to
-    :func:`check`'s full walk.
+    :func:`check`'s full walk. With ``resume`` (:class:`relay.resume.Resume`) it goes on from
+    the state saved at ``resume.start`` and saves its state at each mark it gets past.
     """
+    state: list = [set() if unique_ids else None, None, False, None]  # seen, pending, programmatic,
+    at = 0  # previous (the role of the last message)
+    if resume is not None:
+        at = resume.start
+        if at:
+            saved = resume.state("pairing")
+            if saved is None:
+                return False
+            seen, pending, programmatic, previous = saved  # taken over: used once
+            state = [seen, None if pending is None else list(pending), programmatic, previous]
+        for mark in resume.marks:
+            if mark >= at:
+                if not _clean_walk(messages, at, mark, state):
+                    return False
+                at = mark
+                seen, pending, programmatic, previous = state
+                resume.save("pairing", mark, (None if seen is None else set(seen),
+                                              None if pending is None else tuple(pending),
+                                              programmatic, previous))
+    return _clean_walk(messages, at, len(messages), state) and state[1] is None
+
+
+def _clean_walk(messages: list, lo: int, hi: int, state: list) -> bool:
+    """:func:`_clean` over ``messages[lo:hi]``, from and into ``state``."""
+    seen, pending, programmatic, previous = state
     try:
-        seen: set | None = set() if unique_ids else None
-        pending = None
-        programmatic = False
-        previous = None  # the role of the last message
-        for message in messages:
+        for i in range(lo, hi):
+            message = messages[i]
             role = message["role"]
             content = message["content"]
             if not content:
@@ -288,7 +313,8 @@ def _clean(messages: list, unique_ids: bool) -> bool:
             if previous == "system" and role == "user":
                 return False
             previous = role
-        return pending is None
+        state[:] = seen, pending, programmatic, previous
+        return True
     except (LookupError, AttributeError, TypeError):
         return False
 
@@ -708,18 +734,25 @@ def _merge(exchange, messages: list) -> None:
 @hookimpl
 def relay_request(exchange, options):
     mode = _mode(options)
+    resume = exchange.resume
     if mode == "off":
+        if resume is not None:
+            resume.save_all("pairing")
         return
     messages = exchange.messages
     unique_ids = not options.get("restore_original_ids")
     if type(messages) is not list:
         return
+    if resume is not None:
+        resume = resume.usable(messages)
     thread = exchange.thread
     if thread is not None and thread.continues:
         found, unsure, whole = _check_tail(exchange, messages, unique_ids)
-    elif _clean(messages, unique_ids):
+    elif _clean(messages, unique_ids, resume):
         return
     else:
+        if resume is not None and resume.start and not resume.seen("pairing"):
+            resume.decline()  # the full walk reads what a later plugin changed
         (found, unsure), whole = _check(messages, unique_ids), messages
     _note_unsure(exchange, unsure)
     if exchange.rules_defer:

@@ -220,7 +220,8 @@ def target_pattern(options: dict, backend) -> str | None:
 
 
 def translate_ids(messages: list, pattern: str | None, thinking: list | None = None,
-                  raw: set | None = None) -> list[tuple[int, int, str, str, str]]:
+                  raw: set | None = None, lo: int = 0,
+                  hi: int | None = None) -> list[tuple[int, int, str, str, str]]:
     """Rewrite, in place, every tool_use id and tool_result tool_use_id that does not fit
     ``pattern``; return ``(message, block, block type, client id, upstream id)`` for each
     change. ``thinking``, when given, gets True appended if any block is a thinking block
@@ -230,7 +231,8 @@ def translate_ids(messages: list, pattern: str | None, thinking: list | None = N
     changed: list[tuple[int, int, str, str, str]] = []
     if pattern == ANTHROPIC_IDS:
         raw = None
-    for i, message in enumerate(messages):
+    for i in range(lo, len(messages) if hi is None else hi):
+        message = messages[i]
         if type(message) is not dict:
             continue
         content = message.get("content")
@@ -622,43 +624,45 @@ class Provenance:
 
 
 def foreign_thinking(messages: list, issuers: dict, backend: str, model: str,
-                     scope: str) -> list[tuple[int, int, str]]:
+                     scope: str, lo: int = 0) -> list[tuple[int, int, str]]:
     """``(message, block, why)`` for each thinking block the target would refuse: unsigned,
     or issued by another backend (or, with ``scope`` "model", another model)."""
     found = []
-    for i, message in enumerate(messages):
+    for i, k, key in thinking_blocks(messages, lo):
+        why = verdict(key, issuers, backend, model, scope)
+        if why is not None:
+            found.append((i, k, why))
+    return found
+
+
+def thinking_blocks(messages: list, lo: int = 0, hi: int | None = None) -> list:
+    """``(message, block, key)`` for each thinking block of an assistant message in
+    ``messages[lo:hi]`` (the key as :func:`block_key` gives it)."""
+    found = []
+    for i in range(lo, len(messages) if hi is None else hi):
+        message = messages[i]
         if type(message) is not dict or message.get("role") != "assistant":
             continue
         content = message.get("content")
         if type(content) is not list:
             continue
         for k, block in enumerate(content):
-            if type(block) is not dict or block.get("type") not in THINKING:
-                continue
-            key = block_key(block)
-            if key == "":
-                found.append((i, k, "unsigned"))
-                continue
-            issuer = issuers.get(key) if key else None
-            if issuer is None:
-                continue
-            if issuer[0] != backend or (scope == "model" and issuer[1] != model):
-                found.append((i, k, f"issued by {issuer[0]}/{issuer[1]}"))
+            if type(block) is dict and block.get("type") in THINKING:
+                found.append((i, k, block_key(block)))
     return found
 
 
-def keys_in(messages: list) -> list[str]:
-    keys = []
-    for message in messages:
-        if type(message) is dict and message.get("role") == "assistant":
-            content = message.get("content")
-            if type(content) is list:
-                for block in content:
-                    if type(block) is dict and block.get("type") in THINKING:
-                        key = block_key(block)
-                        if key:
-                            keys.append(key)
-    return keys
+def verdict(key: str | None, issuers: dict, backend: str, model: str,
+            scope: str) -> str | None:
+    """Why the target would refuse the thinking block of this key, or None."""
+    if key == "":
+        return "unsigned"
+    issuer = issuers.get(key) if key else None
+    if issuer is None:
+        return None
+    if issuer[0] != backend or (scope == "model" and issuer[1] != model):
+        return f"issued by {issuer[0]}/{issuer[1]}"
+    return None
 
 
 def drop_blocks(messages: list, where: list[tuple[int, int, str]]) -> list[int]:
@@ -740,10 +744,98 @@ def _checks_signatures(options: dict, backend) -> bool:
     return options.get("thinking_signatures", True) is not False
 
 
+class _Walked:
+    """What ``_fit`` walked of a request, and what it saves for the session's next one
+    (:class:`relay.resume.Resume`): ids translated, tool ids outside the grammar, and the
+    thinking blocks with how each was judged, up to each mark. Resumed, it walks only the
+    messages from ``resume.start`` on and takes the rest from the state saved there."""
+
+    __slots__ = ("resume", "start", "count", "before", "pieces", "_blocks")
+
+    def __init__(self, resume, count: int):
+        self.resume = resume
+        self.count = count
+        self.start = 0
+        # The state saved at start: (changed, raw, thinking, blocks, dropped).
+        self.before: tuple | None = None
+        if resume is not None and resume.start:
+            self.before = resume.state(PLUGIN)
+            if self.before is None or not resume.seen(PLUGIN):
+                resume.decline()  # the final turn's check reads what a later plugin changed
+            self.start = resume.start
+        self.pieces: list[tuple[int, list, bool, set]] = []  # (end, changed, thinking, raw)
+        self._blocks: list | None = None
+
+    def translate(self, messages: list, pattern: str | None, holding: bool) -> list:
+        ends = [m for m in self.resume.marks if m >= self.start] if self.resume else []
+        at = self.start
+        for end in [*ends, self.count]:
+            thinking: list = []
+            raw: set | None = set() if holding else None
+            changed = translate_ids(messages, pattern, thinking, raw, at, end)
+            self.pieces.append((end, changed, bool(thinking), raw or set()))
+            at = end
+        found = list(self.before[0]) if self.before else []
+        for _, changed, _, _ in self.pieces:
+            found += changed
+        return found
+
+    def raw(self) -> set:
+        found = set(self.before[1]) if self.before else set()
+        for *_, raw in self.pieces:
+            found |= raw
+        return found
+
+    def thinking(self) -> bool:
+        return bool(self.before and self.before[2]) or any(p[2] for p in self.pieces)
+
+    def blocks(self, messages: list) -> list:
+        """Every thinking block, as :func:`thinking_blocks` gives them: those before the
+        resume point as they were when first walked (some may have been dropped since)."""
+        if self._blocks is None:
+            self._blocks = (list(self.before[3]) if self.before else []) + thinking_blocks(
+                messages, self.start)
+        return self._blocks
+
+    def check_dropped(self, foreign: list) -> None:
+        if self.before is not None and [f for f in foreign if f[0] < self.start] \
+                != list(self.before[4]):
+            self.resume.decline()
+
+    def new(self, foreign: list) -> list:
+        """The blocks to drop now: those before the resume point went already."""
+        return [f for f in foreign if f[0] >= self.start]
+
+    def save(self, foreign: list) -> None:
+        resume = self.resume
+        if resume is None:
+            return
+        before = self.before or ((), frozenset(), False, (), ())
+        changed, raw, thinking = list(before[0]), set(before[1]), before[2]
+        blocks = list(before[3])
+        for end, piece, seen, more in self.pieces:
+            if end == self.count and end not in resume.marks:
+                break
+            changed += piece
+            raw |= more
+            thinking = thinking or seen
+            if thinking:
+                blocks = self.blocks_until(end)
+            dropped = tuple(f for f in foreign if f[0] < end)
+            resume.save(PLUGIN, end, (tuple(changed), frozenset(raw), thinking, tuple(blocks),
+                                      dropped), bool(changed or dropped))
+
+    def blocks_until(self, end: int) -> list:
+        return [b for b in (self._blocks or ()) if b[0] < end]
+
+
 class Portable:
     """The hooks; one instance per running relay, holding the provenance record."""
 
     OPTIONS = OPTIONS
+    # The request walk goes on from where the session's previous request ended
+    # (relay.resume).
+    RESUMABLE = True
 
     def __init__(self):
         self.provenance = Provenance()
@@ -780,12 +872,16 @@ class Portable:
         messages = exchange.messages
         if messages is None:
             return []
+        resume = None if validating or exchange.resume is None \
+            else exchange.resume.usable(messages)
+        walked = _Walked(resume, len(messages))
         backend = exchange.backend
         done = []
         pattern = target_pattern(options, backend)
-        thinking_blocks: list = []
         raw: set[str] | None = set() if exchange.endpoint == "messages" and not validating else None
-        changed = translate_ids(messages, pattern, thinking_blocks, raw)
+        changed = walked.translate(messages, pattern, raw is not None)
+        if raw is not None:
+            raw.update(walked.raw())
         if raw is not None and pattern == ANTHROPIC_IDS:
             raw.update(client_id for _, _, kind, client_id, _ in changed
                        if kind == "tool_use" and decode_id(client_id) is None)
@@ -813,36 +909,47 @@ class Portable:
                                      + f"sent as {upstream_id}"}
                          for i, k, kind, client_id, upstream_id in changed]
         if not _checks_signatures(options, backend):
+            walked.save([])
             return done
-        if not thinking_blocks:
+        if not walked.thinking():
             # No thinking block to judge, none to drop; the final turn may still lack one.
+            walked.save([])
             return self._thinking_off(exchange, messages, done, validating, [], set())
-        keys = keys_in(messages)
+        blocks = walked.blocks(messages)
+        keys = [key for _, _, key in blocks if key]
         issuers, missing = self.provenance.known(keys)
         if missing:
-            return self._judge_after_reading(exchange, options, done, validating, keys)
-        return self._judge(exchange, options, done, validating, issuers)
+            return self._judge_after_reading(exchange, options, done, validating, keys, walked,
+                                             blocks)
+        return self._judge(exchange, options, done, validating, issuers, walked, blocks)
 
-    async def _judge_after_reading(self, exchange, options, done, validating, keys):
+    async def _judge_after_reading(self, exchange, options, done, validating, keys, walked,
+                                   blocks):
         # Without the record (locked, slow, broken) nothing more is known: those blocks go
         # as the client sent them.
         issuers = await self.provenance.lookup(keys)
-        return self._judge(exchange, options, done, validating, issuers)
+        return self._judge(exchange, options, done, validating, issuers, walked, blocks)
 
     def _judge(self, exchange, options: dict, done: list, validating: bool,
-               issuers: dict) -> list[dict]:
+               issuers: dict, walked: _Walked, blocks: list) -> list[dict]:
         messages = exchange.messages
         backend = exchange.backend
         name = backend.name if backend is not None else ""
-        foreign = foreign_thinking(messages, issuers, name, exchange.model or "",
-                                   options.get("thinking_scope") or "model")
+        model, scope = exchange.model or "", options.get("thinking_scope") or "model"
+        foreign = [(i, k, why) for i, k, why in (
+            (i, k, verdict(key, issuers, name, model, scope)) for i, k, key in blocks)
+            if why is not None]
+        # Those before the resume point were dropped when they were first judged, and are
+        # judged the same now, or this request is walked whole.
+        walked.check_dropped(foreign)
+        walked.save(foreign)
         touched: set = set()
         if foreign:
             done += [{"location": f"messages.{i}.content.{k}",
                       "message": f"messages.{i}.content.{k}: thinking block {why}: dropped"}
                      for i, k, why in foreign]
             touched = {id(messages[i]) for i, _, _ in foreign}
-            removed = drop_blocks(messages, foreign)
+            removed = drop_blocks(messages, walked.new(foreign))
             exchange.repaired(PLUGIN, len(foreign), rule="foreign-thinking",
                               blocks=[f"messages.{i}.content.{k}" for i, k, _ in foreign],
                               reasons=sorted({why for *_, why in foreign}),

@@ -49,6 +49,9 @@ MAX_WARNED = 64  # unpriced models named in the log, once each: the names are th
 class Usage:
     """The usage plugin; the host makes one instance per relay."""
 
+    # Its request hook reads no history: a session's request may go on from where the
+    # previous one ended (relay.resume) with this plugin in the pipeline.
+    RESUMABLE = True
     OPTIONS = (Option(
         "prices", list, [],
         "what each model costs: a list of `{models: [glob, ...], usd_per_mtok: {input, "

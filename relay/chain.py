@@ -19,6 +19,7 @@ from . import hookspecs
 from .config import HOST_QUIRKS
 from .errors import ConfigError, RelayError
 from .options import declared, resolve
+from .resume import Decline
 from .state import State, open_state
 
 ENTRY_POINT_GROUP = "relay.plugins"
@@ -221,6 +222,18 @@ class Chain:
         self.options: dict[str | None, dict[str, dict]] = {None: base, **per_backend}
         # Opened by startup (from relay.yaml's ``state:``), closed by shutdown.
         self.state: State | None = None
+        self.positions = position
+        # The plugins that walk requests (relay.resume: each must be able to go on from
+        # where the session's previous request ended).
+        self.walkers = frozenset(impl.plugin for impl in self.impls["relay_request"])
+
+    def resumable(self) -> bool:
+        """Whether every plugin with a ``relay_request`` hook declares ``RESUMABLE``."""
+        return all(getattr(self.pm.get_plugin(name), "RESUMABLE", False) is True
+                   for name in self.walkers)
+
+    def position(self, plugin: str) -> int:
+        return self.positions.get(plugin, len(self.positions))
 
     def options_for(self, exchange) -> dict[str, dict]:
         return self.options[exchange.backend.name if exchange.backend else None]
@@ -289,6 +302,8 @@ class Chain:
                 if getattr(error, "plugin", None) is None:
                     error.plugin = impl.plugin  # who refused: for logs, dumps and metrics
                 raise
+            except Decline:
+                raise  # not a fault: the request is walked whole instead
             except Exception:
                 log.exception("plugin %s failed in %s", impl.plugin, hook)
                 raise

@@ -312,6 +312,10 @@ SERVER_OPTIONS = (
     Option("console", bool, False, "serve the operator's web console at `/console`, behind "
            "the admin key (`auth.admin_key_env` / `admin_key_file`, which it needs)",
            expect="true or false"),
+    Option("resume_bytes", float, 64 * 1024 * 1024, "memory kept so that a session's next "
+           "request is checked from where its previous one ended (its new turn only), in all; "
+           "one session takes at most a quarter (0: every request is walked whole)",
+           expect="a number of bytes", check=lambda n: None if n >= 0 else "must be 0 or more"),
 )
 SERVER = {option.name: option for option in SERVER_OPTIONS}
 
@@ -349,6 +353,7 @@ class Config:
     drain_seconds: float = SERVER["drain_seconds"].default
     stream_keepalive: float = SERVER["stream_keepalive"].default
     console: bool = SERVER["console"].default
+    resume_bytes: int = SERVER["resume_bytes"].default
     # The checked ``state:`` section (relay.state.OPTIONS): where shared state lives.
     state: dict = field(default_factory=dict)
     # The checked ``telemetry:`` section (relay.telemetry.OPTIONS): traces, off by default.
@@ -437,7 +442,7 @@ def parse(raw, env=os.environ, require_keys: bool = True) -> Config:
         setattr(config, name, values[name])
     # Counts and sizes have always taken a number and dropped its fraction.
     for name in ("max_body_bytes", "upstream_connections", "max_upstream_body_bytes",
-                 "max_connections"):
+                 "max_connections", "resume_bytes"):
         setattr(config, name, int(values[name]))
     config.log_level = values["log_level"].upper()
     config.drain_seconds = float(values["drain_seconds"])

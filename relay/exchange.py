@@ -262,6 +262,24 @@ class Exchange:
     uncertain: tuple[Uncertainty, ...] = ()
     stream_failure: StreamFailure | None = None
     dump_path: str | None = None  # the dump written for it (the dump plugin's)
+    key_name: str | None = None  # the inbound key's name, when auth is on
+    repairs = 0
+    upstream_request: UpstreamRequest | None = None
+    upstream_response: UpstreamAnswer | None = None
+    outcome: Outcome | None = None
+    error: RelayError | None = None
+    answer: Answer | None = None
+    shaped_headers: Any = None  # what upstream_headers made, once a plugin asked for it
+    # A server-held thread this request creates or continues (relay.threads.Thread).
+    thread: Any = None
+    # ``(kind, name)`` of the betas and fields the history rules defer to the upstream
+    # for (relay.betas.deferring): they note instead of refusing.
+    rules_defer: tuple = ()
+    _changed = False
+    _session: str | None | bool = False  # False: not worked out yet
+    # Where the request chain may go on from the session's previous request
+    # (relay.resume.Resume), for the plugins that can; None: resuming is off.
+    resume: Any = None
     # What the answer reported it used and what that cost (a relay.usage.Usage), set by the
     # usage plugin as soon as it is known; None without that plugin, or before an answer.
     usage: Any = None
@@ -305,27 +323,12 @@ class Exchange:
         else:
             self.model = body.get("model") if body else None
             self.stream = bool(body.get("stream")) if body else False
-        self.key_name: str | None = None  # the inbound key's name, when auth is on
         self.translation: dict[str, dict] = {}
         self.timeline: list[dict] = []
         self.state: dict[str, Any] = {}
-        self.repairs = 0
         self.response_headers: dict[str, str] = {}
-        self.upstream_request: UpstreamRequest | None = None
-        self.upstream_response: UpstreamAnswer | None = None
-        self.outcome: Outcome | None = None
-        self.error: RelayError | None = None
         self.attempts: list[Attempt] = []
         self.timings = Timings()
-        self.answer: Answer | None = None
-        self.shaped_headers = None  # what upstream_headers made, once a plugin asked for it
-        # A server-held thread this request creates or continues (relay.threads.Thread).
-        self.thread = None
-        # ``(kind, name)`` of the betas and fields the history rules defer to the upstream
-        # for (relay.betas.deferring): they note instead of refusing.
-        self.rules_defer: tuple = ()
-        self._changed = False
-        self._session: str | None | bool = False  # False: not worked out yet
 
     def session(self) -> str | None:
         """The conversation this request belongs to (:func:`relay.sessions.session_key`:

@@ -105,6 +105,13 @@ def relay_request(exchange: Exchange, options: dict) -> None:
     does, the client's original bytes go up.
     Raise :class:`relay.errors.RelayError` to refuse the request: the client gets that error,
     later plugins are skipped and the upstream receives nothing.
+
+    Resuming: a plugin that declares ``RESUMABLE = True`` (module or class attribute) may
+    be handed a request that continues the session's previous one, with
+    ``exchange.resume`` (a :class:`relay.resume.Resume`) saying where its walk starts,
+    what it saved there and at which boundaries to save its state now; its result must be
+    the one the whole walk gives. While one plugin with this hook does not declare it,
+    every request is walked whole and ``exchange.resume`` is None.
     """
 
 

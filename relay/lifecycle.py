@@ -86,31 +86,28 @@ class Lifecycle:
         else:
             self.stop_requested.set()
 
-    def middleware(self):
+    async def serve(self, request: web.Request, handler):
+        """Answer ``request`` with ``handler`` as a request in flight, which the drain waits
+        for (the dispatcher calls this for every request: no middleware of its own)."""
+        task = asyncio.current_task()
+        assert task is not None  # aiohttp runs every handler in a task of its own
         in_flight = self.in_flight
-
-        @web.middleware
-        async def track_in_flight(request: web.Request, handler):
-            task = asyncio.current_task()
-            assert task is not None  # aiohttp runs every handler in a task of its own
-            in_flight.add(task)
-            try:
-                return await handler(request)
-            except asyncio.CancelledError:
-                # Cut short by the drain before any byte of the answer went out: the client
-                # can still be told why, and that a retry (elsewhere) will do.
-                if (self.forced and response_started() is None and request.transport is not None
-                        and not request.transport.is_closing()):
-                    if hasattr(task, "uncancel"):  # Python 3.11+: the cancel is handled here
-                        task.uncancel()
-                    return shutting_down()
-                raise
-            finally:
-                in_flight.discard(task)
-                if not in_flight and self.draining:
-                    self._idle.set()
-
-        return track_in_flight
+        in_flight.add(task)
+        try:
+            return await handler(request)
+        except asyncio.CancelledError:
+            # Cut short by the drain before any byte of the answer went out: the client can
+            # still be told why, and that a retry (elsewhere) will do.
+            if (self.forced and response_started() is None and request.transport is not None
+                    and not request.transport.is_closing()):
+                if hasattr(task, "uncancel"):  # Python 3.11+: the cancel is handled here
+                    task.uncancel()
+                return shutting_down()
+            raise
+        finally:
+            in_flight.discard(task)
+            if not in_flight and self.draining:
+                self._idle.set()
 
     def readiness(self) -> tuple[int, dict]:
         """``/readyz``: 200 while this process takes requests, 503 once it drains."""

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 
 import orjson
 
-from . import betas, skeleton, threads
+from . import betas, resume, skeleton, threads
 from .chain import Chain
 from .config import Backend, Config, InboundKey
 from .errors import RelayError, invalid_request
@@ -37,6 +37,10 @@ class Preparation:
         # Shared with the other workers and replicas when the host's state is.
         self.threads = threads.Store(
             shared=state if state is not None and state.kind != "memory" else None)
+        # Where each session's last request ended (relay.resume), when every plugin that
+        # walks a request can go on from there.
+        self.resume = (resume.Store(config.resume_bytes)
+                       if config.resume_bytes > 0 and chain.resumable() else None)
 
 
 def parse_request(raw: bytes) -> Skeleton | dict:
@@ -74,7 +78,29 @@ async def prepare_exchange(state: Preparation, *, method: str, path: str, query:
     attached as ``error.exchange`` (when one was built) so the end hooks can see it.
     """
     endpoint = ENDPOINTS[path]
-    parsed = parse_request(raw_body)
+    store = state.resume if endpoint == "messages" and backend is None else None
+    if store is None or len(raw_body) < store.min_bytes:
+        return await _prepare(state, endpoint, method, path, query, headers, raw_body, key,
+                              backend, parse_request(raw_body))
+    session, decoded = resume.session_of(raw_body, headers, key.name if key else None)
+    record, start = store.take(session, raw_body) if session is not None else (None, 0)
+    if record is not None:
+        resumed = resume.decode_from(record, raw_body, start)
+        if resumed is not None:
+            try:
+                return await _prepare(state, endpoint, method, path, query, headers, raw_body,
+                                      key, backend, resumed.skeleton, (store, session, resumed))
+            except resume.Decline:
+                pass  # walked whole below
+    parsed = decoded if decoded is not None else parse_request(raw_body)
+    return await _prepare(state, endpoint, method, path, query, headers, raw_body, key, backend,
+                          parsed, (store, session, None) if session is not None else None)
+
+
+async def _prepare(state: Preparation, endpoint: str, method: str, path: str, query: str,
+                   headers: Mapping, raw_body: bytes, key: InboundKey | None,
+                   backend: Backend | None, parsed: Skeleton | dict,
+                   resuming: tuple | None = None) -> Exchange:
     if isinstance(parsed, dict):
         exchange = Exchange(endpoint=endpoint, method=method, path=path, query=query,
                             headers=headers, raw_body=raw_body, body=parsed)
@@ -108,8 +134,11 @@ async def prepare_exchange(state: Preparation, *, method: str, path: str, query:
         exchange.note("relay", "renamed model", model=model, upstream_model=target)
     try:
         await prepare_history(state, exchange)
+        keeping = _resume(state, exchange, resuming)
         await state.chain.run("relay_request", exchange)
         threads.restore_held_ids(exchange)
+        if keeping is not None and resuming is not None:
+            _keep(exchange, resuming, keeping)
         if backend.credentials:
             exchange.session()  # while the request is decoded: the pool keeps it sticky
         # Encoded here, where a request that cannot be is still answered in Anthropic's
@@ -121,12 +150,82 @@ async def prepare_exchange(state: Preparation, *, method: str, path: str, query:
         except Exception:
             log.exception("%s: the changed request could not be encoded", exchange.id)
             raise
+    except resume.Decline:
+        raise
     except RelayError as error:
         raise refused(threads.carried_error(error, exchange.thread)) from None
     except Exception as e:  # logged by the chain with the plugin's name, or above
         raise refused(RelayError(500, "the relay failed while preparing this request",
                                  "api_error")) from e
     return exchange
+
+
+def _resume(state: Preparation, exchange: Exchange, resuming: tuple | None):
+    """Set ``exchange.resume`` for the request chain (relay.resume); returns what keeping a
+    record of this request needs after it (None when none will be kept)."""
+    if resuming is None or exchange.thread is not None or exchange._skeleton is None:
+        if resuming is not None and resuming[2] is not None:
+            raise resume.Decline()
+        return None
+    store, session, resumed = resuming
+    if resumed is None and not store.wants(session):
+        return None  # the session's first request: nothing is kept (see Store.wants)
+    messages = exchange.messages or []
+    count = len(messages)
+    if not count:
+        return None  # no boundary to keep
+    chain = state.chain
+    context = resume.context(exchange)
+    if resumed is None:
+        start, states, changer = 0, None, -1
+    else:
+        record = resumed.record
+        if record.context != context:
+            raise resume.Decline()
+        start = resumed.start
+        states = record.states[start]
+        changer = max((chain.position(name) for name, (_, changed) in states.items()
+                       if changed), default=-1)
+    marks = range(max(start, count - resume.MARKS + 1, 1), count + 1)
+    exchange.resume = resume.Resume(start, marks, states, changer, chain.positions)
+    # The canonical bytes of the messages that will locate this request's boundaries, made
+    # before any plugin changes them.
+    encoded = resume.canonical(messages[start:] if resumed is not None
+                               else messages[max(count - resume.MARKS + 1, 0):])
+    return context, count, encoded
+
+
+def _keep(exchange: Exchange, resuming: tuple, keeping: tuple) -> None:
+    """Keep what this request's chain left, for the session's next request."""
+    store, session, resumed = resuming
+    context, count, encoded = keeping
+    messages = exchange.messages
+    saved = exchange.resume.saved if exchange.resume is not None else {}
+    # Kept only when the chain left the request a skeleton of the same messages, each
+    # position still the client's (nothing merged or dropped), and at a boundary where
+    # every plugin that keeps a state (saved one anywhere) saved it.
+    if (encoded is None or exchange._skeleton is None or messages is None
+            or len(messages) != count or not saved):
+        return
+    keeping_state = set().union(*(found.keys() for found in saved.values()))
+    states = {index: found for index, found in saved.items()
+              if keeping_state <= found.keys()}
+    if not states:
+        return
+    raw = exchange.raw_body
+    if resumed is None:
+        record = resume.Record(raw, count, context, messages, states, encoded, None, None, 0,
+                               resume.blocks_in(messages))
+    else:
+        offsets = resume.new_offsets(raw, resumed, encoded)
+        if offsets is None:
+            return
+        old = resumed.record
+        record = resume.Record(raw, count, context, messages, states, None, offsets,
+                               old.before, old.array,
+                               old.blocks + resume.blocks_in(messages[resumed.start:]))
+        record.after = resumed.after
+    store.put(session, record)
 
 
 async def prepare_history(state: Preparation, exchange: Exchange) -> None:

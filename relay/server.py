@@ -21,6 +21,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
+from aiohttp.web_urldispatcher import UrlMappingMatchInfo
 
 from . import __version__, keys, lifecycle, logs, pools, threads
 from .chain import Chain
@@ -116,7 +117,8 @@ ROUTE = web.RequestKey("relay_route", Route)
 class Relay:
     """Request handlers. One instance per app; no state survives an exchange."""
 
-    def __init__(self, state: RelayState, plugin_routes: dict | None = None, console=None):
+    def __init__(self, state: RelayState, plugin_routes: dict | None = None, console=None,
+                 serving: lifecycle.Lifecycle | None = None):
         self.state = state
         self.console = console  # a relay.console.Console when server.console is on
         self.plugin_routes = plugin_routes or {}  # (method, path) -> handler, from relay_routes
@@ -124,27 +126,25 @@ class Relay:
         self.admin_routes = {
             spec: (route.handler, AdminGate(route, state.config.admin_key, state.gate))
             for spec, route in self.plugin_routes.items() if isinstance(route, AdminRoute)}
+        # Serving under serve(): every request counts as in flight for the drain.
+        self.lifecycle = serving
 
     async def dispatch(self, request: web.Request) -> web.StreamResponse:
         """Every request: check the target, the Host, the key, the method and the body's type,
         then hand over. Only the two Messages endpoints, ``/healthz``, the configured
         pass-through routes and plugins' routes answer; the client's path is never normalised
         into another."""
+        if self.lifecycle is not None:
+            return await self.lifecycle.serve(request, self._dispatch)
+        return await self._dispatch(request)
+
+    async def _dispatch(self, request: web.Request) -> web.StreamResponse:
         try:
             route = self.route(request)
         except RelayError as error:
             return await self.refuse(request, error)
         request[ROUTE] = route
         return await route.handler(request)
-
-    @web.middleware
-    async def unrouted(self, request: web.Request, handler) -> web.StreamResponse:
-        """Middleware: a target aiohttp's router matches to nothing (``OPTIONS *``, a
-        ``CONNECT`` authority, a path that decodes to a line break) is dispatched all the
-        same, so that it is answered in Anthropic's format like any other."""
-        if request.match_info.http_exception is not None:
-            return await self.dispatch(request)
-        return await handler(request)
 
     def route(self, request: web.Request) -> Route:
         config = self.state.config
@@ -212,7 +212,9 @@ class Relay:
         """The exchange is over and the client has its answer: log it, run the end hooks."""
         self.state.upstream.pools.release(exchange)
         log_exchange(exchange, exchange.answer.status if exchange.answer else None)
-        await self.state.chain.end(exchange)
+        chain = self.state.chain
+        if chain.impls["relay_exchange_end"]:  # a pipeline without end hooks pays nothing
+            await chain.end(exchange)
         traces = self.state.traces
         if traces is not None:  # after the end hooks: the record is complete
             try:
@@ -387,7 +389,10 @@ def backends_handler(state: RelayState):
     return backends
 
 
-def create_app(config, chain: Chain) -> web.Application:
+def create_app(config, chain: Chain,
+               serving: lifecycle.Lifecycle | None = None) -> web.Application:
+    """The relay's aiohttp app; ``serving`` when it serves under :func:`serve` (the
+    requests in flight, for the drain)."""
     state = RelayState(config, chain)
     app = web.Application(client_max_size=config.max_body_bytes)
     app[STATE] = state
@@ -397,9 +402,17 @@ def create_app(config, chain: Chain) -> web.Application:
         console = Console(config, chain)
     routes = chain.routes(config, reserved=("/healthz", "/readyz", BACKENDS, *ENDPOINTS))
     routes["GET", BACKENDS] = AdminRoute(backends_handler(state))
-    relay = Relay(state, routes, console)
-    app.router.add_route("*", "/{tail:.*}", relay.dispatch)
-    app.middlewares.append(relay.unrouted)
+    relay = Relay(state, routes, console, serving)
+    everything = app.router.add_route("*", "/{tail:.*}", relay.dispatch)
+
+    async def resolve(request: web.Request) -> UrlMappingMatchInfo:
+        # Every target goes to the dispatcher, which routes it itself, the ones aiohttp's
+        # router would match to nothing too (``OPTIONS *``, a ``CONNECT`` authority, a path
+        # that decodes to a line break): each is answered in Anthropic's format like any
+        # other, and no middleware runs per request for it.
+        return UrlMappingMatchInfo({}, everything)
+
+    app.router.resolve = resolve  # type: ignore[method-assign]
 
     async def session_context(app):
         await state.upstream.start()
@@ -442,10 +455,8 @@ async def serve(config, chain: Chain, host: str, port: int, worker=None) -> int:
         loop.add_signal_handler(sig, state.signal)
     await chain.startup(config)
     try:
-        app = create_app(config, chain)
+        app = create_app(config, chain, state)
         app[lifecycle.LIFECYCLE] = state
-        # Outermost: every request the app is working on counts as in flight for the drain.
-        app.middlewares.insert(0, state.middleware())
         app.on_response_prepare.append(lifecycle.mark_response_started)
         # Cancelling the handler when the client goes away is what closes the upstream
         # request. The drain is the lifecycle's: by cleanup, nothing is in flight.

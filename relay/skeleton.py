@@ -152,6 +152,48 @@ def decode(raw: bytes) -> Skeleton | None:
         return None
 
 
+_Rest = msgspec.defstruct(
+    "_Rest", [("messages", list[Message])]
+    + [(name, Raw | UnsetType, UNSET) for name in ("model", *KNOWN_FIELDS)],
+    forbid_unknown_fields=True)
+_rest = msgspec.json.Decoder(_Rest)
+
+
+def decode_messages(raw: bytes) -> list:
+    """A ``messages`` array's JSON text as the skeleton holds it (see :func:`decode`)."""
+    messages = _messages.decode(raw)
+    _expose(messages)
+    return messages
+
+
+def decode_rest(raw: bytes) -> tuple[list, dict]:
+    """The messages of a body's last part (``{"messages":[`` followed by the rest of a
+    body), as the skeleton holds them, and the other fields given there, raw. Raises
+    :class:`msgspec.DecodeError` for a field outside ``KNOWN_FIELDS``."""
+    rest: Any = _rest.decode(raw)
+    messages = rest.messages
+    _expose(messages)
+    fields = {}
+    for name in rest.__struct_fields__[1:]:
+        item = getattr(rest, name)
+        if item is not UNSET:
+            fields[name] = item
+    return messages, fields
+
+
+def decode_model(raw) -> str:
+    return _model.decode(raw) if type(raw) is Raw else raw
+
+
+def from_fields(model: str, messages: list, fields: dict) -> Skeleton:
+    """The skeleton of a request made of these parts (``fields``: the other top-level
+    fields, each a :data:`KNOWN_FIELDS` name with its raw JSON text), as :func:`decode`
+    makes it for the same body."""
+    stream = fields.get("stream", UNSET)
+    return Skeleton(_Known(model=model, messages=messages, **fields), messages, model,
+                    stream is not UNSET and bool(_decode(stream)))
+
+
 def value(item):
     """``item`` as a Python value, whether it is still raw JSON text or already decoded."""
     return _decode(item) if type(item) is Raw else item

@@ -13,8 +13,8 @@ import pytest
 pytestmark = pytest.mark.slow  # the benchmark's own processes
 
 ROOT = Path(__file__).resolve().parent.parent
-WORKLOADS = ("small", "history_changed", "history_unchanged", "stream50", "stream2000",
-             "stream2000_burst")
+WORKLOADS = ("small", "history_changed", "history_unchanged", "session", "stream50",
+             "stream2000", "stream2000_burst")
 STREAMS = ("stream50", "stream2000", "stream2000_burst")
 MEMORY = ("rss_at_rest_kib", "first_history_request_peak_delta_kib", "history_c1_peak_delta_kib",
           "history_c32_peak_delta_kib", "history_c32_peak_delta_per_request_kib",
@@ -88,6 +88,8 @@ def test_quick_bench_reports_every_figure(tmp_path):
             assert number(figures[key]), (case, key)
         assert figures["hooks_ms"] and set(figures["hooks_ms"]) <= set(meta["pipeline"]), case
     assert micro["request"]["unchanged"]["forwarded_verbatim"] is True
+    for key in ("request_path_ms", "whole_ms", "idle_kib", "idle_small_kib"):
+        assert number(micro["session"][key]), key
     sse = micro["sse"]
     assert sse["checks"]["tool_rewrite"]["changed"] is True
     assert sse["checks"]["delta"] == {"plugins": [], "changed": False}

@@ -39,6 +39,9 @@ class Load:
         self.idle: list = []
         self.idle_release: asyncio.Event | None = None
 
+    runs = 0
+    turns: dict = {}  # (url, connection) -> the growing session's next turn
+
     def session(self, base: str) -> aiohttp.ClientSession:
         session = self.sessions.get(base)
         if session is None:
@@ -53,7 +56,11 @@ class Load:
         stream = spec["stream"]
         url = cmd["url"] + "/v1/messages?" + spec["query"]
         # The query again, for the mock's Chat Completions route: the relay sends no query there.
-        headers = {**HEADERS, "x-bench-mock": spec["query"]}
+        base = {**HEADERS, "x-bench-mock": spec["query"]}
+        sessions = spec.get("session")
+        bodies = workloads.session_bodies() if sessions == "grow" else (body,)
+        self.runs += 1
+        run = self.runs
         session = self.session(cmd["url"])
         count = int(cmd["count"])
         concurrency = max(1, min(int(cmd["concurrency"]), count))
@@ -65,10 +72,21 @@ class Load:
         issued = 0
         finished_at = 0.0
 
-        async def loop():
+        async def loop(worker: int):
             nonlocal issued, errors, first_error, finished_at
+            headers = base
+            if sessions == "grow":  # one session per connection, the same in every run
+                headers = {**base, workloads.SESSION_HEADER: f"bench-{cmd['url']}-{worker}"}
+            # A session goes on where its last run left it, not from its first turn again.
+            where = (cmd["url"], worker)
+            turn = self.turns.get(where, 0)
             while issued < count and perf_counter() < deadline:
                 issued += 1
+                if sessions == "fresh":
+                    headers = {**base, workloads.SESSION_HEADER: f"bench-{run}-{issued}"}
+                body = bodies[turn % len(bodies)]
+                turn += 1
+                self.turns[where] = turn
                 t0 = perf_counter()
                 try:
                     async with session.post(url, data=body, headers=headers) as response:
@@ -103,7 +121,7 @@ class Load:
         cpu0 = time.process_time()
         start = perf_counter()
         deadline = start + float(cmd["seconds"])
-        await asyncio.gather(*(loop() for _ in range(concurrency)))
+        await asyncio.gather(*(loop(worker) for worker in range(concurrency)))
         cpu = time.process_time() - cpu0
         elapsed = (finished_at or perf_counter()) - start
         return {"latencies_ms": latencies, "ttfb_ms": ttfb, "errors": errors,
@@ -174,7 +192,7 @@ async def main() -> None:
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    for kind in ("small", "small_stream", "history_reused", "history_unique"):
+    for kind in ("small", "small_stream", "history_reused", "history_unique", "session"):
         workloads.body(kind)  # built before the first command, never while timing
     print(orjson.dumps({"ready": True}).decode(), flush=True)
     try:

@@ -148,6 +148,11 @@ async def request_benchmarks(state, pipeline, count: int, seconds: float) -> dic
 
     chain = state.chain
     headers = CIMultiDictProxy(CIMultiDict(workloads.HEADERS))
+    # Each request the first of a session of its own: the full walk of a history the relay
+    # has not seen.
+    fresh = iter([CIMultiDictProxy(CIMultiDict({**workloads.HEADERS,
+                                                workloads.SESSION_HEADER: f"micro-{n}"}))
+                  for n in range(20 * count + 100)])
     out = {}
     for case, kind, expect_change in (("changed", "history_reused", True),
                                       ("unchanged", "history_unique", False),
@@ -157,7 +162,7 @@ async def request_benchmarks(state, pipeline, count: int, seconds: float) -> dic
 
         async def prepare():
             return await prepare_exchange(state, method="POST", path="/v1/messages", query="",
-                                          headers=headers, raw_body=raw)
+                                          headers=next(fresh), raw_body=raw)
 
         exchange = await prepare()
         sent = exchange.upstream_body()
@@ -221,6 +226,59 @@ async def request_benchmarks(state, pipeline, count: int, seconds: float) -> dic
         figures["hooks_ms"] = {name: t / budget.done * 1000 for name, t in spent.items()}
         figures["upstream_body_ms"] = serialise / budget.done * 1000
         out[case] = figures
+    return out
+
+
+async def session_benchmarks(state, count: int, seconds: float) -> dict:
+    """The growing session's requests (workloads.session_bodies) in order, through the
+    request path as serving runs it: resumed from the previous request, and walked whole
+    (each a session of its own); and what a session's record holds while it is idle
+    (tracemalloc, over bodies of their own as a server reads them)."""
+    from relay.prepare import prepare_exchange
+
+    chain = state.chain
+    bodies = workloads.session_bodies()
+    one = CIMultiDictProxy(CIMultiDict({**workloads.HEADERS,
+                                        workloads.SESSION_HEADER: "micro-session"}))
+    out = {}
+    for name, sessions in (("request_path_ms", None), ("whole_ms", count + 50)):
+        headers = [one] if sessions is None else [
+            CIMultiDictProxy(CIMultiDict({**workloads.HEADERS,
+                                          workloads.SESSION_HEADER: f"micro-whole-{n}"}))
+            for n in range(sessions)]
+        for raw in bodies:  # warm: the session's record is there
+            exchange = await prepare_exchange(state, method="POST", path="/v1/messages",
+                                              query="", headers=headers[0], raw_body=raw)
+        budget = Budget(count, seconds)
+        cpu = process_time()
+        while budget.more():
+            raw = bodies[budget.done % len(bodies)]
+            exchange = await prepare_exchange(state, method="POST", path="/v1/messages",
+                                              query="", headers=headers[budget.done % len(headers)],
+                                              raw_body=raw)
+            exchange.upstream_body()
+            exchange.outcome = "ok"
+            await chain.end(exchange)
+            budget.done += 1
+        out[name] = (process_time() - cpu) / budget.done * 1000
+    del exchange
+    for name, raw in (("idle_kib", bodies[-1]), ("idle_small_kib", workloads.body("small"))):
+        gc.collect()
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            for n in range(8):  # a record is kept from a session's second request on
+                headers = CIMultiDictProxy(CIMultiDict({**workloads.HEADERS,
+                                                        workloads.SESSION_HEADER: f"idle-{n}"}))
+                for _ in range(2):
+                    exchange = await prepare_exchange(
+                        state, method="POST", path="/v1/messages", query="", headers=headers,
+                        raw_body=bytes(bytearray(raw)))
+                    del exchange
+            gc.collect()
+            out[name] = round((tracemalloc.get_traced_memory()[0] - before) / 8 / 1024, 1)
+        finally:
+            tracemalloc.stop()
     return out
 
 
@@ -390,12 +448,14 @@ async def run_async(quick: bool) -> dict:
             count, seconds = (3, 0.5) if quick else (200, 1.5)
             started = perf_counter()
             request = await request_benchmarks(state, pipeline, count, seconds)
+            session = await session_benchmarks(state, count, seconds)
             sse = await sse_benchmarks(state, *((1000, 0.3) if quick else (50000, 2.0)))
             translation = await openai_benchmarks(state, *((100, 0.3) if quick else (5000, 2.0)))
             ends = await end_benchmarks(state, *((100, 0.3) if quick else (20000, 1.0)))
         finally:
             await chain.shutdown(config)
-    return {"pipeline": pipeline, "request": request, "sse": sse, "openai": translation,
+    return {"pipeline": pipeline, "request": request, "session": session, "sse": sse,
+            "openai": translation,
             "end": ends, "seconds": perf_counter() - started}
 
 

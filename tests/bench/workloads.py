@@ -38,7 +38,17 @@ WORKLOADS = {
     # cached replay): the proxies get big chunks, so what each does per event shows.
     "stream2000_burst": {"body": "small_stream", "query": "mock=sse&events=2000&per_send=50",
                          "stream": True},
+    # A coding agent's session: the 500-message history growing by one turn per request,
+    # each request the previous one's bytes up to its last message, where the cache marker
+    # moves (session_bodies); each connection of the load is a session of its own.
+    "session": {"body": "session", "query": "mock=json", "stream": False, "session": "grow"},
 }
+# The history workloads send every request as the first of a session of its own (a new
+# session id each time): what the relay does with a history it has never seen.
+for _name in ("history_changed", "history_unchanged"):
+    WORKLOADS[_name]["session"] = "fresh"
+SESSION_HEADER = "x-claude-code-session-id"
+SESSION_REQUESTS = 40  # the turns a growing session goes through before it starts again
 IDLE_QUERY = "mock=idle"
 
 _WORDS = ("the", "relay", "tool", "result", "file", "line", "def", "return", "self", "import",
@@ -177,7 +187,27 @@ def body(kind: str) -> bytes:
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": STREAM_TOOL_ID,
                                           "content": "relay\nplugins\ntests"}]}]
         return orjson.dumps(request)
+    if kind == "session":
+        return session_bodies()[-1]
     raise KeyError(kind)
+
+
+@functools.lru_cache(maxsize=None)
+def session_bodies() -> tuple[bytes, ...]:
+    """The requests of a growing session: the unique history up to each of its last
+    SESSION_REQUESTS user messages (the last is the 500-message history), each with a
+    ``cache_control`` breakpoint on its last block, as Claude Code sends them."""
+    request = history_request(False)
+    messages = request["messages"]
+    ends = [n for n in range(2, len(messages) + 1) if messages[n - 1]["role"] == "user"]
+    bodies = []
+    for n in ends[-SESSION_REQUESTS:]:
+        turn = [dict(m) for m in messages[:n]]
+        last = turn[-1] = dict(turn[-1])
+        last["content"] = [*last["content"][:-1],
+                           {**last["content"][-1], "cache_control": {"type": "ephemeral"}}]
+        bodies.append(orjson.dumps({**request, "messages": turn}))
+    return tuple(bodies)
 
 
 # --- the mock's canned answers --------------------------------------------------------------

@@ -1,0 +1,431 @@
+"""Resuming a request where the session's previous one ended: the request path costs
+O(new turn), not O(history).
+
+A coding agent sends its whole conversation every turn, and each request's ``messages`` are
+byte for byte the previous request's up to its last message or two (where the client moves
+its ``cache_control`` marker). So, after the request chain, the relay keeps a :class:`Record`
+per session (:meth:`relay.exchange.Exchange.session`): the client's bytes, the messages as
+the chain left them, and each plugin's state at the last few message boundaries
+(:data:`MARKS`). The session's next request is compared with those bytes (never trusted
+from a header): when it starts with the bytes of the previous request's first ``k``
+messages, for the largest such ``k`` kept, only the rest is decoded (the fields before
+``messages`` are the same bytes, so they are taken from the record), the request's messages
+are the record's first ``k`` and the new ones, and each plugin goes on from its state at
+``k`` (:class:`Resume`, ``exchange.resume``). The result is the full walk's, byte for byte.
+
+Every plugin with a ``relay_request`` hook must opt in (``RESUMABLE = True``, see
+:func:`relay.hookspecs.relay_request`); with one that does not, every request is walked
+whole, as before. A record is kept only for a ``/v1/messages`` request without a thread
+whose body stayed a skeleton (nobody asked for ``exchange.body``) and whose messages the
+plugins neither merged nor dropped, and it is used only by a request for the same backend,
+model and inbound key, with the same deferrals of the history rules. What it cannot use (an
+edited history, other bytes, an evicted record) costs a full walk and makes a new record.
+
+Memory: the records are bounded in bytes (``server.resume_bytes``, a quarter of it at most
+per session) and evicted oldest first; a record holds the previous request's body (the
+messages' values reference it) and the plugins' states.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+from typing import Any
+
+import msgspec
+
+from . import sessions, skeleton
+
+# The boundaries kept per request: before its last two messages, before its last one, after
+# all of it (Claude Code moves its marker over the last message or two).
+MARKS = 3
+_MESSAGES_KEY = b'"messages":['
+_MESSAGES_NAME = b'"messages"'
+# What a record costs beyond the body it keeps, roughly, per message and per block (the
+# dicts, lists and Raw values of the skeleton), for the byte budget.
+MESSAGE_BYTES = 400
+BLOCK_BYTES = 300
+MAX_SEEN = 4096  # sessions remembered as seen (a digest each: about 0.5 MB at most)
+LANES = 4  # conversations kept per session
+MIN_BYTES = 32 * 1024  # smaller requests cost less walked whole than resumed
+
+_fields = msgspec.json.Decoder(dict[str, msgspec.Raw])
+_encoder = msgspec.json.Encoder()
+
+
+class Decline(Exception):
+    """Raised by :meth:`Resume.decline`: this request is walked whole instead."""
+
+
+class Resume:
+    """What a resumable plugin's ``relay_request`` reads and leaves for the next request
+    (``exchange.resume``; None when resuming is off).
+
+    ``start``: the index of the first message the plugin must walk; ``messages[:start]``
+    are as the chain left them in the session's previous request, and :meth:`state` is
+    what the plugin saved there. On a full walk ``start`` is 0. :meth:`save` keeps the
+    plugin's state after ``messages[:index]`` for each index in ``marks``; a plugin that
+    saves none there makes that boundary unusable. :meth:`seen` says whether
+    ``messages[:start]`` are as this plugin would see them in a full walk (no plugin after
+    it changed them); where not, it must not read them, and a plugin that needs them
+    anyway calls :meth:`decline`. A plugin takes its resume through :meth:`usable`, which
+    declines when an earlier plugin moved the boundaries.
+    """
+
+    __slots__ = ("start", "marks", "_states", "saved", "_changer", "_position")
+
+    def __init__(self, start: int, marks: range, states: dict | None = None,
+                 changer: int = -1, position: dict | None = None):
+        self.start = start
+        self.marks = marks
+        self._states = states or {}
+        self.saved: dict[int, dict[str, tuple[Any, bool]]] = {}
+        self._changer = changer  # the position of the last plugin that changed the prefix
+        self._position = position or {}
+
+    def state(self, plugin: str):
+        """What ``plugin`` saved at ``start``: None on a full walk, and when it saved
+        nothing in the request resumed from (a plugin that keeps a state walks whole or
+        declines then); the plugin's to change, since a record is used once."""
+        found = self._states.get(plugin)
+        return found[0] if found is not None else None
+
+    def seen(self, plugin: str) -> bool:
+        """Whether ``messages[:start]`` are as ``plugin`` would see them in a full walk
+        (besides its own changes): no plugin after it in the pipeline changed them."""
+        return self._position.get(plugin, -1) >= self._changer
+
+    def save(self, plugin: str, index: int, state, changed: bool = False) -> None:
+        """Keep ``state``, ``plugin``'s state after ``messages[:index]``; ``changed``: the
+        plugin changed something in ``messages[:index]`` (now or in a request it resumed
+        from), so that plugins before it in the pipeline will not read them."""
+        self.saved.setdefault(index, {})[plugin] = (state, changed)
+
+    def save_all(self, plugin: str, state=None) -> None:
+        """Keep the same state at every mark: a plugin that left this request alone."""
+        for index in self.marks:
+            self.save(plugin, index, state)
+
+    def usable(self, messages) -> Resume | None:
+        """This resume, for a plugin about to walk ``messages``; None (walk them whole, save
+        nothing) when a plugin before it merged or dropped messages, which moves every
+        boundary: a request resumed from one is then walked whole instead."""
+        if type(messages) is list and self.marks and len(messages) == self.marks[-1]:
+            return self
+        if self.start:
+            self.decline()
+        return None
+
+    def decline(self):
+        """Walk this request whole instead (the plugin needs what resuming did not give
+        it)."""
+        raise Decline()
+
+
+class Record:
+    """What the session's last request left for its next one."""
+
+    __slots__ = ("raw", "count", "context", "messages", "states", "offsets", "before",
+                 "array", "pending", "size", "blocks", "after")
+
+    def __init__(self, raw: bytes, count: int, context: tuple, messages: list, states: dict,
+                 pending: list[bytes] | None, offsets: dict | None, before, array: int,
+                 blocks: int):
+        self.raw = raw
+        self.count = count
+        self.context = context
+        self.messages = messages  # as the chain left them
+        self.states = states  # index -> {plugin: (state, changed)}
+        # index -> the offset in ``raw`` where messages[:index] end (at the "," or "]" after
+        # them); found at the next request when ``pending`` holds the canonical bytes of the
+        # last messages instead (a record made by a full walk).
+        self.offsets = offsets
+        self.pending = pending
+        self.before = before  # the top-level fields before "messages", as Raw values
+        self.array = array  # the offset where the messages array's first value starts
+        self.blocks = blocks
+        self.size = len(raw) + MESSAGE_BYTES * count + BLOCK_BYTES * blocks
+        # The top-level fields after "messages", as Raw values, once a resumed request has
+        # decoded them (the bytes after the messages array are then compared, not decoded).
+        self.after: dict | None = None
+
+
+class Store:
+    """The records of the sessions in flight: up to :data:`LANES` per session (a session
+    holds more than one conversation: Claude Code's subagents and side calls share its id),
+    bounded by ``budget`` bytes in all and a quarter of it per session, oldest evicted
+    first."""
+
+    def __init__(self, budget: int, min_bytes: int | None = None):
+        self.budget = budget
+        # Below this a request is walked whole: its decode costs less than the bookkeeping.
+        self.min_bytes = MIN_BYTES if min_bytes is None else min_bytes
+        self.records: collections.OrderedDict[tuple[str, int], Record] = \
+            collections.OrderedDict()
+        self.lanes: dict[str, list[int]] = {}
+        self.bytes = 0
+        self._lane = itertools.count()
+        # The sessions seen once: a record is kept from a session's second request on, so
+        # that a request that is the only one of its session (a script's single call) costs
+        # nothing more than before.
+        self.seen: collections.OrderedDict[str, None] = collections.OrderedDict()
+
+    def wants(self, session: str) -> bool:
+        """Whether a record of this session's request is worth keeping."""
+        if session in self.seen:
+            self.seen.move_to_end(session)
+            return True
+        self.seen[session] = None
+        if len(self.seen) > MAX_SEEN:
+            self.seen.popitem(last=False)
+        return False
+
+    def take(self, session: str, raw: bytes) -> tuple[Record | None, int]:
+        """The session's record that ``raw`` goes on from furthest, taken out of the store,
+        and the boundary it goes on from (0: none does)."""
+        best: Record | None = None
+        start = lane = 0
+        for candidate in self.lanes.get(session, ()):
+            record = self.records[session, candidate]
+            found = match(record, raw)
+            if found > start:
+                best, start, lane = record, found, candidate
+        if best is not None:
+            self._drop(session, lane)
+        return best, start
+
+    def put(self, session: str, record: Record) -> None:
+        share = self.budget // 4
+        if record.size > share:
+            return
+        lanes = self.lanes.setdefault(session, [])
+        while lanes and (len(lanes) >= LANES or record.size + sum(
+                self.records[session, lane].size for lane in lanes) > share):
+            self._drop(session, lanes[0])
+        lane = next(self._lane)
+        self.lanes.setdefault(session, []).append(lane)
+        self.records[session, lane] = record
+        self.bytes += record.size
+        while self.bytes > self.budget:
+            self._drop(*next(iter(self.records)))
+
+    def _drop(self, session: str, lane: int) -> None:
+        record = self.records.pop((session, lane))
+        self.bytes -= record.size
+        lanes = self.lanes[session]
+        lanes.remove(lane)
+        if not lanes:
+            del self.lanes[session]
+
+
+class _Unread(list):
+    """A probe's messages before anything asked to read them: the request has some (the
+    session rule only asks whether it has any before it looks at the header)."""
+
+    def __init__(self, probe: _Probe):
+        super().__init__()
+        self.probe = probe
+
+    def __bool__(self) -> bool:
+        return True
+
+    def __getitem__(self, index):
+        return self.probe.skeleton().messages[index]
+
+
+class _Probe:
+    """What :func:`relay.sessions.session_key` reads of a request, decoded only if the rule
+    gets that far (a request with Claude Code's session header decodes nothing)."""
+
+    def __init__(self, raw: bytes, headers, key_name: str | None):
+        self.raw = raw
+        self.client_headers = headers
+        self.key_name = key_name
+        self.decoded: skeleton.Skeleton | None | bool = False
+
+    def skeleton(self):
+        if self.decoded is False:
+            self.decoded = skeleton.decode(self.raw)
+        if self.decoded is None:
+            raise LookupError("no skeleton")
+        return self.decoded
+
+    @property
+    def messages(self):
+        return _Unread(self)
+
+    def field(self, name: str):
+        return self.skeleton().field(name)
+
+
+def session_of(raw: bytes, headers, key_name: str | None) -> tuple[str | None, Any]:
+    """The request's session by the relay's rule, and its skeleton when working it out took
+    decoding the body (else None)."""
+    probe = _Probe(raw, headers, key_name)
+    try:
+        found = sessions.session_key(probe)
+    except (LookupError, TypeError, ValueError):
+        found = None
+    decoded = probe.decoded if isinstance(probe.decoded, skeleton.Skeleton) else None
+    return found, decoded
+
+
+def _locate(record: Record) -> bool:
+    """For a record made by a full walk: find where its messages array starts and where its
+    last messages end, from their canonical bytes; False when that cannot be told for sure
+    (a body not in compact form, or holding the same bytes twice)."""
+    raw = record.raw
+    at = raw.find(_MESSAGES_KEY)
+    if at < 0 or _MESSAGES_NAME in raw[:at]:
+        return False
+    try:
+        before = _fields.decode(raw[:at] + b'"messages":[]}')
+    except msgspec.DecodeError:
+        return False
+    before.pop("messages", None)
+    array = at + len(_MESSAGES_KEY)
+    pending = record.pending or []
+    count = record.count
+    if not pending:  # no message: nothing to resume from
+        return False
+    first = count - len(pending)
+    needle = (b"," if first > 0 else b"") + b",".join(pending) + b"]"
+    found = raw.find(needle, array)
+    if found < 0 or raw.rfind(needle) != found:
+        return False
+    if first > 0:
+        offsets = {first: found}
+        position = found + 1
+    elif found == array:
+        offsets = {}
+        position = found
+    else:
+        return False
+    for index, encoded in enumerate(pending, start=first + 1):
+        position += len(encoded)
+        offsets[index] = position  # the "," or "]" after messages[index - 1]
+        position += 1
+    if raw.find(_MESSAGES_NAME, offsets[count]) >= 0:
+        return False  # "messages" given twice: the full decode decides which one counts
+    record.offsets = offsets
+    record.before = before
+    record.array = array
+    record.pending = None
+    return True
+
+
+def match(record: Record, raw: bytes) -> int:
+    """The largest kept boundary ``k`` (0 when none) such that ``raw`` starts with the bytes
+    of the record's first ``k`` messages, followed by another message or the array's end."""
+    if record.offsets is None and not _locate(record):
+        record.offsets = {}  # not to be looked for again
+        return 0
+    old = memoryview(record.raw)
+    offsets = record.offsets or {}
+    best = 0
+    checked = 0  # raw[:checked] is the record's bytes
+    # From the earliest boundary on, each check comparing only the bytes after the last one.
+    for index in sorted(offsets):
+        end = offsets[index]
+        if len(raw) <= end or not raw.startswith(old[checked:end], checked):
+            break
+        checked = end
+        if index > 0 and index in record.states and raw[end] in b",]":
+            best = index
+    return best
+
+
+class Resumed:
+    """A request decoded from a record: its skeleton (the record's first ``start`` messages,
+    then the new ones), and where its new messages' bytes begin."""
+
+    __slots__ = ("skeleton", "start", "record", "offset", "after")
+
+    def __init__(self, skeleton_: skeleton.Skeleton, start: int, record: Record, offset: int,
+                 after: dict):
+        self.skeleton = skeleton_
+        self.start = start
+        self.record = record
+        self.offset = offset
+        self.after = after
+
+
+def decode_from(record: Record, raw: bytes, start: int) -> Resumed | None:
+    """The skeleton of ``raw`` resumed at boundary ``start`` of ``record``, or None when it
+    cannot be held as one (then the full decode decides)."""
+    offsets = record.offsets or {}
+    end = offsets[start]
+    comma = raw[end] == 44  # ","
+    try:
+        after = record.after
+        closing = offsets[record.count]  # the "]" of the record's messages
+        suffix = memoryview(record.raw)[closing:]
+        last = len(raw) - len(suffix)  # where this request's "]" is, if it ends the same
+        if after is not None and last >= end and raw.endswith(suffix):
+            # The fields after the messages are the same bytes: only the messages between
+            # are decoded.
+            tail = skeleton.decode_messages(b"[" + raw[end + 1:last] + b"]") if comma else []
+            if not comma and last != end:
+                return None
+        else:
+            tail, after = skeleton.decode_rest(b'{"messages":[' + (raw[end + 1:] if comma
+                                                                   else raw[end:]))
+        before = record.before
+        if any(name in before for name in after):
+            return None  # a field given twice: the full decode decides which one counts
+        fields = {**before, **after}
+        model = skeleton.decode_model(fields.pop("model"))
+        if any(name not in skeleton.KNOWN_NAMES for name in fields):
+            return None
+        found = skeleton.from_fields(model, record.messages[:start] + tail, fields)
+    except (msgspec.MsgspecError, ValueError, KeyError, TypeError, RecursionError):
+        return None
+    return Resumed(found, start, record, end + 1 if comma else end, after)
+
+
+def canonical(messages: list) -> list[bytes] | None:
+    """Each message's JSON as the relay encodes it, before any plugin has changed it."""
+    try:
+        return [_encoder.encode(message) for message in messages]
+    except (TypeError, ValueError, OverflowError):
+        return None
+
+
+def new_offsets(raw: bytes, resumed: Resumed, encoded: list[bytes]) -> dict | None:
+    """Where each of a resumed request's messages from ``start`` on ends in ``raw`` (at the
+    "," or "]" after it), checked against their canonical bytes (``encoded``, made before
+    any plugin ran); None when one is not in that form."""
+    start = resumed.start
+    end = resumed.record.offsets[start]  # type: ignore[index]
+    offsets = {start: end}
+    position = resumed.offset
+    for index, value in enumerate(encoded, start=start + 1):
+        if not raw.startswith(value, position):
+            return None
+        position += len(value)
+        if position >= len(raw) or raw[position] not in b",]":
+            return None
+        offsets[index] = position
+        position += 1
+    last = offsets[start + len(encoded)]
+    if raw[last] != 93 or raw.find(_MESSAGES_NAME, last) >= 0:  # 93: "]"
+        return None
+    return offsets
+
+
+def context(exchange) -> tuple:
+    """What a plugin's state may depend on besides the messages: a record is used only
+    under the same."""
+    backend = exchange.backend
+    return (exchange.endpoint, backend.name if backend is not None else None, exchange.model,
+            exchange.key_name, exchange.rules_defer)
+
+
+def blocks_in(messages: list) -> int:
+    count = 0
+    for message in messages:
+        content = message.get("content") if type(message) is dict else None
+        if type(content) is list:
+            count += len(content)
+    return count
+

@@ -1,0 +1,307 @@
+"""A session's request resumed from where its previous one ended (relay.resume) comes out
+exactly as the full walk makes it: the bytes that go upstream, the refusal, the repairs,
+the rewrites, the record's timeline and tables. Over generated sessions (the history
+generator of test_history_properties, with reused ids, faults and repairs, ids outside the
+grammar, foreign thinking, and Claude Code's moving cache marker), two relays side by side:
+one resuming, one walking every request whole."""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from multidict import CIMultiDict, CIMultiDictProxy
+from relay_builtins import portable
+from support import assistant, result, text, use, user
+from test_history_properties import histories
+
+from relay import config as config_module
+from relay import resume
+from relay.chain import Chain, load_plugins
+from relay.errors import RelayError
+from relay.hookspecs import hookimpl
+from relay.prepare import Preparation, prepare_exchange
+from relay.testing.fixtures import received, relay_client  # noqa: F401  (the fixture)
+
+PIPELINE = ["dedup", "pairing", "ordering", "portable"]
+RUN = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SESSION = {"x-claude-code-session-id": "session-1", "content-type": "application/json"}
+FOREIGN = "sig-other"  # a thinking signature another backend issued
+
+
+def relay(pipeline=PIPELINE, plugins=None, resume_bytes=64 * 1024 * 1024, extra=None):
+    raw = {"pipeline": pipeline, "plugins": plugins or {},
+           "server": {"resume_bytes": resume_bytes},
+           "backends": [{"name": "emu", "url": "http://127.0.0.1:9", "models": ["*"]},
+                        {"name": "other", "url": "http://127.0.0.1:9", "models": ["other-*"]}]}
+    config = config_module.parse(raw, {})
+    chain = Chain(load_plugins(config.pipeline, extra=extra), config)
+    asyncio.run(chain.startup(config))
+    state = Preparation(config, chain)
+    if state.resume is not None:
+        state.resume.min_bytes = 0  # the histories here are small
+    if "portable" in pipeline:
+        block = {"type": "thinking", "signature": FOREIGN}
+        chain.pm.get_plugin("portable").provenance.record(
+            [(portable.block_key(block), "other", "other-model")])
+    return state
+
+
+def headers(extra=None):
+    return CIMultiDictProxy(CIMultiDict({**SESSION, **(extra or {})}))
+
+
+def prepared(state: Preparation, raw: bytes, extra_headers=None):
+    """What preparing ``raw`` gave: everything the exchange records, or the refusal."""
+    try:
+        exchange = asyncio.run(prepare_exchange(
+            state, method="POST", path="/v1/messages", query="", headers=headers(extra_headers),
+            raw_body=raw))
+    except RelayError as error:
+        return ("refused", error.status, error.message, error.rule), None
+    ledger = exchange.state.get("dedup", {}).get("ledger")
+    found = (exchange.upstream_body(),
+             {k: v for k, v in exchange.response_headers.items() if k != "x-relay-request-id"},
+             exchange.translation, exchange.repairs, exchange.repaired_by, exchange.uncertain,
+             [{k: v for k, v in entry.items() if k != "t"} for entry in exchange.timeline],
+             exchange.state.get(portable.RAW_IDS),
+             (ledger.taken, ledger.counts, ledger.next_free) if ledger else None,
+             exchange.model)
+    return found, exchange
+
+
+def body(messages, **fields) -> bytes:
+    return orjson.dumps({"model": "claude-test", "max_tokens": 64, "messages": messages,
+                         **fields})
+
+
+def marked(messages: list) -> list:
+    """The request as Claude Code sends it: a cache breakpoint on its last block."""
+    messages = orjson.loads(orjson.dumps(messages))
+    last = messages[-1]
+    if isinstance(last["content"], str):
+        last["content"] = [{"type": "text", "text": last["content"]}]
+    if last["content"]:
+        last["content"][-1]["cache_control"] = {"type": "ephemeral"}
+    return messages
+
+
+@st.composite
+def sessions(draw):
+    """A conversation and how it is sent: one request per message, growing, each the
+    previous one's messages (byte for byte, but for a moving cache marker) plus one."""
+    messages, _ = draw(histories())
+    if draw(st.booleans()):  # ids another provider minted, outside Anthropic's grammar
+        messages = orjson.loads(orjson.dumps(messages).replace(b'"toolu_', b'"fn.tool:'))
+    if draw(st.booleans()):  # thinking, some of it issued by another backend, some unsigned
+        for message in messages:
+            if message["role"] == "assistant" and isinstance(message["content"], list):
+                signature = draw(st.sampled_from(["sig-ours", FOREIGN, ""]))
+                message["content"].insert(0, {"type": "thinking", "thinking": "hm",
+                                              "signature": signature})
+    fields = draw(st.sampled_from([{}, {"system": "be brief"},
+                                   {"thinking": {"type": "enabled", "budget_tokens": 1024}}]))
+    marker = draw(st.booleans())
+    options = {"pairing": {"pairing_mode": draw(st.sampled_from(["reject", "repair"]))},
+               "ordering": {"ordering_mode": draw(st.sampled_from(["reject", "repair"]))}}
+    requests = [body(marked(messages[:n]) if marker else messages[:n], **fields)
+                for n in range(1, len(messages) + 1)]
+    return options, requests
+
+
+@RUN
+@given(sessions())
+def test_a_resumed_request_is_the_full_walk_byte_for_byte(session):
+    options, requests = session
+    resuming, whole = relay(plugins=options), relay(plugins=options, resume_bytes=0)
+    assert resuming.resume is not None and whole.resume is None
+    for raw in requests:
+        ours, _ = prepared(resuming, raw)
+        theirs, _ = prepared(whole, raw)
+        assert ours == theirs
+
+
+def conversation(turns: int, reuse: bool = False, size: int = 0) -> list:
+    messages = [user(text("start"))]
+    for n in range(turns):
+        tool_id = "toolu_0" if reuse and n % 3 == 2 else f"toolu_{n + 1}"
+        messages += [assistant(text("looking"), use(tool_id)),
+                     user(result(tool_id, "done" + "." * size))]
+    return messages
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+def test_each_request_of_a_growing_session_walks_only_its_new_turn(reuse):
+    state, whole = relay(), relay(resume_bytes=0)
+    messages = conversation(12, reuse)
+    starts = []
+    for n in range(3, len(messages) + 1, 2):
+        raw = body(marked(messages[:n]))
+        ours, exchange = prepared(state, raw)
+        assert ours == prepared(whole, raw)[0]
+        starts.append(exchange.resume.start if exchange.resume is not None else None)
+        if not reuse:
+            assert exchange.upstream_body() == raw  # the client's own bytes
+    # The first request of a session keeps nothing (most sessions of one request never send
+    # another), the second is walked whole and kept; each one after goes on from before the
+    # previous request's last message, whose marker moved.
+    assert starts == [None, 0, *range(4, len(messages) - 2, 2)]
+
+
+def opened(state, raw, extra_headers=None):
+    """A session's first two requests: from the second on, the relay keeps a record."""
+    prepared(state, raw, extra_headers)
+    return prepared(state, raw, extra_headers)
+
+
+def test_an_edited_history_or_another_model_is_walked_whole():
+    state = relay()
+    messages = conversation(4)
+    opened(state, body(messages))
+    edited = [user(text("another start")), *messages[1:]]
+    _, exchange = prepared(state, body(edited + [assistant(text("ok"))]))
+    assert exchange.resume.start == 0
+    _, exchange = prepared(state, body(edited + [assistant(text("ok")), user(text("go"))],
+                                       model="other-model"))
+    assert exchange.resume.start == 0  # another backend: the record is not used
+
+
+def test_an_evicted_session_costs_a_full_walk_and_the_budget_holds():
+    state = relay(resume_bytes=40_000)  # a quarter: 10,000 bytes per session
+    messages = conversation(6)
+    for name in ("a", "b", "c", "d", "e"):
+        opened(state, body(messages), {"x-claude-code-session-id": name})
+    assert state.resume.bytes <= 40_000 and len(state.resume.records) < 5
+    _, exchange = prepared(state, body(messages + [assistant(text("ok"))]),
+                           {"x-claude-code-session-id": "a"})
+    assert exchange.resume.start == 0  # "a" was evicted first
+    big = conversation(6)
+    big[0] = user(text("x" * 20_000))
+    opened(state, body(big), {"x-claude-code-session-id": "big"})
+    assert "big" not in state.resume.lanes  # over a session's share: not kept
+    assert state.resume.bytes <= 40_000
+
+
+def test_two_conversations_of_one_session_each_go_on_from_their_own_record():
+    state, whole = relay(), relay(resume_bytes=0)
+    main, side = conversation(6), [user(text("summarise this session")), *conversation(2)[1:]]
+    for messages in (main, side):
+        opened(state, body(messages))
+    for turn in range(3):  # interleaved, as Claude Code's main loop and a subagent are
+        for messages in (main, side):
+            messages += [assistant(text(f"turn {turn}")), user(text("go on"))]
+            ours, exchange = prepared(state, body(messages))
+            assert exchange.resume.start == len(messages) - 2
+            assert ours == prepared(whole, body(messages))[0]
+
+
+class Walker:
+    """A third-party plugin that walks requests and has not opted in."""
+
+    seen: list = []
+
+    @hookimpl
+    def relay_request(self, exchange):
+        Walker.seen.append(len(exchange.messages))
+
+
+class Stateless:
+    """A plugin whose request hook reads no history: it opts in and does nothing more."""
+
+    RESUMABLE = True
+    models: list = []
+
+    @hookimpl
+    def relay_request(self, exchange):
+        Stateless.models.append(exchange.model)
+
+
+def test_a_plugin_that_reads_no_history_opts_in_and_need_do_nothing_more():
+    state = relay(pipeline=["stateless", *PIPELINE], extra={"stateless": Stateless})
+    messages = conversation(4)
+    starts = []
+    for n in range(3, len(messages) + 1, 2):
+        _, exchange = prepared(state, body(messages[:n]))
+        starts.append(exchange.resume.start if exchange.resume is not None else None)
+    assert starts == [None, 0, 5, 7] and len(Stateless.models) == 4
+
+
+def test_a_plugin_that_does_not_opt_in_gets_every_request_whole():
+    state = relay(pipeline=[*PIPELINE, "walker"], extra={"walker": Walker})
+    assert state.resume is None
+    messages = conversation(3)
+    for n in range(3, len(messages) + 1, 2):
+        _, exchange = prepared(state, body(messages[:n]))
+        assert exchange.resume is None
+    assert Walker.seen == [3, 5, 7]
+
+
+def test_the_fields_around_the_messages_are_the_new_request_s():
+    state, whole = relay(), relay(resume_bytes=0)
+    messages = conversation(4)
+    opened(state, body(messages, system="one"))
+    raw = body(messages + [assistant(text("ok"))], system="two")  # after "messages"
+    ours, exchange = prepared(state, raw)
+    assert exchange.resume.start == len(messages) and ours == prepared(whole, raw)[0]
+    assert orjson.loads(ours[0])["system"] == "two"
+    state = relay()
+    opened(state, orjson.dumps({"system": "one", "model": "claude-test",
+                                "messages": messages}))
+    raw = orjson.dumps({"system": "two", "model": "claude-test",
+                        "messages": messages + [assistant(text("ok"))]})
+    ours, exchange = prepared(state, raw)
+    assert exchange.resume.start == 0 and ours == prepared(whole, raw)[0]
+
+
+def test_a_record_holds_no_more_than_its_marks():
+    record_state = relay()
+    messages = conversation(3)
+    opened(record_state, body(messages))
+    (record,) = record_state.resume.records.values()
+    assert sorted(record.states) == list(range(len(messages) - resume.MARKS + 1,
+                                               len(messages) + 1))
+
+
+async def test_through_the_server_the_upstream_gets_what_the_full_walk_sends(relay_client):
+    """A growing session with reused ids through two relays in front of the emulator, one
+    resuming, one walking every request whole: the same bytes upstream, the same headers
+    back."""
+    pipeline = ["metrics", *PIPELINE]
+    resuming = await relay_client(pipeline)
+    whole = await relay_client(pipeline, server={"resume_bytes": 0})
+    # Results large enough that the later requests are worth resuming (resume.MIN_BYTES).
+    messages = conversation(12, reuse=True, size=5000)
+    for n in range(3, len(messages) + 1, 2):
+        answers = []
+        for client in (resuming, whole):
+            response = await client.post("/v1/messages", data=body(marked(messages[:n])),
+                                         headers={**SESSION, "x-api-key": "test",
+                                                  "anthropic-version": "2023-06-01"})
+            assert response.status == 200, await response.text()
+            answers.append({k: v for k, v in response.headers.items()
+                            if k.startswith("x-relay-") and k != "x-relay-request-id"})
+        assert answers[0] == answers[1]
+    assert received(resuming) == received(whole)
+    assert "x-relay-rewrites" in answers[0]  # the reused ids were rewritten all along
+    from relay.server import STATE
+    assert resuming.server.app[STATE].resume.records  # and the session went on from them
+    assert whole.server.app[STATE].resume is None
+
+
+def test_a_small_request_is_walked_whole_without_bookkeeping():
+    state = relay()
+    state.resume.min_bytes = resume.MIN_BYTES
+    messages = conversation(3)
+    for _ in range(3):
+        _, exchange = prepared(state, body(messages))
+        assert exchange.resume is None
+    assert not state.resume.records and not state.resume.seen
+
+
+def test_a_request_without_messages_is_judged_as_before():
+    state, whole = relay(), relay(resume_bytes=0)
+    for raw in (body([]), body([]), body([user(text("hi"))])):
+        assert prepared(state, raw)[0] == prepared(whole, raw)[0]
