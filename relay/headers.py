@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import datetime
+import email.utils
+
 from multidict import CIMultiDict
 
 # RFC 9110 hop-by-hop headers, plus the ones the relay recomputes: aiohttp decodes content
@@ -31,3 +34,19 @@ def end_to_end(headers) -> CIMultiDict:
         if name.lower() not in drop:
             out.add(name, value)
     return out
+
+
+def seconds_until(value: str, now: float) -> float | None:
+    """Seconds from ``now`` until the instant a header names, as RFC 3339
+    (``anthropic-ratelimit-*-reset``) or an HTTP date (``retry-after``); None for a value that
+    is neither, or has no time zone."""
+    try:
+        when = datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return None
+    if when.tzinfo is None:
+        return None
+    return max(0.0, when.timestamp() - now)

@@ -35,7 +35,6 @@ each keeps its choice until that credential cools.
 from __future__ import annotations
 
 import dataclasses
-import email.utils
 import hashlib
 import logging
 import math
@@ -47,6 +46,7 @@ from typing import Any
 import orjson
 
 from .errors import RelayError
+from .headers import seconds_until
 from .state import State, Unavailable
 
 log = logging.getLogger("relay.pools")
@@ -111,21 +111,6 @@ def session_key(backend: str, session: str) -> str:
     return f"s:{backend}:{session}"
 
 
-def _reset_in(value: str, now: float) -> float | None:
-    """Seconds until an ``anthropic-ratelimit-*-reset`` instant (RFC 3339)."""
-    try:
-        import datetime
-        when = datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
-        try:
-            when = email.utils.parsedate_to_datetime(value)
-        except (TypeError, ValueError):
-            return None
-    if when.tzinfo is None:
-        return None
-    return max(0.0, when.timestamp() - now)
-
-
 def cooldown(headers, options, now: float) -> float:
     """How long a 429 or 529 cools a credential: ``retry-after`` when the upstream sent one;
     else the latest reset among the ``anthropic-ratelimit-*`` limits it says are used up
@@ -141,7 +126,7 @@ def cooldown(headers, options, now: float) -> float:
             if lower.startswith(RATELIMIT_PREFIX) and lower.endswith("-remaining") \
                     and value.strip() == "0":
                 reset = headers.get(lower[:-len("-remaining")] + "-reset")
-                seconds = _reset_in(reset, now) if reset else None
+                seconds = seconds_until(reset, now) if reset else None
                 if seconds is not None:
                     resets.append(seconds)
         if resets:

@@ -8,7 +8,6 @@ appended as it is, and the result is checked again to stay under the base path.
 from __future__ import annotations
 
 import asyncio
-import email.utils
 import functools
 import random
 import time
@@ -23,7 +22,7 @@ from . import beta_filter
 from .config import Retries
 from .errors import RelayError
 from .exchange import Attempt, UpstreamRequest
-from .headers import AUTH_HEADERS, end_to_end
+from .headers import AUTH_HEADERS, end_to_end, seconds_until
 from .pools import Exhausted, Pools
 from .redact import redact_headers
 
@@ -174,13 +173,7 @@ def retry_after(headers) -> float | None:
         return max(0.0, float(value))
     except ValueError:
         pass
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return None
-    if when.tzinfo is None:
-        return None
-    return max(0.0, when.timestamp() - time.time())
+    return seconds_until(value, time.time())
 
 
 def backoff(retries: Retries, tried: int, headers, rng=random.random) -> float | None:
