@@ -135,7 +135,17 @@ async def _prepare(state: Preparation, endpoint: str, method: str, path: str, qu
     try:
         await prepare_history(state, exchange)
         keeping = _resume(state, exchange, resuming)
+        changed = exchange.changed
         await state.chain.run("relay_request", exchange)
+        if exchange.repaired_by:
+            keeping = None  # the next request repairs again, and says so: walked whole
+        if keeping is not None:
+            # A request the chain changed (a repair, a rename) leaves changed messages in its
+            # record: the next request, resumed from them, holds them as its own and must go
+            # up encoded, not as the client's bytes.
+            keeping = (*keeping, exchange.changed and not changed
+                       or (resuming is not None and resuming[2] is not None
+                           and resuming[2].record.dirty))
         threads.restore_held_ids(exchange)
         if keeping is not None and resuming is not None:
             _keep(exchange, resuming, keeping)
@@ -184,6 +194,8 @@ def _resume(state: Preparation, exchange: Exchange, resuming: tuple | None):
             raise resume.Decline()
         start = resumed.start
         states = record.states[start]
+        if record.dirty:
+            exchange.mark_changed()  # its messages[:start] are the chain's, not the client's
         changer = max((chain.position(name) for name, (_, changed) in states.items()
                        if changed), default=-1)
     marks = range(max(start, count - resume.MARKS + 1, 1), count + 1)
@@ -198,7 +210,7 @@ def _resume(state: Preparation, exchange: Exchange, resuming: tuple | None):
 def _keep(exchange: Exchange, resuming: tuple, keeping: tuple) -> None:
     """Keep what this request's chain left, for the session's next request."""
     store, session, resumed = resuming
-    context, count, encoded = keeping
+    context, count, encoded, dirty = keeping
     messages = exchange.messages
     saved = exchange.resume.saved if exchange.resume is not None else {}
     # Kept only when the chain left the request a skeleton of the same messages, each
@@ -225,6 +237,7 @@ def _keep(exchange: Exchange, resuming: tuple, keeping: tuple) -> None:
                                old.before, old.array,
                                old.blocks + resume.blocks_in(messages[resumed.start:]))
         record.after = resumed.after
+    record.dirty = dirty
     store.put(session, record)
 
 

@@ -126,7 +126,7 @@ class Record:
     """What the session's last request left for its next one."""
 
     __slots__ = ("raw", "count", "context", "messages", "states", "offsets", "before",
-                 "array", "pending", "size", "blocks", "after")
+                 "array", "pending", "size", "blocks", "after", "dirty")
 
     def __init__(self, raw: bytes, count: int, context: tuple, messages: list, states: dict,
                  pending: list[bytes] | None, offsets: dict | None, before, array: int,
@@ -148,6 +148,9 @@ class Record:
         # The top-level fields after "messages", as Raw values, once a resumed request has
         # decoded them (the bytes after the messages array are then compared, not decoded).
         self.after: dict | None = None
+        # Whether the chain changed this request or one it was resumed from: its messages
+        # may then differ from the client's bytes.
+        self.dirty = False
 
 
 class Store:
