@@ -292,6 +292,15 @@ def test_sqlite_take_is_atomic_across_processes(tmp_path):
 
 
 @pytest.mark.slow
+def test_workers_starting_together_on_a_new_sqlite_file_all_open_it(tmp_path):
+    # Workers of one relay open the same new file at the same moment: none may fail start-up
+    # with "database is locked".
+    for attempt in range(4):
+        granted = hammer(f"sqlite:///{tmp_path}/state{attempt}.db", limit=8, processes=8)
+        assert sum(granted) == 8
+
+
+@pytest.mark.slow
 def test_redis_take_is_atomic_across_processes(redis_server):
     granted = hammer(redis_server.url, limit=150)
     assert sum(granted) == 150

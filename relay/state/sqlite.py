@@ -149,6 +149,24 @@ class SQLiteState(State):
         directory = os.path.dirname(os.path.abspath(self.path))
         if not os.path.isdir(directory):
             raise ValueError(f"state.url: the directory {directory} does not exist")
+        # Workers starting together create the file at once, and SQLite answers a change of
+        # journal mode under another connection with "database is locked" at once, whatever
+        # the busy timeout: so the first steps are tried again for a while.
+        deadline = time.monotonic() + max(self.timeout, 5.0)
+        while True:
+            try:
+                self._create_tables()
+                break
+            except sqlite3.OperationalError as e:
+                if "locked" not in str(e) and "busy" not in str(e) \
+                        or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        self._thread = threading.Thread(target=self._work, name="relay-state-sqlite",
+                                        daemon=True)
+        self._thread.start()
+
+    def _create_tables(self) -> None:
         db = connect(self.path, max(self.timeout, 5.0))
         try:
             db.execute("BEGIN IMMEDIATE")
@@ -158,9 +176,6 @@ class SQLiteState(State):
             db.execute("COMMIT")
         finally:
             db.close()
-        self._thread = threading.Thread(target=self._work, name="relay-state-sqlite",
-                                        daemon=True)
-        self._thread.start()
 
     async def close(self) -> None:
         thread, self._thread = self._thread, None
