@@ -16,10 +16,9 @@ import urllib.request
 
 import pytest
 import yaml
-from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 from support import ROOT
-from test_server import BODY, STREAM, Upstream, start_upstream, stream_reply
+from test_server import BODY, STREAM, Upstream, dying_stream, start_upstream, stream_reply
 from test_upstream import scripted
 
 from relay.testing import assistant, request, result, text, use, user
@@ -109,15 +108,7 @@ async def traffic(aiohttp_server, aiohttp_client, tmp_path):
     flaky, spare, failing, broken = Upstream(), Upstream(), Upstream(), Upstream()
     flaky.reply = scripted(529, 529, 529)
     failing.reply = scripted(500, 500)
-    cut = STREAM.index(b"event: content_block_delta")
-
-    async def die(request):
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        await resp.write(STREAM[:cut + 20])
-        request.transport.close()
-        return resp
-    broken.reply = die
+    broken.reply = dying_stream
     streaming = Upstream()
     streaming.reply = stream_reply([STREAM])
     entries = []

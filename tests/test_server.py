@@ -339,6 +339,16 @@ async def test_unreachable_upstream_is_502_in_anthropic_format(aiohttp_client, u
 
 # --- streaming --------------------------------------------------------------------------
 
+async def dying_stream(request):
+    """An upstream that dies mid-stream: part of STREAM, then the connection closed."""
+    cut = STREAM.index(b"event: content_block_delta")
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    await resp.write(STREAM[:cut + 20])
+    request.transport.close()
+    return resp
+
+
 def stream_reply(chunks, gate: asyncio.Event | None = None, hold_after: int = 1):
     async def reply(request):
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "request-id": "req_s"})
@@ -405,20 +415,12 @@ async def test_changed_event_reserialised_others_untouched(setup):
 
 
 async def test_upstream_dying_mid_stream_yields_an_error_event(setup):
-    cut = STREAM.index(b"event: content_block_delta")
-
-    async def die(request):
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        await resp.write(STREAM[:cut + 20])
-        request.transport.close()
-        return resp
     upstream = Upstream()
-    upstream.reply = die
+    upstream.reply = dying_stream
     client, _ = await setup(upstream=upstream)
     resp = await client.post("/v1/messages", json={**BODY, "stream": True})
     out = await resp.read()
-    assert out.startswith(STREAM[:cut])
+    assert out.startswith(STREAM[:STREAM.index(b"event: content_block_delta")])
     last = out.rstrip(b"\n").split(b"\n\n")[-1]
     assert last.startswith(b"event: error\ndata: ")
     error = orjson.loads(last.split(b"data: ", 1)[1])

@@ -21,7 +21,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 from support import Process, Relay, backend
-from test_server import ANSWER, BODY, STREAM, Upstream, start_upstream, stream_reply
+from test_server import ANSWER, BODY, STREAM, Upstream, dying_stream, start_upstream, stream_reply
 from test_upstream import scripted
 
 from relay import config as config_module
@@ -263,15 +263,7 @@ async def test_streams_their_first_byte_and_their_failure(aiohttp_server, aiohtt
                                                           receiver):
     whole, broken = Upstream(), Upstream()
     whole.reply = stream_reply([STREAM])
-    cut = STREAM.index(b"event: content_block_delta")
-
-    async def die(request):
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        await resp.write(STREAM[:cut + 20])
-        request.transport.close()
-        return resp
-    broken.reply = die
+    broken.reply = dying_stream
     client = await traced_relay(aiohttp_server, aiohttp_client, receiver,
                                 [(whole, {}), (broken, {"models": ["broken-*"]})])
     resp = await client.post("/v1/messages", json={**BODY, "stream": True})
