@@ -128,7 +128,7 @@ e2e: $(VENV)/.installed $(CLAUDE) $(JS_CLIENTS_STAMP) $(HAPROXY) $(REDIS)
 bench: $(VENV)/.installed
 	$(PY) tests/bench/run.py
 
-# Loopback only, bounded, stops by itself (about 35 minutes: the soak over SQLite, then over
+# Loopback only, bounded, stops by itself (about 37 minutes: the soak over SQLite, then over
 # Redis); not part of `make test`.
 load: $(VENV)/.installed $(REDIS)
 	$(PY) tests/load/run.py

@@ -4,7 +4,7 @@
                              [--out-dir .load] [--state sqlite|redis]
 
 Everything runs on loopback, bounded in count and time, and stops by itself (about
-seventeen minutes, fifteen of them the soak; ``--quick`` takes seconds and proves only that
+eighteen minutes, fifteen of them the soak; ``--quick`` takes seconds and proves only that
 the scenarios run). The upstream is the benchmark's mock (tests/bench/mock_upstream.py) and
 the relay runs with the full pipeline (dedup, pairing, ordering, portable, dump) as a
 subprocess, as in `make bench`. Scenarios:
@@ -37,6 +37,13 @@ subprocess, as in `make bench`. Scenarios:
 - ``connection_cap``: ``max_connections`` idle keep-alive connections, then more: the extra
   ones get a 529 overloaded_error or are refused at accept, and normal service resumes once
   the idle ones close.
+- ``sessions``: many conversations one after another, each under a session id of its own
+  (``X-Claude-Code-Session-Id``, as Claude Code sends it) and a few turns long, its history
+  growing by the previous answer and a new user turn with the cache marker on it: well past
+  the relay's bound on the session records it keeps (``max_sessions``), so the oldest are
+  evicted all along. After the warm-up (the records filling to their bound) the RSS floor
+  must be flat against the sessions begun; the memory an idle session holds is reported (the
+  RSS the records added while filling, over the sessions they hold).
 - ``endless``: the hostile upstream (relay.testing.hostile) behind an Anthropic-format and
   an OpenAI-format backend: per format, endless streams read for tens of megabytes each, and
   lines that never end, which the relay must cut with ``event: error`` at its 64 MiB event
@@ -85,14 +92,21 @@ FULL = {"streams": {"concurrency": 500, "events": 200, "rounds": 4, "gap_ms": 10
                  "floor_window": 20},
         "slow_clients": {"slow": 1100, "hold": 10},
         "connection_cap": {"extra": 50},
-        "endless": {"streams": 4, "megabytes": 30, "lines": 2, "rounds": 4}}
+        "endless": {"streams": 4, "megabytes": 30, "lines": 2, "rounds": 4},
+        "sessions": {"sessions": 30000, "turns": 3, "warmup_sessions": 12000,
+                     "concurrency": 16, "sample_every": 1, "floor_sessions": 1000}}
 QUICK = {"streams": {"concurrency": 20, "events": 200, "rounds": 1, "gap_ms": 2},
          "soak": {"seconds": 6, "warmup": 2, "concurrency": 4, "sample_every": 0.5,
                   "floor_window": 1},
          "slow_clients": {"slow": 40, "hold": 6},
          "connection_cap": {"extra": 5},
-         "endless": {"streams": 1, "megabytes": 2, "lines": 1, "rounds": 2}}
-SCENARIOS = ("streams", "soak", "slow_clients", "connection_cap", "endless")
+         "endless": {"streams": 1, "megabytes": 2, "lines": 1, "rounds": 2},
+         "sessions": {"sessions": 800, "turns": 3, "warmup_sessions": 200, "concurrency": 4,
+                      "sample_every": 0.05, "floor_sessions": 100}}
+SCENARIOS = ("streams", "soak", "sessions", "slow_clients", "connection_cap", "endless")
+# A session's record past the warm-up may lift the RSS floor by at most this much per
+# thousand sessions begun (the records are bounded; what is left is the allocator's noise).
+SESSIONS_SLOPE_LIMIT_MB_PER_1K = 0.5
 HEADERS = workloads.HEADERS
 
 
@@ -778,6 +792,118 @@ async def scenario_soak(stack: Stack, seconds: float, warmup: float, concurrency
     }
 
 
+# --- sessions: records bounded across many conversations -----------------------------------
+
+SESSION_SYSTEM = "You are a coding agent working in a repository. " * 40
+SESSION_ANSWER = orjson.loads(workloads.ANSWER)["content"]
+
+
+def session_turn(session: int, turn: int) -> dict:
+    """Turn ``turn`` of session ``session``: its own first task, then each canned answer the
+    mock gave and a new user turn, the cache marker on the last block (as Claude Code)."""
+    messages: list[dict] = []
+    for n in range(turn + 1):
+        if n:
+            messages.append({"role": "assistant", "content": SESSION_ANSWER})
+        text = f"Session {session}, step {n}: " + "read the file and fix the failing test. " * 20
+        messages.append({"role": "user", "content": [{"type": "text", "text": text}]})
+    messages[-1]["content"][-1]["cache_control"] = {"type": "ephemeral"}
+    return {"model": workloads.MODEL, "max_tokens": 1024, "system": SESSION_SYSTEM,
+            "messages": messages}
+
+
+async def scenario_sessions(stack: Stack, sessions: int, turns: int, warmup_sessions: int,
+                            concurrency: int, sample_every: float, floor_sessions: int) -> dict:
+    problems: list[str] = []
+    counts = {"requests": 0, "failed": 0, "begun": 0}
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
+    session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60))
+    url = f"{stack.url}/v1/messages?mock=json"
+    run_id = os.urandom(4).hex()
+    await asyncio.sleep(0.5)
+    rss_rest = stack.rss_kib()
+    started = time.monotonic()
+    # (seconds, RSS KiB, sessions begun so far)
+    samples: list[tuple[float, int, int]] = []
+
+    async def sample() -> None:
+        while True:
+            samples.append((time.monotonic() - started, stack.rss_kib(), counts["begun"]))
+            await asyncio.sleep(sample_every)
+
+    async def one(n: int) -> None:
+        headers = {**HEADERS, workloads.SESSION_HEADER: f"load-{run_id}-{n:06d}"}
+        for turn in range(turns):
+            try:
+                async with session.post(url, data=orjson.dumps(session_turn(n, turn)),
+                                        headers=headers) as response:
+                    payload = await response.read()
+                    problem = (None if response.status == 200
+                               and orjson.loads(payload).get("type") == "message"
+                               else f"session {n} turn {turn}: {response.status} {payload[:200]!r}")
+            except (aiohttp.ClientError, asyncio.TimeoutError, orjson.JSONDecodeError) as e:
+                problem = f"session {n} turn {turn}: {type(e).__name__} {e}"
+            counts["requests"] += 1
+            if problem:
+                counts["failed"] += 1
+                problems.append(problem)
+                return
+
+    async def worker(first: int) -> None:
+        for n in range(first, sessions, concurrency):
+            counts["begun"] += 1
+            await one(n)
+
+    sampler = asyncio.create_task(sample())
+    cpu0 = procs.cpu_seconds(stack.pid)
+    try:
+        await asyncio.gather(*(worker(w) for w in range(concurrency)))
+    finally:
+        sampler.cancel()
+    cpu = procs.cpu_seconds(stack.pid) - cpu0
+    await session.close()
+    elapsed = time.monotonic() - started
+    # The floor (lowest RSS) of each ``floor_sessions`` sessions begun, against sessions.
+    lowest: dict[int, int] = {}
+    for _, rss, begun in samples:
+        if begun >= warmup_sessions:
+            bucket = begun // floor_sessions
+            lowest[bucket] = min(rss, lowest.get(bucket, rss))
+    lows = [((bucket + 0.5) * floor_sessions, rss / 1024) for bucket, rss in sorted(lowest.items())]
+    # slope_per_minute reads its x in seconds: sessions / 60 makes it per session, * 1000 per 1k.
+    slope = slope_per_minute(lows)
+    per_1k = None if slope is None else slope / 60 * 1000
+    at_warmup = min((rss for _, rss, begun in samples if begun >= warmup_sessions),
+                    default=rss_rest)
+    per_idle_kib = (at_warmup - rss_rest) / warmup_sessions
+    checks = {
+        "every answer as expected": counts["failed"] == 0 and counts["requests"] > 0,
+        f"RSS floor slope after {warmup_sessions} sessions under "
+        f"{SESSIONS_SLOPE_LIMIT_MB_PER_1K} MB per 1,000 sessions":
+            per_1k is not None and per_1k < SESSIONS_SLOPE_LIMIT_MB_PER_1K,
+        "relay healthy": not stack.health(),
+    }
+    rss = [s[1] for s in samples] or [0]
+    return {
+        "summary": (f"{counts['begun']} sessions of {turns} turns ({counts['requests']} "
+                    f"requests) in {elapsed:.0f} s at c={concurrency}, {counts['failed']} "
+                    f"failed; RSS {rss_rest / 1024:.1f} at rest -> {at_warmup / 1024:.1f} after "
+                    f"{warmup_sessions} sessions -> {rss[-1] / 1024:.1f} MB at the end; floor "
+                    f"slope after the warm-up {r(per_1k, 3)} MB per 1,000 sessions; about "
+                    f"{per_idle_kib:.1f} KiB per idle session; relay CPU "
+                    f"{cpu / max(1, counts['requests']) * 1000:.2f} ms/request"),
+        "sessions": counts["begun"], "turns": turns, "requests": counts["requests"],
+        "failed": counts["failed"], "concurrency": concurrency, "elapsed_s": r(elapsed, 1),
+        "rss_rest_kib": rss_rest, "rss_after_warmup_kib": at_warmup,
+        "kib_per_idle_session": r(per_idle_kib, 2),
+        "rss_floor_slope_mb_per_1k_sessions": r(per_1k, 4),
+        "floors": [{"sessions": int(x), "rss_mb": r(y, 2)} for x, y in lows],
+        "samples": [{"t": r(t), "rss_kib": kib, "sessions": begun} for t, kib, begun in samples],
+        "relay_cpu_ms_per_request": r(cpu / max(1, counts["requests"]) * 1000, 3),
+        "problems": problems[:20] + stack.health(), "checks": checks,
+    }
+
+
 # --- c: slow clients -----------------------------------------------------------------------
 
 
@@ -1167,6 +1293,12 @@ async def run(names: list[str], profile: dict) -> dict:
             try:
                 scenario = scenario_streams if name == "streams" else scenario_soak
                 result = await scenario(stack, **params)
+            finally:
+                stack.stop()
+        elif name == "sessions":
+            stack = Stack()
+            try:
+                result = await scenario_sessions(stack, **params)
             finally:
                 stack.stop()
         elif name == "endless":
