@@ -233,6 +233,8 @@ def _keep(exchange: Exchange, resuming: tuple, keeping: tuple) -> None:
         if offsets is None:
             return
         old = resumed.record
+        if exchange.resume is not None:
+            exchange.resume.span = (old.array, resumed.offset)
         record = resume.Record(raw, count, context, messages, states, None, offsets,
                                old.before, old.array,
                                old.blocks + resume.blocks_in(messages[resumed.start:]))

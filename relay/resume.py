@@ -69,10 +69,12 @@ class Resume:
     ``messages[:start]`` are as this plugin would see them in a full walk (no plugin after
     it changed them); where not, it must not read them, and a plugin that needs them
     anyway calls :meth:`decline`. A plugin takes its resume through :meth:`usable`, which
-    declines when an earlier plugin moved the boundaries.
+    declines when an earlier plugin moved the boundaries. :attr:`span` tells a plugin that
+    reads the body's bytes (the cache plugin's fingerprint) where the previous request's
+    bytes end.
     """
 
-    __slots__ = ("start", "marks", "_states", "saved", "_changer", "_position")
+    __slots__ = ("start", "marks", "_states", "saved", "_changer", "_position", "span")
 
     def __init__(self, start: int, marks: range, states: dict | None = None,
                  changer: int = -1, position: dict | None = None):
@@ -82,6 +84,10 @@ class Resume:
         self.saved: dict[int, dict[str, tuple[Any, bool]]] = {}
         self._changer = changer  # the position of the last plugin that changed the prefix
         self._position = position or {}
+        # Once the chain has run, for a resumed request whose new messages were found in
+        # canonical form: where the messages array's first value starts in the body and
+        # where message ``start`` does (bytes up to there are the previous request's).
+        self.span: tuple[int, int] | None = None
 
     def state(self, plugin: str):
         """What ``plugin`` saved at ``start``: None on a full walk, and when it saved
