@@ -178,6 +178,8 @@ def _resume(state: Preparation, exchange: Exchange, resuming: tuple | None):
             raise resume.Decline()
         return None
     store, session, resumed = resuming
+    # The same rule over the same request (the chain has not run): not worked out twice.
+    exchange._session = session
     if resumed is None and not store.wants(session):
         return None  # the session's first request: nothing is kept (see Store.wants)
     messages = exchange.messages or []
