@@ -237,9 +237,23 @@ def _keep(exchange: Exchange, resuming: tuple, keeping: tuple) -> None:
         old = resumed.record
         if exchange.resume is not None:
             exchange.resume.span = (old.array, resumed.offset)
-        record = resume.Record(raw, count, context, messages, states, None, offsets,
+        # The messages before the boundary keep what the earlier ones were decoded from
+        # (the earlier body itself, for a record made by a full walk); the new ones, a copy
+        # of this body's last part.
+        pinned = old.pinned + (len(old.raw) if old.pinned == 0 else 0) + len(raw) \
+            - resumed.offset
+        # This body's bytes up to the boundary resumed from are the earlier record's: where
+        # those are the body the messages were first decoded from, the new record keeps that
+        # one and a copy of what follows (no larger than it), not this whole body too.
+        base, cut, tail = raw, None, b""
+        if old.pinned == 0 or old.cut < len(old.raw):
+            shared = min(old.cut, old.offsets[resumed.start])
+            if len(raw) - shared <= shared:
+                base, cut, tail = old.raw, shared, raw[shared:]
+        record = resume.Record(base, count, context, messages, states, None, offsets,
                                old.before, old.array,
-                               old.blocks + resume.blocks_in(messages[resumed.start:]))
+                               old.blocks + resume.blocks_in(messages[resumed.start:]), pinned,
+                               cut, tail)
         record.after = resumed.after
     record.dirty = dirty
     store.put(session, record)

@@ -366,3 +366,39 @@ def test_a_resumed_request_s_fingerprint_is_taken_from_the_previous_one(monkeypa
         assert ours[0] == fingerprints.fingerprint(raw)
     # From the third request on (the second is the first with a record to go on from).
     assert taken == [True] * (len(range(3, len(messages) + 1, 2)) - 2)
+
+
+def _held_by_records(state, requests):
+    """What the session's record keeps alive after ``requests`` (by tracemalloc), and the
+    size the byte budget counts for it."""
+    import gc
+    import tracemalloc
+    tracemalloc.start()
+    try:
+        for raw in requests:
+            prepared(state, bytes(bytearray(raw)))  # a body of its own, as a server reads it
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0]
+        (record,) = state.resume.records.values()
+        size, base = record.size, record.cut < len(record.raw)
+        del record
+        state.resume.records.clear()
+        gc.collect()
+        return held - tracemalloc.get_traced_memory()[0], size, base
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("first", [3, 51])
+def test_a_record_counts_what_it_holds_and_holds_a_long_history_once(first):
+    """The messages before a boundary keep the body they were first decoded from (and each
+    request's new turn): a record's size, what the byte budget counts, covers all it keeps
+    alive; and when the record started from a long history (a session the relay first sees
+    far into it), it keeps that body and a copy of what followed, not a second copy of the
+    whole."""
+    messages = conversation(30, size=20000)
+    requests = [body(marked(messages[:n])) for n in range(first, len(messages) + 1, 2)]
+    freed, size, base = _held_by_records(relay(), requests)
+    assert freed <= 1.1 * size
+    if first > 3:
+        assert base and freed < 1.5 * len(requests[-1])
