@@ -205,8 +205,7 @@ def resumable(body: bytes) -> Resumable | None:
 def _plain(body: bytes) -> bool:
     # An encoder spaces all its separators or none, so the first few are enough (searching
     # a whole history for these bytes costs more than the rest).
-    head = body[:4096]
-    return _SPACED not in head and b"\n" not in head
+    return body.find(_SPACED, 0, 4096) < 0 and body.find(b"\n", 0, 4096) < 0
 
 
 class _Around(msgspec.Struct):
@@ -253,7 +252,7 @@ def resumed(body: bytes, previous: Resumable, count: int, array_at: int,
     tools = fields["tools"]
     automatic = bytes(_or_null(fields["cache_control"])) != b"null"
     base = before.tools + 1 + before.system + 1
-    cut = base + sum(before.messages[:count])
+    cut = len(before.lengths) - sum(before.messages[count:])  # the messages' parts come last
     kept = [i for i, at in enumerate(before.breakpoints) if base <= at < cut]
     if previous.automatic and count == len(before.messages) and kept:
         kept.pop()  # the automatic breakpoint (the last part's, sorted after its block's)
