@@ -244,11 +244,12 @@ def _keep(exchange: Exchange, resuming: tuple, keeping: tuple) -> None:
             - resumed.offset
         # This body's bytes up to the boundary resumed from are the earlier record's: where
         # those are the body the messages were first decoded from, the new record keeps that
-        # one and a copy of what follows (no larger than it), not this whole body too.
+        # one and a copy of what follows (while that is small beside it: the copy is made
+        # every request), not this whole body too.
         base, cut, tail = raw, None, b""
         if old.pinned == 0 or old.cut < len(old.raw):
             shared = min(old.cut, old.offsets[resumed.start])
-            if len(raw) - shared <= shared:
+            if len(raw) - shared <= min(shared, resume.TAIL_BYTES):
                 base, cut, tail = old.raw, shared, raw[shared:]
         record = resume.Record(base, count, context, messages, states, None, offsets,
                                old.before, old.array,

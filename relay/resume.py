@@ -50,6 +50,9 @@ BLOCK_BYTES = 300
 MAX_SEEN = 4096  # sessions remembered as seen (a digest each: about 0.5 MB at most)
 LANES = 4  # conversations kept per session
 MIN_BYTES = 32 * 1024  # smaller requests cost less walked whole than resumed
+# The most a record copies of its request's body after the part it shares with the body the
+# record started from (see Record): past that, the record keeps the whole body instead.
+TAIL_BYTES = 256 * 1024
 
 _fields = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _encoder = msgspec.json.Encoder()
