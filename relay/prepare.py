@@ -147,8 +147,8 @@ async def _prepare(state: Preparation, endpoint: str, method: str, path: str, qu
                        or (resuming is not None and resuming[2] is not None
                            and resuming[2].record.dirty))
         threads.restore_held_ids(exchange)
-        if keeping is not None and resuming is not None:
-            _keep(exchange, resuming, keeping)
+        kept = exchange.messages if keeping is not None and resuming is not None \
+            and exchange._skeleton is not None else None
         if backend.credentials:
             exchange.session()  # while the request is decoded: the pool keeps it sticky
         # Encoded here, where a request that cannot be is still answered in Anthropic's
@@ -160,6 +160,11 @@ async def _prepare(state: Preparation, endpoint: str, method: str, path: str, qu
         except Exception:
             log.exception("%s: the changed request could not be encoded", exchange.id)
             raise
+        if kept is not None and keeping is not None and resuming is not None:
+            # Once the request has gone into bytes and let its messages go: from here the
+            # record is the only holder of that list, which the session's next request goes
+            # on in (relay.resume.decode_from).
+            _keep(exchange, resuming, keeping, kept)
     except resume.Decline:
         raise
     except RelayError as error:
@@ -209,17 +214,17 @@ def _resume(state: Preparation, exchange: Exchange, resuming: tuple | None):
     return context, count, encoded
 
 
-def _keep(exchange: Exchange, resuming: tuple, keeping: tuple) -> None:
-    """Keep what this request's chain left, for the session's next request."""
+def _keep(exchange: Exchange, resuming: tuple, keeping: tuple, messages: list) -> None:
+    """Keep what this request's chain left (``messages``: its messages as a skeleton's),
+    for the session's next request."""
     store, session, resumed = resuming
     context, count, encoded, dirty = keeping
-    messages = exchange.messages
     saved = exchange.resume.saved if exchange.resume is not None else {}
     # Kept only when the chain left the request a skeleton of the same messages, each
     # position still the client's (nothing merged or dropped), and at a boundary where
     # every plugin that keeps a state (saved one anywhere) saved it.
-    if (encoded is None or exchange._skeleton is None or messages is None
-            or len(messages) != count or not saved):
+    if (encoded is None or type(messages) is not list or len(messages) != count
+            or not saved):
         return
     keeping_state = set().union(*(found.keys() for found in saved.values()))
     states = {index: found for index, found in saved.items()

@@ -425,7 +425,13 @@ def decode_from(record: Record, raw: bytes, start: int) -> Resumed | None:
         model = skeleton.decode_model(fields.pop("model"))
         if any(name not in skeleton.KNOWN_NAMES for name in fields):
             return None
-        found = skeleton.from_fields(model, record.messages[:start] + tail, fields)
+        # The record is this request's alone (taken out of the store) and so is its list:
+        # going on in it, rather than in a copy, leaves the garbage collector's youngest
+        # generation without a list of the whole history per request in flight.
+        messages = record.messages
+        del messages[start:]
+        messages += tail
+        found = skeleton.from_fields(model, messages, fields)
     except (msgspec.MsgspecError, ValueError, KeyError, TypeError, RecursionError):
         return None
     return Resumed(found, start, record, end + 1 if comma else end, after)
