@@ -71,6 +71,7 @@ from relay.sessions import (
 
 PLUGIN = "cache"
 REQUEST = "cache request"  # exchange.state: what relay_request read of the request
+RESUMED = "cache resumed"  # exchange.state: the previous request's _Held, and this one's
 HEADER = "x-relay-cache"
 _KEY = b'"cache_control"'
 # The verdict on a request that asks nothing of the cache.
@@ -109,6 +110,17 @@ class Diagnosed:
 
 
 _UNSET: Any = object()
+
+
+class _Held:
+    """What a request leaves for its session's next one (through relay.resume, at each of
+    its boundaries): the fingerprint of the client's bytes, once the answer has asked for
+    it (until then, and when the body is not a request, None)."""
+
+    __slots__ = ("found",)
+
+    def __init__(self):
+        self.found: fingerprints.Resumable | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -330,6 +342,13 @@ class Cache:
             return
         exchange.state[REQUEST] = requested if wants else _UNSET
         exchange.session()
+        resume = exchange.resume
+        if resume is not None:
+            # The client's bytes up to the boundary resumed from are the previous request's:
+            # so are their parts of the fingerprint (relay.cache.resumed).
+            held = _Held()
+            resume.save_all(PLUGIN, held)
+            exchange.state[RESUMED] = (resume.state(PLUGIN), held)
 
     async def summary(self, key: str) -> dict | None:
         """A session's record without its fingerprints (:meth:`relay.sessions.Record.summary`),
@@ -347,9 +366,16 @@ class Cache:
             exchange.state[PLUGIN] = None
             return None
         sent = exchange.upstream_body()
-        upstream = fingerprints.fingerprint(sent)
         raw = exchange.raw_body
-        client = None if sent is raw or sent == raw else fingerprints.fingerprint(raw)
+        found = self._resumed(exchange) or fingerprints.resumable(raw)
+        if sent is raw or sent == raw:
+            upstream, client = found.fingerprint if found is not None else None, None
+        else:
+            upstream = fingerprints.fingerprint(sent)
+            client = found.fingerprint if found is not None else None
+        held = exchange.state.get(RESUMED)
+        if held is not None:
+            held[1].found = found
         thread = exchange.thread
         if thread is not None and thread.continues and exchange.backend is not None \
                 and exchange.backend.holds_threads:
@@ -376,6 +402,18 @@ class Cache:
             if exchange.backend is not None and not exchange.backend.holds_diagnostics:
                 judgement.diagnostics = await self._diagnose(exchange, requested, upstream)
         return judgement
+
+    @staticmethod
+    def _resumed(exchange) -> fingerprints.Resumable | None:
+        """The fingerprint of the client's bytes, from the previous request's where this
+        one was resumed from it (None: none to go on from)."""
+        held = exchange.state.get(RESUMED)
+        resume = exchange.resume
+        if held is None or held[0] is None or held[0].found is None or resume is None \
+                or resume.span is None:
+            return None
+        return fingerprints.resumed(exchange.raw_body, held[0].found, resume.start,
+                                    *resume.span)
 
     async def _diagnose(self, exchange, requested: dict, upstream: Fingerprint | None):
         """The ``diagnostics`` the API would answer, from the relay's record."""

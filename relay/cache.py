@@ -169,35 +169,143 @@ def _array(kind: str, raw: bytes) -> array:
 
 def fingerprint(body: bytes) -> Fingerprint | None:
     """The fingerprint of a Messages request body, or None for one that is not a request."""
+    found = resumable(body)
+    return found.fingerprint if found is not None else None
+
+
+@dataclasses.dataclass(slots=True)
+class Resumable:
+    """A body's fingerprint and what :func:`resumed` needs to go on from it: whether the
+    body had a top-level ``cache_control`` (``automatic``: its breakpoint is the last one)
+    and was read as it came (``plain``: not minified first)."""
+
+    fingerprint: Fingerprint
+    automatic: bool
+    plain: bool
+
+
+def resumable(body: bytes) -> Resumable | None:
+    """:func:`fingerprint`, with what resuming from it needs."""
     try:
-        head = body[:4096]
-        if _SPACED in head or b"\n" in head:
+        plain = _plain(body)
+        if not plain:
             # Whitespace between tokens is no part of the prompt, and the relay's own encoder
             # writes none: a spaced body (the Python SDK's) and its re-encoding must agree.
-            # An encoder spaces all its separators or none, so the first few are enough
-            # (searching a whole history for these bytes costs more than the rest).
             body = msgspec.json.format(body, indent=-1)
         request = _request.decode(body)
-        model = msgspec.json.decode(request.model)
-        speed = msgspec.json.decode(request.speed)
-        system = _items(request.system)
+    except (msgspec.MsgspecError, ValueError, RecursionError):
+        return None
+    found = _assemble(request.model, request.speed, request.tools, request.system,
+                      request.thinking, request.tool_choice, request.cache_control,
+                      request.messages, body.count(_KEY), None)
+    return Resumable(found, bytes(request.cache_control) != b"null", plain) \
+        if found is not None else None
+
+
+def _plain(body: bytes) -> bool:
+    # An encoder spaces all its separators or none, so the first few are enough (searching
+    # a whole history for these bytes costs more than the rest).
+    return body.find(_SPACED, 0, 4096) < 0 and body.find(b"\n", 0, 4096) < 0
+
+
+class _Around(msgspec.Struct):
+    """The fields :class:`_Request` reads, from one side of a body's messages (each UNSET
+    when that side has none)."""
+
+    messages: list[_Message] = []
+    model: Raw | msgspec.UnsetType = msgspec.UNSET
+    speed: Raw | msgspec.UnsetType = msgspec.UNSET
+    tools: list[Raw] | None | msgspec.UnsetType = msgspec.UNSET
+    system: Raw | msgspec.UnsetType = msgspec.UNSET
+    thinking: Raw | msgspec.UnsetType = msgspec.UNSET
+    tool_choice: Raw | msgspec.UnsetType = msgspec.UNSET
+    cache_control: Raw | msgspec.UnsetType = msgspec.UNSET
+
+
+_around = msgspec.json.Decoder(_Around)
+_AROUND = _Around.__struct_fields__[1:]
+_NULL = Raw(b"null")
+
+
+def resumed(body: bytes, previous: Resumable, count: int, array_at: int,
+            offset: int) -> Resumable | None:
+    """:func:`resumable` for a body whose bytes up to its ``count``-th message are the ones
+    ``previous`` was taken from (the caller compared them: :mod:`relay.resume`): the first
+    ``count`` messages' parts are ``previous``'s, and only the rest of the body is read.
+    ``array_at``: where the messages array's first value starts, ``offset``: where message
+    ``count`` starts (or the array's closing bracket). None when it cannot be told this way
+    (then the whole body decides)."""
+    before = previous.fingerprint
+    if not (previous.plain and _plain(body)) or count > len(before.messages):
+        return None
+    try:
+        head = _around.decode(body[:array_at] + b"]}")
+        tail = _around.decode(b'{"messages":[' + body[offset:])
+    except (msgspec.MsgspecError, ValueError, RecursionError):
+        return None
+    fields = {}
+    for name in _AROUND:
+        first, second = getattr(head, name), getattr(tail, name)
+        if first is not msgspec.UNSET and second is not msgspec.UNSET:
+            return None  # given twice: the whole decode decides which one counts
+        fields[name] = second if first is msgspec.UNSET else first
+    tools = fields["tools"]
+    automatic = bytes(_or_null(fields["cache_control"])) != b"null"
+    base = before.tools + 1 + before.system + 1
+    cut = len(before.lengths) - sum(before.messages[count:])  # the messages' parts come last
+    kept = [i for i, at in enumerate(before.breakpoints) if base <= at < cut]
+    if previous.automatic and count == len(before.messages) and kept:
+        kept.pop()  # the automatic breakpoint (the last part's, sorted after its block's)
+    prefix = (before, base, cut, kept, count)
+    # Every key of the body but those in the first ``count`` messages.
+    keys = body.count(_KEY, 0, array_at) + body.count(_KEY, offset)
+    found = _assemble(
+        _or_null(fields["model"]), _or_null(fields["speed"]),
+        None if tools is msgspec.UNSET else tools, _or_null(fields["system"]),
+        _or_null(fields["thinking"]), _or_null(fields["tool_choice"]),
+        _or_null(fields["cache_control"]), tail.messages, keys, prefix)
+    return Resumable(found, automatic, True) if found is not None else None
+
+
+def _or_null(value):
+    return _NULL if value is msgspec.UNSET else value
+
+
+def _assemble(model_raw, speed_raw, tools, system_raw, thinking, tool_choice, cache_control,
+              messages, keys: int, prefix: tuple | None) -> Fingerprint | None:
+    """A fingerprint from a request's decoded parts; ``prefix``: the parts of its first
+    messages, taken from an earlier fingerprint (see :func:`resumed`), ``messages`` then
+    the ones after them."""
+    try:
+        model = msgspec.json.decode(model_raw)
+        speed = msgspec.json.decode(speed_raw)
+        system = _items(system_raw)
     except (msgspec.MsgspecError, ValueError, RecursionError):
         return None
     if not isinstance(model, str) or system is None:
         return None
-    automatic = bytes(request.cache_control) != b"null"
+    automatic = bytes(cache_control) != b"null"
     # Markers are few, and clients put them on the newest messages: the messages that hold
     # one are found from the end, and every other message is hashed in C.
-    left = body.count(_KEY) - automatic
+    left = keys - automatic
     crcs, lengths = array("I"), array("I")
     breakpoints, ttls = array("I"), array("d")
-    tools = request.tools or ()
+    tools = tools or ()
     for section, end in ((tools, _END_TOOLS), (system, _END_SYSTEM)):
         for item in section:
             left -= _part(item, crcs, lengths, breakpoints, ttls)
         crcs.append(0)
         lengths.append(end)
-    messages = request.messages
+    counts = array("I")
+    if prefix is not None:
+        before, base, cut, kept, count = prefix
+        shift = len(lengths) - base
+        crcs.extend(before.crcs[base:cut])
+        lengths.extend(before.lengths[base:cut])
+        for i in kept:
+            breakpoints.append(before.breakpoints[i] + shift)
+            ttls.append(before.ttls[i])
+        counts.extend(before.messages[:count])
     contents: list[list[Any]] = []
     for message in messages:
         value = message.content
@@ -211,7 +319,6 @@ def fingerprint(body: bytes) -> Fingerprint | None:
         if found:
             marked.add(i)
             left -= found
-    counts = array("I")
     crc32 = zlib.crc32
     for i, message in enumerate(messages):
         role = message.role
@@ -228,13 +335,13 @@ def fingerprint(body: bytes) -> Fingerprint | None:
     if automatic:
         # Automatic caching: the API puts the breakpoint on the last cacheable block.
         breakpoints.append(len(lengths) - 1)
-        ttls.append(_ttl(request.cache_control))
+        ttls.append(_ttl(cache_control))
     order = sorted(range(len(breakpoints)), key=breakpoints.__getitem__)
     return Fingerprint(
         model if speed is None else f"{model} speed={speed}", crcs, lengths, len(tools),
         len(system), counts, array("I", (breakpoints[i] for i in order)),
         array("d", (ttls[i] for i in order)),
-        (zlib.crc32(request.thinking), zlib.crc32(request.tool_choice)))
+        (zlib.crc32(thinking), zlib.crc32(tool_choice)))
 
 
 def _items(value: Raw) -> list | None:

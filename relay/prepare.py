@@ -147,8 +147,8 @@ async def _prepare(state: Preparation, endpoint: str, method: str, path: str, qu
                        or (resuming is not None and resuming[2] is not None
                            and resuming[2].record.dirty))
         threads.restore_held_ids(exchange)
-        if keeping is not None and resuming is not None:
-            _keep(exchange, resuming, keeping)
+        kept = exchange.messages if keeping is not None and resuming is not None \
+            and exchange._skeleton is not None else None
         if backend.credentials:
             exchange.session()  # while the request is decoded: the pool keeps it sticky
         # Encoded here, where a request that cannot be is still answered in Anthropic's
@@ -160,6 +160,11 @@ async def _prepare(state: Preparation, endpoint: str, method: str, path: str, qu
         except Exception:
             log.exception("%s: the changed request could not be encoded", exchange.id)
             raise
+        if kept is not None and keeping is not None and resuming is not None:
+            # Once the request has gone into bytes and let its messages go: from here the
+            # record is the only holder of that list, which the session's next request goes
+            # on in (relay.resume.decode_from).
+            _keep(exchange, resuming, keeping, kept)
     except resume.Decline:
         raise
     except RelayError as error:
@@ -178,6 +183,8 @@ def _resume(state: Preparation, exchange: Exchange, resuming: tuple | None):
             raise resume.Decline()
         return None
     store, session, resumed = resuming
+    # The same rule over the same request (the chain has not run): not worked out twice.
+    exchange._session = session
     if resumed is None and not store.wants(session):
         return None  # the session's first request: nothing is kept (see Store.wants)
     messages = exchange.messages or []
@@ -207,17 +214,17 @@ def _resume(state: Preparation, exchange: Exchange, resuming: tuple | None):
     return context, count, encoded
 
 
-def _keep(exchange: Exchange, resuming: tuple, keeping: tuple) -> None:
-    """Keep what this request's chain left, for the session's next request."""
+def _keep(exchange: Exchange, resuming: tuple, keeping: tuple, messages: list) -> None:
+    """Keep what this request's chain left (``messages``: its messages as a skeleton's),
+    for the session's next request."""
     store, session, resumed = resuming
     context, count, encoded, dirty = keeping
-    messages = exchange.messages
     saved = exchange.resume.saved if exchange.resume is not None else {}
     # Kept only when the chain left the request a skeleton of the same messages, each
     # position still the client's (nothing merged or dropped), and at a boundary where
     # every plugin that keeps a state (saved one anywhere) saved it.
-    if (encoded is None or exchange._skeleton is None or messages is None
-            or len(messages) != count or not saved):
+    if (encoded is None or type(messages) is not list or len(messages) != count
+            or not saved):
         return
     keeping_state = set().union(*(found.keys() for found in saved.values()))
     states = {index: found for index, found in saved.items()
@@ -233,9 +240,26 @@ def _keep(exchange: Exchange, resuming: tuple, keeping: tuple) -> None:
         if offsets is None:
             return
         old = resumed.record
-        record = resume.Record(raw, count, context, messages, states, None, offsets,
+        if exchange.resume is not None:
+            exchange.resume.span = (old.array, resumed.offset)
+        # The messages before the boundary keep what the earlier ones were decoded from
+        # (the earlier body itself, for a record made by a full walk); the new ones, a copy
+        # of this body's last part.
+        pinned = old.pinned + (len(old.raw) if old.pinned == 0 else 0) + len(raw) \
+            - resumed.offset
+        # This body's bytes up to the boundary resumed from are the earlier record's: where
+        # those are the body the messages were first decoded from, the new record keeps that
+        # one and a copy of what follows (while that is small beside it: the copy is made
+        # every request), not this whole body too.
+        base, cut, tail = raw, None, b""
+        if old.pinned == 0 or old.cut < len(old.raw):
+            shared = min(old.cut, old.offsets[resumed.start])
+            if len(raw) - shared <= min(shared, resume.TAIL_BYTES):
+                base, cut, tail = old.raw, shared, raw[shared:]
+        record = resume.Record(base, count, context, messages, states, None, offsets,
                                old.before, old.array,
-                               old.blocks + resume.blocks_in(messages[resumed.start:]))
+                               old.blocks + resume.blocks_in(messages[resumed.start:]), pinned,
+                               cut, tail)
         record.after = resumed.after
     record.dirty = dirty
     store.put(session, record)

@@ -22,8 +22,10 @@ model and inbound key, with the same deferrals of the history rules. What it can
 edited history, other bytes, an evicted record) costs a full walk and makes a new record.
 
 Memory: the records are bounded in bytes (``server.resume_bytes``, a quarter of it at most
-per session) and evicted oldest first; a record holds the previous request's body (the
-messages' values reference it) and the plugins' states.
+per session) and evicted oldest first; a record holds the previous request's body, the
+buffers its messages' values were decoded from (the body of the full walk the session's
+record started from, and each resumed request's new turn: the messages before the boundary
+are the earlier request's values, and their bytes stay with them) and the plugins' states.
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ BLOCK_BYTES = 300
 MAX_SEEN = 4096  # sessions remembered as seen (a digest each: about 0.5 MB at most)
 LANES = 4  # conversations kept per session
 MIN_BYTES = 32 * 1024  # smaller requests cost less walked whole than resumed
+# The most a record copies of its request's body after the part it shares with the body the
+# record started from (see Record): past that, the record keeps the whole body instead.
+TAIL_BYTES = 256 * 1024
 
 _fields = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _encoder = msgspec.json.Encoder()
@@ -69,10 +74,12 @@ class Resume:
     ``messages[:start]`` are as this plugin would see them in a full walk (no plugin after
     it changed them); where not, it must not read them, and a plugin that needs them
     anyway calls :meth:`decline`. A plugin takes its resume through :meth:`usable`, which
-    declines when an earlier plugin moved the boundaries.
+    declines when an earlier plugin moved the boundaries. :attr:`span` tells a plugin that
+    reads the body's bytes (the cache plugin's fingerprint) where the previous request's
+    bytes end.
     """
 
-    __slots__ = ("start", "marks", "_states", "saved", "_changer", "_position")
+    __slots__ = ("start", "marks", "_states", "saved", "_changer", "_position", "span")
 
     def __init__(self, start: int, marks: range, states: dict | None = None,
                  changer: int = -1, position: dict | None = None):
@@ -82,6 +89,10 @@ class Resume:
         self.saved: dict[int, dict[str, tuple[Any, bool]]] = {}
         self._changer = changer  # the position of the last plugin that changed the prefix
         self._position = position or {}
+        # Once the chain has run, for a resumed request whose new messages were found in
+        # canonical form: where the messages array's first value starts in the body and
+        # where message ``start`` does (bytes up to there are the previous request's).
+        self.span: tuple[int, int] | None = None
 
     def state(self, plugin: str):
         """What ``plugin`` saved at ``start``: None on a full walk, and when it saved
@@ -126,12 +137,19 @@ class Record:
     """What the session's last request left for its next one."""
 
     __slots__ = ("raw", "count", "context", "messages", "states", "offsets", "before",
-                 "array", "pending", "size", "blocks", "after", "dirty")
+                 "array", "pending", "size", "blocks", "after", "dirty", "pinned", "cut",
+                 "tail")
 
     def __init__(self, raw: bytes, count: int, context: tuple, messages: list, states: dict,
                  pending: list[bytes] | None, offsets: dict | None, before, array: int,
-                 blocks: int):
+                 blocks: int, pinned: int = 0, cut: int | None = None, tail: bytes = b""):
+        # The request's bytes are ``raw[:cut] + tail``: a resumed request's record keeps the
+        # body its messages were first decoded from (``raw``, in memory with them anyway)
+        # and a copy of what this request's body holds after ``cut`` (its bytes up to
+        # ``cut`` were compared with that body's), rather than a second copy of the whole.
         self.raw = raw
+        self.cut = len(raw) if cut is None else cut
+        self.tail = tail
         self.count = count
         self.context = context
         self.messages = messages  # as the chain left them
@@ -144,7 +162,12 @@ class Record:
         self.before = before  # the top-level fields before "messages", as Raw values
         self.array = array  # the offset where the messages array's first value starts
         self.blocks = blocks
-        self.size = len(raw) + MESSAGE_BYTES * count + BLOCK_BYTES * blocks
+        # The bytes of the buffers the messages' raw values keep alive, besides ``raw``: a
+        # resumed request's first messages are the ones decoded from an earlier body (the
+        # full walk's, then each request's new turn), which stay in memory with them.
+        self.pinned = pinned
+        self.size = (len(raw) if cut is None else 0) + len(tail) + pinned \
+            + MESSAGE_BYTES * count + BLOCK_BYTES * blocks
         # The top-level fields after "messages", as Raw values, once a resumed request has
         # decoded them (the bytes after the messages array are then compared, not decoded).
         self.after: dict | None = None
@@ -323,19 +346,41 @@ def match(record: Record, raw: bytes) -> int:
     if record.offsets is None and not _locate(record):
         record.offsets = {}  # not to be looked for again
         return 0
-    old = memoryview(record.raw)
     offsets = record.offsets or {}
     best = 0
     checked = 0  # raw[:checked] is the record's bytes
     # From the earliest boundary on, each check comparing only the bytes after the last one.
     for index in sorted(offsets):
         end = offsets[index]
-        if len(raw) <= end or not raw.startswith(old[checked:end], checked):
+        if len(raw) <= end or not _same(record, raw, checked, end):
             break
         checked = end
         if index > 0 and index in record.states and raw[end] in b",]":
             best = index
     return best
+
+
+def _same(record: Record, raw: bytes, lo: int, hi: int) -> bool:
+    """Whether ``raw[lo:hi]`` are the record's request's bytes there."""
+    cut = record.cut
+    if hi > cut + len(record.tail):
+        return False
+    if lo < cut:
+        top = min(hi, cut)
+        if not raw.startswith(memoryview(record.raw)[lo:top], lo):
+            return False
+        lo = top
+    return lo >= hi or raw.startswith(memoryview(record.tail)[lo - cut:hi - cut], lo)
+
+
+def _bytes_from(record: Record, at: int):
+    """The record's request's bytes from ``at`` to its end."""
+    cut = record.cut
+    if at >= cut:
+        return memoryview(record.tail)[at - cut:]
+    if not record.tail:
+        return memoryview(record.raw)[at:cut]
+    return record.raw[at:cut] + record.tail
 
 
 class Resumed:
@@ -362,7 +407,7 @@ def decode_from(record: Record, raw: bytes, start: int) -> Resumed | None:
     try:
         after = record.after
         closing = offsets[record.count]  # the "]" of the record's messages
-        suffix = memoryview(record.raw)[closing:]
+        suffix = _bytes_from(record, closing)
         last = len(raw) - len(suffix)  # where this request's "]" is, if it ends the same
         if after is not None and last >= end and raw.endswith(suffix):
             # The fields after the messages are the same bytes: only the messages between
@@ -380,7 +425,13 @@ def decode_from(record: Record, raw: bytes, start: int) -> Resumed | None:
         model = skeleton.decode_model(fields.pop("model"))
         if any(name not in skeleton.KNOWN_NAMES for name in fields):
             return None
-        found = skeleton.from_fields(model, record.messages[:start] + tail, fields)
+        # The record is this request's alone (taken out of the store) and so is its list:
+        # going on in it, rather than in a copy, leaves the garbage collector's youngest
+        # generation without a list of the whole history per request in flight.
+        messages = record.messages
+        del messages[start:]
+        messages += tail
+        found = skeleton.from_fields(model, messages, fields)
     except (msgspec.MsgspecError, ValueError, KeyError, TypeError, RecursionError):
         return None
     return Resumed(found, start, record, end + 1 if comma else end, after)

@@ -305,3 +305,100 @@ def test_a_request_without_messages_is_judged_as_before():
     state, whole = relay(), relay(resume_bytes=0)
     for raw in (body([]), body([]), body([user(text("hi"))])):
         assert prepared(state, raw)[0] == prepared(whole, raw)[0]
+
+
+# Where the fields the cache fingerprint reads stand: before the messages, or after them.
+AROUND = [{}, {"cache_control": {"type": "ephemeral", "ttl": "1h"}},
+          {"tools": [{"name": "t", "input_schema": {"type": "object"},
+                      "cache_control": {"type": "ephemeral"}}],
+           "system": [{"type": "text", "text": "be brief", "cache_control": {"type": "ephemeral"}}]},
+          {"tool_choice": {"type": "auto"}, "speed": "fast"}]
+
+
+def judged(state: Preparation, raw: bytes):
+    """The cache plugin's account of ``raw`` (the fingerprints of what went up and of what
+    the client sent, and the verdict against the session's previous request), as the
+    answer asks for it."""
+    _, exchange = prepared(state, raw)
+    if exchange is None:
+        return None, None
+    plugin = state.chain.pm.get_plugin("cache")
+    judgement = asyncio.run(plugin._judge(exchange))
+    if judgement is None:
+        return None, exchange
+    asyncio.run(plugin._settle(exchange, judgement, None))
+    cache = {k: v for k, v in judgement.cache.items() if k != "gap_seconds"}
+    return (judgement.upstream, judgement.client, judgement.lane, cache), exchange
+
+
+@RUN
+@given(sessions(), st.sampled_from(AROUND), st.booleans())
+def test_the_cache_fingerprint_of_a_resumed_request_is_the_whole_body_s(session, around, first):
+    options, requests = session
+    requests = [orjson.dumps({**around, **orjson.loads(raw)} if first
+                             else {**orjson.loads(raw), **around}) for raw in requests]
+    pipeline = ["cache", *PIPELINE]
+    resuming = relay(pipeline, plugins=options)
+    whole = relay(pipeline, plugins=options, resume_bytes=0)
+    for raw in requests:
+        ours, _ = judged(resuming, raw)
+        assert ours == judged(whole, raw)[0]
+
+
+def test_a_resumed_request_s_fingerprint_is_taken_from_the_previous_one(monkeypatch):
+    from relay import cache as fingerprints
+    taken = []
+    resumed = fingerprints.resumed
+
+    def counted(*args):
+        found = resumed(*args)
+        taken.append(found is not None)
+        return found
+
+    monkeypatch.setattr(fingerprints, "resumed", counted)
+    pipeline = ["cache", *PIPELINE]
+    state, whole = relay(pipeline), relay(pipeline, resume_bytes=0)
+    messages = conversation(12)
+    for n in range(3, len(messages) + 1, 2):
+        raw = body(marked(messages[:n]), cache_control={"type": "ephemeral"})
+        ours, exchange = judged(state, raw)
+        assert ours == judged(whole, raw)[0]
+        assert ours[0] == fingerprints.fingerprint(raw)
+    # From the third request on (the second is the first with a record to go on from).
+    assert taken == [True] * (len(range(3, len(messages) + 1, 2)) - 2)
+
+
+def _held_by_records(state, requests):
+    """What the session's record keeps alive after ``requests`` (by tracemalloc), and the
+    size the byte budget counts for it."""
+    import gc
+    import tracemalloc
+    tracemalloc.start()
+    try:
+        for raw in requests:
+            prepared(state, bytes(bytearray(raw)))  # a body of its own, as a server reads it
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0]
+        (record,) = state.resume.records.values()
+        size, base = record.size, record.cut < len(record.raw)
+        del record
+        state.resume.records.clear()
+        gc.collect()
+        return held - tracemalloc.get_traced_memory()[0], size, base
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("first", [3, 51])
+def test_a_record_counts_what_it_holds_and_holds_a_long_history_once(first):
+    """The messages before a boundary keep the body they were first decoded from (and each
+    request's new turn): a record's size, what the byte budget counts, covers all it keeps
+    alive; and when the record started from a long history (a session the relay first sees
+    far into it), it keeps that body and a copy of what followed, not a second copy of the
+    whole."""
+    messages = conversation(30, size=20000)
+    requests = [body(marked(messages[:n])) for n in range(first, len(messages) + 1, 2)]
+    freed, size, base = _held_by_records(relay(), requests)
+    assert freed <= 1.1 * size
+    if first > 3:
+        assert base and freed < 1.5 * len(requests[-1])

@@ -33,11 +33,23 @@ from multidict import CIMultiDict, CIMultiDictProxy
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import workloads  # noqa: E402
 
-FULL_PIPELINE = ["metrics", "dedup", "pairing", "ordering", "portable", "dump"]
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def shipped_pipeline() -> list[str]:
+    """The pipeline of the repository's relay.yaml: the bench measures what ships, read from
+    the file so that the two cannot drift apart."""
+    import yaml
+
+    with open(os.path.join(ROOT, "relay.yaml")) as f:
+        return list(yaml.safe_load(f)["pipeline"])
+
+
+FULL_PIPELINE = shipped_pipeline()
 
 
 def available_pipeline() -> list[str]:
-    """The full pipeline, less any plugin that cannot be imported yet."""
+    """The shipped pipeline, less any plugin that cannot be imported yet."""
     found = {ep.name: ep for ep in entry_points(group="relay.plugins")}
     pipeline = []
     for name in FULL_PIPELINE:
@@ -51,7 +63,8 @@ def available_pipeline() -> list[str]:
 
 def relay_config(pipeline: list[str], upstream: str, dump_dir: str,
                  wire_format: str = "anthropic") -> dict:
-    """The relay.yaml the benchmark runs: the default pipeline, one backend, dumps to a temp dir.
+    """The relay.yaml the benchmark runs: ``pipeline`` (the shipped one), one backend, dumps
+    to a temp dir, no relay keys and the state in the process's memory (no ``state`` section).
     With ``wire_format`` openai the backend is the mock's Chat Completions side."""
     backend = {"name": "mock", "url": upstream, "models": ["*"], "default": True}
     if wire_format == "openai":
@@ -71,9 +84,11 @@ ACCOUNTING_LIMITS = {"requests_per_minute": 10**9, "output_tokens_per_minute": 1
 
 
 def accounting_config(pipeline: list[str], upstream: str, dump_dir: str, state: str) -> dict:
-    """The benchmark's relay.yaml with usage and limits in front of ``pipeline``, one relay
+    """The benchmark's relay.yaml with usage and limits in ``pipeline`` (put in front where it
+    has none), one relay
     key with limits, prices for every model, and the embedded store (SQLite at ``state``)."""
-    config = relay_config(["limits", "usage", *pipeline], upstream, dump_dir)
+    ahead = [name for name in ("limits", "usage") if name not in pipeline]
+    config = relay_config([*ahead, *pipeline], upstream, dump_dir)
     config["server"]["auth"] = {"keys": [{"name": "bench", "key_env": ACCOUNTING_KEY_ENV,
                                           "limits": ACCOUNTING_LIMITS}]}
     config["state"] = {"url": f"sqlite:///{state}"}

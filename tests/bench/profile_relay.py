@@ -4,7 +4,7 @@ tool: install it into the venv yourself, `pip install py-spy`; it is no dependen
     python tests/bench/profile_relay.py [--workload small --concurrency 32 --seconds 10]
                                         [--target relay|bare] [--raw FILE]
 
-Starts the mock upstream and the relay (default full pipeline) like run.py, keeps the
+Starts the mock upstream and the relay (the pipeline of relay.yaml) like run.py, keeps the
 workload running while py-spy samples the relay process, then prints the functions with
 the most samples: self time (the frame on top of the stack) and inclusive time (anywhere on
 the stack), and the share per area (relay/, plugins/, aiohttp, asyncio, ...).

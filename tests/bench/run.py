@@ -3,7 +3,7 @@
     python tests/bench/run.py [--quick] [--uvloop] [--variant NAME:FLAGS] [--only W1,W2]
                               [--out .bench/result.json] [--strict]
 
-Starts a fast mock upstream (mock_upstream.py), the relay with the default full pipeline
+Starts a fast mock upstream (mock_upstream.py), the relay with the pipeline of relay.yaml
 (``python -m relay --config FILE --port 0``, config in a temp dir), the same relay in front of
 the mock's OpenAI Chat Completions side (``relay_openai``: what translation adds), the same
 relay with usage and limits on a relay key over SQLite state (``relay_accounting``: what
