@@ -208,6 +208,14 @@ def _event_line(data: bytes, pos: int, needle: bytes) -> int:
     return at
 
 
+def _last_event_line(data: bytes, needle: bytes) -> int:
+    """Where the last ``event:`` line naming ``needle`` has the name, or -1."""
+    at = data.rfind(needle)
+    while at >= 0 and not _names_event(data, at):
+        at = data.rfind(needle, 0, at)
+    return at
+
+
 def _names_event(data: bytes, at: int) -> bool:
     """Whether the name found at ``at`` is the value of an ``event:`` field: the line starts
     with ``event:`` and one optional space (``data`` begins at a line start)."""
@@ -332,9 +340,11 @@ class LazyFramer:
             stop = complete.find(b"\n\n", hit) + 2
             if start > pos:
                 parts.append(complete[pos:start])
-            framed = self._decoder.feed(complete[start:stop])
-            parts += framed
-            events += framed
+            # Exactly one whole event, with "\n" line ends (a chunk with a "\r" is framed
+            # whole by the decoder), and nothing held in the decoder: framed as it is.
+            event = Event(complete[start:stop])
+            parts.append(event)
+            events.append(event)
             pos = stop
             for i, at in enumerate(ahead):
                 if 0 <= at < stop:
@@ -355,7 +365,9 @@ class LazyFramer:
         if self._ended:
             return True
         needles = _needles(self._ends)
-        return any(_event_line(part, 0, needle) >= 0 for part in self._tail for needle in needles)
+        # From the end: the ending event is the last one, so the last part usually has it.
+        return any(_last_event_line(part, needle) >= 0 for part in reversed(self._tail)
+                   for needle in needles)
 
     def close(self) -> list[Event]:
         """The events left at the end of the stream (see :meth:`SSEDecoder.close`)."""

@@ -39,6 +39,10 @@ STREAM_ENDS = ("message_stop", "error")
 PING = b'event: ping\ndata: {"type": "ping"}\n\n'
 # One event larger than this means the upstream stopped framing: give up rather than buffer on.
 MAX_EVENT_BYTES = 64 * 1024 * 1024
+# A first read with more than this after its first event has that event sent on its own
+# first; a shorter one goes out whole, in one write, as the bare pass-through sends it:
+# scanning that much delays the first byte by microseconds, a write of its own costs more.
+FIRST_READ_WHOLE = 16384
 
 
 class StreamBroken(Exception):
@@ -219,14 +223,15 @@ def error_event(message: str, kind: str = "api_error") -> bytes:
 async def pump(stream: StreamRelay, chunks: AsyncIterable[bytes],
                translator: Translator | None = None) -> None:
     """Feed the upstream's ``chunks`` into ``stream`` through ``translator`` (the format's
-    stage, when it has one), then finish it. The first read is cut after its first event,
-    which goes out before the rest of that read is translated or scanned: time to first byte
-    must not grow with how much the upstream managed to send before the relay read."""
+    stage, when it has one), then finish it. A long first read is cut after its first
+    event, which goes out before the rest of that read is translated or scanned: time to
+    first byte must not grow with how much the upstream managed to send before the relay
+    read (a short one goes out whole: see :data:`FIRST_READ_WHOLE`)."""
     reads = chunks.__aiter__()
     stage = translator.feed if translator is not None else None
     async for chunk in reads:
         cut = chunk.find(b"\n\n") + 2
-        if 1 < cut < len(chunk):
+        if 1 < cut < len(chunk) - FIRST_READ_WHOLE:
             await stream.feed(stage(chunk[:cut]) if stage is not None else chunk[:cut])
             chunk = chunk[cut:]
         await stream.feed(stage(chunk) if stage is not None else chunk)
