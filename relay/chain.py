@@ -272,6 +272,7 @@ class Chain:
         # The plugins that walk requests (relay.resume: each must be able to go on from
         # where the session's previous request ended).
         self.walkers = frozenset(impl.plugin for impl in self.impls["relay_request"])
+        self._event_hooks = {impl.plugin: impl for impl in self.impls["relay_stream_event"]}
 
     def resumable(self) -> bool:
         """Whether every plugin with a ``relay_request`` hook declares ``RESUMABLE``."""
@@ -368,7 +369,7 @@ class Chain:
     async def stream_plan(self, exchange) -> StreamPlan:
         plan = StreamPlan()
         options = self.options_for(exchange)
-        hooks = {impl.plugin: impl for impl in self.impls["relay_stream_event"]}
+        hooks = self._event_hooks
         for order, impl in enumerate(self.impls["relay_stream_events"]):
             event_hook = hooks.get(impl.plugin)
             try:

@@ -282,10 +282,12 @@ class LazyFramer:
             pending.append(chunk[cut:])
             self._pending_size = len(chunk) - cut
         self._keep(complete)
-        for needle in self._wanted:
-            if needle in complete:
-                return self._split(complete, self._wanted)
-        return [complete], []
+        # Each name's first event line, found once: the split goes on from there.
+        wanted = self._wanted
+        ahead = [_event_line(complete, 0, needle) for needle in wanted]
+        if max(ahead, default=-1) < 0:
+            return [complete], []
+        return self._split(complete, wanted, ahead)
 
     def want(self, names) -> None:
         """Frame these names too, from the next chunk on (see :meth:`reframe` for the rest of
@@ -322,13 +324,15 @@ class LazyFramer:
         while self._tail_size - len(tail[0]) >= TAIL_BYTES:
             self._tail_size -= len(tail.popleft())
 
-    def _split(self, complete: bytes, needles: list[bytes]) -> tuple[list, list[Event]]:
+    def _split(self, complete: bytes, needles: list[bytes],
+               ahead: list[int] | None = None) -> tuple[list, list[Event]]:
         parts: list = []
         events: list[Event] = []
         pos = 0
         # Each name's next event line: a name is searched for again only once passed, so
         # every name scans the chunk once however many hits the others have.
-        ahead = [_event_line(complete, 0, needle) for needle in needles]
+        if ahead is None:
+            ahead = [_event_line(complete, 0, needle) for needle in needles]
         while True:
             hit = ahead[0] if len(ahead) == 1 else min((at for at in ahead if at >= 0), default=-1)
             if hit < 0:
