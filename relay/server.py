@@ -66,6 +66,8 @@ class RelayState(Preparation):
 
 
 STATE = web.AppKey("relay_state", RelayState)
+# The collector's first-generation threshold while serving (see serve).
+GC_YOUNG = 10000
 
 
 async def read_body(request: web.Request, limit: int, timeout: float | None = None) -> bytes:
@@ -472,6 +474,11 @@ async def serve(config, chain: Chain, host: str, port: int, worker=None) -> int:
             # requests.
             gc.collect()
             gc.freeze()
+            # What a request leaves for the collector is a few cycles at most; what it keeps
+            # alive while in flight (its exchange, buffers, futures) is thousands of young
+            # objects that the first generation's default threshold (700) had walked and
+            # promoted every 16 small requests at c=32: 12 us a request, none with this.
+            gc.set_threshold(GC_YOUNG, *gc.get_threshold()[1:])
             state.listening = True
             if worker:
                 worker.started(loop, state.signal)
