@@ -15,6 +15,7 @@ import gc
 import logging
 import os
 import signal
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING
 
 import aiohttp
@@ -140,13 +141,14 @@ class Relay:
             return await self.lifecycle.serve(request, self._dispatch)
         return await self._dispatch(request)
 
-    async def _dispatch(self, request: web.Request) -> web.StreamResponse:
+    def _dispatch(self, request: web.Request) -> Awaitable[web.StreamResponse]:
+        # The handler's own coroutine, awaited by the caller: no frame of its own in between.
         try:
             route = self.route(request)
         except RelayError as error:
-            return await self.refuse(request, error)
+            return self.refuse(request, error)
         request[ROUTE] = route
-        return await route.handler(request)
+        return route.handler(request)
 
     def route(self, request: web.Request) -> Route:
         config = self.state.config
