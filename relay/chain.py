@@ -139,13 +139,12 @@ class _Impl:
     hot hooks (a request's, an exchange's end, a stream event's) are called with their
     arguments in hand, without building a dict per call."""
 
-    __slots__ = ("plugin", "function", "argnames", "takes")
+    __slots__ = ("plugin", "function", "argnames")
 
     def __init__(self, plugin: str, function, argnames):
         self.plugin = plugin
         self.function = function
         self.argnames = argnames
-        self.takes = frozenset(argnames)
 
     def call(self, kwargs: dict):
         return self.function(*[kwargs[name] for name in self.argnames])

@@ -482,8 +482,8 @@ async def serve(config, chain: Chain, host: str, port: int, worker=None) -> int:
             gc.freeze()
             # What a request leaves for the collector is a few cycles at most; what it keeps
             # alive while in flight (its exchange, buffers, futures) is thousands of young
-            # objects that the first generation's default threshold (700) had walked and
-            # promoted every 16 small requests at c=32: 12 us a request, none with this.
+            # objects, which the default threshold (700) had the collector walk and promote
+            # every few requests under load, for nothing.
             gc.set_threshold(GC_YOUNG, *gc.get_threshold()[1:])
             state.listening = True
             if worker:

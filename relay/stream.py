@@ -42,7 +42,8 @@ PING = b'event: ping\ndata: {"type": "ping"}\n\n'
 MAX_EVENT_BYTES = 64 * 1024 * 1024
 # A first read with more than this after its first event has that event sent on its own
 # first; a shorter one goes out whole, in one write, as the bare pass-through sends it:
-# scanning that much delays the first byte by microseconds, a write of its own costs more.
+# framing that much and running the plugins on it delays the first byte far less than a
+# write of its own costs.
 FIRST_READ_WHOLE = 16384
 
 

@@ -36,8 +36,8 @@ class MemoryState(State):
         self._slots: dict[str, dict[str, float]] = {}  # name -> token -> lease end
         self._tokens = itertools.count()
         # id -> (time, the row as JSON): up to 100,000 rows as dicts of dicts and lists would
-        # be millions of objects for every full pass of the garbage collector to walk (tens of
-        # microseconds a request at that size); bytes and floats are not walked at all.
+        # be millions of objects for every full pass of the garbage collector to walk; bytes
+        # and floats are not walked at all.
         self._rows: OrderedDict[str, tuple[float, bytes]] = OrderedDict()
         self._keys: dict[str, dict[str, Any]] = {}
         self._version = 0
