@@ -111,7 +111,11 @@ def _validation_message(error: pluggy.PluginValidationError) -> str:
 def _traced(plugin: str, hook: str, function):
     """Wrap a hook implementation so each call is logged (RELAY_TRACE=1), with the request id
     and, for an async hook, what it returned once awaited."""
-    def call(**kwargs):
+    names = list(inspect.signature(function).parameters)
+
+    def call(*args, **kwargs):
+        # The chain passes what a hook takes by position.
+        kwargs.update(zip(names, args, strict=False))
         exchange = kwargs.get("exchange")
         request_id = exchange.id if exchange is not None else "-"
         result = function(**kwargs)
@@ -130,6 +134,11 @@ def _traced(plugin: str, hook: str, function):
 
 
 class _Impl:
+    """One plugin's implementation of one hook. pluggy's ``argnames`` are the function's
+    positional parameters in order, so the chain passes the ones it takes by position: the
+    hot hooks (a request's, an exchange's end, a stream event's) are called with their
+    arguments in hand, without building a dict per call."""
+
     __slots__ = ("plugin", "function", "argnames")
 
     def __init__(self, plugin: str, function, argnames):
@@ -138,7 +147,43 @@ class _Impl:
         self.argnames = argnames
 
     def call(self, kwargs: dict):
-        return self.function(**{name: kwargs[name] for name in self.argnames})
+        return self.function(*[kwargs[name] for name in self.argnames])
+
+    def call_with(self, exchange, options, **more):
+        """The call for a hook whose arguments are ``exchange``, ``options`` and ``more``."""
+        names = self.argnames
+        if names == _EXCHANGE_OPTIONS:
+            return self.function(exchange, options)
+        if not more and names == _EXCHANGE:
+            return self.function(exchange)
+        more["exchange"] = exchange
+        more["options"] = options
+        return self.function(*[more[name] for name in names])
+
+
+_EXCHANGE_OPTIONS = ("exchange", "options")
+_EXCHANGE = ("exchange",)
+
+
+def _awaitable(value) -> bool:
+    """:func:`inspect.isawaitable` for a hook's result, with the common answers (a
+    coroutine, a plain value) found without its ABC checks."""
+    kind = value.__class__
+    if kind is _COROUTINE:
+        return True
+    if kind in _PLAIN:
+        return False
+    return inspect.isawaitable(value)
+
+
+async def _probe() -> None:
+    pass
+
+
+_probe_coroutine = _probe()
+_COROUTINE = type(_probe_coroutine)
+_probe_coroutine.close()
+_PLAIN = frozenset({bool, int, float, str, bytes, list, tuple, dict, set, frozenset})
 
 
 class StreamPlan:
@@ -226,6 +271,7 @@ class Chain:
         # The plugins that walk requests (relay.resume: each must be able to go on from
         # where the session's previous request ended).
         self.walkers = frozenset(impl.plugin for impl in self.impls["relay_request"])
+        self._event_hooks = {impl.plugin: impl for impl in self.impls["relay_stream_event"]}
 
     def resumable(self) -> bool:
         """Whether every plugin with a ``relay_request`` hook declares ``RESUMABLE``."""
@@ -292,11 +338,9 @@ class Chain:
         options = self.options_for(exchange)
         results = []
         for impl in self.impls[hook]:
-            kwargs["exchange"] = exchange
-            kwargs["options"] = options[impl.plugin]
             try:
-                result = impl.call(kwargs)
-                if result is not None and inspect.isawaitable(result):
+                result = impl.call_with(exchange, options[impl.plugin], **kwargs)
+                if result is not None and _awaitable(result):
                     result = await result
             except RelayError as error:
                 if getattr(error, "plugin", None) is None:
@@ -315,8 +359,8 @@ class Chain:
         options = self.options_for(exchange)
         for impl in self.impls["relay_exchange_end"]:
             try:
-                result = impl.call({"exchange": exchange, "options": options[impl.plugin]})
-                if result is not None and inspect.isawaitable(result):
+                result = impl.call_with(exchange, options[impl.plugin])
+                if result is not None and _awaitable(result):
                     await result
             except Exception:
                 log.exception("plugin %s failed in relay_exchange_end", impl.plugin)
@@ -324,12 +368,12 @@ class Chain:
     async def stream_plan(self, exchange) -> StreamPlan:
         plan = StreamPlan()
         options = self.options_for(exchange)
-        hooks = {impl.plugin: impl for impl in self.impls["relay_stream_event"]}
+        hooks = self._event_hooks
         for order, impl in enumerate(self.impls["relay_stream_events"]):
             event_hook = hooks.get(impl.plugin)
             try:
-                wanted = impl.call({"exchange": exchange, "options": options[impl.plugin]})
-                if inspect.isawaitable(wanted):
+                wanted = impl.call_with(exchange, options[impl.plugin])
+                if wanted is not None and _awaitable(wanted):
                     wanted = await wanted
             except Exception:
                 log.exception("plugin %s failed in relay_stream_events; it sees no events",
@@ -360,8 +404,8 @@ class Chain:
         for call in calls:
             impl, options = call[1], call[2]
             try:
-                result = impl.call({"exchange": exchange, "event": event, "options": options})
-                if result is not None and inspect.isawaitable(result):
+                result = impl.call_with(exchange, options, event=event)
+                if result is not None and _awaitable(result):
                     result = await result
             except RelayError as error:
                 error.plugin = error.plugin or impl.plugin

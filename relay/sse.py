@@ -208,6 +208,14 @@ def _event_line(data: bytes, pos: int, needle: bytes) -> int:
     return at
 
 
+def _last_event_line(data: bytes, needle: bytes) -> int:
+    """Where the last ``event:`` line naming ``needle`` has the name, or -1."""
+    at = data.rfind(needle)
+    while at >= 0 and not _names_event(data, at):
+        at = data.rfind(needle, 0, at)
+    return at
+
+
 def _names_event(data: bytes, at: int) -> bool:
     """Whether the name found at ``at`` is the value of an ``event:`` field: the line starts
     with ``event:`` and one optional space (``data`` begins at a line start)."""
@@ -274,10 +282,12 @@ class LazyFramer:
             pending.append(chunk[cut:])
             self._pending_size = len(chunk) - cut
         self._keep(complete)
-        for needle in self._wanted:
-            if needle in complete:
-                return self._split(complete, self._wanted)
-        return [complete], []
+        # Each name's first event line, found once: the split goes on from there.
+        wanted = self._wanted
+        ahead = [_event_line(complete, 0, needle) for needle in wanted]
+        if max(ahead, default=-1) < 0:
+            return [complete], []
+        return self._split(complete, wanted, ahead)
 
     def want(self, names) -> None:
         """Frame these names too, from the next chunk on (see :meth:`reframe` for the rest of
@@ -314,13 +324,15 @@ class LazyFramer:
         while self._tail_size - len(tail[0]) >= TAIL_BYTES:
             self._tail_size -= len(tail.popleft())
 
-    def _split(self, complete: bytes, needles: list[bytes]) -> tuple[list, list[Event]]:
+    def _split(self, complete: bytes, needles: list[bytes],
+               ahead: list[int] | None = None) -> tuple[list, list[Event]]:
         parts: list = []
         events: list[Event] = []
         pos = 0
         # Each name's next event line: a name is searched for again only once passed, so
         # every name scans the chunk once however many hits the others have.
-        ahead = [_event_line(complete, 0, needle) for needle in needles]
+        if ahead is None:
+            ahead = [_event_line(complete, 0, needle) for needle in needles]
         while True:
             hit = ahead[0] if len(ahead) == 1 else min((at for at in ahead if at >= 0), default=-1)
             if hit < 0:
@@ -332,9 +344,11 @@ class LazyFramer:
             stop = complete.find(b"\n\n", hit) + 2
             if start > pos:
                 parts.append(complete[pos:start])
-            framed = self._decoder.feed(complete[start:stop])
-            parts += framed
-            events += framed
+            # Exactly one whole event, with "\n" line ends (a chunk with a "\r" is framed
+            # whole by the decoder), and nothing held in the decoder: framed as it is.
+            event = Event(complete[start:stop])
+            parts.append(event)
+            events.append(event)
             pos = stop
             for i, at in enumerate(ahead):
                 if 0 <= at < stop:
@@ -355,7 +369,9 @@ class LazyFramer:
         if self._ended:
             return True
         needles = _needles(self._ends)
-        return any(_event_line(part, 0, needle) >= 0 for part in self._tail for needle in needles)
+        # From the end: the ending event is the last one, so the last part usually has it.
+        return any(_last_event_line(part, needle) >= 0 for part in reversed(self._tail)
+                   for needle in needles)
 
     def close(self) -> list[Event]:
         """The events left at the end of the stream (see :meth:`SSEDecoder.close`)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import weakref
 from collections.abc import AsyncIterable, Awaitable, Callable
 
 import aiohttp
@@ -39,6 +40,11 @@ STREAM_ENDS = ("message_stop", "error")
 PING = b'event: ping\ndata: {"type": "ping"}\n\n'
 # One event larger than this means the upstream stopped framing: give up rather than buffer on.
 MAX_EVENT_BYTES = 64 * 1024 * 1024
+# A first read with more than this after its first event has that event sent on its own
+# first; a shorter one goes out whole, in one write, as the bare pass-through sends it:
+# framing that much and running the plugins on it delays the first byte far less than a
+# write of its own costs.
+FIRST_READ_WHOLE = 16384
 
 
 class StreamBroken(Exception):
@@ -161,12 +167,15 @@ class KeepAlive:
     byte). What counts is bytes reaching the client, not bytes arriving from the upstream: a
     translator that holds back a tool call's fragments is silence to the client.
 
-    One timer per stream, every half interval, that compares :attr:`StreamRelay.written`
-    with what it saw last time: the stream's own path does nothing more per event. It never
-    hides a dead upstream (the concern with keep-alives in Wei-Shaw/sub2api PR #1707): the
-    backend's read timeout still ends the stream with ``event: error``."""
+    Every half interval a tick compares :attr:`StreamRelay.written` with what it saw last
+    time: the stream's own path does nothing more per event. The ticks are one timer for
+    every open stream of the same interval (:class:`_Ticker`), not a timer per stream: a
+    stream joins and leaves a set, and its first tick comes within half an interval, which
+    keeps the bound above. It never hides a dead upstream (the concern with keep-alives in
+    Wei-Shaw/sub2api PR #1707): the backend's read timeout still ends the stream with
+    ``event: error``."""
 
-    __slots__ = ("stream", "interval", "loop", "handle", "seen", "quiet", "task", "sent")
+    __slots__ = ("stream", "interval", "loop", "ticker", "seen", "quiet", "task", "sent")
 
     def __init__(self, stream: StreamRelay, interval: float):
         self.stream = stream
@@ -176,10 +185,10 @@ class KeepAlive:
         self.quiet = 0  # ticks without a byte written
         self.task: asyncio.Task | None = None
         self.sent = 0
-        self.handle = self.loop.call_later(interval / 2, self._tick)
+        self.ticker = _Ticker.of(self.loop, interval)
+        self.ticker.join(self)
 
-    def _tick(self) -> None:
-        self.handle = self.loop.call_later(self.interval / 2, self._tick)
+    def tick(self) -> None:
         written = self.stream.written
         if written != self.seen:
             self.seen, self.quiet = written, 0
@@ -206,9 +215,58 @@ class KeepAlive:
         return self.sent * len(PING)
 
     def stop(self) -> None:
-        self.handle.cancel()
+        self.ticker.leave(self)
         if self.task is not None:
             self.task.cancel()
+
+
+class _Ticker:
+    """The one timer of an event loop's streams that share a keep-alive interval: it ticks
+    every half interval while any of them is open, and stops at the first tick that finds
+    none."""
+
+    __slots__ = ("loop", "half", "streams", "handle", "__weakref__")
+    _tickers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, interval: float):
+        self.loop = loop
+        self.half = interval / 2
+        self.streams: dict[KeepAlive, None] = {}  # in the order they joined
+        self.handle: asyncio.TimerHandle | None = None
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop, interval: float) -> _Ticker:
+        try:
+            tickers = cls._tickers.get(loop)
+            if tickers is None:
+                tickers = cls._tickers[loop] = {}
+        except TypeError:  # a loop that takes no weak reference: a ticker per stream
+            return cls(loop, interval)
+        ticker = tickers.get(interval)
+        if ticker is None:
+            ticker = tickers[interval] = cls(loop, interval)
+        return ticker
+
+    def join(self, keepalive: KeepAlive) -> None:
+        self.streams[keepalive] = None
+        if self.handle is None:
+            self.handle = self.loop.call_later(self.half, self._tick)
+
+    def leave(self, keepalive: KeepAlive) -> None:
+        # The timer runs on to its tick, which stops it if no stream has joined since: a
+        # stream that follows another takes no timer of its own.
+        self.streams.pop(keepalive, None)
+
+    def _tick(self) -> None:
+        if not self.streams:
+            self.handle = None
+            return
+        self.handle = self.loop.call_later(self.half, self._tick)
+        for keepalive in list(self.streams):
+            try:
+                keepalive.tick()
+            except Exception:  # one stream's fault must not stop the others' pings
+                log.exception("%s: keep-alive tick failed", keepalive.stream.exchange.id)
 
 
 def error_event(message: str, kind: str = "api_error") -> bytes:
@@ -219,14 +277,15 @@ def error_event(message: str, kind: str = "api_error") -> bytes:
 async def pump(stream: StreamRelay, chunks: AsyncIterable[bytes],
                translator: Translator | None = None) -> None:
     """Feed the upstream's ``chunks`` into ``stream`` through ``translator`` (the format's
-    stage, when it has one), then finish it. The first read is cut after its first event,
-    which goes out before the rest of that read is translated or scanned: time to first byte
-    must not grow with how much the upstream managed to send before the relay read."""
+    stage, when it has one), then finish it. A long first read is cut after its first
+    event, which goes out before the rest of that read is translated or scanned: time to
+    first byte must not grow with how much the upstream managed to send before the relay
+    read (a short one goes out whole: see :data:`FIRST_READ_WHOLE`)."""
     reads = chunks.__aiter__()
     stage = translator.feed if translator is not None else None
     async for chunk in reads:
         cut = chunk.find(b"\n\n") + 2
-        if 1 < cut < len(chunk):
+        if 1 < cut < len(chunk) - FIRST_READ_WHOLE:
             await stream.feed(stage(chunk[:cut]) if stage is not None else chunk[:cut])
             chunk = chunk[cut:]
         await stream.feed(stage(chunk) if stage is not None else chunk)

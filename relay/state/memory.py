@@ -15,6 +15,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import orjson
+
 from . import Count, Counter, Slot, State, Taken, window
 
 MAX_ROWS = 100_000
@@ -33,7 +35,10 @@ class MemoryState(State):
         self._ends: list[tuple[int, str, int]] = []  # (window end, name, start): a heap
         self._slots: dict[str, dict[str, float]] = {}  # name -> token -> lease end
         self._tokens = itertools.count()
-        self._rows: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        # id -> (time, the row as JSON): up to 100,000 rows as dicts of dicts and lists would
+        # be millions of objects for every full pass of the garbage collector to walk; bytes
+        # and floats are not walked at all.
+        self._rows: OrderedDict[str, tuple[float, bytes]] = OrderedDict()
         self._keys: dict[str, dict[str, Any]] = {}
         self._version = 0
         self._kv: OrderedDict[tuple[str, str], tuple[float, bytes]] = OrderedDict()
@@ -121,10 +126,10 @@ class MemoryState(State):
     async def record(self, rows: Sequence[dict[str, Any]]) -> None:
         for row in rows:
             if row["id"] not in self._rows:
-                self._rows[row["id"]] = dict(row)
+                self._rows[row["id"]] = (row["time"], orjson.dumps(row))
         oldest = time.time() - self.retention
         while self._rows and (len(self._rows) > self.max_rows
-                              or next(iter(self._rows.values()))["time"] < oldest):
+                              or next(iter(self._rows.values()))[0] < oldest):
             self._rows.popitem(last=False)
 
     async def rows(self, since: float | None = None, until: float | None = None,
@@ -132,14 +137,15 @@ class MemoryState(State):
                    newest_first: bool = False) -> list[dict[str, Any]]:
         found = []
         ordered = reversed(self._rows.values()) if newest_first else self._rows.values()
-        for row in ordered:
-            if since is not None and row["time"] < since:
+        for at, data in ordered:
+            if since is not None and at < since:
                 continue
-            if until is not None and row["time"] >= until:
+            if until is not None and at >= until:
                 continue
+            row = orjson.loads(data)
             if where and any(row.get(k) != v for k, v in where.items()):
                 continue
-            found.append(dict(row))
+            found.append(row)
             if limit is not None and len(found) >= limit:
                 break
         return found

@@ -175,7 +175,7 @@ async def request_benchmarks(state, pipeline, count: int, seconds: float) -> dic
                                       ("unchanged_ascii", "history_unique_ascii", False)):
         raw = workloads.body(kind)
 
-        async def prepare():
+        async def prepare(raw=raw):
             return await prepare_exchange(state, method="POST", path="/v1/messages", query="",
                                           headers=next(fresh), raw_body=raw)
 
@@ -378,7 +378,7 @@ async def sse_benchmarks(state, count: int, seconds: float) -> dict:
     budget = Budget(count * 10, seconds)
     cpu = process_time()
     while budget.more():
-        Event(delta).data
+        _ = Event(delta).data
         budget.done += 1
     out["event_parse_json_us"] = (process_time() - cpu) / budget.done * 1e6
     return out

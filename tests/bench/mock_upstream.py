@@ -124,13 +124,13 @@ def _framed(events: tuple, per_send: int) -> tuple[bytes, tuple[bytes, ...]]:
     return events[0], tuple(b"%x\r\n%s\r\n" % (len(g), g) for g in groups)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def framed_stream(n: int, per_send: int = 1) -> tuple[bytes, tuple[bytes, ...]]:
     """The first event, and the others ``per_send`` at a time as HTTP/1.1 chunks."""
     return _framed(workloads.sse_events(n), per_send)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def framed_chat_stream(n: int, per_send: int = 1) -> tuple[bytes, tuple[bytes, ...]]:
     return _framed(workloads.chat_chunks(n), per_send)
 

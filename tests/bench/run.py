@@ -126,7 +126,10 @@ class Tally:
 
     def stats(self, proxy: str | None) -> dict:
         ok = len(self.latencies)
-        per = (lambda name: r(self.cpu.get(name, 0) / ok * 1000, 4) if ok else None)
+
+        def per(name):
+            return r(self.cpu.get(name, 0) / ok * 1000, 4) if ok else None
+
         out = {
             "requests": ok, "errors": self.errors, "first_error": self.first_error,
             "elapsed_s": r(self.elapsed), "rps": r(ok / self.elapsed, 1) if self.elapsed else None,
@@ -382,7 +385,7 @@ class Bench:
         out = {}
         for workload, (count, seconds) in runs.items():
             tallies = {name: Tally() for name in urls}
-            for name, url in urls.items():  # warm: both workers see requests
+            for url in urls.values():  # warm: both workers see requests
                 self.load.call(op="run", url=url, workload=workload, concurrency=32, count=64,
                                seconds=5)
             cpu_ratios, rps_ratios = [], []

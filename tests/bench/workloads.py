@@ -13,7 +13,6 @@ import random
 import string
 
 import orjson
-
 from relay_builtins import portable
 
 MODEL = "claude-sonnet-4-5-20250929"
@@ -161,7 +160,7 @@ def history_request(reuse: bool, result_size: int | None = None, ascii_only: boo
             "messages": history_messages(reuse, result_size or RESULT_SIZE, ascii_only)}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def body(kind: str) -> bytes:
     """A request body by name: small, small_stream, history_reused, history_unique, ..."""
     if kind == "small":
@@ -192,7 +191,7 @@ def body(kind: str) -> bytes:
     raise KeyError(kind)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def session_bodies() -> tuple[bytes, ...]:
     """The requests of a growing session: the unique history up to each of its last
     SESSION_REQUESTS user messages (the last is the 500-message history), each with a
@@ -242,7 +241,7 @@ def text_delta(text: str, index: int = 0) -> bytes:
                                          "delta": {"type": "text_delta", "text": text}})
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def sse_events(n: int) -> tuple:
     """A stream of exactly ``n`` (>= 10) events: message_start, a ping, a text block, a
     tool_use block with input_json_delta fragments, message_delta, message_stop."""
@@ -294,7 +293,7 @@ def chat_text_delta(text: str) -> bytes:
     return chat_chunk({"content": text})
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def chat_chunks(n: int) -> tuple:
     """The stream of :func:`sse_events` as an OpenAI-format server sends it, in exactly ``n``
     (>= 10) sends: a role chunk, text deltas, a tool call whose arguments come in fragments,
