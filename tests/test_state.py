@@ -118,6 +118,21 @@ async def test_the_ledger_keeps_one_row_per_id(state):
                                               newest_first=True)] == ["ex5", "ex3"]
 
 
+async def test_the_memory_ledger_keeps_the_newest_rows_within_its_count_and_bytes():
+    from relay.state.memory import MemoryState
+
+    row = {"id": "", "time": time.time(), "key": "a", "timeline": ["x" * 900]}
+    size = len(orjson.dumps(dict(row, id="ex000")))
+    by_bytes = MemoryState(max_row_bytes=10 * size)
+    by_count = MemoryState(max_rows=7)
+    for n in range(40):
+        await by_bytes.record([dict(row, id=f"ex{n:03d}")])
+        await by_count.record([dict(row, id=f"ex{n:03d}")])
+    assert [r["id"] for r in await by_bytes.rows()] == [f"ex{n:03d}" for n in range(30, 40)]
+    assert [r["id"] for r in await by_count.rows()] == [f"ex{n:03d}" for n in range(33, 40)]
+    assert by_bytes._row_bytes == 10 * size
+
+
 async def test_keys_carry_a_version_that_changes_with_each_change(state):
     before = await state.keys_version()
     await state.put_key({"name": "team-a", "hash": "a" * 64, "limits": {"rpm": 10}})

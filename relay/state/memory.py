@@ -3,7 +3,9 @@ replicas), and the reference the other backends are tested against.
 
 Everything is bounded: a counter lives until its window ends, a slot until it is released
 or its lease runs out, a key-value entry until its expiry, and the ledger keeps at most
-``max_rows`` rows (the oldest go first) within the retention.
+``max_rows`` rows and ``max_row_bytes`` of them as JSON (the oldest go first) within the
+retention: this process's memory is no place for months of rows, which the SQLite and Redis
+backends keep.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import orjson
 from . import Count, Counter, Slot, State, Taken, window
 
 MAX_ROWS = 100_000
+MAX_ROW_BYTES = 32 * 1024 * 1024
 MAX_ENTRIES = 200_000
 
 
@@ -27,8 +30,10 @@ class MemoryState(State):
     kind = "memory"
 
     def __init__(self, max_rows: int = MAX_ROWS, max_entries: int = MAX_ENTRIES,
-                 retention_days: int = 90):
+                 retention_days: int = 90, max_row_bytes: int = MAX_ROW_BYTES):
         self.max_rows = max_rows
+        self.max_row_bytes = max_row_bytes
+        self._row_bytes = 0
         self.max_entries = max_entries
         self.retention = retention_days * 86400
         self._counts: dict[tuple[str, int], int] = {}
@@ -126,11 +131,14 @@ class MemoryState(State):
     async def record(self, rows: Sequence[dict[str, Any]]) -> None:
         for row in rows:
             if row["id"] not in self._rows:
-                self._rows[row["id"]] = (row["time"], orjson.dumps(row))
+                data = orjson.dumps(row)
+                self._rows[row["id"]] = (row["time"], data)
+                self._row_bytes += len(data)
         oldest = time.time() - self.retention
         while self._rows and (len(self._rows) > self.max_rows
+                              or self._row_bytes > self.max_row_bytes
                               or next(iter(self._rows.values()))[0] < oldest):
-            self._rows.popitem(last=False)
+            self._row_bytes -= len(self._rows.popitem(last=False)[1][1])
 
     async def rows(self, since: float | None = None, until: float | None = None,
                    where: dict[str, Any] | None = None, limit: int | None = None,
