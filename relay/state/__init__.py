@@ -117,11 +117,14 @@ class Counter:
 @dataclasses.dataclass(frozen=True, slots=True)
 class Slot:
     """A concurrency slot to take: at most ``limit`` held under ``name`` at once; a slot not
-    released within ``lease`` seconds is given back by itself."""
+    released within ``lease`` seconds is given back by itself. ``units`` slots are taken
+    under the one release token (a block, :mod:`relay.state.lease`), when that many are
+    free."""
 
     name: str
     limit: int
     lease: float = 900.0
+    units: int = 1
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -271,6 +274,9 @@ async def open_state(options: dict[str, Any] | None = None) -> State:
     else:
         raise ConfigError(f"state.url: {url!r} names no state backend this relay has "
                           f"(sqlite:///PATH, redis://HOST:PORT/DB, rediss://...)")
+    if url:  # a shared store: what is far from its limits is spent in memory
+        from .lease import LeasedState
+        state = LeasedState(state)
     state.on_unavailable = options.get("on_unavailable", "open")
     state.timeout = timeout
     return state

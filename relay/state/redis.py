@@ -70,8 +70,9 @@ GRACE_SECONDS = 5
 # releases, rows, counters, slots), then per batch its number of adds, how long its id is
 # kept and per add the amount and expiry (epoch s), per release its token, per row its id,
 # time and body, per counter its limit (-1: none), amount and expiry, per slot its limit,
-# lease end and token. Returns {granted, blocked (1-based among counters then slots, 0:
-# none), slot retry (a string), used...}: the counts before the take.
+# lease end, token and units (a token of several units, a block, ends in ``*UNITS``).
+# Returns {granted, blocked (1-based among counters then slots, 0: none), slot retry (a
+# string), used...}: the counts before the take.
 SCRIPT = """
 local now, retention = tonumber(ARGV[1]), tonumber(ARGV[2])
 local nbatches, nrel, nrows = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
@@ -119,7 +120,12 @@ local sk, sa = k + nc, a + 3 * nc
 for s = 0, ns - 1 do
   local key = KEYS[sk + s]
   redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
-  if redis.call('ZCARD', key) >= tonumber(ARGV[sa + 3 * s]) then
+  local held = 0
+  for _, member in ipairs(redis.call('ZRANGE', key, 0, -1)) do
+    local star = string.find(member, '*', 1, true)
+    held = held + (star and tonumber(string.sub(member, star + 1)) or 1)
+  end
+  if held + tonumber(ARGV[sa + 4 * s + 3]) > tonumber(ARGV[sa + 4 * s]) then
     local oldest = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
     return {0, nc + s + 1, tostring(tonumber(oldest[2]) - now), unpack(used)}
   end
@@ -132,8 +138,8 @@ for c = 0, nc - 1 do
   end
 end
 for s = 0, ns - 1 do
-  local key, lease = KEYS[sk + s], tonumber(ARGV[sa + 3 * s + 1])
-  redis.call('ZADD', key, lease, ARGV[sa + 3 * s + 2])
+  local key, lease = KEYS[sk + s], tonumber(ARGV[sa + 4 * s + 1])
+  redis.call('ZADD', key, lease, ARGV[sa + 4 * s + 2])
   local ttl = math.ceil((lease - now) * 1000)
   if redis.call('PTTL', key) < ttl then
     redis.call('PEXPIRE', key, ttl)
@@ -435,10 +441,12 @@ class RedisState(State):
             args += [-1 if counter.limit is None else counter.limit, counter.amount,
                      end + GRACE_SECONDS]
             ends.append(end)
-        tokens = tuple(f"{self._prefix}{next(self._tokens):x}" for _ in slots)
+        # A block's units are in its token: what the script adds up.
+        tokens = tuple(f"{self._prefix}{next(self._tokens):x}"
+                       + (f"*{slot.units}" if slot.units != 1 else "") for slot in slots)
         for slot, token in zip(slots, tokens, strict=True):
             keys.append(_slot_key(slot.name))
-            args += [slot.limit, now + slot.lease, token]
+            args += [slot.limit, now + slot.lease, token, slot.units]
         try:
             # The take's own clock: a caller's ``now`` decides its windows and leases.
             reply = await self._script(keys, args, len(counters), len(slots), now=now)

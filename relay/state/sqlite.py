@@ -60,7 +60,8 @@ SCHEMA = (
     "CREATE TABLE IF NOT EXISTS counters (name TEXT NOT NULL, start INTEGER NOT NULL, "
     "end INTEGER NOT NULL, used INTEGER NOT NULL, PRIMARY KEY (name, start)) WITHOUT ROWID",
     "CREATE TABLE IF NOT EXISTS slots (name TEXT NOT NULL, token TEXT NOT NULL, "
-    "until REAL NOT NULL, PRIMARY KEY (name, token)) WITHOUT ROWID",
+    "until REAL NOT NULL, units INTEGER NOT NULL DEFAULT 1, PRIMARY KEY (name, token)) "
+    "WITHOUT ROWID",
     "CREATE TABLE IF NOT EXISTS ledger (id TEXT PRIMARY KEY, time REAL NOT NULL, "
     "row BLOB NOT NULL)",
     "CREATE INDEX IF NOT EXISTS ledger_time ON ledger (time)",
@@ -172,6 +173,10 @@ class SQLiteState(State):
             db.execute("BEGIN IMMEDIATE")
             for statement in SCHEMA:
                 db.execute(statement)
+            # A file made before slots were taken in blocks: each of its slots is one.
+            if not any(column[1] == "units"
+                       for column in db.execute("PRAGMA table_info(slots)")):
+                db.execute("ALTER TABLE slots ADD COLUMN units INTEGER NOT NULL DEFAULT 1")
             db.execute("INSERT OR IGNORE INTO meta (name, value) VALUES ('keys_version', 0)")
             db.execute("COMMIT")
         finally:
@@ -495,9 +500,10 @@ class SQLiteState(State):
                 return Taken(False, _counted(counters, looked), blocked=counter.name)
         for slot in slots:
             # A lease run out is not held (the sweep deletes it later).
-            held, oldest = db.execute("SELECT COUNT(*), MIN(until) FROM slots WHERE name = ? "
-                                      "AND until > ?", (slot.name, now)).fetchone()
-            if held >= slot.limit:
+            held, oldest = db.execute("SELECT TOTAL(units), MIN(until) FROM slots "
+                                      "WHERE name = ? AND until > ?", (slot.name, now)
+                                      ).fetchone()
+            if held + slot.units > slot.limit:
                 return Taken(False, _counted(counters, looked), blocked=slot.name,
                              slot_retry=max(0.0, (oldest or now) - now))
         adding = [(counter.name, start, end, counter.amount)
@@ -507,8 +513,8 @@ class SQLiteState(State):
             db.executemany(ADD, adding)
         tokens = tuple(f"{self._prefix}{next(self._tokens):x}" for _ in slots)
         if slots:
-            db.executemany("INSERT INTO slots (name, token, until) VALUES (?, ?, ?)",
-                           [(slot.name, token, now + slot.lease)
+            db.executemany("INSERT INTO slots (name, token, until, units) VALUES (?, ?, ?, ?)",
+                           [(slot.name, token, now + slot.lease, slot.units)
                             for slot, token in zip(slots, tokens, strict=True)])
         return Taken(True, tuple(Count(counter.name, used + counter.amount, counter.limit, end)
                                  for counter, (_, end, used)
