@@ -61,6 +61,8 @@ MAX_BLOCK = 64
 VIEW_SECONDS = 1.0
 VIEW_MARGIN = 8
 IDLE_SECONDS = 1.0
+# Adds to counters far from their limits reach the store within this (nearer ones at once).
+WRITE_SECONDS = 0.05
 BLOCK_SECONDS = 60.0
 # Windows and blocks this process keeps (keys times models): past that the oldest views go.
 MAX_WINDOWS = 10_000
@@ -118,6 +120,9 @@ class LeasedState(State):
         self._tokens = itertools.count()
         self._timer: asyncio.TimerHandle | None = None
         self._background: set[asyncio.Task] = set()
+        # Adds far from their limits, summed here for WRITE_SECONDS: (name, per, start)
+        self._adds: dict[tuple[str, str, int], int] = {}
+        self._flusher: asyncio.TimerHandle | None = None
 
     # The operator's choices and the counts live on the backend.
     @property
@@ -253,6 +258,8 @@ class LeasedState(State):
             seen.refilling = True
         self._refilling.update(refilling)
         try:
+            if self._adds:  # the store decides with this process's own adds
+                await self._flush_adds()
             taken = await self.inner.take(asked, wanted, wall)
             if not taken.granted and leased:
                 # Refused with a lease: asked again for the request alone, so that no
@@ -311,13 +318,36 @@ class LeasedState(State):
     # --- what owes no answer ---
 
     async def add(self, counters: Iterable[Counter], now: float | None = None) -> None:
-        counters = list(counters)
         wall = time.time() if now is None else now
+        urgent = []
         for counter in counters:
             seen = self._windows.get((counter.name, counter.per))
-            if seen is not None and seen.start <= wall < seen.end:
-                seen.used += counter.amount
-        await self.inner.add(counters, now)
+            if seen is None or not seen.start <= wall < seen.end:
+                urgent.append(counter)
+                continue
+            seen.used += counter.amount
+            if counter.limit is not None and \
+                    seen.used * VIEW_MARGIN >= counter.limit * (VIEW_MARGIN - 1):
+                urgent.append(counter)  # near its limit: the others must know soon
+                continue
+            key = (counter.name, counter.per, seen.start)
+            self._adds[key] = self._adds.get(key, 0) + counter.amount
+            if self._flusher is None:
+                self._flusher = asyncio.get_running_loop().call_later(
+                    WRITE_SECONDS, self._flush_soon)
+        if urgent:
+            await self.inner.add(urgent, wall)
+
+    def _flush_soon(self) -> None:
+        self._flusher = None
+        self._in_background(self._flush_adds())
+
+    async def _flush_adds(self) -> None:
+        """What this process added far from the limits, to the store (write-behind)."""
+        adds, self._adds = self._adds, {}
+        for (name, per, start), amount in adds.items():
+            if amount:
+                await self.inner.add([Counter(name, per, amount=amount)], start)
 
     async def release(self, name: str, token: str) -> None:
         block = self._local.pop(token, None)
@@ -387,6 +417,7 @@ class LeasedState(State):
 
     async def counts(self, counters: Iterable[Counter], now: float | None = None
                      ) -> list[Count]:
+        await self._flush_adds()
         return await self.inner.counts(counters, now)
 
     async def record(self, rows: Sequence[dict[str, Any]]) -> None:
@@ -416,10 +447,12 @@ class LeasedState(State):
         await self.inner.delete(namespace, keys)
 
     async def close(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        for timer in (self._timer, self._flusher):
+            if timer is not None:
+                timer.cancel()
+        self._timer = self._flusher = None
         try:
+            await self._flush_adds()
             await self._give_back(time.monotonic(), everything=True)
             for block in list(self._draining):
                 self._draining.discard(block)

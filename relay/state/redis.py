@@ -6,7 +6,7 @@ One request costs one round trip: :meth:`RedisState.take` is one Lua script (che
 taken at once for every counter and slot, so replicas racing for the last unit cannot both
 win), and what needs no answer (:meth:`add`, :meth:`release`, :meth:`record`) is queued and
 goes in the same script call as the next take (or ahead of the next other call), or in the
-background within ``LINGER`` seconds.
+background within ``LINGER`` seconds (``ROW_LINGER`` while only ledger rows wait).
 
 Where things live (every key under ``relay:``): a counter is a string per window
 (``INCRBY``), expiring at its window's end, and the adds come in batches whose ids are kept
@@ -43,6 +43,7 @@ log = logging.getLogger("relay.state")
 
 PREFIX = "relay:"
 LINGER = 0.005
+ROW_LINGER = 0.05  # while only ledger rows wait for the background flush
 BATCH_SECONDS = 600
 MAX_PENDING = 10_000
 # Rows a call carries along; the background flush takes up to ROW_BATCH at a time.
@@ -598,10 +599,16 @@ class RedisState(State):
 
     async def _flush_loop(self) -> None:
         pause = DOWN_SECONDS
+        waited = 0.0
         while self._has_queued():
             await asyncio.sleep(LINGER)
+            waited += LINGER
             if not self._has_queued():
                 break  # a call carried it meanwhile
+            if not (self._adds or self._unsure or self._releases) and waited < ROW_LINGER \
+                    and len(self._pending) < ROW_BATCH:
+                continue  # only ledger rows: more of them share the round trip
+            waited = 0.0
             try:
                 await self._flush()
                 pause = DOWN_SECONDS

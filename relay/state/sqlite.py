@@ -10,8 +10,9 @@ The event loop never waits for SQLite. Every statement runs in one thread of thi
 own (``SQLiteState._work``), which takes whatever queued meanwhile into one transaction:
 under load, many requests' takes share one commit. What needs no answer (:meth:`add`,
 :meth:`release`, :meth:`record`) is only queued; the next transaction carries it, within
-``LINGER`` seconds when nothing else wakes the thread, and before any later call of the same
-process, so a process always reads its own writes. A call that gets no answer within
+``LINGER`` seconds when nothing else wakes the thread (``ROW_LINGER`` while only ledger rows
+wait: dozens of rows share a commit), and before any later call of the same process, so a
+process always reads its own writes. A call that gets no answer within
 ``timeout`` raises :class:`~relay.state.Unavailable` (and for ``DOWN_SECONDS`` after a
 failure every call does so at once); if the thread still grants it later, the take is undone
 (its slots released, its amounts taken back). The ledger is read (:meth:`rows`) on another
@@ -44,8 +45,11 @@ from . import Count, Counter, Slot, State, Taken, Unavailable, window
 
 log = logging.getLogger("relay.state")
 
-# What waits with no answer owed is written at most this long after it was queued.
+# What waits with no answer owed is written at most this long after it was queued: counts
+# and releases soon (other processes decide by them), ledger rows in fewer, bigger
+# transactions.
 LINGER = 0.005
+ROW_LINGER = 0.05
 SWEEP_SECONDS = 60.0
 MAX_PENDING = 10_000
 # Ledger rows one transaction writes (a backlog after an outage goes in several).
@@ -129,8 +133,12 @@ class SQLiteState(State):
         self._calls: list[_Call] = []
         self._adds: dict[tuple[str, int], list[int]] = {}  # (name, start) -> [end, amount]
         self._releases: list[tuple[str, str]] = []
-        self._pending: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
+        # Ledger rows waiting for the file, by id: (time, the row encoded). Encoded at once,
+        # so that what waits is two plain values a row, never a tree of objects.
+        self._pending: collections.OrderedDict[str, tuple[float, bytes]] = \
+            collections.OrderedDict()
         self._queued_since: float | None = None  # when work with no answer owed first waited
+        self._urgent = False  # and whether it holds more than ledger rows
         self._stopping = False
         self._down_until = 0.0  # monotonic; set by either thread (a float: one store)
         self._idle = False  # the worker sleeps until woken (or the next sweep)
@@ -244,12 +252,16 @@ class SQLiteState(State):
         self._queue_adds([Counter(c.name, c.per, amount=-c.amount) for c in counters if c.amount],
                          now)
 
-    def _queued(self) -> None:
-        """Work with no answer owed waits: the worker, woken if it sleeps, lingers for more."""
+    def _queued(self, urgent: bool = True) -> None:
+        """Work with no answer owed waits: the worker, woken if it sleeps, lingers for more
+        (``LINGER``, or ``ROW_LINGER`` while it is only ledger rows)."""
         if self._queued_since is None:
             self._queued_since = time.monotonic()
             if self._idle:
                 self._wake.notify()
+        if urgent and not self._urgent:
+            self._urgent = True
+            self._wake.notify()
 
     def _queue_adds(self, counters: Iterable[Counter], now: float | None) -> None:
         now = time.time() if now is None else now
@@ -303,14 +315,16 @@ class SQLiteState(State):
 
     async def record(self, rows: Sequence[dict[str, Any]]) -> None:
         dropped = 0
+        encoded = list(encode_rows(rows))
         with self._wake:
             pending = self._pending
-            for row in rows:
-                pending.setdefault(row["id"], dict(row))
+            for row_id, entry in encoded:
+                if row_id not in pending:
+                    pending[row_id] = entry
             while len(pending) > MAX_PENDING:
                 pending.popitem(last=False)
                 dropped += 1
-            self._queued()
+            self._queued(urgent=len(pending) >= ROW_BATCH)
         if dropped:
             self._dropped += dropped
             log.warning("state %s: %d ledger rows dropped (%d waited for the file already)",
@@ -366,7 +380,7 @@ class SQLiteState(State):
                     if now >= next_sweep:
                         break
                     if self._queued_since is not None:
-                        due = self._queued_since + LINGER
+                        due = self._queued_since + (LINGER if self._urgent else ROW_LINGER)
                         if now >= due:
                             break
                     elif now < quiet_until:
@@ -386,6 +400,7 @@ class SQLiteState(State):
                 backlog = list(itertools.islice(self._pending.items(), None,
                                                 None if flush else ROW_BATCH))
                 self._queued_since = None
+                self._urgent = False
             if calls or adds or releases or backlog:
                 try:
                     if db is None:
@@ -418,7 +433,7 @@ class SQLiteState(State):
 
     def _transaction(self, db: sqlite3.Connection, calls: list[_Call],
                      adds: dict[tuple[str, int], list[int]], releases: list[tuple[str, str]],
-                     backlog: list[tuple[str, dict[str, Any]]]) -> list[tuple[Any, Any]]:
+                     backlog: list[tuple[str, tuple[float, bytes]]]) -> list[tuple[Any, Any]]:
         db.execute("BEGIN IMMEDIATE")
         try:
             if adds:
@@ -428,7 +443,7 @@ class SQLiteState(State):
                 db.executemany("DELETE FROM slots WHERE name = ? AND token = ?", releases)
             if backlog:
                 db.executemany("INSERT OR IGNORE INTO ledger (id, time, row) VALUES (?, ?, ?)",
-                               list(_encoded(backlog)))
+                               [(key, when, data) for key, (when, data) in backlog])
             answers: list[tuple[Any, Any]] = []
             for call in calls:
                 try:
@@ -467,12 +482,15 @@ class SQLiteState(State):
         if db is not None:
             db.close()  # a file replaced or repaired meanwhile is opened afresh
 
-    def _landed(self, backlog: list[tuple[str, dict[str, Any]]]) -> None:
+    def _landed(self, backlog: list[tuple[str, tuple[float, bytes]]]) -> None:
         if backlog:
             with self._wake:
                 for key, row in backlog:
                     if self._pending.get(key) is row:
                         del self._pending[key]
+                if self._pending and self._queued_since is None:  # a backlog's next batch
+                    self._queued_since = time.monotonic()
+                    self._urgent = True
 
     def _sweep(self, db: sqlite3.Connection) -> None:
         now = time.time()
@@ -613,12 +631,14 @@ def _counted(counters: Sequence[Counter], looked: list[tuple[int, int, int]]
                  for counter, (_, end, used) in zip(counters, looked, strict=True))
 
 
-def _encoded(backlog: list[tuple[str, dict[str, Any]]]):
-    for key, row in backlog:
+def encode_rows(rows: Iterable[dict[str, Any]]):
+    """Each ledger row as ``(id, (time, JSON))``; a row that cannot be encoded is a caller's
+    bug: that row alone goes, logged."""
+    for row in rows:
         try:
-            yield key, float(row["time"]), orjson.dumps(row)
-        except (TypeError, ValueError, KeyError) as e:  # a caller's bug: that row alone goes
-            log.warning("ledger row %s cannot be stored: %s", key, e)
+            yield row["id"], (float(row["time"]), orjson.dumps(row))
+        except (TypeError, ValueError, KeyError) as e:
+            log.warning("ledger row %s cannot be stored: %s", row.get("id"), e)
 
 
 def _soon(loop: asyncio.AbstractEventLoop, callback: Callable, *args: Any) -> None:
