@@ -45,8 +45,9 @@ async def test_far_from_its_limits_a_take_asks_the_store_rarely(url):
         rpm = Counter("k:rpm", "minute", limit=10**9)
         budget = Counter("k:usd", "day", limit=10**12, amount=0)
         slot = Slot("k:slots", 10**6)
+        every = Counter("k:requests", "day")  # counted, never refused
         for _ in range(200):
-            taken = await state.take([budget, rpm], [slot], now=BASE + 1)
+            taken = await state.take([budget, rpm, every], [slot], now=BASE + 1)
             assert taken.granted
             await state.release(slot.name, taken.tokens[0])
             await state.add([Counter("k:usd", "day", amount=5)], now=BASE + 1)
@@ -54,6 +55,7 @@ async def test_far_from_its_limits_a_take_asks_the_store_rarely(url):
         # What the client is told counts every request and every add of this process.
         assert taken.counts[1].used == 200
         assert taken.counts[0].used == 5 * 199
+        assert [c.used for c in await state.counts([every], now=BASE + 1)] == [200]
     finally:
         await state.close()
 

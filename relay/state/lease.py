@@ -190,17 +190,19 @@ class LeasedState(State):
         if not fast:
             return await self._ask(counters, slots, wall, clock)
         counts = []
+        counted = None  # amounts without a limit: only added
         for counter, seen in zip(counters, found, strict=True):
             if counter.amount:
                 if counter.limit is None:
-                    seen.used += counter.amount
+                    counted = [*(counted or ()), counter]
                 else:
                     seen.room -= counter.amount
                     seen.last = clock
-            counts.append(Count(counter.name, seen.used - seen.room, counter.limit, seen.end))
-        if any(c.amount and c.limit is None for c in counters):
-            await self.inner.add([c for c in counters if c.amount and c.limit is None], wall)
-        return Taken(True, tuple(counts), tuple(self._occupy(block, clock) for block in blocks))
+            counts.append(Count(counter.name, seen.used - seen.room + (
+                counter.amount if counter.limit is None else 0), counter.limit, seen.end))
+        if counted:
+            await self.add(counted, wall)
+        return Taken(True, tuple(counts), tuple([self._occupy(block, clock) for block in blocks]))
 
     def _occupy(self, block: _Block, clock: float) -> str:
         block.inflight += 1
