@@ -190,3 +190,21 @@ async def test_with_redis_a_request_near_its_limits_is_one_round_trip(redis_serv
         assert (await state.counts([Counter("k:otpm", "minute")], now=now))[0].used == 70
     finally:
         await state.close()
+
+
+async def test_a_request_refused_by_a_limit_without_a_lease_asks_once(url):
+    """A budget spent refuses every request; a lease the take asked for alongside is no
+    reason to ask again (with Redis: still one round trip a request)."""
+    state = await open_state({"url": url})
+    try:
+        rpm = Counter("k:rpm", "minute", limit=10**6)
+        budget = Counter("k:usd", "day", limit=100, amount=0)
+        assert (await state.take([budget, rpm], now=BASE + 1)).granted
+        await state.add([Counter("k:usd", "day", limit=100, amount=150)], now=BASE + 1)
+        counting = Counting(state)
+        for _ in range(5):
+            refused = await state.take([budget, rpm], now=BASE + 1)
+            assert not refused.granted and refused.blocked == "k:usd"
+        assert counting.takes == 5
+    finally:
+        await state.close()

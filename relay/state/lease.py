@@ -253,7 +253,6 @@ class LeasedState(State):
             if slot.name not in self._refilling:
                 size = max(1, min(lease_size(slot.limit), MAX_BLOCK))
             wanted.append(Slot(slot.name, slot.limit, slot.lease, size))
-        leased = any(leases) or any(slot.units > 1 for slot in wanted)
         refilling = [slot.name for slot in wanted if slot.units > 1]
         marked = [seen for seen, lease in zip(windows, leases, strict=True) if lease]
         for seen in marked:
@@ -263,7 +262,9 @@ class LeasedState(State):
             if self._adds:  # the store decides with this process's own adds
                 await self._flush_adds()
             taken = await self.inner.take(asked, wanted, wall)
-            if not taken.granted and leased:
+            leasing = {c.name for c, lease in zip(counters, leases, strict=True) if lease}
+            leasing.update(refilling)
+            if not taken.granted and taken.blocked in leasing:
                 # Refused with a lease: asked again for the request alone, so that no
                 # request is refused for the sake of a lease.
                 self._seen(windows, taken, time.monotonic())
