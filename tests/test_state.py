@@ -95,6 +95,22 @@ async def test_slots_are_held_until_released_or_their_lease_runs_out(state):
     assert (await state.take([], [slot], now=BASE + 31.5)).granted
 
 
+async def test_slots_taken_as_a_block_count_each_unit(state):
+    """A block (``units`` slots under one token) is taken only when all its units are free,
+    counts them all while held, and gives them all back at once."""
+    store = getattr(state, "inner", state)  # the backend itself, not the leases in front
+    block = Slot("key:a:concurrent", limit=4, lease=30, units=3)
+    one = Slot("key:a:concurrent", limit=4, lease=30)
+    taken = await store.take([], [block], now=BASE)
+    assert taken.granted
+    assert not (await store.take([], [Slot(one.name, 4, 30, units=2)], now=BASE)).granted
+    single = await store.take([], [one], now=BASE)
+    assert single.granted
+    assert not (await store.take([], [one], now=BASE)).granted  # 3 + 1 of 4
+    await store.release(block.name, taken.tokens[0])
+    assert (await store.take([], [block], now=BASE)).granted
+
+
 async def test_a_slot_refused_takes_no_counter(state):
     rpm = Counter("key:a:rpm", "minute", limit=10)
     slot = Slot("key:a:concurrent", limit=1)
