@@ -21,7 +21,9 @@ One :class:`State` per running relay, opened from relay.yaml's ``state:`` sectio
 Where the state lives is the backend's business: :class:`relay.state.memory.MemoryState` (one
 process; the default), :class:`relay.state.sqlite.SQLiteState` (``sqlite:///PATH``: one file
 for the workers of one host), :class:`relay.state.redis.RedisState` (``redis://``: replicas
-on several hosts). Each method is one round trip at most. :meth:`State.add`,
+on several hosts); :func:`open_state` puts :class:`relay.state.lease.LeasedState` in front
+of the shared ones, so that what is far from its limits is spent in memory. Each method is
+one round trip at most. :meth:`State.add`,
 :meth:`State.release` and :meth:`State.record` owe no answer: the shared backends queue them
 and send them with the next call (or within milliseconds), so they cost a request next to
 nothing; a process always reads its own writes.

@@ -27,7 +27,10 @@ backends (the memory backend is this process's already). For each :meth:`take`:
 
 A take that must ask the store asks once, for everything the request needs (and the lease it
 may take with it); when a lease or block was refused, it is asked again without them, so that
-a request is never refused for the sake of a lease. What a process leased and does not use is
+a request is never refused for the sake of a lease. What :meth:`add` adds to a counter far
+from its limit is summed here and written behind within ``WRITE_SECONDS`` (before any take
+or count this process asks the store for, so it reads its own writes); near its limit it
+goes to the backend at once. What a process leased and does not use is
 given back after ``IDLE_SECONDS`` without a request (and at :meth:`close`); a process that
 dies holding some loses the rest of that window (a minute) and its blocks' leases.
 
