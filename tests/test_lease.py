@@ -208,3 +208,28 @@ async def test_a_request_refused_by_a_limit_without_a_lease_asks_once(url):
         assert counting.takes == 5
     finally:
         await state.close()
+
+
+async def test_a_lease_whose_request_was_given_up_is_kept_not_lost(url):
+    """The client gone while its take (with a lease) was at the store: the lease granted is
+    this process's to spend, neither lost to the window nor counted twice."""
+    state = await open_state({"url": url})
+    try:
+        rpm = Counter("k:rpm", "minute", limit=10**6)
+        now = time.time()
+        assert (await state.take([rpm], now=now)).granted  # the window seen: leases next
+        counting = Counting(state)
+        given_up = asyncio.ensure_future(state.take([rpm], now=now))
+        await asyncio.sleep(0)
+        given_up.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await given_up
+        await asyncio.sleep(0.3)  # the store answers meanwhile
+        assert counting.takes == 1
+        for _ in range(10):
+            assert (await state.take([rpm], now=now)).granted
+        assert counting.takes == 1  # spent from the lease the given-up request took
+        lease_taken = lease.lease_size(10**6 - 1) + 1
+        assert (await state.counts([rpm], now=now))[0].used == 1 + lease_taken
+    finally:
+        await state.close()

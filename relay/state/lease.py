@@ -264,9 +264,20 @@ class LeasedState(State):
         try:
             if self._adds:  # the store decides with this process's own adds
                 await self._flush_adds()
-            taken = await self.inner.take(asked, wanted, wall)
             leasing = {c.name for c, lease in zip(counters, leases, strict=True) if lease}
             leasing.update(refilling)
+            if leasing:
+                # A lease is worth more than the request: should its caller give up (the
+                # client gone), what the store grants is kept here, not lost with it.
+                call = asyncio.ensure_future(self.inner.take(asked, wanted, wall))
+                try:
+                    taken = await asyncio.shield(call)
+                except asyncio.CancelledError:
+                    call.add_done_callback(lambda done: self._adopt(
+                        done, counters, windows, leases, spend, wanted))
+                    raise
+            else:
+                taken = await self.inner.take(asked, wanted, wall)
             if not taken.granted and taken.blocked in leasing:
                 # Refused with a lease: asked again for the request alone, so that no
                 # request is refused for the sake of a lease.
@@ -312,6 +323,32 @@ class LeasedState(State):
             tokens.append(self._occupy(fresh, clock))
             self._arm()
         return Taken(True, tuple(counts), tuple(tokens))
+
+    def _adopt(self, done: asyncio.Future, counters: Sequence[Counter], windows: list[_Window],
+               leases: list[int], spend: list[bool], wanted: list[Slot]) -> None:
+        """A take with a lease that its caller gave up on, answered: what it was granted
+        (the lease, the request's own units, a block) is this process's to spend."""
+        if done.cancelled() or done.exception() is not None:
+            return
+        taken = done.result()
+        clock = time.monotonic()
+        self._seen(windows, taken, clock)
+        if not taken.granted:
+            return
+        for counter, seen, lease, local in zip(counters, windows, leases, spend, strict=True):
+            if counter.limit is not None and not local and (lease or counter.amount):
+                seen.room += lease + counter.amount
+                seen.last = clock
+        for slot, token in zip(wanted, taken.tokens, strict=True):
+            if slot.units == 1:
+                self._in_background(self.inner.release(slot.name, token))
+                continue
+            old = self._blocks.get(slot.name)
+            if old is not None:
+                self._retire(old)
+            self._blocks[slot.name] = _Block(slot.name, token, slot.units,
+                                             clock + BLOCK_SECONDS)
+        self._arm()
 
     def _seen(self, windows: list[_Window], taken: Taken, clock: float) -> None:
         """The store's counts, as the views of their windows (less nothing: the store's
