@@ -575,7 +575,7 @@ async def test_redis_the_ids_of_the_adds_batches_cost_one_small_key_a_process(re
 
     state = await open_state({"url": redis_server.url})
     try:
-        for n in range(200):
+        for _ in range(200):
             await state.inner.add([Counter("key:a:otpm", "minute", amount=1)], now=BASE)
             await state.inner.counts([Counter("key:a:otpm", "minute")], now=BASE)  # sends it
         assert (await state.counts([Counter("key:a:otpm", "minute")], now=BASE))[0].used == 200
