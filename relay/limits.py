@@ -367,15 +367,20 @@ def budget_headers(plan: Plan, counts: Sequence[Count]) -> dict[str, str]:
     if fullest is None:
         return {}
     used, count = fullest
+    return _budget_headers(math.floor(used * 100), count.reset)
+
+
+@functools.lru_cache(maxsize=256)  # the same for every request until a whole cent of 100 moves
+def _budget_headers(percent: int, reset: int) -> dict[str, str]:
+    used = percent / 100
     status = "allowed_warning" if used >= THRESHOLDS[-1] else "allowed"
     headers = {
         "anthropic-ratelimit-unified-status": status,
         "anthropic-ratelimit-unified-representative-claim": "overage",
         "anthropic-ratelimit-unified-overage-status": status,
-        "anthropic-ratelimit-unified-overage-utilization":
-            f"{min(0.99, math.floor(used * 100) / 100):.2f}",
-        "anthropic-ratelimit-unified-reset": str(count.reset),
-        "anthropic-ratelimit-unified-overage-reset": str(count.reset),
+        "anthropic-ratelimit-unified-overage-utilization": f"{min(0.99, used):.2f}",
+        "anthropic-ratelimit-unified-reset": str(reset),
+        "anthropic-ratelimit-unified-overage-reset": str(reset),
     }
     passed = next((t for t in THRESHOLDS if used >= t), None)
     if passed is not None:

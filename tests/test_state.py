@@ -95,6 +95,22 @@ async def test_slots_are_held_until_released_or_their_lease_runs_out(state):
     assert (await state.take([], [slot], now=BASE + 31.5)).granted
 
 
+async def test_slots_taken_as_a_block_count_each_unit(state):
+    """A block (``units`` slots under one token) is taken only when all its units are free,
+    counts them all while held, and gives them all back at once."""
+    store = getattr(state, "inner", state)  # the backend itself, not the leases in front
+    block = Slot("key:a:concurrent", limit=4, lease=30, units=3)
+    one = Slot("key:a:concurrent", limit=4, lease=30)
+    taken = await store.take([], [block], now=BASE)
+    assert taken.granted
+    assert not (await store.take([], [Slot(one.name, 4, 30, units=2)], now=BASE)).granted
+    single = await store.take([], [one], now=BASE)
+    assert single.granted
+    assert not (await store.take([], [one], now=BASE)).granted  # 3 + 1 of 4
+    await store.release(block.name, taken.tokens[0])
+    assert (await store.take([], [block], now=BASE)).granted
+
+
 async def test_a_slot_refused_takes_no_counter(state):
     rpm = Counter("key:a:rpm", "minute", limit=10)
     slot = Slot("key:a:concurrent", limit=1)
@@ -563,4 +579,54 @@ async def test_redis_every_key_expires_but_the_ledgers_index_and_the_keys(redis_
         assert forever == ["relay:keys", "relay:keys:version", "relay:ledger"]
         assert all(k.startswith("relay:") for k in names)
     finally:
+        await client.aclose()
+
+
+async def test_redis_the_ids_of_the_adds_batches_cost_one_small_key_a_process(redis_server):
+    """Each batch of adds has an id, so that one sent again counts once; the ids the process
+    has heard back about are dropped, so a soak's hundreds of thousands of batches leave one
+    key with nothing much in it (not a key per batch for ten minutes)."""
+    import redis.asyncio
+
+    state = await open_state({"url": redis_server.url})
+    try:
+        for _ in range(200):
+            await state.inner.add([Counter("key:a:otpm", "minute", amount=1)], now=BASE)
+            await state.inner.counts([Counter("key:a:otpm", "minute")], now=BASE)  # sends it
+        assert (await state.counts([Counter("key:a:otpm", "minute")], now=BASE))[0].used == 200
+    finally:
+        await state.close()
+    client = redis.asyncio.Redis.from_url(redis_server.url)
+    try:
+        batches = [k async for k in client.scan_iter("relay:batch*")]
+        assert len(batches) == 1
+        assert await client.zcard(batches[0]) <= 1
+        assert 0 < await client.ttl(batches[0]) <= 600
+    finally:
+        await client.aclose()
+
+
+async def test_redis_connections_a_burst_opened_are_closed_once_idle(redis_server,
+                                                                     monkeypatch):
+    import redis.asyncio
+
+    from relay.state import redis as redis_state
+
+    monkeypatch.setattr(redis_state, "IDLE_CONNECTION_SECONDS", 0.3)
+    state = await open_state({"url": redis_server.url})
+    client = redis.asyncio.Redis.from_url(redis_server.url)
+
+    async def connected() -> int:  # the relay's, without this one
+        return len(await client.client_list()) - 1
+
+    try:
+        await asyncio.gather(*(state.get("ns", [f"k{n}"]) for n in range(20)))
+        assert await connected() > 2  # a burst: several at once
+        deadline = time.monotonic() + 5
+        while await connected() > 1:
+            assert time.monotonic() < deadline, "the burst's connections stayed open"
+            await asyncio.sleep(0.1)
+        assert await state.get("ns", ["k0"]) == [None]  # and it still answers
+    finally:
+        await state.close()
         await client.aclose()

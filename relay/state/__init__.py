@@ -21,7 +21,9 @@ One :class:`State` per running relay, opened from relay.yaml's ``state:`` sectio
 Where the state lives is the backend's business: :class:`relay.state.memory.MemoryState` (one
 process; the default), :class:`relay.state.sqlite.SQLiteState` (``sqlite:///PATH``: one file
 for the workers of one host), :class:`relay.state.redis.RedisState` (``redis://``: replicas
-on several hosts). Each method is one round trip at most. :meth:`State.add`,
+on several hosts); :func:`open_state` puts :class:`relay.state.lease.LeasedState` in front
+of the shared ones, so that what is far from its limits is spent in memory. Each method is
+one round trip at most. :meth:`State.add`,
 :meth:`State.release` and :meth:`State.record` owe no answer: the shared backends queue them
 and send them with the next call (or within milliseconds), so they cost a request next to
 nothing; a process always reads its own writes.
@@ -117,11 +119,14 @@ class Counter:
 @dataclasses.dataclass(frozen=True, slots=True)
 class Slot:
     """A concurrency slot to take: at most ``limit`` held under ``name`` at once; a slot not
-    released within ``lease`` seconds is given back by itself."""
+    released within ``lease`` seconds is given back by itself. ``units`` slots are taken
+    under the one release token (a block, :mod:`relay.state.lease`), when that many are
+    free."""
 
     name: str
     limit: int
     lease: float = 900.0
+    units: int = 1
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -271,6 +276,9 @@ async def open_state(options: dict[str, Any] | None = None) -> State:
     else:
         raise ConfigError(f"state.url: {url!r} names no state backend this relay has "
                           f"(sqlite:///PATH, redis://HOST:PORT/DB, rediss://...)")
+    if url:  # a shared store: what is far from its limits is spent in memory
+        from .lease import LeasedState
+        state = LeasedState(state)
     state.on_unavailable = options.get("on_unavailable", "open")
     state.timeout = timeout
     return state

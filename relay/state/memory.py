@@ -38,7 +38,8 @@ class MemoryState(State):
         self.retention = retention_days * 86400
         self._counts: dict[tuple[str, int], int] = {}
         self._ends: list[tuple[int, str, int]] = []  # (window end, name, start): a heap
-        self._slots: dict[str, dict[str, float]] = {}  # name -> token -> lease end
+        # name -> token -> (lease end, units)
+        self._slots: dict[str, dict[str, tuple[float, int]]] = {}
         self._tokens = itertools.count()
         # id -> (time, the row as JSON): up to 100,000 rows as dicts of dicts and lists would
         # be millions of objects for every full pass of the garbage collector to walk; bytes
@@ -65,11 +66,11 @@ class MemoryState(State):
         self._counts[key] = value
         return value
 
-    def _held(self, name: str, now: float) -> dict[str, float]:
+    def _held(self, name: str, now: float) -> dict[str, tuple[float, int]]:
         held = self._slots.get(name)
         if held is None:
             held = self._slots[name] = {}
-        for token in [t for t, until in held.items() if until <= now]:
+        for token in [t for t, (until, _) in held.items() if until <= now]:
             del held[token]
         return held
 
@@ -85,8 +86,8 @@ class MemoryState(State):
                 return Taken(False, self._counted(counters, looked), blocked=counter.name)
         for slot in slots:
             held = self._held(slot.name, now)
-            if len(held) >= slot.limit:
-                retry = max(0.0, min(held.values(), default=now) - now)
+            if sum(units for _, units in held.values()) + slot.units > slot.limit:
+                retry = max(0.0, min((until for until, _ in held.values()), default=now) - now)
                 return Taken(False, self._counted(counters, looked), blocked=slot.name,
                              slot_retry=retry)
         counts = tuple(Count(counter.name, self._bump(key, end, counter.amount), counter.limit,
@@ -95,7 +96,7 @@ class MemoryState(State):
         tokens = []
         for slot in slots:
             token = f"{next(self._tokens):x}"
-            self._held(slot.name, now)[token] = now + slot.lease
+            self._held(slot.name, now)[token] = (now + slot.lease, slot.units)
             tokens.append(token)
         return Taken(True, counts, tuple(tokens))
 

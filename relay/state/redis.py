@@ -6,11 +6,13 @@ One request costs one round trip: :meth:`RedisState.take` is one Lua script (che
 taken at once for every counter and slot, so replicas racing for the last unit cannot both
 win), and what needs no answer (:meth:`add`, :meth:`release`, :meth:`record`) is queued and
 goes in the same script call as the next take (or ahead of the next other call), or in the
-background within ``LINGER`` seconds.
+background within ``LINGER`` seconds (``ROW_LINGER`` while only ledger rows wait).
 
 Where things live (every key under ``relay:``): a counter is a string per window
-(``INCRBY``), expiring at its window's end, and the adds come in batches whose ids are kept
-``BATCH_SECONDS``, so that a batch sent again after an unanswered round trip counts once; a
+(``INCRBY``), expiring at its window's end, and the adds come in numbered batches, the
+numbers a process has not heard back about kept in one sorted set of its own (expiring
+``BATCH_SECONDS`` after its last use), so that a batch sent again after an unanswered round
+trip counts once; a
 concurrency slot set is a sorted set of release tokens scored by lease end, trimmed as it is
 read, expiring with its last lease; a ledger row is a string set only if absent (``SET NX``:
 idempotent by id) expiring after the retention, with a sorted set of ids by time trimmed to
@@ -43,12 +45,16 @@ log = logging.getLogger("relay.state")
 
 PREFIX = "relay:"
 LINGER = 0.005
+ROW_LINGER = 0.05  # while only ledger rows wait for the background flush
 BATCH_SECONDS = 600
 MAX_PENDING = 10_000
 # Rows a call carries along; the background flush takes up to ROW_BATCH at a time.
 CARRIED_ROWS = 50
 ROW_BATCH = 500
 MAX_CONNECTIONS = 64
+# Connections a burst opened beyond the one in use are closed after this long: at rest the
+# relay holds one (redis-py's pool keeps whatever it opened).
+IDLE_CONNECTION_SECONDS = 10.0
 # After a failure, calls fail at once for this long instead of each waiting the timeout.
 DOWN_SECONDS = 1.0
 ROWS_SECONDS = 10.0
@@ -62,16 +68,20 @@ GRACE_SECONDS = 5
 # and the take cannot interleave with another replica's. The script cache does not survive a
 # restart: a NOSCRIPT reply loads it again.
 # The adds go in batches, each applied once: a batch sent again after a round trip that
-# failed without saying whether it ran is recognised by its id (kept BATCH_SECONDS), so that
-# a Redis blip never inflates a counter.
-# KEYS, in order: per batch its id's key then its counters, each release's slot set, each
-# row's key and then the ledger's sorted set (when there are rows), each counter to take,
-# each slot set to take from. ARGV: now, retention (s), the five numbers of those (batches,
-# releases, rows, counters, slots), then per batch its number of adds, how long its id is
-# kept and per add the amount and expiry (epoch s), per release its token, per row its id,
+# failed without saying whether it ran is recognised by its number, kept in the process's
+# sorted set of batches applied until the process knows the answer (every number below the
+# lowest it does not know yet is dropped; the set expires BATCH_SECONDS after its last use),
+# so that a Redis blip never inflates a counter and one key a process is all the ids cost.
+# KEYS, in order: per batch the process's set of batches then its counters, each release's
+# slot set, each row's key and then the ledger's sorted set (when there are rows), each
+# counter to take, each slot set to take from. ARGV: now, retention (s), the five numbers of
+# those (batches, releases, rows, counters, slots), then per batch its number of adds, its
+# number, the lowest number not settled, how long the set is kept, and per add the amount and
+# expiry (epoch s), per release its token, per row its id,
 # time and body, per counter its limit (-1: none), amount and expiry, per slot its limit,
-# lease end and token. Returns {granted, blocked (1-based among counters then slots, 0:
-# none), slot retry (a string), used...}: the counts before the take.
+# lease end, token and units (a token of several units, a block, ends in ``*UNITS``).
+# Returns {granted, blocked (1-based among counters then slots, 0: none), slot retry (a
+# string), used...}: the counts before the take.
 SCRIPT = """
 local now, retention = tonumber(ARGV[1]), tonumber(ARGV[2])
 local nbatches, nrel, nrows = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
@@ -79,8 +89,10 @@ local nc, ns = tonumber(ARGV[6]), tonumber(ARGV[7])
 local k, a = 1, 8
 for b = 1, nbatches do
   local count = tonumber(ARGV[a])
-  local fresh = redis.call('SET', KEYS[k], '1', 'NX', 'EX', ARGV[a + 1])
-  k, a = k + 1, a + 2
+  local fresh = redis.call('ZADD', KEYS[k], 'NX', ARGV[a + 1], ARGV[a + 1]) == 1
+  redis.call('ZREMRANGEBYSCORE', KEYS[k], '-inf', '(' .. ARGV[a + 2])
+  redis.call('EXPIRE', KEYS[k], ARGV[a + 3])
+  k, a = k + 1, a + 4
   for i = 1, count do
     if fresh then
       redis.call('INCRBY', KEYS[k], ARGV[a])
@@ -119,7 +131,12 @@ local sk, sa = k + nc, a + 3 * nc
 for s = 0, ns - 1 do
   local key = KEYS[sk + s]
   redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
-  if redis.call('ZCARD', key) >= tonumber(ARGV[sa + 3 * s]) then
+  local held = 0
+  for _, member in ipairs(redis.call('ZRANGE', key, 0, -1)) do
+    local star = string.find(member, '*', 1, true)
+    held = held + (star and tonumber(string.sub(member, star + 1)) or 1)
+  end
+  if held + tonumber(ARGV[sa + 4 * s + 3]) > tonumber(ARGV[sa + 4 * s]) then
     local oldest = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
     return {0, nc + s + 1, tostring(tonumber(oldest[2]) - now), unpack(used)}
   end
@@ -132,8 +149,8 @@ for c = 0, nc - 1 do
   end
 end
 for s = 0, ns - 1 do
-  local key, lease = KEYS[sk + s], tonumber(ARGV[sa + 3 * s + 1])
-  redis.call('ZADD', key, lease, ARGV[sa + 3 * s + 2])
+  local key, lease = KEYS[sk + s], tonumber(ARGV[sa + 4 * s + 1])
+  redis.call('ZADD', key, lease, ARGV[sa + 4 * s + 2])
   local ttl = math.ceil((lease - now) * 1000)
   if redis.call('PTTL', key) < ttl then
     redis.call('PEXPIRE', key, ttl)
@@ -187,8 +204,10 @@ class RedisState(State):
         self._sha = ""
         self._adds: dict[str, list[int]] = {}  # counter key -> [expiry, amount]
         # Batches of adds sent without an answer, to send again under the same id.
-        self._unsure: list[tuple[str, dict[str, list[int]]]] = []
-        self._batches = itertools.count()
+        self._unsure: list[tuple[int, dict[str, list[int]]]] = []
+        self._batches = itertools.count(1)
+        self._applied = f"{PREFIX}batches:{secrets.token_hex(4)}"  # this process's
+        self._open: set[int] = set()  # batches sent whose answer is not known yet
         self._releases: list[tuple[str, str]] = []
         self._pending: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
         self._flusher: asyncio.Task | None = None
@@ -202,6 +221,7 @@ class RedisState(State):
         self._tokens = itertools.count()
         self._closing = False
         self._closed = False
+        self._trimmer: asyncio.TimerHandle | None = None
 
     @property
     def where(self) -> str:
@@ -227,6 +247,9 @@ class RedisState(State):
         if self._closing:
             return
         self._closing = True  # no background flush from now on; what is queued goes here
+        if self._trimmer is not None:
+            self._trimmer.cancel()
+            self._trimmer = None
         if self._flusher is not None:
             self._flusher.cancel()
             self._flusher = None
@@ -280,7 +303,9 @@ class RedisState(State):
         (after its seven numbers) and what to put back should the round trip fail."""
         batches, self._unsure = self._unsure, []
         if self._adds:
-            batches.append((f"{PREFIX}batch:{self._prefix}{next(self._batches):x}", self._adds))
+            number = next(self._batches)
+            self._open.add(number)
+            batches.append((number, self._adds))
             self._adds = {}
         releases, self._releases = self._releases, []
         # Off the queue while in flight: calls sent at once never carry the same rows.
@@ -288,9 +313,10 @@ class RedisState(State):
         backlog = [pending.popitem(last=False) for _ in range(min(rows, len(pending)))]
         keys: list[str] = []
         args: list[Any] = []
-        for batch, adds in batches:
-            keys.append(batch)
-            args += [len(adds), BATCH_SECONDS]
+        settled = min(self._open, default=0)
+        for number, adds in batches:
+            keys.append(self._applied)
+            args += [len(adds), number, settled, BATCH_SECONDS]
             for key, (expiry, amount) in adds.items():
                 keys.append(key)
                 args += [amount, expiry]
@@ -324,6 +350,8 @@ class RedisState(State):
                 pending.move_to_end(row_id, last=False)
         while len(pending) > MAX_PENDING:
             pending.popitem(last=False)
+        for number, _ in batches[:-MAX_PENDING]:  # given up: no longer waited for
+            self._open.discard(number)
         self._unsure[:0] = batches[-MAX_PENDING:]
         self._releases[:0] = releases[:max(0, MAX_PENDING - len(self._releases))]
         self._schedule()
@@ -354,6 +382,7 @@ class RedisState(State):
         except Exception as e:  # refused, reset, timed out, or an error reply
             self._restore(carried)
             raise self._failure(e) from None
+        self._open.difference_update(number for number, _ in carried[0])
         return result
 
     def _send_outgoing(self) -> None:
@@ -362,10 +391,27 @@ class RedisState(State):
         self._senders.add(task)
         task.add_done_callback(self._senders.discard)
 
+    def _trim_later(self) -> None:
+        if self._trimmer is None and not self._closing:
+            self._trimmer = asyncio.get_running_loop().call_later(
+                IDLE_CONNECTION_SECONDS, self._trim)
+
+    def _trim(self) -> None:
+        """Close the idle connections but the one used last (the pool hands out the most
+        recently given back first, so the others served only a burst)."""
+        self._trimmer = None
+        idle = list(getattr(self._redis.connection_pool, "_available_connections", ()))[:-1]
+        for connection in idle:
+            if connection.is_connected:
+                task = asyncio.get_running_loop().create_task(connection.disconnect())
+                self._senders.add(task)
+                task.add_done_callback(self._senders.discard)
+
     async def _send(self, calls: list) -> None:
         """The script calls queued in one turn of the loop, in one pipeline; each caller gets
         its reply, or the error."""
         from redis.exceptions import NoScriptError
+        self._trim_later()
         wait = max(call[3] for call in calls)
         try:
             if not self._sha:
@@ -409,6 +455,7 @@ class RedisState(State):
         if self._has_queued():
             await self._script([], [])
         self._check_up()
+        self._trim_later()
         pipe = self._redis.pipeline(transaction=False)
         build(pipe)
         try:
@@ -435,10 +482,12 @@ class RedisState(State):
             args += [-1 if counter.limit is None else counter.limit, counter.amount,
                      end + GRACE_SECONDS]
             ends.append(end)
-        tokens = tuple(f"{self._prefix}{next(self._tokens):x}" for _ in slots)
+        # A block's units are in its token: what the script adds up.
+        tokens = tuple(f"{self._prefix}{next(self._tokens):x}"
+                       + (f"*{slot.units}" if slot.units != 1 else "") for slot in slots)
         for slot, token in zip(slots, tokens, strict=True):
             keys.append(_slot_key(slot.name))
-            args += [slot.limit, now + slot.lease, token]
+            args += [slot.limit, now + slot.lease, token, slot.units]
         try:
             # The take's own clock: a caller's ``now`` decides its windows and leases.
             reply = await self._script(keys, args, len(counters), len(slots), now=now)
@@ -590,10 +639,16 @@ class RedisState(State):
 
     async def _flush_loop(self) -> None:
         pause = DOWN_SECONDS
+        waited = 0.0
         while self._has_queued():
             await asyncio.sleep(LINGER)
+            waited += LINGER
             if not self._has_queued():
                 break  # a call carried it meanwhile
+            if not (self._adds or self._unsure or self._releases) and waited < ROW_LINGER \
+                    and len(self._pending) < ROW_BATCH:
+                continue  # only ledger rows: more of them share the round trip
+            waited = 0.0
             try:
                 await self._flush()
                 pause = DOWN_SECONDS

@@ -10,8 +10,9 @@ The event loop never waits for SQLite. Every statement runs in one thread of thi
 own (``SQLiteState._work``), which takes whatever queued meanwhile into one transaction:
 under load, many requests' takes share one commit. What needs no answer (:meth:`add`,
 :meth:`release`, :meth:`record`) is only queued; the next transaction carries it, within
-``LINGER`` seconds when nothing else wakes the thread, and before any later call of the same
-process, so a process always reads its own writes. A call that gets no answer within
+``LINGER`` seconds when nothing else wakes the thread (``ROW_LINGER`` while only ledger rows
+wait: dozens of rows share a commit), and before any later call of the same process, so a
+process always reads its own writes. A call that gets no answer within
 ``timeout`` raises :class:`~relay.state.Unavailable` (and for ``DOWN_SECONDS`` after a
 failure every call does so at once); if the thread still grants it later, the take is undone
 (its slots released, its amounts taken back). The ledger is read (:meth:`rows`) on another
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import itertools
 import logging
 import os
@@ -44,12 +46,19 @@ from . import Count, Counter, Slot, State, Taken, Unavailable, window
 
 log = logging.getLogger("relay.state")
 
-# What waits with no answer owed is written at most this long after it was queued.
+# What waits with no answer owed is written at most this long after it was queued: counts
+# and releases soon (other processes decide by them), ledger rows in fewer, bigger
+# transactions.
 LINGER = 0.005
+ROW_LINGER = 0.05
 SWEEP_SECONDS = 60.0
 MAX_PENDING = 10_000
 # Ledger rows one transaction writes (a backlog after an outage goes in several).
 ROW_BATCH = 2000
+# Rows one INSERT carries: one step of SQLite's for all of them, so the thread lets go of
+# the interpreter's lock once a chunk instead of once a row (the event loop waits for it
+# less). 300 variables, under every SQLite's limit.
+ROWS_PER_INSERT = 100
 # Reading the ledger (``relay usage``, the console) is no request's wait: it gets longer.
 ROWS_SECONDS = 10.0
 CLOSE_SECONDS = 2.0
@@ -60,7 +69,8 @@ SCHEMA = (
     "CREATE TABLE IF NOT EXISTS counters (name TEXT NOT NULL, start INTEGER NOT NULL, "
     "end INTEGER NOT NULL, used INTEGER NOT NULL, PRIMARY KEY (name, start)) WITHOUT ROWID",
     "CREATE TABLE IF NOT EXISTS slots (name TEXT NOT NULL, token TEXT NOT NULL, "
-    "until REAL NOT NULL, PRIMARY KEY (name, token)) WITHOUT ROWID",
+    "until REAL NOT NULL, units INTEGER NOT NULL DEFAULT 1, PRIMARY KEY (name, token)) "
+    "WITHOUT ROWID",
     "CREATE TABLE IF NOT EXISTS ledger (id TEXT PRIMARY KEY, time REAL NOT NULL, "
     "row BLOB NOT NULL)",
     "CREATE INDEX IF NOT EXISTS ledger_time ON ledger (time)",
@@ -128,8 +138,12 @@ class SQLiteState(State):
         self._calls: list[_Call] = []
         self._adds: dict[tuple[str, int], list[int]] = {}  # (name, start) -> [end, amount]
         self._releases: list[tuple[str, str]] = []
-        self._pending: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
+        # Ledger rows waiting for the file, by id: (time, the row encoded). Encoded at once,
+        # so that what waits is two plain values a row, never a tree of objects.
+        self._pending: collections.OrderedDict[str, tuple[float, bytes]] = \
+            collections.OrderedDict()
         self._queued_since: float | None = None  # when work with no answer owed first waited
+        self._urgent = False  # and whether it holds more than ledger rows
         self._stopping = False
         self._down_until = 0.0  # monotonic; set by either thread (a float: one store)
         self._idle = False  # the worker sleeps until woken (or the next sweep)
@@ -172,6 +186,10 @@ class SQLiteState(State):
             db.execute("BEGIN IMMEDIATE")
             for statement in SCHEMA:
                 db.execute(statement)
+            # A file made before slots were taken in blocks: each of its slots is one.
+            if not any(column[1] == "units"
+                       for column in db.execute("PRAGMA table_info(slots)")):
+                db.execute("ALTER TABLE slots ADD COLUMN units INTEGER NOT NULL DEFAULT 1")
             db.execute("INSERT OR IGNORE INTO meta (name, value) VALUES ('keys_version', 0)")
             db.execute("COMMIT")
         finally:
@@ -239,12 +257,16 @@ class SQLiteState(State):
         self._queue_adds([Counter(c.name, c.per, amount=-c.amount) for c in counters if c.amount],
                          now)
 
-    def _queued(self) -> None:
-        """Work with no answer owed waits: the worker, woken if it sleeps, lingers for more."""
+    def _queued(self, urgent: bool = True) -> None:
+        """Work with no answer owed waits: the worker, woken if it sleeps, lingers for more
+        (``LINGER``, or ``ROW_LINGER`` while it is only ledger rows)."""
         if self._queued_since is None:
             self._queued_since = time.monotonic()
             if self._idle:
                 self._wake.notify()
+        if urgent and not self._urgent:
+            self._urgent = True
+            self._wake.notify()
 
     def _queue_adds(self, counters: Iterable[Counter], now: float | None) -> None:
         now = time.time() if now is None else now
@@ -298,14 +320,16 @@ class SQLiteState(State):
 
     async def record(self, rows: Sequence[dict[str, Any]]) -> None:
         dropped = 0
+        encoded = list(encode_rows(rows))
         with self._wake:
             pending = self._pending
-            for row in rows:
-                pending.setdefault(row["id"], dict(row))
+            for row_id, entry in encoded:
+                if row_id not in pending:
+                    pending[row_id] = entry
             while len(pending) > MAX_PENDING:
                 pending.popitem(last=False)
                 dropped += 1
-            self._queued()
+            self._queued(urgent=len(pending) >= ROW_BATCH)
         if dropped:
             self._dropped += dropped
             log.warning("state %s: %d ledger rows dropped (%d waited for the file already)",
@@ -361,7 +385,7 @@ class SQLiteState(State):
                     if now >= next_sweep:
                         break
                     if self._queued_since is not None:
-                        due = self._queued_since + LINGER
+                        due = self._queued_since + (LINGER if self._urgent else ROW_LINGER)
                         if now >= due:
                             break
                     elif now < quiet_until:
@@ -381,6 +405,7 @@ class SQLiteState(State):
                 backlog = list(itertools.islice(self._pending.items(), None,
                                                 None if flush else ROW_BATCH))
                 self._queued_since = None
+                self._urgent = False
             if calls or adds or releases or backlog:
                 try:
                     if db is None:
@@ -413,7 +438,7 @@ class SQLiteState(State):
 
     def _transaction(self, db: sqlite3.Connection, calls: list[_Call],
                      adds: dict[tuple[str, int], list[int]], releases: list[tuple[str, str]],
-                     backlog: list[tuple[str, dict[str, Any]]]) -> list[tuple[Any, Any]]:
+                     backlog: list[tuple[str, tuple[float, bytes]]]) -> list[tuple[Any, Any]]:
         db.execute("BEGIN IMMEDIATE")
         try:
             if adds:
@@ -421,9 +446,10 @@ class SQLiteState(State):
                                      for (name, start), (end, amount) in adds.items()])
             if releases:
                 db.executemany("DELETE FROM slots WHERE name = ? AND token = ?", releases)
-            if backlog:
-                db.executemany("INSERT OR IGNORE INTO ledger (id, time, row) VALUES (?, ?, ?)",
-                               list(_encoded(backlog)))
+            for start in range(0, len(backlog), ROWS_PER_INSERT):
+                chunk = backlog[start:start + ROWS_PER_INSERT]
+                db.execute(_insert_rows(len(chunk)),
+                           [value for key, (when, data) in chunk for value in (key, when, data)])
             answers: list[tuple[Any, Any]] = []
             for call in calls:
                 try:
@@ -462,12 +488,15 @@ class SQLiteState(State):
         if db is not None:
             db.close()  # a file replaced or repaired meanwhile is opened afresh
 
-    def _landed(self, backlog: list[tuple[str, dict[str, Any]]]) -> None:
+    def _landed(self, backlog: list[tuple[str, tuple[float, bytes]]]) -> None:
         if backlog:
             with self._wake:
                 for key, row in backlog:
                     if self._pending.get(key) is row:
                         del self._pending[key]
+                if self._pending and self._queued_since is None:  # a backlog's next batch
+                    self._queued_since = time.monotonic()
+                    self._urgent = True
 
     def _sweep(self, db: sqlite3.Connection) -> None:
         now = time.time()
@@ -495,9 +524,10 @@ class SQLiteState(State):
                 return Taken(False, _counted(counters, looked), blocked=counter.name)
         for slot in slots:
             # A lease run out is not held (the sweep deletes it later).
-            held, oldest = db.execute("SELECT COUNT(*), MIN(until) FROM slots WHERE name = ? "
-                                      "AND until > ?", (slot.name, now)).fetchone()
-            if held >= slot.limit:
+            held, oldest = db.execute("SELECT TOTAL(units), MIN(until) FROM slots "
+                                      "WHERE name = ? AND until > ?", (slot.name, now)
+                                      ).fetchone()
+            if held + slot.units > slot.limit:
                 return Taken(False, _counted(counters, looked), blocked=slot.name,
                              slot_retry=max(0.0, (oldest or now) - now))
         adding = [(counter.name, start, end, counter.amount)
@@ -507,8 +537,8 @@ class SQLiteState(State):
             db.executemany(ADD, adding)
         tokens = tuple(f"{self._prefix}{next(self._tokens):x}" for _ in slots)
         if slots:
-            db.executemany("INSERT INTO slots (name, token, until) VALUES (?, ?, ?)",
-                           [(slot.name, token, now + slot.lease)
+            db.executemany("INSERT INTO slots (name, token, until, units) VALUES (?, ?, ?, ?)",
+                           [(slot.name, token, now + slot.lease, slot.units)
                             for slot, token in zip(slots, tokens, strict=True)])
         return Taken(True, tuple(Count(counter.name, used + counter.amount, counter.limit, end)
                                  for counter, (_, end, used)
@@ -585,6 +615,12 @@ class SQLiteState(State):
         return found
 
 
+@functools.lru_cache(maxsize=ROWS_PER_INSERT)
+def _insert_rows(count: int) -> str:
+    return ("INSERT OR IGNORE INTO ledger (id, time, row) VALUES "
+            + ", ".join(["(?, ?, ?)"] * count))
+
+
 def _nothing(_db: sqlite3.Connection) -> None:
     return None
 
@@ -607,12 +643,14 @@ def _counted(counters: Sequence[Counter], looked: list[tuple[int, int, int]]
                  for counter, (_, end, used) in zip(counters, looked, strict=True))
 
 
-def _encoded(backlog: list[tuple[str, dict[str, Any]]]):
-    for key, row in backlog:
+def encode_rows(rows: Iterable[dict[str, Any]]):
+    """Each ledger row as ``(id, (time, JSON))``; a row that cannot be encoded is a caller's
+    bug: that row alone goes, logged."""
+    for row in rows:
         try:
-            yield key, float(row["time"]), orjson.dumps(row)
-        except (TypeError, ValueError, KeyError) as e:  # a caller's bug: that row alone goes
-            log.warning("ledger row %s cannot be stored: %s", key, e)
+            yield row["id"], (float(row["time"]), orjson.dumps(row))
+        except (TypeError, ValueError, KeyError) as e:
+            log.warning("ledger row %s cannot be stored: %s", row.get("id"), e)
 
 
 def _soon(loop: asyncio.AbstractEventLoop, callback: Callable, *args: Any) -> None:

@@ -1,0 +1,235 @@
+"""Leases in front of a shared state (relay.state.lease): far from a limit a take is spent in
+memory, near it every take is the store's, and across processes a limit is never passed nor
+left unspent; what is leased and not used goes back; with Redis, a request that must ask the
+store asks in one round trip."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from relay.state import Counter, Slot, lease, open_state, window
+from relay.state.lease import LeasedState
+
+BASE = window("minute", time.time())[1] + 3600
+
+
+class Counting:
+    """Counts the takes that reach the backend behind a LeasedState."""
+
+    def __init__(self, state: LeasedState):
+        self.takes = 0
+        inner_take = state.inner.take
+
+        async def take(*args, **kwargs):
+            self.takes += 1
+            return await inner_take(*args, **kwargs)
+
+        state.inner.take = take  # type: ignore[method-assign]
+
+
+@pytest.fixture(params=["sqlite", pytest.param("redis", marks=pytest.mark.slow)])
+async def url(request, tmp_path):
+    if request.param == "redis":
+        return request.getfixturevalue("redis_server").url
+    return f"sqlite:///{tmp_path}/state.db"
+
+
+async def test_far_from_its_limits_a_take_asks_the_store_rarely(url):
+    state = await open_state({"url": url})
+    try:
+        assert isinstance(state, LeasedState)
+        counting = Counting(state)
+        rpm = Counter("k:rpm", "minute", limit=10**9)
+        budget = Counter("k:usd", "day", limit=10**12, amount=0)
+        slot = Slot("k:slots", 10**6)
+        every = Counter("k:requests", "day")  # counted, never refused
+        for _ in range(200):
+            taken = await state.take([budget, rpm, every], [slot], now=BASE + 1)
+            assert taken.granted
+            await state.release(slot.name, taken.tokens[0])
+            await state.add([Counter("k:usd", "day", amount=5)], now=BASE + 1)
+        assert counting.takes <= 3
+        # What the client is told counts every request and every add of this process.
+        assert taken.counts[1].used == 200
+        assert taken.counts[0].used == 5 * 199
+        assert [c.used for c in await state.counts([every], now=BASE + 1)] == [200]
+    finally:
+        await state.close()
+
+
+async def test_near_a_limit_every_take_is_the_stores(url):
+    state = await open_state({"url": url})
+    try:
+        counting = Counting(state)
+        rpm = Counter("k:rpm", "minute", limit=10)
+        granted = [(await state.take([rpm], now=BASE + 1)).granted for _ in range(12)]
+        assert granted == [True] * 10 + [False] * 2
+        assert counting.takes == 12
+    finally:
+        await state.close()
+
+
+@pytest.mark.parametrize("limit", [10, 300])
+async def test_two_processes_together_get_exactly_the_limit(url, limit):
+    """Leased or not, two processes sharing a store get exactly ``limit`` requests through:
+    never more, and none left unspent in a lease once both are refused."""
+    one, two = await open_state({"url": url}), await open_state({"url": url})
+    try:
+        rpm = Counter("k:rpm", "minute", limit=limit)
+        granted = 0
+        refused = {0: False, 1: False}
+        turn = 0
+        while not all(refused.values()):
+            taken = await (one, two)[turn].take([rpm], now=BASE + 1)
+            if taken.granted:
+                granted += 1
+                assert granted <= limit
+            else:
+                refused[turn] = True
+            turn = 1 - turn
+        assert granted == limit
+    finally:
+        await one.close()
+        await two.close()
+
+
+async def test_concurrency_blocks_never_pass_the_limit_and_all_come_back(url):
+    one, two = await open_state({"url": url}), await open_state({"url": url})
+    try:
+        slot = Slot("k:slots", 256)
+        held = []
+        for n in range(300):
+            state = (one, two)[n % 2]
+            taken = await state.take([], [slot], now=BASE + 1)
+            if taken.granted:
+                held.append((state, taken.tokens[0]))
+        assert len(held) == 256  # blocks of each process, then single slots: all of them
+        for state, token in held:
+            await state.release(slot.name, token)
+            await state.release(slot.name, token)  # twice: nothing more
+    finally:
+        await one.close()
+        await two.close()
+    fresh = await open_state({"url": url})
+    try:  # every block went back to the store: the whole limit is free again
+        assert (await fresh.inner.take([], [Slot("k:slots", 256, units=256)],
+                                       now=BASE + 2)).granted
+    finally:
+        await fresh.close()
+
+
+async def test_unused_leases_go_back_after_a_quiet_second(url, monkeypatch):
+    monkeypatch.setattr(lease, "IDLE_SECONDS", 0.1)
+    one, two = await open_state({"url": url}), await open_state({"url": url})
+    try:
+        rpm = Counter("k:rpm", "minute", limit=300)
+        slot = Slot("k:slots", 256)
+        now = time.time()
+        for _ in range(3):
+            taken = await one.take([rpm], [slot], now=now)
+            await one.release(slot.name, taken.tokens[0])
+        assert one._windows[("k:rpm", "minute")].room > 0  # a lease, unspent
+        await asyncio.sleep(0.5)
+        # The other process may have all the rest: 297 requests, 256 slots at once.
+        assert (await two.inner.take([Counter("k:rpm", "minute", limit=300, amount=297)],
+                                     [Slot("k:slots", 256, units=256)], now=now)).granted
+    finally:
+        await one.close()
+        await two.close()
+
+
+async def test_a_budget_crossed_is_refused_next_here_and_within_the_views_age_elsewhere(
+        url, monkeypatch):
+    monkeypatch.setattr(lease, "VIEW_SECONDS", 0.3)
+    one, two = await open_state({"url": url}), await open_state({"url": url})
+    try:
+        budget = Counter("k:usd", "day", limit=1000, amount=0)
+        now = time.time()
+        assert (await one.take([budget], now=now)).granted
+        assert (await two.take([budget], now=now)).granted
+        await one.add([Counter("k:usd", "day", amount=1500)], now=now)  # an answer crossed it
+        assert not (await one.take([budget], now=now)).granted  # this process's next: refused
+        deadline = time.monotonic() + lease.VIEW_SECONDS + 2.0
+        while (await two.take([budget], now=now)).granted:
+            assert time.monotonic() < deadline, "the other process never saw the budget crossed"
+            await asyncio.sleep(0.02)
+    finally:
+        await one.close()
+        await two.close()
+
+
+@pytest.mark.slow
+async def test_with_redis_a_request_near_its_limits_is_one_round_trip(redis_server):
+    """A take that must ask Redis carries what the previous request left to write (its
+    tokens and cost, its slot's release, its ledger row) in the same one round trip."""
+    state = await open_state({"url": redis_server.url})
+    try:
+        trips = 0
+        evalshas = state.inner._evalshas
+
+        async def counted(calls):
+            nonlocal trips
+            trips += 1
+            return await evalshas(calls)
+
+        state.inner._evalshas = counted
+        rpm = Counter("k:rpm", "minute", limit=10)
+        slot = Slot("k:slots", 2)
+        now = time.time()
+        for n in range(10):
+            taken = await state.take([rpm], [slot], now=now)
+            assert taken.granted
+            await state.add([Counter("k:otpm", "minute", amount=7)], now=now)
+            await state.release(slot.name, taken.tokens[0])
+            await state.record([{"id": f"req_{n}", "time": now}])
+        assert trips == 10
+        assert len(await state.rows()) == 10
+        assert (await state.counts([Counter("k:otpm", "minute")], now=now))[0].used == 70
+    finally:
+        await state.close()
+
+
+async def test_a_request_refused_by_a_limit_without_a_lease_asks_once(url):
+    """A budget spent refuses every request; a lease the take asked for alongside is no
+    reason to ask again (with Redis: still one round trip a request)."""
+    state = await open_state({"url": url})
+    try:
+        rpm = Counter("k:rpm", "minute", limit=10**6)
+        budget = Counter("k:usd", "day", limit=100, amount=0)
+        assert (await state.take([budget, rpm], now=BASE + 1)).granted
+        await state.add([Counter("k:usd", "day", limit=100, amount=150)], now=BASE + 1)
+        counting = Counting(state)
+        for _ in range(5):
+            refused = await state.take([budget, rpm], now=BASE + 1)
+            assert not refused.granted and refused.blocked == "k:usd"
+        assert counting.takes == 5
+    finally:
+        await state.close()
+
+
+async def test_a_lease_whose_request_was_given_up_is_kept_not_lost(url):
+    """The client gone while its take (with a lease) was at the store: the lease granted is
+    this process's to spend, neither lost to the window nor counted twice."""
+    state = await open_state({"url": url})
+    try:
+        rpm = Counter("k:rpm", "minute", limit=10**6)
+        now = time.time()
+        assert (await state.take([rpm], now=now)).granted  # the window seen: leases next
+        counting = Counting(state)
+        given_up = asyncio.ensure_future(state.take([rpm], now=now))
+        await asyncio.sleep(0)
+        given_up.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await given_up
+        await asyncio.sleep(0.3)  # the store answers meanwhile
+        assert counting.takes == 1
+        for _ in range(10):
+            assert (await state.take([rpm], now=now)).granted
+        assert counting.takes == 1  # spent from the lease the given-up request took
+        lease_taken = lease.lease_size(10**6 - 1) + 1
+        assert (await state.counts([rpm], now=now))[0].used == 1 + lease_taken
+    finally:
+        await state.close()
