@@ -586,9 +586,11 @@ def targets(result: dict) -> list[dict]:
                     f"{entry['workers']['req_per_cpu_second']} vs {entry['relay']['req_per_cpu_second']}")
     accounting = relay("small", 1, "proxy_cpu_ms_per_req"), figure(
         w, "small", 1, "relay_accounting", "proxy_cpu_ms_per_req")
-    target("usage + limits (a relay key, SQLite state): added CPU per small request",
+    # The relay target runs usage and limits too (the shipped pipeline, memory state, no
+    # key): this is what a key's limits enforced over SQLite add on top.
+    target("a relay key with limits, SQLite state: added CPU per small request",
            None if None in accounting else r((accounting[1] - accounting[0]) * 1000, 1), 20.0,
-           "us", note="relay_accounting against relay, c=1")
+           "us", note="relay_accounting against relay (usage already metering), c=1")
     ends = m["end"]["per_exchange_us"]
     if "metrics" in ends:
         target("metrics plugin: per finished exchange (micro)", r(ends["metrics"], 2), 20.0, "us")
