@@ -19,8 +19,7 @@ import pytest
 import yaml
 
 # The plugin test kit the package ships (relay.testing), re-exported for the suites here.
-from relay.testing import (assistant, exchange_for, passes, refuses, request,  # noqa: F401
-                           result, text, use, user)
+from relay.testing import assistant, exchange_for, passes, refuses, request, result, text, use, user  # noqa: F401
 
 ROOT = Path(__file__).resolve().parent.parent
 LISTENING = re.compile(r"listening on (http://[\w.\[\]:]+)")

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import orjson
 import pytest
+from test_server import BODY, Upstream, start_upstream
+from test_upstream import Recorder
 
 from relay import config as config_module
 from relay.errors import ConfigError
 from relay.testing.fixtures import start_relay
-from test_server import BODY, Upstream, start_upstream
-from test_upstream import Recorder
 
 CLAUDE_CODE_BETAS = ("claude-code-20250219,interleaved-thinking-2025-05-14,"
                      "context-management-2025-06-27,fine-grained-tool-streaming-2025-05-14")

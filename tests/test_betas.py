@@ -12,12 +12,10 @@ import pytest
 import pytest_asyncio
 from anthropic.types import anthropic_beta_param
 from anthropic.types.beta import message_create_params
-
 from support import ROOT
 
 from relay import betas, skeleton
-from relay.testing import assistant, result, text, use, user
-from relay.testing import emulator
+from relay.testing import assistant, emulator, result, text, use, user
 from relay.testing.fixtures import received, start_relay
 
 EVIDENCE = json.loads((ROOT / "docs" / "evidence" / "betas.json").read_text())

@@ -12,14 +12,14 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-import yaml
-
 import relay_builtins
-from relay import config as config_module, hookspecs
+import yaml
+from support import ROOT, Relay, backend
+
+from relay import config as config_module
+from relay import hookspecs
 from relay.chain import ENTRY_POINT_GROUP, available_plugins, load_plugins
 from relay.errors import ConfigError
-
-from support import ROOT, Relay, backend
 
 BUILTINS = {"dedup", "pairing", "ordering", "dump"}
 
@@ -189,9 +189,10 @@ def test_third_party_distribution_is_installed_and_loaded_by_name(tmp_path, emul
 
 def test_relay_trace_logs_every_hook_call(monkeypatch, caplog):
     import asyncio
+
     from relay.chain import Chain
-    from relay.testing import exchange_for
     from relay.hookspecs import hookimpl
+    from relay.testing import exchange_for
 
     class Probe:
         @hookimpl

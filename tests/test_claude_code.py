@@ -43,9 +43,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from support import ROOT, backend
 
 from relay.testing.emulator import EmulatorOptions, plan_reply
-from support import ROOT, backend
 
 pytestmark = pytest.mark.e2e
 
@@ -279,7 +279,7 @@ def test_sessions_complete_in_every_built_in_mode(through_relay, claude, dumps, 
     last = received[-1]["body"]
     assert "No result was recorded" not in json.dumps(last)  # no call was answered for the CLI
     roles = [m["role"] for m in conversation(last)]
-    assert all(a != b for a, b in zip(roles, roles[1:]))  # as the CLI sent it: nothing merged
+    assert all(a != b for a, b in zip(roles, roles[1:], strict=False))  # as the CLI sent it: nothing merged
     assert dump_files(dumps) == []
 
 
@@ -350,7 +350,7 @@ def test_signed_thinking_survives_the_round_trip_byte_for_byte(through_relay, cl
     sent = [plan_reply(record["body"], options)[0] for record in received[:-1]]
     came_back = [blocks(m) for m in conversation(received[-1]["body"]) if m["role"] == "assistant"]
     assert len(came_back) == 5
-    for turn, (ours, theirs) in enumerate(zip(sent, came_back)):
+    for turn, (ours, theirs) in enumerate(zip(sent, came_back, strict=False)):
         thinking = [b for b in ours if b["type"] in ("thinking", "redacted_thinking")]
         assert [b["type"] for b in thinking] == ["thinking", "redacted_thinking"]
         assert theirs[:2] == thinking  # every byte of text, signature and data, in place

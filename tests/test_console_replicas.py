@@ -10,7 +10,6 @@ import urllib.error
 import urllib.request
 
 import pytest
-
 from support import backend
 
 pytestmark = pytest.mark.slow

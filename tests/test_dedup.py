@@ -7,15 +7,15 @@ import orjson
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from support import exchange_for
-
 from relay_builtins import dedup
 from relay_builtins import pairing as pairing_plugin
+from support import exchange_for
+
 from relay.chain import Chain, load_plugins
 from relay.config import parse
-from relay.testing.emulator import EmulatorOptions, find_problem
 from relay.exchange import UpstreamResponse
 from relay.sse import Event
+from relay.testing.emulator import EmulatorOptions, find_problem
 
 RESTORE = {"restore_original_ids": True}
 # No deadline: a shared, loaded machine must not turn a slow example into a failure.
@@ -624,7 +624,7 @@ def test_upstream_ids_are_unique_and_results_answer_the_same_calls(history):
             for k, b in enumerate(m["content"]):
                 if b.get("type") == "tool_result" and (i, k) not in before:
                     assert sent[i]["content"][k] == b
-    for i, client_id, upstream_id, original, n in walk.tool_uses:
+    for _, client_id, upstream_id, original, n in walk.tool_uses:
         assert upstream_id == f"{original}-{n}" and dedup.split_suffix(client_id, "-")[0] == original
     assert walk.changed == (sent != history)
 
@@ -692,7 +692,7 @@ def test_restore_mode_round_trips_to_the_ids_the_upstream_emitted(answers, strea
         # the client's id: one message never holds the same id twice.
         sent_content = copy.deepcopy(upstream_content)
         first = set()
-        for block, client_block in zip(sent_content, content):
+        for block, client_block in zip(sent_content, content, strict=True):
             if block["type"] == "tool_use":
                 if block["id"] in first:
                     block["id"] = client_block["id"]

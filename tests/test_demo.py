@@ -4,7 +4,6 @@ import subprocess
 import sys
 
 import pytest
-
 from support import ROOT
 
 pytestmark = pytest.mark.e2e

@@ -17,20 +17,19 @@ from pathlib import Path
 import aiohttp
 import orjson
 import pytest
-
 from relay_builtins import dump
+from support import backend
+
 from relay import cli
-from relay.testing import emulator
 from relay import config as config_module
+from relay import document as record
 from relay.chain import Chain, available_plugins, load_plugins
 from relay.errors import ConfigError, RelayError
-from relay import document as record
 from relay.exchange import Exchange, UpstreamAnswer, UpstreamRequest
 from relay.hookspecs import hookimpl
-from relay.testing.fixtures import start_relay
 from relay.sse import Event
-
-from support import backend
+from relay.testing import emulator
+from relay.testing.fixtures import start_relay
 
 BODY = {"model": "claude-test", "max_tokens": 10, "messages": [{"role": "user", "content": "hi"}]}
 CLIENT_KEY = "sk-ant-client-SECRET-5f1e2d3c"

@@ -497,7 +497,7 @@ def test_ragged_pieces_split_lines_and_crlf_pairs():
     pieces.append(splitter.flush())
     assert b"".join(pieces) == data
     assert max(len(p) for p in pieces) < 40
-    assert any(a.endswith(b"\r") and b.startswith(b"\n") for a, b in zip(pieces, pieces[1:]))
+    assert any(a.endswith(b"\r") and b.startswith(b"\n") for a, b in zip(pieces, pieces[1:], strict=False))
 
 
 def test_fault_schedule():
@@ -707,7 +707,7 @@ async def test_ragged_crlf_stream_on_the_wire(aiohttp_client):
     client = await make_client(aiohttp_client, tool_turns=1, ragged=True, crlf=True)
     chunks, complete = dechunk(await raw_exchange(client, request(user(text("go")), stream=True)))
     assert complete and max(len(c) for c in chunks) < 40
-    assert any(a.endswith(b"\r") and b.startswith(b"\n") for a, b in zip(chunks, chunks[1:]))
+    assert any(a.endswith(b"\r") and b.startswith(b"\n") for a, b in zip(chunks, chunks[1:], strict=False))
     stream = b"".join(chunks)
     assert b"\r\n\r\n" in stream and b"\n\n" not in stream.replace(b"\r\n", b"")
     assert [e["type"] for e in parse_sse(stream)][-1] == "message_stop"

@@ -13,9 +13,9 @@ import urllib.request
 
 import orjson
 import pytest
+from relay_builtins import pairing
 from support import ROOT, backend
 
-from relay_builtins import pairing
 from relay import cli
 from relay.testing.emulator import EmulatorOptions, find_problem
 

@@ -24,10 +24,10 @@ import zlib
 
 import aiohttp
 import pytest
+from support import assistant, backend, request, result, text, use, user
 from yarl import URL
 
 from relay.testing.emulator import sign_thinking
-from support import assistant, backend, request, result, text, use, user
 
 SEED = int(os.environ.get("RELAY_FUZZ_SEED", "20261130"))
 CASES = int(os.environ.get("RELAY_FUZZ_CASES", "3000"))
@@ -553,7 +553,7 @@ async def read_answer(reader: asyncio.StreamReader) -> tuple[int, dict, bytes]:
     head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
     lines = head.decode("latin-1").split("\r\n")
     status = int(lines[0].split()[1])
-    headers = {k.strip().lower(): v.strip() for k, _, v in (l.partition(":") for l in lines[1:] if l)}
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:] if line)}
     body = await asyncio.wait_for(reader.readexactly(int(headers.get("content-length", 0))), 10)
     return status, headers, body
 

@@ -19,11 +19,11 @@ from unittest import mock
 import orjson
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from relay_builtins import ordering, pairing
 from support import assistant, exchange_for, request, result, text, use, user
 
-from relay_builtins import ordering, pairing
-from relay.testing.emulator import EmulatorOptions, find_problem
 from relay.errors import RelayError
+from relay.testing.emulator import EmulatorOptions, find_problem
 
 FAULTS = ("drop_result", "wrong_id", "duplicate_result", "text_first", "text_after_call",
           "system_between", "empty_message", "use_in_user", "advisor_alone", "reuse_id",

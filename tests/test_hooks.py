@@ -10,6 +10,8 @@ import sys
 import orjson
 import pytest
 from aiohttp import web
+from support import ROOT, backend
+from test_server import BODY, STREAM, Upstream, start_relay, start_upstream, stream_reply
 
 from relay import config as config_module
 from relay import hookspecs
@@ -17,8 +19,6 @@ from relay.chain import Chain, load_plugins
 from relay.errors import ConfigError, RelayError
 from relay.hookspecs import hookimpl
 from relay.testing import exchange_for
-from support import ROOT, backend
-from test_server import BODY, STREAM, Upstream, start_relay, start_upstream, stream_reply
 
 HOOKS = sorted(name for name in dir(hookspecs) if name.startswith("relay_"))
 

@@ -32,7 +32,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from support import ROOT, backend
 
 pytestmark = pytest.mark.e2e

@@ -9,13 +9,13 @@ import anthropic
 import orjson
 import pytest
 from aiohttp import web
+from test_server import BODY, STREAM, Upstream, start_upstream
+from test_upstream import Recorder
 
 from relay import config as config_module
 from relay.errors import ConfigError
 from relay.stream import PING
 from relay.testing.fixtures import start_relay
-from test_server import BODY, STREAM, Upstream, start_upstream
-from test_upstream import Recorder
 
 START, REST = STREAM.split(b"\n\n", 1)
 START += b"\n\n"

@@ -10,7 +10,6 @@ completes once.
 from __future__ import annotations
 
 import pytest
-
 from support import backend
 from test_claude_code import ClaudeCode, agent_requests, claude_binary  # noqa: F401
 

@@ -9,9 +9,9 @@ import urllib.request
 
 import orjson
 import pytest
+from support import Relay, backend, exchange_for, request, text, user
 
 from relay import logs
-from support import Relay, backend, exchange_for, request, user, text
 
 SECRET = "sk-ant-api03-planted-secret-0123456789abcdef"
 BACKEND_SECRET = "sk-backend-planted-secret-abcdef0123456789"

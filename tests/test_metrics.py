@@ -10,17 +10,15 @@ import pytest
 from aiohttp import web
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-
+from relay_builtins.metrics import Metrics
 from support import backend
-from test_server import (BODY, STREAM, Upstream, start_relay, start_upstream,  # noqa: F401
-                         stream_reply)
+from test_server import BODY, STREAM, Upstream, start_relay, start_upstream, stream_reply  # noqa: F401
 
 from relay import config as config_module
 from relay.errors import ConfigError
 from relay.exchange import Outcome
 from relay.state.memory import MemoryState
 from relay.testing import finished_exchange
-from relay_builtins.metrics import Metrics
 
 KEY = "relay-key-metrics-0123456789"
 OTHER_KEY = "relay-key-metrics-other-0123456789"
@@ -292,8 +290,9 @@ def test_the_states_failures_are_counted_by_its_kind():
 
 
 def test_the_model_label_of_usage_is_bounded():
-    from relay.usage import Usage
     from relay_builtins.metrics import MAX_MODELS
+
+    from relay.usage import Usage
 
     plugin = Metrics()
     plugin.relay_startup(config=config_module.parse({"backends": [backend("http://127.0.0.1:9")]},

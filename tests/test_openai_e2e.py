@@ -14,7 +14,6 @@ import json
 
 import anthropic
 import pytest
-
 from support import backend
 from test_claude_code import claude, claude_binary  # noqa: F401  (fixtures)
 from test_sdk_e2e import BASH, Agent, client

@@ -6,7 +6,8 @@ from __future__ import annotations
 import msgspec
 import orjson
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from relay.config import Backend
 from relay.errors import RelayError
@@ -649,7 +650,7 @@ def interleavings(draw):
     for index in range(draw(st.integers(1, 3))):
         arguments = msgspec.json.encode(draw(inputs)).decode()
         cuts = sorted(draw(st.lists(st.integers(0, len(arguments)), max_size=4)))
-        pieces = [arguments[a:b] for a, b in zip([0, *cuts], [*cuts, len(arguments)])]
+        pieces = [arguments[a:b] for a, b in zip([0, *cuts], [*cuts, len(arguments)], strict=True)]
         fragments = [{"index": index, "function": {"arguments": p}} for p in pieces]
         late = draw(st.integers(0, len(fragments) - 1))  # which fragment names the call
         fragments[late].update(id=f"call_{index}", type="function")

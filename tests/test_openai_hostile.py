@@ -10,13 +10,13 @@ import json
 import logging
 
 import pytest
+from test_server import start_relay
+from test_upstream import Recorder
 
 from relay import bounded, stream
 from relay.formats import openai
 from relay.sse import SSEDecoder
 from relay.testing import hostile
-from test_server import start_relay
-from test_upstream import Recorder
 
 BODY = {"max_tokens": 10, "messages": [{"role": "user", "content": "hi"}]}
 # Small limits, so that what must be cut is cut after a megabyte rather than 64.

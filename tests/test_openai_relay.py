@@ -12,11 +12,11 @@ import orjson
 import pytest
 import yaml
 from aiohttp import web
+from test_server import Upstream, start_relay, start_upstream
 
 from relay import config as config_module
 from relay.errors import ConfigError
 from relay.sse import SSEDecoder
-from test_server import Upstream, start_relay, start_upstream
 
 BODY = {"model": "claude-test", "max_tokens": 10, "messages": [{"role": "user", "content": "hi"}]}
 COMPLETION = {"id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": "qwen3",

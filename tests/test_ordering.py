@@ -6,9 +6,8 @@ import functools
 import logging
 
 import support
-from support import assistant, exchange_for, request, result, text, use, user
-
 from relay_builtins import ordering
+from support import assistant, exchange_for, request, result, text, use, user
 
 rejection = functools.partial(support.refuses, ordering.relay_request)
 passes = functools.partial(support.passes, ordering.relay_request)

@@ -15,9 +15,9 @@ from pathlib import Path
 import orjson
 import pytest
 import support
+from relay_builtins import ordering, pairing
 from support import assistant, exchange_for, request, result, text, use, user
 
-from relay_builtins import ordering, pairing
 from relay.errors import RelayError
 
 rejection = functools.partial(support.refuses, pairing.relay_request)

@@ -11,6 +11,7 @@ import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from relay_builtins import dedup, portable
 from support import exchange_for
 
 from relay import config as config_module
@@ -20,7 +21,6 @@ from relay.sse import Event
 from relay.state.memory import MemoryState
 from relay.testing.emulator import EmulatorOptions, find_problem, sign_thinking
 from relay.testing.fixtures import relay_client  # noqa: F401  (the fixture)
-from relay_builtins import dedup, portable
 
 PROPERTY = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 STRICT = re.compile(portable.ANTHROPIC_IDS)
@@ -316,8 +316,9 @@ def test_the_emulator_requires_the_final_tool_turns_thinking_only_with_thinking_
 
 
 def validate(tmp_path, capsys, document, *args):
-    from relay import cli
     import yaml
+
+    from relay import cli
     config = tmp_path / "relay.yaml"
     config.write_text(yaml.safe_dump({
         "pipeline": ["dedup", "pairing", "ordering", "portable"],

@@ -10,7 +10,6 @@ import hashlib
 import re
 
 import pytest
-
 from support import backend
 from test_sdk_e2e import BASH, client
 
@@ -105,7 +104,7 @@ def test_thinking_nobody_asked_for_is_recorded_and_kept_from_the_next_backend(
                         str(TURNS)) for name in ("a", "b")]
     r = relay({"pipeline": PIPELINE,
                "backends": [backend(emu.url, name=name, models=[f"model-{name}"])
-                            for emu, name in zip(started, ("a", "b"))]})
+                            for emu, name in zip(started, ("a", "b"), strict=True)]})
     held = tool_loop(r.url, SANITISERS["as-is"], stream, models=("model-a", "model-b"))
     assert len(held) == TURNS
     for emu in started:

@@ -15,11 +15,10 @@ relay nothing is refused and each backend keeps its own thinking.
 from __future__ import annotations
 
 import pytest
-
-from relay.testing.emulator import EmulatorOptions, find_problem
-
 from support import backend
 from test_claude_code import ClaudeCode, agent_requests, claude_binary, conversation  # noqa: F401
+
+from relay.testing.emulator import EmulatorOptions, find_problem
 
 pytestmark = pytest.mark.e2e
 

@@ -13,7 +13,6 @@ import re
 
 import anthropic
 import pytest
-
 from support import backend
 from test_sdk_e2e import BASH, MAX_TURNS, client, run_bash
 

@@ -18,11 +18,11 @@ from concurrent.futures import ThreadPoolExecutor
 import orjson
 import pytest
 import yaml
-
+from relay_builtins import portable
 from support import backend
+
 from relay.testing.emulator import sign_thinking
 from relay.testing.fixtures import received, relay_client  # noqa: F401  (the fixture)
-from relay_builtins import portable
 
 HEADERS = {"x-api-key": "test", "anthropic-version": "2023-06-01",
            "content-type": "application/json"}

@@ -7,10 +7,10 @@ import asyncio
 import orjson
 import pytest
 from aiohttp import web
+from test_server import BODY, Upstream, start_upstream
 
 from relay.redact import StreamRedactor, redact, secrets_of
 from relay.testing.fixtures import start_relay
-from test_server import BODY, Upstream, start_upstream
 
 KEY = "sk-operator-0123456789abcdefghij"
 CLIENT_KEY = "sk-client-0123456789abcdefghijk"

@@ -19,12 +19,10 @@ from pathlib import Path
 import orjson
 import pytest
 import yaml
-
 from relay_builtins import dedup
-from relay import cli
-from relay import replay as replay_module
-
 from support import ROOT, backend
+
+from relay import cli
 
 TOOLS = [{"name": "Bash", "description": "Run a command",
           "input_schema": {"type": "object", "properties": {"command": {"type": "string"}},

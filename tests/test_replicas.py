@@ -21,7 +21,6 @@ from pathlib import Path
 
 import orjson
 import pytest
-
 from support import Process, Relay, backend
 from test_claude_code import CLAUDE, ClaudeCode
 from test_sdk_e2e import Agent, client
@@ -141,7 +140,7 @@ def assert_alternated(relays: list[Relay], count: int) -> None:
         time.sleep(0.05)
     order = served_by(relays)
     assert len(order) == count
-    assert all(a != b for a, b in zip(order, order[1:])), order
+    assert all(a != b for a, b in zip(order, order[1:], strict=False)), order
 
 
 def upstream_bodies(emu) -> list[bytes]:

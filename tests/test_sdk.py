@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import anthropic
 import pytest
-
 from support import backend
 
 pytestmark = pytest.mark.e2e

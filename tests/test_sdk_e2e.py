@@ -13,9 +13,9 @@ from pathlib import Path
 
 import anthropic
 import pytest
+from support import backend
 
 from relay.testing.emulator import EmulatorOptions, plan_reply
-from support import backend
 
 pytestmark = pytest.mark.e2e
 

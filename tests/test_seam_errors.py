@@ -9,11 +9,11 @@ import asyncio
 import anthropic
 import orjson
 from aiohttp import web
-
-from relay.testing.fixtures import start_relay
 from support import backend
 from test_server import BODY, STREAM, Upstream, start_upstream
 from test_upstream import FAST, Recorder
+
+from relay.testing.fixtures import start_relay
 
 
 async def test_relay_errors_carry_a_request_id_the_sdk_reads(aiohttp_client):

@@ -13,14 +13,22 @@ import time
 import orjson
 import pytest
 from aiohttp import web
+from support import ROOT, backend
+from test_server import (  # noqa: F401
+    ANSWER,
+    BODY,
+    STREAM,
+    Upstream,
+    setup,
+    start_relay,
+    start_upstream,
+    stream_reply,
+)
 
 from relay import config as config_module
 from relay.errors import RelayError
 from relay.hookspecs import hookimpl
 from relay.inbound import check_target, host_allowed
-from support import ROOT, backend
-from test_server import (ANSWER, BODY, STREAM, Upstream, setup, start_relay,  # noqa: F401
-                         start_upstream, stream_reply)
 
 KEY_A = "relay-key-alpha-0123456789abcdef"
 KEY_B = "relay-key-bravo-0123456789abcdef"
@@ -456,7 +464,7 @@ def read_answer(sock: socket.socket) -> bytes:
     try:
         while chunk := sock.recv(65536):
             data += chunk
-    except (ConnectionResetError, socket.timeout):
+    except (TimeoutError, ConnectionResetError):
         pass
     return data
 

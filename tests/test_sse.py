@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import orjson
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_server import STREAM
 
 from relay.sse import TAIL_BYTES, Event, LazyFramer, SSEDecoder
-from test_server import STREAM
 
 
 def frame(stream: bytes, cuts) -> list[Event]:

@@ -479,9 +479,8 @@ async def replica_pair(url: str):
 async def judged_elsewhere(url: str) -> dict:
     """A thinking block answered through one replica, sent on to another backend through the
     other: what goes up."""
-    from test_portable import KEY_A, answer, history, thought
-
     from relay_builtins import portable
+    from test_portable import KEY_A, answer, history, thought
 
     (one, one_state), (two, two_state) = await replica_pair(url)
     try:

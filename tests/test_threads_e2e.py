@@ -12,7 +12,6 @@ import urllib.request
 import anthropic
 import httpx2
 import pytest
-
 from support import backend
 
 pytestmark = pytest.mark.e2e

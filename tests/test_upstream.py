@@ -7,14 +7,13 @@ import asyncio
 import orjson
 import pytest
 from aiohttp import web
+from support import backend
+from test_server import ANSWER, BODY, STREAM, Upstream, start_relay, start_upstream, stream_reply
 
 from relay import config as config_module
 from relay.config import Retries
 from relay.hookspecs import hookimpl
 from relay.upstream import backoff, retry_after
-from support import backend
-from test_server import (ANSWER, BODY, STREAM, Upstream, start_relay, start_upstream,
-                         stream_reply)
 
 
 class Recorder:

@@ -23,13 +23,13 @@ import aiohttp
 import orjson
 import pytest
 from aiohttp import web
+from support import Relay, backend
 
 from relay.chain import Chain, load_plugins
 from relay.config import parse
 from relay.errors import ConfigError
 from relay.lifecycle import Lifecycle, SharedCounter
 from relay.server import create_app
-from support import Relay, backend
 
 BODY = {"model": "claude-test", "max_tokens": 50,
         "messages": [{"role": "user", "content": "hi"}]}

@@ -286,7 +286,7 @@ def stream_problem(got: bytes, events: int, rewritten: bool) -> str | None:
     got_events, want_events = split_events(got), list(workloads.sse_events(events))
     if len(got_events) != len(want_events):
         return f"{len(got_events)} events where the mock sent {len(want_events)}"
-    for n, (mine, theirs) in enumerate(zip(got_events, want_events)):
+    for n, (mine, theirs) in enumerate(zip(got_events, want_events, strict=True)):
         if mine == theirs:
             continue
         if theirs != workloads.TOOL_BLOCK_START:
@@ -943,7 +943,7 @@ def parse_answer(data: bytes) -> dict:
     lines = head.decode("latin-1").split("\r\n")
     parts = lines[0].split()
     status = int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0
-    headers = {k.strip().lower(): v.strip() for k, _, v in (l.partition(":") for l in lines[1:])}
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
     content_type = headers.get("content-type", "").split(";")[0].strip()
     return {"status": status, "problem": anthropic_error(status, content_type, body)}
 
