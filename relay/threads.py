@@ -178,8 +178,11 @@ class Store:
             return None
         try:
             doc = orjson.loads(value)
-            entry = (doc["backend"], orjson.dumps(doc["conversation"]), doc["renamed"],
-                     {name: orjson.dumps(field) for name, field in doc["fields"].items()})
+            # Copies of their own size: orjson's output keeps the buffer it was written into
+            # (about 4 KiB for a short value) for as long as it lives, and these are kept.
+            entry = (doc["backend"], bytes(memoryview(orjson.dumps(doc["conversation"]))),
+                     doc["renamed"], {name: bytes(memoryview(orjson.dumps(field)))
+                                      for name, field in doc["fields"].items()})
         except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
             return None
         self._keep(message_id, *entry)
