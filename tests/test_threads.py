@@ -92,16 +92,22 @@ async def test_a_continuation_answering_held_calls_is_not_refused(upstream, rela
     assert "tools" not in sent[1]
 
 
+async def refused_for_nobody(client, message_id):
+    """A result for a call nobody made, continuing ``message_id``: refused by the relay in
+    the API's words, named where the client put it."""
+    response, error = await post(client, carry_on(message_id, user(result("toolu_nobody"))))
+    assert response.status == 400
+    assert error["error"]["message"].startswith(
+        "messages.0.content.0: unexpected `tool_use_id` found in `tool_result` blocks: "
+        "toolu_nobody")
+
+
 async def test_with_the_head_known_the_whole_conversation_is_judged(upstream, relay):
     emu = await upstream(tool_turns=2, threads="hold")
     client = await relay(emu)
     _, first = await post(client, create(user(text("go"))))
     # A result for a call nobody made: refused by the relay, named where the client put it.
-    response, error = await post(client, carry_on(first["id"], user(result("toolu_nobody"))))
-    assert response.status == 400
-    assert error["error"]["message"].startswith(
-        "messages.0.content.0: unexpected `tool_use_id` found in `tool_result` blocks: "
-        "toolu_nobody")
+    await refused_for_nobody(client, first["id"])
     # The held calls left unanswered: the API's words, at the request's own index.
     response, error = await post(client, carry_on(first["id"], user(text("never mind"))))
     assert response.status == 400
@@ -175,11 +181,7 @@ async def test_a_carried_conversation_is_judged_whole_and_named_at_the_clients_i
         upstream, relay):
     client = await relay(await upstream(tool_turns=2, threads="refuse"), holds_threads=False)
     _, first = await post(client, create(user(text("go"))))
-    response, error = await post(client, carry_on(first["id"], user(result("toolu_nobody"))))
-    assert response.status == 400
-    assert error["error"]["message"].startswith(
-        "messages.0.content.0: unexpected `tool_use_id` found in `tool_result` blocks: "
-        "toolu_nobody")
+    await refused_for_nobody(client, first["id"])
     assert len(received(client)) == 1
 
 
