@@ -110,13 +110,13 @@ class Usage:
         exchange.usage = self.prices.price(used, meter.model or exchange.model)
 
     @hookimpl
-    async def relay_exchange_end(self, exchange):
+    def relay_exchange_end(self, exchange):
         if exchange.endpoint == "refused" or self.state is None:
             return
         used = exchange.usage
         if used is not None and used.cost_micro_usd is None:
             self._unpriced(exchange.model)
-        await self.state.record([ledger_row(exchange)])
+        self.state.record_soon([ledger_row(exchange)])
 
     def _unpriced(self, model: str | None) -> None:
         name = str(model)[:200]

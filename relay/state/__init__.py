@@ -176,24 +176,46 @@ class State:
     async def add(self, counters: Iterable[Counter], now: float | None = None) -> None:
         """Add each counter's amount to its window, unconditionally (usage known only after
         the answer: tokens, spend)."""
-        raise NotImplementedError
+        self.add_soon(counters, now)
 
     async def counts(self, counters: Iterable[Counter], now: float | None = None
                      ) -> list[Count]:
         """Read counters without changing them (their amounts are ignored)."""
         raise NotImplementedError
 
+    # What every request does, without a coroutine each: a take this process can decide in
+    # its memory, and what owes no answer (every backend queues it: the coroutines above
+    # only call these).
+
+    def take_now(self, counters: Sequence[Counter], slots: Sequence[Slot] = (),
+                 now: float | None = None) -> Taken | None:
+        """:meth:`take` decided in this process's memory when it can be (what leases hold,
+        :mod:`relay.state.lease`), else None: then ask with :meth:`take`."""
+        return None
+
+    def add_soon(self, counters: Iterable[Counter], now: float | None = None) -> None:
+        """:meth:`add` without a coroutine: queued at once, owing no answer."""
+        raise NotImplementedError
+
+    def release_soon(self, name: str, token: str) -> None:
+        """:meth:`release` without a coroutine: queued at once, owing no answer."""
+        raise NotImplementedError
+
+    def record_soon(self, rows: Sequence[dict[str, Any]]) -> None:
+        """:meth:`record` without a coroutine: queued at once, never raising."""
+        raise NotImplementedError
+
     async def release(self, name: str, token: str) -> None:
         """Give back a slot taken under ``name``; releasing twice, or after the lease ran
         out, does nothing."""
-        raise NotImplementedError
+        self.release_soon(name, token)
 
     async def record(self, rows: Sequence[dict[str, Any]]) -> None:
         """Append ledger rows, each a JSON-able mapping with a unique ``id`` (the exchange id)
         and ``time`` (epoch seconds, a float). A row whose id is already there is ignored, so
         a retried write never counts twice. Never raises: when the backend is unreachable the
         rows wait (bounded) and are written when it is back."""
-        raise NotImplementedError
+        self.record_soon(rows)
 
     async def rows(self, since: float | None = None, until: float | None = None,
                    where: dict[str, Any] | None = None, limit: int | None = None,

@@ -122,7 +122,6 @@ class LeasedState(State):
         self._refilling: set[str] = set()  # slot names a block is being taken for
         self._tokens = itertools.count()
         self._timer: asyncio.TimerHandle | None = None
-        self._background: set[asyncio.Task] = set()
         # Adds far from their limits, summed here for WRITE_SECONDS: (name, per, start)
         self._adds: dict[tuple[str, str, int], int] = {}
         self._flusher: asyncio.TimerHandle | None = None
@@ -162,36 +161,36 @@ class LeasedState(State):
     async def take(self, counters: Sequence[Counter], slots: Sequence[Slot] = (),
                    now: float | None = None) -> Taken:
         wall = time.time() if now is None else now
+        taken = self.take_now(counters, slots, wall)
+        if taken is None:
+            return await self._ask(counters, slots, wall, time.monotonic())
+        return taken
+
+    def take_now(self, counters: Sequence[Counter], slots: Sequence[Slot] = (),
+                 now: float | None = None) -> Taken | None:
+        wall = time.time() if now is None else now
         clock = time.monotonic()
         windows = self._windows
-        fast = True
         found = []
         for counter in counters:
             found_window = windows.get((counter.name, counter.per))
             if found_window is None or wall >= found_window.end or wall < found_window.start:
-                fast = False
-                break
+                return None
             if counter.limit is None:
                 pass
             elif counter.amount:
                 if found_window.room < counter.amount:
-                    fast = False
-                    break
+                    return None
             elif clock - found_window.seen > VIEW_SECONDS or \
                     found_window.used * VIEW_MARGIN >= counter.limit * (VIEW_MARGIN - 1):
-                fast = False
-                break
+                return None
             found.append(found_window)
         blocks = []
-        if fast:
-            for slot in slots:
-                block = self._blocks.get(slot.name)
-                if block is None or block.inflight >= block.units or clock >= block.until:
-                    fast = False
-                    break
-                blocks.append(block)
-        if not fast:
-            return await self._ask(counters, slots, wall, clock)
+        for slot in slots:
+            block = self._blocks.get(slot.name)
+            if block is None or block.inflight >= block.units or clock >= block.until:
+                return None
+            blocks.append(block)
         counts = []
         counted = None  # amounts without a limit: only added
         for counter, seen in zip(counters, found, strict=True):
@@ -204,7 +203,7 @@ class LeasedState(State):
             counts.append(Count(counter.name, seen.used - seen.room + (
                 counter.amount if counter.limit is None else 0), counter.limit, seen.end))
         if counted:
-            await self.add(counted, wall)
+            self.add_soon(counted, wall)
         return Taken(True, tuple(counts), tuple([self._occupy(block, clock) for block in blocks]))
 
     def _occupy(self, block: _Block, clock: float) -> str:
@@ -263,7 +262,7 @@ class LeasedState(State):
         self._refilling.update(refilling)
         try:
             if self._adds:  # the store decides with this process's own adds
-                await self._flush_adds()
+                self._flush_adds()
             leasing = {c.name for c, lease in zip(counters, leases, strict=True) if lease}
             leasing.update(refilling)
             if leasing:
@@ -341,7 +340,7 @@ class LeasedState(State):
                 seen.last = clock
         for slot, token in zip(wanted, taken.tokens, strict=True):
             if slot.units == 1:
-                self._in_background(self.inner.release(slot.name, token))
+                self.inner.release_soon(slot.name, token)
                 continue
             old = self._blocks.get(slot.name)
             if old is not None:
@@ -360,7 +359,7 @@ class LeasedState(State):
 
     # --- what owes no answer ---
 
-    async def add(self, counters: Iterable[Counter], now: float | None = None) -> None:
+    def add_soon(self, counters: Iterable[Counter], now: float | None = None) -> None:
         wall = time.time() if now is None else now
         urgent = []
         for counter in counters:
@@ -379,30 +378,30 @@ class LeasedState(State):
                 self._flusher = asyncio.get_running_loop().call_later(
                     WRITE_SECONDS, self._flush_soon)
         if urgent:
-            await self.inner.add(urgent, wall)
+            self.inner.add_soon(urgent, wall)
 
     def _flush_soon(self) -> None:
         self._flusher = None
-        self._in_background(self._flush_adds())
+        self._flush_adds()
 
-    async def _flush_adds(self) -> None:
+    def _flush_adds(self) -> None:
         """What this process added far from the limits, to the store (write-behind)."""
         adds, self._adds = self._adds, {}
         for (name, per, start), amount in adds.items():
             if amount:
-                await self.inner.add([Counter(name, per, amount=amount)], start)
+                self.inner.add_soon([Counter(name, per, amount=amount)], start)
 
-    async def release(self, name: str, token: str) -> None:
+    def release_soon(self, name: str, token: str) -> None:
         block = self._local.pop(token, None)
         if block is None:
             if "/" not in token:  # the store's own; a leased one released twice does nothing
-                await self.inner.release(name, token)
+                self.inner.release_soon(name, token)
             return
         block.inflight -= 1
         block.last = time.monotonic()
         if block.inflight == 0 and block in self._draining:
             self._draining.discard(block)
-            await self.inner.release(block.name, block.token)
+            self.inner.release_soon(block.name, block.token)
 
     def _retire(self, block: _Block) -> None:
         if self._blocks.get(block.name) is block:
@@ -410,7 +409,7 @@ class LeasedState(State):
         if block.inflight:
             self._draining.add(block)
         else:
-            self._in_background(self.inner.release(block.name, block.token))
+            self.inner.release_soon(block.name, block.token)
 
     # --- giving back what is not used ---
 
@@ -420,9 +419,9 @@ class LeasedState(State):
 
     def _idle(self) -> None:
         self._timer = None
-        self._in_background(self._give_back(time.monotonic() - IDLE_SECONDS))
+        self._give_back(time.monotonic() - IDLE_SECONDS)
 
-    async def _give_back(self, before: float, everything: bool = False) -> None:
+    def _give_back(self, before: float, everything: bool = False) -> None:
         """Leases and blocks not used since ``before`` go back to the store."""
         wall = time.time()
         returned = []
@@ -434,7 +433,7 @@ class LeasedState(State):
                 seen.used -= seen.room
                 seen.room = 0
         if returned:
-            await self.inner.add(returned, wall)
+            self.inner.add_soon(returned, wall)
         clock = time.monotonic()
         for block in list(self._blocks.values()):
             if everything or clock >= block.until or (block.inflight == 0
@@ -451,20 +450,15 @@ class LeasedState(State):
             if len(self._windows) <= MAX_WINDOWS // 2:
                 break
 
-    def _in_background(self, coroutine) -> None:
-        task = asyncio.get_running_loop().create_task(coroutine)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
     # --- the rest: the backend's ---
 
     async def counts(self, counters: Iterable[Counter], now: float | None = None
                      ) -> list[Count]:
-        await self._flush_adds()
+        self._flush_adds()
         return await self.inner.counts(counters, now)
 
-    async def record(self, rows: Sequence[dict[str, Any]]) -> None:
-        await self.inner.record(rows)
+    def record_soon(self, rows: Sequence[dict[str, Any]]) -> None:
+        self.inner.record_soon(rows)
 
     async def rows(self, since: float | None = None, until: float | None = None,
                    where: dict[str, Any] | None = None, limit: int | None = None,
@@ -495,12 +489,10 @@ class LeasedState(State):
                 timer.cancel()
         self._timer = self._flusher = None
         try:
-            await self._flush_adds()
-            await self._give_back(time.monotonic(), everything=True)
+            self._flush_adds()
+            self._give_back(time.monotonic(), everything=True)
             for block in list(self._draining):
                 self._draining.discard(block)
-                await self.inner.release(block.name, block.token)
-            if self._background:
-                await asyncio.wait(set(self._background), timeout=1.0)
+                self.inner.release_soon(block.name, block.token)
         finally:
             await self.inner.close()
