@@ -16,7 +16,8 @@ backends (the memory backend is this process's already). For each :meth:`take`:
   ``VIEW_SECONDS`` ago plus what this process added since. While the view shows more than
   ``1/VIEW_MARGIN`` of the limit left, that is the check; within the last ``1/VIEW_MARGIN``,
   or with a view older than ``VIEW_SECONDS``, the request asks the store as it would without
-  leases;
+  leases (a view already being read again by a take in flight is checked once that read is
+  in, not asked for once more by every request that arrives meanwhile);
 - **a concurrency slot** is taken by the *block* (``units`` of the limit held under one
   token, :attr:`relay.state.Slot.units`): at most ``1/LEASE_SHARE`` of the limit, at most
   ``MAX_BLOCK``; the requests of this process occupy a block's units in memory, and give
@@ -74,7 +75,8 @@ MAX_WINDOWS = 10_000
 class _Window:
     """One counter's current window as this process sees it."""
 
-    __slots__ = ("name", "per", "start", "end", "used", "seen", "room", "refilling", "last")
+    __slots__ = ("name", "per", "start", "end", "used", "seen", "room", "refilling", "last",
+                 "viewing")
 
     def __init__(self, name: str, per: str, start: int, end: int):
         self.name = name
@@ -86,6 +88,7 @@ class _Window:
         self.room = 0  # units leased from the store and not spent
         self.refilling = False  # a take asking for a lease is in flight
         self.last = 0.0  # monotonic: the last request that spent from it
+        self.viewing: asyncio.Future | None = None  # done when a take in flight has read it
 
 
 class _Block:
@@ -162,9 +165,30 @@ class LeasedState(State):
                    now: float | None = None) -> Taken:
         wall = time.time() if now is None else now
         taken = self.take_now(counters, slots, wall)
-        if taken is None:
-            return await self._ask(counters, slots, wall, time.monotonic())
-        return taken
+        if taken is not None:
+            return taken
+        viewing = self._viewing(counters, wall)
+        if viewing is not None:
+            # Views gone stale while a take in flight reads them again: that read (younger
+            # than this request) is this request's check too, rather than one more ask each.
+            await asyncio.shield(viewing)
+            taken = self.take_now(counters, slots, wall)
+            if taken is not None:
+                return taken
+        return await self._ask(counters, slots, time.time() if now is None else now,
+                               time.monotonic())
+
+    def _viewing(self, counters: Sequence[Counter], wall: float) -> asyncio.Future | None:
+        """The read in flight of a checked counter's view this take found stale, if any."""
+        clock = time.monotonic()
+        for counter in counters:
+            if counter.amount or counter.limit is None:
+                continue
+            seen = self._windows.get((counter.name, counter.per))
+            if seen is not None and seen.viewing is not None and seen.start <= wall < seen.end \
+                    and clock - seen.seen > VIEW_SECONDS:
+                return seen.viewing
+        return None
 
     def take_now(self, counters: Sequence[Counter], slots: Sequence[Slot] = (),
                  now: float | None = None) -> Taken | None:
@@ -260,6 +284,12 @@ class LeasedState(State):
         for seen in marked:
             seen.refilling = True
         self._refilling.update(refilling)
+        viewed = [seen for counter, seen in zip(counters, windows, strict=True)
+                  if not counter.amount and counter.limit is not None and seen.viewing is None]
+        if viewed:
+            reading = asyncio.get_running_loop().create_future()
+            for seen in viewed:
+                seen.viewing = reading
         try:
             if self._adds:  # the store decides with this process's own adds
                 self._flush_adds()
@@ -290,6 +320,10 @@ class LeasedState(State):
             for seen in marked:
                 seen.refilling = False
             self._refilling.difference_update(refilling)
+            if viewed:
+                for seen in viewed:
+                    seen.viewing = None
+                reading.set_result(None)
         clock = time.monotonic()
         self._seen(windows, taken, clock)
         if not taken.granted:
