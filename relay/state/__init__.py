@@ -54,7 +54,7 @@ import dataclasses
 import datetime
 import logging
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..errors import ConfigError
 from ..options import Option
@@ -104,8 +104,11 @@ def window(per: str, now: float) -> tuple[int, int]:
     raise ValueError(f"unknown period {per!r}")
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Counter:
+# Counter, Count and Taken are made several times for every request: named tuples, which
+# are made in one step, where a frozen dataclass sets each field in turn.
+
+
+class Counter(NamedTuple):
     """One windowed count: ``name`` (``"key:team-a:rpm"``, the caller's), its window kind
     (one of :data:`PERIODS`), the ``limit`` it may not pass (None: counted, never refused) and
     the ``amount`` to add (0: only check that the count is under the limit)."""
@@ -129,8 +132,7 @@ class Slot:
     units: int = 1
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Count:
+class Count(NamedTuple):
     """A counter as :meth:`State.take` left it: ``used`` in the window (after the take, when
     it was granted), its ``limit``, and ``reset``, the epoch second its window ends."""
 
@@ -140,8 +142,7 @@ class Count:
     reset: int
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Taken:
+class Taken(NamedTuple):
     """What :meth:`State.take` decided. ``granted``: every counter was under its limit and
     every slot free, and all were taken; otherwise nothing was. ``blocked`` names the first
     counter or slot that refused (its ``name``); ``counts`` are the counters in the order
