@@ -195,20 +195,20 @@ class LeasedState(State):
         wall = time.time() if now is None else now
         clock = time.monotonic()
         windows = self._windows
+        fresh = clock - VIEW_SECONDS
         found = []
-        for counter in counters:
-            found_window = windows.get((counter.name, counter.per))
-            if found_window is None or wall >= found_window.end or wall < found_window.start:
+        for name, per, limit, amount in counters:
+            seen = windows.get((name, per))
+            if seen is None or wall >= seen.end or wall < seen.start:
                 return None
-            if counter.limit is None:
+            if limit is None:
                 pass
-            elif counter.amount:
-                if found_window.room < counter.amount:
+            elif amount:
+                if seen.room < amount:
                     return None
-            elif clock - found_window.seen > VIEW_SECONDS or \
-                    found_window.used * VIEW_MARGIN >= counter.limit * (VIEW_MARGIN - 1):
+            elif seen.seen < fresh or seen.used * VIEW_MARGIN >= limit * (VIEW_MARGIN - 1):
                 return None
-            found.append(found_window)
+            found.append(seen)
         blocks = []
         for slot in slots:
             block = self._blocks.get(slot.name)
@@ -218,14 +218,16 @@ class LeasedState(State):
         counts = []
         counted = None  # amounts without a limit: only added
         for counter, seen in zip(counters, found, strict=True):
-            if counter.amount:
-                if counter.limit is None:
+            name, _, limit, amount = counter
+            if limit is None:
+                if amount:
                     counted = [*(counted or ()), counter]
-                else:
-                    seen.room -= counter.amount
-                    seen.last = clock
-            counts.append(Count(counter.name, seen.used - seen.room + (
-                counter.amount if counter.limit is None else 0), counter.limit, seen.end))
+                counts.append(Count(name, seen.used - seen.room + amount, None, seen.end))
+                continue
+            if amount:
+                seen.room -= amount
+                seen.last = clock
+            counts.append(Count(name, seen.used - seen.room, limit, seen.end))
         if counted:
             self.add_soon(counted, wall)
         return Taken(True, tuple(counts), tuple([self._occupy(block, clock) for block in blocks]))
@@ -396,18 +398,19 @@ class LeasedState(State):
     def add_soon(self, counters: Iterable[Counter], now: float | None = None) -> None:
         wall = time.time() if now is None else now
         urgent = []
+        windows, adds = self._windows, self._adds
         for counter in counters:
-            seen = self._windows.get((counter.name, counter.per))
+            name, per, limit, amount = counter
+            seen = windows.get((name, per))
             if seen is None or not seen.start <= wall < seen.end:
                 urgent.append(counter)
                 continue
-            seen.used += counter.amount
-            if counter.limit is not None and \
-                    seen.used * VIEW_MARGIN >= counter.limit * (VIEW_MARGIN - 1):
+            used = seen.used = seen.used + amount
+            if limit is not None and used * VIEW_MARGIN >= limit * (VIEW_MARGIN - 1):
                 urgent.append(counter)  # near its limit: the others must know soon
                 continue
-            key = (counter.name, counter.per, seen.start)
-            self._adds[key] = self._adds.get(key, 0) + counter.amount
+            key = (name, per, seen.start)
+            adds[key] = adds.get(key, 0) + amount
             if self._flusher is None:
                 self._flusher = asyncio.get_running_loop().call_later(
                     WRITE_SECONDS, self._flush_soon)
