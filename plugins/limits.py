@@ -62,7 +62,6 @@ class Limits:
     def __init__(self) -> None:
         self.state: State | None = None
         self.held: dict[asyncio.Task, Held] = {}  # by the request's task: in flight now
-        self.background: set[asyncio.Task] = set()
         self.unavailable = 0  # requests let through unchecked, the state unreachable
         self._warned = 0.0
 
@@ -71,24 +70,33 @@ class Limits:
         self.state = state
 
     @hookimpl
-    async def relay_request(self, exchange) -> None:
+    def relay_request(self, exchange):
+        # Not a coroutine: a take this process decides in its memory (leases) costs none.
         key = exchange.key
         if key is None:
-            return
+            return None
         # A shared relay's answers describe the key's quota, never the pooled account's.
         exchange.replaces_headers = (limits.RATELIMIT_PREFIX,)
         if key.limits is None or exchange.endpoint != "messages":
-            return
+            return None
         task = asyncio.current_task()
         before = self.held.get(task) if task is not None else None
         if before is not None:  # a fallback: the client's request has what it needs
             exchange.state["limits"] = before
             exchange.response_headers.update(before.headers)
-            return
+            return None
         plan = key.limits.plan(key.name, exchange.model)
         if plan is None:
-            return
+            return None
         assert self.state is not None  # relay_startup ran
+        taken = self.state.take_now(plan.counters, plan.slots)
+        if taken is None:
+            return self._ask(exchange, plan, task)
+        self._taken(exchange, plan, taken, task)
+        return None
+
+    async def _ask(self, exchange, plan: limits.Plan, task: asyncio.Task | None) -> None:
+        assert self.state is not None
         try:
             # Not shielded: a backend gives back what it granted a caller that gave up (the
             # client gone while the state decided).
@@ -96,12 +104,15 @@ class Limits:
         except Unavailable as e:
             self._unreachable(exchange, e)
             return
+        self._taken(exchange, plan, taken, task)
+
+    def _taken(self, exchange, plan: limits.Plan, taken, task: asyncio.Task | None) -> None:
         if not taken.granted:
             assert taken.blocked is not None  # a refusal names what refused
             error, headers = limits.refusal(plan, taken.counts, taken.blocked, time.time())
             error.rule = plan.limits[taken.blocked].name
             exchange.response_headers.update(headers)
-            exchange.note("limits", "refused", limit=error.rule, key=key.name)
+            exchange.note("limits", "refused", limit=error.rule, key=plan.key)
             raise error
         headers = limits.quota_headers(plan, taken.counts)
         held = Held(plan, taken.tokens, headers, task)
@@ -112,7 +123,7 @@ class Limits:
             task.add_done_callback(self._task_done)
 
     @hookimpl
-    async def relay_exchange_end(self, exchange) -> None:
+    def relay_exchange_end(self, exchange) -> None:
         held: Held | None = exchange.state.get("limits")
         if held is None:
             return
@@ -120,37 +131,25 @@ class Limits:
         if task is not None and self.held.get(task) is held:
             del self.held[task]
             task.remove_done_callback(self._task_done)
-        await self._release(held)
+        self._release(held)
         added = limits.spent(held.plan, getattr(exchange, "usage", None))
         if added and self.state is not None:
-            try:
-                await self.state.add(added)
-            except Unavailable as e:
-                self._warn(f"limits: the state is unreachable; the usage of {exchange.id} "
-                           f"is not counted toward its key's limits ({e})")
+            self.state.add_soon(added)
 
     def _task_done(self, task: asyncio.Task) -> None:
         """The request's task ended without its exchange's end (the handler failed before
         an exchange could be finished): give its slots back."""
         held = self.held.pop(task, None)
-        if held is not None and not held.released:
-            self._in_background(self._release(held))
+        if held is not None:
+            self._release(held)
 
-    def _in_background(self, coroutine) -> None:
-        task = asyncio.get_running_loop().create_task(coroutine)
-        self.background.add(task)
-        task.add_done_callback(self.background.discard)
-
-    async def _release(self, held: Held) -> None:
+    def _release(self, held: Held) -> None:
+        # Every backend queues a release (its lease gives back one it cannot write).
         if held.released or self.state is None:
             return
         held.released = True
         for slot, token in zip(held.plan.slots, held.tokens, strict=True):
-            try:
-                await self.state.release(slot.name, token)
-            except Unavailable as e:  # its lease gives it back
-                self._warn(f"limits: the state is unreachable; a slot of {held.plan.key!r} "
-                           f"comes back when its lease ends ({e})")
+            self.state.release_soon(slot.name, token)
 
     def _unreachable(self, exchange, error: Unavailable) -> None:
         assert self.state is not None
@@ -169,7 +168,3 @@ class Limits:
             self._warned = now
             log.warning("%s", message)
 
-    @hookimpl
-    async def relay_shutdown(self) -> None:
-        for task in list(self.background):
-            await task

@@ -162,6 +162,9 @@ class Metrics:
         self.state_unavailable_seen = 0
         self.path = "/metrics"
         self.children: dict = {}
+        # (backend, key, model): the children of relay_tokens_total (by kind),
+        # relay_usage_unpriced_total and relay_cost_micro_usd_total, as made.
+        self.usage_children: dict[tuple[str, str, str], list] = {}
         self.scrape_keys: tuple[InboundKey, ...] = ()
         self.deferred_names: set[str] = set()
         self.model_names: set[str] = set()
@@ -180,6 +183,8 @@ class Metrics:
         self.path = options["path"]
         self.scrape_keys = scrape_keys(options["scrape_key_env"], config)
         registry = self.registry = CollectorRegistry()
+        self.children = {}
+        self.usage_children = {}
         self.requests = Counter(
             "relay_requests", "Exchanges answered, by backend, inbound key, endpoint, status, "
             "stream and outcome.", ["backend", "key", "endpoint", "status", "stream", "outcome"],
@@ -304,14 +309,30 @@ class Metrics:
 
     def _usage(self, used, backend: str, key: str, model: str | None) -> None:
         model = self._model_name(model)
-        for kind, name in TOKEN_KINDS:
+        labels = (backend, key, model)
+        # One lookup for the exchange's labels; each child is made when first counted, so
+        # that a series nobody counted yet is not shown at 0.
+        children = self.usage_children.get(labels)
+        if children is None:
+            children = self.usage_children[labels] = [None] * (len(TOKEN_KINDS) + 2)
+        for i, (kind, name) in enumerate(TOKEN_KINDS):
             count = getattr(used, name)
             if count:
-                self._child(self.tokens, backend, key, model, kind).inc(count)
-        if used.cost_micro_usd is None:
-            self._child(self.unpriced, backend, key, model).inc()
-        elif used.cost_micro_usd:
-            self._child(self.cost, backend, key, model).inc(used.cost_micro_usd)
+                child = children[i]
+                if child is None:
+                    child = children[i] = self.tokens.labels(backend, key, model, kind)
+                child.inc(count)
+        cost = used.cost_micro_usd
+        if cost is None:
+            child = children[-2]
+            if child is None:
+                child = children[-2] = self.unpriced.labels(backend, key, model)
+            child.inc()
+        elif cost:
+            child = children[-1]
+            if child is None:
+                child = children[-1] = self.cost.labels(backend, key, model)
+            child.inc(cost)
 
     @hookimpl
     def relay_shutdown(self):

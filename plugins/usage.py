@@ -110,13 +110,13 @@ class Usage:
         exchange.usage = self.prices.price(used, meter.model or exchange.model)
 
     @hookimpl
-    async def relay_exchange_end(self, exchange):
+    def relay_exchange_end(self, exchange):
         if exchange.endpoint == "refused" or self.state is None:
             return
         used = exchange.usage
         if used is not None and used.cost_micro_usd is None:
             self._unpriced(exchange.model)
-        await self.state.record([ledger_row(exchange)])
+        self.state.record_soon([ledger_row(exchange)])
 
     def _unpriced(self, model: str | None) -> None:
         name = str(model)[:200]
@@ -150,40 +150,50 @@ def ledger_row(exchange) -> dict:
     used = exchange.usage
     answer = exchange.answer
     backend = exchange.backend
-    dump = getattr(exchange, "dump_path", None)
+    dump = exchange.dump_path
     notes = exchange.response_headers.get("x-relay-notes")
+    outcome = exchange.outcome
+    attempts = exchange.attempts
     row = {
         "id": exchange.id,
         "time": exchange.received,
         "key": exchange.key_name,
         "backend": backend.name if backend is not None else None,
-        "credential": getattr(exchange, "credential", None),
+        "credential": exchange.credential,
         "model": exchange.model,
         "endpoint": exchange.endpoint,
         "stream": exchange.stream,
         "status": answer.status if answer is not None else None,
-        "outcome": str(exchange.outcome) if exchange.outcome is not None else None,
+        "outcome": str(outcome) if outcome is not None else None,
         "duration_ms": round(exchange.elapsed() * 1000, 1),
         "session": exchange.session(),
-        "cache": getattr(exchange, "cache", None),
+        "cache": exchange.cache,
         "repairs": exchange.repairs,
         "notes": notes.split(", ") if notes else [],
         "dump": os.path.basename(dump) if dump else None,
         "timeline": exchange.timeline[:TIMELINE],
-        "attempts": [{"backend": attempt.backend,
-                      "credential": getattr(attempt, "credential", None),
+        "attempts": [{"backend": attempt.backend, "credential": attempt.credential,
                       "status": attempt.status, "wait_ms": round(attempt.waited * 1000, 1)}
-                     for attempt in exchange.attempts],
+                     for attempt in attempts] if attempts else [],
     }
     if used is None:  # nothing was reported (an error, a refusal): nothing to pay for
-        row.update(dict.fromkeys(metering.TOKEN_FIELDS, 0), server_tool_requests={},
-                   cost_micro_usd=0, priced=True, usage_complete=True)
+        row.update(NOTHING_USED)
+        row["server_tool_requests"] = {}
     else:
-        row.update(input_tokens=used.input_tokens, output_tokens=used.output_tokens,
-                   cache_read_input_tokens=used.cache_read_input_tokens,
-                   cache_write_5m_input_tokens=used.cache_write_5m_input_tokens,
-                   cache_write_1h_input_tokens=used.cache_write_1h_input_tokens,
-                   server_tool_requests=dict(used.server_tool_requests),
-                   cost_micro_usd=used.cost_micro_usd, priced=used.cost_micro_usd is not None,
-                   usage_complete=used.complete)
+        cost = used.cost_micro_usd
+        row["input_tokens"] = used.input_tokens
+        row["output_tokens"] = used.output_tokens
+        row["cache_read_input_tokens"] = used.cache_read_input_tokens
+        row["cache_write_5m_input_tokens"] = used.cache_write_5m_input_tokens
+        row["cache_write_1h_input_tokens"] = used.cache_write_1h_input_tokens
+        row["server_tool_requests"] = dict(used.server_tool_requests)
+        row["cost_micro_usd"] = cost
+        row["priced"] = cost is not None
+        row["usage_complete"] = used.complete
     return row
+
+
+# A row's usage fields when nothing was reported (server_tool_requests, a dict, is each
+# row's own).
+NOTHING_USED = {**dict.fromkeys(metering.TOKEN_FIELDS, 0), "server_tool_requests": None,
+                "cost_micro_usd": 0, "priced": True, "usage_complete": True}

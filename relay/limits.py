@@ -228,10 +228,12 @@ class Plan:
     slots: tuple[Slot, ...]
     limits: dict[str, Limit]
     adds: tuple[str | None, ...]
-    # By position among the counters (a take's counts come in their order): the header
-    # family each rate limit reports to, and the budgets.
-    families: tuple[tuple[int, str], ...] = ()
+    # By position among the counters (a take's counts come in their order): each header
+    # family's names and the rate limits it reports, the budgets, and what the answer adds
+    # to (kind, position).
+    families: tuple[tuple[tuple[str, ...], tuple[int, ...]], ...] = ()
     budgets: tuple[int, ...] = ()
+    added: tuple[tuple[str, int], ...] = ()
 
 
 def counter_name(key: str, rule: Rule, kind: str) -> str:
@@ -274,10 +276,14 @@ def plan(key: str, rules: Iterable[Rule]) -> Plan:
     counters = (*budgets, *tokens, *requests)
     adds = tuple(kind if kind in ("itpm", "otpm", "usd") else None
                  for kind in (c.name.rsplit(":", 1)[1] for c in counters))
-    families = tuple((i, HEADER_FAMILIES[limits[c.name].name]) for i, c in enumerate(counters)
-                     if limits[c.name].name in HEADER_FAMILIES)
-    return Plan(key, rules, counters, tuple(slots), limits, adds, families,
-                tuple(range(len(budgets))))
+    families: dict[str, list[int]] = {}
+    for i, c in enumerate(counters):
+        if limits[c.name].name in HEADER_FAMILIES:
+            families.setdefault(HEADER_FAMILIES[limits[c.name].name], []).append(i)
+    return Plan(key, rules, counters, tuple(slots), limits, adds,
+                tuple((FAMILY_HEADERS[family], tuple(at)) for family, at in families.items()),
+                tuple(range(len(budgets))),
+                tuple((kind, i) for i, kind in enumerate(adds) if kind is not None))
 
 
 def spent(plan: Plan, usage) -> list[Counter]:
@@ -287,15 +293,19 @@ def spent(plan: Plan, usage) -> list[Counter]:
     for a few older models (docs.claude.com/en/api/rate-limits, "cache-aware ITPM")."""
     if usage is None:
         return []
-    fresh = (getattr(usage, "input_tokens", 0) or 0) \
-        + (getattr(usage, "cache_write_5m_input_tokens", 0) or 0) \
-        + (getattr(usage, "cache_write_1h_input_tokens", 0) or 0)
-    amounts = {"itpm": fresh, "otpm": getattr(usage, "output_tokens", 0) or 0,
-               "usd": getattr(usage, "cost_micro_usd", None) or 0, None: 0}
     added = []
-    for counter, kind in zip(plan.counters, plan.adds, strict=True):
-        amount = amounts[kind]
+    counters = plan.counters
+    for kind, at in plan.added:  # only the amounts some limit counts
+        if kind == "otpm":
+            amount = getattr(usage, "output_tokens", 0) or 0
+        elif kind == "usd":
+            amount = getattr(usage, "cost_micro_usd", None) or 0
+        else:
+            amount = (getattr(usage, "input_tokens", 0) or 0) \
+                + (getattr(usage, "cache_write_5m_input_tokens", 0) or 0) \
+                + (getattr(usage, "cache_write_1h_input_tokens", 0) or 0)
         if amount > 0:
+            counter = counters[at]
             added.append(Counter(counter.name, counter.per, counter.limit, amount))
     return added
 
@@ -330,14 +340,14 @@ def rate_headers(plan: Plan, counts: Sequence[Count]) -> dict[str, str]:
     for each family, the limit with the least left. A family the key has no limit for is
     not sent."""
     headers: dict[str, str] = {}
-    tightest: dict[str, tuple[int, Count]] = {}
-    for index, family in plan.families:
-        count = counts[index]
+    for names, indexes in plan.families:
+        count = counts[indexes[0]]
         left = max(0, (count.limit or 0) - count.used)
-        if family not in tightest or left < tightest[family][0]:
-            tightest[family] = (left, count)
-    for family, (left, count) in tightest.items():
-        names = FAMILY_HEADERS[family]
+        for index in indexes[1:]:
+            other = counts[index]
+            other_left = max(0, (other.limit or 0) - other.used)
+            if other_left < left:
+                count, left = other, other_left
         headers[names[0]] = str(count.limit)
         headers[names[1]] = str(left)
         headers[names[2]] = rfc3339(count.reset)

@@ -260,11 +260,14 @@ class Price:
     def cost(self, usage: Usage) -> int:
         """The cost of ``usage`` in micro-dollars, rounded half up once. A server tool
         without a price of its own costs nothing beyond its tokens."""
-        total = 0
-        for name, rate in self.per_token:
-            total += getattr(usage, name) * rate
-        for tool, count in usage.server_tool_requests.items():
-            total += count * self.per_request.get(tool, 0)
+        # Written out, not looped: this runs for every answer (per_token is in RATES' order).
+        (_, a), (_, b), (_, c), (_, d), (_, e) = self.per_token
+        total = usage.input_tokens * a + usage.output_tokens * b \
+            + usage.cache_write_5m_input_tokens * c + usage.cache_write_1h_input_tokens * d \
+            + usage.cache_read_input_tokens * e
+        if usage.server_tool_requests:
+            for tool, count in usage.server_tool_requests.items():
+                total += count * self.per_request.get(tool, 0)
         return (2 * total + self.denominator) // (2 * self.denominator)
 
 

@@ -161,6 +161,31 @@ async def test_a_budget_crossed_is_refused_next_here_and_within_the_views_age_el
         await two.close()
 
 
+async def test_a_stale_view_is_read_again_once_for_the_requests_that_find_it_so(
+        url, monkeypatch):
+    monkeypatch.setattr(lease, "VIEW_SECONDS", 0.2)
+    one, two = await open_state({"url": url}), await open_state({"url": url})
+    try:
+        counting = Counting(one)  # what reaches the store
+        budget = Counter("k:usd", "day", limit=1000, amount=0)
+        now = time.time()
+        assert (await one.take([budget], now=now)).granted
+        await two.add([Counter("k:usd", "day", amount=500)], now=now)  # another process's
+        await two.close()  # its add is in the store
+        await asyncio.sleep(lease.VIEW_SECONDS + 0.05)
+        before = counting.takes
+        many = await asyncio.gather(*[one.take([budget], now=now) for _ in range(20)])
+        assert counting.takes - before == 1
+        # The one read is every request's check: each saw the other process's spend.
+        assert all(taken.granted and taken.counts[0].used == 500 for taken in many)
+        # Near the limit a view is no check at all: every request asks.
+        await one.add([Counter("k:usd", "day", amount=400)], now=now)
+        await asyncio.gather(*[one.take([budget], now=now) for _ in range(3)])
+        assert counting.takes - before == 4
+    finally:
+        await one.close()
+
+
 @pytest.mark.slow
 async def test_with_redis_a_request_near_its_limits_is_one_round_trip(redis_server):
     """A take that must ask Redis carries what the previous request left to write (its

@@ -54,7 +54,7 @@ import dataclasses
 import datetime
 import logging
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..errors import ConfigError
 from ..options import Option
@@ -104,8 +104,11 @@ def window(per: str, now: float) -> tuple[int, int]:
     raise ValueError(f"unknown period {per!r}")
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Counter:
+# Counter, Count and Taken are made several times for every request: named tuples, which
+# are made in one step, where a frozen dataclass sets each field in turn.
+
+
+class Counter(NamedTuple):
     """One windowed count: ``name`` (``"key:team-a:rpm"``, the caller's), its window kind
     (one of :data:`PERIODS`), the ``limit`` it may not pass (None: counted, never refused) and
     the ``amount`` to add (0: only check that the count is under the limit)."""
@@ -129,8 +132,7 @@ class Slot:
     units: int = 1
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Count:
+class Count(NamedTuple):
     """A counter as :meth:`State.take` left it: ``used`` in the window (after the take, when
     it was granted), its ``limit``, and ``reset``, the epoch second its window ends."""
 
@@ -140,8 +142,7 @@ class Count:
     reset: int
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Taken:
+class Taken(NamedTuple):
     """What :meth:`State.take` decided. ``granted``: every counter was under its limit and
     every slot free, and all were taken; otherwise nothing was. ``blocked`` names the first
     counter or slot that refused (its ``name``); ``counts`` are the counters in the order
@@ -176,24 +177,46 @@ class State:
     async def add(self, counters: Iterable[Counter], now: float | None = None) -> None:
         """Add each counter's amount to its window, unconditionally (usage known only after
         the answer: tokens, spend)."""
-        raise NotImplementedError
+        self.add_soon(counters, now)
 
     async def counts(self, counters: Iterable[Counter], now: float | None = None
                      ) -> list[Count]:
         """Read counters without changing them (their amounts are ignored)."""
         raise NotImplementedError
 
+    # What every request does, without a coroutine each: a take this process can decide in
+    # its memory, and what owes no answer (every backend queues it: the coroutines above
+    # only call these).
+
+    def take_now(self, counters: Sequence[Counter], slots: Sequence[Slot] = (),
+                 now: float | None = None) -> Taken | None:
+        """:meth:`take` decided in this process's memory when it can be (what leases hold,
+        :mod:`relay.state.lease`), else None: then ask with :meth:`take`."""
+        return None
+
+    def add_soon(self, counters: Iterable[Counter], now: float | None = None) -> None:
+        """:meth:`add` without a coroutine: queued at once, owing no answer."""
+        raise NotImplementedError
+
+    def release_soon(self, name: str, token: str) -> None:
+        """:meth:`release` without a coroutine: queued at once, owing no answer."""
+        raise NotImplementedError
+
+    def record_soon(self, rows: Sequence[dict[str, Any]]) -> None:
+        """:meth:`record` without a coroutine: queued at once, never raising."""
+        raise NotImplementedError
+
     async def release(self, name: str, token: str) -> None:
         """Give back a slot taken under ``name``; releasing twice, or after the lease ran
         out, does nothing."""
-        raise NotImplementedError
+        self.release_soon(name, token)
 
     async def record(self, rows: Sequence[dict[str, Any]]) -> None:
         """Append ledger rows, each a JSON-able mapping with a unique ``id`` (the exchange id)
         and ``time`` (epoch seconds, a float). A row whose id is already there is ignored, so
         a retried write never counts twice. Never raises: when the backend is unreachable the
         rows wait (bounded) and are written when it is back."""
-        raise NotImplementedError
+        self.record_soon(rows)
 
     async def rows(self, since: float | None = None, until: float | None = None,
                    where: dict[str, Any] | None = None, limit: int | None = None,

@@ -16,7 +16,8 @@ backends (the memory backend is this process's already). For each :meth:`take`:
   ``VIEW_SECONDS`` ago plus what this process added since. While the view shows more than
   ``1/VIEW_MARGIN`` of the limit left, that is the check; within the last ``1/VIEW_MARGIN``,
   or with a view older than ``VIEW_SECONDS``, the request asks the store as it would without
-  leases;
+  leases (a view already being read again by a take in flight is checked once that read is
+  in, not asked for once more by every request that arrives meanwhile);
 - **a concurrency slot** is taken by the *block* (``units`` of the limit held under one
   token, :attr:`relay.state.Slot.units`): at most ``1/LEASE_SHARE`` of the limit, at most
   ``MAX_BLOCK``; the requests of this process occupy a block's units in memory, and give
@@ -74,7 +75,8 @@ MAX_WINDOWS = 10_000
 class _Window:
     """One counter's current window as this process sees it."""
 
-    __slots__ = ("name", "per", "start", "end", "used", "seen", "room", "refilling", "last")
+    __slots__ = ("name", "per", "start", "end", "used", "seen", "room", "refilling", "last",
+                 "viewing")
 
     def __init__(self, name: str, per: str, start: int, end: int):
         self.name = name
@@ -86,6 +88,7 @@ class _Window:
         self.room = 0  # units leased from the store and not spent
         self.refilling = False  # a take asking for a lease is in flight
         self.last = 0.0  # monotonic: the last request that spent from it
+        self.viewing: asyncio.Future | None = None  # done when a take in flight has read it
 
 
 class _Block:
@@ -122,7 +125,6 @@ class LeasedState(State):
         self._refilling: set[str] = set()  # slot names a block is being taken for
         self._tokens = itertools.count()
         self._timer: asyncio.TimerHandle | None = None
-        self._background: set[asyncio.Task] = set()
         # Adds far from their limits, summed here for WRITE_SECONDS: (name, per, start)
         self._adds: dict[tuple[str, str, int], int] = {}
         self._flusher: asyncio.TimerHandle | None = None
@@ -162,49 +164,72 @@ class LeasedState(State):
     async def take(self, counters: Sequence[Counter], slots: Sequence[Slot] = (),
                    now: float | None = None) -> Taken:
         wall = time.time() if now is None else now
+        taken = self.take_now(counters, slots, wall)
+        if taken is not None:
+            return taken
+        viewing = self._viewing(counters, wall)
+        if viewing is not None:
+            # Views gone stale while a take in flight reads them again: that read (younger
+            # than this request) is this request's check too, rather than one more ask each.
+            await asyncio.shield(viewing)
+            taken = self.take_now(counters, slots, wall)
+            if taken is not None:
+                return taken
+        return await self._ask(counters, slots, time.time() if now is None else now,
+                               time.monotonic())
+
+    def _viewing(self, counters: Sequence[Counter], wall: float) -> asyncio.Future | None:
+        """The read in flight of a checked counter's view this take found stale, if any."""
+        clock = time.monotonic()
+        for counter in counters:
+            if counter.amount or counter.limit is None:
+                continue
+            seen = self._windows.get((counter.name, counter.per))
+            if seen is not None and seen.viewing is not None and seen.start <= wall < seen.end \
+                    and clock - seen.seen > VIEW_SECONDS:
+                return seen.viewing
+        return None
+
+    def take_now(self, counters: Sequence[Counter], slots: Sequence[Slot] = (),
+                 now: float | None = None) -> Taken | None:
+        wall = time.time() if now is None else now
         clock = time.monotonic()
         windows = self._windows
-        fast = True
+        fresh = clock - VIEW_SECONDS
         found = []
-        for counter in counters:
-            found_window = windows.get((counter.name, counter.per))
-            if found_window is None or wall >= found_window.end or wall < found_window.start:
-                fast = False
-                break
-            if counter.limit is None:
+        for name, per, limit, amount in counters:
+            seen = windows.get((name, per))
+            if seen is None or wall >= seen.end or wall < seen.start:
+                return None
+            if limit is None:
                 pass
-            elif counter.amount:
-                if found_window.room < counter.amount:
-                    fast = False
-                    break
-            elif clock - found_window.seen > VIEW_SECONDS or \
-                    found_window.used * VIEW_MARGIN >= counter.limit * (VIEW_MARGIN - 1):
-                fast = False
-                break
-            found.append(found_window)
+            elif amount:
+                if seen.room < amount:
+                    return None
+            elif seen.seen < fresh or seen.used * VIEW_MARGIN >= limit * (VIEW_MARGIN - 1):
+                return None
+            found.append(seen)
         blocks = []
-        if fast:
-            for slot in slots:
-                block = self._blocks.get(slot.name)
-                if block is None or block.inflight >= block.units or clock >= block.until:
-                    fast = False
-                    break
-                blocks.append(block)
-        if not fast:
-            return await self._ask(counters, slots, wall, clock)
+        for slot in slots:
+            block = self._blocks.get(slot.name)
+            if block is None or block.inflight >= block.units or clock >= block.until:
+                return None
+            blocks.append(block)
         counts = []
         counted = None  # amounts without a limit: only added
         for counter, seen in zip(counters, found, strict=True):
-            if counter.amount:
-                if counter.limit is None:
+            name, _, limit, amount = counter
+            if limit is None:
+                if amount:
                     counted = [*(counted or ()), counter]
-                else:
-                    seen.room -= counter.amount
-                    seen.last = clock
-            counts.append(Count(counter.name, seen.used - seen.room + (
-                counter.amount if counter.limit is None else 0), counter.limit, seen.end))
+                counts.append(Count(name, seen.used - seen.room + amount, None, seen.end))
+                continue
+            if amount:
+                seen.room -= amount
+                seen.last = clock
+            counts.append(Count(name, seen.used - seen.room, limit, seen.end))
         if counted:
-            await self.add(counted, wall)
+            self.add_soon(counted, wall)
         return Taken(True, tuple(counts), tuple([self._occupy(block, clock) for block in blocks]))
 
     def _occupy(self, block: _Block, clock: float) -> str:
@@ -261,9 +286,15 @@ class LeasedState(State):
         for seen in marked:
             seen.refilling = True
         self._refilling.update(refilling)
+        viewed = [seen for counter, seen in zip(counters, windows, strict=True)
+                  if not counter.amount and counter.limit is not None and seen.viewing is None]
+        if viewed:
+            reading = asyncio.get_running_loop().create_future()
+            for seen in viewed:
+                seen.viewing = reading
         try:
             if self._adds:  # the store decides with this process's own adds
-                await self._flush_adds()
+                self._flush_adds()
             leasing = {c.name for c, lease in zip(counters, leases, strict=True) if lease}
             leasing.update(refilling)
             if leasing:
@@ -291,6 +322,10 @@ class LeasedState(State):
             for seen in marked:
                 seen.refilling = False
             self._refilling.difference_update(refilling)
+            if viewed:
+                for seen in viewed:
+                    seen.viewing = None
+                reading.set_result(None)
         clock = time.monotonic()
         self._seen(windows, taken, clock)
         if not taken.granted:
@@ -341,7 +376,7 @@ class LeasedState(State):
                 seen.last = clock
         for slot, token in zip(wanted, taken.tokens, strict=True):
             if slot.units == 1:
-                self._in_background(self.inner.release(slot.name, token))
+                self.inner.release_soon(slot.name, token)
                 continue
             old = self._blocks.get(slot.name)
             if old is not None:
@@ -360,49 +395,50 @@ class LeasedState(State):
 
     # --- what owes no answer ---
 
-    async def add(self, counters: Iterable[Counter], now: float | None = None) -> None:
+    def add_soon(self, counters: Iterable[Counter], now: float | None = None) -> None:
         wall = time.time() if now is None else now
         urgent = []
+        windows, adds = self._windows, self._adds
         for counter in counters:
-            seen = self._windows.get((counter.name, counter.per))
+            name, per, limit, amount = counter
+            seen = windows.get((name, per))
             if seen is None or not seen.start <= wall < seen.end:
                 urgent.append(counter)
                 continue
-            seen.used += counter.amount
-            if counter.limit is not None and \
-                    seen.used * VIEW_MARGIN >= counter.limit * (VIEW_MARGIN - 1):
+            used = seen.used = seen.used + amount
+            if limit is not None and used * VIEW_MARGIN >= limit * (VIEW_MARGIN - 1):
                 urgent.append(counter)  # near its limit: the others must know soon
                 continue
-            key = (counter.name, counter.per, seen.start)
-            self._adds[key] = self._adds.get(key, 0) + counter.amount
+            key = (name, per, seen.start)
+            adds[key] = adds.get(key, 0) + amount
             if self._flusher is None:
                 self._flusher = asyncio.get_running_loop().call_later(
                     WRITE_SECONDS, self._flush_soon)
         if urgent:
-            await self.inner.add(urgent, wall)
+            self.inner.add_soon(urgent, wall)
 
     def _flush_soon(self) -> None:
         self._flusher = None
-        self._in_background(self._flush_adds())
+        self._flush_adds()
 
-    async def _flush_adds(self) -> None:
+    def _flush_adds(self) -> None:
         """What this process added far from the limits, to the store (write-behind)."""
         adds, self._adds = self._adds, {}
         for (name, per, start), amount in adds.items():
             if amount:
-                await self.inner.add([Counter(name, per, amount=amount)], start)
+                self.inner.add_soon([Counter(name, per, amount=amount)], start)
 
-    async def release(self, name: str, token: str) -> None:
+    def release_soon(self, name: str, token: str) -> None:
         block = self._local.pop(token, None)
         if block is None:
             if "/" not in token:  # the store's own; a leased one released twice does nothing
-                await self.inner.release(name, token)
+                self.inner.release_soon(name, token)
             return
         block.inflight -= 1
         block.last = time.monotonic()
         if block.inflight == 0 and block in self._draining:
             self._draining.discard(block)
-            await self.inner.release(block.name, block.token)
+            self.inner.release_soon(block.name, block.token)
 
     def _retire(self, block: _Block) -> None:
         if self._blocks.get(block.name) is block:
@@ -410,7 +446,7 @@ class LeasedState(State):
         if block.inflight:
             self._draining.add(block)
         else:
-            self._in_background(self.inner.release(block.name, block.token))
+            self.inner.release_soon(block.name, block.token)
 
     # --- giving back what is not used ---
 
@@ -420,9 +456,9 @@ class LeasedState(State):
 
     def _idle(self) -> None:
         self._timer = None
-        self._in_background(self._give_back(time.monotonic() - IDLE_SECONDS))
+        self._give_back(time.monotonic() - IDLE_SECONDS)
 
-    async def _give_back(self, before: float, everything: bool = False) -> None:
+    def _give_back(self, before: float, everything: bool = False) -> None:
         """Leases and blocks not used since ``before`` go back to the store."""
         wall = time.time()
         returned = []
@@ -434,7 +470,7 @@ class LeasedState(State):
                 seen.used -= seen.room
                 seen.room = 0
         if returned:
-            await self.inner.add(returned, wall)
+            self.inner.add_soon(returned, wall)
         clock = time.monotonic()
         for block in list(self._blocks.values()):
             if everything or clock >= block.until or (block.inflight == 0
@@ -451,20 +487,15 @@ class LeasedState(State):
             if len(self._windows) <= MAX_WINDOWS // 2:
                 break
 
-    def _in_background(self, coroutine) -> None:
-        task = asyncio.get_running_loop().create_task(coroutine)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
     # --- the rest: the backend's ---
 
     async def counts(self, counters: Iterable[Counter], now: float | None = None
                      ) -> list[Count]:
-        await self._flush_adds()
+        self._flush_adds()
         return await self.inner.counts(counters, now)
 
-    async def record(self, rows: Sequence[dict[str, Any]]) -> None:
-        await self.inner.record(rows)
+    def record_soon(self, rows: Sequence[dict[str, Any]]) -> None:
+        self.inner.record_soon(rows)
 
     async def rows(self, since: float | None = None, until: float | None = None,
                    where: dict[str, Any] | None = None, limit: int | None = None,
@@ -495,12 +526,10 @@ class LeasedState(State):
                 timer.cancel()
         self._timer = self._flusher = None
         try:
-            await self._flush_adds()
-            await self._give_back(time.monotonic(), everything=True)
+            self._flush_adds()
+            self._give_back(time.monotonic(), everything=True)
             for block in list(self._draining):
                 self._draining.discard(block)
-                await self.inner.release(block.name, block.token)
-            if self._background:
-                await asyncio.wait(set(self._background), timeout=1.0)
+                self.inner.release_soon(block.name, block.token)
         finally:
             await self.inner.close()

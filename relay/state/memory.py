@@ -105,7 +105,7 @@ class MemoryState(State):
         return tuple(Count(counter.name, used, counter.limit, end)
                      for counter, (_, used, end) in zip(counters, looked, strict=True))
 
-    async def add(self, counters: Iterable[Counter], now: float | None = None) -> None:
+    def add_soon(self, counters: Iterable[Counter], now: float | None = None) -> None:
         now = time.time() if now is None else now
         self._expire(now)
         for counter in counters:
@@ -122,14 +122,14 @@ class MemoryState(State):
             result.append(Count(counter.name, used, counter.limit, end))
         return result
 
-    async def release(self, name: str, token: str) -> None:
+    def release_soon(self, name: str, token: str) -> None:
         held = self._slots.get(name)
         if held is not None:
             held.pop(token, None)
             if not held:
                 del self._slots[name]
 
-    async def record(self, rows: Sequence[dict[str, Any]]) -> None:
+    def record_soon(self, rows: Sequence[dict[str, Any]]) -> None:
         for row in rows:
             if row["id"] not in self._rows:
                 data = _exact(orjson.dumps(row))

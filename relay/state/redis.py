@@ -495,7 +495,7 @@ class RedisState(State):
             # It may have been taken all the same: the slots go back (releasing a token
             # never taken does nothing).
             for slot, token in zip(slots, tokens, strict=True):
-                self._queue_release(slot.name, token)
+                self.release_soon(slot.name, token)
             raise
         granted, blocked, retry = int(reply[0]), int(reply[1]), float(reply[2])
         used = [int(u) for u in reply[3:]]
@@ -508,7 +508,7 @@ class RedisState(State):
                                  for c, u, end in zip(counters, used, ends, strict=True)),
                      tokens)
 
-    async def add(self, counters: Iterable[Counter], now: float | None = None) -> None:
+    def add_soon(self, counters: Iterable[Counter], now: float | None = None) -> None:
         now = time.time() if now is None else now
         adds = self._adds
         for counter in counters:
@@ -535,15 +535,12 @@ class RedisState(State):
         return [Count(counter.name, int(value or 0), counter.limit, end)
                 for (counter, _, end), value in zip(looked, values, strict=True)]
 
-    def _queue_release(self, name: str, token: str) -> None:
+    def release_soon(self, name: str, token: str) -> None:
         if len(self._releases) < MAX_PENDING:  # past that, the lease gives it back
             self._releases.append((name, token))
         self._schedule()
 
-    async def release(self, name: str, token: str) -> None:
-        self._queue_release(name, token)
-
-    async def record(self, rows: Sequence[dict[str, Any]]) -> None:
+    def record_soon(self, rows: Sequence[dict[str, Any]]) -> None:
         pending = self._pending
         for row in rows:
             pending.setdefault(row["id"], dict(row))

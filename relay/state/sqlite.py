@@ -48,9 +48,9 @@ log = logging.getLogger("relay.state")
 
 # What waits with no answer owed is written at most this long after it was queued: counts
 # and releases soon (other processes decide by them), ledger rows in fewer, bigger
-# transactions.
+# transactions (most ride with a write of counts that comes sooner).
 LINGER = 0.005
-ROW_LINGER = 0.05
+ROW_LINGER = 0.2
 SWEEP_SECONDS = 60.0
 MAX_PENDING = 10_000
 # Ledger rows one transaction writes (a backlog after an outage goes in several).
@@ -253,8 +253,8 @@ class SQLiteState(State):
         """A take granted after its caller gave up: nobody will release or use it."""
         counters, slots, now = call.args
         for slot, token in zip(slots, taken.tokens, strict=True):
-            self._queue_release(slot.name, token)
-        self._queue_adds([Counter(c.name, c.per, amount=-c.amount) for c in counters if c.amount],
+            self.release_soon(slot.name, token)
+        self.add_soon([Counter(c.name, c.per, amount=-c.amount) for c in counters if c.amount],
                          now)
 
     def _queued(self, urgent: bool = True) -> None:
@@ -268,7 +268,7 @@ class SQLiteState(State):
             self._urgent = True
             self._wake.notify()
 
-    def _queue_adds(self, counters: Iterable[Counter], now: float | None) -> None:
+    def add_soon(self, counters: Iterable[Counter], now: float | None = None) -> None:
         now = time.time() if now is None else now
         with self._wake:
             adds = self._adds
@@ -282,7 +282,7 @@ class SQLiteState(State):
                         entry[1] += counter.amount
             self._queued()
 
-    def _queue_release(self, name: str, token: str) -> None:
+    def release_soon(self, name: str, token: str) -> None:
         with self._wake:
             if len(self._releases) < MAX_PENDING:  # past that the lease gives it back
                 self._releases.append((name, token))
@@ -307,18 +307,12 @@ class SQLiteState(State):
         return await self._call(self._take, tuple(counters), tuple(slots),
                                 time.time() if now is None else now)
 
-    async def add(self, counters: Iterable[Counter], now: float | None = None) -> None:
-        self._queue_adds(counters, now)
-
     async def counts(self, counters: Iterable[Counter], now: float | None = None
                      ) -> list[Count]:
         return await self._call(self._counts, tuple(counters),
                                 time.time() if now is None else now)
 
-    async def release(self, name: str, token: str) -> None:
-        self._queue_release(name, token)
-
-    async def record(self, rows: Sequence[dict[str, Any]]) -> None:
+    def record_soon(self, rows: Sequence[dict[str, Any]]) -> None:
         dropped = 0
         encoded = list(encode_rows(rows))
         with self._wake:
