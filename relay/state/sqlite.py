@@ -48,9 +48,9 @@ log = logging.getLogger("relay.state")
 
 # What waits with no answer owed is written at most this long after it was queued: counts
 # and releases soon (other processes decide by them), ledger rows in fewer, bigger
-# transactions (most ride with a write of counts that comes sooner).
+# transactions.
 LINGER = 0.005
-ROW_LINGER = 0.2
+ROW_LINGER = 0.05
 SWEEP_SECONDS = 60.0
 MAX_PENDING = 10_000
 # Ledger rows one transaction writes (a backlog after an outage goes in several).
