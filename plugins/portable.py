@@ -872,6 +872,8 @@ class Portable:
         messages = exchange.messages
         if messages is None:
             return []
+        if exchange.resume is None and not skeleton.has_blocks(messages):
+            return []  # no id to translate, no thinking block, no tool turn
         resume = None if validating or exchange.resume is None \
             else exchange.resume.usable(messages)
         walked = _Walked(resume, len(messages))

@@ -194,6 +194,16 @@ def from_fields(model: str, messages: list, fields: dict) -> Skeleton:
                     stream is not UNSET and bool(_decode(stream)))
 
 
+def has_blocks(messages: list) -> bool:
+    """Whether any message may hold content blocks: False only when every message is a dict
+    whose ``content`` is a string (a plain chat request, which no id or block rule
+    concerns)."""
+    for message in messages:
+        if type(message) is not dict or type(message.get("content")) is not str:
+            return True
+    return False
+
+
 def value(item):
     """``item`` as a Python value, whether it is still raw JSON text or already decoded."""
     return _decode(item) if type(item) is Raw else item
