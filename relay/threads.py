@@ -488,8 +488,10 @@ def restore_held_ids(exchange) -> None:
     """After the plugins: results in the request's opening user turn that answer a held call
     under the id the relay gave the client go up under the id the server holds."""
     thread = exchange.thread
+    if thread is None or not thread.renamed:
+        return
     messages = exchange.messages
-    if thread is None or not thread.renamed or type(messages) is not list:
+    if type(messages) is not list:
         return
     restored = []
     for message in messages[:opens_with_held_calls(messages)]:
