@@ -528,7 +528,10 @@ def relay_response(exchange, response, options):
 @hookimpl
 def relay_stream_events(exchange, options):
     enabled, _, _ = _settings(options)
-    return {"content_block_start"} if enabled and exchange.endpoint == "messages" else None
+    return BLOCK_STARTS if enabled and exchange.endpoint == "messages" else None
+
+
+BLOCK_STARTS = frozenset({"content_block_start"})
 
 
 @hookimpl

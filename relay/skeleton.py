@@ -84,7 +84,9 @@ class Skeleton:
         """A top-level field's value (decoded), or None when the request has none."""
         top = self._top
         item = top.get(name) if type(top) is dict else getattr(top, name, None)
-        return None if item is None or item is UNSET else value(item)
+        if item is None or item is UNSET:
+            return None
+        return _decode(item) if type(item) is Raw else item
 
     def set_field(self, name: str, value) -> None:
         if type(self._top) is dict:

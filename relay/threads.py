@@ -332,9 +332,9 @@ async def prepare(store: Store, exchange) -> None:
     the relay recorded it and the backend does not hold it, refused the API's way where
     neither holds it. Costs a field lookup without ``thread``."""
     thread = requested(exchange.field("thread"))
-    exchange.thread = thread
     if thread is None:
-        return
+        return  # the exchange's class says so already
+    exchange.thread = thread
     backend = exchange.backend
     found = await store.fetch(_key(exchange, thread.previous_id)) \
         if thread.previous_id is not None else None
