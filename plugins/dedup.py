@@ -503,7 +503,9 @@ def _issue(exchange, state: dict, block: dict) -> tuple[str, str] | None:
 
 @hookimpl
 def relay_response(exchange, response, options):
-    if b"tool_use" not in response.body or exchange.endpoint != "messages":
+    # bytes.find rather than `in`, here and below: `in` tries its operand as an integer first,
+    # and raising and clearing that TypeError costs more than the search of a short answer.
+    if response.body.find(b"tool_use") < 0 or exchange.endpoint != "messages":
         return
     enabled, sep, restore = _settings(options)
     if not enabled:
@@ -536,7 +538,7 @@ BLOCK_STARTS = frozenset({"content_block_start"})
 
 @hookimpl
 def relay_stream_event(exchange, event, options):
-    if b"tool_use" not in event.raw:
+    if event.raw.find(b"tool_use") < 0:
         return
     data = event.data
     block = data.get("content_block") if type(data) is dict else None
