@@ -500,16 +500,18 @@ class Dump:
 
     @hookimpl
     def relay_exchange_end(self, exchange):
-        if self.settings is None or self.executor is None:
+        settings = self.settings
+        if settings is None or self.executor is None:
             return
-        reason = self.reason_for(exchange)
+        reason = self.reason_for(exchange, settings)
         if reason is not None:
             self.submit(exchange, reason)
 
     # --- the work -------------------------------------------------------------------------
 
-    def reason_for(self, exchange) -> str | None:
-        settings = self.started()
+    def reason_for(self, exchange, settings: Settings | None = None) -> str | None:
+        if settings is None:
+            settings = self.started()
         noticed = exchange.state.get(PLUGIN)
         if noticed:
             return noticed["reason"]
