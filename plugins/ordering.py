@@ -272,8 +272,8 @@ def relay_request(exchange, options):
         resume = resume.usable(messages)
     if exchange.thread is None and resume is None and type(messages) is list:
         # check() without a thread's held part to judge with: most requests end at its quick
-        # walk.
-        if _clean(messages):
+        # walk (_clean's, with no state to go on from).
+        if _clean_walk(messages, 0, len(messages), None) is not False:
             return
         whole, offset = messages, 0
         found, unsure = _closer(messages)

@@ -991,6 +991,9 @@ class Portable:
 
     @hookimpl
     def relay_request(self, exchange, options):
+        messages = exchange.messages
+        if messages is None or exchange.resume is None and not skeleton.has_blocks(messages):
+            return None  # what _fit would find: nothing to fit
         fitted = self._fit(exchange, options)
         return None if type(fitted) is list else fitted
 
