@@ -110,6 +110,7 @@ class Diagnosed:
 
 
 _UNSET: Any = object()
+_PENDING: Any = object()  # a judgement still to make (Cache._known)
 
 
 class _Held:
@@ -356,15 +357,26 @@ class Cache:
         record = await self.records.get(key)
         return record.summary() if record is not None else None
 
-    async def _judge(self, exchange) -> Judgement | None:
-        if exchange.endpoint != "messages" or PLUGIN in exchange.state:
-            return exchange.state.get(PLUGIN)
-        requested = exchange.state.get(REQUEST, _UNSET)
-        if requested is None:
+    @staticmethod
+    def _known(exchange):
+        """The judgement where it needs no record read: None for an exchange that asks
+        nothing of the cache (its verdict set here), the one made already; else
+        :data:`_PENDING`, for :meth:`_judge` to make."""
+        state = exchange.state
+        if exchange.endpoint != "messages" or PLUGIN in state:
+            return state.get(PLUGIN)
+        if state.get(REQUEST, _UNSET) is None:
             exchange.cache = dict(NOTHING)
             exchange.response_headers[HEADER] = "none"
-            exchange.state[PLUGIN] = None
+            state[PLUGIN] = None
             return None
+        return _PENDING
+
+    async def _judge(self, exchange) -> Judgement | None:
+        known = self._known(exchange)
+        if known is not _PENDING:
+            return known
+        requested = exchange.state.get(REQUEST, _UNSET)
         sent = exchange.upstream_body()
         raw = exchange.raw_body
         found = self._resumed(exchange) or fingerprints.resumable(raw)
@@ -481,8 +493,15 @@ class Cache:
         if judgement.upstream is not None:
             await self._remember(exchange, judgement)
 
+    # The answer hooks return an awaitable only when there is a judgement to make or an
+    # answer to settle: an exchange that asks nothing of the cache costs no coroutine.
     @hookimpl
-    async def relay_response(self, exchange, response):
+    def relay_response(self, exchange, response):
+        if self._known(exchange) is None:
+            return None
+        return self._respond(exchange, response)
+
+    async def _respond(self, exchange, response) -> None:
         judgement = await self._judge(exchange)
         if judgement is None:
             return
@@ -494,7 +513,12 @@ class Cache:
         exchange.response_headers[HEADER] = describe(judgement.cache)
 
     @hookimpl
-    async def relay_stream_events(self, exchange):
+    def relay_stream_events(self, exchange):
+        if self._known(exchange) is None:
+            return None
+        return self._stream_events(exchange)
+
+    async def _stream_events(self, exchange):
         judgement = await self._judge(exchange)
         if judgement is None:
             return None

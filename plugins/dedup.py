@@ -30,7 +30,7 @@ Options (plugin options or backend quirks): see ``OPTIONS``.
 
 from __future__ import annotations
 
-from relay import threads
+from relay import skeleton, threads
 from relay.hookspecs import hookimpl
 from relay.options import Option
 
@@ -409,6 +409,12 @@ def relay_request(exchange, options):
         return
     # A count_tokens answer holds no content, so nothing is kept for it.
     answer = exchange.endpoint == "messages"
+    if exchange.resume is None and exchange.thread is None and not skeleton.has_blocks(messages):
+        # No content block, so no id: the walk would find nothing and leave an empty ledger,
+        # which the answer makes only if it has a call to check (see _answer_state).
+        if answer:
+            exchange.state[PLUGIN] = len(messages)
+        return
     # A thread's held part, where the relay saw it, is walked too (the walk decides each
     # message from those before it, so the request's messages come out as they did when the
     # whole conversation was sent), and the answer is checked against all of it.
@@ -469,9 +475,12 @@ def _count(exchange, rewritten: int) -> None:
 
 def _answer_state(exchange, sep: str, restore: bool) -> dict:
     state = exchange.state.get(PLUGIN)
-    if state is None:  # the request hook did not see this exchange: dedup within the answer
-        state = exchange.state[PLUGIN] = {"ledger": Ledger(sep), "restore": restore,
-                                          "message_index": None}
+    if type(state) is dict:
+        return state
+    # None: the request hook did not see this exchange, so the answer is deduplicated within
+    # itself; a count: the request's messages held no block, so no id.
+    state = exchange.state[PLUGIN] = {"ledger": Ledger(sep), "restore": restore,
+                                      "message_index": state}
     return state
 
 
@@ -494,8 +503,12 @@ def _issue(exchange, state: dict, block: dict) -> tuple[str, str] | None:
 
 @hookimpl
 def relay_response(exchange, response, options):
+    # bytes.find rather than `in`, here and below: `in` tries its operand as an integer first,
+    # and raising and clearing that TypeError costs more than the search of a short answer.
+    if response.body.find(b"tool_use") < 0 or exchange.endpoint != "messages":
+        return
     enabled, sep, restore = _settings(options)
-    if not enabled or exchange.endpoint != "messages" or b"tool_use" not in response.body:
+    if not enabled:
         return
     data = response.data
     content = data.get("content") if type(data) is dict else None
@@ -517,12 +530,15 @@ def relay_response(exchange, response, options):
 @hookimpl
 def relay_stream_events(exchange, options):
     enabled, _, _ = _settings(options)
-    return {"content_block_start"} if enabled and exchange.endpoint == "messages" else None
+    return BLOCK_STARTS if enabled and exchange.endpoint == "messages" else None
+
+
+BLOCK_STARTS = frozenset({"content_block_start"})
 
 
 @hookimpl
 def relay_stream_event(exchange, event, options):
-    if b"tool_use" not in event.raw:
+    if event.raw.find(b"tool_use") < 0:
         return
     data = event.data
     block = data.get("content_block") if type(data) is dict else None

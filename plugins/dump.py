@@ -417,6 +417,11 @@ class Retention:
                 pass
 
 
+# Read once: an enum member's lookup on its class costs more than a global's, per exchange.
+_OK, _MALFORMED, _REJECTED, _STREAM_ERROR = (Outcome.OK, Outcome.UPSTREAM_MALFORMED,
+                                             Outcome.REJECTED, Outcome.STREAM_ERROR)
+
+
 class Dump:
     """The dump plugin: one instance per relay (the host instantiates the class)."""
 
@@ -495,29 +500,34 @@ class Dump:
 
     @hookimpl
     def relay_exchange_end(self, exchange):
-        if self.settings is None or self.executor is None:
+        settings = self.settings
+        if settings is None or self.executor is None:
             return
-        reason = self.reason_for(exchange)
+        reason = self.reason_for(exchange, settings)
         if reason is not None:
             self.submit(exchange, reason)
 
     # --- the work -------------------------------------------------------------------------
 
-    def reason_for(self, exchange) -> str | None:
-        settings = self.started()
+    def reason_for(self, exchange, settings: Settings | None = None) -> str | None:
+        if settings is None:
+            settings = self.started()
         noticed = exchange.state.get(PLUGIN)
         if noticed:
             return noticed["reason"]
-        answer = exchange.answer
-        if (exchange.outcome == Outcome.OK and answer is not None and 200 <= answer.status < 300
-                and answer.status in settings.statuses
-                and exchange.endpoint in ("messages", "count_tokens")):
-            return "ok"  # asked for: successful exchanges too
-        if exchange.outcome == Outcome.UPSTREAM_MALFORMED:
+        outcome = exchange.outcome
+        if outcome == _OK:
+            answer = exchange.answer
+            if (answer is not None and 200 <= answer.status < 300
+                    and answer.status in settings.statuses
+                    and exchange.endpoint in ("messages", "count_tokens")):
+                return "ok"  # asked for: successful exchanges too
+            return None
+        if outcome == _MALFORMED:
             return "upstream_malformed"  # a fault of the upstream's, like its 4xx
-        if exchange.outcome == Outcome.REJECTED and settings.include_relay_rejections:
+        if outcome == _REJECTED and settings.include_relay_rejections:
             return "rejected"
-        if exchange.outcome == Outcome.STREAM_ERROR and settings.include_stream_errors:
+        if outcome == _STREAM_ERROR and settings.include_stream_errors:
             return "stream_error"
         return None
 

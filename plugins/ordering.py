@@ -162,6 +162,11 @@ def check(messages, resume=None) -> tuple[list[Problem], list[tuple[str, str]]]:
         return [], []
     if resume is not None and resume.start and not resume.seen("ordering"):
         resume.decline()  # the full walk reads what a later plugin changed
+    return _closer(messages)
+
+
+def _closer(messages: list) -> tuple[list[Problem], list[tuple[str, str]]]:
+    """:func:`check`'s full walk, for messages its quick walk could not clear."""
     found: list[Problem] = []
     unsure: list[tuple[str, str]] = []
     calls: list[str] = []  # the ids of the last assistant turn
@@ -265,8 +270,16 @@ def relay_request(exchange, options):
     messages = exchange.messages
     if resume is not None:
         resume = resume.usable(messages)
-    whole, offset = threads.conversation(exchange)
-    found, unsure = check(whole, None if offset else resume)
+    if exchange.thread is None and resume is None and type(messages) is list:
+        # check() without a thread's held part to judge with: most requests end at its quick
+        # walk (_clean's, with no state to go on from).
+        if _clean_walk(messages, 0, len(messages), None) is not False:
+            return
+        whole, offset = messages, 0
+        found, unsure = _closer(messages)
+    else:
+        whole, offset = threads.conversation(exchange)
+        found, unsure = check(whole, None if offset else resume)
     if offset:
         found, unsure = _own(found, unsure, offset)
     _note_unsure(exchange, unsure)

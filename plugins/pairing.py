@@ -210,29 +210,31 @@ def _clean(messages: list, unique_ids: bool, resume=None) -> bool:
     the state saved at ``resume.start`` and saves its state at each mark it gets past.
     """
     state: list = [set() if unique_ids else None, None, False, None]  # seen, pending, programmatic,
-    at = 0  # previous (the role of the last message)
-    if resume is not None:
-        at = resume.start
-        if at:
-            saved = resume.state("pairing")
-            if saved is None:
+    # previous (the role of the last message)
+    if resume is None:
+        return _clean_walk(messages, 0, len(messages), state, True)
+    at = resume.start
+    if at:
+        saved = resume.state("pairing")
+        if saved is None:
+            return False
+        seen, pending, programmatic, previous = saved  # taken over: used once
+        state = [seen, None if pending is None else list(pending), programmatic, previous]
+    for mark in resume.marks:
+        if mark >= at:
+            if not _clean_walk(messages, at, mark, state):
                 return False
-            seen, pending, programmatic, previous = saved  # taken over: used once
-            state = [seen, None if pending is None else list(pending), programmatic, previous]
-        for mark in resume.marks:
-            if mark >= at:
-                if not _clean_walk(messages, at, mark, state):
-                    return False
-                at = mark
-                seen, pending, programmatic, previous = state
-                resume.save("pairing", mark, (None if seen is None else set(seen),
-                                              None if pending is None else tuple(pending),
-                                              programmatic, previous))
+            at = mark
+            seen, pending, programmatic, previous = state
+            resume.save("pairing", mark, (None if seen is None else set(seen),
+                                          None if pending is None else tuple(pending),
+                                          programmatic, previous))
     return _clean_walk(messages, at, len(messages), state) and state[1] is None
 
 
-def _clean_walk(messages: list, lo: int, hi: int, state: list) -> bool:
-    """:func:`_clean` over ``messages[lo:hi]``, from and into ``state``."""
+def _clean_walk(messages: list, lo: int, hi: int, state: list, last: bool = False) -> bool:
+    """:func:`_clean` over ``messages[lo:hi]``, from and into ``state``; with ``last``, also
+    False when a call is left unanswered at ``hi`` (the end of the messages)."""
     seen, pending, programmatic, previous = state
     try:
         for i in range(lo, hi):
@@ -313,6 +315,8 @@ def _clean_walk(messages: list, lo: int, hi: int, state: list) -> bool:
             if previous == "system" and role == "user":
                 return False
             previous = role
+        if last:
+            return pending is None
         state[:] = seen, pending, programmatic, previous
         return True
     except (LookupError, AttributeError, TypeError):

@@ -872,6 +872,8 @@ class Portable:
         messages = exchange.messages
         if messages is None:
             return []
+        if exchange.resume is None and not skeleton.has_blocks(messages):
+            return []  # no id to translate, no thinking block, no tool turn
         resume = None if validating or exchange.resume is None \
             else exchange.resume.usable(messages)
         walked = _Walked(resume, len(messages))
@@ -989,6 +991,9 @@ class Portable:
 
     @hookimpl
     def relay_request(self, exchange, options):
+        messages = exchange.messages
+        if messages is None or exchange.resume is None and not skeleton.has_blocks(messages):
+            return None  # what _fit would find: nothing to fit
         fitted = self._fit(exchange, options)
         return None if type(fitted) is list else fitted
 
@@ -1016,8 +1021,10 @@ class Portable:
         if exchange.endpoint != "messages":
             return
         body = response.body
-        calls = b"tool_use" in body
-        thinks = self.recording and b"thinking" in body
+        # bytes.find rather than `in`, here and below: `in` tries its operand as an integer
+        # first, and raising and clearing that TypeError costs more than the search.
+        calls = body.find(b"tool_use") >= 0
+        thinks = self.recording and body.find(b"thinking") >= 0
         if not (calls or thinks):
             return
         data = response.data
@@ -1047,7 +1054,7 @@ class Portable:
         name = event.name
         if name == "content_block_delta":
             open_blocks = exchange.state.get(PLUGIN)
-            if not open_blocks or b"signature_delta" not in event.raw:
+            if not open_blocks or event.raw.find(b"signature_delta") < 0:
                 return
             data = event.data
             block = open_blocks.get(data.get("index")) if type(data) is dict else None
@@ -1056,7 +1063,7 @@ class Portable:
                 block["signature"] = (block.get("signature") or "") + delta["signature"]
         elif name == "content_block_start":
             raw = event.raw
-            if b"tool_use" not in raw and b"thinking" not in raw:
+            if raw.find(b"tool_use") < 0 and raw.find(b"thinking") < 0:
                 return
             data = event.data
             block = data.get("content_block") if type(data) is dict else None

@@ -367,7 +367,9 @@ def _text_block(text: str) -> bytes:
 def _part(raw: Raw | bytes, crcs: array, lengths: array, breakpoints: array, ttls: array) -> int:
     """Add one part, without its markers; returns how many it held."""
     data = bytes(raw)
-    if _KEY in data:
+    # bytes.find rather than `in`: `in` tries its operand as an integer first, and raising and
+    # clearing that TypeError costs more than the search, once per part.
+    if data.find(_KEY) >= 0:
         data, found = strip_cache_control(data)
         for ttl in found:
             breakpoints.append(len(lengths))

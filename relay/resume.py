@@ -302,7 +302,7 @@ def _locate(record: Record) -> bool:
     (a body not in compact form, or holding the same bytes twice)."""
     raw = record.raw
     at = raw.find(_MESSAGES_KEY)
-    if at < 0 or _MESSAGES_NAME in raw[:at]:
+    if at < 0 or raw.find(_MESSAGES_NAME, 0, at) >= 0:
         return False
     try:
         before = _fields.decode(raw[:at] + b'"messages":[]}')

@@ -332,9 +332,9 @@ async def prepare(store: Store, exchange) -> None:
     the relay recorded it and the backend does not hold it, refused the API's way where
     neither holds it. Costs a field lookup without ``thread``."""
     thread = requested(exchange.field("thread"))
-    exchange.thread = thread
     if thread is None:
-        return
+        return  # the exchange's class says so already
+    exchange.thread = thread
     backend = exchange.backend
     found = await store.fetch(_key(exchange, thread.previous_id)) \
         if thread.previous_id is not None else None
@@ -488,8 +488,10 @@ def restore_held_ids(exchange) -> None:
     """After the plugins: results in the request's opening user turn that answer a held call
     under the id the relay gave the client go up under the id the server holds."""
     thread = exchange.thread
+    if thread is None or not thread.renamed:
+        return
     messages = exchange.messages
-    if thread is None or not thread.renamed or type(messages) is not list:
+    if type(messages) is not list:
         return
     restored = []
     for message in messages[:opens_with_held_calls(messages)]:

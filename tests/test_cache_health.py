@@ -446,9 +446,16 @@ async def test_a_request_that_asks_nothing_of_the_cache_costs_nothing(relay_clie
     for _ in range(2):
         _, header = await send(client, plain)
         assert header == "none"
+    resp = await client.post("/v1/messages", json={**plain, "stream": True}, headers=SESSION)
+    assert resp.status == 200 and resp.headers["x-relay-cache"] == "none"
+    await resp.read()
     plugin = client.chain.pm.get_plugin("cache")
     assert len(plugin.records) == 0
-    assert client.recorder.exchanges[-1].cache["status"] == "none"
+    exchange = client.recorder.exchanges[-1]
+    assert exchange.cache["status"] == "none"
+    # Its answer hooks hand the chain nothing to await.
+    assert plugin.relay_response(exchange, None) is None
+    assert plugin.relay_stream_events(exchange) is None
     resp = await client.post("/v1/messages/count_tokens", json=conversation(1))
     assert resp.status == 200 and "x-relay-cache" not in resp.headers
 

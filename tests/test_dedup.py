@@ -273,6 +273,25 @@ def test_the_translation_table_and_the_note_for_an_answer():
         [("dedup", "rewrote", "to_client", [("toolu_x", "toolu_x-2")])]
 
 
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_plain_text_request_takes_the_walks_way_to_the_answer(streaming):
+    # No block to walk: the answer's ledger is made when a call comes, with the same record
+    # of where it stands as after a walk.
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+               {"role": "user", "content": "call twice"}]
+    ex = make_exchange(copy.deepcopy(history), stream=streaming)
+    dedup.relay_request(exchange=ex, options={})
+    assert not ex.changed
+    content = answer(ex, reply(["toolu_x", "toolu_x"]), {}, streaming)
+    assert tool_use_ids([{"role": "assistant", "content": content}]) == ["toolu_x", "toolu_x-2"]
+    assert ex.translation == {"toolu_x-2": {"original": "toolu_x", "occurrence": 2,
+                                            "message_index": 3, "direction": "to_client"}}
+    walked = make_exchange(copy.deepcopy(history) + [{"role": "user", "content": []}],
+                           stream=streaming)
+    dedup.relay_request(exchange=walked, options={})
+    assert walked.state["dedup"]["message_index"] == 4
+
+
 def test_an_answer_without_tool_use_is_not_parsed():
     ex = make_exchange([{"role": "user", "content": "hi"}])
     dedup.relay_request(exchange=ex, options={})

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from multidict import CIMultiDict, CIMultiDictProxy
-from relay_builtins import portable
+from relay_builtins import dedup, portable
 from support import assistant, result, text, use, user
 from test_history_properties import histories
 
@@ -62,13 +62,18 @@ def prepared(state: Preparation, raw: bytes, extra_headers=None):
             raw_body=raw))
     except RelayError as error:
         return ("refused", error.status, error.message, error.rule), None
-    ledger = exchange.state.get("dedup", {}).get("ledger")
+    # What dedup leaves for the answer, as the answer takes it (a request without blocks
+    # leaves its ledger to be made then).
+    answering = dedup._answer_state(exchange, dedup.DEFAULT_SEPARATOR, False) \
+        if "dedup" in exchange.state else {}
+    ledger = answering.get("ledger")
     found = (exchange.upstream_body(),
              {k: v for k, v in exchange.response_headers.items() if k != "x-relay-request-id"},
              exchange.translation, exchange.repairs, exchange.repaired_by, exchange.uncertain,
              [{k: v for k, v in entry.items() if k != "t"} for entry in exchange.timeline],
              exchange.state.get(portable.RAW_IDS),
              (ledger.taken, ledger.counts, ledger.next_free) if ledger else None,
+             answering.get("message_index"), answering.get("restore"),
              exchange.model)
     return found, exchange
 
