@@ -139,12 +139,16 @@ class _Impl:
     hot hooks (a request's, an exchange's end, a stream event's) are called with their
     arguments in hand, without building a dict per call."""
 
-    __slots__ = ("plugin", "function", "argnames")
+    __slots__ = ("plugin", "function", "argnames", "_order")
 
     def __init__(self, plugin: str, function, argnames):
         self.plugin = plugin
         self.function = function
         self.argnames = argnames
+        # For call_one: where the exchange (0), the options (1) and the third argument (2)
+        # go, for the usual orders; None: any other (call_one builds the arguments by name).
+        self._order = _ORDERS.get(tuple(
+            0 if name == "exchange" else 1 if name == "options" else 2 for name in argnames))
 
     def call(self, kwargs: dict):
         return self.function(*[kwargs[name] for name in self.argnames])
@@ -160,9 +164,28 @@ class _Impl:
         more["options"] = options
         return self.function(*[more[name] for name in names])
 
+    def call_one(self, exchange, options, name: str, value):
+        """:meth:`call_with` for a hook whose arguments are ``exchange``, ``options`` and one
+        more, ``name`` (``response``, ``event``: pluggy lets an implementation take no other),
+        without a dict or a list per call where it takes them in a usual order."""
+        order = self._order
+        function = self.function
+        if order is _E_V_O:
+            return function(exchange, value, options)
+        if order is _E_V:
+            return function(exchange, value)
+        if order is _E_O:
+            return function(exchange, options)
+        if order is _E:
+            return function(exchange)
+        return self.call_with(exchange, options, **{name: value})
+
 
 _EXCHANGE_OPTIONS = ("exchange", "options")
 _EXCHANGE = ("exchange",)
+_E_V_O, _E_V, _E_O, _E = (0, 2, 1), (0, 2), (0, 1), (0,)
+_ORDERS: dict[tuple[int, ...], tuple[int, ...]] = {
+    order: order for order in (_E_V_O, _E_V, _E_O, _E)}
 
 
 def _awaitable(value) -> bool:
@@ -337,9 +360,12 @@ class Chain:
         """
         options = self.options_for(exchange)
         results = []
+        one = next(iter(kwargs.items())) if len(kwargs) == 1 else None
         for impl in self.impls[hook]:
             try:
-                result = impl.call_with(exchange, options[impl.plugin], **kwargs)
+                result = impl.call_one(exchange, options[impl.plugin], *one) \
+                    if one is not None else impl.call_with(exchange, options[impl.plugin],
+                                                           **kwargs)
                 if result is not None and _awaitable(result):
                     result = await result
             except RelayError as error:
@@ -404,7 +430,7 @@ class Chain:
         for call in calls:
             impl, options = call[1], call[2]
             try:
-                result = impl.call_with(exchange, options, event=event)
+                result = impl.call_one(exchange, options, "event", event)
                 if result is not None and _awaitable(result):
                     result = await result
             except RelayError as error:

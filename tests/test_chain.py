@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import itertools
 import os
 import re
 import subprocess
@@ -208,6 +209,35 @@ def test_relay_trace_logs_every_hook_call(monkeypatch, caplog):
         asyncio.run(chain.run("relay_request", exchange))
     assert re.search(r"trace relay_\w+ probe.relay_request -> 'seen'", caplog.text)
 
+
+
+@pytest.mark.parametrize("names", [order for size in range(4)
+                                   for order in itertools.permutations(
+                                       ("exchange", "response", "options"), size)])
+def test_a_hook_gets_its_arguments_by_name_in_any_order(names):
+    # The chain passes the usual orders by position and builds the others by name: every
+    # order an implementation may take its arguments in gets each under its own name.
+    import asyncio
+
+    from relay.chain import Chain
+    from relay.hookspecs import hookimpl
+    from relay.testing import exchange_for
+
+    seen = []
+    # pluggy reads the names from the function's code: a function with these parameters.
+    made: dict = {}
+    exec(f"def relay_response(self, {', '.join(names)}):\n"
+         f"    seen.append(({''.join(name + ', ' for name in names)}))", {"seen": seen}, made)
+    probe = type("Probe", (), {"relay_response": hookimpl(made["relay_response"])})
+    config = config_module.parse({"pipeline": ["probe"], "plugins": {"probe": {}},
+                                  "backends": [{"name": "a", "url": "http://x"}]})
+    chain = Chain(load_plugins(config.pipeline, extra={"probe": probe}), config)
+    exchange = exchange_for({"messages": []}, backend=config.backends[0])
+    response = object()
+    asyncio.run(chain.run("relay_response", exchange, response=response))
+    given = {"exchange": exchange, "response": response,
+             "options": chain.options_for(exchange)["probe"]}
+    assert seen == [tuple(given[name] for name in names)]
 
 @pytest.mark.slow
 def test_another_distribution_with_a_plugins_package_collides_with_nothing(tmp_path):
