@@ -64,10 +64,11 @@ def redacting_writer(write: Callable[[bytes], Awaitable[None]],
         probe, = probes
 
         def redacted(data: bytes) -> Awaitable[None]:  # no coroutine of its own per write
-            return write(redact(data, secrets) if probe in data else data)
+            # bytes.find, not `in`: `in` tries its operand as an integer first, every write
+            return write(redact(data, secrets) if data.find(probe) >= 0 else data)
     else:
         def redacted(data: bytes) -> Awaitable[None]:
-            if any(probe in data for probe in probes):
+            if any(data.find(probe) >= 0 for probe in probes):
                 data = redact(data, secrets)
             return write(data)
     return redacted

@@ -117,7 +117,7 @@ class SSEDecoder:
         buf = self._buf
         buf += chunk
         events: list[Event] = []
-        if not self._cr and b"\r" in chunk:
+        if not self._cr and chunk.find(b"\r") >= 0:  # see LazyFramer.feed
             self._cr = True
         if not self._cr:
             # The common case: plain \n line ends, so a blank line is exactly "\n\n".
@@ -258,7 +258,7 @@ class LazyFramer:
         pending = self._pending
         if not chunk:
             return [], []
-        if b"\r" in chunk:
+        if chunk.find(b"\r") >= 0:  # not `in`: it tries its operand as an integer first
             self._wanted = None
             events = self._decoder.feed(b"".join(pending) + chunk)
             pending.clear()
@@ -282,8 +282,13 @@ class LazyFramer:
             pending.append(chunk[cut:])
             self._pending_size = len(chunk) - cut
         self._keep(complete)
-        # Each name's first event line, found once: the split goes on from there.
         wanted = self._wanted
+        for needle in wanted:
+            if complete.find(needle) >= 0:
+                break
+        else:  # no wanted name anywhere in this read (most reads of a stream)
+            return [complete], []
+        # Each name's first event line, found once: the split goes on from there.
         ahead = [_event_line(complete, 0, needle) for needle in wanted]
         if max(ahead, default=-1) < 0:
             return [complete], []

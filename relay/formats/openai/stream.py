@@ -129,7 +129,8 @@ class StreamTranslator:
             self.raw.add(chunk)
         if self.ended:
             return b""
-        if self.cr or b"\r" in chunk:
+        # bytes.find, not `in`, on every chunk: `in` tries its operand as an integer first
+        if self.cr or chunk.find(b"\r") >= 0:
             chunk = self._line_feeds(chunk)
         if not chunk:
             return b""
@@ -137,7 +138,7 @@ class StreamTranslator:
         if pending:
             # Joined only once the event ends: its blank line in this chunk, or straddling
             # the two ("\n" | "\n").
-            if b"\n\n" not in chunk and not (chunk[0] == 0x0A and pending[-1][-1] == 0x0A):
+            if chunk.find(b"\n\n") < 0 and not (chunk[0] == 0x0A and pending[-1][-1] == 0x0A):
                 return self._hold_back(chunk)
             buf = b"".join(pending) + chunk
             pending.clear()
