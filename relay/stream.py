@@ -87,7 +87,12 @@ class StreamRelay:
                 self.exchange.note("relay", "named untyped stream events")
         parts, events = framer.feed(chunk)
         if parts:
-            await self._relay(parts, events)
+            if events and self.plan:
+                await self._relay(parts, events)
+            else:  # most reads: nothing for a plugin, and no coroutine of _relay's for them
+                self.writing = True
+                await self.write(self._data(parts))
+                self.writing = False
         # After a read that let something out, what is held back is part of that read: only a
         # read that let nothing out, or a huge one, can pass the limit.
         limit = MAX_EVENT_BYTES
@@ -119,6 +124,11 @@ class StreamRelay:
                         # list's items by position, so a new tail is its next items).
                         parts, later = self._widen(more, parts, event)
                         events[events.index(event) + 1:] = later
+        await self.write(self._data(parts))
+        self.writing = False
+
+    def _data(self, parts: list) -> bytes:
+        """What goes out for ``parts``, counted."""
         if len(parts) == 1:
             part = parts[0]
             data = part if part.__class__ is bytes else part.encode()
@@ -128,8 +138,7 @@ class StreamRelay:
             self.exchange.timings.first_byte = self.exchange.elapsed()
         self.written += len(data)
         self.events += data.count(b"\n\n") or data.count(b"\r\n\r\n")
-        await self.write(data)
-        self.writing = False
+        return data
 
     def may_ping(self) -> bool:
         """Whether a keep-alive may go out now: after the first event (message_start, which
