@@ -283,14 +283,22 @@ class LazyFramer:
             self._pending_size = len(chunk) - cut
         self._keep(complete)
         wanted = self._wanted
+        first = 0
         for needle in wanted:
-            if complete.find(needle) >= 0:
+            at = complete.find(needle)
+            if at >= 0:
                 break
+            first += 1
         else:  # no wanted name anywhere in this read (most reads of a stream)
             return [complete], []
-        # Each name's first event line, found once: the split goes on from there.
-        ahead = [_event_line(complete, 0, needle) for needle in wanted]
-        if max(ahead, default=-1) < 0:
+        # Each name's first event line, found once (the names before ``first`` are not in
+        # the read, and no name is searched for twice): the split goes on from there.
+        ahead = [-1] * first + [at] + [complete.find(needle) for needle in wanted[first + 1:]]
+        for i in range(first, len(ahead)):
+            at = ahead[i]
+            if at >= 0 and not _names_event(complete, at):
+                ahead[i] = _event_line(complete, at + 1, wanted[i])
+        if max(ahead) < 0:
             return [complete], []
         return self._split(complete, wanted, ahead)
 
