@@ -145,10 +145,11 @@ class _Impl:
         self.plugin = plugin
         self.function = function
         self.argnames = argnames
-        # For call_one: where the exchange (0), the options (1) and the third argument (2)
-        # go, for the usual orders; None: any other (call_one builds the arguments by name).
+        # For call_one: which usual order the implementation takes its arguments in (the
+        # exchange 0, the options 1, the third argument 2); 0: any other (call_one then
+        # builds the arguments by name).
         self._order = _ORDERS.get(tuple(
-            0 if name == "exchange" else 1 if name == "options" else 2 for name in argnames))
+            0 if name == "exchange" else 1 if name == "options" else 2 for name in argnames), 0)
 
     def call(self, kwargs: dict):
         return self.function(*[kwargs[name] for name in self.argnames])
@@ -170,22 +171,21 @@ class _Impl:
         without a dict or a list per call where it takes them in a usual order."""
         order = self._order
         function = self.function
-        if order is _E_V_O:
+        if order == 1:
             return function(exchange, value, options)
-        if order is _E_V:
+        if order == 2:
             return function(exchange, value)
-        if order is _E_O:
+        if order == 3:
             return function(exchange, options)
-        if order is _E:
+        if order == 4:
             return function(exchange)
         return self.call_with(exchange, options, **{name: value})
 
 
 _EXCHANGE_OPTIONS = ("exchange", "options")
 _EXCHANGE = ("exchange",)
-_E_V_O, _E_V, _E_O, _E = (0, 2, 1), (0, 2), (0, 1), (0,)
-_ORDERS: dict[tuple[int, ...], tuple[int, ...]] = {
-    order: order for order in (_E_V_O, _E_V, _E_O, _E)}
+# (exchange, value, options), (exchange, value), (exchange, options), (exchange,)
+_ORDERS: dict[tuple[int, ...], int] = {(0, 2, 1): 1, (0, 2): 2, (0, 1): 3, (0,): 4}
 
 
 def _awaitable(value) -> bool:
