@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 from selenium import webdriver
+from selenium.common.exceptions import StaleElementReferenceException, WebDriverException
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
-from selenium.webdriver.support import expected_conditions
 from selenium.webdriver.support.ui import WebDriverWait
 from support import backend
 
@@ -152,7 +152,25 @@ class Console:
         returns)."""
         page = self.driver.find_element(By.TAG_NAME, "html")
         (within or self.driver).find_element(By.CSS_SELECTOR, selector).click()
-        WebDriverWait(self.driver, 10).until(expected_conditions.staleness_of(page))
+        WebDriverWait(self.driver, 10).until(replaced(page))
+
+
+def replaced(page):
+    """A wait condition: the page whose ``html`` element is ``page`` has been replaced.
+    Asked while Chromium swaps the documents, ChromeDriver can answer with a generic error
+    for a node of the old one ("does not belong to the document") instead of a stale
+    element: that is the old page gone too."""
+    def gone(driver) -> bool:
+        try:
+            page.is_enabled()
+        except StaleElementReferenceException:
+            return True
+        except WebDriverException as e:
+            if "does not belong to the document" in str(e):
+                return True
+            raise
+        return False
+    return gone
 
 
 def wait_for(condition, timeout: float = 10.0):
@@ -288,7 +306,7 @@ def test_the_console_shows_real_traffic_and_keeps_strangers_out(stack, browser, 
     # The page runs no script (its policy says so); the driver's own may still edit it.
     browser.execute_script("const f = document.querySelector('header form');"
                            "f.querySelector('input[name=csrf]').remove(); f.submit();")
-    WebDriverWait(browser, 10).until(expected_conditions.staleness_of(page))
+    WebDriverWait(browser, 10).until(replaced(page))
     assert "CSRF" in console.text()
     console.open("/console")
     assert "Overview" in browser.title
