@@ -210,10 +210,15 @@ class Upstream:
         self._sleep = sleep
 
     async def start(self) -> None:
+        # No cookie jar: one session serves every client, so a cookie an upstream set on one
+        # client's answer would go up with every other client's request. The client's own
+        # Cookie header goes up, and the upstream's Set-Cookie comes back, as any end-to-end
+        # header does.
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=self.config.upstream_connections,
                                            limit_per_host=0, enable_cleanup_closed=True),
-            auto_decompress=True, skip_auto_headers=("User-Agent",))
+            cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=True,
+            skip_auto_headers=("User-Agent",))
 
     async def close(self) -> None:
         if self.session is not None:

@@ -128,6 +128,33 @@ async def test_without_a_backend_key_the_relay_key_still_stays_home(guarded):
     assert "x-api-key" not in sent and "Authorization" not in sent
 
 
+async def test_an_upstreams_cookie_goes_back_to_its_client_and_never_up_with_anothers(
+        aiohttp_server, aiohttp_client):
+    # By a host name: aiohttp's cookie jar keeps no cookie from an IP address.
+    upstream = Upstream()
+    up = await start_upstream(aiohttp_server, upstream)
+    raw = {"server": {"auth": {"keys": [{"name": "alpha", "key_env": "KEY_A"},
+                                        {"name": "bravo", "key_env": "KEY_B"}]}},
+           "backends": [{"name": "up", "url": f"http://localhost:{up.port}",
+                         "models": ["claude-*"], "api_key_env": "UP_KEY"}]}
+    client = await start_relay(aiohttp_client, raw, env=ENV)
+    client.session.cookie_jar.clear()
+
+    async def reply(request):
+        return web.json_response(ANSWER, headers={"Set-Cookie": "__cf_bm=alpha; Path=/"})
+    upstream.reply = reply
+    first = await client.post("/v1/messages", json=BODY, headers={"x-api-key": KEY_A})
+    assert first.status == 200 and first.headers["Set-Cookie"] == "__cf_bm=alpha; Path=/"
+    client.session.cookie_jar.clear()  # the test client is not the other tenant's browser
+    second = await client.post("/v1/messages", json=BODY, headers={"x-api-key": KEY_B})
+    assert second.status == 200
+    assert "Cookie" not in upstream.received[1]["headers"]
+    # A client's own cookie is an end-to-end header like any other.
+    third = await client.post("/v1/messages", json=BODY,
+                              headers={"x-api-key": KEY_A, "Cookie": "__cf_bm=alpha"})
+    assert third.status == 200 and upstream.received[2]["headers"]["Cookie"] == "__cf_bm=alpha"
+
+
 async def test_a_key_may_be_limited_to_models_and_backends(guarded):
     client, upstream = await guarded()
     resp = await client.post("/v1/messages", json=BODY, headers={"x-api-key": KEY_B})

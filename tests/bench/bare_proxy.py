@@ -54,7 +54,8 @@ def make_app(upstream: str, decode=None) -> web.Application:
     async def session_context(app):
         app[SESSION] = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=512, limit_per_host=0),
-            auto_decompress=True, skip_auto_headers=("User-Agent",))
+            cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=True,
+            skip_auto_headers=("User-Agent",))
         yield
         await app[SESSION].close()
 
