@@ -212,7 +212,9 @@ class Answer:
     stream: bool = False
     """Whether it was a stream."""
     events: int | None = None
-    """A stream's events written to the client (keep-alive pings included)."""
+    """A stream's events written to the client (keep-alive pings included), counted while
+    the access log is on (``server.access_log``, the record that shows them): counting is a
+    scan of every byte of the stream. None otherwise."""
 
 
 class Exchange:

@@ -23,6 +23,7 @@ from . import lifecycle, threads
 from .errors import RelayError
 from .exchange import Answer, Exchange, Outcome, UpstreamAnswer
 from .formats import Translator
+from .logs import access_log
 from .redact import redacting_writer
 from .sse import Event, LazyFramer, names_events
 from .upstream import answer_headers
@@ -56,7 +57,8 @@ class StreamRelay:
 
     __slots__ = ("chain", "exchange", "plan", "write", "framer", "writing", "written", "events")
 
-    def __init__(self, chain, exchange, plan, write: Callable[[bytes], Awaitable[None]]):
+    def __init__(self, chain, exchange, plan, write: Callable[[bytes], Awaitable[None]],
+                 count_events: bool = True):
         self.chain = chain
         self.exchange = exchange
         self.plan = plan
@@ -64,7 +66,9 @@ class StreamRelay:
         self.framer: LazyFramer | None = None
         self.writing = False  # inside a write: what the framer saw has not all gone out
         self.written = 0  # bytes written to the client
-        self.events = 0  # events written to the client, counted by the blank lines ending them
+        # Events written to the client, counted by the blank lines ending them: a scan of
+        # every byte, so only for a reader of the count (the access log).
+        self.events: int | None = 0 if count_events else None
 
     @property
     def ended(self) -> bool:
@@ -137,7 +141,8 @@ class StreamRelay:
         if not self.written:
             self.exchange.timings.first_byte = self.exchange.elapsed()
         self.written += len(data)
-        self.events += data.count(b"\n\n") or data.count(b"\r\n\r\n")
+        if self.events is not None:
+            self.events += data.count(b"\n\n") or data.count(b"\r\n\r\n")
         return data
 
     def may_ping(self) -> bool:
@@ -363,7 +368,8 @@ async def relay_stream(state, request: web.Request, exchange: Exchange,
     write = redacting_writer(response.write, secrets)
     # A thread's record is what the client received.
     tap = threads.Tap(write) if exchange.thread is not None else None
-    stream = StreamRelay(state.chain, exchange, plan, tap or write)
+    stream = StreamRelay(state.chain, exchange, plan, tap or write,
+                         count_events=access_log.isEnabledFor(logging.INFO))
     translator = backend.adapter.stream_translator(backend.name, exchange.model)
     record = None
     if translator is not None:
@@ -420,7 +426,8 @@ async def relay_stream(state, request: web.Request, exchange: Exchange,
             keepalive.stop()
             if keepalive.sent:
                 answer.size += keepalive.bytes
-                answer.events += keepalive.sent
+                if answer.events is not None:
+                    answer.events += keepalive.sent
                 exchange.note("relay", "keep-alive", pings=keepalive.sent)
         exchange.timings.last_byte = exchange.elapsed()
         if translator is not None and record is not None:

@@ -169,6 +169,7 @@ def test_json_access_line_has_every_field_and_no_secret(tmp_path, emulator):
             "stream": True, "ids_rewritten": 0, "repairs": 0,
             "request_id": headers["x-relay-request-id"]}
         assert 0 <= record["ttfb_ms"] <= record["duration_ms"]
+        assert record["events"] >= 6  # message_start to message_stop, a block between
         assert "key" not in record  # no inbound auth: no key name
         output = relay.output()
         for line in output.splitlines():

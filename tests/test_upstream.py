@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import orjson
 import pytest
@@ -11,6 +12,7 @@ from support import backend
 from test_server import ANSWER, BODY, STREAM, Upstream, start_relay, start_upstream, stream_reply
 
 from relay import config as config_module
+from relay import logs
 from relay.config import Retries
 from relay.hookspecs import hookimpl
 from relay.upstream import backoff, retry_after
@@ -239,9 +241,22 @@ async def test_end_hooks_run_after_the_client_has_its_answer(aiohttp_server, aio
     gate.set()
 
 
-async def test_a_streams_record_counts_its_events(aiohttp_server, aiohttp_client):
+async def test_a_streams_record_counts_its_events_while_the_access_log_is_on(
+        aiohttp_server, aiohttp_client):
     upstream = Upstream()
     upstream.reply = stream_reply([STREAM[:70], STREAM[70:300], STREAM[300:]])
     client, recorder = await relay_for(aiohttp_server, aiohttp_client, [(upstream, {})])
-    await (await client.post("/v1/messages", json={**BODY, "stream": True})).read()
+    level = logs.access_log.level
+    logs.access_log.setLevel(logging.INFO)
+    try:
+        await (await client.post("/v1/messages", json={**BODY, "stream": True})).read()
+    finally:
+        logs.access_log.setLevel(level)
     assert recorder.ended[0].answer.events == STREAM.count(b"\n\n")
+    # Off, nobody reads the count: the stream's bytes are not scanned for it.
+    logs.access_log.setLevel(logging.WARNING)
+    try:
+        await (await client.post("/v1/messages", json={**BODY, "stream": True})).read()
+    finally:
+        logs.access_log.setLevel(level)
+    assert recorder.ended[1].answer.events is None and recorder.ended[1].answer.size

@@ -329,9 +329,11 @@ async def sse_benchmarks(state, count: int, seconds: float) -> dict:
         cpu_total = 0.0
         while budget.more():
             exchange, plan = await fresh()
-            # The relay's own stream loop, writing into nothing; primed with message_start so
-            # that the timed chunks take the steady path.
-            stream = StreamRelay(chain, exchange, plan, redacting_writer(discard, secrets))
+            # The relay's own stream loop, writing into nothing, with the access log off as
+            # it is by default; primed with message_start so that the timed chunks take the
+            # steady path.
+            stream = StreamRelay(chain, exchange, plan, redacting_writer(discard, secrets),
+                                 count_events=False)
             alive = KeepAlive(stream, keepalive) if keepalive else None
             await stream.feed(workloads.MESSAGE_START)
             chunks = [b"".join(raws[(i + k) % len(raws)] for k in range(per_feed))
@@ -418,7 +420,8 @@ async def openai_benchmarks(state, count: int, seconds: float) -> dict:
         while budget.more():
             exchange = await prepare_exchange(state, method="POST", path="/v1/messages",
                                               query="", headers=headers, raw_body=raw_body)
-            stream = StreamRelay(chain, exchange, await chain.stream_plan(exchange), discard)
+            stream = StreamRelay(chain, exchange, await chain.stream_plan(exchange), discard,
+                                 count_events=False)
             translator = openai.StreamTranslator("mock", keep_raw=True)
             if translated:  # primed: started, a text block open
                 await stream.feed(translator.feed(workloads.chat_chunk(
