@@ -141,6 +141,7 @@ def run_serve(args) -> int:
             logging.getLogger("relay").warning(
                 "plugins.%s: options for a plugin that is not in the pipeline", name)
     warn_if_per_process(config)
+    warn_if_unenforced(config)
     logs.announce(describe(config))
     try:
         if config.workers > 1:
@@ -152,6 +153,26 @@ def run_serve(args) -> int:
         return fail(f"config error: {e}")
     except OSError as e:
         return fail(f"cannot listen on {host}:{port}: {e.strerror or e}")
+
+
+def warn_if_unenforced(config) -> None:
+    """Relay keys' limits in relay.yaml that the pipeline would not keep: said at start-up,
+    rather than found out from a bill. (Refused for a credential's, which the host keeps
+    itself; a key's belong to the limits plugin, which a pipeline may leave out on purpose.)"""
+    raws = [config.default_limits, *(key.limits.raw for key in config.keys or ()
+                                     if key.limits is not None)]
+    if not any(raws):
+        return
+    warn = logging.getLogger("relay").warning
+    if "limits" not in config.pipeline:
+        warn("server.auth: relay keys have limits, but the limits plugin is not in the "
+             "pipeline: none of them is enforced")
+        return
+    counted = next((found for raw in raws if (found := config_module.counted_from_usage(raw))),
+                   None)
+    if counted and "usage" not in config.pipeline:
+        warn("server.auth: a relay key's %s counts what answers used, which the usage plugin "
+             "reads, and it is not in the pipeline: that limit never advances", counted)
 
 
 def describe(config) -> str:

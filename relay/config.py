@@ -148,7 +148,7 @@ class Credential:
     weight: float = 1.0
     key_env: str | None = None
     key_file: str | None = None
-    limits: dict | None = None  # stored for what enforces them; the pool does not
+    limits: dict | None = None  # checked (relay.limits.check_limits); the pool enforces them
 
 
 @dataclass
@@ -487,7 +487,22 @@ def parse(raw, env=os.environ, require_keys: bool = True) -> Config:
             if name not in names or name == backend.name:
                 raise ConfigError(f"backends[{i}].fallbacks[{j}]: {name!r} is not another "
                                   f"configured backend")
+        for j, credential in enumerate(backend.credentials):
+            counted = counted_from_usage(credential.limits)
+            if counted and "usage" not in config.pipeline:
+                raise ConfigError(
+                    f"backends[{i}].credentials[{j}].limits: {counted} counts what answers "
+                    f"used, which the usage plugin reads: add usage to pipeline")
     return config
+
+
+def counted_from_usage(raw: dict | None) -> str | None:
+    """The first limit of ``raw`` (checked) that only an answer's usage can advance."""
+    for rule in (raw or {}, *(raw or {}).get("models", {}).values()):
+        for name in ("input_tokens_per_minute", "output_tokens_per_minute", "budget"):
+            if rule.get(name) is not None:
+                return name
+    return None
 
 
 def _passthrough(entry, path: str) -> Passthrough:
@@ -671,8 +686,9 @@ CREDENTIAL_OPTIONS = (
            expect="a file path"),
     Option("weight", float, 1.0, "its share of new sessions, against the others' weights",
            expect="a positive number", check=_weight),
-    Option("limits", dict, None, "this credential's own limits, in the shape of a relay key's "
-           "(kept with the credential for what enforces them)", expect="a mapping"),
+    Option("limits", dict, None, "this credential's own limits, in the shape of a relay key's: "
+           "a request goes with another credential while this one is at them, and is refused "
+           "with a 429 when every credential is (see docs/pools.md)", expect="a mapping"),
 )
 
 
@@ -769,7 +785,8 @@ def _credentials(raw, path: str, env, require_keys: bool) -> list[Credential]:
             raise ConfigError(f"{where}: the same key as another credential of this backend")
         found.append(Credential(name=name, key=secret, weight=float(values["weight"]),
                                 key_env=values["key_env"], key_file=values["key_file"],
-                                limits=values["limits"]))
+                                limits=check_limits(values["limits"], f"{where}.limits")
+                                if values["limits"] is not None else None))
     return found
 
 

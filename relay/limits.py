@@ -185,7 +185,7 @@ class Limits:
             self._applying[name] = found
         return found
 
-    def plan(self, key: str, model: str | None) -> Plan | None:
+    def plan(self, key: str, model: str | None, scope: str = "limits") -> Plan | None:
         """What a request by ``key`` for ``model`` takes (:func:`plan`), or None when no
         limit applies; made once per model (cached like :meth:`applying`)."""
         found = self._plans.get((key, model or ""))
@@ -195,7 +195,7 @@ class Limits:
                 return None
             if len(self._plans) >= MAX_CACHED_MODELS:
                 self._plans.clear()
-            found = self._plans[key, model or ""] = plan(key, rules)
+            found = self._plans[key, model or ""] = plan(key, rules, scope)
         return found
 
 
@@ -236,14 +236,16 @@ class Plan:
     added: tuple[tuple[str, int], ...] = ()
 
 
-def counter_name(key: str, rule: Rule, kind: str) -> str:
-    return f"limits:{key}:{rule.pattern or ''}:{kind}"
+def counter_name(key: str, rule: Rule, kind: str, scope: str = "limits") -> str:
+    return f"{scope}:{key}:{rule.pattern or ''}:{kind}"
 
 
-def plan(key: str, rules: Iterable[Rule]) -> Plan:
+def plan(key: str, rules: Iterable[Rule], scope: str = "limits") -> Plan:
     """The counters and slots a request under ``rules`` takes. Budgets come first, then
     tokens, then requests, so that a refusal names the limit that lasts longest: the first
-    one over is what the state reports."""
+    one over is what the state reports. ``scope`` keeps apart the counters of what is
+    limited: a relay key's (``limits``) and an upstream credential's (``pool``), whose names
+    may be the same."""
     rules = tuple(rules)
     budgets: list[Counter] = []
     tokens: list[Counter] = []
@@ -253,7 +255,7 @@ def plan(key: str, rules: Iterable[Rule]) -> Plan:
 
     def counter(into: list, rule: Rule, name: str, kind: str, per: str, limit: int,
                 amount: int) -> None:
-        counter = Counter(counter_name(key, rule, kind), per, limit, amount)
+        counter = Counter(counter_name(key, rule, kind, scope), per, limit, amount)
         into.append(counter)
         limits[counter.name] = Limit(rule, name, limit)
 
@@ -270,7 +272,7 @@ def plan(key: str, rules: Iterable[Rule]) -> Plan:
             counter(requests, rule, "requests_per_minute", "rpm", "minute",
                     rule.requests_per_minute, 1)
         if rule.concurrent is not None:
-            slot = Slot(counter_name(key, rule, "slots"), rule.concurrent, SLOT_LEASE)
+            slot = Slot(counter_name(key, rule, "slots", scope), rule.concurrent, SLOT_LEASE)
             slots.append(slot)
             limits[slot.name] = Limit(rule, "concurrent", rule.concurrent)
     counters = (*budgets, *tokens, *requests)

@@ -16,9 +16,12 @@ with:
   connection failure cools it for ``pool.backoff`` seconds, doubled for each failure in a row;
 - a session whose credential is cooling or out **moves** to another, once: it then stays
   there (a move costs a cache miss, so it is noted on the timeline and counted);
-- when **every credential** is cooling, the client gets Anthropic's ``429 rate_limit_error``
-  (``529 overloaded_error`` when none cooled for a 429) with the shortest ``retry-after``,
-  before anything goes upstream; when every one is out, a ``503``.
+- a credential with **limits of its own** (``limits:``, a relay key's shape) is taken from
+  like a key (:mod:`relay.limits`): one at them is passed over until its window lets a
+  request through, and a session on it moves;
+- when **every credential** is cooling (or at its limits), the client gets Anthropic's ``429
+  rate_limit_error`` (``529 overloaded_error`` when none cooled for a 429) with the shortest
+  ``retry-after``, before anything goes upstream; when every one is out, a ``503``.
 
 Stickiness and health live on the host's state seam (:mod:`relay.state`, namespace
 ``pools``), so that the workers of one host (SQLite) or replicas (Redis) send a session to one
@@ -45,6 +48,7 @@ from typing import Any
 
 import orjson
 
+from . import limits as limits_module
 from .errors import RelayError
 from .headers import seconds_until
 from .state import State, Unavailable
@@ -52,7 +56,10 @@ from .state import State, Unavailable
 log = logging.getLogger("relay.pools")
 
 NAMESPACE = "pools"
-LEASE = "relay.pools"  # exchange.state: the (pool, credential) this exchange holds in flight
+# exchange.state: the (pool, credential, held) this exchange holds in flight; held: the plan
+# of the credential's own limits and the release tokens of its slots, or None
+LEASE = "relay.pools"
+SCOPE = "pool"  # the credentials' limits' counters: apart from relay keys' (relay.limits)
 OUT_SECONDS = 30 * 86400.0  # how long shared state keeps an out record (until reinstated)
 MAX_STICKY = 100_000  # sessions one process remembers per backend
 UNAVAILABLE_LOG_SECONDS = 60.0
@@ -172,6 +179,15 @@ class Pool:
         self.inflight = dict.fromkeys(self.order, 0)
         self.placed = dict.fromkeys(self.order, 0)
         self.logged_out: set[tuple[str, str | None]] = set()
+        # Each credential's own limits, and until when (epoch) one was last found at them: a
+        # request does not ask the state about it again before then.
+        self.limits = {c.name: limits_module.Limits.of(c.limits) if c.limits else None
+                       for c in backend.credentials}
+        self.limited: dict[str, tuple[float, str]] = {}
+
+    def at_limits(self, name: str, now: float) -> bool:
+        found = self.limited.get(name)
+        return found is not None and now < found[0]
 
     def blocked(self, name: str, now: float) -> bool:
         health = self.health.get(name)
@@ -185,8 +201,15 @@ class Pool:
             sticky.popitem(last=False)
 
     def refused(self, now: float, tried: set[str]) -> Exhausted:
-        """The answer when every credential is cooling or out (or, in this request, was
-        answered with a 429 that asked for no wait)."""
+        """The answer when every credential is cooling, out or at its own limits (or, in
+        this request, was answered with a 429 that asked for no wait)."""
+        limited = [self.limited[name][0] for name in self.order if self.at_limits(name, now)]
+        blocked = [name for name in self.order if name in tried or self.blocked(name, now)]
+        if limited and len(limited) + len(blocked) >= len(self.order):
+            retry = max(1, math.ceil(min(limited) - now))
+            return Exhausted(RelayError(
+                429, f"every credential of backend {self.backend} is at its limits or cooling "
+                     f"down; retry after {retry} s", "rate_limit_error"), retry)
         cooling = [health for name in self.order
                    if (health := self.health.get(name)) is not None and health.state == "cooling"
                    and (name in tried or health.blocks(now, None))]
@@ -284,8 +307,60 @@ class Pools:
     async def choose(self, exchange, pool: Pool, tried: set[str]):
         """The credential ``exchange`` goes with (a :class:`relay.config.Credential`), now
         held in flight until :meth:`release`; raises :class:`Exhausted` when none can take
-        it. ``tried``: credentials this request already failed with."""
-        now = self.clock()
+        it. ``tried``: credentials this request already failed with.
+
+        A credential with limits of its own (``limits:``) is taken from like a relay key's
+        (:mod:`relay.limits`, counters in the state shared by every process): one at them is
+        passed over until its window lets a request through, and the session moves."""
+        for _ in range(len(pool.order) + 1):  # each pass finds one more credential at limits
+            now = self.clock()
+            chosen = await self._place(exchange, pool, tried, now)
+            held = None
+            found = pool.limits[chosen]
+            plan = found.plan(f"{pool.backend}/{chosen}", exchange.model, SCOPE) \
+                if found is not None else None
+            if plan is not None:
+                taken = await self._take(exchange, plan)
+                if taken is not None and not taken.granted:
+                    assert taken.blocked is not None  # a refusal names what refused
+                    limit = plan.limits[taken.blocked]
+                    count = next((c for c in taken.counts if c.name == taken.blocked), None)
+                    # A slot frees when a request ends, which nobody can foresee: a second.
+                    until = max(float(count.reset) if count is not None else 0.0, now + 1.0)
+                    pool.limited[chosen] = (until, limit.name)
+                    exchange.note("relay", "credential at its limits", backend=pool.backend,
+                                  credential=chosen, limit=limit.name)
+                    continue
+                if taken is not None:
+                    held = (plan, taken.tokens)
+            pool.inflight[chosen] += 1
+            exchange.state[LEASE] = (pool, chosen, held)
+            return pool.credentials[chosen]
+        refusal = pool.refused(self.clock(), tried)
+        if refusal.retry is not None:
+            exchange.response_headers["retry-after"] = str(refusal.retry)
+        raise refusal
+
+    async def _take(self, exchange, plan):
+        """A take of ``plan`` from the state (in memory when its leases allow); None when
+        the state is unreachable and ``state.on_unavailable`` lets the request go on."""
+        state = self.state
+        taken = state.take_now(plan.counters, plan.slots)
+        if taken is not None:
+            return taken
+        try:
+            return await state.take(plan.counters, plan.slots)
+        except Unavailable as e:
+            if state.on_unavailable == "closed":
+                raise RelayError(503, "the relay cannot reach its shared state to check its "
+                                      "upstream credentials' limits (state.on_unavailable: "
+                                      "closed); the request was not sent", "api_error") from e
+            exchange.note("relay", "state unavailable: credential limits not checked")
+            self._unreachable(e)
+            return None
+
+    async def _place(self, exchange, pool: Pool, tried: set[str], now: float) -> str:
+        """Which credential the request goes with, by session and health (limits aside)."""
         session = exchange.session() if exchange.endpoint != "passthrough" else None
         entry = pool.sticky.get(session) if session is not None else None
         current = entry[0] if entry is not None else None
@@ -308,7 +383,8 @@ class Pools:
                 current = placed[0]
             else:
                 stored = False
-        usable = [name for name in pool.order if name not in tried and not pool.blocked(name, now)]
+        usable = [name for name in pool.order if name not in tried
+                  and not pool.blocked(name, now) and not pool.at_limits(name, now)]
         if current is not None and current in usable:
             chosen = current
             if not stored and session is not None:  # the state lost it (expired, restarted)
@@ -329,27 +405,38 @@ class Pools:
                                   credential=chosen)
                 else:
                     health = pool.health.get(current)
+                    reason = (health.reason if health is not None
+                              else "at its limits" if pool.at_limits(current, now) else "failed")
                     exchange.note("relay", "credential moved", backend=pool.backend,
-                                  credential=current, to=chosen,
-                                  reason=health.reason if health is not None else "failed")
+                                  credential=current, to=chosen, reason=reason)
                 pool.remember(session, chosen, now)  # before the write's wait: see above
                 await self._put(pool, {session_key(pool.backend, session):
                                        orjson.dumps([chosen, now])},
                                 pool.options.sticky_seconds)
         if session is not None:
             pool.remember(session, chosen, now)
-        pool.inflight[chosen] += 1
-        exchange.state[LEASE] = (pool, chosen)
-        return pool.credentials[chosen]
+        return chosen
 
-    @staticmethod
-    def release(exchange) -> None:
+    def release(self, exchange) -> None:
         """The exchange no longer holds its credential in flight (its answer is over, or the
-        attempt failed); twice does nothing."""
+        attempt failed): its slots are given back, and what the answer used (``exchange.
+        usage``) counts against the credential's limits; twice does nothing."""
         lease = exchange.state.pop(LEASE, None)
-        if lease is not None:
-            pool, name = lease
-            pool.inflight[name] -= 1
+        if lease is None:
+            return
+        pool, name, held = lease
+        pool.inflight[name] -= 1
+        if held is None:
+            return
+        plan, tokens = held
+        state = self.state
+        for slot, token in zip(plan.slots, tokens, strict=True):
+            state.release_soon(slot.name, token)
+        if tokens and name in pool.limited and pool.limited[name][1] == "concurrent":
+            del pool.limited[name]  # a slot is free again
+        added = limits_module.spent(plan, getattr(exchange, "usage", None))
+        if added:
+            state.add_soon(added)
 
     async def report(self, exchange, pool: Pool, name: str, status: int | None,
                      headers=None) -> bool:

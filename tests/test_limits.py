@@ -421,3 +421,32 @@ async def test_a_fallback_is_the_same_request(aiohttp_client, aiohttp_server, co
     slot = limits.counter_name("team-a", limits.Rule(), "slots")
     assert not chain.state._held(slot, time.time())
     await chain.shutdown(config)
+
+
+@pytest.mark.parametrize("pipeline, limits_of_a, default, warned", [
+    (["usage"], {"requests_per_minute": 5}, None, "the limits plugin is not in the pipeline"),
+    (["usage"], None, {"concurrent": 2}, "the limits plugin is not in the pipeline"),
+    (["limits"], {"budget": {"usd": 5, "per": "day"}}, None,
+     "a relay key's budget counts what answers used"),
+    (["limits"], None, {"models": {"claude-opus-*": {"output_tokens_per_minute": 9}}},
+     "a relay key's output_tokens_per_minute counts what answers used"),
+    (["limits"], {"requests_per_minute": 5, "concurrent": 1}, None, None),
+    (["limits", "usage"], {"budget": {"usd": 5, "per": "day"}}, None, None),
+    ([], None, None, None),
+])
+def test_limits_the_pipeline_would_not_keep_are_said_at_start_up(
+        caplog, pipeline, limits_of_a, default, warned):
+    from relay import cli
+    config = config_module.parse({"pipeline": pipeline, "server": {"auth": auth(
+        limits_of_a, default=default)}, "backends": [{"name": "e", "url": "http://127.0.0.1:1",
+                                                     "models": ["*"]}]}, KEYS)
+    unguarded = config_module.parse({"pipeline": pipeline, "backends": [
+        {"name": "e", "url": "http://127.0.0.1:1", "models": ["*"]}]}, KEYS)
+    with caplog.at_level("WARNING", logger="relay"):
+        cli.warn_if_unenforced(unguarded)  # no inbound keys: nothing to say
+        cli.warn_if_unenforced(config)
+    messages = [r.getMessage() for r in caplog.records]
+    if warned is None:
+        assert messages == []
+    else:
+        assert len(messages) == 1 and warned in messages[0]

@@ -10,6 +10,7 @@ import time
 import orjson
 import pytest
 from aiohttp import web
+from test_server import ANSWER
 from test_upstream import Recorder
 
 from relay import cli, pools
@@ -123,11 +124,11 @@ def test_credentials_are_named_keys_from_the_environment_and_never_in_the_config
     config = config_module.parse({"backends": [{
         "name": "p", "url": "http://127.0.0.1:1",
         "credentials": credentials("a", "b", b=3) + [{"name": "c", "key_env": "POOL_C",
-                                                      "limits": {"rpm": 10}}],
+                                                      "limits": {"requests_per_minute": 10}}],
         "pool": {"max_cooldown": 60}}]}, KEYS)
     backend = config.backends[0]
     assert [(c.name, c.weight) for c in backend.credentials] == [("a", 1), ("b", 3), ("c", 1)]
-    assert backend.credentials[2].limits == {"rpm": 10}
+    assert backend.credentials[2].limits == {"requests_per_minute": 10}
     assert backend.pool.max_cooldown == 60 and backend.pool.refresh == 1.0
     assert set(backend.secrets) == {key.encode() for key in KEYS.values()}
     assert all(key not in repr(backend) for key in KEYS.values())
@@ -363,6 +364,109 @@ async def test_a_rate_limited_credential_moves_its_session_once_unseen_by_the_cl
     assert listed["b"]["state"] == "healthy"
 
 
+def limited(name: str, **limits) -> dict:
+    return {"name": name, "key_env": f"POOL_{name.upper()}", "limits": limits}
+
+
+async def test_a_credential_at_its_own_limits_moves_its_session_before_anything_goes_up(
+        aiohttp_server, relays):
+    server, url = await emulated(aiohttp_server)
+    client = await relays.start(url, [limited("a", requests_per_minute=2), limited("b")])
+    assert await converse(client, 4, session="sess-1") == [200] * 4
+    # The third turn never reached a: a's own limit, not the upstream, decided it.
+    assert keys_seen(server) == ["a", "a", "b", "b"]
+    assert [(n["credential"], n["limit"]) for n in noted(client, "credential at its limits")] \
+        == [("a", "requests_per_minute")]
+    moves = noted(client, "credential moved")
+    assert [(m["credential"], m["to"], m["reason"]) for m in moves] == [("a", "b", "at its limits")]
+    assert [a.credential for a in client.recorder.ended[2].attempts] == ["b"]
+
+
+async def test_every_credential_at_its_limits_is_a_clean_429_with_the_wait(aiohttp_server,
+                                                                             relays):
+    server, url = await emulated(aiohttp_server)
+    client = await relays.start(url, [limited("a", requests_per_minute=1),
+                                      limited("b", requests_per_minute=1)])
+    for n in range(2):
+        resp = await client.post("/v1/messages", json=request(user(text("hi"))),
+                                 headers={"x-claude-code-session-id": f"s{n}"})
+        assert resp.status == 200
+    resp = await client.post("/v1/messages", json=request(user(text("hi"))),
+                             headers={"x-claude-code-session-id": "s2"})
+    body = await resp.json()
+    assert resp.status == 429 and body["error"]["type"] == "rate_limit_error"
+    assert "every credential of backend emu is at its limits" in body["error"]["message"]
+    assert 1 <= int(resp.headers["retry-after"]) <= 61
+    assert sorted(keys_seen(server)) == ["a", "b"]  # the third request never went up
+    assert client.recorder.ended[-1].attempts == []
+
+
+async def test_a_credential_s_concurrency_slot_is_given_back_on_every_exit(aiohttp_server,
+                                                                          relays):
+    gate, fail = asyncio.Event(), []
+
+    async def answer(request):
+        await request.read()
+        if fail:
+            return web.json_response({"type": "error", "error": {
+                "type": "api_error", "message": "upstream broke"}}, status=500)
+        await gate.wait()
+        return web.json_response(ANSWER)
+    app = web.Application()
+    app.router.add_post("/v1/messages", answer)
+    server = await aiohttp_server(app)
+    client = await relays.start(str(server.make_url("")).rstrip("/"),
+                                [limited("a", concurrent=1)])
+    body = request(user(text("hi")))
+    first = asyncio.ensure_future(client.post("/v1/messages", json=body))
+    while not client.app[STATE].upstream.pools.pools["emu"].inflight["a"]:
+        await asyncio.sleep(0.01)
+    second = await client.post("/v1/messages", json=body)  # a's one slot is held
+    assert second.status == 429 and "at its limits" in (await second.json())["error"]["message"]
+    gate.set()
+    assert (await first).status == 200
+    assert (await client.post("/v1/messages", json=body)).status == 200  # given back
+    fail.append(True)
+    for _ in range(3):  # an upstream failure gives it back too
+        assert (await client.post("/v1/messages", json=body)).status == 500
+    gate.clear()
+    fail.clear()
+    hung = asyncio.ensure_future(client.post("/v1/messages", json=body))
+    while not client.app[STATE].upstream.pools.pools["emu"].inflight["a"]:
+        await asyncio.sleep(0.01)
+    hung.cancel()  # the client goes away mid-request
+    while client.app[STATE].upstream.pools.pools["emu"].inflight["a"]:
+        await asyncio.sleep(0.01)
+    gate.set()
+    assert (await client.post("/v1/messages", json=body)).status == 200
+
+
+async def test_a_credential_s_budget_counts_what_its_answers_cost(aiohttp_server, relays):
+    # 1,000 input tokens at $3/MTok: 3,000 micro-dollars an answer, over a $0.005 budget
+    # after two answers.
+    server, url = await emulated(aiohttp_server, usage="input=1000,output=0")
+    prices = [{"models": ["*"], "usd_per_mtok": {"input": 3, "output": 15, "cache_write_5m": 0,
+                                                  "cache_write_1h": 0, "cache_read": 0}}]
+    client = await relays.start(url, [limited("a", budget={"usd": 0.005, "per": "day"}),
+                                      limited("b")],
+                                pipeline=("usage", "metrics"), plugins={"usage": {"prices": prices}})
+    assert await converse(client, 4, session="sess-1") == [200] * 4
+    assert keys_seen(server) == ["a", "a", "b", "b"]
+    assert [n["limit"] for n in noted(client, "credential at its limits")] == ["budget"]
+
+
+def test_credential_limits_that_count_tokens_or_cost_need_the_usage_plugin():
+    backend = {"name": "p", "url": "http://127.0.0.1:1",
+               "credentials": [limited("a", models={"claude-opus-*": {"budget": {
+                   "usd": 5, "per": "week"}}})]}
+    with pytest.raises(ConfigError) as error:
+        config_module.parse({"pipeline": ["metrics"], "backends": [backend]}, KEYS)
+    assert str(error.value).startswith("backends[0].credentials[0].limits: budget counts what")
+    config_module.parse({"pipeline": ["usage"], "backends": [backend]}, KEYS)
+    backend["credentials"] = [limited("a", requests_per_minute=5, concurrent=2)]
+    config_module.parse({"backends": [backend]}, KEYS)  # counted without any answer's usage
+
+
 async def test_weights_spread_a_thousand_new_sessions(aiohttp_server, relays):
     server, url = await emulated(aiohttp_server, record=True)
     client = await relays.start(url, credentials("a", "b", "c", b=2, c=1), pipeline=())
@@ -486,6 +590,21 @@ async def test_replicas_sharing_state_keep_a_session_and_honour_each_other(
     # A new session on the replica that did not see the 429 keeps off the cooling credential.
     assert await converse(two, 1, session="new") == [200]
     assert keys_seen(server)[-1] == "b"
+
+
+async def test_replicas_sharing_state_share_a_credential_s_own_limits(
+        aiohttp_server, relays, replica_states):
+    server, url = await emulated(aiohttp_server)
+    first, second = replica_states
+    replicas = [await relays.start(url, [limited("a", requests_per_minute=3)], state=state)
+                for state in (first, second)]
+    statuses = []
+    for n in range(6):  # alternating replicas, one session each
+        resp = await replicas[n % 2].post("/v1/messages", json=request(user(text("hi"))),
+                                          headers={"x-claude-code-session-id": f"s{n}"})
+        statuses.append(resp.status)
+    assert statuses == [200, 200, 200, 429, 429, 429]
+    assert keys_seen(server) == ["a"] * 3
 
 
 async def test_an_unreachable_state_leaves_the_pool_to_what_this_process_knows(
