@@ -498,8 +498,10 @@ async def health(state: State, config) -> list[dict[str, Any]]:
     """Each pooled credential's state, as every process sharing ``state`` sees it: one dict
     per credential with ``backend``, ``credential``, ``state`` (``healthy``, ``cooling`` or
     ``out``), ``until`` (epoch seconds a cooldown ends, else None), ``since`` (when it began,
-    else None), ``reason`` and ``recent`` (the statuses of its latest attempts in the
-    ledger, newest first, when the ledger holds any)."""
+    else None), ``reason``, ``recent`` (the statuses of its latest attempts in the ledger,
+    newest first, when the ledger holds any) and ``limits`` (for a credential with limits of
+    its own, each window's counter: ``limit`` its name, ``models`` the pattern it is for or
+    None, ``used``, ``of`` and ``reset``; budgets in micro-dollars)."""
     now = time.time()
     entries = [(backend, credential) for backend in config.backends
                for credential in backend.credentials]
@@ -518,6 +520,7 @@ async def health(state: State, config) -> list[dict[str, Any]]:
             found = recent.setdefault((attempt.get("backend"), attempt["credential"]), [])
             if len(found) < RECENT and attempt.get("status") is not None:
                 found.append(attempt["status"])
+    used = await _limits_used(state, entries)
     listed = []
     for (backend, credential), raw in zip(entries, values, strict=True):
         record = Health.decode(raw)
@@ -529,8 +532,34 @@ async def health(state: State, config) -> list[dict[str, Any]]:
             "since": record.since if blocking and record is not None else None,
             "reason": record.reason if blocking and record is not None else None,
             "recent": recent.get((backend.name, credential.name), []),
+            "limits": used.get((backend.name, credential.name), []),
         })
     return listed
+
+
+async def _limits_used(state: State, entries) -> dict[tuple[str, str], list[dict[str, Any]]]:
+    """Where each credential with limits of its own stands against them, in one read."""
+    counted = []
+    for backend, credential in entries:
+        found = limits_module.Limits.of(credential.limits) if credential.limits else None
+        if found is None:
+            continue
+        # Every rule, the model patterns' too: counters are named by rule, not by model.
+        plan = limits_module.plan(f"{backend.name}/{credential.name}", found.rules, SCOPE)
+        counted += [((backend.name, credential.name), plan.limits[c.name], c)
+                    for c in plan.counters]
+    if not counted:
+        return {}
+    try:
+        counts = await state.counts([counter for *_, counter in counted])
+    except (Unavailable, OSError):
+        return {}
+    used: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for (where, limit, _), count in zip(counted, counts, strict=True):
+        used.setdefault(where, []).append({
+            "limit": limit.name, "models": limit.rule.pattern, "used": count.used,
+            "of": limit.limit, "reset": count.reset})
+    return used
 
 
 async def reinstate(state: State, config, backend: str, credential: str) -> bool:
@@ -559,8 +588,14 @@ def described(entry: dict[str, Any], now: float) -> str:
     elif state == "out":
         state = f"out since {_when(entry['since'] or now)}: {entry['reason']}"
     recent = " ".join(str(status) for status in entry["recent"])
+    limits = ", ".join(
+        f"{limit['limit']}{' for ' + limit['models'] if limit['models'] else ''} "
+        + (f"{limits_module.dollars(limit['used'] / 1e6)} of "
+           f"{limits_module.dollars(limit['of'] / 1e6)}" if limit["limit"] == "budget"
+           else f"{limit['used']} of {limit['of']}")
+        for limit in entry.get("limits", ()))
     return f"{entry['backend']}/{entry['credential']}  {state}" + (
-        f"  (recent: {recent})" if recent else "")
+        f"  (recent: {recent})" if recent else "") + (f"  (limits: {limits})" if limits else "")
 
 
 def add_arguments(parser) -> None:

@@ -211,7 +211,8 @@ async def test_the_backends_page_shows_each_pooled_credentials_health(aiohttp_cl
     raw = {"server": {"auth": AUTH, "console": True}, "pipeline": [],
            "backends": [{"name": "pooled", "url": str(upstream.make_url("")).rstrip("/"),
                          "models": ["*"],
-                         "credentials": [{"name": "first", "key_env": "UP_1"},
+                         "credentials": [{"name": "first", "key_env": "UP_1",
+                                          "limits": {"requests_per_minute": 40}},
                                          {"name": "second", "key_env": "UP_2"}]}]}
     client = await start_relay(aiohttp_client, raw, env={
         **ENV, "UP_1": "upstream-key-one-0123456789", "UP_2": "upstream-key-two-0123456789"})
@@ -222,6 +223,7 @@ async def test_the_backends_page_shows_each_pooled_credentials_health(aiohttp_cl
         cells = re.findall(r"<td>(.*?)</td>", page)
         assert "first" in cells and "second" in cells
         assert page.count(">healthy<") == 2
+        assert "requests_per_minute 1 of 40" in cells  # the request above went with first
         assert "upstream-key-one" not in page
     finally:
         await client.close()

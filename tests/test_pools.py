@@ -13,13 +13,14 @@ from aiohttp import web
 from test_server import ANSWER
 from test_upstream import Recorder
 
-from relay import cli, pools
+from relay import cli, limits, pools
 from relay import config as config_module
 from relay.chain import Chain, load_plugins
 from relay.errors import ConfigError
 from relay.hookspecs import hookimpl
+from relay.limits import plan as limits_plan
 from relay.server import STATE, create_app
-from relay.state import Unavailable, open_state
+from relay.state import Counter, Unavailable, open_state
 from relay.state.memory import MemoryState
 from relay.testing import assistant, emulator, exchange_for, request, text, user
 
@@ -671,8 +672,10 @@ async def test_a_pass_through_route_goes_with_a_pooled_key_never_the_client_s(ai
 
 def test_relay_backends_lists_each_credential(tmp_path, capsys, monkeypatch):
     path = tmp_path / "relay.yaml"
-    path.write_text(orjson.dumps({"backends": [
-        {"name": "pooled", "url": "http://127.0.0.1:1", "credentials": credentials("a", "b")},
+    own = {"requests_per_minute": 50, "budget": {"usd": 200, "per": "month"}}
+    path.write_text(orjson.dumps({"pipeline": ["usage"], "backends": [
+        {"name": "pooled", "url": "http://127.0.0.1:1",
+         "credentials": [limited("a", **own), *credentials("b")]},
         {"name": "single", "url": "http://127.0.0.1:2", "api_key_env": "POOL_C"}]}).decode())
     for name, value in KEYS.items():
         monkeypatch.setenv(name, value)
@@ -687,9 +690,14 @@ def test_relay_backends_lists_each_credential(tmp_path, capsys, monkeypatch):
     asyncio.run(state.record([{"id": f"r{n}", "time": time.time() - 10 + n, "attempts": [
         {"backend": "pooled", "credential": "a", "status": status, "wait_ms": 0}]}
         for n, status in enumerate((429, 200))]))
+    plan = limits_plan("pooled/a", limits.Limits.of(limits.check_limits(own, "x")).rules,
+                       pools.SCOPE)
+    asyncio.run(state.take(plan.counters))  # one request, then its answer's cost
+    asyncio.run(state.add([Counter(plan.counters[0].name, "month", None, 1_500_000)]))
     assert cli.main(["backends", "--config", str(path)]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out == ["pooled/a  healthy  (recent: 200 429)",
+    assert out == ["pooled/a  healthy  (recent: 200 429)  (limits: budget $1.50 of $200.00, "
+                   "requests_per_minute 1 of 50)",
                    "pooled/b  out since 2023-11-14T22:13:20Z: 401 from upstream",
                    "single  one key (api_key_env)"]
     assert cli.main(["backends", "--config", str(path), "--reinstate", "pooled/b",

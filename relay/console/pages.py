@@ -538,11 +538,20 @@ def backends(health: list[dict], configured: list) -> str:
         rows.append([e(item.get("backend")), e(item.get("credential") or "-"),
                      f'<span class="{"good" if state == "healthy" else "bad"}">{e(state)}</span>',
                      until, since, e(item.get("reason") or ""),
-                     e(" ".join(map(str, list(statuses)[:20])))])
+                     e(" ".join(map(str, list(statuses)[:20]))),
+                     "<br>".join(_limit_used(limit) for limit in item.get("limits") or ())])
     pooled = {item.get("backend") for item in health}
     for backend in configured:
         if backend.name not in pooled:
             rows.append([e(backend.name), "-", '<span class="muted">one key: no pool</span>',
-                         "", "", "", ""])
+                         "", "", "", "", ""])
     return table(["Backend", "Credential", "State", "Cooling until", "Since", "Reason",
-                  "Recent statuses (newest first)"], rows)
+                  "Recent statuses (newest first)", "Own limits (used of)"], rows)
+
+
+def _limit_used(limit: dict) -> str:
+    scope = f" ({limit['models']})" if limit.get("models") else ""
+    used, of = limit.get("used", 0), limit.get("of", 0)
+    if limit.get("limit") == "budget":
+        return e(f"budget{scope} ${used / 1e6:,.2f} of ${of / 1e6:,.2f}")
+    return e(f"{limit.get('limit')}{scope} {used} of {of}")
