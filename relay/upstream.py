@@ -187,7 +187,10 @@ def backoff(retries: Retries, tried: int, headers, rng=random.random) -> float |
     return wait * (0.5 + rng() / 2)
 
 
-RETRYABLE_ERRORS = (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError)
+# A proxy that refused the tunnel (CONNECT) or the relay's proxy credentials answered in the
+# backend's place: no answer came from the backend, as when it cannot be connected to.
+RETRYABLE_ERRORS = (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError,
+                    aiohttp.ClientHttpProxyError)
 
 
 class Upstream:
@@ -207,6 +210,8 @@ class Upstream:
             b.name: aiohttp.ClientTimeout(total=b.timeouts.total, connect=b.timeouts.connect,
                                           sock_read=b.timeouts.read)
             for b in config.backends}
+        # The egress proxies (relay.egress), parsed once: only backends that have one.
+        self.proxies = {b.name: URL(b.proxy.url) for b in config.backends if b.proxy is not None}
         self._sleep = sleep
 
     async def start(self) -> None:
@@ -281,9 +286,13 @@ class Upstream:
             failure: BaseException | None = None
             answer: aiohttp.ClientResponse | None = None
             try:
-                answer = await session.request(
-                    exchange.method, url, data=body, headers=out_headers,
-                    timeout=self.timeouts[backend.name], allow_redirects=False)
+                if backend.proxy is None:
+                    answer = await session.request(
+                        exchange.method, url, data=body, headers=out_headers,
+                        timeout=self.timeouts[backend.name], allow_redirects=False)
+                else:
+                    answer = await self._through_proxy(session, exchange.method, url, body,
+                                                       out_headers, backend)
             except aiohttp.ConnectionTimeoutError as e:
                 if not pool_full(session):
                     failure = e
@@ -334,6 +343,31 @@ class Upstream:
                           status=attempt.status, error=attempt.error, wait=round(wait, 3))
             await self._sleep(wait)
             waited = wait
+
+    async def _through_proxy(self, session: aiohttp.ClientSession, method: str, url: URL,
+                             body, headers: CIMultiDict, backend) -> aiohttp.ClientResponse:
+        """The request through the backend's egress proxy (:mod:`relay.egress`). Its
+        credentials go to the proxy alone: on the CONNECT that opens an ``https://``
+        backend's tunnel, or on an ``http://`` request, which the proxy reads and forwards
+        without them; ``headers`` (the exchange's record) never holds them. A ``407`` is the
+        proxy's refusal, never the backend's answer."""
+        proxy = backend.proxy
+        options: dict[str, Any] = {}
+        if proxy.authorization is not None:
+            if url.scheme == "https":
+                options["proxy_headers"] = {"Proxy-Authorization": proxy.authorization}
+            else:
+                headers = CIMultiDict(headers)
+                headers["Proxy-Authorization"] = proxy.authorization
+        answer = await session.request(
+            method, url, data=body, headers=headers, timeout=self.timeouts[backend.name],
+            allow_redirects=False, proxy=self.proxies[backend.name], **options)
+        if answer.status == 407:
+            answer.release()
+            raise aiohttp.ClientHttpProxyError(answer.request_info, (), status=407,
+                                               message=answer.reason or "",
+                                               headers=answer.headers)
+        return answer
 
     async def open(self, exchange, fallbacks: Fallbacks | None = None):
         """:meth:`send`, then each of the backend's ``fallbacks`` in order while the answer
