@@ -203,19 +203,63 @@ async def test_a_proxy_that_cannot_be_reached_is_a_clean_502_and_the_fallback_an
 def make_certificate(directory: Path) -> tuple[Path, Path]:
     """A self-signed certificate for 127.0.0.1, and its key."""
     cert, key = directory / "upstream.pem", directory / "upstream.key"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-days", "1",
                     "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
                     "-keyout", str(key), "-out", str(cert)],
                    check=True, capture_output=True)
     return cert, key
 
 
+HAPROXY = shutil.which("haproxy") or "/usr/sbin/haproxy"
+TLS_FRONT = """\
+defaults
+    mode tcp
+    timeout connect 5s
+    timeout client 30s
+    timeout server 30s
+frontend tls
+    bind 127.0.0.1:{port} ssl crt {pem}
+    default_backend proxy
+backend proxy
+    server tinyproxy 127.0.0.1:{proxy}
+"""
+
+
+@pytest.fixture
+def tls_front(tmp_path):
+    """HAProxy terminating TLS in front of a port: an ``https://`` proxy made of tinyproxy."""
+    started: list[Process] = []
+
+    def start(pem: Path, proxy_port: int) -> int:
+        if not os.access(HAPROXY, os.X_OK):
+            pytest.fail("HAProxy is missing: run `make test` (it installs Debian's haproxy)",
+                        pytrace=False)
+        port = free_port()
+        config = tmp_path / "haproxy.cfg"
+        config.write_text(TLS_FRONT.format(port=port, pem=pem, proxy=proxy_port))
+        started.append(Process([HAPROXY, "-db", "-f", str(config)]))
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                return port
+            except OSError:
+                time.sleep(0.02)
+        raise RuntimeError(f"haproxy did not start:\n{started[-1].output()}")
+
+    yield start
+    for process in started:
+        process.stop()
+
+
+@pytest.mark.parametrize("scheme", ["http", "https"])
 async def test_an_https_backend_is_reached_through_the_proxys_tunnel_with_its_credentials(
-        tinyproxy, aiohttp_server, tmp_path):
-    """The relay as an operator runs it, behind a proxy that asks for credentials: the
-    backend's TLS goes through a CONNECT tunnel (the proxy sees no more than its address),
-    the certificate is checked against the CA the environment names, and neither the start-up
-    line nor any log line holds the proxy's password."""
+        tinyproxy, tls_front, aiohttp_server, tmp_path, scheme):
+    """The relay as an operator runs it, behind a proxy that asks for credentials (spoken to
+    in plain HTTP, or in TLS itself): the backend's TLS goes through a CONNECT tunnel (the
+    proxy sees no more than its address), certificates are checked against the CA the
+    environment names, and neither the start-up line nor any log line holds the proxy's
+    password."""
     cert, key = make_certificate(tmp_path)
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.load_cert_chain(cert, key)
@@ -224,9 +268,14 @@ async def test_an_https_backend_is_reached_through_the_proxys_tunnel_with_its_cr
     app.router.add_route("*", "/{tail:.*}", upstream.handle)
     server = await aiohttp_server(app, ssl=context)
     proxy = tinyproxy(auth=(USER, PASSWORD))
+    port = proxy.port
+    if scheme == "https":
+        pem = tmp_path / "front.pem"
+        pem.write_text(cert.read_text() + key.read_text())
+        port = tls_front(pem, proxy.port)
     relay = Relay({"server": {"access_log": True, "log_level": "DEBUG"},
                    "backends": [backend(f"https://127.0.0.1:{server.port}", name="tls")]},
-                  tmp_path, env={"HTTPS_PROXY": f"http://{USER}:{PASSWORD}@127.0.0.1:{proxy.port}",
+                  tmp_path, env={"HTTPS_PROXY": f"{scheme}://{USER}:{PASSWORD}@127.0.0.1:{port}",
                                  "SSL_CERT_FILE": str(cert)})
     try:
         async with aiohttp.ClientSession() as session:
@@ -235,9 +284,9 @@ async def test_an_https_backend_is_reached_through_the_proxys_tunnel_with_its_cr
         assert proxy.seen() == [f"CONNECT 127.0.0.1:{server.port} HTTP/1.1"]
         headers = upstream.received[0]["headers"]
         assert "Proxy-Authorization" not in headers and "Via" not in headers
-        await asyncio.to_thread(relay.wait_for_output, "POST /v1/messages")
+        assert await asyncio.to_thread(relay.wait_for_output, "path=/v1/messages")
         output = relay.output()
-        assert f"via proxy http://127.0.0.1:{proxy.port} from HTTPS_PROXY" in output
+        assert f"via proxy {scheme}://127.0.0.1:{port} from HTTPS_PROXY" in output
         for secret in SECRETS:
             assert secret not in output
     finally:
