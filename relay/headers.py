@@ -9,10 +9,14 @@ from multidict import CIMultiDict
 
 # RFC 9110 hop-by-hop headers, plus the ones the relay recomputes: aiohttp decodes content
 # encodings on both sides, so a forwarded content-encoding or content-length would be stale.
+# And ``expect``: the relay has the client's whole body before it sends anything up (aiohttp
+# answered the client's ``100-continue`` itself), and aiohttp's client, seeing the header,
+# would hold the body back until the upstream said 100, which a server or proxy that ignores
+# expectations (RFC 9110 allows it) never says.
 HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
     "te", "trailer", "trailers", "transfer-encoding", "upgrade",
-    "host", "content-length", "content-encoding", "accept-encoding",
+    "host", "content-length", "content-encoding", "accept-encoding", "expect",
 })
 # What a client authenticates with, and what the relay puts a backend's key in.
 AUTH_HEADERS = ("x-api-key", "authorization")

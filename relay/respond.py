@@ -127,6 +127,9 @@ def upstream_failure(backend, e: BaseException) -> RelayError:
         why = "it closed the connection without answering"
     elif isinstance(e, aiohttp.ClientPayloadError):
         why = "it ended its answer before it was complete"
+    elif isinstance(e, aiohttp.ClientResponseError):
+        said = e.message.splitlines()[0][:200] if e.message else str(e.status)
+        why = f"its answer could not be read ({said})"
     else:
         why = "the connection failed"
     return RelayError(502, f"upstream {name} is unreachable: {why}", "api_error")

@@ -187,10 +187,12 @@ def backoff(retries: Retries, tried: int, headers, rng=random.random) -> float |
     return wait * (0.5 + rng() / 2)
 
 
-# A proxy that refused the tunnel (CONNECT) or the relay's proxy credentials answered in the
-# backend's place: no answer came from the backend, as when it cannot be connected to.
+# No answer the relay can use came back, as when the backend cannot be connected to: an egress
+# proxy refused the tunnel (CONNECT) or the relay's proxy credentials (ClientHttpProxyError),
+# or the answer's head could not be read (ClientResponseError: an encoding aiohttp cannot
+# decode, such as zstd or br without their libraries, or a malformed status line).
 RETRYABLE_ERRORS = (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError,
-                    aiohttp.ClientHttpProxyError)
+                    aiohttp.ClientResponseError)
 
 
 class Upstream:

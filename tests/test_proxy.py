@@ -61,10 +61,17 @@ class TinyProxy:
         self.stop()
         raise RuntimeError(f"tinyproxy did not start:\n{self.process.output()}")
 
-    def seen(self) -> list[str]:
-        """The request lines it was sent (``POST http://... HTTP/1.1``, ``CONNECT h:p ...``)."""
-        return [line.split("): ", 1)[1].strip() for line in self.process.output().splitlines()
-                if "Request (file descriptor" in line]
+    def seen(self, at_least: int = 0) -> list[str]:
+        """The request lines it was sent (``POST http://... HTTP/1.1``, ``CONNECT h:p ...``),
+        once its log holds ``at_least`` of them (the log is read by a thread of its own)."""
+        deadline = time.monotonic() + 5
+        while True:
+            lines = [line.split("): ", 1)[1].strip()
+                     for line in self.process.output().splitlines()
+                     if "Request (file descriptor" in line]
+            if len(lines) >= at_least or time.monotonic() > deadline:
+                return lines
+            time.sleep(0.02)
 
     def stop(self) -> None:
         self.process.stop()
@@ -101,7 +108,7 @@ async def test_an_http_backend_is_reached_through_the_proxy_the_environment_name
     resp = await client.post("/v1/messages", json=BODY)
     assert resp.status == 200 and await resp.json() == ANSWER
     assert (await client.get("/v1/models")).status == 200  # pass-through too
-    assert proxy.seen() == [f"POST http://127.0.0.1:{port}/v1/messages HTTP/1.1",
+    assert proxy.seen(2) == [f"POST http://127.0.0.1:{port}/v1/messages HTTP/1.1",
                             f"GET http://127.0.0.1:{port}/v1/models HTTP/1.1"]
     assert all("tinyproxy" in r["headers"].get("Via", "") for r in upstream.received)
     # And only an http:// backend's variable counts for it.
@@ -134,7 +141,7 @@ async def test_a_backends_own_proxy_wins_over_the_environment(tinyproxy, aiohttp
         aiohttp_server, aiohttp_client, env={"HTTP_PROXY": theirs.url, "NO_PROXY": "*"},
         proxy=mine.url)
     assert (await client.post("/v1/messages", json=BODY)).status == 200
-    assert len(mine.seen()) == 1 and theirs.seen() == []
+    assert len(mine.seen(1)) == 1 and theirs.seen() == []
 
 
 async def test_proxy_credentials_reach_the_proxy_alone_and_its_refusal_is_a_clean_502(
@@ -145,7 +152,7 @@ async def test_proxy_credentials_reach_the_proxy_alone_and_its_refusal_is_a_clea
         aiohttp_server, aiohttp_client,
         proxy=f"http://{USER}:{PASSWORD}@127.0.0.1:{proxy.port}")
     resp = await client.post("/v1/messages", json=BODY)
-    assert resp.status == 200 and len(proxy.seen()) == 1
+    assert resp.status == 200 and len(proxy.seen(1)) == 1
     assert "Proxy-Authorization" not in upstream.received[0]["headers"]
 
     # Without them, the proxy's 407 is its refusal, not the backend's answer. (tinyproxy
@@ -166,7 +173,7 @@ async def test_proxy_credentials_reach_the_proxy_alone_and_its_refusal_is_a_clea
     resp = await tunnel.post("/v1/messages", json=BODY)
     assert resp.status == 502 and "(407 Proxy Authentication Required)" in \
         (await resp.json())["error"]["message"]
-    assert proxy.seen()[-1] == "CONNECT 127.0.0.1:9 HTTP/1.1"
+    assert proxy.seen(3)[-1] == "CONNECT 127.0.0.1:9 HTTP/1.1"
     for secret in SECRETS:
         assert secret not in caplog.text
 
@@ -281,7 +288,7 @@ async def test_an_https_backend_is_reached_through_the_proxys_tunnel_with_its_cr
         async with aiohttp.ClientSession() as session:
             async with session.post(relay.url + "/v1/messages", json=BODY) as resp:
                 assert resp.status == 200 and await resp.json() == ANSWER
-        assert proxy.seen() == [f"CONNECT 127.0.0.1:{server.port} HTTP/1.1"]
+        assert proxy.seen(1) == [f"CONNECT 127.0.0.1:{server.port} HTTP/1.1"]
         headers = upstream.received[0]["headers"]
         assert "Proxy-Authorization" not in headers and "Via" not in headers
         assert await asyncio.to_thread(relay.wait_for_output, "path=/v1/messages")

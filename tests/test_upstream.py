@@ -260,3 +260,57 @@ async def test_a_streams_record_counts_its_events_while_the_access_log_is_on(
     finally:
         logs.access_log.setLevel(level)
     assert recorder.ended[1].answer.events is None and recorder.ended[1].answer.size
+
+
+# --- what a proxy commonly gets wrong -------------------------------------------------------
+
+async def test_a_clients_expect_100_continue_stays_here(aiohttp_client):
+    """aiohttp answered the client's ``Expect: 100-continue`` and the relay holds the whole
+    body: sent up, the header made aiohttp's client wait for a 100 that an upstream ignoring
+    expectations never sends, the body held back for ever (no timeout covers that wait)."""
+    received = []
+
+    async def ignores_expectations(reader, writer):  # an HTTP/1.1 server that may do so
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length:")))
+        received.append((head, await reader.readexactly(length)))
+        answer = orjson.dumps(ANSWER)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+                     + str(len(answer)).encode() + b"\r\n\r\n" + answer)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(ignores_expectations, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        client = await start_relay(aiohttp_client, {"backends": [
+            {"name": "up", "url": f"http://127.0.0.1:{port}", "models": ["claude-*"],
+             "timeouts": {"read": 5}}]})
+        resp = await asyncio.wait_for(
+            client.post("/v1/messages", json=BODY, expect100=True), 10)
+        assert resp.status == 200 and await resp.json() == ANSWER
+    assert b"expect" not in received[0][0].lower()
+    assert orjson.loads(received[0][1]) == BODY
+
+
+@pytest.mark.parametrize("encoding", ["zstd", "br"])
+async def test_an_upstream_encoding_the_relay_cannot_decode_is_a_clean_502(
+        aiohttp_server, aiohttp_client, encoding):
+    # Neither backports.zstd nor brotli is installed: aiohttp refuses the answer's head.
+    upstream = Upstream()
+
+    async def reply(request):
+        return web.Response(body=b"\x28\xb5\x2f\xfd...", content_type="application/json",
+                            headers={"Content-Encoding": encoding})
+    upstream.reply = reply
+    server = await start_upstream(aiohttp_server, upstream)
+    client = await start_relay(aiohttp_client, {"backends": [
+        {"name": "up", "url": str(server.make_url("")), "models": ["claude-*"]}]})
+    for resp in (await client.post("/v1/messages", json=BODY),
+                 await client.get("/v1/models")):
+        assert resp.status == 502 and resp.content_type == "application/json"
+        error = (await resp.json())["error"]
+        assert error["type"] == "api_error"
+        assert error["message"].startswith("upstream up is unreachable: its answer could not "
+                                           "be read (Can not decode content-encoding")
