@@ -22,7 +22,7 @@ from . import beta_filter
 from .config import Retries
 from .errors import RelayError
 from .exchange import Attempt, UpstreamRequest
-from .headers import AUTH_HEADERS, end_to_end, seconds_until
+from .headers import AUTH_HEADERS, end_to_end, keep_undecoded_coding, seconds_until
 from .pools import Exhausted, Pools
 from .redact import redact_headers
 
@@ -83,6 +83,8 @@ def client_headers(upstream_headers, extra: dict | None = None, secrets=()) -> C
     """The upstream's end-to-end headers for the client, with the relay's own (``extra``) and
     none of the backend's ``secrets`` (see :mod:`relay.redact`)."""
     out = end_to_end(upstream_headers)
+    if "Content-Encoding" in upstream_headers:
+        keep_undecoded_coding(out, upstream_headers)
     if extra:
         out.update(extra)
     return redact_headers(out, secrets) if secrets else out
@@ -96,6 +98,8 @@ def answer_headers(exchange, upstream_headers, secrets=()) -> CIMultiDict:
     if not prefixes:
         return client_headers(upstream_headers, exchange.response_headers, secrets)
     out = end_to_end(upstream_headers)
+    if "Content-Encoding" in upstream_headers:
+        keep_undecoded_coding(out, upstream_headers)
     replaced = {}
     for name in {name.lower() for name in out if name.lower().startswith(prefixes)}:
         replaced[name] = ", ".join(out.popall(name))

@@ -408,3 +408,26 @@ async def test_head_204_and_304_on_pass_through_routes_keep_the_connection_frame
         assert b"transfer-encoding" not in first.lower(), path
         assert rest.startswith(b"HTTP/1.1 200 OK\r\n") and b'{"status": "ok"' in rest, path
     assert [r["method"] for r in upstream.received] == ["HEAD", "GET", "GET"]
+
+
+async def test_a_coding_aiohttp_leaves_encoded_keeps_its_header(aiohttp_server, aiohttp_client):
+    """aiohttp decodes gzip, deflate (and br, zstd with their libraries) and nothing else: a
+    body in another coding, or in two, comes through as sent, and so must its header."""
+    upstream = Upstream()
+    encoded = b"\x1f\x8b not decoded by anyone here"
+
+    async def reply(request):
+        coding = request.headers["X-Coding"]
+        return web.Response(body=encoded, content_type="application/json",
+                            headers={"Content-Encoding": coding})
+    upstream.reply = reply
+    server = await start_upstream(aiohttp_server, upstream)
+    client = await start_relay(aiohttp_client, {"backends": [
+        {"name": "up", "url": str(server.make_url("")), "models": ["claude-*"]}]})
+    for coding in ("x-custom", "gzip, x-custom"):
+        for resp in (await client.get("/v1/models", headers={"X-Coding": coding},
+                                      auto_decompress=False),
+                     await client.post("/v1/messages", json=BODY, headers={"X-Coding": coding},
+                                       auto_decompress=False)):
+            assert resp.status == 200 and await resp.read() == encoded
+            assert resp.headers["Content-Encoding"] == coding
