@@ -281,6 +281,8 @@ async def test_an_https_backend_is_reached_through_the_proxys_tunnel_with_its_cr
         pem.write_text(cert.read_text() + key.read_text())
         port = tls_front(pem, proxy.port)
     relay = Relay({"server": {"access_log": True, "log_level": "DEBUG"},
+                   "pipeline": ["metrics", "dump"],
+                   "plugins": {"dump": {"dir": "dumps", "statuses": ["200"]}},
                    "backends": [backend(f"https://127.0.0.1:{server.port}", name="tls")]},
                   tmp_path, env={"HTTPS_PROXY": f"{scheme}://{USER}:{PASSWORD}@127.0.0.1:{port}",
                                  "SSL_CERT_FILE": str(cert)})
@@ -288,13 +290,21 @@ async def test_an_https_backend_is_reached_through_the_proxys_tunnel_with_its_cr
         async with aiohttp.ClientSession() as session:
             async with session.post(relay.url + "/v1/messages", json=BODY) as resp:
                 assert resp.status == 200 and await resp.json() == ANSWER
+            async with session.get(relay.url + "/metrics") as resp:
+                metrics = await resp.text()
         assert proxy.seen(1) == [f"CONNECT 127.0.0.1:{server.port} HTTP/1.1"]
         headers = upstream.received[0]["headers"]
         assert "Proxy-Authorization" not in headers and "Via" not in headers
         assert await asyncio.to_thread(relay.wait_for_output, "path=/v1/messages")
         output = relay.output()
         assert f"via proxy {scheme}://127.0.0.1:{port} from HTTPS_PROXY" in output
+        deadline = time.monotonic() + 5
+        while not (dumps := list((tmp_path / "dumps").rglob("*.json"))):
+            assert time.monotonic() < deadline, "no dump written"
+            await asyncio.sleep(0.05)
+        dump = dumps[0].read_text()
+        assert "upstream_request" in dump and 'relay_requests_total{' in metrics
         for secret in SECRETS:
-            assert secret not in output
+            assert secret not in output and secret not in dump and secret not in metrics
     finally:
         relay.stop()
