@@ -7,16 +7,17 @@ name first when both are set), and ``no_proxy`` / ``NO_PROXY`` naming the hosts 
 directly. aiohttp reads them itself only with ``trust_env``, which also sends ``~/.netrc``
 credentials and reads the environment again on every request: the relay never sets it.
 
-How ``NO_PROXY`` is read, there being no standard (GitLab's survey, "We need to talk: Can we
-standardize NO_PROXY?", 2021, compares the clients), is what they share:
+How ``NO_PROXY`` is read, there being no standard (GitLab's survey, about.gitlab.com/blog/
+we-need-to-talk-no-proxy, 2021, compares the clients), is what they share:
 
 - entries separated by commas (curl, urllib, requests, Go) or white space (libwww's original
-  syntax; Claude Code's network docs write them so), case-insensitive;
+  syntax; Claude Code's code.claude.com/docs/en/network-config shows both), case-insensitive;
 - ``*`` alone: every host direct (curl's CURLOPT_NOPROXY, urllib, Go, httpx);
 - a name matches itself and every host under it, at a label boundary: ``example.com`` and
   ``.example.com`` (and ``*.example.com``) match ``example.com`` and ``api.example.com``,
-  never ``notexample.com`` (curl: "ample.com would match ample.com ... and www.ample.com, but
-  not www.example.com"; urllib's ``proxy_bypass_environment`` strips the leading dot the same);
+  never ``notexample.com`` (curl.se/libcurl/c/CURLOPT_NOPROXY.html: "ample.com would match
+  ample.com ... and www.ample.com, but not www.example.com"; urllib's
+  ``proxy_bypass_environment`` strips the leading dot the same);
 - an IP address matches that address, a CIDR block (``10.0.0.0/8``, curl 7.86+, requests,
   Go) every address in it; IPv6 with or without brackets; names never match an IP literal;
 - ``host:port`` matches that port only (urllib, requests, Go).
