@@ -16,6 +16,7 @@ CHROMEDRIVER := /usr/bin/chromedriver
 AXE_CORE_VERSION := 4.14.1
 AXE := .axe/node_modules/axe-core/axe.min.js
 REDIS := /usr/bin/redis-server
+TINYPROXY := /usr/bin/tinyproxy
 PYTEST_ARGS ?=
 # The tiers (setup.cfg's markers): the fast one starts no process (tests/conftest.py refuses
 # it) and is what `make check` runs; the rest is what only `make test` adds.
@@ -74,6 +75,15 @@ $(REDIS):
 	@apt-get update -qq >/dev/null
 	@DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >/dev/null
 	@$(REDIS) --version
+
+# tinyproxy, for the egress proxy tests (backends reached through an HTTP proxy): Debian's
+# package. Each test starts its own on loopback with a config it writes; the service is not used.
+$(TINYPROXY):
+	@command -v apt-get >/dev/null || { echo "tinyproxy is required for the egress proxy tests: install it (Debian/Ubuntu: apt-get install tinyproxy)" >&2; exit 1; }
+	@echo "installing tinyproxy from Debian's packages"
+	@apt-get update -qq >/dev/null
+	@DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends tinyproxy-bin >/dev/null
+	@$(TINYPROXY) -v | head -1
 
 run: $(VENV)/.installed
 	$(PY) -m relay --config relay.yaml
@@ -153,6 +163,7 @@ $(PROMETHEUS):
 	@$(PROMETHEUS) --version | head -1
 
 test unit: $(PROMETHEUS)
+test unit: $(TINYPROXY)
 
 # Never dumps: they are an operator's record of failures, not build output.
 clean:

@@ -181,7 +181,8 @@ def describe(config) -> str:
     backends = "; ".join(
         f"{b.name} {b.url} ({', '.join(b.models) or 'no models'}"
         f"{', default' if b.default else ''}"
-        f"{', ' + b.adapter.described if b.adapter.described else ''})"
+        f"{', ' + b.adapter.described if b.adapter.described else ''}"
+        f"{f', via proxy {b.proxy.url} from {b.proxy.source}' if b.proxy else ''})"
         for b in config.backends)
     auth = f"{len(config.keys)} inbound key(s)" if config.keys is not None else "inbound auth off"
     return (f"relay: config {config.source or '-'}; pipeline [{', '.join(config.pipeline)}]; "

@@ -13,6 +13,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from . import egress
 from .beta_filter import QUIRKS as BETA_QUIRKS
 from .errors import ConfigError
 from .formats import ADAPTERS, FORMATS, Adapter
@@ -173,6 +174,8 @@ class Backend:
     pool: PoolOptions = field(default_factory=PoolOptions)
     # Whether it answers ``diagnostics.previous_message_id`` itself; see _holds_diagnostics.
     holds_diagnostics: bool = False
+    # The HTTP(S) proxy it is reached through (relay.egress), None for a direct connection.
+    proxy: egress.Proxy | None = None
 
     @functools.cached_property
     def adapter(self) -> Adapter:
@@ -675,6 +678,10 @@ BACKEND_OPTIONS = (
     Option("holds_diagnostics", bool, None, "whether it answers a request's "
            "`diagnostics.previous_message_id` with `diagnostics.cache_miss_reason` itself "
            "(else the relay answers from its own record): by default only `api.anthropic.com`"),
+    Option("proxy", str, None, "the HTTP(S) proxy it is reached through, `http://` or "
+           "`https://` with an optional `user:password@`, or `none` to go direct; by default "
+           "`HTTPS_PROXY` / `HTTP_PROXY` (for its URL's scheme) unless `NO_PROXY` names its host "
+           "(see [egress proxies](#egress-proxies))"),
 )
 
 CREDENTIAL_OPTIONS = (
@@ -761,6 +768,8 @@ def _backend(item, path: str, env, require_keys: bool) -> Backend:
     timeouts = _expect(item.get("timeouts", {}) or {}, dict, f"{path}.timeouts", "a mapping")
     backend.timeouts = Timeouts(**check_section(timeouts, TIMEOUT_OPTIONS, f"{path}.timeouts",
                                                 "key"))
+    backend.proxy = egress.configured(item["proxy"], f"{path}.proxy") if "proxy" in item \
+        else egress.from_environment(url, env, path)
     return backend
 
 

@@ -9,11 +9,19 @@ from multidict import CIMultiDict
 
 # RFC 9110 hop-by-hop headers, plus the ones the relay recomputes: aiohttp decodes content
 # encodings on both sides, so a forwarded content-encoding or content-length would be stale.
+# And ``expect``: the relay has the client's whole body before it sends anything up (aiohttp
+# answered the client's ``100-continue`` itself), and aiohttp's client, seeing the header,
+# would hold the body back until the upstream said 100, which a server or proxy that ignores
+# expectations (RFC 9110 allows it) never says.
 HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
     "te", "trailer", "trailers", "transfer-encoding", "upgrade",
-    "host", "content-length", "content-encoding", "accept-encoding",
+    "host", "content-length", "content-encoding", "accept-encoding", "expect",
 })
+# The content codings aiohttp's client decodes: its parser's own test is the whole header
+# value, lower-cased, being one of these. Any other coding leaves the body as the upstream
+# sent it, and its header has to go on with it.
+DECODED_CODINGS = frozenset({"gzip", "deflate", "br", "zstd"})
 # What a client authenticates with, and what the relay puts a backend's key in.
 AUTH_HEADERS = ("x-api-key", "authorization")
 
@@ -35,6 +43,15 @@ def end_to_end(headers) -> CIMultiDict:
         if name in out:
             out.popall(name)
     return out
+
+
+def keep_undecoded_coding(out, upstream_headers) -> None:
+    """Put the upstream's ``Content-Encoding`` back on ``out`` when aiohttp left the body
+    encoded (a coding it does not decode, or several): dropped, the client would read the
+    encoded bytes as the plain body."""
+    coding = upstream_headers.get("Content-Encoding")
+    if coding and coding.lower() not in DECODED_CODINGS and coding.lower() != "identity":
+        out["Content-Encoding"] = coding
 
 
 def seconds_until(value: str, now: float) -> float | None:

@@ -104,6 +104,11 @@ def upstream_failure(backend, e: BaseException) -> RelayError:
                                f"{backend.name}", "overloaded_error")
     # In plain words; what the library said is in the attempt's record and the log.
     name, timeouts = backend.name, backend.timeouts
+    proxy = backend.proxy
+    if proxy is not None and isinstance(e, (aiohttp.ClientHttpProxyError,
+                                            aiohttp.ClientConnectorError)):
+        return RelayError(502, f"upstream {name} is unreachable: {proxy_failure(proxy, e)}",
+                          "api_error")
     if isinstance(e, asyncio.TimeoutError):
         if isinstance(e, aiohttp.ConnectionTimeoutError):
             why = f"no connection within {timeouts.connect:g} s (its timeouts.connect)"
@@ -122,9 +127,26 @@ def upstream_failure(backend, e: BaseException) -> RelayError:
         why = "it closed the connection without answering"
     elif isinstance(e, aiohttp.ClientPayloadError):
         why = "it ended its answer before it was complete"
+    elif isinstance(e, aiohttp.ClientResponseError):
+        said = e.message.splitlines()[0][:200] if e.message else str(e.status)
+        why = f"its answer could not be read ({said})"
     else:
         why = "the connection failed"
     return RelayError(502, f"upstream {name} is unreachable: {why}", "api_error")
+
+
+def proxy_failure(proxy, e: aiohttp.ClientHttpProxyError | aiohttp.ClientConnectorError) -> str:
+    """What went wrong between the relay and a backend's egress proxy (``proxy.url`` never
+    holds its credentials), or at the backend behind it."""
+    if isinstance(e, aiohttp.ClientHttpProxyError):
+        why = f"its proxy {proxy.url} refused to forward the request ({e.status} {e.message[:200]})"
+        return why + (": check the proxy's user and password" if e.status == 407 else "")
+    code = getattr(e.os_error, "errno", None)
+    reason = f" ({os.strerror(code).lower()})" if code else ""
+    if isinstance(e, aiohttp.ClientProxyConnectionError) \
+            or ((e.host or "").lower(), e.port) == (proxy.host.lower(), proxy.port):
+        return f"could not connect to its proxy {proxy.url}{reason}"
+    return f"could not connect to {e.host}:{e.port}{reason}"
 
 
 def log_exchange(exchange: Exchange, status: int | None) -> None:

@@ -22,7 +22,7 @@ from . import beta_filter
 from .config import Retries
 from .errors import RelayError
 from .exchange import Attempt, UpstreamRequest
-from .headers import AUTH_HEADERS, end_to_end, seconds_until
+from .headers import AUTH_HEADERS, end_to_end, keep_undecoded_coding, seconds_until
 from .pools import Exhausted, Pools
 from .redact import redact_headers
 
@@ -83,6 +83,8 @@ def client_headers(upstream_headers, extra: dict | None = None, secrets=()) -> C
     """The upstream's end-to-end headers for the client, with the relay's own (``extra``) and
     none of the backend's ``secrets`` (see :mod:`relay.redact`)."""
     out = end_to_end(upstream_headers)
+    if "Content-Encoding" in upstream_headers:
+        keep_undecoded_coding(out, upstream_headers)
     if extra:
         out.update(extra)
     return redact_headers(out, secrets) if secrets else out
@@ -96,6 +98,8 @@ def answer_headers(exchange, upstream_headers, secrets=()) -> CIMultiDict:
     if not prefixes:
         return client_headers(upstream_headers, exchange.response_headers, secrets)
     out = end_to_end(upstream_headers)
+    if "Content-Encoding" in upstream_headers:
+        keep_undecoded_coding(out, upstream_headers)
     replaced = {}
     for name in {name.lower() for name in out if name.lower().startswith(prefixes)}:
         replaced[name] = ", ".join(out.popall(name))
@@ -187,7 +191,12 @@ def backoff(retries: Retries, tried: int, headers, rng=random.random) -> float |
     return wait * (0.5 + rng() / 2)
 
 
-RETRYABLE_ERRORS = (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError)
+# No answer the relay can use came back, as when the backend cannot be connected to: an egress
+# proxy refused the tunnel (CONNECT) or the relay's proxy credentials (ClientHttpProxyError),
+# or the answer's head could not be read (ClientResponseError: an encoding aiohttp cannot
+# decode, such as zstd or br without their libraries, or a malformed status line).
+RETRYABLE_ERRORS = (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError,
+                    aiohttp.ClientResponseError)
 
 
 class Upstream:
@@ -207,6 +216,8 @@ class Upstream:
             b.name: aiohttp.ClientTimeout(total=b.timeouts.total, connect=b.timeouts.connect,
                                           sock_read=b.timeouts.read)
             for b in config.backends}
+        # The egress proxies (relay.egress), parsed once: only backends that have one.
+        self.proxies = {b.name: URL(b.proxy.url) for b in config.backends if b.proxy is not None}
         self._sleep = sleep
 
     async def start(self) -> None:
@@ -281,9 +292,13 @@ class Upstream:
             failure: BaseException | None = None
             answer: aiohttp.ClientResponse | None = None
             try:
-                answer = await session.request(
-                    exchange.method, url, data=body, headers=out_headers,
-                    timeout=self.timeouts[backend.name], allow_redirects=False)
+                if backend.proxy is None:
+                    answer = await session.request(
+                        exchange.method, url, data=body, headers=out_headers,
+                        timeout=self.timeouts[backend.name], allow_redirects=False)
+                else:
+                    answer = await self._through_proxy(session, exchange.method, url, body,
+                                                       out_headers, backend)
             except aiohttp.ConnectionTimeoutError as e:
                 if not pool_full(session):
                     failure = e
@@ -334,6 +349,31 @@ class Upstream:
                           status=attempt.status, error=attempt.error, wait=round(wait, 3))
             await self._sleep(wait)
             waited = wait
+
+    async def _through_proxy(self, session: aiohttp.ClientSession, method: str, url: URL,
+                             body, headers: CIMultiDict, backend) -> aiohttp.ClientResponse:
+        """The request through the backend's egress proxy (:mod:`relay.egress`). Its
+        credentials go to the proxy alone: on the CONNECT that opens an ``https://``
+        backend's tunnel, or on an ``http://`` request, which the proxy reads and forwards
+        without them; ``headers`` (the exchange's record) never holds them. A ``407`` is the
+        proxy's refusal, never the backend's answer."""
+        proxy = backend.proxy
+        options: dict[str, Any] = {}
+        if proxy.authorization is not None:
+            if url.scheme == "https":
+                options["proxy_headers"] = {"Proxy-Authorization": proxy.authorization}
+            else:
+                headers = CIMultiDict(headers)
+                headers["Proxy-Authorization"] = proxy.authorization
+        answer = await session.request(
+            method, url, data=body, headers=headers, timeout=self.timeouts[backend.name],
+            allow_redirects=False, proxy=self.proxies[backend.name], **options)
+        if answer.status == 407:
+            answer.release()
+            raise aiohttp.ClientHttpProxyError(answer.request_info, (), status=407,
+                                               message=answer.reason or "",
+                                               headers=answer.headers)
+        return answer
 
     async def open(self, exchange, fallbacks: Fallbacks | None = None):
         """:meth:`send`, then each of the backend's ``fallbacks`` in order while the answer

@@ -34,6 +34,10 @@ class Process:
     def __init__(self, argv: list[str], env: dict | None = None, cwd: str | None = None):
         full_env = dict(os.environ, PYTHONUNBUFFERED="1")
         full_env.pop("RELAY_TRACE", None)
+        # The relay reads these (relay.egress): a developer's own proxy is not the tests'.
+        for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "no_proxy",
+                     "NO_PROXY"):
+            full_env.pop(name, None)
         full_env.update(env or {})
         self.lines: list[str] = []
         self.url: str | None = None

@@ -260,3 +260,174 @@ async def test_a_streams_record_counts_its_events_while_the_access_log_is_on(
     finally:
         logs.access_log.setLevel(level)
     assert recorder.ended[1].answer.events is None and recorder.ended[1].answer.size
+
+
+# --- what a proxy commonly gets wrong -------------------------------------------------------
+
+async def test_a_clients_expect_100_continue_stays_here(aiohttp_client):
+    """aiohttp answered the client's ``Expect: 100-continue`` and the relay holds the whole
+    body: sent up, the header made aiohttp's client wait for a 100 that an upstream ignoring
+    expectations never sends, the body held back for ever (no timeout covers that wait)."""
+    received = []
+
+    async def ignores_expectations(reader, writer):  # an HTTP/1.1 server that may do so
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length:")))
+        received.append((head, await reader.readexactly(length)))
+        answer = orjson.dumps(ANSWER)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+                     + str(len(answer)).encode() + b"\r\n\r\n" + answer)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(ignores_expectations, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        client = await start_relay(aiohttp_client, {"backends": [
+            {"name": "up", "url": f"http://127.0.0.1:{port}", "models": ["claude-*"],
+             "timeouts": {"read": 5}}]})
+        resp = await asyncio.wait_for(
+            client.post("/v1/messages", json=BODY, expect100=True), 10)
+        assert resp.status == 200 and await resp.json() == ANSWER
+    assert b"expect" not in received[0][0].lower()
+    assert orjson.loads(received[0][1]) == BODY
+
+
+@pytest.mark.parametrize("encoding", ["zstd", "br"])
+async def test_an_upstream_encoding_the_relay_cannot_decode_is_a_clean_502(
+        aiohttp_server, aiohttp_client, encoding):
+    # Neither backports.zstd nor brotli is installed: aiohttp refuses the answer's head.
+    upstream = Upstream()
+
+    async def reply(request):
+        return web.Response(body=b"\x28\xb5\x2f\xfd...", content_type="application/json",
+                            headers={"Content-Encoding": encoding})
+    upstream.reply = reply
+    server = await start_upstream(aiohttp_server, upstream)
+    client = await start_relay(aiohttp_client, {"backends": [
+        {"name": "up", "url": str(server.make_url("")), "models": ["claude-*"]}]})
+    for resp in (await client.post("/v1/messages", json=BODY),
+                 await client.get("/v1/models")):
+        assert resp.status == 502 and resp.content_type == "application/json"
+        error = (await resp.json())["error"]
+        assert error["type"] == "api_error"
+        assert error["message"].startswith("upstream up is unreachable: its answer could not "
+                                           "be read (Can not decode content-encoding")
+
+
+async def raw_exchange(client, data: bytes) -> bytes:
+    """``data`` sent as it is on one connection, and everything the relay answered on it."""
+    reader, writer = await asyncio.open_connection(client.server.host, client.server.port)
+    writer.write(data)
+    await writer.drain()
+    try:
+        return await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+
+
+async def test_a_chunked_request_body_goes_up_whole_with_its_length(aiohttp_server,
+                                                                     aiohttp_client):
+    upstream = Upstream()
+    server = await start_upstream(aiohttp_server, upstream)
+    client = await start_relay(aiohttp_client, {"backends": [
+        {"name": "up", "url": str(server.make_url("")), "models": ["claude-*"]}]})
+    body = orjson.dumps(BODY)
+    chunks = b"".join(b"%x\r\n%s\r\n" % (len(part), part) for part in (body[:7], body[7:]))
+    answer = await raw_exchange(client, b"POST /v1/messages HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                                b"Connection: close\r\nContent-Type: application/json\r\n"
+                                b"Transfer-Encoding: chunked\r\n\r\n" + chunks + b"0\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 200 ")
+    got = upstream.received[0]
+    assert got["raw"] == body and got["headers"]["Content-Length"] == str(len(body))
+    assert "Transfer-Encoding" not in got["headers"]
+
+
+async def test_repeated_and_utf8_headers_pass_both_ways_as_sent(aiohttp_client):
+    heads = []
+
+    async def upstream(reader, writer):  # byte for byte: what went up, what comes back
+        head = await reader.readuntil(b"\r\n\r\n")
+        heads.append(head)
+        for line in head.split(b"\r\n"):
+            if line.lower().startswith(b"content-length:"):
+                await reader.readexactly(int(line.split(b":")[1]))
+        answer = orjson.dumps(ANSWER)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nSet-Cookie: a=1\r\n"
+                     b"Set-Cookie: b=2\r\nX-Up: caf\xc3\xa9\r\nContent-Length: %d\r\n\r\n%s"
+                     % (len(answer), answer))
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(upstream, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        client = await start_relay(aiohttp_client, {"backends": [
+            {"name": "up", "url": f"http://127.0.0.1:{port}", "models": ["claude-*"]}]})
+        body = orjson.dumps(BODY)
+        for method, path, sent in (("POST", "/v1/messages", body), ("GET", "/v1/models", b"")):
+            answer = await raw_exchange(client, (
+                f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(sent)}\r\n"
+                f"anthropic-beta: a-1\r\nanthropic-beta: b-2\r\n").encode()
+                + b"X-User: Ren\xc3\xa9e\r\n\r\n" + sent)
+            head = answer.partition(b"\r\n\r\n")[0]
+            assert b"\r\nSet-Cookie: a=1\r\nSet-Cookie: b=2\r\n" in head, path
+            assert b"\r\nX-Up: caf\xc3\xa9\r\n" in head, path
+            assert b"\r\nanthropic-beta: a-1\r\nanthropic-beta: b-2\r\n" in heads[-1], path
+            assert b"\r\nX-User: Ren\xc3\xa9e\r\n" in heads[-1], path
+
+
+async def test_head_204_and_304_on_pass_through_routes_keep_the_connection_framed(
+        aiohttp_server, aiohttp_client):
+    """No body, and none promised, after an answer that has none: the next answer on the
+    connection is read where it begins."""
+    upstream = Upstream()
+
+    async def reply(request):
+        if request.path.endswith("/empty"):
+            return web.Response(status=204)
+        if request.path.endswith("/same"):
+            return web.Response(status=304, headers={"ETag": '"v1"'})
+        return web.json_response({"data": []})
+    upstream.reply = reply
+    server = await start_upstream(aiohttp_server, upstream)
+    client = await start_relay(aiohttp_client, {
+        "server": {"passthrough": ["HEAD /v1/models", "GET /v1/files/*"]},
+        "backends": [{"name": "up", "url": str(server.make_url("")), "models": ["claude-*"]}]})
+    for method, path, status in (("HEAD", "/v1/models", b"200"),
+                                 ("GET", "/v1/files/empty", b"204"),
+                                 ("GET", "/v1/files/same", b"304")):
+        answer = await raw_exchange(
+            client, f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+                    f"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+                    .encode())
+        first, _, rest = answer.partition(b"\r\n\r\n")
+        assert first.startswith(b"HTTP/1.1 " + status), path
+        assert b"transfer-encoding" not in first.lower(), path
+        assert rest.startswith(b"HTTP/1.1 200 OK\r\n") and b'{"status": "ok"' in rest, path
+    assert [r["method"] for r in upstream.received] == ["HEAD", "GET", "GET"]
+
+
+async def test_a_coding_aiohttp_leaves_encoded_keeps_its_header(aiohttp_server, aiohttp_client):
+    """aiohttp decodes gzip, deflate (and br, zstd with their libraries) and nothing else: a
+    body in another coding, or in two, comes through as sent, and so must its header."""
+    upstream = Upstream()
+    encoded = b"\x1f\x8b not decoded by anyone here"
+
+    async def reply(request):
+        coding = request.headers["X-Coding"]
+        return web.Response(body=encoded, content_type="application/json",
+                            headers={"Content-Encoding": coding})
+    upstream.reply = reply
+    server = await start_upstream(aiohttp_server, upstream)
+    client = await start_relay(aiohttp_client, {"backends": [
+        {"name": "up", "url": str(server.make_url("")), "models": ["claude-*"]}]})
+    for coding in ("x-custom", "gzip, x-custom"):
+        for resp in (await client.get("/v1/models", headers={"X-Coding": coding},
+                                      auto_decompress=False),
+                     await client.post("/v1/messages", json=BODY, headers={"X-Coding": coding},
+                                       auto_decompress=False)):
+            assert resp.status == 200 and await resp.read() == encoded
+            assert resp.headers["Content-Encoding"] == coding
