@@ -1,0 +1,188 @@
+"""Shapes the Messages API accepts, from the installed ``anthropic`` SDK's block types and the
+API's docs, go through the shipped pipeline (relay.yaml's plugins) to the strict emulator as
+the client sent them: not refused, not repaired, not rewritten.
+
+A refusal or an alteration here is a false positive, the worst bug a relay can have. Each
+case names where the shape comes from; the rules that refuse are in docs/evidence/rules.json
+and their refused examples in test_evidence.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from support import ROOT, assistant, request, result, text, use, user
+
+from relay.testing.emulator import sign_thinking
+from relay.testing.fixtures import received, relay_client  # noqa: F401  (the fixture)
+
+SECRET = "secret-of-the-shapes"
+THINKING = {"type": "enabled", "budget_tokens": 1024}
+
+
+def thought(words: str = "Let me look.") -> dict:
+    return {"type": "thinking", "thinking": words,
+            "signature": sign_thinking(SECRET.encode(), words)}
+
+
+def system(content, **fields) -> dict:
+    return {"role": "system", "content": content, **fields}
+
+
+def server_use(tool_id: str, name: str) -> dict:
+    return {"type": "server_tool_use", "id": tool_id, "name": name, "input": {"query": "relay"}}
+
+
+def web_search_result(tool_id: str) -> dict:
+    return {"type": "web_search_tool_result", "tool_use_id": tool_id, "content": [
+        {"type": "web_search_result", "url": "https://example.com", "title": "Example",
+         "encrypted_content": "abc"}]}
+
+
+def code_result(tool_id: str) -> dict:
+    return {"type": "code_execution_tool_result", "tool_use_id": tool_id,
+            "content": {"type": "code_execution_result", "stdout": "1", "stderr": "",
+                        "return_code": 0, "content": []}}
+
+
+def loop_step(tool_id: str, *before) -> list:
+    """One step of a tool loop: an assistant message ending in a call, and its result."""
+    return [assistant(*before, use(tool_id)), user(result(tool_id))]
+
+
+QUESTION = user(text("go"))
+EPHEMERAL = {"type": "ephemeral"}
+
+# name: (messages, extra top-level fields, extra headers)
+SHAPES = {
+    # extended-thinking docs, "Interleaved thinking": without it, "Response 2: [tool_use]
+    # <- no thinking block"; the tool loop is one assistant turn, which opened with thinking.
+    "a thinking tool loop whose later steps do not think": (
+        [QUESTION, *loop_step("toolu_1", thought()), *loop_step("toolu_2"),
+         *loop_step("toolu_3", text("and one more"))], {"thinking": THINKING}, {}),
+    "a tool loop whose result turns carry text after the results": (
+        [QUESTION, assistant(thought(), use("toolu_1")),
+         user(result("toolu_1"), text("<system-reminder>")), *loop_step("toolu_2")],
+        {"thinking": THINKING}, {}),
+    # Mid-conversation system messages: before an assistant message, or at the end.
+    "calls split around a system entry": (
+        [QUESTION, assistant(use("toolu_1")), system("a reminder"), assistant(use("toolu_2")),
+         user(result("toolu_1"), result("toolu_2"))], {}, {}),
+    "a system entry before an assistant message and one ending the array": (
+        [QUESTION, system("be brief"), assistant(text("ok")), user(text("more")),
+         system([text("note")])], {}, {}),
+    "a system entry carrying only output_config": (
+        [QUESTION, {"role": "system", "output_config": {"effort": "low"}}], {}, {}),
+    "tool additions and removals in system entries": (
+        [QUESTION, system([{"type": "tool_removal", "tool": {"type": "tool_reference",
+                                                             "name": "Bash"}}]),
+         assistant(text("ok")), user(text("again")),
+         system([{"type": "tool_addition", "tool": {"type": "tool_reference", "name": "Bash"}}])],
+        {}, {"anthropic-beta": "mid-conversation-tool-changes-2026-07-01"}),
+    # Server tools (SDK types/beta/*_tool_result_block_param.py): their pairs sit in the
+    # assistant turn and take no client result.
+    "server tool pairs of every kind": (
+        [QUESTION, assistant(
+            server_use("srvtoolu_1", "web_search"), web_search_result("srvtoolu_1"),
+            server_use("srvtoolu_2", "code_execution"), code_result("srvtoolu_2"),
+            server_use("srvtoolu_3", "bash_code_execution"),
+            {"type": "bash_code_execution_tool_result", "tool_use_id": "srvtoolu_3",
+             "content": {"type": "bash_code_execution_result", "stdout": "", "stderr": "",
+                         "return_code": 0, "content": []}},
+            server_use("srvtoolu_4", "text_editor_code_execution"),
+            {"type": "text_editor_code_execution_tool_result", "tool_use_id": "srvtoolu_4",
+             "content": {"type": "text_editor_code_execution_view_result", "content": "x",
+                         "file_type": "text"}},
+            {"type": "mcp_tool_use", "id": "mcptoolu_1", "name": "search", "server_name": "s",
+             "input": {}},
+            {"type": "mcp_tool_result", "tool_use_id": "mcptoolu_1", "content": [text("r")]},
+            text("found")), user(text("more"))], {}, {}),
+    "a tool search whose found tool is then called": (
+        [QUESTION, assistant(
+            server_use("srvtoolu_1", "tool_search_tool_regex"),
+            {"type": "tool_search_tool_result", "tool_use_id": "srvtoolu_1",
+             "content": {"type": "tool_search_tool_search_result",
+                         "tool_references": [{"type": "tool_reference", "tool_name": "Bash"}]}},
+            use("toolu_1")), user(result("toolu_1"))], {}, {}),
+    # server-tools docs: a server call made beside client calls runs on the next request.
+    "a server call deferred beside a client call, its result in the next turn": (
+        [QUESTION, assistant(server_use("srvtoolu_1", "web_search"), use("toolu_1")),
+         user(result("toolu_1")), assistant(web_search_result("srvtoolu_1"), text("done")),
+         user(text("thanks"))], {}, {}),
+    "a paused turn sent back as the last message": (
+        [QUESTION, assistant(text("Searching."), server_use("srvtoolu_1", "web_search"))],
+        {}, {}),
+    # programmatic-tool-calling docs: calls made by code, answered by results alone.
+    "programmatic calls and the code's result turns later": (
+        [QUESTION, assistant(server_use("srvtoolu_1", "code_execution"),
+                             dict(use("toolu_1"), caller={"type": "code_execution_20250825",
+                                                          "tool_id": "srvtoolu_1"})),
+         user(result("toolu_1")), assistant(code_result("srvtoolu_1"), text("ok")),
+         user(text("thanks"))], {}, {}),
+    # Content the user turn and results may hold (SDK beta_tool_result_block_param.py).
+    "results holding images, documents and search results, or nothing": (
+        [QUESTION, assistant(use("toolu_1"), use("toolu_2"), use("toolu_3")),
+         user(result("toolu_1", [
+             text("a"), {"type": "image", "source": {"type": "url",
+                                                     "url": "https://example.com/a.png"}},
+             {"type": "document", "source": {"type": "text", "media_type": "text/plain",
+                                             "data": "doc"}},
+             {"type": "search_result", "source": "s", "title": "t", "content": [text("c")]}]),
+              {"type": "tool_result", "tool_use_id": "toolu_2"},
+              dict(result("toolu_3", []), is_error=True),
+              {"type": "container_upload", "file_id": "file_1"}, text("see"))], {}, {}),
+    "string contents": (
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+         {"role": "user", "content": "again"}], {}, {}),
+    "cache_control and citations on blocks": (
+        [user({"type": "document", "source": {"type": "text", "media_type": "text/plain",
+                                              "data": "The sky is blue."},
+               "citations": {"enabled": True}, "cache_control": EPHEMERAL},
+              dict(text("q"), cache_control=EPHEMERAL)),
+         assistant(dict(text("The sky is blue."), citations=[
+             {"type": "char_location", "cited_text": "The sky is blue.", "document_index": 0,
+              "start_char_index": 0, "end_char_index": 16}]),
+             dict(use("toolu_1"), cache_control={"type": "ephemeral", "ttl": "1h"})),
+         user(dict(result("toolu_1"), cache_control=EPHEMERAL))], {}, {}),
+    "an empty final assistant message (a prefill)": ([QUESTION, assistant()], {}, {}),
+    "a prefill after results": (
+        [QUESTION, *loop_step("toolu_1"), assistant(text("The answer is"))], {}, {}),
+    "consecutive messages of one role without calls": (
+        [QUESTION, user(text("and")), assistant(text("x")), assistant(text("y")),
+         user(text("z"))], {}, {}),
+    "results in another order than their calls": (
+        [QUESTION, assistant(use("toolu_1"), use("toolu_2")),
+         user(result("toolu_2"), result("toolu_1"))], {}, {}),
+    # Blocks a response carries and the client sends back unchanged (SDK beta_fallback_block,
+    # beta_mcp_tool_listing_block, beta_thinking_block with display "omitted").
+    "fallback, MCP listing and omitted-thinking blocks sent back": (
+        [QUESTION, assistant({"type": "thinking", "thinking": "", "signature":
+                              sign_thinking(SECRET.encode(), "")},
+                             {"type": "mcp_tool_listing", "mcp_server_name": "s", "tools": []},
+                             text("x"),
+                             {"type": "fallback", "from": {"model": "claude-a"},
+                              "to": {"model": "claude-b"}, "trigger": None},
+                             thought("again"), use("toolu_1")),
+         user(result("toolu_1"))], {"thinking": THINKING},
+        {"anthropic-beta": "server-side-fallback-2026-07-01"}),
+    "interleaved thinking after a server result": (
+        [QUESTION, assistant(thought(), server_use("srvtoolu_1", "web_search"),
+                             web_search_result("srvtoolu_1"), thought("again"), text("found")),
+         user(text("more"))], {"thinking": THINKING}, {}),
+}
+
+
+@pytest.mark.parametrize("name", SHAPES)
+async def test_an_accepted_shape_goes_up_as_the_client_sent_it(relay_client, tmp_path, name):
+    messages, fields, headers = SHAPES[name]
+    shipped = yaml.safe_load((ROOT / "relay.yaml").read_text())
+    client = await relay_client(shipped["pipeline"], {"dump": {"dir": str(tmp_path / "dumps")}},
+                                signing_secret=SECRET)
+    body = request(*messages, **fields)
+    response = await client.post("/v1/messages", json=body, headers={
+        "x-api-key": "test", "anthropic-version": "2023-06-01", **headers})
+    assert response.status == 200, await response.text()
+    assert "x-relay-repairs" not in response.headers
+    assert "x-relay-rewrites" not in response.headers
+    (sent,) = received(client)
+    assert sent == body
