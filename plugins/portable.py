@@ -69,7 +69,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from relay import skeleton
+from relay import betas, skeleton
 from relay.errors import ConfigError
 from relay.hookspecs import hookimpl
 from relay.options import Option
@@ -728,8 +728,9 @@ def final_tool_turn_without_thinking(messages: list) -> int | None:
     opening = start  # the turn's first assistant message group
     while opening <= end and _role(messages[opening]) == "assistant":
         opening += 1
+    # A fallback block is "not rendered into the prompt" (the SDK's BetaFallbackBlockParam).
     turn = [b for m in messages[start:opening] if type(m.get("content")) is list
-            for b in m["content"]]
+            for b in m["content"] if not (type(b) is dict and b.get("type") == "fallback")]
     return None if turn and _is_thinking(turn[0]) else start
 
 
@@ -998,6 +999,14 @@ class Portable:
                             "adaptive thinking, and the final tool turn's thinking was "
                             "another issuer's: sent without it")
         if mode != "enabled":
+            final = None
+        elif final is not None and exchange.rules_defer and id(messages[final]) not in touched:
+            # Betas that reshape histories (compaction blocks, MCP tool listings ahead of a
+            # turn's thinking, ...): the API judges what the client sent.
+            exchange.unsure(PLUGIN, f"messages.{final}",
+                            "thinking is on and the final tool turn does not open with "
+                            f"thinking, under {betas.described(exchange.rules_defer)}: sent "
+                            "as it is")
             final = None
         if final is not None and validating:
             done.append({"location": f"messages.{final}",

@@ -165,6 +165,13 @@ SHAPES = {
                              thought("again"), use("toolu_1")),
          user(result("toolu_1"))], {"thinking": THINKING},
         {"anthropic-beta": "server-side-fallback-2026-07-01"}),
+    # The fallback guide: blocks from before a turn's final fallback block are left out when
+    # the turn goes back, so the turn may open with the block, which is not rendered.
+    "a thinking tool turn opening with its fallback block": (
+        [QUESTION, assistant({"type": "fallback", "from": {"model": "claude-a"},
+                              "to": {"model": "claude-b"}}, thought(), use("toolu_1")),
+         user(result("toolu_1"))], {"thinking": THINKING},
+        {"anthropic-beta": "server-side-fallback-2026-07-01"}),
     "interleaved thinking after a server result": (
         [QUESTION, assistant(thought(), server_use("srvtoolu_1", "web_search"),
                              web_search_result("srvtoolu_1"), thought("again"), text("found")),

@@ -361,6 +361,27 @@ def test_the_final_turn_is_the_whole_tool_loop_back_to_the_last_question():
         "`tool_use`.")
 
 
+def test_under_betas_that_reshape_histories_the_final_turn_is_the_apis_to_judge():
+    made = plugin()
+    compacted = [{"role": "user", "content": [{"type": "text", "text": "go on"}]},
+                 {"role": "assistant", "content": [
+                     {"type": "compaction", "content": "what happened so far"},
+                     {"type": "tool_use", "id": "toolu_1", "name": "Bash", "input": {}}]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1"}]}]
+    body = {"model": "model-a", "max_tokens": 2048, "messages": compacted,
+            "thinking": {"type": "enabled", "budget_tokens": 1024}}
+    exchange = exchange_for(body)
+    exchange.backend = Backend(name="a", url="http://127.0.0.1:9", models=["*"])
+    exchange.rules_defer = (("beta", "compact-2026-01-12"),)
+    made.relay_request(exchange, {})
+    assert not exchange.changed
+    assert [(e["action"], e["location"]) for e in exchange.timeline] == [
+        ("unsure", "messages.1")]
+    # Without such a beta the rule is on record: that request goes without thinking.
+    _, sent = request_to(made, "a", "model-a", compacted)
+    assert sent["thinking"] == {"type": "disabled"}
+
+
 async def test_a_tool_loop_whose_later_steps_do_not_think_goes_up_as_it_is(relay_client,
                                                                            tmp_path):
     import yaml

@@ -582,7 +582,9 @@ def _final_thinking_problem(convo, thinking) -> str | None:
     opening = start
     while opening <= end and convo[opening][1]["role"] == "assistant":
         opening += 1
-    blocks = [b for _, message in convo[start:opening] for b in _blocks(message)]
+    # A fallback block is not rendered into the prompt (the SDK's BetaFallbackBlockParam).
+    blocks = [b for _, message in convo[start:opening] for b in _blocks(message)
+              if b["type"] != "fallback"]
     if blocks and blocks[0]["type"] in ("thinking", "redacted_thinking"):
         return None
     found = blocks[0]["type"] if blocks else "text"  # string contents hold only text
