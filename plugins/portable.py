@@ -734,6 +734,13 @@ def final_tool_turn_without_thinking(messages: list) -> int | None:
     return None if turn and _is_thinking(turn[0]) else start
 
 
+def _falls_back(messages: list, start: int) -> bool:
+    """Whether an assistant message from ``start`` on holds a ``fallback`` block."""
+    return any(_role(m) == "assistant" and type(m.get("content")) is list
+               and any(type(b) is dict and b.get("type") == "fallback" for b in m["content"])
+               for m in messages[start:])
+
+
 def _answers_calls(message) -> bool:
     content = message.get("content") if _role(message) == "user" else None
     return type(content) is list and any(type(b) is dict and b.get("type") == "tool_result"
@@ -1000,13 +1007,17 @@ class Portable:
                             "another issuer's: sent without it")
         if mode != "enabled":
             final = None
-        elif final is not None and exchange.rules_defer and id(messages[final]) not in touched:
+        elif final is not None and id(messages[final]) not in touched \
+                and (exchange.rules_defer or _falls_back(messages, final)):
             # Betas that reshape histories (compaction blocks, MCP tool listings ahead of a
-            # turn's thinking, ...): the API judges what the client sent.
+            # turn's thinking, ...), or a turn another model took over mid-output (what it
+            # kept of the declined model's part is the fallback guide's echo rule): the API
+            # judges what the client sent.
+            why = betas.described(exchange.rules_defer) if exchange.rules_defer \
+                else "a fallback block in the turn"
             exchange.unsure(PLUGIN, f"messages.{final}",
-                            "thinking is on and the final tool turn does not open with "
-                            f"thinking, under {betas.described(exchange.rules_defer)}: sent "
-                            "as it is")
+                            f"thinking is on and the final tool turn does not open with "
+                            f"thinking, with {why}: sent as it is")
             final = None
         if final is not None and validating:
             done.append({"location": f"messages.{final}",

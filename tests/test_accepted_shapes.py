@@ -165,11 +165,18 @@ SHAPES = {
                              thought("again"), use("toolu_1")),
          user(result("toolu_1"))], {"thinking": THINKING},
         {"anthropic-beta": "server-side-fallback-2026-07-01"}),
-    # The fallback guide: blocks from before a turn's final fallback block are left out when
-    # the turn goes back, so the turn may open with the block, which is not rendered.
+    # The fallback guide: a fallback before any output comes first in the content; the block
+    # is not rendered into the prompt (the SDK's BetaFallbackBlockParam).
     "a thinking tool turn opening with its fallback block": (
         [QUESTION, assistant({"type": "fallback", "from": {"model": "claude-a"},
                               "to": {"model": "claude-b"}}, thought(), use("toolu_1")),
+         user(result("toolu_1"))], {"thinking": THINKING},
+        {"anthropic-beta": "server-side-fallback-2026-07-01"}),
+    # Its echo rules after a mid-output fallback: the declined model's text stays, its
+    # thinking and calls before the final fallback block go.
+    "a thinking tool turn another model took over mid-output": (
+        [QUESTION, assistant(text("The first part"), {"type": "fallback", "from": {
+            "model": "claude-a"}, "to": {"model": "claude-b"}}, thought(), use("toolu_1")),
          user(result("toolu_1"))], {"thinking": THINKING},
         {"anthropic-beta": "server-side-fallback-2026-07-01"}),
     "interleaved thinking after a server result": (

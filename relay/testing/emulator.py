@@ -582,9 +582,12 @@ def _final_thinking_problem(convo, thinking) -> str | None:
     opening = start
     while opening <= end and convo[opening][1]["role"] == "assistant":
         opening += 1
-    # A fallback block is not rendered into the prompt (the SDK's BetaFallbackBlockParam).
-    blocks = [b for _, message in convo[start:opening] for b in _blocks(message)
-              if b["type"] != "fallback"]
+    # What a turn another model took over must open with (the fallback guide's echo rules
+    # leave out some of the declined model's blocks) is not on record.
+    if any(b["type"] == "fallback" for _, message in convo[start:end + 1]
+           for b in _blocks(message)):
+        return None
+    blocks = [b for _, message in convo[start:opening] for b in _blocks(message)]
     if blocks and blocks[0]["type"] in ("thinking", "redacted_thinking"):
         return None
     found = blocks[0]["type"] if blocks else "text"  # string contents hold only text
