@@ -4,16 +4,23 @@ the client sent them: not refused, not repaired, not rewritten.
 
 A refusal or an alteration here is a false positive, the worst bug a relay can have. Each
 case names where the shape comes from; the rules that refuse are in docs/evidence/rules.json
-and their refused examples in test_evidence.py.
+and their refused examples in test_evidence.py. The SDK's own tool runner, threaded and not,
+then runs loops whose answers hold server tools, pauses, programmatic calls and thinking,
+each request judged by the emulator's rules.
 """
 
 from __future__ import annotations
 
+import copy
+
+import anthropic
+import orjson
 import pytest
 import yaml
+from aiohttp import web
 from support import ROOT, assistant, request, result, text, use, user
 
-from relay.testing.emulator import sign_thinking
+from relay.testing.emulator import EmulatorOptions, find_problem, sign_thinking
 from relay.testing.fixtures import received, relay_client  # noqa: F401  (the fixture)
 
 SECRET = "secret-of-the-shapes"
@@ -200,3 +207,102 @@ async def test_an_accepted_shape_goes_up_as_the_client_sent_it(relay_client, tmp
     assert "x-relay-rewrites" not in response.headers
     (sent,) = received(client)
     assert sent == body
+
+
+# --- the SDK's own tool runner ----------------------------------------------------------------
+
+# What the API answers, turn by turn, thinking on (the emulator answers with client calls only):
+# a server call deferred beside a client call, then its result in the next turn; a paused
+# server call; programmatic calls; a thinking loop whose later steps do not think.
+SCRIPTS = {
+    "a deferred web search": [
+        ([thought(), text("Both."), server_use("srvtoolu_1", "web_search"),
+          dict(use("toolu_1", "run"), input={"command": "ls"})], "tool_use"),
+        ([web_search_result("srvtoolu_1"), dict(use("toolu_2", "run"), input={"command": "pwd"})],
+         "tool_use"),
+        ([text("done")], "end_turn")],
+    "a paused turn": [
+        ([thought(), server_use("srvtoolu_1", "web_search")], "pause_turn"),
+        ([web_search_result("srvtoolu_1"), dict(use("toolu_1", "run"), input={"command": "ls"})],
+         "tool_use"),
+        ([text("done")], "end_turn")],
+    "programmatic calls": [
+        ([thought(), server_use("srvtoolu_1", "code_execution"),
+          dict(use("toolu_1", "run"), input={"command": "ls"},
+               caller={"type": "code_execution_20250825", "tool_id": "srvtoolu_1"})], "tool_use"),
+        ([code_result("srvtoolu_1"), text("done")], "end_turn")],
+    "a thinking loop": [
+        ([thought(), dict(use("toolu_1", "run"), input={"command": "ls"})], "tool_use"),
+        ([dict(use("toolu_2", "run"), input={"command": "pwd"})], "tool_use"),
+        ([text("done")], "end_turn")],
+}
+
+
+@anthropic.beta_async_tool
+async def run(command: str) -> str:
+    """Run a shell command.
+
+    Args:
+        command: the command line
+    """
+    return f"ran {command}"
+
+
+def scripted(answers: list, judged: list, bodies: list) -> web.Application:
+    """An upstream answering ``answers`` in turn; ``bodies`` gets each request, and ``judged``
+    what the strict emulator says of it (None: accepted)."""
+    async def messages(request: web.Request) -> web.Response:
+        body = orjson.loads(await request.read())
+        bodies.append(body)
+        judged.append(find_problem(copy.deepcopy(body), EmulatorOptions(signing_secret=SECRET)))
+        content, stop = answers[min(len(judged), len(answers)) - 1]
+        return web.json_response({
+            "id": f"msg_{len(judged)}", "type": "message", "role": "assistant",
+            "model": body["model"], "content": content, "stop_reason": stop,
+            "stop_sequence": None, "usage": {"input_tokens": 1, "output_tokens": 1}})
+    app = web.Application()
+    app.router.add_post("/v1/messages", messages)
+    return app
+
+
+@pytest.mark.parametrize("threaded", [True, False], ids=["threaded", "unthreaded"])
+@pytest.mark.parametrize("script", SCRIPTS)
+async def test_the_sdks_tool_runner_goes_through_with_the_newest_blocks(
+        relay_client, aiohttp_server, tmp_path, script, threaded):
+    judged: list = []
+    bodies: list = []
+    shipped = yaml.safe_load((ROOT / "relay.yaml").read_text())
+    client = await relay_client(shipped["pipeline"], {"dump": {"dir": str(tmp_path / "dumps")}},
+                                upstream=await aiohttp_server(
+                                    scripted(SCRIPTS[script], judged, bodies)))
+    sent: list = []
+    answered: list = []
+
+    async def on_request(request):
+        sent.append(orjson.loads(request.content))
+
+    async def on_response(response):
+        answered.append((response.status_code, response.headers.get("x-relay-repairs")))
+
+    sdk = anthropic.AsyncAnthropic(
+        base_url=str(client.make_url("")).rstrip("/"), api_key="sk-test", max_retries=0,
+        http_client=anthropic.DefaultAsyncHttpxClient(
+            event_hooks={"request": [on_request], "response": [on_response]}))
+    runner = sdk.beta.messages.tool_runner(
+        model="claude-test", max_tokens=2048, tools=[run], max_iterations=6,
+        messages=[{"role": "user", "content": "go"}],
+        thinking={"type": "enabled", "budget_tokens": 1024},
+        **({} if threaded else {"thread": False}))
+    stops = [message.stop_reason async for message in runner]
+    assert stops[-1] == "end_turn"
+    assert answered == [(200, None)] * len(SCRIPTS[script])
+    assert judged == [None] * len(SCRIPTS[script])
+    assert all(body["thinking"] == {"type": "enabled", "budget_tokens": 1024} for body in bodies)
+    if threaded:
+        # This backend holds no threads: the relay carries them, so each request goes up as
+        # the whole conversation, which ends with what the SDK sent (nothing, to continue a
+        # paused turn).
+        assert all(body["messages"][len(body["messages"]) - len(mine["messages"]):]
+                   == mine["messages"] for body, mine in zip(bodies, sent, strict=True))
+    else:
+        assert bodies == sent
