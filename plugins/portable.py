@@ -728,10 +728,16 @@ def final_tool_turn_without_thinking(messages: list) -> int | None:
     opening = start  # the turn's first assistant message group
     while opening <= end and _role(messages[opening]) == "assistant":
         opening += 1
-    # A fallback block is "not rendered into the prompt" (the SDK's BetaFallbackBlockParam).
     turn = [b for m in messages[start:opening] if type(m.get("content")) is list
-            for b in m["content"] if not (type(b) is dict and b.get("type") == "fallback")]
+            for b in m["content"] if not (type(b) is dict and b.get("type") in _NOT_SAMPLED)]
     return None if turn and _is_thinking(turn[0]) else start
+
+
+# Blocks an answer carries ahead of what the model wrote, which go back unchanged: a fallback
+# block "not rendered into the prompt", the tool listing an MCP server returned, a compaction
+# block standing for earlier messages (the SDK's BetaFallbackBlockParam,
+# BetaMCPToolListingBlockParam, BetaCompactionBlockParam). A turn's thinking comes after them.
+_NOT_SAMPLED = frozenset({"fallback", "mcp_tool_listing", "compaction"})
 
 
 def _falls_back(messages: list, start: int) -> bool:

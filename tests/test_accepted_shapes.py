@@ -186,6 +186,14 @@ SHAPES = {
             "model": "claude-a"}, "to": {"model": "claude-b"}}, thought(), use("toolu_1")),
          user(result("toolu_1"))], {"thinking": THINKING},
         {"anthropic-beta": "server-side-fallback-2026-07-01"}),
+    # BetaMCPToolListingBlock: "the tool listing the server fetched from an MCP server while
+    # producing this response. Send the assistant message back unchanged, this block included".
+    "a thinking tool turn opening with an MCP server's tool listing": (
+        [QUESTION, assistant({"type": "mcp_tool_listing", "mcp_server_name": "s", "tools": []},
+                             thought(), use("toolu_1")),
+         user(result("toolu_1"))], {"thinking": THINKING, "mcp_servers": [
+             {"type": "url", "url": "https://mcp.example.com", "name": "s"}]},
+        {"anthropic-beta": "mcp-client-2025-11-20"}),
     "interleaved thinking after a server result": (
         [QUESTION, assistant(thought(), server_use("srvtoolu_1", "web_search"),
                              web_search_result("srvtoolu_1"), thought("again"), text("found")),

@@ -587,7 +587,10 @@ def _final_thinking_problem(convo, thinking) -> str | None:
     if any(b["type"] == "fallback" for _, message in convo[start:end + 1]
            for b in _blocks(message)):
         return None
-    blocks = [b for _, message in convo[start:opening] for b in _blocks(message)]
+    # Blocks an answer carries ahead of what the model wrote (an MCP server's tool listing, a
+    # compaction summary), sent back unchanged: the turn's thinking comes after them.
+    blocks = [b for _, message in convo[start:opening] for b in _blocks(message)
+              if b["type"] not in ("mcp_tool_listing", "compaction")]
     if blocks and blocks[0]["type"] in ("thinking", "redacted_thinking"):
         return None
     found = blocks[0]["type"] if blocks else "text"  # string contents hold only text
