@@ -791,12 +791,17 @@ def _check_tail(exchange, messages: list, unique_ids: bool):
     held = threads.opens_with_held_calls(messages)
     kept = []
     for problem in found:
-        if problem.rule == "unknown-result" and problem.message_index < held:
-            unsure.append(Unsure(problem.location, "a tool_result that may answer a call in "
-                                                   "the part of the thread the server holds"))
+        if problem.rule in _HELD_ANSWERS and problem.message_index < held:
+            unsure.append(Unsure(problem.location, "a result that may answer a call in the "
+                                                   "part of the thread the server holds"))
         else:
             kept.append(problem)
     return kept, unsure, messages
+
+
+# What the held part of a thread may make right: a client result answering a held call, and a
+# server tool's result in an assistant message continuing a held turn (a paused server call).
+_HELD_ANSWERS = frozenset({"unknown-result", *_REFUSED_WITHOUT_USE.values()})
 
 
 def _shifted(problem: Problem, offset: int) -> Problem:
