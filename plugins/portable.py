@@ -1015,8 +1015,8 @@ class Portable:
             final = None
         elif final is not None and id(messages[final]) not in touched \
                 and (exchange.rules_defer or _falls_back(messages, final)):
-            # Betas that reshape histories (compaction blocks, MCP tool listings ahead of a
-            # turn's thinking, ...), or a turn another model took over mid-output (what it
+            # Betas that reshape histories (relay.betas: compaction, inline tools, thinking
+            # binding controls, ...), or a turn another model took over mid-output (what it
             # kept of the declined model's part is the fallback guide's echo rule): the API
             # judges what the client sent.
             why = betas.described(exchange.rules_defer) if exchange.rules_defer \
