@@ -307,6 +307,7 @@ async def test_the_sdks_tool_runner_goes_through_with_the_newest_blocks(
     assert judged == [None] * len(SCRIPTS[script])
     assert all(body["thinking"] == {"type": "enabled", "budget_tokens": 1024} for body in bodies)
     if threaded:
+        assert sent[0]["thread"] == {"type": "create"}
         # This backend holds no threads: the relay carries them, so each request goes up as
         # the whole conversation, which ends with what the SDK sent (nothing, to continue a
         # paused turn).
