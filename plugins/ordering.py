@@ -217,11 +217,13 @@ def reorder(messages: list, found: list[Problem]) -> list[Problem]:
     """Move calls to the end of their turn and results to the front of theirs, keeping the order
     of each kind and every block; a turn of several messages is merged into its first message
     first. Changes ``messages`` in place; returns the problems it could not repair (a turn whose
-    messages carry fields besides ``role`` and ``content``)."""
+    messages carry fields besides ``role`` and ``content``, or that a system entry interrupts:
+    moved past it, blocks would change what the entry stands before)."""
     left = []
     for problem in sorted(found, key=lambda p: p.turn[0], reverse=True):
         turn = problem.turn
-        if len(turn) > 1 and not all(messages[i].keys() <= {"role", "content"} for i in turn):
+        if len(turn) > 1 and (turn[-1] - turn[0] != len(turn) - 1 or not all(
+                messages[i].keys() <= {"role", "content"} for i in turn)):
             left.append(problem)
             continue
         blocks = []

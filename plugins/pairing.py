@@ -640,8 +640,9 @@ def split_tool_turns(messages: list) -> list[tuple[int, int]]:
     """The spans ``(first, last)`` of consecutive messages to merge so that a backend pairing
     message by message sees each tool turn whole: the messages of an assistant turn from the
     first to the last holding calls, and from the first message of the answering turn to the last
-    holding results. Spans whose messages carry fields besides ``role`` and ``content`` are left
-    alone (merging them would lose those fields)."""
+    holding results. Spans whose messages carry fields besides ``role`` and ``content``, or that
+    a system entry interrupts, are left alone (merging them would lose those fields, or put the
+    system entry's text in the turn)."""
     spans: list[tuple[int, int]] = []
     calls_before = False
     for role, indexes in turns(messages):
@@ -654,7 +655,7 @@ def split_tool_turns(messages: list) -> list[tuple[int, int]]:
                 first, last = (indexes[0], marked[-1]) if marked and calls_before else (None, None)
             if first is not None and last is not None and first != last \
                     and all(type(messages[i]) is dict and messages[i].keys() <= {"role", "content"}
-                            for i in range(first, last + 1)):
+                            and messages[i].get("role") == role for i in range(first, last + 1)):
                 spans.append((first, last))
         if role == "assistant":
             calls_before = any(_holds(messages[i], "tool_use") for i in indexes)
@@ -790,12 +791,17 @@ def _check_tail(exchange, messages: list, unique_ids: bool):
     held = threads.opens_with_held_calls(messages)
     kept = []
     for problem in found:
-        if problem.rule == "unknown-result" and problem.message_index < held:
-            unsure.append(Unsure(problem.location, "a tool_result that may answer a call in "
-                                                   "the part of the thread the server holds"))
+        if problem.rule in _HELD_ANSWERS and problem.message_index < held:
+            unsure.append(Unsure(problem.location, "a result that may answer a call in the "
+                                                   "part of the thread the server holds"))
         else:
             kept.append(problem)
     return kept, unsure, messages
+
+
+# What the held part of a thread may make right: a client result answering a held call, and a
+# server tool's result in an assistant message continuing a held turn (a paused server call).
+_HELD_ANSWERS = frozenset({"unknown-result", *_REFUSED_WITHOUT_USE.values()})
 
 
 def _shifted(problem: Problem, offset: int) -> Problem:

@@ -27,16 +27,16 @@ will really go up) and makes the history fit that backend:
   client's transcript is never touched: it stays valid for talking to that backend directly).
   On the way up, a block known to come from another issuer, or unsigned (an OpenAI-format
   backend's reasoning: only the issuer can sign), is dropped: the API does not require
-  thinking from earlier turns. A block of unknown issuer goes up as it is, so the relay never
-  alters what it cannot judge. When thinking is on with a budget (``type: enabled``) and the final
-  assistant turn, calls whose results follow, does not start with a thinking block (the API
-  refuses that: "When `thinking` is enabled, a final `assistant` message must start with a
-  thinking block"), that one request goes up with ``thinking: {"type": "disabled"}`` and
-  without the ``clear_thinking_*`` context-management edits (they apply to thinking that is
-  on): the model answers without extended thinking this once. With adaptive thinking that
-  rule is not on record, so the request keeps its thinking, noted ``unsure``. Every drop and
-  that switch are counted in ``x-relay-repairs`` and noted on the timeline; id translations
-  are counted in ``x-relay-rewrites``.
+  thinking from earlier turns. A block of unknown issuer goes up as it is, so the relay
+  never alters what it cannot judge. When thinking is on with a budget (``type: enabled``)
+  and the final assistant turn (the whole tool loop whose results follow) does not start
+  with a thinking block (the API refuses that: "When `thinking` is enabled, a final
+  `assistant` message must start with a thinking block"), that one request goes up with
+  ``thinking: {"type": "disabled"}`` and without the ``clear_thinking_*`` context-management
+  edits (they apply to thinking that is on): the model answers without extended thinking
+  this once. With adaptive thinking that rule is not on record, so the request keeps its
+  thinking, noted ``unsure``. Every drop and that switch are counted in ``x-relay-repairs``
+  and noted on the timeline; id translations are counted in ``x-relay-rewrites``.
 
 The record lives in the relay's shared state when there is one (``state.url``: one SQLite
 file for the workers of a host, Redis for replicas on several hosts, so that a session
@@ -69,7 +69,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from relay import skeleton
+from relay import betas, skeleton
 from relay.errors import ConfigError
 from relay.hookspecs import hookimpl
 from relay.options import Option
@@ -697,22 +697,60 @@ def _role(message) -> str | None:
 
 
 def final_tool_turn_without_thinking(messages: list) -> int | None:
-    """Where the final assistant turn starts, when that turn (consecutive assistant messages
-    are one turn to the API) holds calls whose results follow and does not start with a
-    thinking block; None otherwise."""
+    """Where the final assistant turn starts, when that turn holds calls whose results follow
+    and does not start with a thinking block; None otherwise.
+
+    The API's assistant turn is the whole tool loop: it runs from the first assistant message
+    after the last user message that answers no call, over the user messages of results in
+    between ("tool use loops are part of the assistant turn", and without interleaved thinking
+    "subsequent responses after tool results continue without new thinking blocks":
+    https://platform.claude.com/docs/en/build-with-claude/extended-thinking, "Toggling thinking
+    modes in conversations", "Interleaved thinking"). A user message holding a result counts
+    as part of the loop, whatever else it holds."""
     end = len(messages) - 1
     while end >= 0 and _role(messages[end]) != "assistant":
         end -= 1
     if end < 0 or end == len(messages) - 1:
         return None  # no assistant turn, or a prefill: the model's own rules
-    start = end
-    while start > 0 and _role(messages[start - 1]) == "assistant":
-        start -= 1
-    turn = [b for m in messages[start:end + 1] if type(m.get("content")) is list
-            for b in m["content"]]
-    if not any(type(b) is dict and b.get("type") == "tool_use" for b in turn):
+    last = end  # the final assistant message group, whose calls the results answer
+    while last > 0 and _role(messages[last - 1]) == "assistant":
+        last -= 1
+    if not any(type(b) is dict and b.get("type") == "tool_use"
+               for m in messages[last:end + 1] if type(m.get("content")) is list
+               for b in m["content"]):
         return None
-    return None if _is_thinking(turn[0]) else start
+    start = last
+    while start > 0 and (_role(messages[start - 1]) in ("assistant", "system")
+                         or _answers_calls(messages[start - 1])):
+        start -= 1
+    while _role(messages[start]) != "assistant":
+        start += 1
+    opening = start  # the turn's first assistant message group
+    while opening <= end and _role(messages[opening]) == "assistant":
+        opening += 1
+    turn = [b for m in messages[start:opening] if type(m.get("content")) is list
+            for b in m["content"] if not (type(b) is dict and b.get("type") in _NOT_SAMPLED)]
+    return None if turn and _is_thinking(turn[0]) else start
+
+
+# Blocks an answer carries ahead of what the model wrote, which go back unchanged: a fallback
+# block "not rendered into the prompt", the tool listing an MCP server returned, a compaction
+# block standing for earlier messages (the SDK's BetaFallbackBlockParam,
+# BetaMCPToolListingBlockParam, BetaCompactionBlockParam). A turn's thinking comes after them.
+_NOT_SAMPLED = frozenset({"fallback", "mcp_tool_listing", "compaction"})
+
+
+def _falls_back(messages: list, start: int) -> bool:
+    """Whether an assistant message from ``start`` on holds a ``fallback`` block."""
+    return any(_role(m) == "assistant" and type(m.get("content")) is list
+               and any(type(b) is dict and b.get("type") == "fallback" for b in m["content"])
+               for m in messages[start:])
+
+
+def _answers_calls(message) -> bool:
+    content = message.get("content") if _role(message) == "user" else None
+    return type(content) is list and any(type(b) is dict and b.get("type") == "tool_result"
+                                         for b in content)
 
 
 # --- the plugin -----------------------------------------------------------------------------
@@ -974,6 +1012,18 @@ class Portable:
                             "adaptive thinking, and the final tool turn's thinking was "
                             "another issuer's: sent without it")
         if mode != "enabled":
+            final = None
+        elif final is not None and id(messages[final]) not in touched \
+                and (exchange.rules_defer or _falls_back(messages, final)):
+            # Betas that reshape histories (relay.betas: compaction, inline tools, thinking
+            # binding controls, ...), or a turn another model took over mid-output (what it
+            # kept of the declined model's part is the fallback guide's echo rule): the API
+            # judges what the client sent.
+            why = betas.described(exchange.rules_defer) if exchange.rules_defer \
+                else "a fallback block in the turn"
+            exchange.unsure(PLUGIN, f"messages.{final}",
+                            f"thinking is on and the final tool turn does not open with "
+                            f"thinking, with {why}: sent as it is")
             final = None
         if final is not None and validating:
             done.append({"location": f"messages.{final}",

@@ -51,7 +51,9 @@ def histories(draw):
         if calls and opening and draw(st.booleans()):
             messages += [assistant(*opening), assistant(*calls)]  # the text in a message of its own
         elif len(calls) > 1 and draw(st.booleans()):
-            messages += [assistant(*opening, calls[0]), assistant(*calls[1:])]  # calls split
+            # calls split, sometimes around a system entry (which a merge must not swallow)
+            between = [dict(SYSTEM)] if draw(st.booleans()) else []
+            messages += [assistant(*opening, calls[0]), *between, assistant(*calls[1:])]
         else:
             messages.append(assistant(*opening, *calls))
         if not ids:
@@ -216,6 +218,9 @@ def test_a_history_the_emulator_accepts_goes_up_byte_for_byte(history):
     assert exchange.repairs == sum(last - first for first, last in spans)
     if not spans:
         assert exchange.upstream_body() == raw
+    sent = orjson.loads(exchange.upstream_body())["messages"]
+    assert [m for m in sent if m["role"] == "system"] == [
+        m for m in messages if m["role"] == "system"]  # a merge keeps every system entry
 
 
 @RUN

@@ -213,12 +213,22 @@ def test_the_final_turn_keeps_thinking_on_when_its_own_issuer_gets_it():
     other, mine = thought(KEY_K, "k"), thought(KEY_A, "a")
     answer(made, "k", "model-k", other)
     answer(made, "a", "model-a", mine)
-    messages = history("toolu_1", thinking=other) + history("toolu_2", thinking=mine)[1:]
+    # The final turn opens after the last question, with this backend's own thinking.
+    messages = history("toolu_1", thinking=other) + [
+        {"role": "assistant", "content": [{"type": "text", "text": "done"}]},
+        {"role": "user", "content": [{"type": "text", "text": "next"}]},
+        *history("toolu_2", thinking=mine)[1:]]
     exchange, sent = request_to(made, "a", "model-a", messages)
     assert sent["thinking"]["type"] == "enabled"
     assert sent["messages"][1]["content"][0]["type"] == "text"
-    assert sent["messages"][3]["content"][0] == mine
+    assert sent["messages"][5]["content"][0] == mine
     assert exchange.repairs == 1
+    assert find_problem(sent, EmulatorOptions(signing_secret="secret-a")) is None
+    # Within one tool loop the turn is the loop's: it opened with the other issuer's thinking,
+    # which goes, so the request goes without thinking.
+    loop = history("toolu_1", thinking=other) + history("toolu_2", thinking=mine)[1:]
+    _, sent = request_to(made, "a", "model-a", loop)
+    assert sent["thinking"] == {"type": "disabled"}
     assert find_problem(sent, EmulatorOptions(signing_secret="secret-a")) is None
 
 
@@ -310,6 +320,86 @@ def test_the_emulator_requires_the_final_tool_turns_thinking_only_with_thinking_
                                                                       "text": "ok"}]},
                                    {"role": "user", "content": [{"type": "text", "text": "k"}]}]
     assert find_problem(body, EmulatorOptions()) is None
+
+
+def docs_tool_loop(first: dict) -> list[dict]:
+    """The docs' two-tool flow without interleaved thinking: the model thinks once, at the start
+    of the assistant turn, and its later steps in the loop carry no thinking block
+    (https://platform.claude.com/docs/en/build-with-claude/extended-thinking, "Interleaved
+    thinking": "Response 2: [tool_use: database_query] <- no thinking block")."""
+    return [{"role": "user", "content": [{"type": "text", "text": "revenue?"}]},
+            {"role": "assistant", "content": [first, {"type": "tool_use", "id": "toolu_1",
+                                                      "name": "calculator", "input": {}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                          "content": "7500"}]},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_2",
+                                               "name": "database_query", "input": {}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_2",
+                                          "content": "5200"}, {"type": "text", "text": "note"}]}]
+
+
+def test_the_final_turn_is_the_whole_tool_loop_back_to_the_last_question():
+    loop = docs_tool_loop(thought(KEY_A))
+    assert portable.final_tool_turn_without_thinking(loop) is None
+    assert portable.final_tool_turn_without_thinking(
+        docs_tool_loop({"type": "text", "text": "Let me add it up."})) == 1
+    # A new question opens a new turn, which must open with its own thinking.
+    asked = loop + [{"role": "assistant", "content": [{"type": "text", "text": "44% above."}]},
+                    {"role": "user", "content": [{"type": "text", "text": "and tomorrow?"}]},
+                    {"role": "system", "content": "a reminder"},
+                    {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_3",
+                                                       "name": "calculator", "input": {}}]},
+                    {"role": "user", "content": [{"type": "tool_result",
+                                                  "tool_use_id": "toolu_3"}]}]
+    assert portable.final_tool_turn_without_thinking(asked) == 8
+    body = {"model": "m", "max_tokens": 2048, "thinking": {"type": "enabled",
+                                                           "budget_tokens": 1024}}
+    options = EmulatorOptions(signing_secret="secret-a")
+    assert find_problem(dict(body, messages=loop), options) is None
+    assert find_problem(dict(body, messages=asked), options).startswith(
+        "messages.8.content.0.type: Expected `thinking` or `redacted_thinking`, but found "
+        "`tool_use`.")
+
+
+def test_under_betas_that_reshape_histories_the_final_turn_is_the_apis_to_judge():
+    made = plugin()
+    compacted = [{"role": "user", "content": [{"type": "text", "text": "go on"}]},
+                 {"role": "assistant", "content": [
+                     {"type": "compaction", "content": "what happened so far"},
+                     {"type": "tool_use", "id": "toolu_1", "name": "Bash", "input": {}}]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1"}]}]
+    body = {"model": "model-a", "max_tokens": 2048, "messages": compacted,
+            "thinking": {"type": "enabled", "budget_tokens": 1024}}
+    exchange = exchange_for(body)
+    exchange.backend = Backend(name="a", url="http://127.0.0.1:9", models=["*"])
+    exchange.rules_defer = (("beta", "compact-2026-01-12"),)
+    made.relay_request(exchange, {})
+    assert not exchange.changed
+    assert [(e["action"], e["location"]) for e in exchange.timeline] == [
+        ("unsure", "messages.1")]
+    # Without such a beta the rule is on record: that request goes without thinking.
+    _, sent = request_to(made, "a", "model-a", compacted)
+    assert sent["thinking"] == {"type": "disabled"}
+
+
+async def test_a_tool_loop_whose_later_steps_do_not_think_goes_up_as_it_is(relay_client,
+                                                                           tmp_path):
+    import yaml
+    from support import ROOT
+
+    from relay.testing.fixtures import received
+    shipped = yaml.safe_load((ROOT / "relay.yaml").read_text())
+    client = await relay_client(shipped["pipeline"], {"dump": {"dir": str(tmp_path / "dumps")}},
+                                signing_secret="secret-a")
+    body = {"model": "claude-test", "max_tokens": 2048,
+            "thinking": {"type": "enabled", "budget_tokens": 1024},
+            "messages": docs_tool_loop(thought(KEY_A))}
+    response = await client.post("/v1/messages", json=body, headers={
+        "x-api-key": "test", "anthropic-version": "2023-06-01"})
+    assert response.status == 200, await response.text()
+    assert "x-relay-repairs" not in response.headers
+    (sent,) = received(client)
+    assert sent["thinking"] == body["thinking"] and sent["messages"] == body["messages"]
 
 
 # --- relay validate --target ------------------------------------------------------------------

@@ -131,6 +131,18 @@ async def test_a_head_the_relay_did_not_see_is_forwarded_and_noted(upstream, rel
     assert len(received(client)) == 3  # the same emulator behind both
 
 
+async def test_a_tail_continuing_a_held_paused_turn_is_forwarded_unseen(upstream, relay):
+    # A paused web search the server holds, continued: the tail opens with the assistant
+    # message that carries its result (relay.threads.opens_with_held_calls).
+    client = await relay(await upstream(threads="hold"))
+    searched = {"type": "web_search_tool_result", "tool_use_id": "srvtoolu_held",
+                "content": []}
+    response, _ = await post(client, carry_on("msg_unseen", assistant(searched, text("found")),
+                                              user(text("thanks"))))
+    assert len(received(client)) == 1, response.status
+    assert "thread-head-unseen" in response.headers.get("x-relay-notes", "")
+
+
 async def test_a_tail_of_its_own_faults_is_refused_even_unseen(upstream, relay):
     client = await relay(await upstream(tool_turns=2, threads="hold"))
     broken = carry_on("msg_unseen", user(result("toolu_a")),

@@ -564,16 +564,38 @@ def _final_thinking_problem(convo, thinking) -> str | None:
         end -= 1
     if end < 0 or end == len(convo) - 1:
         return None
-    start = end  # consecutive assistant messages are one turn
-    while start > 0 and convo[start - 1][1]["role"] == "assistant":
+    last = end  # consecutive assistant messages are one message group
+    while last > 0 and convo[last - 1][1]["role"] == "assistant":
+        last -= 1
+    if not any(b["type"] == "tool_use" for _, message in convo[last:end + 1]
+               for b in _blocks(message)):
+        return None
+    # The turn is the whole tool loop, back to the last user message that answers no call
+    # (the docs' "Toggling thinking modes in conversations"; without interleaved thinking the
+    # later steps of a loop carry no thinking block of their own).
+    start = last
+    while start > 0 and (convo[start - 1][1]["role"] == "assistant"
+                         or any(b["type"] == "tool_result" for b in _blocks(convo[start - 1][1]))):
         start -= 1
-    blocks = [b for _, message in convo[start:end + 1] for b in _blocks(message)]
-    if not any(b["type"] == "tool_use" for b in blocks):
+    while convo[start][1]["role"] != "assistant":
+        start += 1
+    opening = start
+    while opening <= end and convo[opening][1]["role"] == "assistant":
+        opening += 1
+    # What a turn another model took over must open with (the fallback guide's echo rules
+    # leave out some of the declined model's blocks) is not on record.
+    if any(b["type"] == "fallback" for _, message in convo[start:end + 1]
+           for b in _blocks(message)):
         return None
-    if blocks[0]["type"] in ("thinking", "redacted_thinking"):
+    # Blocks an answer carries ahead of what the model wrote (an MCP server's tool listing, a
+    # compaction summary), sent back unchanged: the turn's thinking comes after them.
+    blocks = [b for _, message in convo[start:opening] for b in _blocks(message)
+              if b["type"] not in ("mcp_tool_listing", "compaction")]
+    if blocks and blocks[0]["type"] in ("thinking", "redacted_thinking"):
         return None
+    found = blocks[0]["type"] if blocks else "text"  # string contents hold only text
     return (f"messages.{convo[start][0]}.content.0.type: Expected `thinking` or "
-            f"`redacted_thinking`, but found `{blocks[0]['type']}`. When `thinking` is enabled, "
+            f"`redacted_thinking`, but found `{found}`. When `thinking` is enabled, "
             "a final `assistant` message must start with a thinking block (preceeding the "
             "lastmost set of `tool_use` and `tool_result` blocks). We recommend you include "
             "thinking blocks from previous turns. To avoid this requirement, disable "

@@ -1,0 +1,317 @@
+"""Shapes the Messages API accepts, from the installed ``anthropic`` SDK's block types and the
+API's docs, go through the shipped pipeline (relay.yaml's plugins) to the strict emulator as
+the client sent them: not refused, not repaired, not rewritten.
+
+A refusal or an alteration here is a false positive, the worst bug a relay can have. Each
+case names where the shape comes from; the rules that refuse are in docs/evidence/rules.json
+and their refused examples in test_evidence.py. The SDK's own tool runner, threaded and not,
+then runs loops whose answers hold server tools, pauses, programmatic calls and thinking,
+each request judged by the emulator's rules.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import anthropic
+import orjson
+import pytest
+import yaml
+from aiohttp import web
+from support import ROOT, assistant, request, result, text, use, user
+
+from relay.testing.emulator import EmulatorOptions, find_problem, sign_thinking
+from relay.testing.fixtures import received, relay_client  # noqa: F401  (the fixture)
+
+SECRET = "secret-of-the-shapes"
+THINKING = {"type": "enabled", "budget_tokens": 1024}
+
+
+def thought(words: str = "Let me look.") -> dict:
+    return {"type": "thinking", "thinking": words,
+            "signature": sign_thinking(SECRET.encode(), words)}
+
+
+def system(content, **fields) -> dict:
+    return {"role": "system", "content": content, **fields}
+
+
+def server_use(tool_id: str, name: str) -> dict:
+    return {"type": "server_tool_use", "id": tool_id, "name": name, "input": {"query": "relay"}}
+
+
+def web_search_result(tool_id: str) -> dict:
+    return {"type": "web_search_tool_result", "tool_use_id": tool_id, "content": [
+        {"type": "web_search_result", "url": "https://example.com", "title": "Example",
+         "encrypted_content": "abc"}]}
+
+
+def code_result(tool_id: str) -> dict:
+    return {"type": "code_execution_tool_result", "tool_use_id": tool_id,
+            "content": {"type": "code_execution_result", "stdout": "1", "stderr": "",
+                        "return_code": 0, "content": []}}
+
+
+def loop_step(tool_id: str, *before) -> list:
+    """One step of a tool loop: an assistant message ending in a call, and its result."""
+    return [assistant(*before, use(tool_id)), user(result(tool_id))]
+
+
+QUESTION = user(text("go"))
+EPHEMERAL = {"type": "ephemeral"}
+
+# name: (messages, extra top-level fields, extra headers)
+SHAPES = {
+    # extended-thinking docs, "Interleaved thinking": without it, "Response 2: [tool_use]
+    # <- no thinking block"; the tool loop is one assistant turn, which opened with thinking.
+    "a thinking tool loop whose later steps do not think": (
+        [QUESTION, *loop_step("toolu_1", thought()), *loop_step("toolu_2"),
+         *loop_step("toolu_3", text("and one more"))], {"thinking": THINKING}, {}),
+    "a tool loop whose result turns carry text after the results": (
+        [QUESTION, assistant(thought(), use("toolu_1")),
+         user(result("toolu_1"), text("<system-reminder>")), *loop_step("toolu_2")],
+        {"thinking": THINKING}, {}),
+    # Mid-conversation system messages: before an assistant message, or at the end.
+    "calls split around a system entry": (
+        [QUESTION, assistant(use("toolu_1")), system("a reminder"), assistant(use("toolu_2")),
+         user(result("toolu_1"), result("toolu_2"))], {}, {}),
+    "a system entry before an assistant message and one ending the array": (
+        [QUESTION, system("be brief"), assistant(text("ok")), user(text("more")),
+         system([text("note")])], {}, {}),
+    "a system entry carrying only output_config": (
+        [QUESTION, {"role": "system", "output_config": {"effort": "low"}}], {}, {}),
+    "tool additions and removals in system entries": (
+        [QUESTION, system([{"type": "tool_removal", "tool": {"type": "tool_reference",
+                                                             "name": "Bash"}}]),
+         assistant(text("ok")), user(text("again")),
+         system([{"type": "tool_addition", "tool": {"type": "tool_reference", "name": "Bash"}}])],
+        {}, {"anthropic-beta": "mid-conversation-tool-changes-2026-07-01"}),
+    # Server tools (SDK types/beta/*_tool_result_block_param.py): their pairs sit in the
+    # assistant turn and take no client result.
+    "server tool pairs of every kind": (
+        [QUESTION, assistant(
+            server_use("srvtoolu_1", "web_search"), web_search_result("srvtoolu_1"),
+            server_use("srvtoolu_2", "code_execution"), code_result("srvtoolu_2"),
+            server_use("srvtoolu_3", "bash_code_execution"),
+            {"type": "bash_code_execution_tool_result", "tool_use_id": "srvtoolu_3",
+             "content": {"type": "bash_code_execution_result", "stdout": "", "stderr": "",
+                         "return_code": 0, "content": []}},
+            server_use("srvtoolu_4", "text_editor_code_execution"),
+            {"type": "text_editor_code_execution_tool_result", "tool_use_id": "srvtoolu_4",
+             "content": {"type": "text_editor_code_execution_view_result", "content": "x",
+                         "file_type": "text"}},
+            {"type": "mcp_tool_use", "id": "mcptoolu_1", "name": "search", "server_name": "s",
+             "input": {}},
+            {"type": "mcp_tool_result", "tool_use_id": "mcptoolu_1", "content": [text("r")]},
+            text("found")), user(text("more"))], {}, {}),
+    "a tool search whose found tool is then called": (
+        [QUESTION, assistant(
+            server_use("srvtoolu_1", "tool_search_tool_regex"),
+            {"type": "tool_search_tool_result", "tool_use_id": "srvtoolu_1",
+             "content": {"type": "tool_search_tool_search_result",
+                         "tool_references": [{"type": "tool_reference", "tool_name": "Bash"}]}},
+            use("toolu_1")), user(result("toolu_1"))], {}, {}),
+    # server-tools docs: a server call made beside client calls runs on the next request.
+    "a server call deferred beside a client call, its result in the next turn": (
+        [QUESTION, assistant(server_use("srvtoolu_1", "web_search"), use("toolu_1")),
+         user(result("toolu_1")), assistant(web_search_result("srvtoolu_1"), text("done")),
+         user(text("thanks"))], {}, {}),
+    "a paused turn sent back as the last message": (
+        [QUESTION, assistant(text("Searching."), server_use("srvtoolu_1", "web_search"))],
+        {}, {}),
+    # programmatic-tool-calling docs: calls made by code, answered by results alone.
+    "programmatic calls and the code's result turns later": (
+        [QUESTION, assistant(server_use("srvtoolu_1", "code_execution"),
+                             dict(use("toolu_1"), caller={"type": "code_execution_20250825",
+                                                          "tool_id": "srvtoolu_1"})),
+         user(result("toolu_1")), assistant(code_result("srvtoolu_1"), text("ok")),
+         user(text("thanks"))], {}, {}),
+    # Content the user turn and results may hold (SDK beta_tool_result_block_param.py).
+    "results holding images, documents and search results, or nothing": (
+        [QUESTION, assistant(use("toolu_1"), use("toolu_2"), use("toolu_3")),
+         user(result("toolu_1", [
+             text("a"), {"type": "image", "source": {"type": "url",
+                                                     "url": "https://example.com/a.png"}},
+             {"type": "document", "source": {"type": "text", "media_type": "text/plain",
+                                             "data": "doc"}},
+             {"type": "search_result", "source": "s", "title": "t", "content": [text("c")]}]),
+              {"type": "tool_result", "tool_use_id": "toolu_2"},
+              dict(result("toolu_3", []), is_error=True),
+              {"type": "container_upload", "file_id": "file_1"}, text("see"))], {}, {}),
+    "string contents": (
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+         {"role": "user", "content": "again"}], {}, {}),
+    "cache_control and citations on blocks": (
+        [user({"type": "document", "source": {"type": "text", "media_type": "text/plain",
+                                              "data": "The sky is blue."},
+               "citations": {"enabled": True}, "cache_control": EPHEMERAL},
+              dict(text("q"), cache_control=EPHEMERAL)),
+         assistant(dict(text("The sky is blue."), citations=[
+             {"type": "char_location", "cited_text": "The sky is blue.", "document_index": 0,
+              "start_char_index": 0, "end_char_index": 16}]),
+             dict(use("toolu_1"), cache_control={"type": "ephemeral", "ttl": "1h"})),
+         user(dict(result("toolu_1"), cache_control=EPHEMERAL))], {}, {}),
+    "an empty final assistant message (a prefill)": ([QUESTION, assistant()], {}, {}),
+    "a prefill after results": (
+        [QUESTION, *loop_step("toolu_1"), assistant(text("The answer is"))], {}, {}),
+    "consecutive messages of one role without calls": (
+        [QUESTION, user(text("and")), assistant(text("x")), assistant(text("y")),
+         user(text("z"))], {}, {}),
+    "results in another order than their calls": (
+        [QUESTION, assistant(use("toolu_1"), use("toolu_2")),
+         user(result("toolu_2"), result("toolu_1"))], {}, {}),
+    # Blocks a response carries and the client sends back unchanged (SDK beta_fallback_block,
+    # beta_mcp_tool_listing_block, beta_thinking_block with display "omitted").
+    "fallback, MCP listing and omitted-thinking blocks sent back": (
+        [QUESTION, assistant({"type": "thinking", "thinking": "", "signature":
+                              sign_thinking(SECRET.encode(), "")},
+                             {"type": "mcp_tool_listing", "mcp_server_name": "s", "tools": []},
+                             text("x"),
+                             {"type": "fallback", "from": {"model": "claude-a"},
+                              "to": {"model": "claude-b"}, "trigger": None},
+                             thought("again"), use("toolu_1")),
+         user(result("toolu_1"))], {"thinking": THINKING},
+        {"anthropic-beta": "server-side-fallback-2026-07-01"}),
+    # The fallback guide: a fallback before any output comes first in the content; the block
+    # is not rendered into the prompt (the SDK's BetaFallbackBlockParam).
+    "a thinking tool turn opening with its fallback block": (
+        [QUESTION, assistant({"type": "fallback", "from": {"model": "claude-a"},
+                              "to": {"model": "claude-b"}}, thought(), use("toolu_1")),
+         user(result("toolu_1"))], {"thinking": THINKING},
+        {"anthropic-beta": "server-side-fallback-2026-07-01"}),
+    # Its echo rules after a mid-output fallback: the declined model's text stays, its
+    # thinking and calls before the final fallback block go.
+    "a thinking tool turn another model took over mid-output": (
+        [QUESTION, assistant(text("The first part"), {"type": "fallback", "from": {
+            "model": "claude-a"}, "to": {"model": "claude-b"}}, thought(), use("toolu_1")),
+         user(result("toolu_1"))], {"thinking": THINKING},
+        {"anthropic-beta": "server-side-fallback-2026-07-01"}),
+    # BetaMCPToolListingBlock: "the tool listing the server fetched from an MCP server while
+    # producing this response. Send the assistant message back unchanged, this block included".
+    "a thinking tool turn opening with an MCP server's tool listing": (
+        [QUESTION, assistant({"type": "mcp_tool_listing", "mcp_server_name": "s", "tools": []},
+                             thought(), use("toolu_1")),
+         user(result("toolu_1"))], {"thinking": THINKING, "mcp_servers": [
+             {"type": "url", "url": "https://mcp.example.com", "name": "s"}]},
+        {"anthropic-beta": "mcp-client-2025-11-20"}),
+    "interleaved thinking after a server result": (
+        [QUESTION, assistant(thought(), server_use("srvtoolu_1", "web_search"),
+                             web_search_result("srvtoolu_1"), thought("again"), text("found")),
+         user(text("more"))], {"thinking": THINKING}, {}),
+}
+
+
+@pytest.mark.parametrize("name", SHAPES)
+async def test_an_accepted_shape_goes_up_as_the_client_sent_it(relay_client, tmp_path, name):
+    messages, fields, headers = SHAPES[name]
+    shipped = yaml.safe_load((ROOT / "relay.yaml").read_text())
+    client = await relay_client(shipped["pipeline"], {"dump": {"dir": str(tmp_path / "dumps")}},
+                                signing_secret=SECRET)
+    body = request(*messages, **fields)
+    response = await client.post("/v1/messages", json=body, headers={
+        "x-api-key": "test", "anthropic-version": "2023-06-01", **headers})
+    assert response.status == 200, await response.text()
+    assert "x-relay-repairs" not in response.headers
+    assert "x-relay-rewrites" not in response.headers
+    (sent,) = received(client)
+    assert sent == body
+
+
+# --- the SDK's own tool runner ----------------------------------------------------------------
+
+# What the API answers, turn by turn, thinking on (the emulator answers with client calls only):
+# a server call deferred beside a client call, then its result in the next turn; a paused
+# server call; programmatic calls; a thinking loop whose later steps do not think.
+SCRIPTS = {
+    "a deferred web search": [
+        ([thought(), text("Both."), server_use("srvtoolu_1", "web_search"),
+          dict(use("toolu_1", "run"), input={"command": "ls"})], "tool_use"),
+        ([web_search_result("srvtoolu_1"), dict(use("toolu_2", "run"), input={"command": "pwd"})],
+         "tool_use"),
+        ([text("done")], "end_turn")],
+    "a paused turn": [
+        ([thought(), server_use("srvtoolu_1", "web_search")], "pause_turn"),
+        ([web_search_result("srvtoolu_1"), dict(use("toolu_1", "run"), input={"command": "ls"})],
+         "tool_use"),
+        ([text("done")], "end_turn")],
+    "programmatic calls": [
+        ([thought(), server_use("srvtoolu_1", "code_execution"),
+          dict(use("toolu_1", "run"), input={"command": "ls"},
+               caller={"type": "code_execution_20250825", "tool_id": "srvtoolu_1"})], "tool_use"),
+        ([code_result("srvtoolu_1"), text("done")], "end_turn")],
+    "a thinking loop": [
+        ([thought(), dict(use("toolu_1", "run"), input={"command": "ls"})], "tool_use"),
+        ([dict(use("toolu_2", "run"), input={"command": "pwd"})], "tool_use"),
+        ([text("done")], "end_turn")],
+}
+
+
+@anthropic.beta_async_tool
+async def run(command: str) -> str:
+    """Run a shell command.
+
+    Args:
+        command: the command line
+    """
+    return f"ran {command}"
+
+
+def scripted(answers: list, judged: list, bodies: list) -> web.Application:
+    """An upstream answering ``answers`` in turn; ``bodies`` gets each request, and ``judged``
+    what the strict emulator says of it (None: accepted)."""
+    async def messages(request: web.Request) -> web.Response:
+        body = orjson.loads(await request.read())
+        bodies.append(body)
+        judged.append(find_problem(copy.deepcopy(body), EmulatorOptions(signing_secret=SECRET)))
+        content, stop = answers[min(len(judged), len(answers)) - 1]
+        return web.json_response({
+            "id": f"msg_{len(judged)}", "type": "message", "role": "assistant",
+            "model": body["model"], "content": content, "stop_reason": stop,
+            "stop_sequence": None, "usage": {"input_tokens": 1, "output_tokens": 1}})
+    app = web.Application()
+    app.router.add_post("/v1/messages", messages)
+    return app
+
+
+@pytest.mark.parametrize("threaded", [True, False], ids=["threaded", "unthreaded"])
+@pytest.mark.parametrize("script", SCRIPTS)
+async def test_the_sdks_tool_runner_goes_through_with_the_newest_blocks(
+        relay_client, aiohttp_server, tmp_path, script, threaded):
+    judged: list = []
+    bodies: list = []
+    shipped = yaml.safe_load((ROOT / "relay.yaml").read_text())
+    client = await relay_client(shipped["pipeline"], {"dump": {"dir": str(tmp_path / "dumps")}},
+                                upstream=await aiohttp_server(
+                                    scripted(SCRIPTS[script], judged, bodies)))
+    sent: list = []
+    answered: list = []
+
+    async def on_request(request):
+        sent.append(orjson.loads(request.content))
+
+    async def on_response(response):
+        answered.append((response.status_code, response.headers.get("x-relay-repairs")))
+
+    sdk = anthropic.AsyncAnthropic(
+        base_url=str(client.make_url("")).rstrip("/"), api_key="sk-test", max_retries=0,
+        http_client=anthropic.DefaultAsyncHttpxClient(
+            event_hooks={"request": [on_request], "response": [on_response]}))
+    runner = sdk.beta.messages.tool_runner(
+        model="claude-test", max_tokens=2048, tools=[run], max_iterations=6,
+        messages=[{"role": "user", "content": "go"}],
+        thinking={"type": "enabled", "budget_tokens": 1024},
+        **({} if threaded else {"thread": False}))
+    stops = [message.stop_reason async for message in runner]
+    assert stops[-1] == "end_turn"
+    assert answered == [(200, None)] * len(SCRIPTS[script])
+    assert judged == [None] * len(SCRIPTS[script])
+    assert all(body["thinking"] == {"type": "enabled", "budget_tokens": 1024} for body in bodies)
+    if threaded:
+        assert sent[0]["thread"] == {"type": "create"}
+        # This backend holds no threads: the relay carries them, so each request goes up as
+        # the whole conversation, which ends with what the SDK sent (nothing, to continue a
+        # paused turn).
+        assert all(body["messages"][len(body["messages"]) - len(mine["messages"]):]
+                   == mine["messages"] for body, mine in zip(bodies, sent, strict=True))
+    else:
+        assert bodies == sent
