@@ -160,7 +160,8 @@ class Backend:
     default: bool = False
     rename: dict[str, str] = field(default_factory=dict)
     api_key_env: str | None = None
-    api_key: str | None = None  # read from api_key_env at start-up, never from the file
+    # Read from api_key_env at start-up, never from the file; never in a repr (a log line).
+    api_key: str | None = field(default=None, repr=False)
     auth: str = "x-api-key"
     quirks: dict = field(default_factory=dict)
     timeouts: Timeouts = field(default_factory=Timeouts)

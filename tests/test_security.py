@@ -675,3 +675,18 @@ def test_targets_the_router_matches_to_nothing_are_answered_in_anthropic_format(
         assert f"x-relay-request-id: {doc['request_id']}".encode() in headers
         assert b"X-Injected" not in headers
     assert "Traceback" not in small_relay.output()
+
+
+def test_no_secret_is_in_the_configs_repr():
+    # A repr reaches logs through any f-string or %r; keys are read into the config at start.
+    env = {"UP": "sk-operator-secret-0123456789", "RELAY": KEY_A,
+           "ADMIN": "admin-key-0123456789abcdefgh", "POOL": "sk-pool-key-0123456789abcdef"}
+    config = config_module.parse({
+        "server": {"auth": {"keys": [{"name": "a", "key_env": "RELAY"}],
+                            "admin_key_env": "ADMIN"}},
+        "backends": [{"name": "one", "url": "http://127.0.0.1:1", "api_key_env": "UP",
+                      "models": ["*"]},
+                     {"name": "pool", "url": "http://127.0.0.1:2", "models": ["*"],
+                      "credentials": [{"name": "c", "key_env": "POOL"}]}]}, env)
+    shown = repr(config) + repr(config.backends) + repr(config.keys)
+    assert [name for name, secret in env.items() if secret in shown] == []
