@@ -241,7 +241,7 @@ def _keep(exchange: Exchange, resuming: tuple, keeping: tuple, messages: list) -
             return
         old = resumed.record
         if exchange.resume is not None:
-            exchange.resume.span = (old.array, resumed.offset)
+            exchange.resume.span = (old.array, resumed.offset, resumed.end)
         # The messages before the boundary keep what the earlier ones were decoded from
         # (the earlier body itself, for a record made by a full walk); the new ones, a copy
         # of this body's last part.

@@ -90,9 +90,11 @@ class Resume:
         self._changer = changer  # the position of the last plugin that changed the prefix
         self._position = position or {}
         # Once the chain has run, for a resumed request whose new messages were found in
-        # canonical form: where the messages array's first value starts in the body and
-        # where message ``start`` does (bytes up to there are the previous request's).
-        self.span: tuple[int, int] | None = None
+        # canonical form: where the messages array's first value starts in the body, where
+        # message ``start`` does (bytes up to there are the previous request's), and where
+        # the array closes when the bytes from there on are the previous request's too
+        # (else None).
+        self.span: tuple[int, int, int | None] | None = None
 
     def state(self, plugin: str):
         """What ``plugin`` saved at ``start``: None on a full walk, and when it saved
@@ -385,17 +387,20 @@ def _bytes_from(record: Record, at: int):
 
 class Resumed:
     """A request decoded from a record: its skeleton (the record's first ``start`` messages,
-    then the new ones), and where its new messages' bytes begin."""
+    then the new ones), where its new messages' bytes begin, and (``end``) where its
+    messages array closes when the bytes from there on are the record's request's (None
+    when they are not)."""
 
-    __slots__ = ("skeleton", "start", "record", "offset", "after")
+    __slots__ = ("skeleton", "start", "record", "offset", "after", "end")
 
     def __init__(self, skeleton_: skeleton.Skeleton, start: int, record: Record, offset: int,
-                 after: dict):
+                 after: dict, end: int | None = None):
         self.skeleton = skeleton_
         self.start = start
         self.record = record
         self.offset = offset
         self.after = after
+        self.end = end
 
 
 def decode_from(record: Record, raw: bytes, start: int) -> Resumed | None:
@@ -409,7 +414,8 @@ def decode_from(record: Record, raw: bytes, start: int) -> Resumed | None:
         closing = offsets[record.count]  # the "]" of the record's messages
         suffix = _bytes_from(record, closing)
         last = len(raw) - len(suffix)  # where this request's "]" is, if it ends the same
-        if after is not None and last >= end and raw.endswith(suffix):
+        same = last >= end and raw.endswith(suffix)
+        if after is not None and same:
             # The fields after the messages are the same bytes: only the messages between
             # are decoded.
             tail = skeleton.decode_messages(b"[" + raw[end + 1:last] + b"]") if comma else []
@@ -434,7 +440,8 @@ def decode_from(record: Record, raw: bytes, start: int) -> Resumed | None:
         found = skeleton.from_fields(model, messages, fields)
     except (msgspec.MsgspecError, ValueError, KeyError, TypeError, RecursionError):
         return None
-    return Resumed(found, start, record, end + 1 if comma else end, after)
+    return Resumed(found, start, record, end + 1 if comma else end, after,
+                   last if same else None)
 
 
 def canonical(messages: list) -> list[bytes] | None:

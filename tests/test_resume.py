@@ -373,6 +373,42 @@ def test_a_resumed_request_s_fingerprint_is_taken_from_the_previous_one(monkeypa
     assert taken == [True] * (len(range(3, len(messages) + 1, 2)) - 2)
 
 
+@pytest.mark.parametrize("around", AROUND)
+@pytest.mark.parametrize("first", [True, False])
+def test_a_resumed_request_around_the_same_fields_reads_only_its_new_messages(
+        monkeypatch, around, first):
+    """When the bytes after the messages are the previous request's too (the fields around
+    the messages before or after them), the fingerprint takes every part but the new
+    messages' from the previous one, and is still the whole body's."""
+    from relay import cache as fingerprints
+    grown = []
+    original = fingerprints._grown
+
+    def counted(*args):
+        found = original(*args)
+        grown.append(found is not None)
+        return found
+
+    monkeypatch.setattr(fingerprints, "_grown", counted)
+    pipeline = ["cache", *PIPELINE]
+    state, whole = relay(pipeline), relay(pipeline, resume_bytes=0)
+    messages = conversation(12)
+    for n in range(3, len(messages) + 1, 2):
+        request = orjson.loads(body(marked(messages[:n])))
+        raw = orjson.dumps({**around, **request} if first else {**request, **around})
+        ours, _ = judged(state, raw)
+        assert ours == judged(whole, raw)[0]
+        assert ours[0] == fingerprints.fingerprint(raw)
+    assert grown == [True] * (len(range(3, len(messages) + 1, 2)) - 2)
+    # Fields after the messages that changed: the whole rest of the body is read again.
+    grown.clear()
+    for n, system in ((3, "one"), (5, "one"), (7, "two")):
+        raw = body(marked(messages[:n]), system=system)
+        ours, _ = judged(state, raw)
+        assert ours == judged(whole, raw)[0]
+    assert grown == [True]
+
+
 def _held_by_records(state, requests):
     """What the session's record keeps alive after ``requests`` (by tracemalloc), and the
     size the byte budget counts for it."""
