@@ -144,11 +144,14 @@ class Record:
 
     def __init__(self, raw: bytes, count: int, context: tuple, messages: list, states: dict,
                  pending: list[bytes] | None, offsets: dict | None, before, array: int,
-                 blocks: int, pinned: int = 0, cut: int | None = None, tail: bytes = b""):
+                 blocks: int, pinned: int = 0, cut: int | None = None,
+                 tail: bytes | bytearray = b""):
         # The request's bytes are ``raw[:cut] + tail``: a resumed request's record keeps the
         # body its messages were first decoded from (``raw``, in memory with them anyway)
         # and a copy of what this request's body holds after ``cut`` (its bytes up to
-        # ``cut`` were compared with that body's), rather than a second copy of the whole.
+        # ``cut`` were compared with that body's), rather than a second copy of the whole;
+        # a bytearray, which the session's next record takes over and extends
+        # (:func:`tail_after`).
         self.raw = raw
         self.cut = len(raw) if cut is None else cut
         self.tail = tail
@@ -373,6 +376,24 @@ def _same(record: Record, raw: bytes, lo: int, hi: int) -> bool:
             return False
         lo = top
     return lo >= hi or raw.startswith(memoryview(record.tail)[lo - cut:hi - cut], lo)
+
+
+def tail_after(record: Record, raw: bytes, cut: int, boundary: int) -> bytearray:
+    """``raw[cut:]`` for the record that follows ``record`` (taken out of the store: its
+    tail is the new record's to take over), where ``raw[:boundary]`` are ``record``'s
+    request's bytes: ``record``'s tail up to ``boundary``, then ``raw`` from there, so that
+    only what is new is copied (the part before it was copied once, by an earlier
+    request)."""
+    tail = record.tail
+    if cut == record.cut and boundary >= cut and type(tail) is bytearray:
+        try:
+            del tail[boundary - cut:]
+            tail += memoryview(raw)[boundary:]
+            record.tail = b""  # the new record's now
+            return tail
+        except BufferError:  # a view of it still held somewhere: copied instead
+            pass
+    return bytearray(memoryview(raw)[cut:])
 
 
 def _bytes_from(record: Record, at: int):

@@ -443,3 +443,26 @@ def test_a_record_counts_what_it_holds_and_holds_a_long_history_once(first):
     assert freed <= 1.1 * size
     if first > 3:
         assert base and freed < 1.5 * len(requests[-1])
+
+
+def test_a_long_history_s_record_extends_the_copy_of_what_followed_it():
+    """A session first seen far into it: each record holds the first body and a copy of
+    what followed it, which the next record takes over and extends by what is new rather
+    than copying it again whole; the record's bytes are always its request's, and each
+    request comes out as the full walk makes it."""
+    messages = conversation(30, size=2000)
+    state, whole = relay(), relay(resume_bytes=0)
+    tails = []
+    for n in range(41, len(messages) + 1, 2):
+        raw = body(marked(messages[:n]))
+        assert prepared(state, raw)[0] == prepared(whole, raw)[0]
+        if not state.resume.records:
+            continue  # a session's first request keeps nothing
+        (record,) = state.resume.records.values()
+        assert bytes(record.raw[:record.cut]) + bytes(record.tail) == raw
+        tails.append(record.tail)
+        del record
+    # The record of the full walk holds its whole body, the first resumed one a copy of what
+    # follows the boundary; from there on, each takes over its predecessor's copy.
+    assert len(tails) >= 5 and tails[0] == b""
+    assert all(tail is tails[1] for tail in tails[2:])
