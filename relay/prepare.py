@@ -251,7 +251,8 @@ def _keep(exchange: Exchange, resuming: tuple, keeping: tuple, messages: list) -
         # those are the body the messages were first decoded from, the new record keeps that
         # one and a copy of what follows (while that is small beside it), not this whole
         # body too.
-        base, cut, tail = raw, None, b""
+        base, cut = raw, None
+        tail: bytes | bytearray = b""
         if old.pinned == 0 or old.cut < len(old.raw):
             shared = min(old.cut, old.offsets[resumed.start])
             if len(raw) - shared <= min(shared, resume.TAIL_BYTES):
