@@ -287,7 +287,7 @@ def _grown(body: bytes, previous: Resumable, count: int, offset: int,
     breakpoints are ``previous``'s, as :func:`_assemble` would make them again from the
     same bytes."""
     try:
-        messages = _messages.decode(b"[" + body[offset:end] + b"]") if end > offset else []
+        messages = _messages.decode(_bracketed(body, offset, end)) if end > offset else []
     except (msgspec.MsgspecError, ValueError, RecursionError):
         return None
     before = previous.fingerprint
@@ -309,6 +309,12 @@ def _grown(body: bytes, previous: Resumable, count: int, offset: int,
     return Resumable(Fingerprint(before.model, crcs, lengths, before.tools, before.system,
                                  counts, points, lifetimes, before.parameters),
                      previous.automatic, True)
+
+
+def _bracketed(body: bytes, start: int, end: int) -> bytes:
+    """``body[start:end]`` in brackets, copied once (a slice and two concatenations copy
+    it three times)."""
+    return b"".join((b"[", memoryview(body)[start:end], b"]"))
 
 
 def _or_null(value):

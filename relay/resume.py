@@ -439,7 +439,9 @@ def decode_from(record: Record, raw: bytes, start: int) -> Resumed | None:
         if after is not None and same:
             # The fields after the messages are the same bytes: only the messages between
             # are decoded.
-            tail = skeleton.decode_messages(b"[" + raw[end + 1:last] + b"]") if comma else []
+            # Copied once: the new messages' raw values keep this buffer, not the body.
+            tail = skeleton.decode_messages(b"".join((b"[", memoryview(raw)[end + 1:last],
+                                                      b"]"))) if comma else []
             if not comma and last != end:
                 return None
         else:
