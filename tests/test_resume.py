@@ -466,3 +466,23 @@ def test_a_long_history_s_record_extends_the_copy_of_what_followed_it():
     # follows the boundary; from there on, each takes over its predecessor's copy.
     assert len(tails) >= 5 and tails[0] == b""
     assert all(tail is tails[1] for tail in tails[2:])
+
+
+def test_dedup_s_states_past_a_user_message_share_its_ledger():
+    """Past a user message (tool results only) the ledger is as it was: the record's state
+    after it shares the copy made at the mark before it, and the session's next request,
+    resumed there, still comes out as the full walk makes it."""
+    messages = conversation(6, reuse=True)
+    state, whole = relay(), relay(resume_bytes=0)
+    for n in (9, 11, 13):
+        raw = body(marked(messages[:n]))
+        assert prepared(state, raw)[0] == prepared(whole, raw)[0]
+    (record,) = state.resume.records.values()
+    count = record.count  # the last message a user's, the one before an assistant's
+    states = {index: record.states[index]["dedup"][0] for index in (count - 2, count - 1, count)}
+    assert states[count][0] is states[count - 1][0] and states[count][1] is states[count - 1][1]
+    assert states[count - 1][0] is not states[count - 2][0]
+    assert states[count][0] == states[count - 1][0] and states[count][3] != states[count - 1][3]
+    del record, states
+    raw = body(marked(messages[:13]) + [assistant(use("toolu_0"))] + [user(result("toolu_0", "x"))])
+    assert prepared(state, raw)[0] == prepared(whole, raw)[0]
