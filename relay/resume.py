@@ -218,6 +218,8 @@ class Store:
         start = lane = 0
         for candidate in self.lanes.get(session, ()):
             record = self.records[session, candidate]
+            if start and record.offsets and max(record.offsets) <= start:
+                continue  # it could go no further than the one found: not compared
             found = match(record, raw)
             if found > start:
                 best, start, lane = record, found, candidate

@@ -203,6 +203,27 @@ def test_two_conversations_of_one_session_each_go_on_from_their_own_record():
             assert ours == prepared(whole, body(messages))[0]
 
 
+def test_a_record_that_could_go_no_further_than_the_one_found_is_not_compared(monkeypatch):
+    state, whole = relay(), relay(resume_bytes=0)
+    main, side = conversation(6), [user(text("summarise this session")), *conversation(1)[1:]]
+    for messages in (main, side):
+        opened(state, body(messages))
+    compared = []
+    matching = resume.match
+
+    def counted(record, raw):
+        compared.append(record.count)
+        return matching(record, raw)
+
+    monkeypatch.setattr(resume, "match", counted)
+    main += [assistant(text("more")), user(text("go on"))]
+    ours, exchange = prepared(state, body(main))
+    assert exchange.resume.start == len(main) - 2
+    assert ours == prepared(whole, body(main))[0]
+    # The side conversation's record ends before the boundary the main one's gave.
+    assert compared == [len(main) - 2]
+
+
 class Walker:
     """A third-party plugin that walks requests and has not opted in."""
 
