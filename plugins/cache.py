@@ -194,10 +194,9 @@ def _continues(lane: Fingerprint, request: Fingerprint) -> bool:
     a, b = lane.messages[0], request.messages[0]
     if a != b:
         return False
-    for mine, theirs in ((lane.crcs, request.crcs), (lane.lengths, request.lengths)):
-        if memoryview(mine)[start_a:start_a + a] != memoryview(theirs)[start_b:start_b + b]:
-            return False
-    return True
+    # Array slices compare in a C loop; memoryviews unpack item by item.
+    return lane.crcs[start_a:start_a + a] == request.crcs[start_b:start_b + b] \
+        and lane.lengths[start_a:start_a + a] == request.lengths[start_b:start_b + b]
 
 
 def choose_lane(record: Record | None, request: Fingerprint, backend: str | None,

@@ -172,24 +172,37 @@ def make_unique(messages: list, sep: str = DEFAULT_SEPARATOR, answer: bool = Tru
                 resume.decline()
             calls = _restore(walk, answered, saved)
     at = start
+    snapshot = None
     for mark in marks:
         if mark >= at:
             calls = _unique_walk(messages, at, mark, walk, answered, calls, answer)
+            # Only an assistant message changes the ledger and the calls' lists: past user
+            # messages alone, the previous mark's copies of them are this one's too (a
+            # record's states are used once, by one request).
+            shared = snapshot if snapshot is not None and not any(
+                type(message) is dict and message.get("role") == "assistant"
+                for message in messages[at:mark]) else None
             at = mark
-            resume.save(PLUGIN, mark, _snapshot(walk, answered, calls), walk.changed)
+            snapshot = _snapshot(walk, answered, calls, shared)
+            resume.save(PLUGIN, mark, snapshot, walk.changed)
     calls = _unique_walk(messages, at, len(messages), walk, answered, calls, answer)
     walk.ledger.taken.update(answered)
     return walk
 
 
-def _snapshot(walk: Walk, answered: list, calls) -> tuple:
+def _snapshot(walk: Walk, answered: list, calls, shared: tuple | None = None) -> tuple:
     """The walk's state at a boundary, as values (the next request's walk goes on from a
-    copy: nothing here refers to a message, which later plugins may change)."""
+    copy: nothing here refers to a message, which later plugins may change); ``shared``: an
+    earlier snapshot of this walk whose ledger and calls' lists are still the walk's."""
     ledger = walk.ledger
     if calls is not None and type(calls) is not dict:
         calls = _result_queues(*calls)
     if calls is not None:
         calls = {key: list(queue) for key, queue in calls.items()}
+    if shared is not None:
+        taken, counts, next_free, _, tool_uses, _, recognised, _ = shared
+        return (taken, counts, next_free, list(answered), tool_uses, walk.tool_results,
+                recognised, calls)
     return (set(ledger.taken), dict(ledger.counts), dict(ledger.next_free), list(answered),
             list(walk.tool_uses), walk.tool_results, list(walk.recognised), calls)
 

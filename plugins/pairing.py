@@ -226,8 +226,10 @@ def _clean(messages: list, unique_ids: bool, resume=None) -> bool:
                 return False
             at = mark
             seen, pending, programmatic, previous = state
-            resume.save("pairing", mark, (None if seen is None else set(seen),
-                                          None if pending is None else tuple(pending),
+            # Past the last mark nothing more is walked: its state is saved as it stands.
+            if seen is not None and mark < len(messages):
+                seen = set(seen)
+            resume.save("pairing", mark, (seen, None if pending is None else tuple(pending),
                                           programmatic, previous))
     return _clean_walk(messages, at, len(messages), state) and state[1] is None
 

@@ -202,10 +202,13 @@ def resumable(body: bytes) -> Resumable | None:
         if found is not None else None
 
 
+_PLAIN_SPAN = 4096
+
+
 def _plain(body: bytes) -> bool:
     # An encoder spaces all its separators or none, so the first few are enough (searching
     # a whole history for these bytes costs more than the rest).
-    return body.find(_SPACED, 0, 4096) < 0 and body.find(b"\n", 0, 4096) < 0
+    return body.find(_SPACED, 0, _PLAIN_SPAN) < 0 and body.find(b"\n", 0, _PLAIN_SPAN) < 0
 
 
 class _Around(msgspec.Struct):
@@ -223,21 +226,30 @@ class _Around(msgspec.Struct):
 
 
 _around = msgspec.json.Decoder(_Around)
+_messages = msgspec.json.Decoder(list[_Message])
 _AROUND = _Around.__struct_fields__[1:]
 _NULL = Raw(b"null")
 
 
 def resumed(body: bytes, previous: Resumable, count: int, array_at: int,
-            offset: int) -> Resumable | None:
+            offset: int, end: int | None = None) -> Resumable | None:
     """:func:`resumable` for a body whose bytes up to its ``count``-th message are the ones
     ``previous`` was taken from (the caller compared them: :mod:`relay.resume`): the first
     ``count`` messages' parts are ``previous``'s, and only the rest of the body is read.
     ``array_at``: where the messages array's first value starts, ``offset``: where message
-    ``count`` starts (or the array's closing bracket). None when it cannot be told this way
+    ``count`` starts (or the array's closing bracket); ``end``, when the bytes from the
+    array's closing bracket on are the ones ``previous`` was taken from too (compared by the
+    caller): where that bracket is in ``body``. Then every field around the messages is
+    ``previous``'s, and only the new messages are read. None when it cannot be told this way
     (then the whole body decides)."""
     before = previous.fingerprint
-    if not (previous.plain and _plain(body)) or count > len(before.messages):
+    if count > len(before.messages) or not previous.plain:
         return None
+    # _plain reads the first _PLAIN_SPAN bytes: where those are previous's, so is its answer.
+    if offset < _PLAIN_SPAN and not _plain(body):
+        return None
+    if end is not None:
+        return _grown(body, previous, count, offset, end)
     try:
         head = _around.decode(body[:array_at] + b"]}")
         tail = _around.decode(b'{"messages":[' + body[offset:])
@@ -267,6 +279,44 @@ def resumed(body: bytes, previous: Resumable, count: int, array_at: int,
     return Resumable(found, automatic, True) if found is not None else None
 
 
+def _grown(body: bytes, previous: Resumable, count: int, offset: int,
+           end: int) -> Resumable | None:
+    """:func:`resumed` for a body that differs from ``previous``'s only in its messages from
+    ``count`` on (``body[offset:end]``, the array's closing bracket at ``end``): the model,
+    parameters, tools and system parts, the first ``count`` messages' parts and their
+    breakpoints are ``previous``'s, as :func:`_assemble` would make them again from the
+    same bytes."""
+    try:
+        messages = _messages.decode(_bracketed(body, offset, end)) if end > offset else []
+    except (msgspec.MsgspecError, ValueError, RecursionError):
+        return None
+    before = previous.fingerprint
+    cut = len(before.lengths) - sum(before.messages[count:])  # the messages' parts come last
+    breakpoints, ttls = before.breakpoints, before.ttls
+    # The automatic breakpoint is the last one (on the last part, sorted after its block's
+    # own): it moves to this body's last part.
+    marks = len(breakpoints) - 1 if previous.automatic else len(breakpoints)
+    while marks and breakpoints[marks - 1] >= cut:
+        marks -= 1
+    crcs, lengths = before.crcs[:cut], before.lengths[:cut]
+    points, lifetimes = breakpoints[:marks], ttls[:marks]
+    counts = before.messages[:count]
+    _message_parts(messages, body.count(_KEY, offset, end), crcs, lengths, points, lifetimes,
+                   counts)
+    if previous.automatic:
+        points.append(len(lengths) - 1)
+        lifetimes.append(ttls[-1])
+    return Resumable(Fingerprint(before.model, crcs, lengths, before.tools, before.system,
+                                 counts, points, lifetimes, before.parameters),
+                     previous.automatic, True)
+
+
+def _bracketed(body: bytes, start: int, end: int) -> bytes:
+    """``body[start:end]`` in brackets, copied once (a slice and two concatenations copy
+    it three times)."""
+    return b"".join((b"[", memoryview(body)[start:end], b"]"))
+
+
 def _or_null(value):
     return _NULL if value is msgspec.UNSET else value
 
@@ -285,8 +335,6 @@ def _assemble(model_raw, speed_raw, tools, system_raw, thinking, tool_choice, ca
     if not isinstance(model, str) or system is None:
         return None
     automatic = bytes(cache_control) != b"null"
-    # Markers are few, and clients put them on the newest messages: the messages that hold
-    # one are found from the end, and every other message is hashed in C.
     left = keys - automatic
     crcs, lengths = array("I"), array("I")
     breakpoints, ttls = array("I"), array("d")
@@ -306,6 +354,24 @@ def _assemble(model_raw, speed_raw, tools, system_raw, thinking, tool_choice, ca
             breakpoints.append(before.breakpoints[i] + shift)
             ttls.append(before.ttls[i])
         counts.extend(before.messages[:count])
+    _message_parts(messages, left, crcs, lengths, breakpoints, ttls, counts)
+    if automatic:
+        # Automatic caching: the API puts the breakpoint on the last cacheable block.
+        breakpoints.append(len(lengths) - 1)
+        ttls.append(_ttl(cache_control))
+    order = sorted(range(len(breakpoints)), key=breakpoints.__getitem__)
+    return Fingerprint(
+        model if speed is None else f"{model} speed={speed}", crcs, lengths, len(tools),
+        len(system), counts, array("I", (breakpoints[i] for i in order)),
+        array("d", (ttls[i] for i in order)),
+        (zlib.crc32(thinking), zlib.crc32(tool_choice)))
+
+
+def _message_parts(messages: list, left: int, crcs: array, lengths: array,
+                   breakpoints: array, ttls: array, counts: array) -> None:
+    """Add the parts of ``messages`` (``left``: at least as many markers as they hold)."""
+    # Markers are few, and clients put them on the newest messages: the messages that hold
+    # one are found from the end, and every other message is hashed in C.
     contents: list[list[Any]] = []
     for message in messages:
         value = message.content
@@ -332,16 +398,6 @@ def _assemble(model_raw, speed_raw, tools, system_raw, thinking, tool_choice, ca
             crcs.extend(map(crc32, blocks))
             lengths.extend(map(len, blocks))
         counts.append(1 + len(blocks))
-    if automatic:
-        # Automatic caching: the API puts the breakpoint on the last cacheable block.
-        breakpoints.append(len(lengths) - 1)
-        ttls.append(_ttl(cache_control))
-    order = sorted(range(len(breakpoints)), key=breakpoints.__getitem__)
-    return Fingerprint(
-        model if speed is None else f"{model} speed={speed}", crcs, lengths, len(tools),
-        len(system), counts, array("I", (breakpoints[i] for i in order)),
-        array("d", (ttls[i] for i in order)),
-        (zlib.crc32(thinking), zlib.crc32(tool_choice)))
 
 
 def _items(value: Raw) -> list | None:
@@ -482,10 +538,13 @@ class Divergence:
 def first_difference(previous: array, current: array) -> int:
     """The first index where two arrays differ (the shorter one's length when one is a
     prefix of the other), found by comparing slices: C speed on long histories."""
-    a, b = memoryview(previous), memoryview(current)
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
+    # Arrays of one type compare in a C loop over their items (memoryviews go through a
+    # per-item unpacking: several times slower).
+    n = min(len(previous), len(current))
+    if (previous if len(previous) == n else previous[:n]) == \
+            (current if len(current) == n else current[:n]):
         return n
+    a, b = memoryview(previous), memoryview(current)
     low, high = 0, n  # a[:low] == b[:low]; a[:high] != b[:high]
     while high - low > 1:
         middle = (low + high) // 2

@@ -241,7 +241,7 @@ def _keep(exchange: Exchange, resuming: tuple, keeping: tuple, messages: list) -
             return
         old = resumed.record
         if exchange.resume is not None:
-            exchange.resume.span = (old.array, resumed.offset)
+            exchange.resume.span = (old.array, resumed.offset, resumed.end)
         # The messages before the boundary keep what the earlier ones were decoded from
         # (the earlier body itself, for a record made by a full walk); the new ones, a copy
         # of this body's last part.
@@ -249,13 +249,15 @@ def _keep(exchange: Exchange, resuming: tuple, keeping: tuple, messages: list) -
             - resumed.offset
         # This body's bytes up to the boundary resumed from are the earlier record's: where
         # those are the body the messages were first decoded from, the new record keeps that
-        # one and a copy of what follows (while that is small beside it: the copy is made
-        # every request), not this whole body too.
-        base, cut, tail = raw, None, b""
+        # one and a copy of what follows (while that is small beside it), not this whole
+        # body too.
+        base, cut = raw, None
+        tail: bytes | bytearray = b""
         if old.pinned == 0 or old.cut < len(old.raw):
             shared = min(old.cut, old.offsets[resumed.start])
             if len(raw) - shared <= min(shared, resume.TAIL_BYTES):
-                base, cut, tail = old.raw, shared, raw[shared:]
+                base, cut = old.raw, shared
+                tail = resume.tail_after(old, raw, shared, old.offsets[resumed.start])
         record = resume.Record(base, count, context, messages, states, None, offsets,
                                old.before, old.array,
                                old.blocks + resume.blocks_in(messages[resumed.start:]), pinned,

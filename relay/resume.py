@@ -90,9 +90,11 @@ class Resume:
         self._changer = changer  # the position of the last plugin that changed the prefix
         self._position = position or {}
         # Once the chain has run, for a resumed request whose new messages were found in
-        # canonical form: where the messages array's first value starts in the body and
-        # where message ``start`` does (bytes up to there are the previous request's).
-        self.span: tuple[int, int] | None = None
+        # canonical form: where the messages array's first value starts in the body, where
+        # message ``start`` does (bytes up to there are the previous request's), and where
+        # the array closes when the bytes from there on are the previous request's too
+        # (else None).
+        self.span: tuple[int, int, int | None] | None = None
 
     def state(self, plugin: str):
         """What ``plugin`` saved at ``start``: None on a full walk, and when it saved
@@ -142,11 +144,14 @@ class Record:
 
     def __init__(self, raw: bytes, count: int, context: tuple, messages: list, states: dict,
                  pending: list[bytes] | None, offsets: dict | None, before, array: int,
-                 blocks: int, pinned: int = 0, cut: int | None = None, tail: bytes = b""):
+                 blocks: int, pinned: int = 0, cut: int | None = None,
+                 tail: bytes | bytearray = b""):
         # The request's bytes are ``raw[:cut] + tail``: a resumed request's record keeps the
         # body its messages were first decoded from (``raw``, in memory with them anyway)
         # and a copy of what this request's body holds after ``cut`` (its bytes up to
-        # ``cut`` were compared with that body's), rather than a second copy of the whole.
+        # ``cut`` were compared with that body's), rather than a second copy of the whole;
+        # a bytearray, which the session's next record takes over and extends
+        # (:func:`tail_after`).
         self.raw = raw
         self.cut = len(raw) if cut is None else cut
         self.tail = tail
@@ -213,6 +218,8 @@ class Store:
         start = lane = 0
         for candidate in self.lanes.get(session, ()):
             record = self.records[session, candidate]
+            if start and record.offsets and max(record.offsets) <= start:
+                continue  # it could go no further than the one found: not compared
             found = match(record, raw)
             if found > start:
                 best, start, lane = record, found, candidate
@@ -373,6 +380,24 @@ def _same(record: Record, raw: bytes, lo: int, hi: int) -> bool:
     return lo >= hi or raw.startswith(memoryview(record.tail)[lo - cut:hi - cut], lo)
 
 
+def tail_after(record: Record, raw: bytes, cut: int, boundary: int) -> bytearray:
+    """``raw[cut:]`` for the record that follows ``record`` (taken out of the store: its
+    tail is the new record's to take over), where ``raw[:boundary]`` are ``record``'s
+    request's bytes: ``record``'s tail up to ``boundary``, then ``raw`` from there, so that
+    only what is new is copied (the part before it was copied once, by an earlier
+    request)."""
+    tail = record.tail
+    if cut == record.cut and boundary >= cut and type(tail) is bytearray:
+        try:
+            del tail[boundary - cut:]
+            tail += memoryview(raw)[boundary:]
+            record.tail = b""  # the new record's now
+            return tail
+        except BufferError:  # a view of it still held somewhere: copied instead
+            pass
+    return bytearray(memoryview(raw)[cut:])
+
+
 def _bytes_from(record: Record, at: int):
     """The record's request's bytes from ``at`` to its end."""
     cut = record.cut
@@ -385,17 +410,20 @@ def _bytes_from(record: Record, at: int):
 
 class Resumed:
     """A request decoded from a record: its skeleton (the record's first ``start`` messages,
-    then the new ones), and where its new messages' bytes begin."""
+    then the new ones), where its new messages' bytes begin, and (``end``) where its
+    messages array closes when the bytes from there on are the record's request's (None
+    when they are not)."""
 
-    __slots__ = ("skeleton", "start", "record", "offset", "after")
+    __slots__ = ("skeleton", "start", "record", "offset", "after", "end")
 
     def __init__(self, skeleton_: skeleton.Skeleton, start: int, record: Record, offset: int,
-                 after: dict):
+                 after: dict, end: int | None = None):
         self.skeleton = skeleton_
         self.start = start
         self.record = record
         self.offset = offset
         self.after = after
+        self.end = end
 
 
 def decode_from(record: Record, raw: bytes, start: int) -> Resumed | None:
@@ -409,10 +437,13 @@ def decode_from(record: Record, raw: bytes, start: int) -> Resumed | None:
         closing = offsets[record.count]  # the "]" of the record's messages
         suffix = _bytes_from(record, closing)
         last = len(raw) - len(suffix)  # where this request's "]" is, if it ends the same
-        if after is not None and last >= end and raw.endswith(suffix):
+        same = last >= end and raw.endswith(suffix)
+        if after is not None and same:
             # The fields after the messages are the same bytes: only the messages between
             # are decoded.
-            tail = skeleton.decode_messages(b"[" + raw[end + 1:last] + b"]") if comma else []
+            # Copied once: the new messages' raw values keep this buffer, not the body.
+            tail = skeleton.decode_messages(b"".join((b"[", memoryview(raw)[end + 1:last],
+                                                      b"]"))) if comma else []
             if not comma and last != end:
                 return None
         else:
@@ -434,7 +465,8 @@ def decode_from(record: Record, raw: bytes, start: int) -> Resumed | None:
         found = skeleton.from_fields(model, messages, fields)
     except (msgspec.MsgspecError, ValueError, KeyError, TypeError, RecursionError):
         return None
-    return Resumed(found, start, record, end + 1 if comma else end, after)
+    return Resumed(found, start, record, end + 1 if comma else end, after,
+                   last if same else None)
 
 
 def canonical(messages: list) -> list[bytes] | None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import hashlib
 import logging
 import time
@@ -51,16 +52,23 @@ def session_key(exchange) -> str | None:
     tenant = (exchange.key_name or "").encode()
     header = exchange.client_headers.get(HEADER)
     if header:
-        return _digest(b"h", tenant, header.encode()[:MAX_ID])
+        return _short_digest(b"h", tenant, header.encode()[:MAX_ID])
     metadata = exchange.field("metadata")
     user = metadata.get("user_id") if isinstance(metadata, dict) else None
     if isinstance(user, str) and user:
-        return _digest(b"u", tenant, user.encode()[:MAX_ID])
+        return _short_digest(b"u", tenant, user.encode()[:MAX_ID])
     fixed = [_without_cache_control(exchange.field("system")),
              _without_cache_control(exchange.field("tools")),
              _without_cache_control(skeleton.value(messages[0]))]
     return _digest(b"f", tenant, orjson.dumps(fixed, option=orjson.OPT_SORT_KEYS,
                                               default=skeleton.value))
+
+
+# The same session id comes with every request of a session: its digest is remembered (a
+# pure function of short values: at most about 2 MB for the sessions in flight).
+@functools.lru_cache(maxsize=4096)
+def _short_digest(kind: bytes, tenant: bytes, value: bytes) -> str:
+    return _digest(kind, tenant, value)
 
 
 def _digest(kind: bytes, tenant: bytes, value: bytes) -> str:

@@ -203,6 +203,27 @@ def test_two_conversations_of_one_session_each_go_on_from_their_own_record():
             assert ours == prepared(whole, body(messages))[0]
 
 
+def test_a_record_that_could_go_no_further_than_the_one_found_is_not_compared(monkeypatch):
+    state, whole = relay(), relay(resume_bytes=0)
+    main, side = conversation(6), [user(text("summarise this session")), *conversation(1)[1:]]
+    for messages in (main, side):
+        opened(state, body(messages))
+    compared = []
+    matching = resume.match
+
+    def counted(record, raw):
+        compared.append(record.count)
+        return matching(record, raw)
+
+    monkeypatch.setattr(resume, "match", counted)
+    main += [assistant(text("more")), user(text("go on"))]
+    ours, exchange = prepared(state, body(main))
+    assert exchange.resume.start == len(main) - 2
+    assert ours == prepared(whole, body(main))[0]
+    # The side conversation's record ends before the boundary the main one's gave.
+    assert compared == [len(main) - 2]
+
+
 class Walker:
     """A third-party plugin that walks requests and has not opted in."""
 
@@ -373,6 +394,42 @@ def test_a_resumed_request_s_fingerprint_is_taken_from_the_previous_one(monkeypa
     assert taken == [True] * (len(range(3, len(messages) + 1, 2)) - 2)
 
 
+@pytest.mark.parametrize("around", AROUND)
+@pytest.mark.parametrize("first", [True, False])
+def test_a_resumed_request_around_the_same_fields_reads_only_its_new_messages(
+        monkeypatch, around, first):
+    """When the bytes after the messages are the previous request's too (the fields around
+    the messages before or after them), the fingerprint takes every part but the new
+    messages' from the previous one, and is still the whole body's."""
+    from relay import cache as fingerprints
+    grown = []
+    original = fingerprints._grown
+
+    def counted(*args):
+        found = original(*args)
+        grown.append(found is not None)
+        return found
+
+    monkeypatch.setattr(fingerprints, "_grown", counted)
+    pipeline = ["cache", *PIPELINE]
+    state, whole = relay(pipeline), relay(pipeline, resume_bytes=0)
+    messages = conversation(12)
+    for n in range(3, len(messages) + 1, 2):
+        request = orjson.loads(body(marked(messages[:n])))
+        raw = orjson.dumps({**around, **request} if first else {**request, **around})
+        ours, _ = judged(state, raw)
+        assert ours == judged(whole, raw)[0]
+        assert ours[0] == fingerprints.fingerprint(raw)
+    assert grown == [True] * (len(range(3, len(messages) + 1, 2)) - 2)
+    # Fields after the messages that changed: the whole rest of the body is read again.
+    grown.clear()
+    for n, system in ((3, "one"), (5, "one"), (7, "two")):
+        raw = body(marked(messages[:n]), system=system)
+        ours, _ = judged(state, raw)
+        assert ours == judged(whole, raw)[0]
+    assert grown == [True]
+
+
 def _held_by_records(state, requests):
     """What the session's record keeps alive after ``requests`` (by tracemalloc), and the
     size the byte budget counts for it."""
@@ -407,3 +464,46 @@ def test_a_record_counts_what_it_holds_and_holds_a_long_history_once(first):
     assert freed <= 1.1 * size
     if first > 3:
         assert base and freed < 1.5 * len(requests[-1])
+
+
+def test_a_long_history_s_record_extends_the_copy_of_what_followed_it():
+    """A session first seen far into it: each record holds the first body and a copy of
+    what followed it, which the next record takes over and extends by what is new rather
+    than copying it again whole; the record's bytes are always its request's, and each
+    request comes out as the full walk makes it."""
+    messages = conversation(30, size=2000)
+    state, whole = relay(), relay(resume_bytes=0)
+    tails = []
+    for n in range(41, len(messages) + 1, 2):
+        raw = body(marked(messages[:n]))
+        assert prepared(state, raw)[0] == prepared(whole, raw)[0]
+        if not state.resume.records:
+            continue  # a session's first request keeps nothing
+        (record,) = state.resume.records.values()
+        assert bytes(record.raw[:record.cut]) + bytes(record.tail) == raw
+        tails.append(record.tail)
+        del record
+    # The record of the full walk holds its whole body, the first resumed one a copy of what
+    # follows the boundary; from there on, each takes over its predecessor's copy.
+    assert len(tails) >= 5 and tails[0] == b""
+    assert all(tail is tails[1] for tail in tails[2:])
+
+
+def test_dedup_s_states_past_a_user_message_share_its_ledger():
+    """Past a user message (tool results only) the ledger is as it was: the record's state
+    after it shares the copy made at the mark before it, and the session's next request,
+    resumed there, still comes out as the full walk makes it."""
+    messages = conversation(6, reuse=True)
+    state, whole = relay(), relay(resume_bytes=0)
+    for n in (9, 11, 13):
+        raw = body(marked(messages[:n]))
+        assert prepared(state, raw)[0] == prepared(whole, raw)[0]
+    (record,) = state.resume.records.values()
+    count = record.count  # the last message a user's, the one before an assistant's
+    states = {index: record.states[index]["dedup"][0] for index in (count - 2, count - 1, count)}
+    assert states[count][0] is states[count - 1][0] and states[count][1] is states[count - 1][1]
+    assert states[count - 1][0] is not states[count - 2][0]
+    assert states[count][0] == states[count - 1][0] and states[count][3] != states[count - 1][3]
+    del record, states
+    raw = body(marked(messages[:13]) + [assistant(use("toolu_0"))] + [user(result("toolu_0", "x"))])
+    assert prepared(state, raw)[0] == prepared(whole, raw)[0]
