@@ -1000,9 +1000,12 @@ class Portable:
                       foreign: list, touched: set) -> list[dict]:
         """With thinking enabled, a final assistant tool turn that has no thinking block valid
         here is refused by the API: that request goes with thinking disabled."""
-        final = final_tool_turn_without_thinking(messages)
-        thinking = exchange.field("thinking") if final is not None else None
+        thinking = exchange.field("thinking")
         mode = thinking.get("type") if type(thinking) is dict else None
+        # The final turn reaches back over the whole tool loop: looked for only when thinking
+        # is on, the one case where it can matter.
+        final = final_tool_turn_without_thinking(messages) \
+            if mode in ("enabled", "adaptive") else None
         if mode == "adaptive" and final is not None and foreign \
                 and id(messages[final]) in touched:
             # The API's rule is on record for budgeted thinking; with adaptive thinking the
