@@ -22,6 +22,12 @@ from .upstream import PoolFull, UpstreamTooLarge
 log = logging.getLogger("relay")
 access_log = logs.access_log
 
+# How long, and how much, the relay reads on of a body still coming when it answered without
+# reading it (a refusal), before it closes the connection.
+LINGER_SECONDS = 5.0
+LINGER_IDLE = 1.0  # a client that sends nothing for this long is not sending
+LINGER_BYTES = 16 * 1024 * 1024
+
 
 def relay_error(error: RelayError, request_id: str | None = None,
                 headers: Mapping[str, str] | None = None, close: bool = False) -> web.Response:
@@ -72,10 +78,41 @@ async def deliver(request: web.Request, exchange: Exchange,
     await response.write_eof()
     exchange.timings.last_byte = exchange.elapsed()
     if response.keep_alive is False and request.protocol is not None:
-        # Closed now, with the answer sent: aiohttp would otherwise read on through what is
-        # left of a body the relay refused (and trip over it again if it cannot be decoded).
+        if response.status != 408:  # a body that stalled is not coming
+            await linger(request)
+        # Closed by the relay, not by aiohttp: it would read on through what is left of a
+        # body the relay refused (and trip over it again if it cannot be decoded).
         request.protocol.force_close()
     return response
+
+
+async def linger(request: web.Request) -> None:
+    """Read and throw away what a client is still sending of a body the relay answered
+    without reading, for a few seconds and megabytes at most. Closed at once, the
+    connection would answer the client's next writes with a reset, which may erase the
+    answer before the client reads it, and clients that fail on a write report that instead
+    (RFC 9112, section 9.6, "Tear-down": servers close "in stages", reading on after their
+    answer). Any fault in what is read (an encoding that cannot be decoded, a broken chunk)
+    ends it: nothing of it is kept."""
+    if not request.can_read_body:
+        return
+    content = request.content
+    if content.is_eof() or content.exception() is not None:
+        return
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + LINGER_SECONDS
+    left = LINGER_BYTES
+    while left > 0:
+        wait = min(LINGER_IDLE, deadline - loop.time())
+        if wait <= 0:
+            return
+        try:
+            chunk = await asyncio.wait_for(content.readany(), wait)
+        except Exception:  # noqa: BLE001 - a timeout, a reset, a body that cannot be read
+            return
+        if not chunk:
+            return
+        left -= len(chunk)
 
 
 async def unreachable(request: web.Request, exchange: Exchange,

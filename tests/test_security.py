@@ -523,6 +523,30 @@ def test_requests_aiohttp_cannot_parse_are_answered_in_anthropic_format(small_re
     assert "Traceback" not in small_relay.output()
 
 
+@pytest.mark.parametrize("content_type, declared", [
+    (b"text/plain", 400_000),  # refused for its type, before its body is read
+    (b"application/json", 200 * 1024 * 1024),  # refused for its declared size (413)
+])
+def test_a_client_still_sending_a_refused_body_can_finish_and_read_the_answer(
+        small_relay, content_type, declared):
+    # The answer goes before the body is read. Closed at once, the connection would answer
+    # the client's next writes with a reset, which a client may report instead of the answer
+    # (RFC 9112, 9.6): the relay reads on, for a while, what is still coming.
+    with connect(small_relay.url) as sock:
+        sock.sendall(b"POST /v1/messages HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                     + content_type + b"\r\nContent-Length: " + str(declared).encode()
+                     + b"\r\n\r\n")
+        head = b""
+        while b"\r\n\r\n" not in head:
+            head += sock.recv(65536)
+        assert head.startswith(b"HTTP/1.1 413" if declared > 1e6 else b"HTTP/1.1 400")
+        for _ in range(24):  # 384 KiB, still arriving after the answer
+            sock.sendall(b"x" * 16384)
+            time.sleep(0.02)
+        assert read_answer(sock).count(b"HTTP/1.1") == 0  # nothing more, then closed
+    assert "Traceback" not in small_relay.output()
+
+
 def test_half_sent_headers_are_dropped_after_the_header_timeout(small_relay):
     with connect(small_relay.url) as sock:
         sock.sendall(b"POST /v1/messages HTTP/1.1\r\nHost: 127.0.0.1\r\n")
