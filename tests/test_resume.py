@@ -371,17 +371,23 @@ def test_the_cache_fingerprint_of_a_resumed_request_is_the_whole_body_s(session,
         assert ours == judged(whole, raw)[0]
 
 
-def test_a_resumed_request_s_fingerprint_is_taken_from_the_previous_one(monkeypatch):
-    from relay import cache as fingerprints
-    taken = []
-    resumed = fingerprints.resumed
+def found_by_each_call(monkeypatch, module, name: str) -> list[bool]:
+    """Whether each call of ``module.name`` from now on returned something (not None)."""
+    found_by: list[bool] = []
+    original = getattr(module, name)
 
     def counted(*args):
-        found = resumed(*args)
-        taken.append(found is not None)
+        found = original(*args)
+        found_by.append(found is not None)
         return found
 
-    monkeypatch.setattr(fingerprints, "resumed", counted)
+    monkeypatch.setattr(module, name, counted)
+    return found_by
+
+
+def test_a_resumed_request_s_fingerprint_is_taken_from_the_previous_one(monkeypatch):
+    from relay import cache as fingerprints
+    taken = found_by_each_call(monkeypatch, fingerprints, "resumed")
     pipeline = ["cache", *PIPELINE]
     state, whole = relay(pipeline), relay(pipeline, resume_bytes=0)
     messages = conversation(12)
@@ -402,15 +408,7 @@ def test_a_resumed_request_around_the_same_fields_reads_only_its_new_messages(
     the messages before or after them), the fingerprint takes every part but the new
     messages' from the previous one, and is still the whole body's."""
     from relay import cache as fingerprints
-    grown = []
-    original = fingerprints._grown
-
-    def counted(*args):
-        found = original(*args)
-        grown.append(found is not None)
-        return found
-
-    monkeypatch.setattr(fingerprints, "_grown", counted)
+    grown = found_by_each_call(monkeypatch, fingerprints, "_grown")
     pipeline = ["cache", *PIPELINE]
     state, whole = relay(pipeline), relay(pipeline, resume_bytes=0)
     messages = conversation(12)

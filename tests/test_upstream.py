@@ -264,6 +264,23 @@ async def test_a_streams_record_counts_its_events_while_the_access_log_is_on(
 
 # --- what a proxy commonly gets wrong -------------------------------------------------------
 
+async def read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    """One request as it reached a raw upstream: its head, and its Content-Length body."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"content-length:")), 0)
+    return head, await reader.readexactly(length)
+
+
+async def answer_raw(writer: asyncio.StreamWriter, extra_headers: bytes = b"") -> None:
+    """Answer ANSWER as it is on the wire, with ``extra_headers`` (whole lines), and close."""
+    answer = orjson.dumps(ANSWER)
+    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n" + extra_headers
+                 + b"Content-Length: %d\r\n\r\n%s" % (len(answer), answer))
+    await writer.drain()
+    writer.close()
+
+
 async def test_a_clients_expect_100_continue_stays_here(aiohttp_client):
     """aiohttp answered the client's ``Expect: 100-continue`` and the relay holds the whole
     body: sent up, the header made aiohttp's client wait for a 100 that an upstream ignoring
@@ -271,15 +288,8 @@ async def test_a_clients_expect_100_continue_stays_here(aiohttp_client):
     received = []
 
     async def ignores_expectations(reader, writer):  # an HTTP/1.1 server that may do so
-        head = await reader.readuntil(b"\r\n\r\n")
-        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
-                          if line.lower().startswith(b"content-length:")))
-        received.append((head, await reader.readexactly(length)))
-        answer = orjson.dumps(ANSWER)
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
-                     + str(len(answer)).encode() + b"\r\n\r\n" + answer)
-        await writer.drain()
-        writer.close()
+        received.append(await read_request(reader))
+        await answer_raw(writer)
 
     server = await asyncio.start_server(ignores_expectations, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
@@ -348,17 +358,8 @@ async def test_repeated_and_utf8_headers_pass_both_ways_as_sent(aiohttp_client):
     heads = []
 
     async def upstream(reader, writer):  # byte for byte: what went up, what comes back
-        head = await reader.readuntil(b"\r\n\r\n")
-        heads.append(head)
-        for line in head.split(b"\r\n"):
-            if line.lower().startswith(b"content-length:"):
-                await reader.readexactly(int(line.split(b":")[1]))
-        answer = orjson.dumps(ANSWER)
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nSet-Cookie: a=1\r\n"
-                     b"Set-Cookie: b=2\r\nX-Up: caf\xc3\xa9\r\nContent-Length: %d\r\n\r\n%s"
-                     % (len(answer), answer))
-        await writer.drain()
-        writer.close()
+        heads.append((await read_request(reader))[0])
+        await answer_raw(writer, b"Set-Cookie: a=1\r\nSet-Cookie: b=2\r\nX-Up: caf\xc3\xa9\r\n")
 
     server = await asyncio.start_server(upstream, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
