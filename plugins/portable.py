@@ -656,13 +656,27 @@ def verdict(key: str | None, issuers: dict, backend: str, model: str,
             scope: str) -> str | None:
     """Why the target would refuse the thinking block of this key, or None."""
     if key == "":
-        return "unsigned"
+        # A target seen issuing unsigned thinking checks no signature on unsigned blocks (it
+        # could not tell its own from others'); backends that sign nothing also want a tool
+        # turn's thinking back (DeepSeek's thinking-mode guide), so dropping it is the fault.
+        return None if unsigned_marker(backend, model, scope) in issuers else "unsigned"
     issuer = issuers.get(key) if key else None
     if issuer is None:
         return None
     if issuer[0] != backend or (scope == "model" and issuer[1] != model):
         return f"issued by {issuer[0]}/{issuer[1]}"
     return None
+
+
+def unsigned_marker(backend: str, model: str, scope: str) -> str:
+    """The record's key for "this backend (with ``scope`` "model": this model of it) issued
+    thinking with an empty signature"; no block's key looks like it (those are hex)."""
+    return f"unsigned:{backend}" if scope == "backend" else f"unsigned:{backend}/{model}"
+
+
+def unsigned_markers(backend: str, model: str) -> list[str]:
+    """The markers one unsigned block from ``backend``'s ``model`` sets, for either scope."""
+    return [unsigned_marker(backend, model, "backend"), unsigned_marker(backend, model, "model")]
 
 
 def drop_blocks(messages: list, where: list[tuple[int, int, str]]) -> list[int]:
@@ -957,6 +971,10 @@ class Portable:
             return self._thinking_off(exchange, messages, done, validating, [], set())
         blocks = walked.blocks(messages)
         keys = [key for _, _, key in blocks if key]
+        if len(keys) < len(blocks) and any(key == "" for _, _, key in blocks):
+            keys.append(unsigned_marker(backend.name if backend is not None else "",
+                                        exchange.model or "",
+                                        options.get("thinking_scope") or "model"))
         issuers, missing = self.provenance.known(keys)
         if missing:
             return self._judge_after_reading(exchange, options, done, validating, keys, walked,
@@ -1066,7 +1084,16 @@ class Portable:
 
     def _record(self, exchange, blocks) -> None:
         backend = exchange.backend.name if exchange.backend is not None else ""
-        entries = [(key, backend, exchange.model or "") for key in map(block_key, blocks) if key]
+        model = exchange.model or ""
+        keys = [block_key(block) for block in blocks]
+        entries = [(key, backend, model) for key in keys if key]
+        if "" in keys:
+            memory, issuer = self.provenance.memory, (backend, model)
+            for marker in unsigned_markers(backend, model):
+                if memory.get(marker) == issuer:
+                    memory.move_to_end(marker)  # kept while the backend keeps issuing them
+                else:
+                    entries.append((marker, backend, model))
         self.provenance.record(entries)
 
     @hookimpl

@@ -243,6 +243,32 @@ def test_unsigned_thinking_is_dropped_and_unknown_thinking_goes_as_it_is():
     assert exchange.repairs == 1 and "thinking" not in sent
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["answer", "stream"])
+def test_unsigned_thinking_goes_back_to_a_backend_seen_issuing_it(stream):
+    # DeepSeek's /anthropic signs nothing and refuses a tool turn sent back without its
+    # thinking: a backend seen issuing unsigned thinking gets unsigned blocks back.
+    made = plugin()
+    unsigned = {"type": "thinking", "thinking": "reasoning", "signature": ""}
+    answer(made, "b", "model-b", unsigned, stream=stream)
+    messages = history("toolu_1", thinking=unsigned)
+    options = EmulatorOptions(unsigned_thinking=True)
+    for thinking in (True, False):  # without the field, its thinking mode is on too
+        exchange, sent = request_to(made, "b", "model-b", messages, thinking=thinking)
+        assert not exchange.changed and sent["messages"] == messages
+        assert find_problem(sent, options) is None
+    # What the relay sent it before: the block dropped, refused.
+    assert find_problem(request_to(made, "a", "model-b", messages, thinking=False)[1],
+                        options) is not None
+    # Elsewhere they go as before: to another backend, and to another model of it unless
+    # its scope is the backend.
+    for backend, model, quirks in (("a", "model-b", None), ("b", "model-c", None)):
+        exchange, sent = request_to(made, backend, model, messages, quirks=quirks)
+        assert sent["messages"][1]["content"][0]["type"] == "text", (backend, model)
+    exchange, sent = request_to(made, "b", "model-c", messages,
+                                quirks={"thinking_scope": "backend"})
+    assert not exchange.changed
+
+
 def test_model_bound_signatures_follow_the_scope_quirk():
     made = plugin()
     mine = thought(KEY_A)

@@ -204,3 +204,27 @@ def test_a_fallback_to_another_backend_mid_loop_keeps_the_session(emulator, rela
     assert all(body["thinking"] == {"type": "disabled"} for body in served)
     for emu, _ in backends.values():
         assert_earlier_turns_stable(emu)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["create", "stream"])
+@pytest.mark.parametrize("thinking", [True, False], ids=["thinking-enabled", "no-thinking-field"])
+def test_a_backend_that_signs_nothing_gets_its_thinking_back(emulator, relay, tmp_path,
+                                                             thinking, stream):
+    """DeepSeek's /anthropic issues thinking without a signature and, in thinking mode (on
+    unless disabled), refuses a tool turn sent back without it. Its own blocks go back to it
+    as the client sent them, and thinking stays as the client asked."""
+    signless = emulator("--unsigned-thinking", "--tool-turns", str(TURNS))
+    backends = {"deepseek": (signless, backend(signless.url, name="deepseek",
+                                               models=["model-*"]))}
+    r = relay(config(backends, PIPELINE, tmp_path))
+    session = Session([r.url], ["model-d"], tmp_path, thinking, stream)
+    assert session.run().stop_reason == "end_turn"
+    assert len(session.calls) == TURNS
+    served = [record["body"] for record in signless.requests()]
+    assert len(served) == TURNS + 1
+    assert all(body.get("thinking") == (THINKING if thinking else None) for body in served)
+    assert all(block["signature"] == "" for body in served for message in body["messages"]
+               if message["role"] == "assistant" for block in message["content"]
+               if block["type"] == "thinking")
+    assert_earlier_turns_stable(signless)
+    assert all(int(h.get("x-relay-repairs", 0)) == 0 for h in session.headers)

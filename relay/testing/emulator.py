@@ -123,6 +123,7 @@ class EmulatorOptions:
     reuse_ids: bool = False
     thinking: bool = False
     redacted_thinking: bool = False
+    unsigned_thinking: bool = False
     expect_own_ids: bool = False
     reask_dropped: bool = False
     signing_secret: str | None = None
@@ -168,6 +169,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="start each answer with a signed thinking block")
     parser.add_argument("--redacted-thinking", action="store_true",
                         help="add a redacted_thinking block to each answer")
+    parser.add_argument("--unsigned-thinking", action="store_true",
+                        help="like an Anthropic-format backend that signs nothing (DeepSeek's "
+                             "/anthropic): each answer starts with a thinking block whose "
+                             "signature is empty, and in thinking mode an assistant message "
+                             "with tool calls must come back with its thinking")
     parser.add_argument("--expect-own-ids", action="store_true",
                         help="reject tool_use ids this emulator would not have issued")
     parser.add_argument("--reask-dropped", action="store_true",
@@ -256,8 +262,10 @@ def find_problem(body, options: EmulatorOptions, *, needs_max_tokens: bool = Tru
     return (_system_problem(messages) or _content_problem(convo) or _id_problem(convo, options)
             or _server_result_problem(convo) or _pairing_problem(convo)
             or _open_server_call_problem(convo)
-            or _signature_problem(convo, options.signing_key)
-            or _final_thinking_problem(convo, body.get("thinking")))
+            or _signature_problem(convo, options.signing_key, options.unsigned_thinking)
+            or _final_thinking_problem(convo, body.get("thinking"))
+            or (_passed_back_problem(convo, body.get("thinking"))
+                if options.unsigned_thinking else None))
 
 
 def _shape_problem(body, options, needs_max_tokens) -> str | None:
@@ -539,17 +547,35 @@ def _missing_results(n, ids) -> str:
             "`tool_result` block in the next message.")
 
 
-def _signature_problem(convo, key: bytes) -> str | None:
+def _signature_problem(convo, key: bytes, unsigned: bool = False) -> str | None:
     for n, message in convo:
         if message["role"] != "assistant":
             continue
         for k, block in enumerate(_blocks(message)):
             if block["type"] == "thinking":
+                if unsigned and block["signature"] == "":
+                    continue  # what a backend that signs nothing issues, and all it can check
                 if block["signature"] != sign_thinking(key, block["thinking"]):
                     return f"messages.{n}.content.{k}: Invalid `signature` in `thinking` block"
             elif block["type"] == "redacted_thinking":
                 if not redacted_data_is_ours(key, block["data"]):
                     return f"messages.{n}.content.{k}: Invalid `data` in `redacted_thinking` block"
+    return None
+
+
+def _passed_back_problem(convo, thinking) -> str | None:
+    # DeepSeek's thinking-mode guide (api-docs.deepseek.com/guides/thinking_mode): thinking
+    # mode is on unless disabled, and "for turns that do perform tool calls, the
+    # reasoning_content must be fully passed back to the API in all subsequent requests",
+    # else a 400; its /anthropic endpoint words it as below (NousResearch/hermes-agent#22313,
+    # earendil-works/pi#4003).
+    if isinstance(thinking, dict) and thinking.get("type") == "disabled":
+        return None
+    for _, message in convo:
+        blocks = _blocks(message)
+        if (message["role"] == "assistant" and any(b["type"] == "tool_use" for b in blocks)
+                and not any(b["type"] == "thinking" for b in blocks)):
+            return "The `content[].thinking` in the thinking mode must be passed back to the API."
     return None
 
 
@@ -692,11 +718,12 @@ def plan_reply(body: dict, options: EmulatorOptions) -> tuple[list[dict], str]:
     thinking = body.get("thinking")
     # A request that turns thinking off gets none, as from the real API.
     thinks = not (isinstance(thinking, dict) and thinking.get("type") == "disabled")
-    if options.thinking and thinks:
+    if (options.thinking or options.unsigned_thinking) and thinks:
         thought = (f"Turn {turn}: the plan calls for "
                    f"{'a tool call' if tool_turn else 'a final answer'} now.")
-        content.append({"type": "thinking", "thinking": thought,
-                        "signature": sign_thinking(options.signing_key, thought)})
+        content.append({"type": "thinking", "thinking": thought, "signature":
+                        "" if options.unsigned_thinking
+                        else sign_thinking(options.signing_key, thought)})
     if options.redacted_thinking and thinks:
         content.append({"type": "redacted_thinking",
                         "data": redacted_data(options.signing_key, turn)})
@@ -788,7 +815,8 @@ def _block_events(index: int, block: dict) -> list[dict]:
     elif kind == "thinking":
         start = {"type": "thinking", "thinking": "", "signature": ""}
         deltas = [{"type": "thinking_delta", "thinking": p} for p in _halves(block["thinking"])]
-        deltas.append({"type": "signature_delta", "signature": block["signature"]})
+        if block["signature"]:  # a backend that signs nothing sends no signature
+            deltas.append({"type": "signature_delta", "signature": block["signature"]})
     elif kind == "tool_use":
         start = dict(block, input={})
         arguments = orjson.dumps(block["input"]).decode()
