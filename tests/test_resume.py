@@ -505,3 +505,25 @@ def test_dedup_s_states_past_a_user_message_share_its_ledger():
     del record, states
     raw = body(marked(messages[:13]) + [assistant(use("toolu_0"))] + [user(result("toolu_0", "x"))])
     assert prepared(state, raw)[0] == prepared(whole, raw)[0]
+
+
+def test_pairing_s_states_past_the_last_call_share_its_ids():
+    """Past the last assistant message no id joins the ones pairing has seen: the marks
+    there keep the walk's own set (a record's states are used once), those before it a
+    copy; and the next request, resumed from either, comes out as the full walk makes it."""
+    messages = conversation(6)
+    for then in ([assistant(use("toolu_9"))] + [user(result("toolu_9", "x"))],
+                 [user(text("and then?"))]):
+        state, whole = relay(), relay(resume_bytes=0)
+        for n in (9, 11, 13):
+            raw = body(marked(messages[:n]))
+            assert prepared(state, raw)[0] == prepared(whole, raw)[0]
+        (record,) = state.resume.records.values()
+        count = record.count  # the last message a user's, the one before an assistant's
+        seen = {index: record.states[index]["pairing"][0][0]
+                for index in (count - 2, count - 1, count)}
+        assert seen[count] is seen[count - 1] and seen[count - 1] is not seen[count - 2]
+        assert seen[count - 2] < seen[count - 1]
+        del record, seen
+        raw = body(marked(messages[:13]) + then)
+        assert prepared(state, raw)[0] == prepared(whole, raw)[0]
