@@ -379,10 +379,11 @@ def _message_parts(messages: list, left: int | None, crcs: array, lengths: array
         value = message.content
         contents.append(value if type(value) is list else
                         [_text_block(value)] if type(value) is str else [])
-    marked: set[int] | range = set()
+    marked: set[int] | range
     if left is None:
         marked = range(len(contents))
     else:
+        marked = set()
         for i in range(len(contents) - 1, -1, -1):
             if left <= 0:
                 break
