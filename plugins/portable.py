@@ -698,7 +698,35 @@ def _role(message) -> str | None:
 
 def final_tool_turn_without_thinking(messages: list) -> int | None:
     """Where the final assistant turn starts, when that turn holds calls whose results follow
-    and does not start with a thinking block; None otherwise.
+    and does not start with a thinking block; None otherwise (see :func:`final_tool_turn`)."""
+    return final_tool_turn(messages)[0]
+
+
+def _continues_loop(message) -> bool:
+    """Whether a tool loop reaching back over ``message`` goes on past it."""
+    return _role(message) in ("assistant", "system") or _answers_calls(message)
+
+
+def loop_reach(messages: list, index: int, known: tuple[int, int] | None = None) -> int:
+    """How far back from ``index`` the messages go on a tool loop: the least ``reach`` such
+    that every message in ``messages[reach:index]`` is an assistant message, a system entry
+    or a user message answering calls. ``known``: ``(at, reach)``, that value for index
+    ``at`` (a session's previous request's, whose messages up to ``at`` are these), so that
+    only what lies after it is walked."""
+    while index > 0:
+        if known is not None and known[1] < index <= known[0]:
+            return known[1]  # every message from there to ``at`` goes on: so on down to it
+        if not _continues_loop(messages[index - 1]):
+            break
+        index -= 1
+    return index
+
+
+def final_tool_turn(messages: list, known: tuple[int, int] | None = None
+                    ) -> tuple[int | None, tuple[int, int] | None]:
+    """:func:`final_tool_turn_without_thinking`, and what it found of the loop's reach as
+    ``(index, reach)`` (None when it did not look that far), for :func:`loop_reach`;
+    ``known`` as there.
 
     The API's assistant turn is the whole tool loop: it runs from the first assistant message
     after the last user message that answers no call, over the user messages of results in
@@ -711,18 +739,16 @@ def final_tool_turn_without_thinking(messages: list) -> int | None:
     while end >= 0 and _role(messages[end]) != "assistant":
         end -= 1
     if end < 0 or end == len(messages) - 1:
-        return None  # no assistant turn, or a prefill: the model's own rules
+        return None, None  # no assistant turn, or a prefill: the model's own rules
     last = end  # the final assistant message group, whose calls the results answer
     while last > 0 and _role(messages[last - 1]) == "assistant":
         last -= 1
     if not any(type(b) is dict and b.get("type") == "tool_use"
                for m in messages[last:end + 1] if type(m.get("content")) is list
                for b in m["content"]):
-        return None
-    start = last
-    while start > 0 and (_role(messages[start - 1]) in ("assistant", "system")
-                         or _answers_calls(messages[start - 1])):
-        start -= 1
+        return None, None
+    start = loop_reach(messages, last, known)
+    found = (last, start)
     while _role(messages[start]) != "assistant":
         start += 1
     opening = start  # the turn's first assistant message group
@@ -730,7 +756,7 @@ def final_tool_turn_without_thinking(messages: list) -> int | None:
         opening += 1
     turn = [b for m in messages[start:opening] if type(m.get("content")) is list
             for b in m["content"] if not (type(b) is dict and b.get("type") in _NOT_SAMPLED)]
-    return None if turn and _is_thinking(turn[0]) else start
+    return (None if turn and _is_thinking(turn[0]) else start), found
 
 
 # Blocks an answer carries ahead of what the model wrote, which go back unchanged: a fallback
@@ -788,13 +814,15 @@ class _Walked:
     thinking blocks with how each was judged, up to each mark. Resumed, it walks only the
     messages from ``resume.start`` on and takes the rest from the state saved there."""
 
-    __slots__ = ("resume", "start", "count", "before", "pieces", "_blocks")
+    __slots__ = ("resume", "start", "count", "before", "pieces", "_blocks", "_reaches")
 
     def __init__(self, resume, count: int):
         self.resume = resume
         self.count = count
         self.start = 0
-        # The state saved at start: (changed, raw, thinking, blocks, dropped).
+        # The state saved at start: (changed, raw, thinking, blocks, dropped, reach), reach a
+        # one-item list: the tool loop's reach there (loop_reach), once the final turn was
+        # looked for (else None).
         self.before: tuple | None = None
         if resume is not None and resume.start:
             self.before = resume.state(PLUGIN)
@@ -803,6 +831,7 @@ class _Walked:
             self.start = resume.start
         self.pieces: list[tuple[int, list, bool, set]] = []  # (end, changed, thinking, raw)
         self._blocks: list | None = None
+        self._reaches: dict[int, list] = {}  # each mark's reach, filled in by keep_reach
 
     def translate(self, messages: list, pattern: str | None, holding: bool) -> list:
         ends = [m for m in self.resume.marks if m >= self.start] if self.resume else []
@@ -860,11 +889,27 @@ class _Walked:
             if thinking:
                 blocks = self.blocks_until(end)
             dropped = tuple(f for f in foreign if f[0] < end)
+            reach = self._reaches[end] = [None]
             resume.save(PLUGIN, end, (tuple(changed), frozenset(raw), thinking, tuple(blocks),
-                                      dropped), bool(changed or dropped))
+                                      dropped, reach), bool(changed or dropped))
 
     def blocks_until(self, end: int) -> list:
         return [b for b in (self._blocks or ()) if b[0] < end]
+
+    def known_reach(self) -> tuple[int, int] | None:
+        """The tool loop's reach at the resume point, as the previous request found it."""
+        reach = self.before[5][0] if self.before is not None and len(self.before) > 5 \
+            else None
+        return (self.start, reach) if reach is not None else None
+
+    def keep_reach(self, messages: list, found: tuple[int, int] | None) -> None:
+        """Save the tool loop's reach at each mark (``found``: one the final turn's search
+        found, else the one at the resume point), walking only the messages after it."""
+        basis = found or self.known_reach()
+        if basis is None:
+            return  # nobody looked that far: the next request looks for itself
+        for end, holder in self._reaches.items():
+            holder[0] = loop_reach(messages, end, basis)
 
 
 class Portable:
@@ -954,7 +999,7 @@ class Portable:
         if not walked.thinking():
             # No thinking block to judge, none to drop; the final turn may still lack one.
             walked.save([])
-            return self._thinking_off(exchange, messages, done, validating, [], set())
+            return self._thinking_off(exchange, messages, done, validating, [], set(), walked)
         blocks = walked.blocks(messages)
         keys = [key for _, _, key in blocks if key]
         issuers, missing = self.provenance.known(keys)
@@ -994,18 +1039,23 @@ class Portable:
                               blocks=[f"messages.{i}.content.{k}" for i, k, _ in foreign],
                               reasons=sorted({why for *_, why in foreign}),
                               removed_messages=removed)
-        return self._thinking_off(exchange, messages, done, validating, foreign, touched)
+        return self._thinking_off(exchange, messages, done, validating, foreign, touched,
+                                  walked)
 
     def _thinking_off(self, exchange, messages: list, done: list, validating: bool,
-                      foreign: list, touched: set) -> list[dict]:
+                      foreign: list, touched: set, walked: _Walked) -> list[dict]:
         """With thinking enabled, a final assistant tool turn that has no thinking block valid
         here is refused by the API: that request goes with thinking disabled."""
         thinking = exchange.field("thinking")
         mode = thinking.get("type") if type(thinking) is dict else None
         # The final turn reaches back over the whole tool loop: looked for only when thinking
-        # is on, the one case where it can matter.
-        final = final_tool_turn_without_thinking(messages) \
-            if mode in ("enabled", "adaptive") else None
+        # is on, the one case where it can matter, and, in a session's request resumed from
+        # the previous one, only as far back as the resume point (the loop's reach there is
+        # the previous request's).
+        final = None
+        if mode in ("enabled", "adaptive"):
+            final, found = final_tool_turn(messages, walked.known_reach())
+            walked.keep_reach(messages, found)
         if mode == "adaptive" and final is not None and foreign \
                 and id(messages[final]) in touched:
             # The API's rule is on record for budgeted thinking; with adaptive thinking the

@@ -527,3 +527,36 @@ def test_pairing_s_states_past_the_last_call_share_its_ids():
         del record, seen
         raw = body(marked(messages[:13]) + then)
         assert prepared(state, raw)[0] == prepared(whole, raw)[0]
+
+
+def test_with_thinking_on_the_final_tool_turn_is_looked_for_back_to_the_new_turn_only(
+        monkeypatch):
+    """A long tool loop with thinking on: each resumed request looks for its final assistant
+    turn (the whole loop, back to the last question) only over its new messages, from the
+    loop's reach the previous request found, and comes out as the full walk makes it; a
+    question that opens a turn without thinking is found the same way (and repaired)."""
+    visited = []
+    looked = portable._continues_loop
+    monkeypatch.setattr(portable, "_continues_loop",
+                        lambda message: visited.append(1) or looked(message))
+    thinking = {"thinking": {"type": "enabled", "budget_tokens": 1024}}
+    messages = [user(text("start"))]
+    for n in range(12):
+        messages += [assistant({"type": "thinking", "thinking": "hm", "signature": "sig-ours"},
+                               use(f"toolu_{n}")), user(result(f"toolu_{n}", "done"))]
+    asked = messages + [assistant(text("done")), user(text("and now?")),
+                        assistant(use("toolu_x")), user(result("toolu_x", "ok"))]
+    state, whole = relay(), relay(resume_bytes=0)
+    walked, walked_whole = [], []
+    for history in [messages[:n] for n in range(3, len(messages) + 1, 2)] + [asked]:
+        raw = body(marked(history), **thinking)
+        visited.clear()
+        ours, exchange = prepared(state, raw)
+        walked.append(len(visited))
+        visited.clear()
+        assert ours == prepared(whole, raw)[0]
+        walked_whole.append(len(visited))
+    assert exchange.repaired_by and exchange.repaired_by[0].rule == "thinking-off"
+    # The first two requests are walked whole; from the third on only the new turn is.
+    assert walked_whole[-2] > 20
+    assert max(walked[2:]) <= 8, (walked, walked_whole)
