@@ -560,3 +560,73 @@ def test_with_thinking_on_the_final_tool_turn_is_looked_for_back_to_the_new_turn
     # The first two requests are walked whole; from the third on only the new turn is.
     assert walked_whole[-2] > 20
     assert max(walked[2:]) <= 8, (walked, walked_whole)
+
+
+def _thinking_turns(signatures: list[str]) -> list:
+    messages = [user(text("start"))]
+    for n, signature in enumerate(signatures):
+        messages += [assistant({"type": "thinking", "thinking": "hm", "signature": signature},
+                               use(f"toolu_{n}")), user(result(f"toolu_{n}", "done"))]
+    return messages
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.sampled_from(["sig-a", "sig-b", "sig-c", FOREIGN]), min_size=2,
+                max_size=8),
+       st.lists(st.tuples(st.sampled_from(["sig-a", "sig-b", "sig-c", "sig-d"]),
+                          st.sampled_from([("emu", "claude-test"), ("other", "other-model")])),
+                max_size=8),
+       st.booleans())
+def test_earlier_thinking_judged_again_only_where_the_record_may_say_otherwise(
+        signatures, learnt, small):
+    """A thinking session whose provenance record changes between requests (issuers learnt
+    for blocks already sent, issuers changed, the memory too small to keep them all): each
+    resumed request, which judges again only the earlier blocks whose verdict may have
+    changed, comes out as the full walk makes it."""
+    state, whole = relay(), relay(resume_bytes=0)
+    records = [relay_state.chain.pm.get_plugin("portable").provenance
+               for relay_state in (state, whole)]
+    if small:
+        for provenance in records:
+            provenance.memory_rows = 2
+    messages = _thinking_turns(signatures)
+    thinking = {"thinking": {"type": "enabled", "budget_tokens": 1024}}
+    for step, n in enumerate(range(3, len(messages) + 1, 2)):
+        raw = body(marked(messages[:n]), **thinking)
+        assert prepared(state, raw)[0] == prepared(whole, raw)[0]
+        if step < len(learnt):
+            signature, (backend, model) = learnt[step]
+            key = portable.block_key({"type": "thinking", "signature": signature})
+            for provenance in records:
+                provenance.record([(key, backend, model)])
+
+
+def test_a_resumed_thinking_request_judges_only_its_new_blocks(monkeypatch):
+    """Nothing learnt or forgotten since: the earlier blocks keep their verdicts and only the
+    new turn's are judged; an issuer learnt for an earlier block of unknown issuer has that
+    block judged again (and dropped, as the full walk does)."""
+    judged = []
+    real = portable.verdict
+    monkeypatch.setattr(portable, "verdict", lambda key, *rest: judged.append(key)
+                        or real(key, *rest))
+    state, whole = relay(), relay(resume_bytes=0)
+    messages = _thinking_turns([f"sig-{n}" for n in range(10)])
+    thinking = {"thinking": {"type": "enabled", "budget_tokens": 1024}}
+    counts = []
+    for n in range(3, len(messages) + 1, 2):
+        raw = body(marked(messages[:n]), **thinking)
+        judged.clear()
+        ours = prepared(state, raw)[0]
+        counts.append(len(judged))
+        assert ours == prepared(whole, raw)[0]
+    assert counts[:2] == [1, 2] and set(counts[2:]) == {1}, counts
+    key = portable.block_key({"type": "thinking", "signature": "sig-3"})
+    for relay_state in (state, whole):
+        relay_state.chain.pm.get_plugin("portable").provenance.record(
+            [(key, "other", "other-model")])
+    raw = body(marked(messages + [assistant(text("and?"))] + [user(text("go on"))]),
+               **thinking)
+    judged.clear()
+    ours, exchange = prepared(state, raw)
+    assert ours == prepared(whole, raw)[0]
+    assert exchange.repaired_by[0].rule == "foreign-thinking"
