@@ -501,7 +501,8 @@ def test_dedup_s_states_past_a_user_message_share_its_ledger():
     states = {index: record.states[index]["dedup"][0] for index in (count - 2, count - 1, count)}
     assert states[count][0] is states[count - 1][0] and states[count][1] is states[count - 1][1]
     assert states[count - 1][0] is not states[count - 2][0]
-    assert states[count][0] == states[count - 1][0] and states[count][3] != states[count - 1][3]
+    # Every result answers a call of the history: none is kept apart for the answer's ledger.
+    assert states[count][0] == states[count - 1][0] and states[count][3] == set()
     del record, states
     raw = body(marked(messages[:13]) + [assistant(use("toolu_0"))] + [user(result("toolu_0", "x"))])
     assert prepared(state, raw)[0] == prepared(whole, raw)[0]
@@ -630,3 +631,19 @@ def test_a_resumed_thinking_request_judges_only_its_new_blocks(monkeypatch):
     ours, exchange = prepared(state, raw)
     assert ours == prepared(whole, raw)[0]
     assert exchange.repaired_by[0].rule == "foreign-thinking"
+
+
+def test_a_result_without_its_call_stays_in_the_answer_s_ledger_when_resumed():
+    """dedup keeps apart only the results whose call the history does not hold (the others'
+    ids are the calls'): a resumed request's ledger for the answer holds them as the full
+    walk's does, and a later call with that id goes up as the full walk sends it."""
+    messages = conversation(4) + [assistant(use("toolu_7"))] \
+        + [user(result("toolu_7", "ok"), result("toolu_lost", "orphan"))]
+    # dedup alone: pairing would refuse the result without its call, as the API does.
+    state, whole = relay(["dedup"]), relay(["dedup"], resume_bytes=0)
+    later = messages + [assistant(use("toolu_lost"))] + [user(result("toolu_lost", "x"))]
+    for raw in [body(marked(conversation(4)[:n])) for n in (5, 7, 9)] + \
+            [body(marked(messages)), body(marked(later))]:
+        ours, exchange = prepared(state, raw)
+        assert ours == prepared(whole, raw)[0]
+    assert exchange.resume.start and "toolu_lost" in ours[8][0]
