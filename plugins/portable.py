@@ -845,6 +845,27 @@ class _Saved:
 _NOTHING_SAVED = _Saved()
 
 
+class _Chain:
+    """A chain of blocks (see :class:`_Saved`) extended by ``blocks`` (in message order) up
+    to each mark in turn."""
+
+    __slots__ = ("chain", "blocks", "taken")
+
+    def __init__(self, chain: tuple, blocks: list | None):
+        self.chain, self.blocks, self.taken = chain, blocks or (), 0
+
+    def until(self, end: int) -> tuple:
+        """The chain with the blocks before message ``end`` (marks come in order)."""
+        blocks = self.blocks
+        count = len(blocks)
+        while count > self.taken and blocks[count - 1][0] >= end:
+            count -= 1  # from the end: the marks are at the last messages
+        if count > self.taken:
+            self.chain = (self.chain, tuple(blocks[self.taken:count]))
+            self.taken = count
+        return self.chain
+
+
 def _flatten(chain: tuple) -> list:
     """The blocks of a chain of ``(earlier chain, chunk)`` pairs, in order."""
     chunks = []
@@ -944,22 +965,20 @@ class _Walked:
             return
         before = self.before or _NOTHING_SAVED
         changed, raw, thinking = list(before.changed), set(before.raw), before.thinking
-        new = self._new or ()
+        # The marks' chains share their blocks up to the first mark (one copy, not one a mark).
+        blocks, unknowns = _Chain(before.blocks, self._new), _Chain(self._unknown, unknown)
         for end, piece, seen, more in self.pieces:
             if end == self.count and end not in resume.marks:
                 break
             changed += piece
             raw |= more
             thinking = thinking or seen
-            chunk = tuple(b for b in new if b[0] < end) if thinking else ()
-            blocks = (before.blocks, chunk) if chunk else before.blocks
             dropped = tuple(f for f in foreign if f[0] < end)
             reach = self._reaches[end] = [None]
-            chunk = tuple(b for b in unknown or () if b[0] < end)
             resume.save(PLUGIN, end, _Saved(
-                tuple(changed), frozenset(raw), thinking, blocks, dropped, reach,
-                self._judged if unknown is not None else None,
-                (self._unknown, chunk) if chunk else self._unknown),
+                tuple(changed), frozenset(raw), thinking,
+                blocks.until(end) if thinking else before.blocks, dropped, reach,
+                self._judged if unknown is not None else None, unknowns.until(end)),
                 bool(changed or dropped))
 
     def known_reach(self) -> tuple[int, int] | None:
