@@ -161,7 +161,9 @@ def make_unique(messages: list, sep: str = DEFAULT_SEPARATOR, answer: bool = Tru
     boundary decides what the whole walk would.
     """
     walk = Walk(sep)
-    answered: list[str] = []
+    # The results' ids not among the calls' when they came (the others are in the ledger
+    # already): what the answer's ledger holds besides the calls'.
+    answered: set[str] = set()
     calls = None  # the previous assistant message's content and renamed blocks, if any changed
     start, marks = 0, range(0)
     if resume is not None:
@@ -190,7 +192,7 @@ def make_unique(messages: list, sep: str = DEFAULT_SEPARATOR, answer: bool = Tru
     return walk
 
 
-def _snapshot(walk: Walk, answered: list, calls, shared: tuple | None = None) -> tuple:
+def _snapshot(walk: Walk, answered: set, calls, shared: tuple | None = None) -> tuple:
     """The walk's state at a boundary, as values (the next request's walk goes on from a
     copy: nothing here refers to a message, which later plugins may change); ``shared``: an
     earlier snapshot of this walk whose ledger and calls' lists are still the walk's."""
@@ -201,23 +203,23 @@ def _snapshot(walk: Walk, answered: list, calls, shared: tuple | None = None) ->
         calls = {key: list(queue) for key, queue in calls.items()}
     if shared is not None:
         taken, counts, next_free, _, tool_uses, _, recognised, _ = shared
-        return (taken, counts, next_free, list(answered), tool_uses, walk.tool_results,
+        return (taken, counts, next_free, set(answered), tool_uses, walk.tool_results,
                 recognised, calls)
-    return (set(ledger.taken), dict(ledger.counts), dict(ledger.next_free), list(answered),
+    return (set(ledger.taken), dict(ledger.counts), dict(ledger.next_free), set(answered),
             list(walk.tool_uses), walk.tool_results, list(walk.recognised), calls)
 
 
-def _restore(walk: Walk, answered: list, saved: tuple):
+def _restore(walk: Walk, answered: set, saved: tuple):
     """Go on from a snapshot (taken over: a record is used once)."""
     taken, counts, next_free, answered_before, tool_uses, tool_results, recognised, calls = saved
     ledger = walk.ledger
     ledger.taken, ledger.counts, ledger.next_free = taken, counts, next_free
-    answered.extend(answered_before)
+    answered.update(answered_before)
     walk.tool_uses, walk.tool_results, walk.recognised = tool_uses, tool_results, recognised
     return calls
 
 
-def _unique_walk(messages: list, lo: int, hi: int, walk: Walk, answered: list, calls,
+def _unique_walk(messages: list, lo: int, hi: int, walk: Walk, answered: set, calls,
                  answer: bool):
     """:func:`make_unique` over ``messages[lo:hi]``; returns what the next user message's
     results follow (the renamed calls before it, or their result queues)."""
@@ -277,8 +279,8 @@ def _unique_walk(messages: list, lo: int, hi: int, walk: Walk, answered: list, c
                 client_id = block.get("tool_use_id")
                 if type(client_id) is not str:
                     continue
-                if answer:
-                    answered.append(client_id)
+                if answer and client_id not in seen:
+                    answered.add(client_id)
                 if queues:
                     queue = queues.get(client_id)
                     if queue:

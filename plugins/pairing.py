@@ -220,18 +220,26 @@ def _clean(messages: list, unique_ids: bool, resume=None) -> bool:
             return False
         seen, pending, programmatic, previous = saved  # taken over: used once
         state = [seen, None if pending is None else list(pending), programmatic, previous]
+    # Only an assistant message adds to ``seen``: past the last one the set stays as it is,
+    # and the marks there save it without a copy (a record's states are used once).
+    growing = len(messages)
+    while growing > at and _role(messages[growing - 1]) != "assistant":
+        growing -= 1
     for mark in resume.marks:
         if mark >= at:
             if not _clean_walk(messages, at, mark, state):
                 return False
             at = mark
             seen, pending, programmatic, previous = state
-            # Past the last mark nothing more is walked: its state is saved as it stands.
-            if seen is not None and mark < len(messages):
+            if seen is not None and mark < growing:
                 seen = set(seen)
             resume.save("pairing", mark, (seen, None if pending is None else tuple(pending),
                                           programmatic, previous))
     return _clean_walk(messages, at, len(messages), state) and state[1] is None
+
+
+def _role(message):
+    return message.get("role") if type(message) is dict else None
 
 
 def _clean_walk(messages: list, lo: int, hi: int, state: list, last: bool = False) -> bool:

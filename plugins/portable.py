@@ -359,6 +359,11 @@ class Provenance:
         self._shares: collections.deque = collections.deque()  # records for the state
         self._sharer: asyncio.Task | None = None
         self.memory: collections.OrderedDict[str, tuple[str, str]] = collections.OrderedDict()
+        # Moves when an issuer the memory knew changes or is forgotten: a judgement that
+        # dropped nothing, made against the same version, still holds for every block whose
+        # issuer it knew.
+        self.version = 0
+        self.added = 0  # issuers learnt: with nothing behind the memory, how one gets known
         self.trouble = Trouble()
         self._writes: queue.Queue = queue.Queue(maxsize=WRITE_QUEUE)
         self._writer: threading.Thread | None = None
@@ -403,10 +408,17 @@ class Provenance:
 
     def _remember(self, key: str, issuer: tuple[str, str]) -> None:
         memory = self.memory
-        memory.pop(key, None)
+        before = memory.pop(key, None)
         memory[key] = issuer
+        if before is None:
+            self.added += 1
+        elif before != issuer:
+            self.version += 1
         if len(memory) > self.memory_rows:
             memory.popitem(last=False)
+            # A forgotten issuer is asked of the record behind the memory again, or learnt
+            # again from an answer, and may come back another.
+            self.version += 1
 
     def record(self, entries: list[tuple[str, str, str]]) -> None:
         """Note who issued each block: at once in memory, later in the file."""
@@ -712,7 +724,35 @@ def _role(message) -> str | None:
 
 def final_tool_turn_without_thinking(messages: list) -> int | None:
     """Where the final assistant turn starts, when that turn holds calls whose results follow
-    and does not start with a thinking block; None otherwise.
+    and does not start with a thinking block; None otherwise (see :func:`final_tool_turn`)."""
+    return final_tool_turn(messages)[0]
+
+
+def _continues_loop(message) -> bool:
+    """Whether a tool loop reaching back over ``message`` goes on past it."""
+    return _role(message) in ("assistant", "system") or _answers_calls(message)
+
+
+def loop_reach(messages: list, index: int, known: tuple[int, int] | None = None) -> int:
+    """How far back from ``index`` the messages go on a tool loop: the least ``reach`` such
+    that every message in ``messages[reach:index]`` is an assistant message, a system entry
+    or a user message answering calls. ``known``: ``(at, reach)``, that value for index
+    ``at`` (a session's previous request's, whose messages up to ``at`` are these), so that
+    only what lies after it is walked."""
+    while index > 0:
+        if known is not None and known[1] < index <= known[0]:
+            return known[1]  # every message from there to ``at`` goes on: so on down to it
+        if not _continues_loop(messages[index - 1]):
+            break
+        index -= 1
+    return index
+
+
+def final_tool_turn(messages: list, known: tuple[int, int] | None = None
+                    ) -> tuple[int | None, tuple[int, int] | None]:
+    """:func:`final_tool_turn_without_thinking`, and what it found of the loop's reach as
+    ``(index, reach)`` (None when it did not look that far), for :func:`loop_reach`;
+    ``known`` as there.
 
     The API's assistant turn is the whole tool loop: it runs from the first assistant message
     after the last user message that answers no call, over the user messages of results in
@@ -725,18 +765,16 @@ def final_tool_turn_without_thinking(messages: list) -> int | None:
     while end >= 0 and _role(messages[end]) != "assistant":
         end -= 1
     if end < 0 or end == len(messages) - 1:
-        return None  # no assistant turn, or a prefill: the model's own rules
+        return None, None  # no assistant turn, or a prefill: the model's own rules
     last = end  # the final assistant message group, whose calls the results answer
     while last > 0 and _role(messages[last - 1]) == "assistant":
         last -= 1
     if not any(type(b) is dict and b.get("type") == "tool_use"
                for m in messages[last:end + 1] if type(m.get("content")) is list
                for b in m["content"]):
-        return None
-    start = last
-    while start > 0 and (_role(messages[start - 1]) in ("assistant", "system")
-                         or _answers_calls(messages[start - 1])):
-        start -= 1
+        return None, None
+    start = loop_reach(messages, last, known)
+    found = (last, start)
     while _role(messages[start]) != "assistant":
         start += 1
     opening = start  # the turn's first assistant message group
@@ -744,7 +782,7 @@ def final_tool_turn_without_thinking(messages: list) -> int | None:
         opening += 1
     turn = [b for m in messages[start:opening] if type(m.get("content")) is list
             for b in m["content"] if not (type(b) is dict and b.get("type") in _NOT_SAMPLED)]
-    return None if turn and _is_thinking(turn[0]) else start
+    return (None if turn and _is_thinking(turn[0]) else start), found
 
 
 # Blocks an answer carries ahead of what the model wrote, which go back unchanged: a fallback
@@ -796,27 +834,86 @@ def _checks_signatures(options: dict, backend) -> bool:
     return options.get("thinking_signatures", True) is not False
 
 
+class _Saved:
+    """What ``_fit`` saved at a mark for the session's next request: the ids translated
+    before it (``changed``), the tool ids outside the grammar (``raw``), whether a thinking
+    block came before it, every thinking block before it (``blocks``, as a chain of
+    ``(earlier chain, chunk)`` pairs: a request adds its new turn's chunk to the one it
+    resumed from rather than copying every block of the history), the foreign ones
+    (``dropped``), the tool loop's reach there (``reach``, a one-item list filled in once
+    the final turn was looked for, see :func:`loop_reach`), and how the blocks were judged:
+    ``judged``, the provenance record, its version and what it had learnt then (None: not
+    judged), and ``unknown``, the blocks whose issuer it did not know (a chain too)."""
+
+    __slots__ = ("changed", "raw", "thinking", "blocks", "dropped", "reach", "judged",
+                 "unknown")
+
+    def __init__(self, changed: tuple = (), raw: frozenset = frozenset(), thinking=False,
+                 blocks: tuple = (), dropped: tuple = (), reach: list | None = None,
+                 judged: tuple | None = None, unknown: tuple = ()):
+        self.changed, self.raw, self.thinking, self.blocks = changed, raw, thinking, blocks
+        self.dropped, self.reach = dropped, reach if reach is not None else [None]
+        self.judged, self.unknown = judged, unknown
+
+
+_NOTHING_SAVED = _Saved()
+
+
+class _Chain:
+    """A chain of blocks (see :class:`_Saved`) extended by ``blocks`` (in message order) up
+    to each mark in turn."""
+
+    __slots__ = ("chain", "blocks", "taken")
+
+    def __init__(self, chain: tuple, blocks: list | None):
+        self.chain, self.blocks, self.taken = chain, blocks or (), 0
+
+    def until(self, end: int) -> tuple:
+        """The chain with the blocks before message ``end`` (marks come in order)."""
+        blocks = self.blocks
+        count = len(blocks)
+        while count > self.taken and blocks[count - 1][0] >= end:
+            count -= 1  # from the end: the marks are at the last messages
+        if count > self.taken:
+            self.chain = (self.chain, tuple(blocks[self.taken:count]))
+            self.taken = count
+        return self.chain
+
+
+def _flatten(chain: tuple) -> list:
+    """The blocks of a chain of ``(earlier chain, chunk)`` pairs, in order."""
+    chunks = []
+    while chain:
+        chain, chunk = chain
+        chunks.append(chunk)
+    return [block for chunk in reversed(chunks) for block in chunk]
+
+
 class _Walked:
     """What ``_fit`` walked of a request, and what it saves for the session's next one
-    (:class:`relay.resume.Resume`): ids translated, tool ids outside the grammar, and the
-    thinking blocks with how each was judged, up to each mark. Resumed, it walks only the
-    messages from ``resume.start`` on and takes the rest from the state saved there."""
+    (:class:`relay.resume.Resume`, a :class:`_Saved` at each mark). Resumed, it walks only
+    the messages from ``resume.start`` on and takes the rest from the state saved there;
+    the thinking blocks before it are judged again only where their judgement may have
+    changed since (see :meth:`to_judge`)."""
 
-    __slots__ = ("resume", "start", "count", "before", "pieces", "_blocks")
+    __slots__ = ("resume", "start", "count", "before", "pieces", "_new", "_reaches",
+                 "_judged", "_unknown")
 
     def __init__(self, resume, count: int):
         self.resume = resume
         self.count = count
         self.start = 0
-        # The state saved at start: (changed, raw, thinking, blocks, dropped).
-        self.before: tuple | None = None
+        self.before: _Saved | None = None  # the state saved at start
         if resume is not None and resume.start:
             self.before = resume.state(PLUGIN)
             if self.before is None or not resume.seen(PLUGIN):
                 resume.decline()  # the final turn's check reads what a later plugin changed
             self.start = resume.start
         self.pieces: list[tuple[int, list, bool, set]] = []  # (end, changed, thinking, raw)
-        self._blocks: list | None = None
+        self._new: list | None = None  # the thinking blocks from start on
+        self._reaches: dict[int, list] = {}  # each mark's reach, filled in by keep_reach
+        self._judged: tuple | None = None  # the provenance record as it was when judging
+        self._unknown: tuple = ()  # the chain of blocks of unknown issuer not judged again
 
     def translate(self, messages: list, pattern: str | None, holding: bool) -> list:
         ends = [m for m in self.resume.marks if m >= self.start] if self.resume else []
@@ -827,58 +924,90 @@ class _Walked:
             changed = translate_ids(messages, pattern, thinking, raw, at, end)
             self.pieces.append((end, changed, bool(thinking), raw or set()))
             at = end
-        found = list(self.before[0]) if self.before else []
+        found = list(self.before.changed) if self.before else []
         for _, changed, _, _ in self.pieces:
             found += changed
         return found
 
     def raw(self) -> set:
-        found = set(self.before[1]) if self.before else set()
+        found = set(self.before.raw) if self.before else set()
         for *_, raw in self.pieces:
             found |= raw
         return found
 
     def thinking(self) -> bool:
-        return bool(self.before and self.before[2]) or any(p[2] for p in self.pieces)
+        return bool(self.before and self.before.thinking) or any(p[2] for p in self.pieces)
 
-    def blocks(self, messages: list) -> list:
-        """Every thinking block, as :func:`thinking_blocks` gives them: those before the
-        resume point as they were when first walked (some may have been dropped since)."""
-        if self._blocks is None:
-            self._blocks = (list(self.before[3]) if self.before else []) + thinking_blocks(
-                messages, self.start)
-        return self._blocks
+    def to_judge(self, messages: list, provenance: Provenance) -> list:
+        """The thinking blocks to judge, as :func:`thinking_blocks` gives them: every one;
+        or, resumed from a request that judged its blocks and dropped none, against this
+        provenance record when no issuer it knew had changed or been forgotten since, those
+        before the resume point whose issuer was unknown then (the record may know it now,
+        as a full walk would ask; not even those when the memory is the whole record and
+        has learnt nothing since) and the new ones: the others' verdicts are the ones
+        saved (None: their blocks went as sent)."""
+        self._new = thinking_blocks(messages, self.start)
+        # Taken before anything is read: a change while this request reads the record is one
+        # its judgement may not have seen.
+        self._judged = judged = (provenance, provenance.version, provenance.added,
+                                 not provenance.path and provenance.shared is None)
+        before = self.before
+        if before is None or not before.blocks:
+            return self._new
+        if before.judged is not None and before.judged[:2] == judged[:2] \
+                and not before.dropped:
+            if before.judged == judged and judged[3]:
+                self._unknown = before.unknown
+                return self._new
+            return _flatten(before.unknown) + self._new
+        return _flatten(before.blocks) + self._new
 
     def check_dropped(self, foreign: list) -> None:
         if self.before is not None and [f for f in foreign if f[0] < self.start] \
-                != list(self.before[4]):
+                != list(self.before.dropped):
             self.resume.decline()
 
     def new(self, foreign: list) -> list:
         """The blocks to drop now: those before the resume point went already."""
         return [f for f in foreign if f[0] >= self.start]
 
-    def save(self, foreign: list) -> None:
+    def save(self, foreign: list, unknown: list | None = None) -> None:
+        """Keep the state at each mark; ``unknown``: the blocks judged, of unknown issuer
+        (None: no block was judged)."""
         resume = self.resume
         if resume is None:
             return
-        before = self.before or ((), frozenset(), False, (), ())
-        changed, raw, thinking = list(before[0]), set(before[1]), before[2]
-        blocks = list(before[3])
+        before = self.before or _NOTHING_SAVED
+        changed, raw, thinking = list(before.changed), set(before.raw), before.thinking
+        # The marks' chains share their blocks up to the first mark (one copy, not one a mark).
+        blocks, unknowns = _Chain(before.blocks, self._new), _Chain(self._unknown, unknown)
         for end, piece, seen, more in self.pieces:
             if end == self.count and end not in resume.marks:
                 break
             changed += piece
             raw |= more
             thinking = thinking or seen
-            if thinking:
-                blocks = self.blocks_until(end)
             dropped = tuple(f for f in foreign if f[0] < end)
-            resume.save(PLUGIN, end, (tuple(changed), frozenset(raw), thinking, tuple(blocks),
-                                      dropped), bool(changed or dropped))
+            reach = self._reaches[end] = [None]
+            resume.save(PLUGIN, end, _Saved(
+                tuple(changed), frozenset(raw), thinking,
+                blocks.until(end) if thinking else before.blocks, dropped, reach,
+                self._judged if unknown is not None else None, unknowns.until(end)),
+                bool(changed or dropped))
 
-    def blocks_until(self, end: int) -> list:
-        return [b for b in (self._blocks or ()) if b[0] < end]
+    def known_reach(self) -> tuple[int, int] | None:
+        """The tool loop's reach at the resume point, as the previous request found it."""
+        reach = self.before.reach[0] if self.before is not None else None
+        return (self.start, reach) if reach is not None else None
+
+    def keep_reach(self, messages: list, found: tuple[int, int] | None) -> None:
+        """Save the tool loop's reach at each mark (``found``: one the final turn's search
+        found, else the one at the resume point), walking only the messages after it."""
+        basis = found or self.known_reach()
+        if basis is None:
+            return  # nobody looked that far: the next request looks for itself
+        for end, holder in self._reaches.items():
+            holder[0] = loop_reach(messages, end, basis)
 
 
 class Portable:
@@ -968,8 +1097,8 @@ class Portable:
         if not walked.thinking():
             # No thinking block to judge, none to drop; the final turn may still lack one.
             walked.save([])
-            return self._thinking_off(exchange, messages, done, validating, [], set())
-        blocks = walked.blocks(messages)
+            return self._thinking_off(exchange, messages, done, validating, [], set(), walked)
+        blocks = walked.to_judge(messages, self.provenance)
         keys = [key for _, _, key in blocks if key]
         if len(keys) < len(blocks) and any(key == "" for _, _, key in blocks):
             keys.append(unsigned_marker(backend.name if backend is not None else "",
@@ -998,9 +1127,10 @@ class Portable:
             (i, k, verdict(key, issuers, name, model, scope)) for i, k, key in blocks)
             if why is not None]
         # Those before the resume point were dropped when they were first judged, and are
-        # judged the same now, or this request is walked whole.
+        # judged the same now, or this request is walked whole (a resumed request judges
+        # again only those whose verdict may have changed, none of them dropped).
         walked.check_dropped(foreign)
-        walked.save(foreign)
+        walked.save(foreign, [block for block in blocks if block[2] and block[2] not in issuers])
         touched: set = set()
         if foreign:
             done += [{"location": f"messages.{i}.content.{k}",
@@ -1012,18 +1142,23 @@ class Portable:
                               blocks=[f"messages.{i}.content.{k}" for i, k, _ in foreign],
                               reasons=sorted({why for *_, why in foreign}),
                               removed_messages=removed)
-        return self._thinking_off(exchange, messages, done, validating, foreign, touched)
+        return self._thinking_off(exchange, messages, done, validating, foreign, touched,
+                                  walked)
 
     def _thinking_off(self, exchange, messages: list, done: list, validating: bool,
-                      foreign: list, touched: set) -> list[dict]:
+                      foreign: list, touched: set, walked: _Walked) -> list[dict]:
         """With thinking enabled, a final assistant tool turn that has no thinking block valid
         here is refused by the API: that request goes with thinking disabled."""
         thinking = exchange.field("thinking")
         mode = thinking.get("type") if type(thinking) is dict else None
         # The final turn reaches back over the whole tool loop: looked for only when thinking
-        # is on, the one case where it can matter.
-        final = final_tool_turn_without_thinking(messages) \
-            if mode in ("enabled", "adaptive") else None
+        # is on, the one case where it can matter, and, in a session's request resumed from
+        # the previous one, only as far back as the resume point (the loop's reach there is
+        # the previous request's).
+        final = None
+        if mode in ("enabled", "adaptive"):
+            final, found = final_tool_turn(messages, walked.known_reach())
+            walked.keep_reach(messages, found)
         if mode == "adaptive" and final is not None and foreign \
                 and id(messages[final]) in touched:
             # The API's rule is on record for budgeted thinking; with adaptive thinking the

@@ -301,8 +301,9 @@ def _grown(body: bytes, previous: Resumable, count: int, offset: int,
     crcs, lengths = before.crcs[:cut], before.lengths[:cut]
     points, lifetimes = breakpoints[:marks], ttls[:marks]
     counts = before.messages[:count]
-    _message_parts(messages, body.count(_KEY, offset, end), crcs, lengths, points, lifetimes,
-                   counts)
+    # A new turn is a few messages: each of their blocks is searched for a marker once,
+    # rather than the turn counted first and the marked message's blocks searched again.
+    _message_parts(messages, None, crcs, lengths, points, lifetimes, counts)
     if previous.automatic:
         points.append(len(lengths) - 1)
         lifetimes.append(ttls[-1])
@@ -367,9 +368,10 @@ def _assemble(model_raw, speed_raw, tools, system_raw, thinking, tool_choice, ca
         (zlib.crc32(thinking), zlib.crc32(tool_choice)))
 
 
-def _message_parts(messages: list, left: int, crcs: array, lengths: array,
+def _message_parts(messages: list, left: int | None, crcs: array, lengths: array,
                    breakpoints: array, ttls: array, counts: array) -> None:
-    """Add the parts of ``messages`` (``left``: at least as many markers as they hold)."""
+    """Add the parts of ``messages`` (``left``: at least as many markers as they hold;
+    None: every block is searched for one)."""
     # Markers are few, and clients put them on the newest messages: the messages that hold
     # one are found from the end, and every other message is hashed in C.
     contents: list[list[Any]] = []
@@ -377,14 +379,18 @@ def _message_parts(messages: list, left: int, crcs: array, lengths: array,
         value = message.content
         contents.append(value if type(value) is list else
                         [_text_block(value)] if type(value) is str else [])
-    marked = set()
-    for i in range(len(contents) - 1, -1, -1):
-        if left <= 0:
-            break
-        found = sum(bytes(block).count(_KEY) for block in contents[i])
-        if found:
-            marked.add(i)
-            left -= found
+    marked: set[int] | range
+    if left is None:
+        marked = range(len(contents))
+    else:
+        marked = set()
+        for i in range(len(contents) - 1, -1, -1):
+            if left <= 0:
+                break
+            found = sum(bytes(block).count(_KEY) for block in contents[i])
+            if found:
+                marked.add(i)
+                left -= found
     crc32 = zlib.crc32
     for i, message in enumerate(messages):
         role = message.role
@@ -425,8 +431,9 @@ def _part(raw: Raw | bytes, crcs: array, lengths: array, breakpoints: array, ttl
     data = bytes(raw)
     # bytes.find rather than `in`: `in` tries its operand as an integer first, and raising and
     # clearing that TypeError costs more than the search, once per part.
-    if data.find(_KEY) >= 0:
-        data, found = strip_cache_control(data)
+    first = data.find(_KEY)
+    if first >= 0:
+        data, found = strip_cache_control(data, first)
         for ttl in found:
             breakpoints.append(len(lengths))
             ttls.append(ttl)
@@ -437,14 +444,20 @@ def _part(raw: Raw | bytes, crcs: array, lengths: array, breakpoints: array, ttl
     return len(found)
 
 
-def strip_cache_control(raw: bytes) -> tuple[bytes, list[float]]:
+def strip_cache_control(raw: bytes, start: int | None = None) -> tuple[bytes, list[float]]:
     """``raw`` (one JSON value) without its ``"cache_control": {...}`` members, each taken
     out with the comma that joined it, so that a block a client marked and the same block
     unmarked give the same bytes when the same encoder wrote both; and the lifetimes of the
-    markers taken out. A key inside a string is never one: there its quotes are escaped."""
+    markers taken out. A key inside a string is never one: there its quotes are escaped.
+    ``start``: where the key first occurs, when the caller has searched for it already."""
     found: list[float] = []
-    while True:
+    if start is None:
         start = raw.find(_KEY)
+    # The one key of the block (its usual marker, the block's last member: found from the
+    # end at once): once it is out, a key could only be one that taking it out joined, so
+    # the block is not searched again from the front.
+    only = start >= 0 and raw.rfind(_KEY) == start
+    while True:
         if start < 0:
             return raw, found
         colon = _skip(raw, start + len(_KEY))
@@ -462,12 +475,19 @@ def strip_cache_control(raw: bytes) -> tuple[bytes, list[float]]:
         while before > 0 and raw[before - 1] in b" \t\r\n":
             before -= 1
         if before > 0 and raw[before - 1:before] == b",":
-            raw = raw[:before - 1] + raw[end:]
-            continue
-        after = _skip(raw, end)
-        if raw[after:after + 1] == b",":
-            after = _skip(raw, after + 1)
-        raw = raw[:start] + raw[after:]
+            joined = before - 1
+            raw = raw[:joined] + raw[end:]
+        else:
+            joined = start
+            after = _skip(raw, end)
+            if raw[after:after + 1] == b",":
+                after = _skip(raw, after + 1)
+            raw = raw[:start] + raw[after:]
+        if only:
+            start = raw.find(_KEY, max(joined - len(_KEY) + 1, 0), joined + len(_KEY) - 1)
+            only = False  # a key made by the join (never in valid JSON): searched for as before
+        else:
+            start = raw.find(_KEY)
 
 
 def _skip(raw: bytes, at: int) -> int:

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from relay import cache
 
@@ -67,6 +69,58 @@ def test_strip_takes_the_member_and_its_comma():
         assert cache.strip_cache_control(raw)[0] == stripped
     assert cache.strip_cache_control(
         b'{"cache_control":{"type":"ephemeral","ttl":"1h"},"type":"text"}')[1] == [3600.0]
+
+
+def _without_markers(value):
+    if isinstance(value, dict):
+        return {k: _without_markers(v) for k, v in value.items() if k != "cache_control"}
+    if isinstance(value, list):
+        return [_without_markers(v) for v in value]
+    return value
+
+
+def _markers(value) -> list:
+    """The markers' lifetimes in the order their keys come in the JSON text."""
+    if isinstance(value, dict):
+        found = []
+        for k, v in value.items():
+            found += [cache.TTL_SECONDS[v.get("ttl", "5m")]] if k == "cache_control" \
+                else _markers(v)
+        return found
+    if isinstance(value, list):
+        return [ttl for v in value for ttl in _markers(v)]
+    return []
+
+
+_MARKER = st.sampled_from([{"type": "ephemeral"}, {"type": "ephemeral", "ttl": "1h"}])
+_TEXT = st.text(alphabet='ab "{}:,\\', max_size=8)  # a key's bytes inside a string are escaped
+_VALUES = st.recursive(
+    _TEXT | st.integers(0, 9),
+    lambda inner: st.lists(inner, max_size=3) | st.lists(
+        st.tuples(st.sampled_from(["type", "text", "x"]), inner)
+        | st.tuples(st.just("cache_control"), _MARKER), max_size=4).map(dict), max_leaves=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["type", "text", "content", "x"]), _VALUES),
+                max_size=4).map(dict),
+       st.lists(st.tuples(st.integers(0, 4), _MARKER), max_size=2),
+       st.sampled_from([json.dumps, lambda v: json.dumps(v, separators=(",", ":"))]))
+def test_strip_gives_the_block_without_its_markers(block, markers, dumps):
+    """Whatever holds the markers, wherever they sit (the last member, as clients put them,
+    or another; one or several; nested in a block's content), and whichever encoder wrote
+    it: the block's bytes without them, and their lifetimes in order, whether the caller
+    found the first key already or not."""
+    items = list(block.items())
+    for at, marker in markers:
+        items.insert(min(at, len(items)), ("cache_control", marker))
+    value = dict(items)  # a repeated key counts once, as in any JSON reader
+    raw = dumps(value).encode()
+    expected = (dumps(_without_markers(value)).encode(), _markers(value))
+    assert cache.strip_cache_control(raw) == expected
+    first = raw.find(b'"cache_control"')
+    if first >= 0:
+        assert cache.strip_cache_control(raw, first) == expected
 
 
 @pytest.mark.parametrize("change, reason, where", [

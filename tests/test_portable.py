@@ -364,6 +364,42 @@ def docs_tool_loop(first: dict) -> list[dict]:
                                           "content": "5200"}, {"type": "text", "text": "note"}]}]
 
 
+_LOOP_MESSAGES = st.sampled_from([
+    {"role": "user", "content": [{"type": "text", "text": "a question"}]},
+    {"role": "user", "content": "a question"},
+    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1"}]},
+    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1"},
+                                 {"type": "text", "text": "note"}]},
+    {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "t",
+                                       "input": {}}]},
+    {"role": "assistant", "content": [{"type": "thinking", "thinking": "", "signature": "s"},
+                                      {"type": "tool_use", "id": "toolu_1", "name": "t",
+                                       "input": {}}]},
+    {"role": "assistant", "content": [{"type": "text", "text": "done"}]},
+    {"role": "system", "content": "a reminder"}])
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(_LOOP_MESSAGES, max_size=14), st.data())
+def test_the_final_turn_from_a_known_reach_is_the_whole_search_s(messages, data):
+    """A session's request resumed at ``at`` looks for its final tool turn only as far back
+    as ``at``, from the loop's reach there as the previous request found it: the same turn
+    as the search over the whole history, and the same reach at every later index."""
+    at = data.draw(st.integers(0, len(messages)))
+    known = (at, portable.loop_reach(messages[:at], at))
+    assert portable.final_tool_turn(messages, known)[0] == \
+        portable.final_tool_turn_without_thinking(messages)
+    for index in range(at, len(messages) + 1):
+        assert portable.loop_reach(messages, index, known) == \
+            portable.loop_reach(messages, index)
+    found = portable.final_tool_turn(messages)[1]
+    if found is not None:
+        assert found[1] == portable.loop_reach(messages, found[0])
+        for index in range(found[0], len(messages) + 1):
+            assert portable.loop_reach(messages, index, found) == \
+                portable.loop_reach(messages, index)
+
+
 def test_the_final_turn_is_the_whole_tool_loop_back_to_the_last_question():
     loop = docs_tool_loop(thought(KEY_A))
     assert portable.final_tool_turn_without_thinking(loop) is None

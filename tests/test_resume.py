@@ -501,7 +501,149 @@ def test_dedup_s_states_past_a_user_message_share_its_ledger():
     states = {index: record.states[index]["dedup"][0] for index in (count - 2, count - 1, count)}
     assert states[count][0] is states[count - 1][0] and states[count][1] is states[count - 1][1]
     assert states[count - 1][0] is not states[count - 2][0]
-    assert states[count][0] == states[count - 1][0] and states[count][3] != states[count - 1][3]
+    # Every result answers a call of the history: none is kept apart for the answer's ledger.
+    assert states[count][0] == states[count - 1][0] and states[count][3] == set()
     del record, states
     raw = body(marked(messages[:13]) + [assistant(use("toolu_0"))] + [user(result("toolu_0", "x"))])
     assert prepared(state, raw)[0] == prepared(whole, raw)[0]
+
+
+def test_pairing_s_states_past_the_last_call_share_its_ids():
+    """Past the last assistant message no id joins the ones pairing has seen: the marks
+    there keep the walk's own set (a record's states are used once), those before it a
+    copy; and the next request, resumed from either, comes out as the full walk makes it."""
+    messages = conversation(6)
+    for then in ([assistant(use("toolu_9"))] + [user(result("toolu_9", "x"))],
+                 [user(text("and then?"))]):
+        state, whole = relay(), relay(resume_bytes=0)
+        for n in (9, 11, 13):
+            raw = body(marked(messages[:n]))
+            assert prepared(state, raw)[0] == prepared(whole, raw)[0]
+        (record,) = state.resume.records.values()
+        count = record.count  # the last message a user's, the one before an assistant's
+        seen = {index: record.states[index]["pairing"][0][0]
+                for index in (count - 2, count - 1, count)}
+        assert seen[count] is seen[count - 1] and seen[count - 1] is not seen[count - 2]
+        assert seen[count - 2] < seen[count - 1]
+        del record, seen
+        raw = body(marked(messages[:13]) + then)
+        assert prepared(state, raw)[0] == prepared(whole, raw)[0]
+
+
+def test_with_thinking_on_the_final_tool_turn_is_looked_for_back_to_the_new_turn_only(
+        monkeypatch):
+    """A long tool loop with thinking on: each resumed request looks for its final assistant
+    turn (the whole loop, back to the last question) only over its new messages, from the
+    loop's reach the previous request found, and comes out as the full walk makes it; a
+    question that opens a turn without thinking is found the same way (and repaired)."""
+    visited = []
+    looked = portable._continues_loop
+    monkeypatch.setattr(portable, "_continues_loop",
+                        lambda message: visited.append(1) or looked(message))
+    thinking = {"thinking": {"type": "enabled", "budget_tokens": 1024}}
+    messages = [user(text("start"))]
+    for n in range(12):
+        messages += [assistant({"type": "thinking", "thinking": "hm", "signature": "sig-ours"},
+                               use(f"toolu_{n}")), user(result(f"toolu_{n}", "done"))]
+    asked = messages + [assistant(text("done")), user(text("and now?")),
+                        assistant(use("toolu_x")), user(result("toolu_x", "ok"))]
+    state, whole = relay(), relay(resume_bytes=0)
+    walked, walked_whole = [], []
+    for history in [messages[:n] for n in range(3, len(messages) + 1, 2)] + [asked]:
+        raw = body(marked(history), **thinking)
+        visited.clear()
+        ours, exchange = prepared(state, raw)
+        walked.append(len(visited))
+        visited.clear()
+        assert ours == prepared(whole, raw)[0]
+        walked_whole.append(len(visited))
+    assert exchange.repaired_by and exchange.repaired_by[0].rule == "thinking-off"
+    # The first two requests are walked whole; from the third on only the new turn is.
+    assert walked_whole[-2] > 20
+    assert max(walked[2:]) <= 8, (walked, walked_whole)
+
+
+def _thinking_turns(signatures: list[str]) -> list:
+    messages = [user(text("start"))]
+    for n, signature in enumerate(signatures):
+        messages += [assistant({"type": "thinking", "thinking": "hm", "signature": signature},
+                               use(f"toolu_{n}")), user(result(f"toolu_{n}", "done"))]
+    return messages
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.sampled_from(["sig-a", "sig-b", "sig-c", FOREIGN]), min_size=2,
+                max_size=8),
+       st.lists(st.tuples(st.sampled_from(["sig-a", "sig-b", "sig-c", "sig-d"]),
+                          st.sampled_from([("emu", "claude-test"), ("other", "other-model")])),
+                max_size=8),
+       st.booleans())
+def test_earlier_thinking_judged_again_only_where_the_record_may_say_otherwise(
+        signatures, learnt, small):
+    """A thinking session whose provenance record changes between requests (issuers learnt
+    for blocks already sent, issuers changed, the memory too small to keep them all): each
+    resumed request, which judges again only the earlier blocks whose verdict may have
+    changed, comes out as the full walk makes it."""
+    state, whole = relay(), relay(resume_bytes=0)
+    records = [relay_state.chain.pm.get_plugin("portable").provenance
+               for relay_state in (state, whole)]
+    if small:
+        for provenance in records:
+            provenance.memory_rows = 2
+    messages = _thinking_turns(signatures)
+    thinking = {"thinking": {"type": "enabled", "budget_tokens": 1024}}
+    for step, n in enumerate(range(3, len(messages) + 1, 2)):
+        raw = body(marked(messages[:n]), **thinking)
+        assert prepared(state, raw)[0] == prepared(whole, raw)[0]
+        if step < len(learnt):
+            signature, (backend, model) = learnt[step]
+            key = portable.block_key({"type": "thinking", "signature": signature})
+            for provenance in records:
+                provenance.record([(key, backend, model)])
+
+
+def test_a_resumed_thinking_request_judges_only_its_new_blocks(monkeypatch):
+    """Nothing learnt or forgotten since: the earlier blocks keep their verdicts and only the
+    new turn's are judged; an issuer learnt for an earlier block of unknown issuer has that
+    block judged again (and dropped, as the full walk does)."""
+    judged = []
+    real = portable.verdict
+    monkeypatch.setattr(portable, "verdict", lambda key, *rest: judged.append(key)
+                        or real(key, *rest))
+    state, whole = relay(), relay(resume_bytes=0)
+    messages = _thinking_turns([f"sig-{n}" for n in range(10)])
+    thinking = {"thinking": {"type": "enabled", "budget_tokens": 1024}}
+    counts = []
+    for n in range(3, len(messages) + 1, 2):
+        raw = body(marked(messages[:n]), **thinking)
+        judged.clear()
+        ours = prepared(state, raw)[0]
+        counts.append(len(judged))
+        assert ours == prepared(whole, raw)[0]
+    assert counts[:2] == [1, 2] and set(counts[2:]) == {1}, counts
+    key = portable.block_key({"type": "thinking", "signature": "sig-3"})
+    for relay_state in (state, whole):
+        relay_state.chain.pm.get_plugin("portable").provenance.record(
+            [(key, "other", "other-model")])
+    raw = body(marked(messages + [assistant(text("and?"))] + [user(text("go on"))]),
+               **thinking)
+    judged.clear()
+    ours, exchange = prepared(state, raw)
+    assert ours == prepared(whole, raw)[0]
+    assert exchange.repaired_by[0].rule == "foreign-thinking"
+
+
+def test_a_result_without_its_call_stays_in_the_answer_s_ledger_when_resumed():
+    """dedup keeps apart only the results whose call the history does not hold (the others'
+    ids are the calls'): a resumed request's ledger for the answer holds them as the full
+    walk's does, and a later call with that id goes up as the full walk sends it."""
+    messages = conversation(4) + [assistant(use("toolu_7"))] \
+        + [user(result("toolu_7", "ok"), result("toolu_lost", "orphan"))]
+    # dedup alone: pairing would refuse the result without its call, as the API does.
+    state, whole = relay(["dedup"]), relay(["dedup"], resume_bytes=0)
+    later = messages + [assistant(use("toolu_lost"))] + [user(result("toolu_lost", "x"))]
+    for raw in [body(marked(conversation(4)[:n])) for n in (5, 7, 9)] + \
+            [body(marked(messages)), body(marked(later))]:
+        ours, exchange = prepared(state, raw)
+        assert ours == prepared(whole, raw)[0]
+    assert exchange.resume.start and "toolu_lost" in ours[8][0]
