@@ -563,6 +563,9 @@ def test_with_thinking_on_the_final_tool_turn_is_looked_for_back_to_the_new_turn
     assert max(walked[2:]) <= 8, (walked, walked_whole)
 
 
+UNSIGNED = object()  # learnt: that backend's model issued unsigned thinking
+
+
 def _thinking_turns(signatures: list[str]) -> list:
     messages = [user(text("start"))]
     for n, signature in enumerate(signatures):
@@ -572,18 +575,18 @@ def _thinking_turns(signatures: list[str]) -> list:
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(st.sampled_from(["sig-a", "sig-b", "sig-c", FOREIGN]), min_size=2,
+@given(st.lists(st.sampled_from(["sig-a", "sig-b", "sig-c", FOREIGN, ""]), min_size=2,
                 max_size=8),
-       st.lists(st.tuples(st.sampled_from(["sig-a", "sig-b", "sig-c", "sig-d"]),
+       st.lists(st.tuples(st.sampled_from(["sig-a", "sig-b", "sig-c", "sig-d", UNSIGNED]),
                           st.sampled_from([("emu", "claude-test"), ("other", "other-model")])),
                 max_size=8),
        st.booleans())
 def test_earlier_thinking_judged_again_only_where_the_record_may_say_otherwise(
         signatures, learnt, small):
     """A thinking session whose provenance record changes between requests (issuers learnt
-    for blocks already sent, issuers changed, the memory too small to keep them all): each
-    resumed request, which judges again only the earlier blocks whose verdict may have
-    changed, comes out as the full walk makes it."""
+    for blocks already sent, issuers changed, the memory too small to keep them all, a
+    backend seen issuing unsigned thinking): each resumed request, which judges again only
+    the earlier blocks whose verdict may have changed, comes out as the full walk makes it."""
     state, whole = relay(), relay(resume_bytes=0)
     records = [relay_state.chain.pm.get_plugin("portable").provenance
                for relay_state in (state, whole)]
@@ -597,9 +600,10 @@ def test_earlier_thinking_judged_again_only_where_the_record_may_say_otherwise(
         assert prepared(state, raw)[0] == prepared(whole, raw)[0]
         if step < len(learnt):
             signature, (backend, model) = learnt[step]
-            key = portable.block_key({"type": "thinking", "signature": signature})
+            keys = portable.unsigned_markers(backend, model) if signature is UNSIGNED else [
+                portable.block_key({"type": "thinking", "signature": signature})]
             for provenance in records:
-                provenance.record([(key, backend, model)])
+                provenance.record([(key, backend, model) for key in keys])
 
 
 def test_a_resumed_thinking_request_judges_only_its_new_blocks(monkeypatch):
