@@ -413,7 +413,13 @@ class Chain:
         for order, impl in enumerate(self.impls["relay_stream_events"]):
             event_hook = hooks.get(impl.plugin)
             try:
-                wanted = impl.call_with(exchange, options[impl.plugin])
+                takes = impl.takes
+                if takes is _EXCHANGE:  # the usual two: no call of call_with's
+                    wanted = impl.function(exchange)
+                elif takes is _EXCHANGE_OPTIONS:
+                    wanted = impl.function(exchange, options[impl.plugin])
+                else:
+                    wanted = impl.call_with(exchange, options[impl.plugin])
                 if wanted is not None and _awaitable(wanted):
                     wanted = await wanted
             except Exception:
