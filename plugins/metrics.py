@@ -31,12 +31,17 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import bisect
+import functools
 import logging
+import operator
 import os
 import re
 import shutil
 import stat
 import tempfile
+import time
+from typing import Any
 
 from aiohttp import web
 
@@ -134,6 +139,14 @@ from prometheus_client import (  # noqa: E402
     generate_latest,
     multiprocess,
 )
+from prometheus_client.metrics_core import (  # noqa: E402
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.samples import Sample  # noqa: E402
+from prometheus_client.utils import floatToGoString  # noqa: E402
 
 PLUGIN = "metrics"
 MIN_KEY_CHARS = 16  # as for relay keys
@@ -150,7 +163,165 @@ TOKEN_KINDS = (("input", "input_tokens"), ("output", "output_tokens"),
                ("cache_read", "cache_read_input_tokens"),
                ("cache_write_5m", "cache_write_5m_input_tokens"),
                ("cache_write_1h", "cache_write_1h_input_tokens"))
+TOKEN_COUNTS = operator.attrgetter(*(name for _, name in TOKEN_KINDS))  # in one call
+# The cache plugin's figures in relay_cache_input_tokens_total, by their ``kind`` label.
+CACHE_KINDS = (("read", "read_input_tokens"), ("written", "written_input_tokens"),
+               ("fresh", "fresh_input_tokens"))
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class _Value:
+    """One series of a counter or a gauge in a single process."""
+
+    __slots__ = ("value", "created")
+
+    def __init__(self):
+        self.value = 0.0
+        self.created = time.time()
+
+    def inc(self, amount: float = 1) -> None:
+        if amount < 0:  # as prometheus-client's counters refuse it
+            raise ValueError("Counters can only be incremented by non-negative amounts.")
+        self.value += amount
+
+    def dec(self, amount: float = 1) -> None:  # the gauge's
+        self.value -= amount
+
+
+class _Observed:
+    """One series of a histogram in a single process: each bucket's own count (made
+    cumulative when scraped) and the sum."""
+
+    __slots__ = ("bounds", "counts", "sum", "created")
+
+    def __init__(self, bounds: tuple[float, ...]):
+        self.bounds = bounds
+        self.counts = [0] * len(bounds)
+        self.sum = 0.0
+        self.created = time.time()
+
+    def observe(self, amount: float) -> None:
+        self.sum += amount
+        # The first bound at or above the amount, as prometheus-client's ``amount <= bound``.
+        at = bisect.bisect_left(self.bounds, amount)
+        if at < len(self.counts):
+            self.counts[at] += 1
+
+
+class Family:
+    """A metric of a single process, counted in plain Python on the event loop (the only
+    thread that counts or scrapes) and handed to prometheus-client only when ``/metrics`` is
+    read, as a custom collector (prometheus-client's documented pattern for values kept
+    elsewhere). Its counters and histograms take a lock and build tuples on every
+    ``labels()``, ``inc()`` and ``observe()``, which cost a small exchange more than anything
+    else in this plugin. The text served is the same: the same families, series, values and
+    ``_created`` samples, in the same order. A relay with workers (prometheus-client's
+    multi-process mode, where every value lives in a file the other workers read) uses
+    prometheus-client's own metrics instead: see :func:`metric`."""
+
+    def __init__(self, kind: str, name: str, documentation: str, labelnames=(),
+                 registry: CollectorRegistry | None = None, buckets: tuple | None = None):
+        self.kind = kind
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = tuple(labelnames)
+        self.bounds = (*(float(b) for b in buckets), float("inf")) if buckets else ()
+        self.series: dict[tuple[str, ...], _Value | _Observed] = {}
+        self.found: dict[tuple, _Value | _Observed] = {}
+        if not self.labelnames:  # shown at 0 from the start, as prometheus-client does
+            self.series[()] = self._new()
+        if registry is not None:
+            registry.register(self)
+
+    def _new(self) -> _Value | _Observed:
+        return _Observed(self.bounds) if self.kind == "histogram" else _Value()
+
+    def labels(self, *values):
+        # By the values as given first (an exchange's labels are mostly the same few), then
+        # as the strings they are shown as.
+        series = self.found.get(values)
+        if series is None:
+            key = tuple(str(value) for value in values)
+            series = self.series.get(key)
+            if series is None:
+                if len(key) != len(self.labelnames):
+                    raise ValueError(f"{self.name}: expected {len(self.labelnames)} label "
+                                     "values")
+                series = self.series[key] = self._new()
+            self.found[values] = series
+        return series
+
+    def inc(self, amount: float = 1) -> None:
+        self.series[()].inc(amount)  # type: ignore[union-attr]
+
+    def dec(self, amount: float = 1) -> None:
+        self.series[()].dec(amount)  # type: ignore[union-attr]
+
+    def describe(self) -> list[Metric]:
+        return [Metric(self.name, self.documentation, self.kind)]
+
+    def collect(self) -> list[Metric]:
+        names = self.labelnames
+        if self.kind == "counter":
+            counter = CounterMetricFamily(self.name, self.documentation, labels=names)
+            for key, value in self.series.items():
+                assert isinstance(value, _Value)
+                counter.add_metric(key, value.value, created=value.created)
+            return [counter]
+        if self.kind == "gauge":
+            gauge = GaugeMetricFamily(self.name, self.documentation, labels=names)
+            for key, value in self.series.items():
+                assert isinstance(value, _Value)
+                gauge.add_metric(key, value.value)
+            return [gauge]
+        histogram = HistogramMetricFamily(self.name, self.documentation, labels=names)
+        for key, observed in self.series.items():
+            assert isinstance(observed, _Observed)
+            total, buckets = 0.0, []
+            for bound, count in zip(self.bounds, observed.counts, strict=True):
+                total += count
+                buckets.append((floatToGoString(bound), total))
+            histogram.add_metric(key, buckets, observed.sum)
+            labels = dict(zip(names, key, strict=True))
+            histogram.samples.append(Sample(self.name + "_created", labels, observed.created,
+                                            None))
+        return [histogram]
+
+
+class Shared:
+    """A metric of prometheus-client's own (multi-process mode), each series looked up once:
+    every label value is bounded by the configuration, so the cache is too."""
+
+    def __init__(self, metric):
+        self.metric = metric
+        self.found: dict[tuple, Any] = {}
+
+    def labels(self, *values):
+        child = self.found.get(values)
+        if child is None:
+            child = self.found[values] = self.metric.labels(*values)
+        return child
+
+    def inc(self, amount: float = 1) -> None:
+        self.metric.inc(amount)
+
+    def dec(self, amount: float = 1) -> None:
+        self.metric.dec(amount)
+
+
+def metric(kind: str, shared: bool, name: str, documentation: str, labelnames=(), *,
+           registry: CollectorRegistry, buckets: tuple | None = None) -> Family | Shared:
+    """A counter, gauge or histogram: prometheus-client's own where the workers share their
+    values (``shared``, multi-process mode), else a :class:`Family`."""
+    if not shared:
+        return Family(kind, name, documentation, labelnames, registry, buckets)
+    if kind == "counter":
+        return Shared(Counter(name, documentation, labelnames, registry=registry))
+    if kind == "gauge":  # open streams: the live workers' added up
+        return Shared(Gauge(name, documentation, labelnames, registry=registry,
+                            multiprocess_mode="livesum"))
+    return Shared(Histogram(name, documentation, labelnames, registry=registry,
+                            buckets=buckets or Histogram.DEFAULT_BUCKETS))
 
 
 class Metrics:
@@ -161,7 +332,6 @@ class Metrics:
         self.state = State()  # the host's, from start-up
         self.state_unavailable_seen = 0
         self.path = "/metrics"
-        self.children: dict = {}
         # (backend, key, model): the children of relay_tokens_total (by kind),
         # relay_usage_unpriced_total and relay_cost_micro_usd_total, as made.
         self.usage_children: dict[tuple[str, str, str], list] = {}
@@ -183,111 +353,104 @@ class Metrics:
         self.path = options["path"]
         self.scrape_keys = scrape_keys(options["scrape_key_env"], config)
         registry = self.registry = CollectorRegistry()
-        self.children = {}
+        shared = "PROMETHEUS_MULTIPROC_DIR" in os.environ
+        counter = functools.partial(metric, "counter", shared)
+        histogram = functools.partial(metric, "histogram", shared)
+        gauge = functools.partial(metric, "gauge", shared)
         self.usage_children = {}
-        self.requests = Counter(
+        self.requests = counter(
             "relay_requests", "Exchanges answered, by backend, inbound key, endpoint, status, "
             "stream and outcome.", ["backend", "key", "endpoint", "status", "stream", "outcome"],
             registry=registry)
-        self.state_unavailable = Counter(
+        self.state_unavailable = counter(
             "relay_state_unavailable", "Calls to the shared state (state.url) that found it "
             "unreachable, by its kind.", ["store"], registry=registry)
-        self.upstream_latency = Histogram(
+        self.upstream_latency = histogram(
             "relay_upstream_latency_seconds", "From sending a request upstream to its answer's "
             "headers (each attempt).", ["backend"], buckets=BUCKETS, registry=registry)
-        self.first_byte = Histogram(
+        self.first_byte = histogram(
             "relay_time_to_first_byte_seconds", "From receiving a request to the first byte of "
             "its answer written to the client.", ["backend", "stream"], buckets=BUCKETS,
             registry=registry)
-        self.active_streams = Gauge(
-            "relay_active_streams", "Streams open now.", registry=registry,
-            multiprocess_mode="livesum")
-        self.rewritten = Counter(
+        self.active_streams = gauge(
+            "relay_active_streams", "Streams open now.", registry=registry)
+        self.rewritten = counter(
             "relay_tool_ids_rewritten", "Tool ids rewritten by the relay, by direction.",
             ["backend", "direction"], registry=registry)
-        self.refused = Counter(
+        self.refused = counter(
             "relay_histories_refused", "Requests a plugin refused, by plugin and rule.",
             ["plugin", "rule"], registry=registry)
-        self.repaired = Counter(
+        self.repaired = counter(
             "relay_histories_repaired", "Repairs made to requests, by plugin and rule.",
             ["plugin", "rule"], registry=registry)
-        self.dumps = Counter(
+        self.dumps = counter(
             "relay_dumps", "Dumps the dump plugin queued or dropped.", ["result"],
             registry=registry)
-        self.retries = Counter(
+        self.retries = counter(
             "relay_upstream_retries", "Attempts beyond a backend's first, per backend.",
             ["backend"], registry=registry)
-        self.fallbacks = Counter(
+        self.fallbacks = counter(
             "relay_upstream_fallbacks", "Requests sent on to a fallback backend.",
             ["backend", "fallback"], registry=registry)
-        self.deferred = Counter(
+        self.deferred = counter(
             "relay_history_rules_deferred", "Requests whose history the rules left to the "
             "upstream, by the beta or top-level field they hold no evidence about.",
             ["kind", "name"], registry=registry)
-        self.provenance_missed = Counter(
+        self.provenance_missed = counter(
             "relay_provenance_missed", "Thinking blocks the portable plugin's record on disk "
             "could not write (not_recorded) or read (not_known), by reason (locked, full, ...).",
             ["result", "reason"], registry=registry)
-        self.tokens = Counter(
+        self.tokens = counter(
             "relay_tokens", "Tokens the upstreams reported, by backend, inbound key, model "
             f"(the first {MAX_MODELS} names seen, then other) and kind (input, output, "
             "cache_read, cache_write_5m, cache_write_1h).", ["backend", "key", "model", "kind"],
             registry=registry)
-        self.cost = Counter(
+        self.cost = counter(
             "relay_cost_micro_usd", "What the reported usage cost by the usage plugin's "
             "prices, in micro-dollars, by backend, inbound key and model.",
             ["backend", "key", "model"], registry=registry)
-        self.unpriced = Counter(
+        self.unpriced = counter(
             "relay_usage_unpriced", "Exchanges whose usage no price matched: counted in "
             "tokens, not in cost.", ["backend", "key", "model"], registry=registry)
-        self.auth_failures = Counter(
+        self.auth_failures = counter(
             "relay_auth_failures", "Requests refused for a missing or wrong relay key.",
             registry=registry)
         # A backend's pool of credentials (relay.pools): names from relay.yaml only.
-        self.credential_requests = Counter(
+        self.credential_requests = counter(
             "relay_credential_requests", "Attempts sent with each pooled credential, by the "
             "upstream's status (- when none came).", ["backend", "credential", "status"],
             registry=registry)
-        self.credential_cooldown = Counter(
+        self.credential_cooldown = counter(
             "relay_credential_cooldown_seconds", "Seconds of cooldown put on each pooled "
             "credential (429, 529, connection failures).", ["backend", "credential"],
             registry=registry)
-        self.credential_out = Counter(
+        self.credential_out = counter(
             "relay_credential_out", "Times a pooled credential was taken out (401, 403).",
             ["backend", "credential"], registry=registry)
-        self.sessions_placed = Counter(
+        self.sessions_placed = counter(
             "relay_credential_sessions_placed", "New sessions placed on each pooled credential.",
             ["backend", "credential"], registry=registry)
-        self.sessions_moved = Counter(
+        self.sessions_moved = counter(
             "relay_credential_sessions_moved", "Sessions moved off a pooled credential that was "
             "cooling or out (each move costs the session a prompt-cache miss).",
             ["backend", "credential", "to"], registry=registry)
-        self.credential_tokens = Counter(
+        self.credential_tokens = counter(
             "relay_credential_tokens", "Tokens of the answers each pooled credential got, by "
             "kind (where the usage plugin runs).", ["backend", "credential", "kind"],
             registry=registry)
-        self.credential_cost = Counter(
+        self.credential_cost = counter(
             "relay_credential_cost_micro_usd", "What the answers each pooled credential got "
             "cost, in millionths of a US dollar (where the usage plugin prices them).",
             ["backend", "credential"], registry=registry)
         # The prompt cache, from the cache plugin's exchange.cache (its causes are a closed
         # set of the relay's words).
-        self.cache_breaks = Counter(
+        self.cache_breaks = counter(
             "relay_cache_breaks", "Requests whose prompt-cache prefix no longer matched the "
             "session's previous request, by cause.", ["cause"], registry=registry)
-        self.cache_tokens = Counter(
+        self.cache_tokens = counter(
             "relay_cache_input_tokens", "Input tokens by what the prompt cache did with them "
             "(read, written, fresh), per backend and inbound key.", ["backend", "key", "kind"],
             registry=registry)
-
-    def _child(self, metric, *labels):
-        """``metric.labels(*labels)``, looked up once: every label value is bounded by the
-        configuration, so the cache is too."""
-        key = (metric, labels)
-        child = self.children.get(key)
-        if child is None:
-            child = self.children[key] = metric.labels(*labels)
-        return child
 
     def _deferred_name(self, name: str) -> str:
         if name in self.deferred_names:
@@ -315,12 +478,12 @@ class Metrics:
         children = self.usage_children.get(labels)
         if children is None:
             children = self.usage_children[labels] = [None] * (len(TOKEN_KINDS) + 2)
-        for i, (kind, name) in enumerate(TOKEN_KINDS):
-            count = getattr(used, name)
+        for i, count in enumerate(TOKEN_COUNTS(used)):
             if count:
                 child = children[i]
                 if child is None:
-                    child = children[i] = self.tokens.labels(backend, key, model, kind)
+                    child = children[i] = self.tokens.labels(backend, key, model,
+                                                             TOKEN_KINDS[i][0])
                 child.inc(count)
         cost = used.cost_micro_usd
         if cost is None:
@@ -373,11 +536,11 @@ class Metrics:
         stream = "true" if answer is not None and answer.stream else "false"
         # A key's name comes from relay.yaml (the key the client authenticated with), never
         # from the request.
-        self._child(self.requests, backend, exchange.key_name or "-", exchange.endpoint,
-                    str(answer.status) if answer is not None else "-", stream,
-                    exchange.outcome or "-").inc()
+        self.requests.labels(backend, exchange.key_name or "-", exchange.endpoint,
+                             answer.status if answer is not None else "-", stream,
+                             exchange.outcome or "-").inc()
         if exchange.timings.first_byte is not None:
-            self._child(self.first_byte, backend, stream).observe(exchange.timings.first_byte)
+            self.first_byte.labels(backend, stream).observe(exchange.timings.first_byte)
         error = exchange.error
         if exchange.endpoint == "refused":
             if error is not None and error.status == 401:
@@ -389,10 +552,11 @@ class Metrics:
         previous = None
         for attempt in exchange.attempts:
             if attempt.credential is not None:
-                self._child(self.credential_requests, attempt.backend, attempt.credential,
-                            str(attempt.status) if attempt.status is not None else "-").inc()
+                self.credential_requests.labels(
+                    attempt.backend, attempt.credential,
+                    attempt.status if attempt.status is not None else "-").inc()
             if attempt.status is not None:
-                self._child(self.upstream_latency, attempt.backend).observe(attempt.seconds)
+                self.upstream_latency.labels(attempt.backend).observe(attempt.seconds)
             if attempt.backend == previous:
                 self.retries.labels(attempt.backend).inc()
             elif previous is not None:
@@ -419,18 +583,18 @@ class Metrics:
         if exchange.credential is not None:
             self._credentials(exchange)
         for kind, name in exchange.rules_defer:
-            self._child(self.deferred, kind, self._deferred_name(name)).inc()
+            self.deferred.labels(kind, self._deferred_name(name)).inc()
         if exchange.outcome == Outcome.REJECTED and error is not None and error.plugin is not None:
             self.refused.labels(error.plugin, error.rule or error.plugin).inc()
         cache = exchange.cache
         if cache:
             if cache.get("status") == "miss":
-                self._child(self.cache_breaks, str(cache.get("cause"))).inc()
-            for kind in ("read", "written", "fresh"):
-                tokens = cache.get(f"{kind}_input_tokens")
+                self.cache_breaks.labels(str(cache.get("cause"))).inc()
+            for kind, field in CACHE_KINDS:
+                tokens = cache.get(field)
                 if tokens:
-                    self._child(self.cache_tokens, backend, exchange.key_name or "-",
-                                kind).inc(tokens)
+                    self.cache_tokens.labels(backend, exchange.key_name or "-", kind).inc(
+                        tokens)
 
 
     def _credentials(self, exchange) -> None:
@@ -441,25 +605,25 @@ class Metrics:
                                     "credential out"):
             backend, credential, action = entry["backend"], entry["credential"], entry["action"]
             if action == "credential placed":
-                self._child(self.sessions_placed, backend, credential).inc()
+                self.sessions_placed.labels(backend, credential).inc()
             elif action == "credential moved":
-                self._child(self.sessions_moved, backend, credential, entry["to"]).inc()
+                self.sessions_moved.labels(backend, credential, entry["to"]).inc()
             elif action == "credential out":
-                self._child(self.credential_out, backend, credential).inc()
+                self.credential_out.labels(backend, credential).inc()
             else:
-                self._child(self.credential_cooldown, backend, credential).inc(entry["seconds"])
+                self.credential_cooldown.labels(backend, credential).inc(entry["seconds"])
         usage = getattr(exchange, "usage", None)
         if usage is not None and exchange.backend is not None:
             for kind in ("input_tokens", "output_tokens", "cache_read_input_tokens",
                          "cache_write_5m_input_tokens", "cache_write_1h_input_tokens"):
                 count = getattr(usage, kind, 0)
                 if count:
-                    self._child(self.credential_tokens, exchange.backend.name,
-                                exchange.credential, kind).inc(count)
+                    self.credential_tokens.labels(exchange.backend.name, exchange.credential,
+                                                  kind).inc(count)
             cost = getattr(usage, "cost_micro_usd", None)
             if cost:
-                self._child(self.credential_cost, exchange.backend.name,
-                            exchange.credential).inc(cost)
+                self.credential_cost.labels(exchange.backend.name,
+                                            exchange.credential).inc(cost)
 
 
 def collect_processes() -> bytes:

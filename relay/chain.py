@@ -139,12 +139,16 @@ class _Impl:
     hot hooks (a request's, an exchange's end, a stream event's) are called with their
     arguments in hand, without building a dict per call."""
 
-    __slots__ = ("plugin", "function", "argnames", "_order")
+    __slots__ = ("plugin", "function", "argnames", "takes", "_order")
 
     def __init__(self, plugin: str, function, argnames):
         self.plugin = plugin
         self.function = function
         self.argnames = argnames
+        # The usual argument lists as the very tuples below (the chain's loops test them by
+        # identity), or None.
+        self.takes = _EXCHANGE_OPTIONS if argnames == _EXCHANGE_OPTIONS else \
+            _EXCHANGE if argnames == _EXCHANGE else None
         # For call_one: which usual order the implementation takes its arguments in (the
         # exchange 0, the options 1, the third argument 2); 0: any other (call_one then
         # builds the arguments by name).
@@ -363,9 +367,14 @@ class Chain:
         one = next(iter(kwargs.items())) if len(kwargs) == 1 else None
         for impl in self.impls[hook]:
             try:
-                result = impl.call_one(exchange, options[impl.plugin], *one) \
-                    if one is not None else impl.call_with(exchange, options[impl.plugin],
-                                                           **kwargs)
+                if one is not None:
+                    result = impl.call_one(exchange, options[impl.plugin], *one)
+                elif impl.takes is _EXCHANGE_OPTIONS:  # the usual two: no call of call_with's
+                    result = impl.function(exchange, options[impl.plugin])
+                elif impl.takes is _EXCHANGE:
+                    result = impl.function(exchange)
+                else:
+                    result = impl.call_with(exchange, options[impl.plugin], **kwargs)
                 if result is not None and _awaitable(result):
                     result = await result
             except RelayError as error:
@@ -385,7 +394,13 @@ class Chain:
         options = self.options_for(exchange)
         for impl in self.impls["relay_exchange_end"]:
             try:
-                result = impl.call_with(exchange, options[impl.plugin])
+                takes = impl.takes
+                if takes is _EXCHANGE:  # the usual two: no call of call_with's
+                    result = impl.function(exchange)
+                elif takes is _EXCHANGE_OPTIONS:
+                    result = impl.function(exchange, options[impl.plugin])
+                else:
+                    result = impl.call_with(exchange, options[impl.plugin])
                 if result is not None and _awaitable(result):
                     await result
             except Exception:
@@ -398,7 +413,13 @@ class Chain:
         for order, impl in enumerate(self.impls["relay_stream_events"]):
             event_hook = hooks.get(impl.plugin)
             try:
-                wanted = impl.call_with(exchange, options[impl.plugin])
+                takes = impl.takes
+                if takes is _EXCHANGE:  # the usual two: no call of call_with's
+                    wanted = impl.function(exchange)
+                elif takes is _EXCHANGE_OPTIONS:
+                    wanted = impl.function(exchange, options[impl.plugin])
+                else:
+                    wanted = impl.call_with(exchange, options[impl.plugin])
                 if wanted is not None and _awaitable(wanted):
                     wanted = await wanted
             except Exception:

@@ -244,6 +244,9 @@ class LazyFramer:
         self._pending: list[bytes] = []  # chunks after the last blank line seen
         self._pending_size = 0  # kept as they come: summing them per chunk would be quadratic
         self._ends = frozenset(ends)
+        # In the order given: the stream's usual ending (``message_stop``) first, found at
+        # the very end of the tail, before a name that is searched for through all of it.
+        self._end_needles = _needles(ends)
         self._ended = False  # an event in ``ends`` was framed
         self._name_by_type = name_by_type
         # The last TAIL_BYTES of what went out unframed, where ``ended`` looks when asked.
@@ -381,7 +384,7 @@ class LazyFramer:
         is the last thing a stream sends), so that no chunk is searched for those names."""
         if self._ended:
             return True
-        needles = _needles(self._ends)
+        needles = self._end_needles
         # From the end: the ending event is the last one, so the last part usually has it.
         return any(_last_event_line(part, needle) >= 0 for part in reversed(self._tail)
                    for needle in needles)

@@ -36,11 +36,27 @@ def upstream_url(backend, path: str, query: str) -> URL:
     """``path`` (checked, still percent-encoded as the client sent it) and ``query`` (the
     client's own bytes) under the backend's base URL, never normalised: what the client sent
     is what goes up. Raises when the result would leave the base path."""
-    url = URL(backend.url + path + ("?" + query if query else ""), encoded=True)
-    if url.raw_path != _base_path(backend.url) + path or url.raw_query_string != query:
+    return upstream_target(backend, path, query)[0]
+
+
+def upstream_target(backend, path: str, query: str) -> tuple[URL, str]:
+    """:func:`upstream_url` and its text (the attempt's record)."""
+    found = _joined(backend.url, path, query)
+    if found is None:
         raise RelayError(400, f"path {path!r} cannot be sent to backend {backend.name}",
                          "invalid_request_error")
-    return url
+    return found
+
+
+# Nearly every request goes to one of a few targets (a backend's /v1/messages with the
+# client's usual query): parsing the URL again each time costs more than the lookup. The
+# cache holds at most this many, each a request target that the server's line limit bounds.
+@functools.lru_cache(maxsize=256)
+def _joined(base: str, path: str, query: str) -> tuple[URL, str] | None:
+    url = URL(base + path + ("?" + query if query else ""), encoded=True)
+    if url.raw_path != _base_path(base) + path or url.raw_query_string != query:
+        return None
+    return url, str(url)
 
 
 def forward_headers(headers, backend, strip_client_auth: bool = False,
@@ -248,7 +264,8 @@ class Upstream:
         headers (``exchange.upstream_request.body`` is then the translated body), or raises
         a RelayError 400 that says what cannot be translated."""
         adapter = backend.adapter
-        url = upstream_url(backend, *adapter.upstream_target(exchange.path, exchange.query))
+        url, where = upstream_target(backend,
+                                     *adapter.upstream_target(exchange.path, exchange.query))
         out_headers = self.headers(exchange.client_headers if headers is None else headers,
                                    backend, exchange.shaped_headers)
         dropped = beta_filter.filter_header(out_headers, backend.quirks) \
@@ -263,7 +280,6 @@ class Upstream:
         elif dropped:
             exchange.note("relay", "dropped betas", backend=backend.name, betas=dropped)
         adapter.request_headers(out_headers)
-        where = str(url)
         exchange.upstream_request = UpstreamRequest(where, out_headers, body)
         retries = backend.retries
         session = self.session

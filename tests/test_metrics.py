@@ -15,7 +15,7 @@ from support import backend
 from test_server import BODY, STREAM, Upstream, start_relay, start_upstream, stream_reply  # noqa: F401
 
 from relay import config as config_module
-from relay.errors import ConfigError
+from relay.errors import ConfigError, RelayError
 from relay.exchange import Outcome
 from relay.state.memory import MemoryState
 from relay.testing import finished_exchange
@@ -312,3 +312,81 @@ def test_the_model_label_of_usage_is_bounded():
     assert value(found, "relay_tokens_total", model="other", kind="output") == 8
     assert value(found, "relay_usage_unpriced_total") == (MAX_MODELS + 8) // 2
     assert value(found, "relay_cost_micro_usd_total") == 5 * ((MAX_MODELS + 8) // 2)
+
+
+def exchanges_of_every_kind():
+    """Finished exchanges that fill every family a single exchange can reach: statuses,
+    streams, retries and fallbacks, repairs, dumps, usage, the cache's verdicts, a pooled
+    credential, a refusal."""
+    from relay.exchange import Attempt
+    from relay.usage import Usage
+
+    made = []
+    for n, status in enumerate((200, 200, 529, 400, 200)):
+        exchange = finished_exchange(
+            status=status, stream=n == 1,
+            outcome=Outcome.OK if status == 200 else Outcome.UPSTREAM_ERROR,
+            attempts=[Attempt("test", "http://x", status=529, seconds=0.02 * n),
+                      Attempt("test", "http://x", status=status, seconds=7.0),
+                      *([Attempt("other", "http://y", status=200, seconds=400.0)] if n == 4
+                        else [])],
+            timeline=[("dump", "queued", {"reason": "x"}), ("dump", "dropped")])
+        exchange.timings.first_byte = 0.001 * 10 ** n
+        exchange.repaired("dedup", n + 1, rule="repeated_id")
+        exchange.usage = Usage(input_tokens=10 * n, output_tokens=n,
+                               cache_read_input_tokens=3, cost_micro_usd=None if n % 2 else n)
+        exchange.cache = {"status": "miss" if n % 2 else "hit", "cause": "system_changed",
+                          "read_input_tokens": n, "fresh_input_tokens": 2}
+        exchange.translation = {"toolu_a": {"direction": "to_upstream"}}
+        if n == 2:
+            exchange.credential = "first"
+            exchange.attempts[-1].credential = "first"
+            exchange.note("relay", "credential placed", backend="test", credential="first")
+            exchange.note("relay", "credential cooling", backend="test", credential="first",
+                          seconds=1.5)
+        made.append(exchange)
+    refused = finished_exchange(status=401, error=RelayError(401, "no key",
+                                                             "authentication_error"))
+    refused.endpoint = "refused"
+    made.append(refused)
+    return made
+
+
+def test_one_process_serves_what_prometheus_clients_own_metrics_would(monkeypatch, tmp_path):
+    """A single process counts in plain Python and hands the values over when scraped
+    (``metrics.Family``); with workers, prometheus-client's own metrics count (their values
+    in shared files). The same exchanges make the same text both ways, but for the
+    ``_created`` times."""
+    from relay_builtins import metrics as module
+
+    def scraped(shared: bool) -> tuple[str, dict]:
+        if shared:
+            monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+        else:
+            monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+        plugin = Metrics()
+        plugin.relay_startup(config=config_module.parse(
+            {"backends": [backend("http://127.0.0.1:9")]}, env={}),
+            options={"path": "/metrics", "scrape_key_env": ""}, state=MemoryState())
+        assert isinstance(plugin.requests, module.Family) is not shared
+        for exchange in exchanges_of_every_kind():
+            if exchange.answer is not None and exchange.answer.stream:
+                plugin.relay_stream_events(exchange)
+                plugin.relay_stream_events(finished_exchange(stream=True))  # still open
+            plugin.relay_exchange_end(exchange)
+        text = generate_latest(plugin.registry).decode()
+        return text, samples(text)
+
+    own_text, own = scraped(shared=False)
+    their_text, theirs = scraped(shared=True)
+    assert own.keys() == theirs.keys()
+    assert {key: v for key, v in own.items() if not key[0].endswith("_created")} == \
+        {key: v for key, v in theirs.items() if not key[0].endswith("_created")}
+    # Every family and series, in the same order, under the same help.
+    assert [line.rpartition(" ")[0] for line in own_text.splitlines()] == \
+        [line.rpartition(" ")[0] for line in their_text.splitlines()]
+    assert value(own, "relay_upstream_latency_seconds_bucket", le="+Inf") == 11
+    assert value(own, "relay_upstream_latency_seconds_bucket", le="300.0") == 10
+    assert value(own, "relay_active_streams") == 1
+    assert value(own, "relay_auth_failures_total") == 1
+    assert value(own, "relay_credential_cooldown_seconds_total", credential="first") == 1.5
