@@ -716,7 +716,10 @@ def in_place(messages: list) -> bool:
     with calls or results out of place is left for the ``ordering`` plugin to refuse or repair
     as the client sent it."""
     calls = False
-    for role, indexes in turns(messages):
+    found = turns(messages)
+    for n, (role, indexes) in enumerate(found):
+        if role == "assistant" and n == len(found) - 1:
+            break  # a final assistant turn is a prefill, left to the model's own rules
         kinds = [block.get("type") for _, _, block in _blocks(messages, indexes)]
         if role == "assistant":
             first = kinds.index("tool_use") if "tool_use" in kinds else len(kinds)

@@ -422,6 +422,19 @@ def test_split_tool_turns_are_merged_losslessly_and_counted():
     passes(body, {"merge_consecutive": False})
 
 
+def test_a_split_tool_turn_is_merged_before_a_final_prefill_with_text_after_its_call():
+    # The final assistant turn is a prefill, left to the model's rules: whatever it holds, it
+    # puts no earlier turn out of place (hypothesis found the merge skipped for it).
+    prefill = assistant(text("one more"), use("toolu_z"), text("and then"))
+    body = request(user(text("go")), assistant(use("toolu_a"), use("toolu_b")),
+                   user(result("toolu_a")), user(result("toolu_b"), text("on")), prefill)
+    exchange = exchange_for(body)
+    pairing.relay_request(exchange, {})
+    assert exchange.body["messages"][2:] == [
+        user(result("toolu_a"), result("toolu_b"), text("on")), prefill]
+    assert exchange.timeline[-1]["merged_consecutive"] == ["messages.2-3"]
+
+
 def test_repair_keeps_a_string_answer_as_text():
     body = request(user(text("go")), assistant(use("toolu_a")), {"role": "user", "content": "next"})
     exchange = exchange_for(body)
