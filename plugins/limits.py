@@ -36,6 +36,7 @@ from relay.state import State, Unavailable
 
 log = logging.getLogger("relay.plugins.limits")
 WARN_EVERY = 60.0  # seconds between two warnings that the state is unreachable
+REPLACES = (limits.RATELIMIT_PREFIX,)
 
 
 class Held:
@@ -76,7 +77,7 @@ class Limits:
         if key is None:
             return None
         # A shared relay's answers describe the key's quota, never the pooled account's.
-        exchange.replaces_headers = (limits.RATELIMIT_PREFIX,)
+        exchange.replaces_headers = REPLACES
         if key.limits is None or exchange.endpoint != "messages":
             return None
         task = asyncio.current_task()
@@ -131,10 +132,15 @@ class Limits:
         if task is not None and self.held.get(task) is held:
             del self.held[task]
             task.remove_done_callback(self._task_done)
+        state = self.state
+        if state is None:
+            return
         self._release(held)
-        added = limits.spent(held.plan, getattr(exchange, "usage", None))
-        if added and self.state is not None:
-            self.state.add_soon(added)
+        plan = held.plan
+        if plan.added:
+            added = limits.spent(plan, getattr(exchange, "usage", None))
+            if added:
+                state.add_soon(added)
 
     def _task_done(self, task: asyncio.Task) -> None:
         """The request's task ended without its exchange's end (the handler failed before
@@ -148,8 +154,9 @@ class Limits:
         if held.released or self.state is None:
             return
         held.released = True
+        release = self.state.release_soon
         for slot, token in zip(held.plan.slots, held.tokens, strict=True):
-            self.state.release_soon(slot.name, token)
+            release(slot.name, token)
 
     def _unreachable(self, exchange, error: Unavailable) -> None:
         assert self.state is not None

@@ -50,6 +50,7 @@ SLOT_LEASE = 900.0
 # Claude Code shows its usage notice once a budget passes these fractions (its contract).
 THRESHOLDS = (0.95, 0.75)
 MAX_CACHED_MODELS = 256
+_tuple = tuple.__new__
 RATELIMIT_PREFIX = "anthropic-ratelimit-"
 
 
@@ -234,6 +235,8 @@ class Plan:
     families: tuple[tuple[tuple[str, ...], tuple[int, ...]], ...] = ()
     budgets: tuple[int, ...] = ()
     added: tuple[tuple[str, int], ...] = ()
+    # Each counter's limit as a header value, made once.
+    limit_texts: tuple[str, ...] = ()
 
 
 def counter_name(key: str, rule: Rule, kind: str, scope: str = "limits") -> str:
@@ -285,7 +288,8 @@ def plan(key: str, rules: Iterable[Rule], scope: str = "limits") -> Plan:
     return Plan(key, rules, counters, tuple(slots), limits, adds,
                 tuple((FAMILY_HEADERS[family], tuple(at)) for family, at in families.items()),
                 tuple(range(len(budgets))),
-                tuple((kind, i) for i, kind in enumerate(adds) if kind is not None))
+                tuple((kind, i) for i, kind in enumerate(adds) if kind is not None),
+                tuple(str(c.limit) for c in counters))
 
 
 def spent(plan: Plan, usage) -> list[Counter]:
@@ -293,7 +297,7 @@ def spent(plan: Plan, usage) -> list[Counter]:
     fields of :class:`relay.usage.Usage`). Input tokens per minute count fresh input and
     cache writes, not cache reads: Anthropic's own input-token limits count cache reads only
     for a few older models (docs.claude.com/en/api/rate-limits, "cache-aware ITPM")."""
-    if usage is None:
+    if usage is None or not plan.added:
         return []
     added = []
     counters = plan.counters
@@ -307,8 +311,10 @@ def spent(plan: Plan, usage) -> list[Counter]:
                 + (getattr(usage, "cache_write_5m_input_tokens", 0) or 0) \
                 + (getattr(usage, "cache_write_1h_input_tokens", 0) or 0)
         if amount > 0:
-            counter = counters[at]
-            added.append(Counter(counter.name, counter.per, counter.limit, amount))
+            name, per, limit, _ = counters[at]
+            # tuple's constructor: a named tuple's own is a Python function, and this is made
+            # for every answer.
+            added.append(_tuple(Counter, (name, per, limit, amount)))
     return added
 
 
@@ -342,15 +348,17 @@ def rate_headers(plan: Plan, counts: Sequence[Count]) -> dict[str, str]:
     for each family, the limit with the least left. A family the key has no limit for is
     not sent."""
     headers: dict[str, str] = {}
+    texts = plan.limit_texts
     for names, indexes in plan.families:
-        count = counts[indexes[0]]
+        at = indexes[0]
+        count = counts[at]
         left = max(0, (count.limit or 0) - count.used)
         for index in indexes[1:]:
             other = counts[index]
             other_left = max(0, (other.limit or 0) - other.used)
             if other_left < left:
-                count, left = other, other_left
-        headers[names[0]] = str(count.limit)
+                at, count, left = index, other, other_left
+        headers[names[0]] = texts[at]
         headers[names[1]] = str(left)
         headers[names[2]] = rfc3339(count.reset)
     return headers

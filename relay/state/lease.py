@@ -58,6 +58,8 @@ from typing import Any
 
 from . import Count, Counter, Slot, State, Taken, window
 
+_tuple = tuple.__new__
+
 LEASE_SHARE = 64
 MIN_LEASE = 2
 MAX_LEASE = 1024
@@ -192,6 +194,8 @@ class LeasedState(State):
 
     def take_now(self, counters: Sequence[Counter], slots: Sequence[Slot] = (),
                  now: float | None = None) -> Taken | None:
+        # Every request of a key with limits runs this: written for few steps, its named
+        # tuples made by tuple's own constructor (theirs is a Python function).
         wall = time.time() if now is None else now
         clock = time.monotonic()
         windows = self._windows
@@ -222,15 +226,17 @@ class LeasedState(State):
             if limit is None:
                 if amount:
                     counted = [*(counted or ()), counter]
-                counts.append(Count(name, seen.used - seen.room + amount, None, seen.end))
+                counts.append(_tuple(Count, (name, seen.used - seen.room + amount, None,
+                                             seen.end)))
                 continue
             if amount:
                 seen.room -= amount
                 seen.last = clock
-            counts.append(Count(name, seen.used - seen.room, limit, seen.end))
+            counts.append(_tuple(Count, (name, seen.used - seen.room, limit, seen.end)))
         if counted:
             self.add_soon(counted, wall)
-        return Taken(True, tuple(counts), tuple([self._occupy(block, clock) for block in blocks]))
+        return _tuple(Taken, (True, tuple(counts),
+                              tuple([self._occupy(block, clock) for block in blocks]), None, 0.0))
 
     def _occupy(self, block: _Block, clock: float) -> str:
         block.inflight += 1
