@@ -269,6 +269,57 @@ def test_unsigned_thinking_goes_back_to_a_backend_seen_issuing_it(stream):
     assert not exchange.changed
 
 
+def test_a_backend_wanting_every_tool_turns_thinking_gets_thinking_off_when_one_has_none():
+    # A session moving from an Anthropic-like backend to a DeepSeek-like one: the first
+    # prompt's tool turn's thinking is the other backend's (dropped), the next prompt's is the
+    # target's own, so the final turn keeps thinking on. The target's thinking-mode rule
+    # (every tool turn's thinking back) then refuses the request unless thinking goes off;
+    # with `thinking_passed_back` it does.
+    made = plugin()
+    signed, unsigned = thought(KEY_A), {"type": "thinking", "thinking": "mine", "signature": ""}
+    answer(made, "a", "model-b", signed)
+    answer(made, "b", "model-b", unsigned)
+    first, second = history("toolu_1", thinking=signed), history("toolu_2", thinking=unsigned)
+    messages = first + [{"role": "assistant", "content": [{"type": "text", "text": "done"}]},
+                        {"role": "user", "content": [{"type": "text", "text": "next"}]}]
+    messages += second[1:]
+    deepseek = EmulatorOptions(unsigned_thinking=True)
+    quirk = {"thinking_passed_back": True}
+
+    exchange, sent = request_to(made, "b", "model-b", messages)
+    assert sent["thinking"]["type"] == "enabled"  # the final turn opens with thinking
+    assert find_problem(sent, deepseek) == (
+        "The `content[].thinking` in the thinking mode must be passed back to the API.")
+    for thinking in (True, False):  # without the field, its thinking mode is on too
+        exchange, sent = request_to(made, "b", "model-b", messages, thinking=thinking,
+                                    quirks=quirk)
+        assert sent["thinking"] == {"type": "disabled"}
+        assert find_problem(sent, deepseek) is None
+        assert [(e["step"], e.get("rule"), e.get("message_index")) for e in exchange.timeline
+                if e["step"] == "portable"] == [("portable", "foreign-thinking", None),
+                                                ("portable", "thinking-off", 1)]
+        # The target's own thinking stays where it was; nothing stands in for the dropped one.
+        assert sent["messages"][5] == messages[5]
+        assert [b["type"] for b in sent["messages"][1]["content"]] == ["text", "tool_use"]
+    # Every tool turn with its thinking, or thinking off already: left as it is.
+    own = history("toolu_1", "toolu_2", thinking=unsigned)
+    exchange, sent = request_to(made, "b", "model-b", own, quirks=quirk)
+    assert not exchange.changed and sent["thinking"]["type"] == "enabled"
+    body = {"model": "model-b", "max_tokens": 9, "messages": messages,
+            "thinking": {"type": "disabled"}}
+    exchange = exchange_for(body)
+    exchange.backend = Backend(name="b", url="http://127.0.0.1:9", models=["*"])
+    made.relay_request(exchange, {**{o.name: o.default for o in portable.OPTIONS}, **quirk})
+    assert orjson.loads(exchange.upstream_body())["thinking"] == {"type": "disabled"}
+    assert [e.get("rule") for e in exchange.timeline] == ["foreign-thinking"]
+    # Where signatures are not checked every block goes, and a tool turn the client sent
+    # without thinking still turns it off.
+    bare = history("toolu_1")
+    exchange, sent = request_to(made, "b", "model-b", bare,
+                                quirks={**quirk, "thinking_signatures": False})
+    assert sent["thinking"] == {"type": "disabled"} and sent["messages"] == bare
+
+
 def test_model_bound_signatures_follow_the_scope_quirk():
     made = plugin()
     mine = thought(KEY_A)
