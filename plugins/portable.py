@@ -35,8 +35,11 @@ will really go up) and makes the history fit that backend:
   ``thinking: {"type": "disabled"}`` and without the ``clear_thinking_*`` context-management
   edits (they apply to thinking that is on): the model answers without extended thinking
   this once. With adaptive thinking that rule is not on record, so the request keeps its
-  thinking, noted ``unsure``. Every drop and that switch are counted in ``x-relay-repairs``
-  and noted on the timeline; id translations are counted in ``x-relay-rewrites``.
+  thinking, noted ``unsure``. A backend with the ``thinking_passed_back`` quirk (DeepSeek's
+  ``/anthropic``, which thinks unless told not to and wants every tool turn's thinking back)
+  gets any request holding a tool turn without thinking with thinking disabled. Every drop
+  and those switches are counted in ``x-relay-repairs`` and noted on the timeline; id
+  translations are counted in ``x-relay-rewrites``.
 
 The record lives in the relay's shared state when there is one (``state.url``: one SQLite
 file for the workers of a host, Redis for replicas on several hosts, so that a session
