@@ -567,6 +567,32 @@ def test_validate_says_what_a_history_needs_to_go_to_a_target(tmp_path, capsys):
     assert code == 2 and "no backend named 'nowhere'" in err
 
 
+def test_validate_says_a_backend_wanting_every_tool_turns_thinking_gets_thinking_off(tmp_path,
+                                                                                     capsys):
+    import yaml
+
+    from relay import cli
+    config = tmp_path / "relay.yaml"
+    config.write_text(yaml.safe_dump({
+        "pipeline": ["portable"],
+        "backends": [{"name": "deepseek", "url": "http://127.0.0.1:9", "models": ["*"],
+                      "quirks": {"thinking_passed_back": True}},
+                     {"name": "other", "url": "http://127.0.0.1:9", "models": ["x-*"]}]}))
+    path = tmp_path / "request.json"
+    # No thinking field: DeepSeek's thinking mode is on all the same.
+    path.write_bytes(orjson.dumps({"model": "deepseek-flash", "max_tokens": 2048,
+                                   "messages": history("toolu_1")}))
+    for target, expected in (("deepseek", 1), ("other", 0)):
+        code = cli.main(["validate", "--config", str(config), "--target", target, str(path)])
+        out, _ = capsys.readouterr()
+        assert code == expected, out
+    code = cli.main(["validate", "--config", str(config), "--target", "deepseek", str(path)])
+    out, _ = capsys.readouterr()
+    assert out.splitlines() == [
+        "messages.1: an assistant tool turn has no thinking block and this backend wants every "
+        "tool turn's thinking back: the relay sends this request with thinking disabled"]
+
+
 def test_with_adaptive_thinking_the_request_keeps_it_and_says_it_is_unsure():
     made = plugin()
     mine = thought(KEY_A)
