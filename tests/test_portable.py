@@ -301,17 +301,19 @@ def test_a_backend_wanting_every_tool_turns_thinking_gets_thinking_off_when_one_
         # The target's own thinking stays where it was; nothing stands in for the dropped one.
         assert sent["messages"][5] == messages[5]
         assert [b["type"] for b in sent["messages"][1]["content"]] == ["text", "tool_use"]
-    # Every tool turn with its thinking, or thinking off already: left as it is.
+    # Every tool turn with its thinking: left as it is.
     own = history("toolu_1", "toolu_2", thinking=unsigned)
     exchange, sent = request_to(made, "b", "model-b", own, quirks=quirk)
     assert not exchange.changed and sent["thinking"]["type"] == "enabled"
-    body = {"model": "model-b", "max_tokens": 9, "messages": messages,
-            "thinking": {"type": "disabled"}}
-    exchange = exchange_for(body)
-    exchange.backend = Backend(name="b", url="http://127.0.0.1:9", models=["*"])
-    made.relay_request(exchange, {**{o.name: o.default for o in portable.OPTIONS}, **quirk})
-    assert orjson.loads(exchange.upstream_body())["thinking"] == {"type": "disabled"}
-    assert [e.get("rule") for e in exchange.timeline] == ["foreign-thinking"]
+    # Adaptive thinking is switched off the same way; thinking off already stays so.
+    for thinking, switched in (({"type": "adaptive"}, True), ({"type": "disabled"}, False)):
+        body = {"model": "model-b", "max_tokens": 9, "messages": messages, "thinking": thinking}
+        exchange = exchange_for(body)
+        exchange.backend = Backend(name="b", url="http://127.0.0.1:9", models=["*"])
+        made.relay_request(exchange, {**{o.name: o.default for o in portable.OPTIONS}, **quirk})
+        assert orjson.loads(exchange.upstream_body())["thinking"] == {"type": "disabled"}
+        assert [e.get("rule") for e in exchange.timeline if e["step"] == "portable"] == [
+            "foreign-thinking"] + (["thinking-off"] if switched else [])
     # Where signatures are not checked every block goes, and a tool turn the client sent
     # without thinking still turns it off.
     bare = history("toolu_1")
