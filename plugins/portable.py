@@ -35,8 +35,11 @@ will really go up) and makes the history fit that backend:
   ``thinking: {"type": "disabled"}`` and without the ``clear_thinking_*`` context-management
   edits (they apply to thinking that is on): the model answers without extended thinking
   this once. With adaptive thinking that rule is not on record, so the request keeps its
-  thinking, noted ``unsure``. Every drop and that switch are counted in ``x-relay-repairs``
-  and noted on the timeline; id translations are counted in ``x-relay-rewrites``.
+  thinking, noted ``unsure``. A backend with the ``thinking_passed_back`` quirk (DeepSeek's
+  ``/anthropic``, which thinks unless told not to and wants every tool turn's thinking back)
+  gets any request holding a tool turn without thinking with thinking disabled. Every drop
+  and those switches are counted in ``x-relay-repairs`` and noted on the timeline; id
+  translations are counted in ``x-relay-rewrites``.
 
 The record lives in the relay's shared state when there is one (``state.url``: one SQLite
 file for the workers of a host, Redis for replicas on several hosts, so that a session
@@ -141,6 +144,11 @@ OPTIONS = (
     Option("thinking_scope", str, "model",
            "who a signature is valid for: the model that made it, or any model of its backend",
            choices=("model", "backend"), quirk=True),
+    Option("thinking_passed_back", bool, False,
+           "in thinking mode (on unless `thinking: disabled`) the backend refuses an assistant "
+           "tool turn sent back without its thinking (DeepSeek's `/anthropic`): a request "
+           "holding such a turn (its thinking another issuer's, or never there) goes with "
+           "thinking disabled", quirk=True),
     Option("provenance_db", str, "",
            "deprecated (set `state.url`, which holds the record then): a SQLite file of its "
            "own recording which backend and model issued each thinking block; empty: the "
@@ -828,6 +836,48 @@ def _without_thinking_edits(body: dict) -> None:
         del body["context_management"]
 
 
+def tool_turn_without_thinking(messages: list) -> int | None:
+    """The first assistant message holding a call and no thinking block, or None."""
+    for i, message in enumerate(messages):
+        content = message.get("content") if _role(message) == "assistant" else None
+        if type(content) is list \
+                and any(type(b) is dict and b.get("type") == "tool_use" for b in content) \
+                and not any(type(b) is dict and b.get("type") == "thinking" for b in content):
+            return i
+    return None
+
+
+def _passed_back_off(exchange, messages: list, done: list, validating: bool) -> None:
+    """For a backend that wants every tool turn's thinking back in thinking mode: a request
+    with a tool turn that has none goes with thinking disabled. DeepSeek's thinking-mode
+    guide (api-docs.deepseek.com/guides/thinking_mode): thinking is on unless `thinking:
+    {"type": "disabled"}`, and "for turns that do perform tool calls, the reasoning_content
+    must be fully passed back to the API in all subsequent requests", else 400 ("The
+    `content[].thinking` in the thinking mode must be passed back to the API." from its
+    /anthropic, NousResearch/hermes-agent#16748, #22313); with thinking disabled sent
+    explicitly such histories go through (hermes-agent#15700, #21668). Nothing is invented
+    in place of the missing thinking (a turn another backend made has none valid here)."""
+    thinking = exchange.field("thinking")
+    if thinking is not None and not (type(thinking) is dict
+                                     and thinking.get("type") in ("enabled", "adaptive")):
+        return  # disabled already, or a value that is the backend's to judge
+    at = tool_turn_without_thinking(messages)
+    if at is None:
+        return
+    if validating:
+        done.append({"location": f"messages.{at}",
+                     "message": f"messages.{at}: an assistant tool turn has no thinking block "
+                                "and this backend wants every tool turn's thinking back: the "
+                                "relay sends this request with thinking disabled"})
+        return
+    body = exchange.body
+    body["thinking"] = {"type": "disabled"}
+    _without_thinking_edits(body)
+    exchange.repaired(PLUGIN, 1, rule="thinking-off", message_index=at,
+                      reason="a tool turn has no thinking block, and this backend wants "
+                             "every tool turn's thinking back in thinking mode")
+
+
 def _checks_signatures(options: dict, backend) -> bool:
     if backend is not None and not backend.adapter.signs_thinking:
         return False
@@ -1093,11 +1143,13 @@ class Portable:
                          for i, k, kind, client_id, upstream_id in changed]
         if not _checks_signatures(options, backend):
             walked.save([])
+            if options.get("thinking_passed_back"):
+                _passed_back_off(exchange, messages, done, validating)
             return done
         if not walked.thinking():
             # No thinking block to judge, none to drop; the final turn may still lack one.
             walked.save([])
-            return self._thinking_off(exchange, messages, done, validating, [], set(), walked)
+            return self._thinking_off(exchange, options, done, validating, [], set(), walked)
         blocks = walked.to_judge(messages, self.provenance)
         keys = [key for _, _, key in blocks if key]
         if len(keys) < len(blocks) and any(key == "" for _, _, key in blocks):
@@ -1142,13 +1194,15 @@ class Portable:
                               blocks=[f"messages.{i}.content.{k}" for i, k, _ in foreign],
                               reasons=sorted({why for *_, why in foreign}),
                               removed_messages=removed)
-        return self._thinking_off(exchange, messages, done, validating, foreign, touched,
+        return self._thinking_off(exchange, options, done, validating, foreign, touched,
                                   walked)
 
-    def _thinking_off(self, exchange, messages: list, done: list, validating: bool,
+    def _thinking_off(self, exchange, options: dict, done: list, validating: bool,
                       foreign: list, touched: set, walked: _Walked) -> list[dict]:
         """With thinking enabled, a final assistant tool turn that has no thinking block valid
-        here is refused by the API: that request goes with thinking disabled."""
+        here is refused by the API: that request goes with thinking disabled. So does, for a
+        backend with ``thinking_passed_back``, a request with any tool turn lacking thinking."""
+        messages = exchange.messages
         thinking = exchange.field("thinking")
         mode = thinking.get("type") if type(thinking) is dict else None
         # The final turn reaches back over the whole tool loop: looked for only when thinking
@@ -1193,6 +1247,8 @@ class Portable:
             exchange.repaired(PLUGIN, 1, rule="thinking-off", message_index=final,
                               reason="the final assistant turn has no thinking block of "
                                      "this backend's")
+        if final is None and options.get("thinking_passed_back"):
+            _passed_back_off(exchange, messages, done, validating)
         return done
 
     @hookimpl

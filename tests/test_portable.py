@@ -269,6 +269,59 @@ def test_unsigned_thinking_goes_back_to_a_backend_seen_issuing_it(stream):
     assert not exchange.changed
 
 
+def test_a_backend_wanting_every_tool_turns_thinking_gets_thinking_off_when_one_has_none():
+    # A session moving from an Anthropic-like backend to a DeepSeek-like one: the first
+    # prompt's tool turn's thinking is the other backend's (dropped), the next prompt's is the
+    # target's own, so the final turn keeps thinking on. The target's thinking-mode rule
+    # (every tool turn's thinking back) then refuses the request unless thinking goes off;
+    # with `thinking_passed_back` it does.
+    made = plugin()
+    signed, unsigned = thought(KEY_A), {"type": "thinking", "thinking": "mine", "signature": ""}
+    answer(made, "a", "model-b", signed)
+    answer(made, "b", "model-b", unsigned)
+    first, second = history("toolu_1", thinking=signed), history("toolu_2", thinking=unsigned)
+    messages = first + [{"role": "assistant", "content": [{"type": "text", "text": "done"}]},
+                        {"role": "user", "content": [{"type": "text", "text": "next"}]}]
+    messages += second[1:]
+    deepseek = EmulatorOptions(unsigned_thinking=True)
+    quirk = {"thinking_passed_back": True}
+
+    exchange, sent = request_to(made, "b", "model-b", messages)
+    assert sent["thinking"]["type"] == "enabled"  # the final turn opens with thinking
+    assert find_problem(sent, deepseek) == (
+        "The `content[].thinking` in the thinking mode must be passed back to the API.")
+    for thinking in (True, False):  # without the field, its thinking mode is on too
+        exchange, sent = request_to(made, "b", "model-b", messages, thinking=thinking,
+                                    quirks=quirk)
+        assert sent["thinking"] == {"type": "disabled"}
+        assert find_problem(sent, deepseek) is None
+        assert [(e["step"], e.get("rule"), e.get("message_index")) for e in exchange.timeline
+                if e["step"] == "portable"] == [("portable", "foreign-thinking", None),
+                                                ("portable", "thinking-off", 1)]
+        # The target's own thinking stays where it was; nothing stands in for the dropped one.
+        assert sent["messages"][5] == messages[5]
+        assert [b["type"] for b in sent["messages"][1]["content"]] == ["text", "tool_use"]
+    # Every tool turn with its thinking: left as it is.
+    own = history("toolu_1", "toolu_2", thinking=unsigned)
+    exchange, sent = request_to(made, "b", "model-b", own, quirks=quirk)
+    assert not exchange.changed and sent["thinking"]["type"] == "enabled"
+    # Adaptive thinking is switched off the same way; thinking off already stays so.
+    for thinking, switched in (({"type": "adaptive"}, True), ({"type": "disabled"}, False)):
+        body = {"model": "model-b", "max_tokens": 9, "messages": messages, "thinking": thinking}
+        exchange = exchange_for(body)
+        exchange.backend = Backend(name="b", url="http://127.0.0.1:9", models=["*"])
+        made.relay_request(exchange, {**{o.name: o.default for o in portable.OPTIONS}, **quirk})
+        assert orjson.loads(exchange.upstream_body())["thinking"] == {"type": "disabled"}
+        assert [e.get("rule") for e in exchange.timeline if e["step"] == "portable"] == [
+            "foreign-thinking"] + (["thinking-off"] if switched else [])
+    # Where signatures are not checked every block goes, and a tool turn the client sent
+    # without thinking still turns it off.
+    bare = history("toolu_1")
+    exchange, sent = request_to(made, "b", "model-b", bare,
+                                quirks={**quirk, "thinking_signatures": False})
+    assert sent["thinking"] == {"type": "disabled"} and sent["messages"] == bare
+
+
 def test_model_bound_signatures_follow_the_scope_quirk():
     made = plugin()
     mine = thought(KEY_A)
@@ -514,6 +567,32 @@ def test_validate_says_what_a_history_needs_to_go_to_a_target(tmp_path, capsys):
     assert "thinking disabled" in err and code == 1
     code, _, err = validate(tmp_path, capsys, document, "--target", "nowhere")
     assert code == 2 and "no backend named 'nowhere'" in err
+
+
+def test_validate_says_a_backend_wanting_every_tool_turns_thinking_gets_thinking_off(tmp_path,
+                                                                                     capsys):
+    import yaml
+
+    from relay import cli
+    config = tmp_path / "relay.yaml"
+    config.write_text(yaml.safe_dump({
+        "pipeline": ["portable"],
+        "backends": [{"name": "deepseek", "url": "http://127.0.0.1:9", "models": ["*"],
+                      "quirks": {"thinking_passed_back": True}},
+                     {"name": "other", "url": "http://127.0.0.1:9", "models": ["x-*"]}]}))
+    path = tmp_path / "request.json"
+    # No thinking field: DeepSeek's thinking mode is on all the same.
+    path.write_bytes(orjson.dumps({"model": "deepseek-flash", "max_tokens": 2048,
+                                   "messages": history("toolu_1")}))
+    for target, expected in (("deepseek", 1), ("other", 0)):
+        code = cli.main(["validate", "--config", str(config), "--target", target, str(path)])
+        out, _ = capsys.readouterr()
+        assert code == expected, out
+    code = cli.main(["validate", "--config", str(config), "--target", "deepseek", str(path)])
+    out, _ = capsys.readouterr()
+    assert out.splitlines() == [
+        "messages.1: an assistant tool turn has no thinking block and this backend wants every "
+        "tool turn's thinking back: the relay sends this request with thinking disabled"]
 
 
 def test_with_adaptive_thinking_the_request_keeps_it_and_says_it_is_unsure():

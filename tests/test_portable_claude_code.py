@@ -173,3 +173,37 @@ def test_without_the_plugin_the_resumed_session_dies_on_kimis_ids(setup, claude)
     second = claude.run(r.url, "continue", "--resume", session, "--model", CLAUDE_MODEL)
     assert second.returncode == 1
     assert "String should match pattern '^[a-zA-Z0-9_-]+$'" in second.stdout
+
+
+@pytest.mark.parametrize("quirk", [True, False], ids=["thinking_passed_back", "default"])
+def test_a_session_resumed_on_a_backend_that_wants_every_tool_turns_thinking(emulator, relay,
+                                                                             claude, tmp_path,
+                                                                             quirk):
+    """Resumed with a model of a DeepSeek-like backend (thinking on unless disabled, every
+    tool turn's thinking wanted back), the earlier turns carry no thinking it can take:
+    Claude Code leaves out the other model's, and the relay would drop them anyway. With
+    `thinking_passed_back` those requests go with thinking disabled and the session goes on;
+    without it the backend refuses the first one."""
+    strict = emulator("--thinking", "--signing-secret", SECRET_A, "--tool-turns", "2")
+    signless = emulator("--unsigned-thinking", "--tool-turns", "5")
+    r = relay({"pipeline": ["dedup", "pairing", "ordering", "portable"],
+               "plugins": {"portable": {"provenance_db": str(tmp_path / "p.db")}},
+               "backends": [backend(strict.url, name="anthropic", models=["claude-*"]),
+                            backend(signless.url, name="deepseek", models=["deepseek-*"],
+                                    **({"quirks": {"thinking_passed_back": True}}
+                                       if quirk else {}))]})
+    assert claude.run(r.url, "Run the tool until you are done.", "--model",
+                      CLAUDE_MODEL).returncode == 0
+    session = claude.transcript().stem
+    second = claude.run(r.url, "continue", "--resume", session, "--model", "deepseek-test")
+    received = agent_requests(signless)
+    if not quirk:
+        assert second.returncode != 0, second
+        assert "must be passed back to the API" in second.stdout, second
+        assert all(find_problem(request["body"], EmulatorOptions(unsigned_thinking=True))
+                   for request in received)
+        return
+    assert second.returncode == 0, second
+    assert "All 5 tool turns done." in second.stdout
+    assert len(received) == 3  # turns 3, 4 and 5, none refused
+    assert all(request["body"]["thinking"] == {"type": "disabled"} for request in received)

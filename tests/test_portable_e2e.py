@@ -228,3 +228,39 @@ def test_a_backend_that_signs_nothing_gets_its_thinking_back(emulator, relay, tm
                if block["type"] == "thinking")
     assert_earlier_turns_stable(signless)
     assert all(int(h.get("x-relay-repairs", 0)) == 0 for h in session.headers)
+
+
+@pytest.mark.parametrize("quirk", [True, False], ids=["thinking_passed_back", "default"])
+def test_a_session_moving_to_a_backend_that_wants_every_tool_turns_thinking(emulator, relay,
+                                                                            tmp_path, quirk):
+    """Two turns on an Anthropic-like backend (thinking unasked, signed), the rest on a
+    DeepSeek-like one, whose thinking mode is on without the field and refuses a tool turn
+    sent back without its thinking. The first backend's thinking cannot go to the second
+    (another issuer's): with `thinking_passed_back` the second gets those requests with
+    thinking disabled; without it, it refuses them as DeepSeek's /anthropic does."""
+    signed = emulator("--signing-secret", "secret-of-a", "--thinking", "--tool-turns",
+                      str(TURNS))
+    signless = emulator("--unsigned-thinking", "--tool-turns", str(TURNS))
+    quirks = {"quirks": {"thinking_passed_back": True}} if quirk else {}
+    backends = {"anthropic": (signed, backend(signed.url, name="anthropic",
+                                              models=["model-a"])),
+                "deepseek": (signless, backend(signless.url, name="deepseek",
+                                               models=["model-d"], **quirks))}
+    r = relay(config(backends, PIPELINE, tmp_path))
+    session = Session([r.url], ["model-a"] * 2 + ["model-d"] * TURNS, tmp_path, False, False)
+    if not quirk:
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            session.run()
+        assert refused.value.body["error"]["message"] == (
+            "The `content[].thinking` in the thinking mode must be passed back to the API.")
+        return
+    assert session.run().stop_reason == "end_turn"
+    assert len(session.calls) == TURNS
+    assert all("thinking" not in record["body"] for record in signed.requests())
+    served = [record["body"] for record in signless.requests()]
+    assert len(served) == TURNS + 1 - 2
+    assert all(body["thinking"] == {"type": "disabled"} for body in served)
+    for emu, _ in backends.values():
+        assert_earlier_turns_stable(emu)
+    # Each request there: the first backend's two blocks dropped, and thinking switched off.
+    assert [int(h.get("x-relay-repairs", 0)) for h in session.headers] == [0] * 2 + [3] * 4
