@@ -651,3 +651,44 @@ def test_a_result_without_its_call_stays_in_the_answer_s_ledger_when_resumed():
         ours, exchange = prepared(state, raw)
         assert ours == prepared(whole, raw)[0]
     assert exchange.resume.start and "toolu_lost" in ours[8][0]
+
+
+def test_a_request_back_at_a_turn_before_every_change_goes_up_as_the_client_sent_it():
+    """The previous request had its ids translated (another provider's, outside Anthropic's
+    grammar) in its last message; the next one goes back to the turn before that message:
+    resumed from a boundary before every change, it holds the client's messages as they
+    came, and goes up as the client's bytes, as the full walk sends it (it went up
+    re-encoded, its fields in another order)."""
+    first = [user(text("start"))]
+    called = first + [assistant(use("fn.tool:1"), use("fn.tool:2"))]
+    state, whole = relay(["portable"]), relay(["portable"], resume_bytes=0)
+    for history in (first, called, first):
+        raw = body(history)
+        ours, exchange = prepared(state, raw)
+        assert ours == prepared(whole, raw)[0]
+    assert exchange.resume.start == 1
+    assert ours[0] == raw
+
+
+@st.composite
+def wandering_sessions(draw):
+    """A session whose requests go back to earlier turns and fork: each request one of the
+    conversation's prefixes, in any order, some with their last message edited."""
+    options, requests = draw(sessions())
+    picked = draw(st.lists(st.integers(0, len(requests) - 1), min_size=2, max_size=8))
+    chosen = []
+    for n in picked:
+        raw = requests[n]
+        if draw(st.booleans()):  # a fork: the last message's text or thinking otherwise
+            raw = raw.replace(b'"hm"', b'"mh"').replace(b'"ok"', b'"ko"')
+        chosen.append(raw)
+    return options, chosen
+
+
+@RUN
+@given(wandering_sessions())
+def test_a_session_that_goes_back_and_forks_is_resumed_as_the_full_walk(session):
+    options, requests = session
+    resuming, whole = relay(plugins=options), relay(plugins=options, resume_bytes=0)
+    for raw in requests:
+        assert prepared(resuming, raw)[0] == prepared(whole, raw)[0]
