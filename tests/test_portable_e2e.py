@@ -228,3 +228,24 @@ def test_a_backend_that_signs_nothing_gets_its_thinking_back(emulator, relay, tm
                if block["type"] == "thinking")
     assert_earlier_turns_stable(signless)
     assert all(int(h.get("x-relay-repairs", 0)) == 0 for h in session.headers)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["create", "stream"])
+def test_a_lone_backend_that_signs_nothing_gets_its_thinking_back_without_a_record_on_disk(
+        emulator, relay, tmp_path, stream):
+    """The usual set-up in front of DeepSeek: that one backend, no ``provenance_db``. The
+    relay has no other backend to carry thinking to, but it must still learn that this one
+    issues unsigned thinking, or it drops those blocks and the backend refuses the tool turn
+    sent back without them."""
+    signless = emulator("--unsigned-thinking", "--tool-turns", str(TURNS))
+    entry = backend(signless.url, name="deepseek", models=["model-*"])
+    r = relay({"pipeline": PIPELINE, "backends": [entry]})
+    session = Session([r.url], ["model-d"], tmp_path, True, stream)
+    assert session.run().stop_reason == "end_turn"
+    served = [record["body"] for record in signless.requests()]
+    assert len(served) == TURNS + 1
+    assert all(body.get("thinking") == THINKING for body in served)
+    assert all(any(block["type"] == "thinking" for block in message["content"])
+               for body in served for message in body["messages"]
+               if message["role"] == "assistant")
+    assert all(int(h.get("x-relay-repairs", 0)) == 0 for h in session.headers)
