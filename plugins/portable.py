@@ -1021,8 +1021,8 @@ class Portable:
     def __init__(self):
         self.provenance = Provenance()
         self.recording = True  # until relay_startup knows the backends
-        # Without a record to keep: the backends' models seen signing their thinking.
-        self.signers: set[tuple[str, str]] = set()
+        # Without a record to keep: the backends' models whose thinking was seen, signed or not.
+        self.learnt: set[tuple[str, str]] = set()
 
     @hookimpl
     def relay_startup(self, config, options, state):
@@ -1039,16 +1039,16 @@ class Portable:
         # recording would cost every thinking stream its deltas' framing for nothing (all but
         # whether a backend signs its thinking at all: see _reads_thinking).
         self.recording = len(config.backends) > 1 or bool(path) or provenance.shared is not None
-        self.signers = set()
+        self.learnt = set()
 
     def _reads_thinking(self, exchange) -> bool:
         """Whether an answer's thinking is read: always where the record is kept; else until
-        its backend's model has been seen signing it. Even a lone backend must be learnt
-        issuing unsigned thinking, or that thinking is dropped on its way back to it."""
+        its backend's model has been seen signing it or not. Even a lone backend must be
+        learnt issuing unsigned thinking, or that thinking is dropped on its way back to it."""
         if self.recording:
             return True
         backend = exchange.backend.name if exchange.backend is not None else ""
-        return (backend, exchange.model or "") not in self.signers
+        return (backend, exchange.model or "") not in self.learnt
 
     @hookimpl
     async def relay_shutdown(self):
@@ -1235,8 +1235,9 @@ class Portable:
         model = exchange.model or ""
         keys = [block_key(block) for block in blocks]
         entries = [(key, backend, model) for key in keys if key] if self.recording else []
-        if not self.recording and any(keys) and len(self.signers) < MAX_SIGNERS:
-            self.signers.add((backend, model))  # it signs: nothing more to learn of it
+        if not self.recording and any(key is not None for key in keys) \
+                and len(self.learnt) < MAX_LEARNT:
+            self.learnt.add((backend, model))  # nothing more to learn of it
         if "" in keys:
             memory, issuer = self.provenance.memory, (backend, model)
             for marker in unsigned_markers(backend, model):
@@ -1336,7 +1337,7 @@ class Portable:
                 for (what, reason), count in sorted(trouble.drain().items())])
 
 
-MAX_SIGNERS = 1024  # backends' models remembered as signing (the client names the models)
+MAX_LEARNT = 1024  # backends' models learnt without a record (the client names the models)
 SHUTDOWN_SECONDS = 5.0  # how long stopping waits for the records still queued
 BLOCK_STARTS = frozenset({"content_block_start"})
 THINKING_EVENTS = ("content_block_delta", "content_block_stop")  # a thinking block's signature

@@ -282,20 +282,18 @@ def test_a_lone_backend_is_learnt_signing_or_not_with_no_record_to_keep(stream):
     messages = history("toolu_1", thinking=unsigned)
     exchange, sent = request_to(made, "b", "model-b", messages)
     assert not exchange.changed and sent["messages"] == messages
-    # A model seen signing is not read again: its streams' deltas are not asked for, and
-    # nothing of its blocks is kept.
+    # A model learnt, signing or not, is not read again: its streams' deltas are not asked
+    # for, and nothing of its blocks is kept; one not learnt yet is read.
     answer(made, "b", "model-a", thought(KEY_A), stream=stream)
     assert set(made.provenance.memory) == set(portable.unsigned_markers("b", "model-b"))
-    exchange = exchange_for({"model": "model-a", "max_tokens": 9, "messages": history()})
-    exchange.backend = Backend(name="b", url="http://x", models=["*"])
     start = {"type": "content_block_start", "index": 0,
              "content_block": {"type": "thinking", "thinking": "", "signature": ""}}
-    assert made.relay_stream_event(exchange, Event(
-        f"event: content_block_start\ndata: {orjson.dumps(start).decode()}\n\n".encode())) \
-        is None
-    exchange.model = "model-b"  # not seen signing: read
-    assert made.relay_stream_event(exchange, Event(
-        f"event: content_block_start\ndata: {orjson.dumps(start).decode()}\n\n".encode()))
+    for model, read in (("model-a", False), ("model-b", False), ("model-c", True)):
+        exchange = exchange_for({"model": model, "max_tokens": 9, "messages": history()})
+        exchange.backend = Backend(name="b", url="http://x", models=["*"])
+        asked = made.relay_stream_event(exchange, Event(
+            f"event: content_block_start\ndata: {orjson.dumps(start).decode()}\n\n".encode()))
+        assert (asked is not None) is read, model
 
 
 def test_model_bound_signatures_follow_the_scope_quirk():
