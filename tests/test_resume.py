@@ -692,3 +692,48 @@ def test_a_session_that_goes_back_and_forks_is_resumed_as_the_full_walk(session)
     resuming, whole = relay(plugins=options), relay(plugins=options, resume_bytes=0)
     for raw in requests:
         assert prepared(resuming, raw)[0] == prepared(whole, raw)[0]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.sampled_from(["sig-a", "sig-b", "sig-c", FOREIGN, ""]), min_size=2,
+                max_size=6),
+       st.lists(st.tuples(st.sampled_from(["sig-a", "sig-b", "sig-d", UNSIGNED]),
+                          st.sampled_from([("emu", "claude-test"), ("other", "other-model")])),
+                max_size=6),
+       st.sampled_from([1, 2, 100]))
+def test_earlier_thinking_judged_against_a_record_on_disk_as_the_full_walk(
+        signatures, learnt, rows):
+    """The record in a file, its memory in front too small to hold every issuer: the blocks
+    it forgot are read from the file (the asynchronous lookup), and each resumed request, which
+    judges again only the earlier blocks of unknown issuer, comes out as the full walk makes
+    it."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as directory:
+        relays = [relay(plugins={"portable": {"provenance_db": f"{directory}/{n}.db"}},
+                        resume_bytes=budget) for n, budget in enumerate((64 * 1024 * 1024, 0))]
+        records = [each.chain.pm.get_plugin("portable").provenance for each in relays]
+        read = []
+        for provenance in records:
+            provenance.memory_rows = rows
+            provenance.flush(5)
+            looked = provenance.lookup
+            provenance.lookup = lambda keys, looked=looked: read.append(1) or looked(keys)
+        # A block no record knows: every request has the file read.
+        messages = _thinking_turns(["sig-nobody", *signatures])
+        thinking = {"thinking": {"type": "enabled", "budget_tokens": 1024}}
+        try:
+            for step, n in enumerate(range(3, len(messages) + 1, 2)):
+                raw = body(marked(messages[:n]), **thinking)
+                assert prepared(relays[0], raw)[0] == prepared(relays[1], raw)[0]
+                if step < len(learnt):
+                    signature, (backend, model) = learnt[step]
+                    keys = portable.unsigned_markers(backend, model) if signature is UNSIGNED \
+                        else [portable.block_key({"type": "thinking", "signature": signature})]
+                    for provenance in records:
+                        provenance.record([(key, backend, model) for key in keys])
+                        provenance.flush(5)  # in the file before the next request reads it
+        finally:
+            for provenance in records:
+                provenance.close(1)
+        assert read
