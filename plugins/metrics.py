@@ -139,6 +139,7 @@ from prometheus_client import (  # noqa: E402
     generate_latest,
     multiprocess,
 )
+from prometheus_client import metrics as client_metrics  # noqa: E402
 from prometheus_client.metrics_core import (  # noqa: E402
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -262,11 +263,16 @@ class Family:
 
     def collect(self) -> list[Metric]:
         names = self.labelnames
+        # Where the operator turned the ``_created`` series off (PROMETHEUS_DISABLE_CREATED_SERIES,
+        # or disable_created_metrics()), prometheus-client's own metrics leave them out: so do
+        # these. Its switch is that module's flag, read when scraped.
+        created = getattr(client_metrics, "_use_created", True)
         if self.kind == "counter":
             counter = CounterMetricFamily(self.name, self.documentation, labels=names)
             for key, value in self.series.items():
                 assert isinstance(value, _Value)
-                counter.add_metric(key, value.value, created=value.created)
+                counter.add_metric(key, value.value,
+                                   created=value.created if created else None)
             return [counter]
         if self.kind == "gauge":
             gauge = GaugeMetricFamily(self.name, self.documentation, labels=names)
@@ -282,9 +288,10 @@ class Family:
                 total += count
                 buckets.append((floatToGoString(bound), total))
             histogram.add_metric(key, buckets, observed.sum)
-            labels = dict(zip(names, key, strict=True))
-            histogram.samples.append(Sample(self.name + "_created", labels, observed.created,
-                                            None))
+            if created:
+                labels = dict(zip(names, key, strict=True))
+                histogram.samples.append(Sample(self.name + "_created", labels,
+                                                observed.created, None))
         return [histogram]
 
 

@@ -1071,6 +1071,8 @@ class Portable:
     def __init__(self):
         self.provenance = Provenance()
         self.recording = True  # until relay_startup knows the backends
+        # Without a record to keep: the backends' models whose thinking was seen, signed or not.
+        self.learnt: set[tuple[str, str]] = set()
 
     @hookimpl
     def relay_startup(self, config, options, state):
@@ -1084,8 +1086,19 @@ class Portable:
         self.provenance = provenance
         # Who issued a thinking block matters only where there is another backend to carry it
         # to, now or after a restart with another configuration (a record kept on disk): else
-        # recording would cost every thinking stream its deltas' framing for nothing.
+        # recording would cost every thinking stream its deltas' framing for nothing (all but
+        # whether a backend signs its thinking at all: see _reads_thinking).
         self.recording = len(config.backends) > 1 or bool(path) or provenance.shared is not None
+        self.learnt = set()
+
+    def _reads_thinking(self, exchange) -> bool:
+        """Whether an answer's thinking is read: always where the record is kept; else until
+        its backend's model has been seen signing it or not. Even a lone backend must be
+        learnt issuing unsigned thinking, or that thinking is dropped on its way back to it."""
+        if self.recording:
+            return True
+        backend = exchange.backend.name if exchange.backend is not None else ""
+        return (backend, exchange.model or "") not in self.learnt
 
     @hookimpl
     async def relay_shutdown(self):
@@ -1277,7 +1290,10 @@ class Portable:
         backend = exchange.backend.name if exchange.backend is not None else ""
         model = exchange.model or ""
         keys = [block_key(block) for block in blocks]
-        entries = [(key, backend, model) for key in keys if key]
+        entries = [(key, backend, model) for key in keys if key] if self.recording else []
+        if not self.recording and any(key is not None for key in keys) \
+                and len(self.learnt) < MAX_LEARNT:
+            self.learnt.add((backend, model))  # nothing more to learn of it
         if "" in keys:
             memory, issuer = self.provenance.memory, (backend, model)
             for marker in unsigned_markers(backend, model):
@@ -1295,7 +1311,7 @@ class Portable:
         # bytes.find rather than `in`, here and below: `in` tries its operand as an integer
         # first, and raising and clearing that TypeError costs more than the search.
         calls = body.find(b"tool_use") >= 0
-        thinks = self.recording and body.find(b"thinking") >= 0
+        thinks = self._reads_thinking(exchange) and body.find(b"thinking") >= 0
         if not (calls or thinks):
             return
         data = response.data
@@ -1346,7 +1362,7 @@ class Portable:
                 if pair:
                     event.mark_changed()
                     _note_to_client(exchange, [pair], index=data.get("index"))
-            elif not self.recording:
+            elif not self._reads_thinking(exchange):
                 return
             elif kind == "redacted_thinking":
                 self._record(exchange, [block])
@@ -1377,6 +1393,7 @@ class Portable:
                 for (what, reason), count in sorted(trouble.drain().items())])
 
 
+MAX_LEARNT = 1024  # backends' models learnt without a record (the client names the models)
 SHUTDOWN_SECONDS = 5.0  # how long stopping waits for the records still queued
 BLOCK_STARTS = frozenset({"content_block_start"})
 THINKING_EVENTS = ("content_block_delta", "content_block_stop")  # a thinking block's signature

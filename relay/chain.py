@@ -85,12 +85,22 @@ HOOK_NAMES = sorted(name for name in dir(hookspecs) if name.startswith("relay_")
 
 
 def _check_hooks(plugin, where: str) -> None:
-    """Every ``relay_*`` attribute marked as a hook must name a hook: a misspelt one would
-    otherwise never be called, and nothing would say why."""
+    """Every ``relay_*`` attribute marked as a hook must name a hook, and be a plain one (not
+    a wrapper): a misspelt one or a wrapper would otherwise never be called, and nothing
+    would say why."""
     for attribute in dir(plugin):
-        if not attribute.startswith("relay_") or attribute in HOOK_NAMES:
+        if not attribute.startswith("relay_"):
             continue
         function = getattr(plugin, attribute, None)
+        marked = getattr(function, "relay_impl", None) if callable(function) else None
+        if isinstance(marked, dict) and (marked.get("wrapper") or marked.get("hookwrapper")):
+            # The chain calls each implementation itself, in pipeline order: a wrapper's
+            # generator would be made and never run, its code silently skipped.
+            raise ConfigError(f"{where}: {attribute} is a hook wrapper (wrapper=True or "
+                              "hookwrapper=True), which the relay does not run: it calls each "
+                              "plugin's hook in pipeline order; make it a plain hook")
+        if attribute in HOOK_NAMES:
+            continue
         if callable(function) and getattr(function, "relay_impl", None) is not None:
             close = difflib.get_close_matches(attribute, HOOK_NAMES, n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""

@@ -201,8 +201,11 @@ def _resume(state: Preparation, exchange: Exchange, resuming: tuple | None):
             raise resume.Decline()
         start = resumed.start
         states = record.states[start]
-        if record.dirty:
-            exchange.mark_changed()  # its messages[:start] are the chain's, not the client's
+        # Its messages[:start] are the chain's, not the client's, where a plugin changed
+        # one of them (a boundary before every change, which a request going back to an
+        # earlier turn resumes from, holds the client's messages as they came).
+        if record.dirty and any(changed for _, changed in states.values()):
+            exchange.mark_changed()
         changer = max((chain.position(name) for name, (_, changed) in states.items()
                        if changed), default=-1)
     marks = range(max(start, count - resume.MARKS + 1, 1), count + 1)

@@ -239,6 +239,53 @@ def test_a_hook_gets_its_arguments_by_name_in_any_order(names):
              "options": chain.options_for(exchange)["probe"]}
     assert seen == [tuple(given[name] for name in names)]
 
+@pytest.mark.parametrize("hook", ["relay_request", "relay_exchange_end", "relay_stream_events"])
+@pytest.mark.parametrize("names", [("exchange", "options"), ("options", "exchange"),
+                                   ("exchange",), ("options",), ()])
+def test_the_hooks_called_directly_get_their_arguments_in_any_order(hook, names):
+    # A request's, an exchange's end and a stream plan's hooks are called directly when
+    # they take (exchange, options) or (exchange), by name otherwise; an async one is awaited.
+    import asyncio
+
+    from relay.chain import Chain
+    from relay.hookspecs import hookimpl
+    from relay.testing import exchange_for
+
+    seen = []
+    made: dict = {}
+    exec(f"async def {hook}(self, {', '.join(names)}):\n"
+         f"    seen.append(({''.join(name + ', ' for name in names)}))", {"seen": seen}, made)
+    probe = type("Probe", (), {hook: hookimpl(made[hook])})
+    config = config_module.parse({"pipeline": ["probe"], "plugins": {"probe": {}},
+                                  "backends": [{"name": "a", "url": "http://x"}]})
+    chain = Chain(load_plugins(config.pipeline, extra={"probe": probe}), config)
+    exchange = exchange_for({"messages": []}, backend=config.backends[0])
+    if hook == "relay_request":
+        asyncio.run(chain.run(hook, exchange))
+    elif hook == "relay_exchange_end":
+        asyncio.run(chain.end(exchange))
+    else:
+        asyncio.run(chain.stream_plan(exchange))
+    given = {"exchange": exchange, "options": chain.options_for(exchange)["probe"]}
+    assert seen == [tuple(given[name] for name in names)]
+
+
+@pytest.mark.parametrize("marker", [{"wrapper": True}, {"hookwrapper": True}])
+def test_a_hook_wrapper_stops_start_up_naming_it(marker):
+    # The chain calls each implementation itself: a wrapper's generator would be made and
+    # never run, the plugin's code skipped without a word.
+    from relay.hookspecs import hookimpl
+
+    class Probe:
+        @hookimpl(**marker)
+        def relay_request(self, exchange):
+            yield
+
+    with pytest.raises(ConfigError, match=r"pipeline\[0\]: plugin 'probe': relay_request is a "
+                                          r"hook wrapper"):
+        load_plugins(["probe"], extra={"probe": Probe})
+
+
 @pytest.mark.slow
 def test_another_distribution_with_a_plugins_package_collides_with_nothing(tmp_path):
     """A second distribution that ships a top-level ``plugins`` package, installed beside the

@@ -352,12 +352,21 @@ def exchanges_of_every_kind():
     return made
 
 
-def test_one_process_serves_what_prometheus_clients_own_metrics_would(monkeypatch, tmp_path):
+@pytest.mark.parametrize("created", [True, False], ids=["created", "created-disabled"])
+def test_one_process_serves_what_prometheus_clients_own_metrics_would(monkeypatch, tmp_path,
+                                                                     request, created):
     """A single process counts in plain Python and hands the values over when scraped
     (``metrics.Family``); with workers, prometheus-client's own metrics count (their values
     in shared files). The same exchanges make the same text both ways, but for the
-    ``_created`` times."""
+    ``_created`` times; and neither has those where the operator turned them off
+    (PROMETHEUS_DISABLE_CREATED_SERIES, read once by prometheus-client, which
+    ``disable_created_metrics`` stands for here)."""
+    import prometheus_client
     from relay_builtins import metrics as module
+
+    if not created:
+        prometheus_client.disable_created_metrics()
+        request.addfinalizer(prometheus_client.enable_created_metrics)
 
     def scraped(shared: bool) -> tuple[str, dict]:
         if shared:
@@ -390,3 +399,4 @@ def test_one_process_serves_what_prometheus_clients_own_metrics_would(monkeypatc
     assert value(own, "relay_active_streams") == 1
     assert value(own, "relay_auth_failures_total") == 1
     assert value(own, "relay_credential_cooldown_seconds_total", credential="first") == 1.5
+    assert any(name.endswith("_created") for name, _ in own) is created

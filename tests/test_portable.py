@@ -322,6 +322,33 @@ def test_a_backend_wanting_every_tool_turns_thinking_gets_thinking_off_when_one_
     assert sent["thinking"] == {"type": "disabled"} and sent["messages"] == bare
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["answer", "stream"])
+def test_a_lone_backend_is_learnt_signing_or_not_with_no_record_to_keep(stream):
+    # One backend and no provenance_db: no other backend to carry thinking to, so no block is
+    # recorded, but a backend that signs nothing must still be learnt (it was not: its
+    # unsigned thinking was dropped on the way back to it, and the tool turn sent without).
+    made = portable.Portable()
+    made.relay_startup(config_module.parse({"backends": [{"name": "b", "url": "http://x"}]}),
+                       {"provenance_db": ""}, MemoryState())
+    unsigned = {"type": "thinking", "thinking": "reasoning", "signature": ""}
+    answer(made, "b", "model-b", unsigned, stream=stream)
+    messages = history("toolu_1", thinking=unsigned)
+    exchange, sent = request_to(made, "b", "model-b", messages)
+    assert not exchange.changed and sent["messages"] == messages
+    # A model learnt, signing or not, is not read again: its streams' deltas are not asked
+    # for, and nothing of its blocks is kept; one not learnt yet is read.
+    answer(made, "b", "model-a", thought(KEY_A), stream=stream)
+    assert set(made.provenance.memory) == set(portable.unsigned_markers("b", "model-b"))
+    start = {"type": "content_block_start", "index": 0,
+             "content_block": {"type": "thinking", "thinking": "", "signature": ""}}
+    for model, read in (("model-a", False), ("model-b", False), ("model-c", True)):
+        exchange = exchange_for({"model": model, "max_tokens": 9, "messages": history()})
+        exchange.backend = Backend(name="b", url="http://x", models=["*"])
+        asked = made.relay_stream_event(exchange, Event(
+            f"event: content_block_start\ndata: {orjson.dumps(start).decode()}\n\n".encode()))
+        assert (asked is not None) is read, model
+
+
 def test_model_bound_signatures_follow_the_scope_quirk():
     made = plugin()
     mine = thought(KEY_A)
@@ -683,7 +710,16 @@ def test_with_one_backend_there_is_nothing_to_record_and_no_delta_is_framed():
                              "messages": [{"role": "user", "content": "hi"}]})
     made.relay_request(exchange, {})
     assert made.relay_stream_events(exchange) == {"content_block_start"}  # for tool ids
+    # Only until the backend's model is seen signing (a backend that signs nothing must be
+    # learnt: its unsigned thinking goes back to it).
+    assert made.relay_stream_event(exchange, start) == ("content_block_delta",
+                                                         "content_block_stop")
+    answer(made, "test", "m", thought(KEY_A))
+    exchange = exchange_for({"model": "m", "max_tokens": 9, "thinking": {"type": "enabled",
+                                                                          "budget_tokens": 9},
+                             "messages": [{"role": "user", "content": "hi"}]})
     assert made.relay_stream_event(exchange, start) is None
+    assert not made.provenance.memory
     made.relay_startup(config_module.parse({"backends": [
         {"name": "a", "url": "http://127.0.0.1:1"}, {"name": "b", "url": "http://127.0.0.1:2"}]}),
         {}, MemoryState())

@@ -264,3 +264,25 @@ def test_a_session_moving_to_a_backend_that_wants_every_tool_turns_thinking(emul
         assert_earlier_turns_stable(emu)
     # Each request there: the first backend's two blocks dropped, and thinking switched off.
     assert [int(h.get("x-relay-repairs", 0)) for h in session.headers] == [0] * 2 + [3] * 4
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["create", "stream"])
+@pytest.mark.parametrize("thinking", [True, False], ids=["thinking-enabled", "no-thinking-field"])
+def test_a_lone_backend_that_signs_nothing_gets_its_thinking_back_without_a_record_on_disk(
+        emulator, relay, tmp_path, thinking, stream):
+    """The usual set-up in front of DeepSeek: that one backend, no ``provenance_db``. The
+    relay has no other backend to carry thinking to, but it must still learn that this one
+    issues unsigned thinking, or it drops those blocks and the backend refuses the tool turn
+    sent back without them."""
+    signless = emulator("--unsigned-thinking", "--tool-turns", str(TURNS))
+    entry = backend(signless.url, name="deepseek", models=["model-*"])
+    r = relay({"pipeline": PIPELINE, "backends": [entry]})
+    session = Session([r.url], ["model-d"], tmp_path, thinking, stream)
+    assert session.run().stop_reason == "end_turn"
+    served = [record["body"] for record in signless.requests()]
+    assert len(served) == TURNS + 1
+    assert all(body.get("thinking") == (THINKING if thinking else None) for body in served)
+    assert all(any(block["type"] == "thinking" for block in message["content"])
+               for body in served for message in body["messages"]
+               if message["role"] == "assistant")
+    assert all(int(h.get("x-relay-repairs", 0)) == 0 for h in session.headers)

@@ -651,3 +651,89 @@ def test_a_result_without_its_call_stays_in_the_answer_s_ledger_when_resumed():
         ours, exchange = prepared(state, raw)
         assert ours == prepared(whole, raw)[0]
     assert exchange.resume.start and "toolu_lost" in ours[8][0]
+
+
+def test_a_request_back_at_a_turn_before_every_change_goes_up_as_the_client_sent_it():
+    """The previous request had its ids translated (another provider's, outside Anthropic's
+    grammar) in its last message; the next one goes back to the turn before that message:
+    resumed from a boundary before every change, it holds the client's messages as they
+    came, and goes up as the client's bytes, as the full walk sends it (it went up
+    re-encoded, its fields in another order)."""
+    first = [user(text("start"))]
+    called = first + [assistant(use("fn.tool:1"), use("fn.tool:2"))]
+    state, whole = relay(["portable"]), relay(["portable"], resume_bytes=0)
+    for history in (first, called, first):
+        raw = body(history)
+        ours, exchange = prepared(state, raw)
+        assert ours == prepared(whole, raw)[0]
+    assert exchange.resume.start == 1
+    assert ours[0] == raw
+
+
+@st.composite
+def wandering_sessions(draw):
+    """A session whose requests go back to earlier turns and fork: each request one of the
+    conversation's prefixes, in any order, some with their last message edited."""
+    options, requests = draw(sessions())
+    picked = draw(st.lists(st.integers(0, len(requests) - 1), min_size=2, max_size=8))
+    chosen = []
+    for n in picked:
+        raw = requests[n]
+        if draw(st.booleans()):  # a fork: the last message's text or thinking otherwise
+            raw = raw.replace(b'"hm"', b'"mh"').replace(b'"ok"', b'"ko"')
+        chosen.append(raw)
+    return options, chosen
+
+
+@RUN
+@given(wandering_sessions())
+def test_a_session_that_goes_back_and_forks_is_resumed_as_the_full_walk(session):
+    options, requests = session
+    resuming, whole = relay(plugins=options), relay(plugins=options, resume_bytes=0)
+    for raw in requests:
+        assert prepared(resuming, raw)[0] == prepared(whole, raw)[0]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.sampled_from(["sig-a", "sig-b", "sig-c", FOREIGN, ""]), min_size=2,
+                max_size=6),
+       st.lists(st.tuples(st.sampled_from(["sig-a", "sig-b", "sig-d", UNSIGNED]),
+                          st.sampled_from([("emu", "claude-test"), ("other", "other-model")])),
+                max_size=6),
+       st.sampled_from([1, 2, 100]))
+def test_earlier_thinking_judged_against_a_record_on_disk_as_the_full_walk(
+        signatures, learnt, rows):
+    """The record in a file, its memory in front too small to hold every issuer: the blocks
+    it forgot are read from the file (the asynchronous lookup), and each resumed request, which
+    judges again only the earlier blocks of unknown issuer, comes out as the full walk makes
+    it."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as directory:
+        relays = [relay(plugins={"portable": {"provenance_db": f"{directory}/{n}.db"}},
+                        resume_bytes=budget) for n, budget in enumerate((64 * 1024 * 1024, 0))]
+        records = [each.chain.pm.get_plugin("portable").provenance for each in relays]
+        read = []
+        for provenance in records:
+            provenance.memory_rows = rows
+            provenance.flush(5)
+            looked = provenance.lookup
+            provenance.lookup = lambda keys, looked=looked: read.append(1) or looked(keys)
+        # A block no record knows: every request has the file read.
+        messages = _thinking_turns(["sig-nobody", *signatures])
+        thinking = {"thinking": {"type": "enabled", "budget_tokens": 1024}}
+        try:
+            for step, n in enumerate(range(3, len(messages) + 1, 2)):
+                raw = body(marked(messages[:n]), **thinking)
+                assert prepared(relays[0], raw)[0] == prepared(relays[1], raw)[0]
+                if step < len(learnt):
+                    signature, (backend, model) = learnt[step]
+                    keys = portable.unsigned_markers(backend, model) if signature is UNSIGNED \
+                        else [portable.block_key({"type": "thinking", "signature": signature})]
+                    for provenance in records:
+                        provenance.record([(key, backend, model) for key in keys])
+                        provenance.flush(5)  # in the file before the next request reads it
+        finally:
+            for provenance in records:
+                provenance.close(1)
+        assert read
