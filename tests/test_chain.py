@@ -95,7 +95,8 @@ def test_readme_backend_example_is_valid():
     assert config.keys[0].name == "team-a" and config.keys[0].backends == ["anthropic"]
     kimi = config.backends[1]
     assert kimi.timeouts.total is None and kimi.quirks == {
-        "restore_original_ids": True, "drop_betas": ["context-management-*"]}
+        "restore_original_ids": True, "drop_betas": ["context-management-*"],
+        "tool_id_pattern": "^[a-zA-Z0-9_.:-]+$"}
     assert kimi.upstream_model("kimi-latest") == "kimi-k2-0905-preview"
 
 
