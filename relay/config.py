@@ -652,7 +652,8 @@ def check_exposure(config: Config, host: str) -> None:
 BACKEND_OPTIONS = (
     Option("name", str, None, "what fallbacks, keys and logs call it", required=True),
     Option("url", str, None, "its base URL, `http://` or `https://`; the API's paths go under "
-           "its path", required=True),
+           "its path, and a query it carries (`?api-version=...`) goes ahead of the client's "
+           "on every request", required=True),
     Option("models", list, [], "glob patterns of the model names it serves; the first backend "
            "that matches wins"),
     Option("default", bool, False, "takes models no pattern matches, and every other `/v1/` "
@@ -711,6 +712,8 @@ def _backend(item, path: str, env, require_keys: bool) -> Backend:
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.netloc:
         raise ConfigError(f"{path}.url: must be an http:// or https:// URL, not {url!r}")
+    if parts.fragment or url.endswith("#"):
+        raise ConfigError(f"{path}.url: a fragment (#...) is never sent; leave it out")
     models = item.get("models", [])
     _expect(models, list, f"{path}.models", "a list of model name patterns")
     for j, pattern in enumerate(models):

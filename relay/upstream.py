@@ -53,7 +53,10 @@ def upstream_target(backend, path: str, query: str) -> tuple[URL, str]:
 # cache holds at most this many, each a request target that the server's line limit bounds.
 @functools.lru_cache(maxsize=256)
 def _joined(base: str, path: str, query: str) -> tuple[URL, str] | None:
-    url = URL(base + path + ("?" + query if query else ""), encoded=True)
+    # A base URL's own query (Azure's ?api-version=...) goes first, the client's after it.
+    head, _, fixed = base.partition("?")
+    query = f"{fixed}&{query}" if fixed and query else fixed or query
+    url = URL(head.rstrip("/") + path + ("?" + query if query else ""), encoded=True)
     if url.raw_path != _base_path(base) + path or url.raw_query_string != query:
         return None
     return url, str(url)

@@ -323,6 +323,24 @@ async def test_passthrough_allowlist_serves_models_under_the_base_path(aiohttp_s
         ("POST", "/base/v1/extra/thing", "")]
 
 
+async def test_a_base_url_s_own_query_goes_up_ahead_of_the_client_s(aiohttp_server,
+                                                                   aiohttp_client):
+    # Azure's endpoints take ?api-version=... on every request: it went up glued to the path.
+    upstream = Upstream()
+    up = await start_upstream(aiohttp_server, upstream)
+    client = await start_relay(aiohttp_client, {"backends": [
+        backend(str(up.make_url("/base/")) + "?api-version=2025-01-01")]})
+    for target in ("/v1/messages", "/v1/messages?beta=true"):
+        status, _, _ = await raw_request(client, request_bytes("POST", target,
+                                                                orjson.dumps(BODY)))
+        assert status == 200, target
+    assert [(r["path"], r["query"]) for r in upstream.received] == [
+        ("/base/v1/messages", "api-version=2025-01-01"),
+        ("/base/v1/messages", "api-version=2025-01-01&beta=true")]
+    with pytest.raises(config_module.ConfigError, match="fragment"):
+        config_module.parse({"backends": [backend("http://127.0.0.1:1/a#frag")]})
+
+
 def test_passthrough_entries_are_checked():
     for bad in ["/admin", "GET /v1/../admin", "get /v1/models", "GET /v1/%2e/x", "GET /v1//x"]:
         with pytest.raises(config_module.ConfigError, match="server.passthrough"):
