@@ -462,7 +462,9 @@ def strip_cache_control(raw: bytes, start: int | None = None) -> tuple[bytes, li
             return raw, found
         colon = _skip(raw, start + len(_KEY))
         if raw[colon:colon + 1] != b":":
-            return raw, found  # not a key after all: leave the rest as it is
+            # A string value of those letters, not a key: the block's marker may follow.
+            start = raw.find(_KEY, start + len(_KEY))
+            continue
         value = _skip(raw, colon + 1)
         end = _value_end(raw, value)
         if end is None:

@@ -213,3 +213,9 @@ def test_a_string_is_the_text_block_it_stands_for():
                     turn(1, marked=True)], system=[{"type": "text", "text": "be terse"}])
     assert cache.diverge(as_string, as_blocks) is None
     assert cache.diverge(as_blocks, as_string) is None
+
+
+def test_a_value_spelling_the_key_does_not_hide_the_marker_after_it():
+    marked = b'{"type":"text","text":"cache_control","cache_control":{"type":"ephemeral"}}'
+    assert cache.strip_cache_control(marked) == (b'{"type":"text","text":"cache_control"}',
+                                                 [cache.TTL_SECONDS["5m"]])
