@@ -240,7 +240,7 @@ class Family:
     def labels(self, *values):
         # By the values as given first (an exchange's labels are mostly the same few), then
         # as the strings they are shown as.
-        series = self.found.get(values)
+        series = _found(self.found, values)
         if series is None:
             key = tuple(str(value) for value in values)
             series = self.series.get(key)
@@ -249,7 +249,7 @@ class Family:
                     raise ValueError(f"{self.name}: expected {len(self.labelnames)} label "
                                      "values")
                 series = self.series[key] = self._new()
-            self.found[values] = series
+            _keep(self.found, values, series)
         return series
 
     def inc(self, amount: float = 1) -> None:
@@ -304,9 +304,10 @@ class Shared:
         self.found: dict[tuple, Any] = {}
 
     def labels(self, *values):
-        child = self.found.get(values)
+        child = _found(self.found, values)
         if child is None:
-            child = self.found[values] = self.metric.labels(*values)
+            child = self.metric.labels(*values)
+            _keep(self.found, values, child)
         return child
 
     def inc(self, amount: float = 1) -> None:
@@ -314,6 +315,20 @@ class Shared:
 
     def dec(self, amount: float = 1) -> None:
         self.metric.dec(amount)
+
+
+def _found(found: dict, values: tuple):
+    try:
+        return found.get(values)
+    except TypeError:  # a value that cannot be a key (a plugin's list): shown as its text
+        return None
+
+
+def _keep(found: dict, values: tuple, series) -> None:
+    # Only strings shown as themselves, which equal no value of another text (1, 1.0 and
+    # True are one key and three texts): the rest is looked up by its text every time.
+    if all(isinstance(value, str) and str(value) == value for value in values):
+        found[values] = series
 
 
 def metric(kind: str, shared: bool, name: str, documentation: str, labelnames=(), *,
@@ -544,7 +559,7 @@ class Metrics:
         # A key's name comes from relay.yaml (the key the client authenticated with), never
         # from the request.
         self.requests.labels(backend, exchange.key_name or "-", exchange.endpoint,
-                             answer.status if answer is not None else "-", stream,
+                             str(answer.status) if answer is not None else "-", stream,
                              exchange.outcome or "-").inc()
         if exchange.timings.first_byte is not None:
             self.first_byte.labels(backend, stream).observe(exchange.timings.first_byte)

@@ -8,8 +8,9 @@ import urllib.request
 import orjson
 import pytest
 from aiohttp import web
-from prometheus_client import generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from relay_builtins import metrics as metrics_plugin
 from relay_builtins.metrics import Metrics
 from support import backend
 from test_server import BODY, STREAM, Upstream, start_relay, start_upstream, stream_reply  # noqa: F401
@@ -400,3 +401,17 @@ def test_one_process_serves_what_prometheus_clients_own_metrics_would(monkeypatc
     assert value(own, "relay_auth_failures_total") == 1
     assert value(own, "relay_credential_cooldown_seconds_total", credential="first") == 1.5
     assert any(name.endswith("_created") for name, _ in own) is created
+
+
+def test_label_values_that_are_equal_but_shown_apart_or_unhashable_keep_their_own_series():
+    # The single-process families find a series by the values as given: 1, 1.0 and True are
+    # one dict key, and a list none; each must still count under its own text.
+    registry = CollectorRegistry()
+    family = metrics_plugin.Family("counter", "relay_test_total", "a test", ["value"],
+                                   registry)
+    for value in (1, 1.0, True, ["a"], "1"):
+        family.labels(value).inc()
+    text = generate_latest(registry).decode()
+    for shown, count in (("1", 2.0), ("1.0", 1.0), ("True", 1.0), ("['a']", 1.0)):
+        assert f'relay_test_total{{value="{shown}"}} {count}' in text, (shown, text)
+
