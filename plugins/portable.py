@@ -870,12 +870,17 @@ def _passed_back_off(exchange, messages: list, done: list, validating: bool) -> 
                                 "and this backend wants every tool turn's thinking back: the "
                                 "relay sends this request with thinking disabled"})
         return
+    _thinking_switched_off(exchange, at, "a tool turn has no thinking block, and this backend "
+                                         "wants every tool turn's thinking back in thinking mode")
+
+
+def _thinking_switched_off(exchange, index: int, reason: str) -> None:
+    """The request goes with thinking disabled, and without the edits that apply to thinking
+    that is on; counted as a repair at message ``index``."""
     body = exchange.body
     body["thinking"] = {"type": "disabled"}
     _without_thinking_edits(body)
-    exchange.repaired(PLUGIN, 1, rule="thinking-off", message_index=at,
-                      reason="a tool turn has no thinking block, and this backend wants "
-                             "every tool turn's thinking back in thinking mode")
+    exchange.repaired(PLUGIN, 1, rule="thinking-off", message_index=index, reason=reason)
 
 
 def _checks_signatures(options: dict, backend) -> bool:
@@ -1254,12 +1259,8 @@ class Portable:
                                     "thinking block valid here: the relay sends this request "
                                     "with thinking disabled"})
         elif final is not None:
-            body = exchange.body
-            body["thinking"] = {"type": "disabled"}
-            _without_thinking_edits(body)
-            exchange.repaired(PLUGIN, 1, rule="thinking-off", message_index=final,
-                              reason="the final assistant turn has no thinking block of "
-                                     "this backend's")
+            _thinking_switched_off(exchange, final, "the final assistant turn has no thinking "
+                                                    "block of this backend's")
         if final is None and options.get("thinking_passed_back"):
             _passed_back_off(exchange, messages, done, validating)
         return done
