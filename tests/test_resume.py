@@ -490,16 +490,23 @@ def test_a_long_history_s_record_extends_the_copy_of_what_followed_it():
     assert all(tail is tails[1] for tail in tails[2:])
 
 
-def test_dedup_s_states_past_a_user_message_share_its_ledger():
-    """Past a user message (tool results only) the ledger is as it was: the record's state
-    after it shares the copy made at the mark before it, and the session's next request,
-    resumed there, still comes out as the full walk makes it."""
-    messages = conversation(6, reuse=True)
+def grown_to_13(messages: list):
+    """A resuming relay and a walking one given the session up to its 9th, 11th and 13th
+    message (each alike), and the resuming one's record."""
     state, whole = relay(), relay(resume_bytes=0)
     for n in (9, 11, 13):
         raw = body(marked(messages[:n]))
         assert prepared(state, raw)[0] == prepared(whole, raw)[0]
     (record,) = state.resume.records.values()
+    return state, whole, record
+
+
+def test_dedup_s_states_past_a_user_message_share_its_ledger():
+    """Past a user message (tool results only) the ledger is as it was: the record's state
+    after it shares the copy made at the mark before it, and the session's next request,
+    resumed there, still comes out as the full walk makes it."""
+    messages = conversation(6, reuse=True)
+    state, whole, record = grown_to_13(messages)
     count = record.count  # the last message a user's, the one before an assistant's
     states = {index: record.states[index]["dedup"][0] for index in (count - 2, count - 1, count)}
     assert states[count][0] is states[count - 1][0] and states[count][1] is states[count - 1][1]
@@ -518,11 +525,7 @@ def test_pairing_s_states_past_the_last_call_share_its_ids():
     messages = conversation(6)
     for then in ([assistant(use("toolu_9"))] + [user(result("toolu_9", "x"))],
                  [user(text("and then?"))]):
-        state, whole = relay(), relay(resume_bytes=0)
-        for n in (9, 11, 13):
-            raw = body(marked(messages[:n]))
-            assert prepared(state, raw)[0] == prepared(whole, raw)[0]
-        (record,) = state.resume.records.values()
+        state, whole, record = grown_to_13(messages)
         count = record.count  # the last message a user's, the one before an assistant's
         seen = {index: record.states[index]["pairing"][0][0]
                 for index in (count - 2, count - 1, count)}
