@@ -25,7 +25,7 @@ from typing import Any
 
 from .errors import ConfigError, RelayError
 from .options import unknown
-from .state import Count, Counter, Slot
+from .state import Count, Counter, Slot, made
 
 RATES = {
     "requests_per_minute": "requests per minute",
@@ -50,7 +50,6 @@ SLOT_LEASE = 900.0
 # Claude Code shows its usage notice once a budget passes these fractions (its contract).
 THRESHOLDS = (0.95, 0.75)
 MAX_CACHED_MODELS = 256
-_tuple = tuple.__new__
 RATELIMIT_PREFIX = "anthropic-ratelimit-"
 
 
@@ -312,9 +311,7 @@ def spent(plan: Plan, usage) -> list[Counter]:
                 + (getattr(usage, "cache_write_1h_input_tokens", 0) or 0)
         if amount > 0:
             name, per, limit, _ = counters[at]
-            # tuple's constructor: a named tuple's own is a Python function, and this is made
-            # for every answer.
-            added.append(_tuple(Counter, (name, per, limit, amount)))
+            added.append(made(Counter, (name, per, limit, amount)))  # for every answer
     return added
 
 

@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from relay.state import Counter, Slot, lease, open_state, window
+from relay import limits
+from relay.state import Count, Counter, Slot, Taken, lease, open_state, window
 from relay.state.lease import LeasedState
 
 BASE = window("minute", time.time())[1] + 3600
@@ -258,3 +259,28 @@ async def test_a_lease_whose_request_was_given_up_is_kept_not_lost(url):
         assert (await state.counts([rpm], now=now))[0].used == 1 + lease_taken
     finally:
         await state.close()
+
+
+async def test_what_the_hot_paths_make_without_the_named_tuples_constructors_is_whole(tmp_path):
+    # take_now and spent make their tuples with tuple's own constructor, which checks no
+    # length: a field added to Taken, Count or Counter must be given there too.
+    state = await open_state({"url": f"sqlite:///{tmp_path}/state.db"})
+    try:
+        counters = [Counter("k:rpm", "minute", limit=10**9), Counter("k:all", "day")]
+        slots = [Slot("k:slots", 10**6)]
+        for _ in range(5):  # the store's takes lease what take_now then spends
+            taken = state.take_now(counters, slots, now=BASE + 1)
+            if taken is not None:
+                break
+            asked = await state.take(counters, slots, now=BASE + 1)
+            await state.release(slots[0].name, asked.tokens[0])
+        assert taken is not None and len(taken) == len(Taken._fields)
+        assert all(len(count) == len(Count._fields) for count in taken.counts)
+    finally:
+        await state.close()
+    found = limits.Limits.of({"output_tokens_per_minute": 100})
+    plan = found.plan("k", "claude-x") if found is not None else None
+    assert plan is not None
+    added = limits.spent(plan, type("Used", (), {"output_tokens": 5})())
+    assert added and all(len(counter) == len(Counter._fields) for counter in added)
+

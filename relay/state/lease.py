@@ -56,9 +56,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from . import Count, Counter, Slot, State, Taken, window
-
-_tuple = tuple.__new__
+from . import Count, Counter, Slot, State, Taken, made, window
 
 LEASE_SHARE = 64
 MIN_LEASE = 2
@@ -194,8 +192,7 @@ class LeasedState(State):
 
     def take_now(self, counters: Sequence[Counter], slots: Sequence[Slot] = (),
                  now: float | None = None) -> Taken | None:
-        # Every request of a key with limits runs this: written for few steps, its named
-        # tuples made by tuple's own constructor (theirs is a Python function).
+        # Every request of a key with limits runs this: written for few steps.
         wall = time.time() if now is None else now
         clock = time.monotonic()
         windows = self._windows
@@ -226,16 +223,16 @@ class LeasedState(State):
             if limit is None:
                 if amount:
                     counted = [*(counted or ()), counter]
-                counts.append(_tuple(Count, (name, seen.used - seen.room + amount, None,
+                counts.append(made(Count, (name, seen.used - seen.room + amount, None,
                                              seen.end)))
                 continue
             if amount:
                 seen.room -= amount
                 seen.last = clock
-            counts.append(_tuple(Count, (name, seen.used - seen.room, limit, seen.end)))
+            counts.append(made(Count, (name, seen.used - seen.room, limit, seen.end)))
         if counted:
             self.add_soon(counted, wall)
-        return _tuple(Taken, (True, tuple(counts),
+        return made(Taken, (True, tuple(counts),
                               tuple([self._occupy(block, clock) for block in blocks]), None, 0.0))
 
     def _occupy(self, block: _Block, clock: float) -> str:
