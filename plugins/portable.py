@@ -643,18 +643,6 @@ class Provenance:
             self._reader = None
 
 
-def foreign_thinking(messages: list, issuers: dict, backend: str, model: str,
-                     scope: str, lo: int = 0) -> list[tuple[int, int, str]]:
-    """``(message, block, why)`` for each thinking block the target would refuse: unsigned,
-    or issued by another backend (or, with ``scope`` "model", another model)."""
-    found = []
-    for i, k, key in thinking_blocks(messages, lo):
-        why = verdict(key, issuers, backend, model, scope)
-        if why is not None:
-            found.append((i, k, why))
-    return found
-
-
 def thinking_blocks(messages: list, lo: int = 0, hi: int | None = None) -> list:
     """``(message, block, key)`` for each thinking block of an assistant message in
     ``messages[lo:hi]`` (the key as :func:`block_key` gives it)."""
