@@ -64,11 +64,16 @@ class Usage:
         self.prices = metering.Prices()
         self.state = None
         self.warned: set[str] = set()
+        self.keeps_rows = True
 
     @hookimpl
-    def relay_startup(self, options, state):
+    def relay_startup(self, config, options, state):
         self.prices = options["prices"]
         self.state = state
+        # Rows in this process's memory (no ``state: url``) are read only through the
+        # operator's routes (this plugin's, the console's), which need the admin key: without
+        # one, nothing could ever read them, and none is kept.
+        self.keeps_rows = state.kind != "memory" or config.admin_key is not None
 
     @hookimpl
     def relay_routes(self):
@@ -76,9 +81,10 @@ class Usage:
 
     @hookimpl
     def relay_request(self, exchange):
-        # While the request is still held as the skeleton: after it has gone upstream, the
-        # session would cost a second decode of the whole request.
-        exchange.session()
+        # The row's session, while the request is still held as the skeleton: after it has
+        # gone upstream, it would cost a second decode of the whole request.
+        if self.keeps_rows:
+            exchange.session()
 
     @hookimpl
     def relay_response(self, exchange, response):
@@ -116,7 +122,8 @@ class Usage:
         used = exchange.usage
         if used is not None and used.cost_micro_usd is None:
             self._unpriced(exchange.model)
-        self.state.record_soon([ledger_row(exchange)])
+        if self.keeps_rows:
+            self.state.record_soon([ledger_row(exchange)])
 
     def _unpriced(self, model: str | None) -> None:
         name = str(model)[:200]

@@ -212,6 +212,29 @@ async def test_the_usage_endpoint_is_the_operators(aiohttp_client, aiohttp_serve
     assert bad.status == 400
 
 
+async def test_a_ledger_nobody_could_read_is_not_kept(aiohttp_client, aiohttp_server, caplog):
+    # No state url (rows in this process's memory) and no admin key (no route reads them):
+    # the usage is still metered, and no row is kept.
+    upstream = await aiohttp_server(emulator.create_app(emulator.EmulatorOptions()))
+    client = await start_relay(aiohttp_client, {
+        "server": {"access_log": True,
+                   "auth": {"keys": [{"name": "team-a", "key_env": "KEY_A"}]}},
+        "pipeline": ["usage"], "plugins": {"usage": {"prices": PRICES}},
+        "backends": [{"name": "emu", "url": str(upstream.make_url("")).rstrip("/"),
+                      "models": ["*"]}]}, env=KEYS)
+    with caplog.at_level(logging.INFO, logger="relay.access"):
+        resp = await post(client, request(user(text("go")), model="claude-sonnet-5-5"))
+        assert resp.status == 200
+        await resp.read()
+        for _ in range(100):
+            if any("cost_micro_usd" in r.getMessage() for r in caplog.records):
+                break
+            await asyncio.sleep(0.01)
+    [line] = [r.getMessage() for r in caplog.records if r.name == "relay.access"]
+    assert f"cost_micro_usd={COST}" in line and "input_tokens=120" in line
+    assert await client.chain.state.rows() == []
+
+
 async def test_refusals_before_routing_write_no_row(aiohttp_client, aiohttp_server):
     client = await relay_for(aiohttp_client, aiohttp_server)
     for _ in range(3):
