@@ -1,11 +1,14 @@
-"""What a stream costs the client's connection in writes: the head goes out with the first
-bytes and the last bytes with the body's end, yet nothing waits on the upstream for it (a
-head, a last event), the first event of a long first read still goes out first, and the
-client receives every byte as the upstream sent it."""
+"""What a stream costs beyond the bare pass-through, through a real relay: the writes to the
+client's connection (the head goes out with the first bytes and the last bytes with the
+body's end, yet nothing waits on the upstream for it, and the first event of a long first
+read still goes out first), and the events the shipped plugins are handed (only those they
+read). The client receives every byte as the upstream sent it."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import re
 
 import pytest
 from aiohttp import web
@@ -37,12 +40,12 @@ SSE = "text/event-stream"
 async def relay(aiohttp_server, aiohttp_client):
     """A relay (no plugins, or those named) in front of ``reply``; what it wrote to the
     client's connection, one entry a write, is in ``client.writes``."""
-    async def start(reply, pipeline=()):
+    async def start(reply, pipeline=(), plugins=None):
         upstream = web.Application()
         upstream.router.add_post("/v1/messages", reply)
         server = await aiohttp_server(upstream)
         config = config_module.parse(
-            {"pipeline": list(pipeline),
+            {"pipeline": list(pipeline), "plugins": plugins or {},
              "backends": [{"name": "up", "url": str(server.make_url("")), "models": ["*"]}]}, {})
         chain = Chain(load_plugins(config.pipeline), config)
         await chain.startup(config)
@@ -170,3 +173,34 @@ async def test_a_stream_without_its_end_still_ends_with_an_error_event(relay):
     out = await resp.read()
     assert out.startswith(START + BLOCK + DELTA)
     assert out[len(START + BLOCK + DELTA):].startswith(b"event: error\n")
+
+
+TOOL_START = (b'event: content_block_start\ndata: {"type":"content_block_start","index":1,'
+              b'"content_block":{"type":"tool_use","id":"toolu_01","name":"Bash","input":{}}}\n\n')
+TOOL_DELTA = (b'event: content_block_delta\ndata: {"type":"content_block_delta","index":1,'
+              b'"delta":{"type":"input_json_delta","partial_json":"{}"}}\n\n')
+TOOL_STOP = b'event: content_block_stop\ndata: {"type":"content_block_stop","index":1}\n\n'
+
+
+async def test_the_shipped_plugins_are_handed_only_the_events_they_read(relay, monkeypatch,
+                                                                       caplog, tmp_path):
+    monkeypatch.setenv("RELAY_TRACE", "1")  # every hook call logged, by plugin
+    stream = (START + BLOCK + DELTA * 20 + PING + TOOL_START + TOOL_DELTA * 5 + TOOL_STOP
+              + END)
+
+    async def reply(request):
+        return web.Response(body=stream, content_type=SSE)
+
+    pipeline = ["limits", "usage", "metrics", "cache", "dedup", "pairing", "ordering",
+                "portable", "dump"]
+    client = await relay(reply, pipeline=pipeline, plugins={"dump": {"dir": str(tmp_path)}})
+    with caplog.at_level("INFO", logger="relay.chain"):
+        resp = await client.post("/v1/messages", json=BODY)
+        assert await resp.read() == stream
+    traced = (re.search(r"^trace \S+ (\w+)\.relay_stream_event -> ", record.getMessage())
+              for record in caplog.records)
+    handed = collections.Counter(found[1] for found in traced if found)
+    # usage: the message_start and the message_delta; dedup and portable: each block's start;
+    # metrics, cache (no prefix to judge here), dump (no stream errors asked for): nothing.
+    assert handed == {"usage": 2, "dedup": 2, "portable": 2}
+    assert len(client.writes) == 1
