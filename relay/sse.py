@@ -403,6 +403,8 @@ class LazyFramer:
 
     def close(self) -> list[Event]:
         """The events left at the end of the stream (see :meth:`SSEDecoder.close`)."""
+        if not self._pending and not self._decoder.buffered:
+            return []
         events = self._decoder.feed(b"".join(self._pending)) if self._pending else []
         self._pending.clear()
         self._pending_size = 0

@@ -72,8 +72,8 @@ class StreamBroken(Exception):
 class StreamRelay:
     """Relays one stream: :meth:`feed` each upstream chunk, then :meth:`finish`."""
 
-    __slots__ = ("chain", "exchange", "plan", "write", "end", "last", "framer", "writing",
-                 "written", "events")
+    __slots__ = ("chain", "exchange", "plan", "write", "end", "last", "ending", "framer",
+                 "writing", "written", "events")
 
     def __init__(self, chain, exchange, plan, write: Callable[[bytes], Awaitable[None]],
                  count_events: bool = True, end: Callable[[bytes], Awaitable[None]] | None = None):
@@ -86,6 +86,7 @@ class StreamRelay:
         # last (:func:`pump` sets it) and it leaves the stream ended and nothing held back.
         self.end = end
         self.last = False
+        self.ending = False  # the last bytes went to ``end``: the stream is whole and over
         self.framer: LazyFramer | None = None
         self.writing = False  # inside a write: what the framer saw has not all gone out
         self.written = 0  # bytes written to the client
@@ -131,6 +132,8 @@ class StreamRelay:
         :class:`StreamBroken` if the stream did not end on its own terms."""
         if self.framer is None:
             raise StreamBroken("the stream ended before message_start")
+        if self.ending:
+            return
         tail = self.framer.close()
         if tail:
             await self._relay(tail, tail)
@@ -159,6 +162,7 @@ class StreamRelay:
             framer = self.framer
             assert framer is not None  # data comes from it
             if not framer.buffered and framer.ended:
+                self.ending = True
                 return self.end(data)
         return self.write(data)
 
