@@ -48,6 +48,23 @@ MAX_EVENT_BYTES = 64 * 1024 * 1024
 FIRST_READ_WHOLE = 16384
 
 
+class _StreamAnswer(web.StreamResponse):
+    """A stream's response whose status line and headers go out with its first bytes, in one
+    write (as aiohttp's own ``web.Response`` sends a small answer's, aiohttp PR #10991),
+    rather than in a write of their own: a send to the client's socket costs more than
+    relaying a short stream's events, and a write that carries only headers wakes the client
+    for nothing. :func:`relay_stream` sends them on their own at the event loop's next turn
+    if the first bytes are not there by then, so they never wait for the upstream."""
+
+    _send_headers_immediately = False
+
+
+def _send_head(writer) -> None:
+    """The headers of a stream whose first bytes are not ready yet (a no-op once they went)."""
+    with contextlib.suppress(ConnectionError):  # the client is gone: the stream will say so
+        writer.send_headers()
+
+
 class StreamBroken(Exception):
     """The upstream's stream cannot be relayed on: it ended early or stopped framing."""
 
@@ -55,14 +72,21 @@ class StreamBroken(Exception):
 class StreamRelay:
     """Relays one stream: :meth:`feed` each upstream chunk, then :meth:`finish`."""
 
-    __slots__ = ("chain", "exchange", "plan", "write", "framer", "writing", "written", "events")
+    __slots__ = ("chain", "exchange", "plan", "write", "end", "last", "ending", "framer",
+                 "writing", "written", "events")
 
     def __init__(self, chain, exchange, plan, write: Callable[[bytes], Awaitable[None]],
-                 count_events: bool = True):
+                 count_events: bool = True, end: Callable[[bytes], Awaitable[None]] | None = None):
         self.chain = chain
         self.exchange = exchange
         self.plan = plan
         self.write = write
+        # Writes the stream's last bytes and the end of the body together, in one write
+        # rather than two: used when :attr:`last` says the chunk being fed is the upstream's
+        # last (:func:`pump` sets it) and it leaves the stream ended and nothing held back.
+        self.end = end
+        self.last = False
+        self.ending = False  # the last bytes went to ``end``: the stream is whole and over
         self.framer: LazyFramer | None = None
         self.writing = False  # inside a write: what the framer saw has not all gone out
         self.written = 0  # bytes written to the client
@@ -95,7 +119,7 @@ class StreamRelay:
                 await self._relay(parts, events)
             else:  # most reads: nothing for a plugin, and no coroutine of _relay's for them
                 self.writing = True
-                await self.write(self._data(parts))
+                await self._out(self._data(parts))
                 self.writing = False
         # After a read that let something out, what is held back is part of that read: only a
         # read that let nothing out, or a huge one, can pass the limit.
@@ -108,6 +132,8 @@ class StreamRelay:
         :class:`StreamBroken` if the stream did not end on its own terms."""
         if self.framer is None:
             raise StreamBroken("the stream ended before message_start")
+        if self.ending:
+            return
         tail = self.framer.close()
         if tail:
             await self._relay(tail, tail)
@@ -128,8 +154,17 @@ class StreamRelay:
                         # list's items by position, so a new tail is its next items).
                         parts, later = self._widen(more, parts, event)
                         events[events.index(event) + 1:] = later
-        await self.write(self._data(parts))
+        await self._out(self._data(parts))
         self.writing = False
+
+    def _out(self, data: bytes) -> Awaitable[None]:
+        if self.last and self.end is not None:
+            framer = self.framer
+            assert framer is not None  # data comes from it
+            if not framer.buffered and framer.ended:
+                self.ending = True
+                return self.end(data)
+        return self.write(data)
 
     def _data(self, parts: list) -> bytes:
         """What goes out for ``parts``, counted."""
@@ -289,24 +324,36 @@ def error_event(message: str, kind: str = "api_error") -> bytes:
 
 
 async def pump(stream: StreamRelay, chunks: AsyncIterable[bytes],
-               translator: Translator | None = None) -> None:
+               translator: Translator | None = None,
+               at_end: Callable[[], bool] | None = None) -> None:
     """Feed the upstream's ``chunks`` into ``stream`` through ``translator`` (the format's
     stage, when it has one), then finish it. A long first read is cut after its first
     event, which goes out before the rest of that read is translated or scanned: time to
     first byte must not grow with how much the upstream managed to send before the relay
-    read (a short one goes out whole: see :data:`FIRST_READ_WHOLE`)."""
+    read (a short one goes out whole: see :data:`FIRST_READ_WHOLE`). ``at_end`` says, after
+    a read, whether it was the upstream's last (its body has ended): ``stream`` may then
+    send it with the end of its own body (:attr:`StreamRelay.end`)."""
     reads = chunks.__aiter__()
     stage = translator.feed if translator is not None else None
+    if stage is not None:  # what a translator holds comes out at its close, after the reads
+        at_end = None
     async for chunk in reads:
         cut = chunk.find(b"\n\n") + 2
         if 1 < cut < len(chunk) - FIRST_READ_WHOLE:
             await stream.feed(stage(chunk[:cut]) if stage is not None else chunk[:cut])
             chunk = chunk[cut:]
+        if at_end is not None:
+            stream.last = at_end()
         await stream.feed(stage(chunk) if stage is not None else chunk)
         break
     if translator is None:
-        async for chunk in reads:
-            await stream.feed(chunk)
+        if at_end is None:
+            async for chunk in reads:
+                await stream.feed(chunk)
+        else:
+            async for chunk in reads:
+                stream.last = at_end()
+                await stream.feed(chunk)
     else:
         if translator.fault is None:
             async for chunk in reads:
@@ -362,14 +409,19 @@ async def relay_stream(state, request: web.Request, exchange: Exchange,
     # What the SDKs report as the request id, when the upstream gave none (a translated
     # stream).
     headers.setdefault("request-id", exchange.id)
-    response = web.StreamResponse(status=upstream.status, headers=headers)
+    response = _StreamAnswer(status=upstream.status, headers=headers)
     answer = exchange.answer = Answer(response.status, response.headers, stream=True)
-    await response.prepare(request)
+    writer = await response.prepare(request)
+    # The first bytes are usually in hand already (the upstream's first read held its headers
+    # and first event): written before this runs, they take the headers with them.
+    asyncio.get_running_loop().call_soon(_send_head, writer)
     write = redacting_writer(response.write, secrets)
     # A thread's record is what the client received.
     tap = threads.Tap(write) if exchange.thread is not None else None
+    # A thread's tap keeps every write: its stream ends with a write of its own.
+    end = redacting_writer(response.write_eof, secrets) if tap is None else None
     stream = StreamRelay(state.chain, exchange, plan, tap or write,
-                         count_events=access_log.isEnabledFor(logging.INFO))
+                         count_events=access_log.isEnabledFor(logging.INFO), end=end)
     translator = backend.adapter.stream_translator(backend.name, exchange.model)
     record = None
     if translator is not None:
@@ -380,7 +432,9 @@ async def relay_stream(state, request: web.Request, exchange: Exchange,
     keepalive = KeepAlive(stream, interval) if interval else None
     try:
         try:
-            await pump(stream, upstream.content.iter_any(), translator)
+            content = upstream.content
+            await pump(stream, content.iter_any(), translator,
+                       content.at_eof if end is not None else None)
         except (aiohttp.ClientError, asyncio.TimeoutError, StreamBroken) as e:
             if request.transport is None or request.transport.is_closing():
                 exchange.outcome = Outcome.CLIENT_DISCONNECTED

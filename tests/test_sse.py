@@ -137,6 +137,27 @@ def test_event_lines_are_matched_at_a_line_start_with_or_without_the_space():
     assert [(e.name, e.data) for e in events] == [("ping", {"n": 1}), ("ping", {"n": 2})]
 
 
+def test_event_names_are_matched_as_they_are_spelt_not_as_patterns():
+    stream = (b'event: a.b\ndata: {"n": 1}\n\n'
+              b'event: axb\ndata: {"n": 2}\n\n'
+              b'event: a+\ndata: {"n": 3}\n\n'
+              b'event: aa\ndata: {"n": 4}\n\n')
+    forwarded, events = lazy_frame(stream, [], {"a.b", "a+"})
+    assert forwarded == stream
+    assert [(e.name, e.data) for e in events] == [("a.b", {"n": 1}), ("a+", {"n": 3})]
+
+
+def test_names_wanted_mid_stream_are_framed_from_then_on():
+    framer = LazyFramer({"message_start"})
+    first, rest = STREAM[:STREAM.index(b"event: ping")], STREAM[STREAM.index(b"event: ping"):]
+    parts, events = framer.feed(first)
+    assert [e.name for e in events] == ["message_start"]
+    framer.want({"ping", "message_stop"})
+    parts, events = framer.feed(rest)
+    assert b"".join(p if isinstance(p, bytes) else p.raw for p in parts) == rest
+    assert [e.name for e in events] == ["ping", "message_stop"]
+
+
 ENDS = ("message_stop", "error")
 PING = b'event: ping\ndata: {"type": "ping"}\n\n'
 ERROR = b'event: error\ndata: {"type": "error", "error": {"type": "overloaded_error"}}\n\n'
