@@ -185,8 +185,9 @@ def _resume(state: Preparation, exchange: Exchange, resuming: tuple | None):
     store, session, resumed = resuming
     # The same rule over the same request (the chain has not run): not worked out twice.
     exchange._session = session
-    if resumed is None and not store.wants(session):
-        return None  # the session's first request: nothing is kept (see Store.wants)
+    # A session's first request keeps a record too, as a trial (see resume.Store): else its
+    # second, the first that goes on from it, is walked whole again.
+    trial = resumed is None and not store.established(session)
     messages = exchange.messages or []
     count = len(messages)
     if not count:
@@ -214,14 +215,14 @@ def _resume(state: Preparation, exchange: Exchange, resuming: tuple | None):
     # before any plugin changes them.
     encoded = resume.canonical(messages[start:] if resumed is not None
                                else messages[max(count - resume.MARKS + 1, 0):])
-    return context, count, encoded
+    return context, count, encoded, trial
 
 
 def _keep(exchange: Exchange, resuming: tuple, keeping: tuple, messages: list) -> None:
     """Keep what this request's chain left (``messages``: its messages as a skeleton's),
     for the session's next request."""
     store, session, resumed = resuming
-    context, count, encoded, dirty = keeping
+    context, count, encoded, trial, dirty = keeping
     saved = exchange.resume.saved if exchange.resume is not None else {}
     # Kept only when the chain left the request a skeleton of the same messages, each
     # position still the client's (nothing merged or dropped), and at a boundary where
@@ -267,7 +268,7 @@ def _keep(exchange: Exchange, resuming: tuple, keeping: tuple, messages: list) -
                                cut, tail)
         record.after = resumed.after
     record.dirty = dirty
-    store.put(session, record)
+    store.put(session, record, trial)
 
 
 async def prepare_history(state: Preparation, exchange: Exchange) -> None:

@@ -185,7 +185,10 @@ class Store:
     """The records of the sessions in flight: up to :data:`LANES` per session (a session
     holds more than one conversation: Claude Code's subagents and side calls share its id),
     bounded by ``budget`` bytes in all and a quarter of it per session, oldest evicted
-    first."""
+    first. The records of sessions seen for the first time (*trials*: most requests that are
+    the only one of their session never send another) hold a quarter of it at most between
+    them, oldest out first, so that one-off requests cannot push out the records of the
+    sessions that go on."""
 
     def __init__(self, budget: int, min_bytes: int | None = None):
         self.budget = budget
@@ -196,13 +199,14 @@ class Store:
         self.lanes: dict[str, list[int]] = {}
         self.bytes = 0
         self._lane = itertools.count()
-        # The sessions seen once: a record is kept from a session's second request on, so
-        # that a request that is the only one of its session (a script's single call) costs
-        # nothing more than before.
+        # The sessions seen before: a record of any other session's request is a trial.
         self.seen: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.trials: collections.OrderedDict[tuple[str, int], None] = \
+            collections.OrderedDict()
+        self.trial_bytes = 0
 
-    def wants(self, session: str) -> bool:
-        """Whether a record of this session's request is worth keeping."""
+    def established(self, session: str) -> bool:
+        """Whether the session was seen before (its request's record is then no trial)."""
         if session in self.seen:
             self.seen.move_to_end(session)
             return True
@@ -227,7 +231,7 @@ class Store:
             self._drop(session, lane)
         return best, start
 
-    def put(self, session: str, record: Record) -> None:
+    def put(self, session: str, record: Record, trial: bool = False) -> None:
         share = self.budget // 4
         if record.size > share:
             return
@@ -239,12 +243,20 @@ class Store:
         self.lanes.setdefault(session, []).append(lane)
         self.records[session, lane] = record
         self.bytes += record.size
+        if trial:
+            self.trials[session, lane] = None
+            self.trial_bytes += record.size
+            while self.trial_bytes > share:
+                self._drop(*next(iter(self.trials)))
         while self.bytes > self.budget:
             self._drop(*next(iter(self.records)))
 
     def _drop(self, session: str, lane: int) -> None:
         record = self.records.pop((session, lane))
         self.bytes -= record.size
+        if (session, lane) in self.trials:
+            del self.trials[session, lane]
+            self.trial_bytes -= record.size
         lanes = self.lanes[session]
         lanes.remove(lane)
         if not lanes:

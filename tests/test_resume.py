@@ -153,10 +153,9 @@ def test_each_request_of_a_growing_session_walks_only_its_new_turn(reuse):
         starts.append(exchange.resume.start if exchange.resume is not None else None)
         if not reuse:
             assert exchange.upstream_body() == raw  # the client's own bytes
-    # The first request of a session keeps nothing (most sessions of one request never send
-    # another), the second is walked whole and kept; each one after goes on from before the
-    # previous request's last message, whose marker moved.
-    assert starts == [None, 0, *range(4, len(messages) - 2, 2)]
+    # The first request of a session is walked whole and kept (a trial); each one after goes
+    # on from before the previous request's last message, whose marker moved.
+    assert starts == [0, *range(2, len(messages) - 2, 2)]
 
 
 def opened(state, raw, extra_headers=None):
@@ -255,7 +254,7 @@ def test_a_plugin_that_reads_no_history_opts_in_and_need_do_nothing_more():
     for n in range(3, len(messages) + 1, 2):
         _, exchange = prepared(state, body(messages[:n]))
         starts.append(exchange.resume.start if exchange.resume is not None else None)
-    assert starts == [None, 0, 5, 7] and len(Stateless.models) == 4
+    assert starts == [0, 3, 5, 7] and len(Stateless.models) == 4
 
 
 def test_a_plugin_that_does_not_opt_in_gets_every_request_whole():
@@ -288,7 +287,7 @@ def test_the_fields_around_the_messages_are_the_new_request_s():
 def test_a_record_holds_no_more_than_its_marks():
     record_state = relay()
     messages = conversation(3)
-    opened(record_state, body(messages))
+    prepared(record_state, body(messages))
     (record,) = record_state.resume.records.values()
     assert sorted(record.states) == list(range(len(messages) - resume.MARKS + 1,
                                                len(messages) + 1))
@@ -318,6 +317,36 @@ async def test_through_the_server_the_upstream_gets_what_the_full_walk_sends(rel
     from relay.server import STATE
     assert resuming.server.app[STATE].resume.records  # and the session went on from them
     assert whole.server.app[STATE].resume is None
+
+
+def test_one_off_requests_keep_a_quarter_of_the_budget_at_most_and_no_session_s_record():
+    """Every session's first request keeps a record, a trial: the one-off requests' records
+    hold a quarter of the budget at most between them, oldest out first, and leave the
+    records of the sessions that went on alone."""
+    messages = conversation(4, size=2000)
+    raw = body(marked(messages))
+    probe = relay()
+    prepared(probe, raw)
+    (record,) = probe.resume.records.values()
+    # Room for a session's two records and a few one-offs' in a quarter of it.
+    state = relay(resume_bytes=16 * record.size)
+    store = state.resume
+    going_on = prepared(state, body(marked(messages[:3])))[1]
+    prepared(state, raw)
+    assert going_on.resume.start == 0 and len(store.records) == 1 and not store.trials
+    for n in range(20):
+        prepared(state, raw, {"x-claude-code-session-id": f"one-off-{n}"})
+        assert store.trial_bytes <= store.budget // 4
+        assert store.trial_bytes == sum(store.records[key].size for key in store.trials)
+    assert len(store.trials) == 4 and store.bytes <= store.budget
+    assert sum(1 for key in store.records if key not in store.trials) == 1
+    # The session that went on resumes as before; of the one-offs, the newest kept theirs.
+    _, exchange = prepared(state, body(marked(messages + [assistant(text("ok")),
+                                                       user(text("go on"))])))
+    assert exchange.resume.start == len(messages) - 1
+    for n, start in ((19, len(messages)), (16, len(messages)), (15, 0), (0, 0)):
+        _, exchange = prepared(state, raw, {"x-claude-code-session-id": f"one-off-{n}"})
+        assert exchange.resume.start == start, n
 
 
 def test_a_small_request_is_walked_whole_without_bookkeeping():
@@ -399,8 +428,8 @@ def test_a_resumed_request_s_fingerprint_is_taken_from_the_previous_one(monkeypa
         ours, exchange = judged(state, raw)
         assert ours == judged(whole, raw)[0]
         assert ours[0] == fingerprints.fingerprint(raw)
-    # From the third request on (the second is the first with a record to go on from).
-    assert taken == [True] * (len(range(3, len(messages) + 1, 2)) - 2)
+    # From the second request on (the first is walked whole, and its record kept).
+    assert taken == [True] * (len(range(3, len(messages) + 1, 2)) - 1)
 
 
 @pytest.mark.parametrize("around", AROUND)
@@ -421,7 +450,7 @@ def test_a_resumed_request_around_the_same_fields_reads_only_its_new_messages(
         ours, _ = judged(state, raw)
         assert ours == judged(whole, raw)[0]
         assert ours[0] == fingerprints.fingerprint(raw)
-    assert grown == [True] * (len(range(3, len(messages) + 1, 2)) - 2)
+    assert grown == [True] * (len(range(3, len(messages) + 1, 2)) - 1)
     # Fields after the messages that changed: the whole rest of the body is read again.
     grown.clear()
     for n, system in ((3, "one"), (5, "one"), (7, "two")):
@@ -630,7 +659,8 @@ def test_a_resumed_thinking_request_judges_only_its_new_blocks(monkeypatch):
         ours = prepared(state, raw)[0]
         counts.append(len(judged))
         assert ours == prepared(whole, raw)[0]
-    assert counts[:2] == [1, 2] and set(counts[2:]) == {1}, counts
+    # One new thinking block a request, the first's the only one it holds.
+    assert set(counts) == {1}, counts
     key = portable.block_key({"type": "thinking", "signature": "sig-3"})
     for relay_state in (state, whole):
         relay_state.chain.pm.get_plugin("portable").provenance.record(
