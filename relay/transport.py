@@ -198,6 +198,7 @@ class Connection(BaseProtocol):
         super().__init__(loop)
         self._pool = pool
         self.key = key
+        self.tls = key[0] == "https"
         self.reused = False
         self.idle_since = 0.0
         self.should_close = False
@@ -416,7 +417,7 @@ class Connection(BaseProtocol):
             transport.abort()
         else:
             transport.close()
-            if transport.get_extra_info("sslcontext") is not None:
+            if self.tls:
                 self._loop.call_later(TLS_CLOSE_GRACE, transport.abort)
         return self._lost
 
@@ -661,9 +662,7 @@ class Pool:
         ending = []
         for idle in self._idle.values():
             for connection in idle:
-                ending.append(connection.shut(
-                    abort=connection.transport is not None
-                    and connection.transport.get_extra_info("sslcontext") is not None))
+                ending.append(connection.shut(abort=connection.tls))
                 self._uncount(connection)
         self._idle.clear()
         self._idle_count = 0
