@@ -38,6 +38,7 @@ from aiohttp.helpers import (
     BaseTimerContext,
     HeadersMixin,
     TimeoutHandle,
+    TimerNoop,
     ceil_timeout,
     set_exception,
 )
@@ -66,6 +67,7 @@ _TYPED_METHODS = frozenset(aiohttp.ClientRequest.POST_METHODS)
 _IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
 _DEFAULT_HEADERS = tuple(aiohttp.ClientRequest.DEFAULT_HEADERS.items())
 _CONNECTION_CLOSED = aiohttp.ClientConnectionError("Connection closed")
+_NO_TIMER = TimerNoop()
 
 _tls_context: asyncio.Future | None = None
 
@@ -212,6 +214,7 @@ class Connection(BaseProtocol):
         self._received = 0
         self._read_timeout: float | None = None
         self._read_handle: asyncio.TimerHandle | None = None
+        self._last_read = 0.0
         self.response: Response | None = None
         self.ended = False
 
@@ -348,9 +351,12 @@ class Connection(BaseProtocol):
         self._drop_timeout()  # sock_read measures the upstream, not the relay's reader
 
     def resume_reading(self, resume_parser: bool = True) -> None:
-        paused = self._reading_paused
+        if not self._reading_paused:
+            # The StreamReader asks on every read below its low mark: reading was not paused,
+            # so neither is the parser (it pauses only with it), and there is nothing to do.
+            return
         super().resume_reading(resume_parser)
-        if paused and not self.ended:
+        if not self.ended:
             self._reschedule_timeout()
 
     def connection_lost(self, exc: BaseException | None) -> None:
@@ -383,11 +389,14 @@ class Connection(BaseProtocol):
     # sock_read, as aiohttp's ResponseHandler keeps it.
 
     def _reschedule_timeout(self) -> None:
-        if self._read_handle is not None:
-            self._read_handle.cancel()
-            self._read_handle = None
-        if self._read_timeout and not self._reading_paused and not self.ended:
-            self._read_handle = self._loop.call_later(self._read_timeout, self._timed_out)
+        # One timer for the exchange, moved on lazily: each read only notes its time, and
+        # the timer, when it fires early, sets itself for the rest (a timer cancelled and
+        # made again on every read cost more than the parse).
+        self._last_read = self._loop.time()
+        if self._read_handle is None and self._read_timeout and not self._reading_paused \
+                and not self.ended:
+            self._read_handle = self._loop.call_at(self._last_read + self._read_timeout,
+                                                   self._timed_out)
 
     def _drop_timeout(self) -> None:
         if self._read_handle is not None:
@@ -396,6 +405,11 @@ class Connection(BaseProtocol):
 
     def _timed_out(self) -> None:
         self._read_handle = None
+        assert self._read_timeout is not None
+        due = self._last_read + self._read_timeout
+        if self._loop.time() < due:
+            self._read_handle = self._loop.call_at(due, self._timed_out)
+            return
         self._fail(aiohttp.SocketTimeoutError("Timeout on reading data from socket"))
 
     # Closing.
@@ -455,9 +469,12 @@ class Pool:
         data = request_head(method, url, target, headers, body)
         if body:
             data += body
-        timeouts = TimeoutHandle(loop, timeout.total, ceil_threshold=timeout.ceil_threshold)
-        handle = timeouts.start()
-        timer = timeouts.timer()
+        timeouts = handle = None
+        timer: BaseTimerContext = _NO_TIMER
+        if timeout.total:
+            timeouts = TimeoutHandle(loop, timeout.total, ceil_threshold=timeout.ceil_threshold)
+            handle = timeouts.start()
+            timer = timeouts.timer()
         try:
             with timer:
                 fresh = False
@@ -492,7 +509,8 @@ class Pool:
                         raise
                     break
         except BaseException:
-            timeouts.close()
+            if timeouts is not None:
+                timeouts.close()
             if handle is not None:
                 handle.cancel()
             raise
