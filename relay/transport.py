@@ -215,6 +215,8 @@ class Connection(BaseProtocol):
         self._read_timeout: float | None = None
         self._read_handle: asyncio.TimerHandle | None = None
         self._last_read = 0.0
+        self._timing = False
+        self._plain_parser = False
         self.response: Response | None = None
         self.ended = False
 
@@ -222,12 +224,17 @@ class Connection(BaseProtocol):
 
     def send(self, method: str, data: bytes, timer: BaseTimerContext,
              read_timeout: float | None) -> None:
-        self._parser = HttpResponseParser(
-            self, self._loop, READ_BUFSIZE, timer=timer,
-            payload_exception=aiohttp.ClientPayloadError,
-            response_with_body=method != "HEAD", read_until_eof=True, auto_decompress=True,
-            max_line_size=MAX_LINE_SIZE, max_field_size=MAX_FIELD_SIZE,
-            max_headers=MAX_HEADERS)
+        plain = timer is _NO_TIMER and method != "HEAD"
+        if not (plain and self._plain_parser and self._parser is not None):
+            # A parser that read an answer to its end reads the next one on the connection
+            # (llhttp reads keep-alive answers in turn); one is made for a timer or a HEAD.
+            self._parser = HttpResponseParser(
+                self, self._loop, READ_BUFSIZE, timer=timer,
+                payload_exception=aiohttp.ClientPayloadError,
+                response_with_body=method != "HEAD", read_until_eof=True,
+                auto_decompress=True, max_line_size=MAX_LINE_SIZE,
+                max_field_size=MAX_FIELD_SIZE, max_headers=MAX_HEADERS)
+        self._plain_parser = plain
         self._message = self._payload = self._exception = self.response = None
         self._received = 0
         self.ended = False
@@ -362,6 +369,9 @@ class Connection(BaseProtocol):
     def connection_lost(self, exc: BaseException | None) -> None:
         self._gone = True
         self._drop_timeout()
+        if self._read_handle is not None:
+            self._read_handle.cancel()
+            self._read_handle = None
         parser, self._parser = self._parser, None
         uncompleted = None
         if parser is not None and not self.ended:
@@ -389,23 +399,27 @@ class Connection(BaseProtocol):
     # sock_read, as aiohttp's ResponseHandler keeps it.
 
     def _reschedule_timeout(self) -> None:
-        # One timer for the exchange, moved on lazily: each read only notes its time, and
-        # the timer, when it fires early, sets itself for the rest (a timer cancelled and
-        # made again on every read cost more than the parse).
-        self._last_read = self._loop.time()
-        if self._read_handle is None and self._read_timeout and not self._reading_paused \
-                and not self.ended:
-            self._read_handle = self._loop.call_at(self._last_read + self._read_timeout,
-                                                   self._timed_out)
+        # One timer for the connection, moved on lazily: each read only notes its time, and
+        # the timer, when it fires early, sets itself for the rest; idle, it lapses (a timer
+        # cancelled and made again on every read cost more than the parse).
+        self._last_read = now = self._loop.time()
+        if not self._read_timeout or self._reading_paused or self.ended:
+            return
+        self._timing = True
+        due = now + self._read_timeout
+        handle = self._read_handle
+        if handle is None or handle.when() > due:  # none, or one set for a longer timeout
+            if handle is not None:
+                handle.cancel()
+            self._read_handle = self._loop.call_at(due, self._timed_out)
 
     def _drop_timeout(self) -> None:
-        if self._read_handle is not None:
-            self._read_handle.cancel()
-            self._read_handle = None
+        self._timing = False
 
     def _timed_out(self) -> None:
         self._read_handle = None
-        assert self._read_timeout is not None
+        if not self._timing or not self._read_timeout:
+            return
         due = self._last_read + self._read_timeout
         if self._loop.time() < due:
             self._read_handle = self._loop.call_at(due, self._timed_out)

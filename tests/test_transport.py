@@ -17,6 +17,7 @@ from yarl import URL
 from relay import transport
 
 TIMEOUT = aiohttp.ClientTimeout(total=10, connect=5, sock_read=5)
+UNBOUNDED = aiohttp.ClientTimeout(total=None, connect=5, sock_read=5)  # the relay's default
 OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
 
 
@@ -216,6 +217,7 @@ async def test_no_second_send_once_an_answer_began_or_on_a_new_connection(raw):
 
 
 async def test_answers_are_read_as_aiohttp_reads_them(raw):
+    """In turn on one connection (without a total timeout, one parser reads them all)."""
     packed = gzip.compress(b'{"a": 1}')
 
     def answer(reader, writer, request):
@@ -231,23 +233,23 @@ async def test_answers_are_read_as_aiohttp_reads_them(raw):
             return "close"
     server, base = await raw(answer)
     pool = transport.Pool(4)
-    answer_ = await pool.request("GET", base / "gzip", "/gzip", CIMultiDict(), None, TIMEOUT)
+    answer_ = await pool.request("GET", base / "gzip", "/gzip", CIMultiDict(), None, UNBOUNDED)
     assert await answer_.read() == b'{"a": 1}' and answer_.headers["Content-Encoding"] == "gzip"
     assert answer_.content_type == "application/octet-stream"
     answer_.release()
     answer_ = await pool.request("GET", base / "chunked", "/chunked", CIMultiDict(), None,
-                                 TIMEOUT)
+                                 UNBOUNDED)
     assert answer_.status == 201 and answer_.reason == "Created"
     assert answer_.headers.getall("Set-Cookie") == ["a=1", "b=2"]
     assert [chunk async for chunk in answer_.content.iter_any()] in ([b"abcde"],
                                                                       [b"abc", b"de"])
     answer_.release()
-    answer_ = await pool.request("GET", base, "/", CIMultiDict(), None, TIMEOUT)
+    answer_ = await pool.request("GET", base, "/", CIMultiDict(), None, UNBOUNDED)
     assert answer_.content_type == "text/event-stream" and answer_.content_length is None
     assert await answer_.read() == b"until close"
     answer_.release()
     assert server.connections == 1
-    await pool.request("GET", base / "gzip", "/gzip", CIMultiDict(), None, TIMEOUT)
+    await pool.request("GET", base / "gzip", "/gzip", CIMultiDict(), None, UNBOUNDED)
     assert server.connections == 2  # read until close: that one ended with its answer
     await pool.close()
 
@@ -279,6 +281,10 @@ async def test_failures_raise_what_aiohttp_raises(raw, unused_tcp_port_factory):
     assert refused.value.status == 400
     with pytest.raises(aiohttp.ServerTimeoutError):
         await send(pool, base / "slow", timeout=aiohttp.ClientTimeout(total=10, sock_read=0.2))
+    assert await send(pool, base, timeout=UNBOUNDED) == b"{}"
+    with pytest.raises(aiohttp.ServerTimeoutError):  # on that connection, a shorter wait
+        await asyncio.wait_for(send(pool, base / "slow", timeout=aiohttp.ClientTimeout(
+            sock_read=0.2)), 0.9)
     with pytest.raises(asyncio.TimeoutError) as late:  # each byte in time, the whole not
         await send(pool, base / "drip", timeout=aiohttp.ClientTimeout(total=0.4, sock_read=0.3))
     assert not isinstance(late.value, aiohttp.ServerTimeoutError)
