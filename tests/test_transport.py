@@ -106,6 +106,7 @@ HEADERS = [("content-type", "application/json"), ("anthropic-beta", "a-1"),
 @pytest.mark.parametrize("method, body, headers", [
     ("POST", b'{"a": 1}', HEADERS),
     ("POST", b'{"a": 1}', []),  # aiohttp names a type for a body that has none
+    ("POST", b"x" * 100_000, HEADERS),  # written after the head, not copied into its write
     ("POST", None, HEADERS),
     ("POST", b"", []),
     ("GET", None, HEADERS),
