@@ -10,11 +10,15 @@ import ssl
 import subprocess
 
 import aiohttp
+import orjson
 import pytest
 from multidict import CIMultiDict
+from test_server import ANSWER, BODY
+from test_upstream import Recorder
 from yarl import URL
 
 from relay import transport
+from relay.testing.fixtures import start_relay
 
 TIMEOUT = aiohttp.ClientTimeout(total=10, connect=5, sock_read=5)
 UNBOUNDED = aiohttp.ClientTimeout(total=None, connect=5, sock_read=5)  # the relay's default
@@ -420,3 +424,28 @@ async def test_tls_checks_the_certificate_and_name_with_sni_and_alpn(certificate
         await pool.close()
         good.close()
         wrong.close()
+
+
+async def test_through_the_relay_the_resend_is_one_attempt(raw, aiohttp_client):
+    """The upstream drops its idle connection as the client's second request reaches it:
+    the client gets its answer, the record one attempt, and the upstream the request twice."""
+    async def answer(reader, writer, request):
+        if len(server.requests) == 2:
+            return "close"
+        body = orjson.dumps(ANSWER)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    server, url = await raw(answer)
+    recorder = Recorder()
+    client = await start_relay(aiohttp_client, {
+        "pipeline": ["rec"],
+        "backends": [{"name": "up", "url": str(url), "models": ["claude-*"]}]},
+        extra={"rec": recorder})
+    for _ in range(2):
+        resp = await client.post("/v1/messages", json=BODY)
+        assert resp.status == 200 and await resp.json() == ANSWER
+    assert [len(e.attempts) for e in recorder.ended] == [1, 1]
+    assert all(e.attempts[0].status == 200 and e.attempts[0].error is None
+               for e in recorder.ended)
+    assert len(server.requests) == 3 and server.connections == 2
+    assert server.requests[1] == server.requests[2]  # the same bytes, again
