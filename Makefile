@@ -17,6 +17,7 @@ AXE_CORE_VERSION := 4.14.1
 AXE := .axe/node_modules/axe-core/axe.min.js
 REDIS := /usr/bin/redis-server
 TINYPROXY := /usr/bin/tinyproxy
+OPENSSL := /usr/bin/openssl
 PYTEST_ARGS ?=
 # The tiers (setup.cfg's markers): the fast one starts no process (tests/conftest.py refuses
 # it) and is what `make check` runs; the rest is what only `make test` adds.
@@ -84,6 +85,15 @@ $(TINYPROXY):
 	@apt-get update -qq >/dev/null
 	@DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends tinyproxy-bin >/dev/null
 	@$(TINYPROXY) -v | head -1
+
+# openssl, for the TLS test of the upstream client (it makes a CA and certificates of its
+# own in a temporary directory): Debian's package.
+$(OPENSSL):
+	@command -v apt-get >/dev/null || { echo "openssl is required for the upstream TLS test: install it (Debian/Ubuntu: apt-get install openssl)" >&2; exit 1; }
+	@echo "installing openssl from Debian's packages"
+	@apt-get update -qq >/dev/null
+	@DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends openssl >/dev/null
+	@$(OPENSSL) version
 
 run: $(VENV)/.installed
 	$(PY) -m relay --config relay.yaml
@@ -164,6 +174,7 @@ $(PROMETHEUS):
 
 test unit: $(PROMETHEUS)
 test unit: $(TINYPROXY)
+test unit: $(OPENSSL)
 
 # Never dumps: they are an operator's record of failures, not build output.
 clean:

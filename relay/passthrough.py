@@ -14,7 +14,7 @@ from .errors import RelayError
 from .exchange import Answer, Exchange, Outcome, UpstreamAnswer
 from .redact import StreamRedactor
 from .respond import deliver, refuse, unreachable
-from .upstream import Unreachable, UpstreamTooLarge, client_headers, read_capped
+from .upstream import Reply, Unreachable, UpstreamTooLarge, client_headers, read_capped
 
 log = logging.getLogger("relay")
 
@@ -72,7 +72,7 @@ async def relay_passthrough(state, request: web.Request, exchange: Exchange,
 
 
 async def _translated(state, request: web.Request, exchange: Exchange,
-                      upstream: aiohttp.ClientResponse) -> web.Response:
+                      upstream: Reply) -> web.Response:
     """A pass-through answer the format adapter translates: the model list in Anthropic's
     shape, errors in Anthropic's format, anything else as it came."""
     try:

@@ -26,7 +26,7 @@ from .formats import Translator
 from .logs import access_log
 from .redact import redacting_writer
 from .sse import Event, LazyFramer, names_events
-from .upstream import answer_headers
+from .upstream import Reply, answer_headers
 
 log = logging.getLogger("relay")
 
@@ -398,7 +398,7 @@ async def stream_failed(exchange: Exchange, response: web.StreamResponse, messag
 
 
 async def relay_stream(state, request: web.Request, exchange: Exchange,
-                       upstream: aiohttp.ClientResponse) -> web.StreamResponse:
+                       upstream: Reply) -> web.StreamResponse:
     """Answer ``exchange`` with the upstream's event stream (``state`` is the server's: its
     chain, its threads, ``server.stream_keepalive``). Once the headers are gone, every way
     the stream can fail ends it with an ``error`` event."""

@@ -15,10 +15,10 @@ from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import aiohttp
-from multidict import CIMultiDict
+from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
-from . import beta_filter
+from . import beta_filter, transport
 from .config import Retries
 from .errors import RelayError
 from .exchange import Attempt, UpstreamRequest
@@ -127,6 +127,39 @@ def answer_headers(exchange, upstream_headers, secrets=()) -> CIMultiDict:
     return redact_headers(out, secrets) if secrets else out
 
 
+class Reply(Protocol):
+    """An upstream's answer as the relay reads it: an ``aiohttp.ClientResponse`` (a backend
+    behind an egress proxy) or a :class:`relay.transport.Response` (any other)."""
+
+    @property
+    def status(self) -> int: ...
+
+    @property
+    def reason(self) -> str | None: ...
+
+    @property
+    def headers(self) -> CIMultiDictProxy[str]: ...
+
+    @property
+    def content(self) -> aiohttp.StreamReader: ...
+
+    @property
+    def content_type(self) -> str: ...
+
+    @property
+    def content_length(self) -> int | None: ...
+
+    async def read(self) -> bytes: ...
+
+    def release(self) -> Any: ...
+
+    def close(self) -> None: ...
+
+    async def __aenter__(self) -> Any: ...
+
+    async def __aexit__(self, *exc_info: Any) -> Any: ...
+
+
 class Fallbacks(Protocol):
     """Where the exchanges for a backend's fallbacks come from (:class:`relay.prepare.
     Fallbacks`): prepared by the layer that prepares requests, handed to the seam."""
@@ -144,7 +177,7 @@ class UpstreamTooLarge(Exception):
     """An upstream answer longer than ``server.max_upstream_body_bytes`` (decoded)."""
 
 
-async def read_capped(upstream: aiohttp.ClientResponse, limit: int) -> bytes:
+async def read_capped(upstream: Reply, limit: int) -> bytes:
     """A whole upstream body, decompressed, but never more than ``limit`` bytes of it."""
     if upstream.content_length is not None and upstream.content_length > limit \
             and "Content-Encoding" not in upstream.headers:
@@ -231,6 +264,13 @@ class Upstream:
         self.pools = Pools(config, state)
         self.strip_client_auth = strip_client_auth
         self.session: aiohttp.ClientSession | None = None
+        # Every backend without an egress proxy goes through the relay's own lean client
+        # (relay.transport); the proxied ones, and a backend URL with credentials in it
+        # (aiohttp makes them Basic auth), through aiohttp's.
+        self.connections: transport.Pool | None = None
+        self.lean = {b.name for b in config.backends
+                     if b.proxy is None and URL(b.url).raw_user is None
+                     and URL(b.url).raw_password is None}
         self.timeouts = {
             b.name: aiohttp.ClientTimeout(total=b.timeouts.total, connect=b.timeouts.connect,
                                           sock_read=b.timeouts.read)
@@ -249,8 +289,11 @@ class Upstream:
                                            limit_per_host=0, enable_cleanup_closed=True),
             cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=True,
             skip_auto_headers=("User-Agent",))
+        self.connections = transport.Pool(self.config.upstream_connections)
 
     async def close(self) -> None:
+        if self.connections is not None:
+            await self.connections.close()
         if self.session is not None:
             await self.session.close()
 
@@ -258,7 +301,7 @@ class Upstream:
         return forward_headers(client_headers, backend, self.strip_client_auth, shaped)
 
     async def send(self, exchange, backend, *, body: bytes | None = None,
-                   headers=None) -> aiohttp.ClientResponse:
+                   headers=None) -> Reply:
         """Send ``exchange``'s request to ``backend``, retrying as the backend's ``retries``
         say; every try is recorded in ``exchange.attempts``. Returns the upstream's answer
         (any status: the caller decides what a 4xx means) or raises :class:`Unreachable`.
@@ -285,9 +328,11 @@ class Upstream:
         adapter.request_headers(out_headers)
         exchange.upstream_request = UpstreamRequest(where, out_headers, body)
         retries = backend.retries
-        session = self.session
-        if session is None:
+        session, connections = self.session, self.connections
+        if session is None or connections is None:
             raise RuntimeError("Upstream.send before Upstream.start")
+        # What cannot go the lean way: a body that is not bytes (aiohttp streams it).
+        lean = backend.name in self.lean and (body is None or body.__class__ is bytes)
         started = time.perf_counter()
         waited = 0.0
         pools = self.pools
@@ -309,9 +354,13 @@ class Upstream:
             sent = time.perf_counter()
             attempt.sent = exchange.elapsed()
             failure: BaseException | None = None
-            answer: aiohttp.ClientResponse | None = None
+            answer: Reply | None = None
             try:
-                if backend.proxy is None:
+                if lean:
+                    answer = await connections.request(
+                        exchange.method, url, url.raw_path_qs, out_headers, body,
+                        self.timeouts[backend.name])
+                elif backend.proxy is None:
                     answer = await session.request(
                         exchange.method, url, data=body, headers=out_headers,
                         timeout=self.timeouts[backend.name], allow_redirects=False)
@@ -319,13 +368,13 @@ class Upstream:
                     answer = await self._through_proxy(session, exchange.method, url, body,
                                                        out_headers, backend)
             except aiohttp.ConnectionTimeoutError as e:
-                if not pool_full(session):
+                if not (connections.full if lean else pool_full(session)):
                     failure = e
                     attempt.error = f"{type(e).__name__} {e}".rstrip()
                 else:  # waiting again, here or on a fallback (the same pool), helps nobody
                     attempt.seconds = time.perf_counter() - sent
                     attempt.error = "pool full"
-                    limit = session.connector.limit if session.connector is not None else 0
+                    limit = self.config.upstream_connections
                     exchange.note("relay", "pool full", backend=backend.name, limit=limit)
                     pools.release(exchange)
                     raise Unreachable(backend.name) from PoolFull(limit)
@@ -402,7 +451,7 @@ class Upstream:
         sent last; raises :class:`Unreachable`, with that exchange as ``.exchange``."""
         while True:
             failure: Unreachable | None = None
-            answer: aiohttp.ClientResponse | None
+            answer: Reply | None
             try:
                 answer = await self.send(exchange, exchange.backend)
             except Unreachable as e:

@@ -84,7 +84,7 @@ def test_the_minimum_versions_run_are_the_declared_floors():
     import re
     setup = configparser.ConfigParser()
     setup.read(ROOT / "setup.cfg")
-    floors = dict(re.match(r"([\w-]+)>=([\d.]+)$", line.strip()).groups()
+    floors = dict(re.match(r"([\w-]+)>=([\d.]+)(?:,<[\d.]+)?$", line.strip()).groups()
                   for line in setup["options"]["install_requires"].strip().splitlines())
     pins = re.search(r"^MIN_PINS := (.+)$", (ROOT / "Makefile").read_text(), re.M).group(1)
     assert dict(pin.split("==") for pin in pins.split()) == floors
