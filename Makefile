@@ -127,7 +127,7 @@ test-example: $(VENV)/.installed
 # 3.14.4 is the first to time out a connection that never completes its headers; orjson
 # before 3.9.15 accepted JSON nested past its limit.
 MIN_VENV := .venv-min
-MIN_PINS := aiohttp==3.14.4 pluggy==1.3.0 orjson==3.9.15 msgspec==0.18.0 pyyaml==6.0.1 prometheus-client==0.20.0
+MIN_PINS := aiohttp==3.14.4 aiohappyeyeballs==2.5.0 pluggy==1.3.0 orjson==3.9.15 msgspec==0.18.0 pyyaml==6.0.1 prometheus-client==0.20.0
 $(MIN_VENV)/.installed: setup.cfg pyproject.toml Makefile
 	test -x $(MIN_VENV)/bin/python || $(PYTHON) -m venv $(MIN_VENV)
 	$(MIN_VENV)/bin/python -m pip install --quiet $(MIN_PINS) pytest pytest-aiohttp hypothesis

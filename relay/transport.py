@@ -30,6 +30,7 @@ import socket
 import ssl
 from typing import Any
 
+import aiohappyeyeballs
 import aiohttp
 from aiohttp import hdrs
 from aiohttp.base_protocol import BaseProtocol
@@ -597,10 +598,16 @@ class Pool:
         connection_key = ConnectionKey(host, port, tls, True, None, None, None)
         try:
             context = await tls_context() if tls else None
+            addresses = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                               flags=socket.AI_ADDRCONFIG)
+            # As aiohttp connects: asyncio's own happy eyeballs drops the errno when every
+            # address of a name fails (each message names its address), and the relay's 502
+            # says "(connection refused)" from it.
+            sock = await aiohappyeyeballs.start_connection(
+                addresses, happy_eyeballs_delay=0.25, interleave=1, loop=loop)
             _, connection = await loop.create_connection(
-                lambda: Connection(loop, self, key), host, port, ssl=context,
-                server_hostname=host.rstrip(".") if tls else None,
-                happy_eyeballs_delay=0.25)  # aiohttp's default
+                lambda: Connection(loop, self, key), sock=sock, ssl=context,
+                server_hostname=host.rstrip(".") if tls else None)
         except ssl.CertificateError as exc:
             raise aiohttp.ClientConnectorCertificateError(connection_key, exc) from exc
         except ssl.SSLError as exc:

@@ -303,6 +303,27 @@ async def test_failures_raise_what_aiohttp_raises(raw, unused_tcp_port_factory):
     assert pool._open == 0
 
 
+async def test_a_name_whose_every_address_refuses_keeps_the_errno(unused_tcp_port_factory,
+                                                                   monkeypatch):
+    # Two loopback addresses, as a name with an IPv4 and an IPv6 address has: asyncio's own
+    # happy eyeballs reports their differing messages with no errno.
+    port = unused_tcp_port_factory()
+    loop = asyncio.get_running_loop()
+    resolve = loop.getaddrinfo
+
+    async def two_addresses(host, *args, **kwargs):
+        assert host == "upstream.test"
+        return [*await resolve("127.0.0.1", *args, **kwargs),
+                *await resolve("127.0.0.2", *args, **kwargs)]
+
+    monkeypatch.setattr(loop, "getaddrinfo", two_addresses)
+    pool = transport.Pool(4)
+    with pytest.raises(aiohttp.ClientConnectorError) as refused:
+        await send(pool, URL(f"http://upstream.test:{port}"))
+    assert refused.value.os_error.errno == errno.ECONNREFUSED
+    await pool.close()
+
+
 async def test_a_full_pool_waits_under_the_connect_timeout_and_makes_room(raw):
     release = asyncio.Event()
 
