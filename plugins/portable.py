@@ -1049,6 +1049,10 @@ class _Walked:
         basis = found or self.known_reach()
         if basis is None:
             return  # nobody looked that far: the next request looks for itself
+        if len(messages) != self.count:
+            # A message dropped whole (its only block another issuer's thinking): the marks
+            # count the client's messages, which these no longer are.
+            return
         for end, holder in self._reaches.items():
             holder[0] = loop_reach(messages, end, basis)
 

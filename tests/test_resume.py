@@ -164,6 +164,23 @@ def opened(state, raw, extra_headers=None):
     return prepared(state, raw, extra_headers)
 
 
+def test_a_message_dropped_whole_on_a_tool_loop_is_resumed_as_walked_whole():
+    # The assistant message holding only another backend's thinking is dropped whole, so the
+    # messages judged are one fewer than the client's, whose count the marks are in.
+    def thinking(signature):
+        return {"type": "thinking", "thinking": "hm", "signature": signature}
+    messages = [user(text("start")), assistant(thinking("sig-ours"), use("toolu_1")),
+                user(result("toolu_1"), text("go on")), assistant(thinking(FOREIGN)),
+                assistant(thinking("sig-ours"), use("toolu_2")), user(result("toolu_2")),
+                assistant(thinking("sig-ours"), text("ok")), user(text("more"))]
+    state, whole = relay(), relay(resume_bytes=0)
+    for n in range(1, len(messages) + 1):
+        raw = body(marked(messages[:n]), thinking={"type": "enabled", "budget_tokens": 1024})
+        ours = prepared(state, raw)[0]
+        assert ours == prepared(whole, raw)[0]
+        assert ours[0] != "refused"
+
+
 def test_an_edited_history_or_another_model_is_walked_whole():
     state = relay()
     messages = conversation(4)
