@@ -41,7 +41,6 @@ import shutil
 import stat
 import tempfile
 import time
-from typing import Any
 
 from aiohttp import web
 
@@ -133,13 +132,11 @@ _shared_directory()
 from prometheus_client import (  # noqa: E402
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
     generate_latest,
     multiprocess,
 )
 from prometheus_client import metrics as client_metrics  # noqa: E402
+from prometheus_client import values as client_values  # noqa: E402
 from prometheus_client.metrics_core import (  # noqa: E402
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -209,33 +206,94 @@ class _Observed:
             self.counts[at] += 1
 
 
+class _Written:
+    """One series of a counter or a gauge with workers: its value lives in this process's
+    file of prometheus-client's multi-process mode (a value of prometheus-client's own value
+    class), which ``/metrics`` of any worker reads."""
+
+    __slots__ = ("file",)
+
+    def __init__(self, file):
+        self.file = file
+
+    def inc(self, amount: float = 1) -> None:
+        if amount < 0:
+            raise ValueError("Counters can only be incremented by non-negative amounts.")
+        self.file.inc(amount)
+
+    def dec(self, amount: float = 1) -> None:
+        self.file.inc(-amount)
+
+
+class _WrittenObserved:
+    """One series of a histogram with workers: its sum and each bucket's own count in this
+    process's file, as prometheus-client's own histograms keep them there."""
+
+    __slots__ = ("bounds", "sum", "buckets")
+
+    def __init__(self, bounds: tuple[float, ...], total, buckets: list):
+        self.bounds = bounds
+        self.sum = total
+        self.buckets = buckets
+
+    def observe(self, amount: float) -> None:
+        self.sum.inc(amount)
+        at = bisect.bisect_left(self.bounds, amount)
+        if at < len(self.buckets):
+            self.buckets[at].inc(1)
+
+
+Series = _Value | _Observed | _Written | _WrittenObserved
+
+
 class Family:
-    """A metric of a single process, counted in plain Python on the event loop (the only
-    thread that counts or scrapes) and handed to prometheus-client only when ``/metrics`` is
-    read, as a custom collector (prometheus-client's documented pattern for values kept
-    elsewhere). Its counters and histograms take a lock and build tuples on every
-    ``labels()``, ``inc()`` and ``observe()``, which cost a small exchange more than anything
-    else in this plugin. The text served is the same: the same families, series, values and
-    ``_created`` samples, in the same order. A relay with workers (prometheus-client's
-    multi-process mode, where every value lives in a file the other workers read) uses
-    prometheus-client's own metrics instead: see :func:`metric`."""
+    """A metric, counted without prometheus-client's metric classes, whose counters and
+    histograms take a lock, check their arguments and build tuples on every ``labels()``,
+    ``inc()`` and ``observe()``: that cost a small exchange more than anything else in this
+    plugin.
+
+    In a single process the values are plain Python on the event loop (the only thread that
+    counts or scrapes), handed to prometheus-client only when ``/metrics`` is read, as a
+    custom collector (prometheus-client's documented pattern for values kept elsewhere).
+    With workers (``written``: prometheus-client's multi-process mode) each value goes to
+    this process's file through prometheus-client's own value class, under the names,
+    labels and help its own metrics would write, so that its ``MultiProcessCollector`` adds
+    the workers up as before; nothing is registered. The text served is the same either way:
+    the same families, series, values and (in a single process) ``_created`` samples."""
 
     def __init__(self, kind: str, name: str, documentation: str, labelnames=(),
-                 registry: CollectorRegistry | None = None, buckets: tuple | None = None):
+                 registry: CollectorRegistry | None = None, buckets: tuple | None = None,
+                 written: bool = False):
         self.kind = kind
         self.name = name
         self.documentation = documentation
         self.labelnames = tuple(labelnames)
         self.bounds = (*(float(b) for b in buckets), float("inf")) if buckets else ()
-        self.series: dict[tuple[str, ...], _Value | _Observed] = {}
-        self.found: dict[tuple, _Value | _Observed] = {}
+        self.written = written
+        self.series: dict[tuple[str, ...], Series] = {}
+        self.found: dict[tuple, Series] = {}
         if not self.labelnames:  # shown at 0 from the start, as prometheus-client does
-            self.series[()] = self._new()
-        if registry is not None:
+            self.series[()] = self._new(())
+        if registry is not None and not written:
             registry.register(self)
 
-    def _new(self) -> _Value | _Observed:
-        return _Observed(self.bounds) if self.kind == "histogram" else _Value()
+    def _new(self, key: tuple[str, ...]) -> Series:
+        if not self.written:
+            return _Observed(self.bounds) if self.kind == "histogram" else _Value()
+        if self.kind == "counter":
+            return _Written(self._file(self.name + "_total", self.labelnames, key))
+        if self.kind == "gauge":  # open streams: the live workers' added up
+            return _Written(self._file(self.name, self.labelnames, key,
+                                       multiprocess_mode="livesum"))
+        names = (*self.labelnames, "le")
+        return _WrittenObserved(
+            self.bounds, self._file(self.name + "_sum", self.labelnames, key),
+            [self._file(self.name + "_bucket", names, (*key, floatToGoString(bound)))
+             for bound in self.bounds])
+
+    def _file(self, sample: str, labelnames: tuple, labelvalues: tuple, **kwargs):
+        return client_values.ValueClass(self.kind, self.name, sample, labelnames, labelvalues,
+                                        self.documentation, **kwargs)
 
     def labels(self, *values):
         # By the values as given first (an exchange's labels are mostly the same few), then
@@ -248,7 +306,7 @@ class Family:
                 if len(key) != len(self.labelnames):
                     raise ValueError(f"{self.name}: expected {len(self.labelnames)} label "
                                      "values")
-                series = self.series[key] = self._new()
+                series = self.series[key] = self._new(key)
             _keep(self.found, values, series)
         return series
 
@@ -295,28 +353,6 @@ class Family:
         return [histogram]
 
 
-class Shared:
-    """A metric of prometheus-client's own (multi-process mode), each series looked up once:
-    every label value is bounded by the configuration, so the cache is too."""
-
-    def __init__(self, metric):
-        self.metric = metric
-        self.found: dict[tuple, Any] = {}
-
-    def labels(self, *values):
-        child = _found(self.found, values)
-        if child is None:
-            child = self.metric.labels(*values)
-            _keep(self.found, values, child)
-        return child
-
-    def inc(self, amount: float = 1) -> None:
-        self.metric.inc(amount)
-
-    def dec(self, amount: float = 1) -> None:
-        self.metric.dec(amount)
-
-
 def _found(found: dict, values: tuple):
     try:
         return found.get(values)
@@ -329,21 +365,6 @@ def _keep(found: dict, values: tuple, series) -> None:
     # True are one key and three texts): the rest is looked up by its text every time.
     if all(isinstance(value, str) and str(value) == value for value in values):
         found[values] = series
-
-
-def metric(kind: str, shared: bool, name: str, documentation: str, labelnames=(), *,
-           registry: CollectorRegistry, buckets: tuple | None = None) -> Family | Shared:
-    """A counter, gauge or histogram: prometheus-client's own where the workers share their
-    values (``shared``, multi-process mode), else a :class:`Family`."""
-    if not shared:
-        return Family(kind, name, documentation, labelnames, registry, buckets)
-    if kind == "counter":
-        return Shared(Counter(name, documentation, labelnames, registry=registry))
-    if kind == "gauge":  # open streams: the live workers' added up
-        return Shared(Gauge(name, documentation, labelnames, registry=registry,
-                            multiprocess_mode="livesum"))
-    return Shared(Histogram(name, documentation, labelnames, registry=registry,
-                            buckets=buckets or Histogram.DEFAULT_BUCKETS))
 
 
 class Metrics:
@@ -375,10 +396,10 @@ class Metrics:
         self.path = options["path"]
         self.scrape_keys = scrape_keys(options["scrape_key_env"], config)
         registry = self.registry = CollectorRegistry()
-        shared = "PROMETHEUS_MULTIPROC_DIR" in os.environ
-        counter = functools.partial(metric, "counter", shared)
-        histogram = functools.partial(metric, "histogram", shared)
-        gauge = functools.partial(metric, "gauge", shared)
+        written = "PROMETHEUS_MULTIPROC_DIR" in os.environ
+        counter = functools.partial(Family, "counter", written=written)
+        histogram = functools.partial(Family, "histogram", written=written)
+        gauge = functools.partial(Family, "gauge", written=written)
         self.usage_children = {}
         self.requests = counter(
             "relay_requests", "Exchanges answered, by backend, inbound key, endpoint, status, "

@@ -354,47 +354,49 @@ def exchanges_of_every_kind():
 
 
 @pytest.mark.parametrize("created", [True, False], ids=["created", "created-disabled"])
-def test_one_process_serves_what_prometheus_clients_own_metrics_would(monkeypatch, tmp_path,
-                                                                     request, created):
-    """A single process counts in plain Python and hands the values over when scraped
-    (``metrics.Family``); with workers, prometheus-client's own metrics count (their values
-    in shared files). The same exchanges make the same text both ways, but for the
-    ``_created`` times; and neither has those where the operator turned them off
-    (PROMETHEUS_DISABLE_CREATED_SERIES, read once by prometheus-client, which
-    ``disable_created_metrics`` stands for here)."""
+def test_workers_serve_what_one_process_serves(monkeypatch, tmp_path, request, created):
+    """A single process counts in plain Python and hands the values over when scraped; with
+    workers every count goes to the process's file of prometheus-client's multi-process mode
+    (through its own value class) and ``/metrics`` adds the files up. The same exchanges
+    make the same families, help, series and values both ways, but for the ``_created``
+    times, which the files do not keep, and the families nothing counted yet (the files hold
+    series only); and a single process has none where the operator
+    turned them off (PROMETHEUS_DISABLE_CREATED_SERIES, read once by prometheus-client,
+    which ``disable_created_metrics`` stands for here)."""
     import prometheus_client
-    from relay_builtins import metrics as module
+    from prometheus_client import values
 
     if not created:
         prometheus_client.disable_created_metrics()
         request.addfinalizer(prometheus_client.enable_created_metrics)
 
-    def scraped(shared: bool) -> tuple[str, dict]:
-        if shared:
+    def scraped(written: bool) -> tuple[dict, dict]:
+        if written:
             monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+            # What prometheus-client chooses at import when the variable is set.
+            monkeypatch.setattr(values, "ValueClass", values.MultiProcessValue())
         else:
             monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
         plugin = Metrics()
         plugin.relay_startup(config=config_module.parse(
             {"backends": [backend("http://127.0.0.1:9")]}, env={}),
             options={"path": "/metrics", "scrape_key_env": ""}, state=MemoryState())
-        assert isinstance(plugin.requests, module.Family) is not shared
         for exchange in exchanges_of_every_kind():
             if exchange.answer is not None and exchange.answer.stream:
                 plugin.relay_stream_events(exchange)
                 plugin.relay_stream_events(finished_exchange(stream=True))  # still open
             plugin.relay_exchange_end(exchange)
-        text = generate_latest(plugin.registry).decode()
-        return text, samples(text)
+        text = (metrics_plugin.collect_processes() if written
+                else generate_latest(plugin.registry)).decode()
+        families = {family.name: (family.type, family.documentation)
+                    for family in text_string_to_metric_families(text)
+                    if family.samples and not family.name.endswith("_created")}
+        return families, samples(text)
 
-    own_text, own = scraped(shared=False)
-    their_text, theirs = scraped(shared=True)
-    assert own.keys() == theirs.keys()
-    assert {key: v for key, v in own.items() if not key[0].endswith("_created")} == \
-        {key: v for key, v in theirs.items() if not key[0].endswith("_created")}
-    # Every family and series, in the same order, under the same help.
-    assert [line.rpartition(" ")[0] for line in own_text.splitlines()] == \
-        [line.rpartition(" ")[0] for line in their_text.splitlines()]
+    own_families, own = scraped(written=False)
+    their_families, theirs = scraped(written=True)
+    assert own_families == their_families
+    assert {key: v for key, v in own.items() if not key[0].endswith("_created")} == theirs
     assert value(own, "relay_upstream_latency_seconds_bucket", le="+Inf") == 11
     assert value(own, "relay_upstream_latency_seconds_bucket", le="300.0") == 10
     assert value(own, "relay_active_streams") == 1
