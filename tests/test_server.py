@@ -212,6 +212,35 @@ async def test_large_history_accepted_and_oversize_is_413(aiohttp_server, aiohtt
     assert len(upstream.received) == 1
 
 
+async def test_a_chunked_body_is_read_whole_and_its_limit_holds(aiohttp_server, aiohttp_client):
+    """A body without a declared length, in HTTP chunks of every size: the bytes that go up
+    are the client's, and one past the limit is a 413 once it is read that far."""
+    upstream = Upstream()
+    server = await start_upstream(aiohttp_server, upstream)
+    client = await start_relay(aiohttp_client, {
+        "server": {"max_body_bytes": 1024 * 1024},
+        "backends": [{"name": "up", "url": str(server.make_url("")), "models": ["*"]}]})
+    payload = orjson.dumps({**BODY, "messages": [{"role": "user", "content": "x" * 300_000}]})
+
+    async def pieces(data: bytes, sizes=(1, 7, 65536, 200_000)):
+        at, n = 0, 0
+        while at < len(data):
+            size = sizes[n % len(sizes)]
+            yield data[at:at + size]
+            at, n = at + size, n + 1
+
+    resp = await client.post("/v1/messages", data=pieces(payload),
+                             headers={"Content-Type": "application/json"})
+    assert resp.status == 200
+    assert upstream.received[0]["raw"] == payload
+    over = orjson.dumps({**BODY, "messages": [{"role": "user", "content": "x" * 1_100_000}]})
+    resp = await client.post("/v1/messages", data=pieces(over),
+                             headers={"Content-Type": "application/json"})
+    assert resp.status == 413
+    assert (await resp.json())["error"]["type"] == "request_too_large"
+    assert len(upstream.received) == 1
+
+
 def test_default_body_limit_is_the_apis_32_mb():
     config = config_module.parse({"backends": [{"name": "a", "url": "http://x", "models": []}]})
     assert config.max_body_bytes == 32 * 1024 * 1024
