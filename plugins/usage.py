@@ -171,7 +171,8 @@ def ledger_row(exchange) -> dict:
         "endpoint": exchange.endpoint,
         "stream": exchange.stream,
         "status": answer.status if answer is not None else None,
-        "outcome": str(outcome) if outcome is not None else None,
+        # An outcome is a str: its text, without the enum's __str__ (a Python call).
+        "outcome": str.__str__(outcome) if outcome is not None else None,
         "duration_ms": round(exchange.elapsed() * 1000, 1),
         "session": exchange.session(),
         "cache": exchange.cache,

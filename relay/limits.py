@@ -331,11 +331,18 @@ def seconds_until(reset: int, now: float) -> int:
 
 
 def quota_headers(plan: Plan, counts: Sequence[Count]) -> dict[str, str]:
-    """An answer's quota headers: :func:`rate_headers`, then the usage-limit headers of the
-    fullest budget (:func:`budget_headers`)."""
+    """An answer's quota headers: :func:`rate_headers`, then Claude Code's usage-limit
+    headers (``anthropic-ratelimit-unified-*``) for the fullest budget the request is under,
+    in the shape its gateway contract gives for a gateway's own spend cap
+    (docs/accounting.md quotes it): the ``overage`` claim (a calendar budget, not the rolling
+    5-hour or 7-day windows the client does time math on), the fraction used kept below 1
+    while requests are let through, and the threshold passed, which is what makes the client
+    show its notice. A key without a budget has none of those."""
     headers = rate_headers(plan, counts)
     if plan.budgets:
-        headers.update(budget_headers(plan, counts))
+        fullest = _fullest(plan, counts)
+        if fullest is not None:
+            headers.update(_budget_headers(math.floor(fullest[0] * 100), fullest[1].reset))
     return headers
 
 
@@ -348,16 +355,19 @@ def rate_headers(plan: Plan, counts: Sequence[Count]) -> dict[str, str]:
     texts = plan.limit_texts
     for names, indexes in plan.families:
         at = indexes[0]
-        count = counts[at]
-        left = max(0, (count.limit or 0) - count.used)
-        for index in indexes[1:]:
-            other = counts[index]
-            other_left = max(0, (other.limit or 0) - other.used)
-            if other_left < left:
-                at, count, left = index, other, other_left
+        _, used, limit, reset = counts[at]
+        left = (limit or 0) - used
+        if left < 0:
+            left = 0
+        if len(indexes) > 1:  # a key's own limit and a model pattern's: the least left
+            for index in indexes[1:]:
+                other = counts[index]
+                other_left = max(0, (other.limit or 0) - other.used)
+                if other_left < left:
+                    at, reset, left = index, other.reset, other_left
         headers[names[0]] = texts[at]
         headers[names[1]] = str(left)
-        headers[names[2]] = rfc3339(count.reset)
+        headers[names[2]] = rfc3339(reset)
     return headers
 
 
@@ -371,20 +381,6 @@ def _fullest(plan: Plan, counts: Sequence[Count]) -> tuple[float, Count] | None:
         if best is None or used > best[0] or (used == best[0] and count.reset > best[1].reset):
             best = (used, count)
     return best
-
-
-def budget_headers(plan: Plan, counts: Sequence[Count]) -> dict[str, str]:
-    """Claude Code's usage-limit headers (``anthropic-ratelimit-unified-*``) for the fullest
-    budget the request is under, in the shape its gateway contract gives for a gateway's own
-    spend cap (docs/accounting.md quotes it): the ``overage`` claim (a calendar budget, not
-    the rolling 5-hour or 7-day windows the client does time math on), the fraction used
-    kept below 1 while requests are let through, and the threshold passed, which is what
-    makes the client show its notice. None for a key without a budget."""
-    fullest = _fullest(plan, counts)
-    if fullest is None:
-        return {}
-    used, count = fullest
-    return _budget_headers(math.floor(used * 100), count.reset)
 
 
 @functools.lru_cache(maxsize=256)  # the same for every request until a whole cent of 100 moves

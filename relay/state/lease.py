@@ -192,44 +192,40 @@ class LeasedState(State):
 
     def take_now(self, counters: Sequence[Counter], slots: Sequence[Slot] = (),
                  now: float | None = None) -> Taken | None:
-        # Every request of a key with limits runs this: written for few steps.
+        # Every request of a key with limits runs this: written for few steps. Each count is
+        # what it will be once taken (``used - room + amount`` after ``room -= amount``), so
+        # one pass checks and counts, and the spending waits until everything has passed.
         wall = time.time() if now is None else now
         clock = time.monotonic()
         windows = self._windows
         fresh = clock - VIEW_SECONDS
-        found = []
-        for name, per, limit, amount in counters:
+        counts = []
+        spending = []
+        counted = None  # amounts without a limit: only added
+        for counter in counters:
+            name, per, limit, amount = counter
             seen = windows.get((name, per))
             if seen is None or wall >= seen.end or wall < seen.start:
                 return None
             if limit is None:
-                pass
+                if amount:
+                    counted = [*(counted or ()), counter]
             elif amount:
                 if seen.room < amount:
                     return None
+                spending.append((seen, amount))
             elif seen.seen < fresh or seen.used * VIEW_MARGIN >= limit * (VIEW_MARGIN - 1):
                 return None
-            found.append(seen)
+            counts.append(made(Count, (name, seen.used - seen.room + amount, limit, seen.end)))
         blocks = []
         for slot in slots:
             block = self._blocks.get(slot.name)
             if block is None or block.inflight >= block.units or clock >= block.until:
                 return None
             blocks.append(block)
-        counts = []
-        counted = None  # amounts without a limit: only added
-        for counter, seen in zip(counters, found, strict=True):
-            name, _, limit, amount = counter
-            if limit is None:
-                if amount:
-                    counted = [*(counted or ()), counter]
-                counts.append(made(Count, (name, seen.used - seen.room + amount, None,
-                                             seen.end)))
-                continue
-            if amount:
-                seen.room -= amount
-                seen.last = clock
-            counts.append(made(Count, (name, seen.used - seen.room, limit, seen.end)))
+        for seen, amount in spending:
+            seen.room -= amount
+            seen.last = clock
         if counted:
             self.add_soon(counted, wall)
         return made(Taken, (True, tuple(counts),

@@ -138,9 +138,10 @@ class SQLiteState(State):
         self._calls: list[_Call] = []
         self._adds: dict[tuple[str, int], list[int]] = {}  # (name, start) -> [end, amount]
         self._releases: list[tuple[str, str]] = []
-        # Ledger rows waiting for the file, by id: (time, the row encoded). Encoded at once,
-        # so that what waits is two plain values a row, never a tree of objects.
-        self._pending: collections.OrderedDict[str, tuple[float, bytes]] = \
+        # Ledger rows waiting for the file, by id: (id, time, the row encoded), the values of
+        # its INSERT in their order. Encoded at once, so that what waits is three plain values
+        # a row, never a tree of objects.
+        self._pending: collections.OrderedDict[str, tuple[str, float, bytes]] = \
             collections.OrderedDict()
         self._queued_since: float | None = None  # when work with no answer owed first waited
         self._urgent = False  # and whether it holds more than ledger rows
@@ -270,7 +271,7 @@ class SQLiteState(State):
 
     def add_soon(self, counters: Iterable[Counter], now: float | None = None) -> None:
         now = time.time() if now is None else now
-        with self._wake:
+        with self._lock:
             adds = self._adds
             for counter in counters:
                 if counter.amount:
@@ -283,7 +284,7 @@ class SQLiteState(State):
             self._queued()
 
     def release_soon(self, name: str, token: str) -> None:
-        with self._wake:
+        with self._lock:
             if len(self._releases) < MAX_PENDING:  # past that the lease gives it back
                 self._releases.append((name, token))
             self._queued()
@@ -314,16 +315,20 @@ class SQLiteState(State):
 
     def record_soon(self, rows: Sequence[dict[str, Any]]) -> None:
         dropped = 0
-        encoded = list(encode_rows(rows))
-        with self._wake:
+        encoded = encode_rows(rows)
+        # The condition's own lock, taken directly (the condition's ``with`` is two calls of
+        # Python's): what every request's row goes through.
+        with self._lock:
             pending = self._pending
-            for row_id, entry in encoded:
-                if row_id not in pending:
-                    pending[row_id] = entry
+            for entry in encoded:
+                if entry[0] not in pending:
+                    pending[entry[0]] = entry
             while len(pending) > MAX_PENDING:
                 pending.popitem(last=False)
                 dropped += 1
-            self._queued(urgent=len(pending) >= ROW_BATCH)
+            urgent = len(pending) >= ROW_BATCH
+            if self._queued_since is None or urgent and not self._urgent:
+                self._queued(urgent)
         if dropped:
             self._dropped += dropped
             log.warning("state %s: %d ledger rows dropped (%d waited for the file already)",
@@ -396,7 +401,7 @@ class SQLiteState(State):
                 releases, self._releases = self._releases, []
                 stopping = self._stopping
                 flush = stopping or any(c.flush for c in calls)
-                backlog = list(itertools.islice(self._pending.items(), None,
+                backlog = list(itertools.islice(self._pending.values(), None,
                                                 None if flush else ROW_BATCH))
                 self._queued_since = None
                 self._urgent = False
@@ -432,7 +437,7 @@ class SQLiteState(State):
 
     def _transaction(self, db: sqlite3.Connection, calls: list[_Call],
                      adds: dict[tuple[str, int], list[int]], releases: list[tuple[str, str]],
-                     backlog: list[tuple[str, tuple[float, bytes]]]) -> list[tuple[Any, Any]]:
+                     backlog: list[tuple[str, float, bytes]]) -> list[tuple[Any, Any]]:
         db.execute("BEGIN IMMEDIATE")
         try:
             if adds:
@@ -442,8 +447,7 @@ class SQLiteState(State):
                 db.executemany("DELETE FROM slots WHERE name = ? AND token = ?", releases)
             for start in range(0, len(backlog), ROWS_PER_INSERT):
                 chunk = backlog[start:start + ROWS_PER_INSERT]
-                db.execute(_insert_rows(len(chunk)),
-                           [value for key, (when, data) in chunk for value in (key, when, data)])
+                db.execute(_insert_rows(len(chunk)), list(itertools.chain.from_iterable(chunk)))
             answers: list[tuple[Any, Any]] = []
             for call in calls:
                 try:
@@ -482,12 +486,13 @@ class SQLiteState(State):
         if db is not None:
             db.close()  # a file replaced or repaired meanwhile is opened afresh
 
-    def _landed(self, backlog: list[tuple[str, tuple[float, bytes]]]) -> None:
+    def _landed(self, backlog: list[tuple[str, float, bytes]]) -> None:
         if backlog:
             with self._wake:
-                for key, row in backlog:
-                    if self._pending.get(key) is row:
-                        del self._pending[key]
+                pending = self._pending
+                for row in backlog:
+                    if pending.get(row[0]) is row:
+                        del pending[row[0]]
                 if self._pending and self._queued_since is None:  # a backlog's next batch
                     self._queued_since = time.monotonic()
                     self._urgent = True
@@ -637,14 +642,16 @@ def _counted(counters: Sequence[Counter], looked: list[tuple[int, int, int]]
                  for counter, (_, end, used) in zip(counters, looked, strict=True))
 
 
-def encode_rows(rows: Iterable[dict[str, Any]]):
-    """Each ledger row as ``(id, (time, JSON))``; a row that cannot be encoded is a caller's
+def encode_rows(rows: Iterable[dict[str, Any]]) -> list[tuple[str, float, bytes]]:
+    """Each ledger row as ``(id, time, JSON)``; a row that cannot be encoded is a caller's
     bug: that row alone goes, logged."""
+    encoded = []
     for row in rows:
         try:
-            yield row["id"], (float(row["time"]), orjson.dumps(row))
+            encoded.append((row["id"], float(row["time"]), orjson.dumps(row)))
         except (TypeError, ValueError, KeyError) as e:
             log.warning("ledger row %s cannot be stored: %s", row.get("id"), e)
+    return encoded
 
 
 def _soon(loop: asyncio.AbstractEventLoop, callback: Callable, *args: Any) -> None:
