@@ -22,7 +22,9 @@ PYTEST_ARGS ?=
 # The tiers (setup.cfg's markers): the fast one starts no process (tests/conftest.py refuses
 # it) and is what `make check` runs; the rest is what only `make test` adds.
 FAST_TIER := -m "not e2e and not slow"
-SLOW_TIER := -m "e2e or slow"
+# The slow tier in two pytest-xdist workers: its tests start processes and wait on them, one
+# core at a time; each has its own ports (0) and tmp_path, so two run side by side.
+SLOW_TIER := -m "e2e or slow" -n 2
 LINTED := relay plugins examples/plugin-package
 
 .PHONY: run try check test test-example test-min unit e2e bench load demo docs clean

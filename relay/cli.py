@@ -4,20 +4,35 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import logging
 import os
 import sys
+from types import ModuleType
 
-from . import __version__, logs, validate
+from . import __version__, logs
 from . import config as config_module
 from .chain import Chain, load_plugins
 from .errors import ConfigError
 from .state import warn_if_per_process
 
-COMMANDS = ("serve", "emulate", "validate", "replay", "usage", "keys", "backends")
+# Each command: the module that declares its arguments and runs it (serve's is this one), and
+# its help line.
+COMMANDS = {
+    "serve": ("cli", "run the relay (the default command)"),
+    "emulate": ("testing.emulator", "run the strict upstream emulator"),
+    "validate": ("validate", "check a saved request or messages array offline"),
+    "replay": ("replay", "rebuild a dumped exchange and compare"),
+    "usage": ("usage", "what each key used and cost, from the ledger"),
+    "keys": ("keys", "make, list, change and revoke the relay's own keys while it serves"),
+    "backends": ("pools", "each pooled upstream credential's state (healthy, cooling, out)"),
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line, or with ``command`` only that command's arguments. A process
+    runs one command, and declaring them all imports every command's module: the emulator's
+    aiohttp server alone more than doubled the start of ``relay validate``."""
     parser = argparse.ArgumentParser(
         prog="relay", usage="relay [serve] [--config relay.yaml] [--host H] [--port P]\n"
                             "       relay {emulate,validate,replay,usage,keys,backends} ...",
@@ -27,36 +42,25 @@ def build_parser() -> argparse.ArgumentParser:
                "./relay.yaml); see `relay serve --help`.")
     parser.add_argument("--version", action="version", version=f"relay {__version__}")
     commands = parser.add_subparsers(dest="command")
-
-    serve = commands.add_parser("serve", help="run the relay (the default command)")
-    add_serve_arguments(serve)
-
-    from .testing import emulator, emulator_openai
-    emulate = commands.add_parser("emulate", help="run the strict upstream emulator")
-    emulator.add_arguments(emulate)
-    emulator_openai.add_arguments(emulate)
-
-    validate_parser = commands.add_parser(
-        "validate", help="check a saved request or messages array offline")
-    validate.add_arguments(validate_parser)
-
-    from . import replay
-    replay_parser = commands.add_parser("replay", help="rebuild a dumped exchange and compare")
-    replay.add_arguments(replay_parser)
-
-    from . import usage
-    usage_parser = commands.add_parser("usage", help="what each key used and cost, from the "
-                                                     "ledger")
-    usage.add_arguments(usage_parser)
-
-    from . import keys
-    keys_parser = commands.add_parser(
-        "keys", help="make, list, change and revoke the relay's own keys while it serves")
-    keys.add_arguments(keys_parser)
-    from . import pools
-    pools.add_arguments(commands.add_parser(
-        "backends", help="each pooled upstream credential's state (healthy, cooling, out)"))
+    for name, (_, summary) in COMMANDS.items():
+        subparser = commands.add_parser(name, help=summary)
+        if command is None or command == name:
+            add_command_arguments(name, subparser)
     return parser
+
+
+def add_command_arguments(name: str, parser: argparse.ArgumentParser) -> None:
+    if name == "serve":
+        add_serve_arguments(parser)
+        return
+    command_module(name).add_arguments(parser)
+    if name == "emulate":
+        from .testing import emulator_openai
+        emulator_openai.add_arguments(parser)
+
+
+def command_module(name: str) -> ModuleType:
+    return importlib.import_module(f".{COMMANDS[name][0]}", __package__)
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -79,26 +83,15 @@ def main(argv: list[str] | None = None) -> int:
     # command is left for argparse to call an invalid choice.
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version")):
         argv.insert(0, "serve")
-    args = build_parser().parse_args(argv)
+    # Only the command asked for is declared: `relay --help` names them all without them.
+    args = build_parser(argv[0] if argv[0] in COMMANDS else "").parse_args(argv)
     if args.command == "serve":
         return run_serve(args)
     if args.command == "emulate":
         from .testing import emulator, emulator_openai
         emulators = {"anthropic": emulator, "openai": emulator_openai}
         return emulators[args.format].main(args)
-    if args.command == "validate":
-        return validate.main(args)
-    if args.command == "usage":
-        from . import usage
-        return usage.main(args)
-    if args.command == "keys":
-        from . import keys
-        return keys.main(args)
-    if args.command == "backends":
-        from . import pools
-        return pools.main(args)
-    from . import replay
-    return replay.main(args)
+    return command_module(args.command).main(args)
 
 
 def fail(message: str, code: int = 2) -> int:

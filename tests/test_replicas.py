@@ -253,7 +253,7 @@ def test_requests_are_answered_while_a_replica_stops(replicas):
     body = {"model": "claude-test", "max_tokens": 10,
             "messages": [{"role": "user", "content": "hi"}]}
     relays[0].proc.send_signal(signal.SIGTERM)
-    assert relays[0].proc.wait(20) == 0  # nothing was in flight: a complete drain
+    assert relays[0].wait(20) == 0  # nothing was in flight: a complete drain
     answers = [post(balancer.url, body) for _ in range(20)]
     assert [status for status, _ in answers] == [200] * 20
     deadline = time.monotonic() + 5  # an access line is written once its answer has gone

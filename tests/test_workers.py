@@ -104,7 +104,7 @@ def start_relay(tmp_path: Path, upstream: str, workers: int, **server) -> Relay:
 
 
 def exit_status(relay: Relay, timeout: float = 20) -> int:
-    return relay.proc.wait(timeout)
+    return relay.wait(timeout)
 
 
 def access_lines(relay: Relay) -> list[dict]:
@@ -279,7 +279,7 @@ def test_workers_whose_supervisor_is_killed_drain_and_exit(tmp_path, emulator):
     relay = start_relay(tmp_path, emu.url, workers=2)
     pids = worker_pids(relay.pid)
     os.kill(relay.pid, signal.SIGKILL)
-    relay.proc.wait(5)
+    relay.wait(5)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in pids):
         time.sleep(0.1)
@@ -311,7 +311,7 @@ def test_a_killed_supervisors_metrics_directory_is_removed_at_the_next_start(tmp
     (left,) = [d for d in metrics_dirs(temp) if d not in (alive, orphan)]
     assert left.name.startswith(f"relay-metrics-{first.pid}-")
     os.kill(first.pid, signal.SIGKILL)
-    first.proc.wait(5)
+    first.wait(5)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in pids):
         time.sleep(0.1)
