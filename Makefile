@@ -107,7 +107,7 @@ try: $(VENV)/.installed
 	echo "try: ANTHROPIC_BASE_URL=http://127.0.0.1:8787 ANTHROPIC_API_KEY=any claude"; \
 	$(PY) -m relay --config examples/try.yaml
 
-# Lint, types and the fast tests: the loop to run before each commit, in under a minute.
+# Lint, types and the fast tests: the loop to run before each commit, about two minutes.
 # .pre-commit-config.yaml runs the same three.
 check: $(VENV)/.installed
 	$(VENV)/bin/ruff check $(LINTED)
