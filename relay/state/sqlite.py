@@ -326,9 +326,7 @@ class SQLiteState(State):
             while len(pending) > MAX_PENDING:
                 pending.popitem(last=False)
                 dropped += 1
-            urgent = len(pending) >= ROW_BATCH
-            if self._queued_since is None or urgent and not self._urgent:
-                self._queued(urgent)
+            self._queued(urgent=len(pending) >= ROW_BATCH)
         if dropped:
             self._dropped += dropped
             log.warning("state %s: %d ledger rows dropped (%d waited for the file already)",
