@@ -111,6 +111,9 @@ class Diagnosed:
 
 _UNSET: Any = object()
 _PENDING: Any = object()  # a judgement still to make (Cache._known)
+# What a request without a breakpoint leaves for its session's next one (relay.resume): its
+# bytes hold no key, so the next request's bytes that are the same hold none either.
+_UNMARKED: Any = object()
 
 
 class _Held:
@@ -333,22 +336,28 @@ class Cache:
             return
         requested = exchange.field("diagnostics")
         wants = isinstance(requested, dict) and "previous_message_id" in requested
+        resume = exchange.resume
         # Looked for from the end: clients put their breakpoints on the last messages, and
-        # a search from the front reads the whole history first.
-        if not wants and exchange.raw_body.rfind(_KEY) < 0:
+        # a search from the front reads the whole history first. Where the previous
+        # request had none, only the bytes after the part it shares with this one.
+        after = resume.offset if resume is not None and resume.state(PLUGIN) is _UNMARKED \
+            else 0
+        if not wants and exchange.raw_body.rfind(_KEY, after) < 0:
             # No breakpoint, no diagnostics: nothing is cached, nothing to compare, nothing
             # to answer (the session record counts the requests that use the cache).
             exchange.state[REQUEST] = None
+            if resume is not None:
+                resume.save_all(PLUGIN, _UNMARKED)
             return
         exchange.state[REQUEST] = requested if wants else _UNSET
         exchange.session()
-        resume = exchange.resume
         if resume is not None:
             # The client's bytes up to the boundary resumed from are the previous request's:
             # so are their parts of the fingerprint (relay.cache.resumed).
             held = _Held()
+            previous = resume.state(PLUGIN)
             resume.save_all(PLUGIN, held)
-            exchange.state[RESUMED] = (resume.state(PLUGIN), held)
+            exchange.state[RESUMED] = (previous if previous is not _UNMARKED else None, held)
 
     async def summary(self, key: str) -> dict | None:
         """A session's record without its fingerprints (:meth:`relay.sessions.Record.summary`),

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 
 import orjson
 
-from . import betas, resume, skeleton, threads
+from . import betas, resume, sessions, skeleton, threads
 from .chain import Chain
 from .config import Backend, Config, InboundKey
 from .errors import RelayError, invalid_request
@@ -82,19 +82,28 @@ async def prepare_exchange(state: Preparation, *, method: str, path: str, query:
     if store is None or len(raw_body) < store.min_bytes:
         return await _prepare(state, endpoint, method, path, query, headers, raw_body, key,
                               backend, parse_request(raw_body))
-    session, decoded = resume.session_of(raw_body, headers, key.name if key else None)
-    record, start = store.take(session, raw_body) if session is not None else (None, 0)
+    tenant = key.name if key else None
+    session, decoded, record, start, head = None, None, None, 0, None
+    if not headers.get(sessions.HEADER):
+        # The key comes from the body's content: the records of such sessions are found by
+        # the body's bytes instead of by a key worked out from the whole of it.
+        head = resume.head(tenant, raw_body)
+        session, record, start = store.take_unnamed(head, raw_body)
+    if session is None:
+        session, decoded = resume.session_of(raw_body, headers, tenant)
+        record, start = store.take(session, raw_body) if session is not None else (None, 0)
     if record is not None:
         resumed = resume.decode_from(record, raw_body, start)
         if resumed is not None:
             try:
                 return await _prepare(state, endpoint, method, path, query, headers, raw_body,
-                                      key, backend, resumed.skeleton, (store, session, resumed))
+                                      key, backend, resumed.skeleton,
+                                      (store, session, resumed, head))
             except resume.Decline:
                 pass  # walked whole below
     parsed = decoded if decoded is not None else parse_request(raw_body)
     return await _prepare(state, endpoint, method, path, query, headers, raw_body, key, backend,
-                          parsed, (store, session, None) if session is not None else None)
+                          parsed, (store, session, None, head) if session is not None else None)
 
 
 async def _prepare(state: Preparation, endpoint: str, method: str, path: str, query: str,
@@ -182,7 +191,7 @@ def _resume(state: Preparation, exchange: Exchange, resuming: tuple | None):
         if resuming is not None and resuming[2] is not None:
             raise resume.Decline()
         return None
-    store, session, resumed = resuming
+    store, session, resumed, _ = resuming
     # The same rule over the same request (the chain has not run): not worked out twice.
     exchange._session = session
     # A session's first request keeps a record too, as a trial (see resume.Store): else its
@@ -210,7 +219,8 @@ def _resume(state: Preparation, exchange: Exchange, resuming: tuple | None):
         changer = max((chain.position(name) for name, (_, changed) in states.items()
                        if changed), default=-1)
     marks = range(max(start, count - resume.MARKS + 1, 1), count + 1)
-    exchange.resume = resume.Resume(start, marks, states, changer, chain.positions)
+    exchange.resume = resume.Resume(start, marks, states, changer, chain.positions,
+                                    resumed.offset if resumed is not None else 0)
     # The canonical bytes of the messages that will locate this request's boundaries, made
     # before any plugin changes them.
     encoded = resume.canonical(messages[start:] if resumed is not None
@@ -221,7 +231,7 @@ def _resume(state: Preparation, exchange: Exchange, resuming: tuple | None):
 def _keep(exchange: Exchange, resuming: tuple, keeping: tuple, messages: list) -> None:
     """Keep what this request's chain left (``messages``: its messages as a skeleton's),
     for the session's next request."""
-    store, session, resumed = resuming
+    store, session, resumed, head = resuming
     context, count, encoded, trial, dirty = keeping
     saved = exchange.resume.saved if exchange.resume is not None else {}
     # Kept only when the chain left the request a skeleton of the same messages, each
@@ -268,7 +278,7 @@ def _keep(exchange: Exchange, resuming: tuple, keeping: tuple, messages: list) -
                                cut, tail)
         record.after = resumed.after
     record.dirty = dirty
-    store.put(session, record, trial)
+    store.put(session, record, trial, head)
 
 
 async def prepare_history(state: Preparation, exchange: Exchange) -> None:

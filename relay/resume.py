@@ -50,6 +50,8 @@ BLOCK_BYTES = 300
 MAX_SEEN = 4096  # sessions remembered as seen (a digest each: about 0.5 MB at most)
 LANES = 4  # conversations kept per session
 MIN_BYTES = 32 * 1024  # smaller requests cost less walked whole than resumed
+# The bytes a request without a session id is looked up by (see Store.take_unnamed).
+HEAD_BYTES = 512
 # The most a record copies of its request's body after the part it shares with the body the
 # record started from (see Record): past that, the record keeps the whole body instead.
 TAIL_BYTES = 256 * 1024
@@ -76,14 +78,17 @@ class Resume:
     anyway calls :meth:`decline`. A plugin takes its resume through :meth:`usable`, which
     declines when an earlier plugin moved the boundaries. :attr:`span` tells a plugin that
     reads the body's bytes (the cache plugin's fingerprint) where the previous request's
-    bytes end.
+    bytes end; before that, :attr:`offset` says where message ``start`` begins in the body
+    (the client's bytes before it are the previous request's; 0 on a full walk).
     """
 
-    __slots__ = ("start", "marks", "_states", "saved", "_changer", "_position", "span")
+    __slots__ = ("start", "marks", "_states", "saved", "_changer", "_position", "span",
+                 "offset")
 
     def __init__(self, start: int, marks: range, states: dict | None = None,
-                 changer: int = -1, position: dict | None = None):
+                 changer: int = -1, position: dict | None = None, offset: int = 0):
         self.start = start
+        self.offset = offset
         self.marks = marks
         self._states = states or {}
         self.saved: dict[int, dict[str, tuple[Any, bool]]] = {}
@@ -204,6 +209,11 @@ class Store:
         self.trials: collections.OrderedDict[tuple[str, int], None] = \
             collections.OrderedDict()
         self.trial_bytes = 0
+        # The sessions whose key came from the request itself (no session id), by their
+        # requests' first bytes: such a request is matched against their records without
+        # working out its key, which decodes the whole body (relay.sessions).
+        self.unnamed: dict[tuple, dict[str, None]] = {}
+        self.head_of: dict[str, tuple] = {}
 
     def established(self, session: str) -> bool:
         """Whether the session was seen before (its request's record is then no trial)."""
@@ -231,7 +241,38 @@ class Store:
             self._drop(session, lane)
         return best, start
 
-    def put(self, session: str, record: Record, trial: bool = False) -> None:
+    def take_unnamed(self, key: tuple, raw: bytes) -> tuple[str | None, Record | None, int]:
+        """For a request without a session id: the session, record and boundary
+        :meth:`take` would give once its key was worked out, among the sessions whose key
+        came from their requests' own content and whose requests began with the same bytes
+        (``key``: :func:`head`); (None, None, 0) when none goes on.
+
+        That key is a digest of the tenant, ``metadata``, ``system``, ``tools`` and the
+        first message (:func:`relay.sessions.session_key`). A record is taken only where
+        ``raw`` holds the same bytes as its request up to a boundary after the first
+        message (:func:`match`: every field before ``messages`` too) and from the end of
+        its messages on (every field after them): those are the bytes the key is made of,
+        so the key is the record's."""
+        best: Record | None = None
+        found = ("", 0)
+        start = 0
+        for session in self.unnamed.get(key, ()):
+            for lane in self.lanes.get(session, ()):
+                record = self.records[session, lane]
+                at = match(record, raw)
+                if at > start and raw.endswith(
+                        _bytes_from(record, (record.offsets or {})[record.count])):
+                    best, start, found = record, at, (session, lane)
+        if best is None:
+            return None, None, 0
+        self._drop(*found)
+        return found[0], best, start
+
+    def put(self, session: str, record: Record, trial: bool = False,
+            head: tuple | None = None) -> None:
+        """Keep ``record`` as the session's newest; ``head`` (:func:`head`), for a session
+        whose key came from the request's content, registers it for
+        :meth:`take_unnamed`."""
         share = self.budget // 4
         if record.size > share:
             return
@@ -250,6 +291,10 @@ class Store:
                 self._drop(*next(iter(self.trials)))
         while self.bytes > self.budget:
             self._drop(*next(iter(self.records)))
+        if head is not None and session in self.lanes and self.head_of.get(session) != head:
+            self._unregister(session)
+            self.head_of[session] = head
+            self.unnamed.setdefault(head, {})[session] = None
 
     def _drop(self, session: str, lane: int) -> None:
         record = self.records.pop((session, lane))
@@ -261,6 +306,20 @@ class Store:
         lanes.remove(lane)
         if not lanes:
             del self.lanes[session]
+            self._unregister(session)
+
+    def _unregister(self, session: str) -> None:
+        key = self.head_of.pop(session, None)
+        if key is not None:
+            sessions_ = self.unnamed[key]
+            del sessions_[session]
+            if not sessions_:
+                del self.unnamed[key]
+
+
+def head(tenant: str | None, raw: bytes) -> tuple:
+    """What :meth:`Store.take_unnamed` looks a request up by: its tenant and first bytes."""
+    return tenant, hash(raw[:HEAD_BYTES])
 
 
 class _Unread(list):

@@ -29,6 +29,7 @@ from relay.testing.fixtures import received, relay_client  # noqa: F401  (the fi
 PIPELINE = ["dedup", "pairing", "ordering", "portable"]
 RUN = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 SESSION = {"x-claude-code-session-id": "session-1", "content-type": "application/json"}
+UNNAMED = {"x-claude-code-session-id": ""}  # no session id: the key comes from the content
 FOREIGN = "sig-other"  # a thinking signature another backend issued
 
 
@@ -117,19 +118,19 @@ def sessions(draw):
     return options, requests
 
 
-def resumed_as_whole(session) -> None:
+def resumed_as_whole(session, extra_headers=None) -> None:
     """Each request of ``session`` comes out of a resuming relay as the full walk makes it."""
     options, requests = session
     resuming, whole = relay(plugins=options), relay(plugins=options, resume_bytes=0)
     assert resuming.resume is not None and whole.resume is None
     for raw in requests:
-        assert prepared(resuming, raw)[0] == prepared(whole, raw)[0]
+        assert prepared(resuming, raw, extra_headers)[0] == prepared(whole, raw, extra_headers)[0]
 
 
 @RUN
-@given(sessions())
-def test_a_resumed_request_is_the_full_walk_byte_for_byte(session):
-    resumed_as_whole(session)
+@given(sessions(), st.booleans())
+def test_a_resumed_request_is_the_full_walk_byte_for_byte(session, unnamed):
+    resumed_as_whole(session, UNNAMED if unnamed else None)
 
 
 def conversation(turns: int, reuse: bool = False, size: int = 0) -> list:
@@ -390,11 +391,11 @@ AROUND = [{}, {"cache_control": {"type": "ephemeral", "ttl": "1h"}},
           {"tool_choice": {"type": "auto"}, "speed": "fast"}]
 
 
-def judged(state: Preparation, raw: bytes):
+def judged(state: Preparation, raw: bytes, extra_headers=None):
     """The cache plugin's account of ``raw`` (the fingerprints of what went up and of what
     the client sent, and the verdict against the session's previous request), as the
     answer asks for it."""
-    _, exchange = prepared(state, raw)
+    _, exchange = prepared(state, raw, extra_headers)
     if exchange is None:
         return None, None
     plugin = state.chain.pm.get_plugin("cache")
@@ -407,17 +408,71 @@ def judged(state: Preparation, raw: bytes):
 
 
 @RUN
-@given(sessions(), st.sampled_from(AROUND), st.booleans())
-def test_the_cache_fingerprint_of_a_resumed_request_is_the_whole_body_s(session, around, first):
+@given(sessions(), st.sampled_from(AROUND), st.booleans(), st.booleans())
+def test_the_cache_fingerprint_of_a_resumed_request_is_the_whole_body_s(session, around, first,
+                                                                       unnamed):
     options, requests = session
     requests = [orjson.dumps({**around, **orjson.loads(raw)} if first
                              else {**orjson.loads(raw), **around}) for raw in requests]
     pipeline = ["cache", *PIPELINE]
     resuming = relay(pipeline, plugins=options)
     whole = relay(pipeline, plugins=options, resume_bytes=0)
+    extra = UNNAMED if unnamed else None
     for raw in requests:
-        ours, _ = judged(resuming, raw)
+        ours, _ = judged(resuming, raw, extra)
+        assert ours == judged(whole, raw, extra)[0]
+
+
+def test_a_session_without_an_id_is_found_by_its_bytes_without_decoding_them_whole(monkeypatch):
+    """A client that sends no session id (the SDKs) has its session worked out from the
+    content (relay.sessions), which takes decoding the whole body: its next request is
+    matched against the records of such sessions by its bytes instead, and goes on from
+    its own record under the same key."""
+    # A first message longer than the bytes a request is looked up by (resume.HEAD_BYTES).
+    messages = [user(text("Refactor the relay. " * 40)), *conversation(6, size=2000)[1:]]
+    state, whole = relay(), relay(resume_bytes=0)
+    requests = [body(messages[:n], system="be brief") for n in range(2, len(messages) + 1)]
+    _, first = prepared(state, requests[0], UNNAMED)
+    decoded = found_by_each_call(monkeypatch, resume, "session_of")
+    for raw in requests[1:]:
+        _, exchange = prepared(state, raw, UNNAMED)
+        _, walked = prepared(whole, raw, UNNAMED)
+        assert exchange.resume.start > 0
+        assert exchange.session() == walked.session() == first.session()
+    assert decoded == []
+    # The same first bytes with other fields after the messages: another session's key,
+    # which the record's bytes cannot stand for.
+    other = body(messages, system="be verbose")
+    _, exchange = prepared(state, other, UNNAMED)
+    _, walked = prepared(whole, other, UNNAMED)
+    assert exchange.resume.start == 0 and decoded == [True]
+    assert exchange.session() == walked.session() != first.session()
+    # A session id of its own: never taken for one without.
+    _, exchange = prepared(state, requests[-1], {"x-claude-code-session-id": "s-2"})
+    assert exchange.resume.start == 0
+    # Only sessions with a record are looked up by their bytes.
+    store = state.resume
+    assert store.head_of and set(store.head_of) <= set(store.lanes)
+    assert sum(map(len, store.unnamed.values())) == len(store.head_of)
+
+
+def test_a_breakpoint_after_a_turn_without_one_is_found_where_only_the_new_bytes_are_read():
+    """A request without a breakpoint leaves the next one to search only the bytes after
+    the part they share: a breakpoint in the new turn, or in a field after the messages,
+    is found all the same."""
+    messages = conversation(6, size=2000)
+    system = [{"type": "text", "text": "be brief"}]
+    marked_system = [{**system[0], "cache_control": {"type": "ephemeral"}}]
+    requests = [body(messages[:3], system=system), body(messages[:5], system=system),
+                body(marked(messages[:7]), system=system), body(messages[:9], system=system),
+                body(messages[:11], system=marked_system)]
+    pipeline = ["cache", *PIPELINE]
+    resuming, whole = relay(pipeline), relay(pipeline, resume_bytes=0)
+    for n, raw in enumerate(requests):
+        ours, exchange = judged(resuming, raw)
         assert ours == judged(whole, raw)[0]
+        assert (ours is None) == (n in (0, 1, 3))
+        assert (exchange.resume.start > 0) == (n > 0)
 
 
 def found_by_each_call(monkeypatch, module, name: str) -> list[bool]:
