@@ -225,14 +225,17 @@ def _resume(state: Preparation, exchange: Exchange, resuming: tuple | None):
     # before any plugin changes them.
     encoded = resume.canonical(messages[start:] if resumed is not None
                                else messages[max(count - resume.MARKS + 1, 0):])
-    return context, count, encoded, trial
+    # The record's size counts the blocks: those the decode found, rather than a count over
+    # the whole history here.
+    blocks = exchange._skeleton.blocks if resumed is None else 0
+    return context, count, encoded, trial, blocks
 
 
 def _keep(exchange: Exchange, resuming: tuple, keeping: tuple, messages: list) -> None:
     """Keep what this request's chain left (``messages``: its messages as a skeleton's),
     for the session's next request."""
     store, session, resumed, head = resuming
-    context, count, encoded, trial, dirty = keeping
+    context, count, encoded, trial, blocks, dirty = keeping
     saved = exchange.resume.saved if exchange.resume is not None else {}
     # Kept only when the chain left the request a skeleton of the same messages, each
     # position still the client's (nothing merged or dropped), and at a boundary where
@@ -248,7 +251,7 @@ def _keep(exchange: Exchange, resuming: tuple, keeping: tuple, messages: list) -
     raw = exchange.raw_body
     if resumed is None:
         record = resume.Record(raw, count, context, messages, states, encoded, None, None, 0,
-                               resume.blocks_in(messages))
+                               blocks or resume.blocks_in(messages))
     else:
         offsets = resume.new_offsets(raw, resumed, encoded)
         if offsets is None:

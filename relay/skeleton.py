@@ -65,13 +65,14 @@ _TYPES = {f'"{name}"'.encode(): name for name in (
 class Skeleton:
     """One request body as a skeleton: ``messages``, ``model``, ``stream``, and the rest raw."""
 
-    __slots__ = ("_top", "messages", "model", "stream")
+    __slots__ = ("_top", "messages", "model", "stream", "blocks")
 
-    def __init__(self, top, messages: list, model: str, stream: bool):
+    def __init__(self, top, messages: list, model: str, stream: bool, blocks: int = 0):
         self._top = top
         self.messages = messages
         self.model = model
         self.stream = stream
+        self.blocks = blocks  # the content blocks decoded (0: not counted)
 
     def set_model(self, model: str) -> None:
         self.model = model
@@ -150,8 +151,9 @@ def decode(raw: bytes) -> Skeleton | None:
             messages = top["messages"] = _messages.decode(top["messages"])
             model = top["model"] = _model.decode(top["model"])
             stream = top.get("stream", UNSET)
-        _expose(messages)
-        return Skeleton(top, messages, model, stream is not UNSET and bool(_decode(stream)))
+        blocks = _expose(messages)
+        return Skeleton(top, messages, model, stream is not UNSET and bool(_decode(stream)),
+                        blocks)
     except (msgspec.MsgspecError, ValueError, RecursionError, KeyError, TypeError):
         # The full parse decides: it holds what this cannot, or writes the client's error.
         # (ValueError: msgspec 0.18 reports broken UTF-8 as a UnicodeDecodeError.)
@@ -220,13 +222,16 @@ def encode(body) -> bytes:
     return _encoder.encode(body)
 
 
-def _expose(messages: list) -> None:
-    """Decode the structural values of every content block, in place."""
+def _expose(messages: list) -> int:
+    """Decode the structural values of every content block, in place; returns how many
+    blocks there are."""
     types = _TYPES
+    blocks = 0
     for message in messages:
         content = message.get("content")
         if type(content) is not list:
             continue
+        blocks += len(content)
         for block in content:
             value = block.get("type")
             if value is not None:
@@ -237,3 +242,4 @@ def _expose(messages: list) -> None:
             value = block.get("tool_use_id")
             if value is not None:
                 block["tool_use_id"] = _decode(value)
+    return blocks
