@@ -337,11 +337,11 @@ class Cache:
         requested = exchange.field("diagnostics")
         wants = isinstance(requested, dict) and "previous_message_id" in requested
         resume = exchange.resume
+        previous = resume.state(PLUGIN) if resume is not None else None
         # Looked for from the end: clients put their breakpoints on the last messages, and
         # a search from the front reads the whole history first. Where the previous
         # request had none, only the bytes after the part it shares with this one.
-        after = resume.offset if resume is not None and resume.state(PLUGIN) is _UNMARKED \
-            else 0
+        after = resume.offset if previous is _UNMARKED else 0
         if not wants and exchange.raw_body.rfind(_KEY, after) < 0:
             # No breakpoint, no diagnostics: nothing is cached, nothing to compare, nothing
             # to answer (the session record counts the requests that use the cache).
@@ -355,7 +355,6 @@ class Cache:
             # The client's bytes up to the boundary resumed from are the previous request's:
             # so are their parts of the fingerprint (relay.cache.resumed).
             held = _Held()
-            previous = resume.state(PLUGIN)
             resume.save_all(PLUGIN, held)
             exchange.state[RESUMED] = (previous if previous is not _UNMARKED else None, held)
 

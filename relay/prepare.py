@@ -225,8 +225,8 @@ def _resume(state: Preparation, exchange: Exchange, resuming: tuple | None):
     # before any plugin changes them.
     encoded = resume.canonical(messages[start:] if resumed is not None
                                else messages[max(count - resume.MARKS + 1, 0):])
-    # The record's size counts the blocks: those the decode found, rather than a count over
-    # the whole history here.
+    # The record's size counts the blocks the decode found (a resumed request's record
+    # counts its new ones in _keep).
     blocks = exchange._skeleton.blocks if resumed is None else 0
     return context, count, encoded, trial, blocks
 
@@ -251,7 +251,7 @@ def _keep(exchange: Exchange, resuming: tuple, keeping: tuple, messages: list) -
     raw = exchange.raw_body
     if resumed is None:
         record = resume.Record(raw, count, context, messages, states, encoded, None, None, 0,
-                               blocks or resume.blocks_in(messages))
+                               blocks)
     else:
         offsets = resume.new_offsets(raw, resumed, encoded)
         if offsets is None:

@@ -50,8 +50,10 @@ BLOCK_BYTES = 300
 MAX_SEEN = 4096  # sessions remembered as seen (a digest each: about 0.5 MB at most)
 LANES = 4  # conversations kept per session
 MIN_BYTES = 32 * 1024  # smaller requests cost less walked whole than resumed
-# The bytes a request without a session id is looked up by (see Store.take_unnamed).
+# The bytes a request without a session id is looked up by (see Store.take_unnamed), and
+# the sessions compared at most for one lookup (the newest that began with those bytes).
 HEAD_BYTES = 512
+HEAD_SESSIONS = 8
 # The most a record copies of its request's body after the part it shares with the body the
 # record started from (see Record): past that, the record keeps the whole body instead.
 TAIL_BYTES = 256 * 1024
@@ -294,7 +296,11 @@ class Store:
         if head is not None and session in self.lanes and self.head_of.get(session) != head:
             self._unregister(session)
             self.head_of[session] = head
-            self.unnamed.setdefault(head, {})[session] = None
+            sessions_ = self.unnamed.setdefault(head, {})
+            sessions_[session] = None
+            if len(sessions_) > HEAD_SESSIONS:
+                # Its records stay, found by its key worked out the usual way.
+                self._unregister(next(iter(sessions_)))
 
     def _drop(self, session: str, lane: int) -> None:
         record = self.records.pop((session, lane))

@@ -450,10 +450,16 @@ def test_a_session_without_an_id_is_found_by_its_bytes_without_decoding_them_who
     # A session id of its own: never taken for one without.
     _, exchange = prepared(state, requests[-1], {"x-claude-code-session-id": "s-2"})
     assert exchange.resume.start == 0
-    # Only sessions with a record are looked up by their bytes.
+    # Only sessions with a record are looked up by their bytes, the newest few of those
+    # that began alike.
     store = state.resume
+    for n in range(2 * resume.HEAD_SESSIONS):
+        prepared(state, body(messages[:3], system=f"variant {n}"), UNNAMED)
     assert store.head_of and set(store.head_of) <= set(store.lanes)
     assert sum(map(len, store.unnamed.values())) == len(store.head_of)
+    assert max(map(len, store.unnamed.values())) == resume.HEAD_SESSIONS
+    _, exchange = prepared(state, body(messages[:5], system="variant 15"), UNNAMED)
+    assert exchange.resume.start == 3
 
 
 def test_a_breakpoint_after_a_turn_without_one_is_found_where_only_the_new_bytes_are_read():
