@@ -116,6 +116,20 @@ _PENDING: Any = object()  # a judgement still to make (Cache._known)
 _UNMARKED: Any = object()
 
 
+# Clients put their breakpoints on the last messages, so the search looks there first
+# (`rfind`); the rest is searched forward, where CPython's two-way search reads a body
+# without a breakpoint at about half the cost of `rfind`'s.
+_TAIL = 64 * 1024
+
+
+def _marked(raw: bytes, start: int) -> bool:
+    """Whether ``raw`` holds a ``"cache_control"`` key at or after ``start``."""
+    split = max(start, len(raw) - _TAIL)
+    if raw.rfind(_KEY, split) >= 0:
+        return True
+    return split > start and raw.find(_KEY, start, split + len(_KEY) - 1) >= 0
+
+
 class _Held:
     """What a request leaves for its session's next one (through relay.resume, at each of
     its boundaries): the fingerprint of the client's bytes, once the answer has asked for
@@ -338,11 +352,10 @@ class Cache:
         wants = isinstance(requested, dict) and "previous_message_id" in requested
         resume = exchange.resume
         previous = resume.state(PLUGIN) if resume is not None else None
-        # Looked for from the end: clients put their breakpoints on the last messages, and
-        # a search from the front reads the whole history first. Where the previous
-        # request had none, only the bytes after the part it shares with this one.
+        # Where the previous request had none, only the bytes after the part it shares
+        # with this one.
         after = resume.offset if previous is _UNMARKED else 0
-        if not wants and exchange.raw_body.rfind(_KEY, after) < 0:
+        if not wants and not _marked(exchange.raw_body, after):
             # No breakpoint, no diagnostics: nothing is cached, nothing to compare, nothing
             # to answer (the session record counts the requests that use the cache).
             exchange.state[REQUEST] = None

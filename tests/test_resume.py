@@ -481,6 +481,26 @@ def test_a_breakpoint_after_a_turn_without_one_is_found_where_only_the_new_bytes
         assert (exchange.resume.start > 0) == (n > 0)
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=120), st.lists(st.integers(0, 120), max_size=3),
+       st.integers(0, 130), st.integers(1, 40))
+def test_a_breakpoint_is_found_wherever_it_lies_against_the_searched_tail(filler, at, start,
+                                                                          tail):
+    """The cache plugin looks for a breakpoint in the body's tail first, then forward
+    through the rest: a key anywhere at or after where the search starts is found, one
+    straddling the tail's edge too, and one before it is not."""
+    from relay_builtins import cache as plugin
+
+    raw = filler
+    for n in sorted(at, reverse=True):
+        raw = raw[:n] + plugin._KEY + raw[n:]
+    kept, plugin._TAIL = plugin._TAIL, tail
+    try:
+        assert plugin._marked(raw, start) == (plugin._KEY in raw[start:])
+    finally:
+        plugin._TAIL = kept
+
+
 def found_by_each_call(monkeypatch, module, name: str) -> list[bool]:
     """Whether each call of ``module.name`` from now on returned something (not None)."""
     found_by: list[bool] = []
