@@ -39,7 +39,7 @@ def test_make_check_runs_the_fast_tier_of_the_declared_markers():
     assert {"slow", "e2e"} <= declared
     makefile = (ROOT / "Makefile").read_text()
     fast = re.search(r"^FAST_TIER := (.+)$", makefile, re.M)
-    assert fast is not None and fast.group(1) == '-m "not e2e and not slow"'
+    assert fast is not None and fast.group(1) == '-m "not e2e and not slow" -n 2'
     check = re.search(r"^check:.*\n((?:\t.*\n)+)", makefile, re.M)
     assert check is not None and "$(FAST_TIER)" in check.group(1)
 
@@ -49,4 +49,4 @@ def test_the_commit_hooks_are_local_and_run_the_same_tier():
     assert [repo["repo"] for repo in hooks["repos"]] == ["local"]
     entries = {hook["id"]: hook for repo in hooks["repos"] for hook in repo["hooks"]}
     assert {hook["language"] for hook in entries.values()} == {"system"}
-    assert entries["fast-tests"]["entry"].endswith('pytest -q -m "not e2e and not slow"')
+    assert entries["fast-tests"]["entry"].endswith('pytest -q -m "not e2e and not slow" -n 2')
