@@ -193,9 +193,10 @@ class Store:
     holds more than one conversation: Claude Code's subagents and side calls share its id),
     bounded by ``budget`` bytes in all and a quarter of it per session, oldest evicted
     first. The records of sessions seen for the first time (*trials*: most requests that are
-    the only one of their session never send another) hold a quarter of it at most between
-    them, oldest out first, so that one-off requests cannot push out the records of the
-    sessions that go on."""
+    the only one of their session never send another) take what room the others leave, and
+    go first, oldest out first, when room is needed: one-off requests cannot push out the
+    records of the sessions that go on, and many sessions that begin at once (a team's
+    agents, a restart) each keep their first request's record while there is room."""
 
     def __init__(self, budget: int, min_bytes: int | None = None):
         self.budget = budget
@@ -210,7 +211,6 @@ class Store:
         self.seen: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.trials: collections.OrderedDict[tuple[str, int], None] = \
             collections.OrderedDict()
-        self.trial_bytes = 0
         # The sessions whose key came from the request itself (no session id), by their
         # requests' first bytes: such a request is matched against their records without
         # working out its key, which decodes the whole body (relay.sessions).
@@ -288,11 +288,8 @@ class Store:
         self.bytes += record.size
         if trial:
             self.trials[session, lane] = None
-            self.trial_bytes += record.size
-            while self.trial_bytes > share:
-                self._drop(*next(iter(self.trials)))
         while self.bytes > self.budget:
-            self._drop(*next(iter(self.records)))
+            self._drop(*next(iter(self.trials or self.records)))
         if head is not None and session in self.lanes and self.head_of.get(session) != head:
             self._unregister(session)
             self.head_of[session] = head
@@ -305,9 +302,7 @@ class Store:
     def _drop(self, session: str, lane: int) -> None:
         record = self.records.pop((session, lane))
         self.bytes -= record.size
-        if (session, lane) in self.trials:
-            del self.trials[session, lane]
-            self.trial_bytes -= record.size
+        self.trials.pop((session, lane), None)
         lanes = self.lanes[session]
         lanes.remove(lane)
         if not lanes:

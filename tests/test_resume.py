@@ -337,34 +337,59 @@ async def test_through_the_server_the_upstream_gets_what_the_full_walk_sends(rel
     assert whole.server.app[STATE].resume is None
 
 
-def test_one_off_requests_keep_a_quarter_of_the_budget_at_most_and_no_session_s_record():
+def test_one_off_requests_take_the_room_left_and_never_a_session_s_record():
     """Every session's first request keeps a record, a trial: the one-off requests' records
-    hold a quarter of the budget at most between them, oldest out first, and leave the
-    records of the sessions that went on alone."""
+    take the room the others leave, and when room is needed they go first, oldest out
+    first; the record of the session that went on stays."""
     messages = conversation(4, size=2000)
     raw = body(marked(messages))
     probe = relay()
     prepared(probe, raw)
     (record,) = probe.resume.records.values()
-    # Room for a session's two records and a few one-offs' in a quarter of it.
     state = relay(resume_bytes=16 * record.size)
     store = state.resume
     going_on = prepared(state, body(marked(messages[:3])))[1]
     prepared(state, raw)
     assert going_on.resume.start == 0 and len(store.records) == 1 and not store.trials
-    for n in range(20):
+    order = []  # the one-offs' sessions (their keys), as they came
+    for n in range(40):
         prepared(state, raw, {"x-claude-code-session-id": f"one-off-{n}"})
-        assert store.trial_bytes <= store.budget // 4
-        assert store.trial_bytes == sum(store.records[key].size for key in store.trials)
-    assert len(store.trials) == 4 and store.bytes <= store.budget
-    assert sum(1 for key in store.records if key not in store.trials) == 1
+        order.append(next(reversed(store.trials))[0])
+        assert store.bytes <= store.budget
+        assert sum(1 for key in store.records if key not in store.trials) == 1
+    # Room for all but the session's record: the newest one-offs'.
+    kept = [session for session, _ in store.trials]
+    assert kept == order[-len(kept):] and len(kept) >= 14
     # The session that went on resumes as before; of the one-offs, the newest kept theirs.
     _, exchange = prepared(state, body(marked(messages + [assistant(text("ok")),
                                                        user(text("go on"))])))
     assert exchange.resume.start == len(messages) - 1
-    for n, start in ((19, len(messages)), (16, len(messages)), (15, 0), (0, 0)):
+    for n, start in ((39, len(messages)), (40 - len(kept), len(messages)),
+                     (39 - len(kept), 0), (0, 0)):
         _, exchange = prepared(state, raw, {"x-claude-code-session-id": f"one-off-{n}"})
         assert exchange.resume.start == start, n
+
+
+def test_sessions_that_begin_at_once_each_keep_their_first_request_s_record():
+    """Many sessions whose first requests arrive before any second one (agents started
+    together, a relay restarted under them) each go on from their first request while
+    their records fit the budget, whatever the share of any one of them."""
+    messages = conversation(4, size=2000)
+    probe = relay()
+    prepared(probe, body(marked(messages)))
+    (record,) = probe.resume.records.values()
+    # Room for the ten sessions' records, a twentieth of it each: a trial's former share
+    # was a quarter between them all.
+    state = relay(resume_bytes=20 * record.size)
+    sessions = [f"agent-{n}" for n in range(10)]
+    for session in sessions:
+        prepared(state, body(marked(messages)), {"x-claude-code-session-id": session})
+    grown = body(marked(messages + [assistant(text("ok")), user(text("go on"))]))
+    for session in sessions:
+        _, exchange = prepared(state, grown, {"x-claude-code-session-id": session})
+        # From before the message that held the marker, which moved.
+        assert exchange.resume.start == len(messages) - 1, session
+    assert not state.resume.trials and state.resume.bytes <= state.resume.budget
 
 
 def test_a_small_request_is_walked_whole_without_bookkeeping():
