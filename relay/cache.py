@@ -373,7 +373,7 @@ def _message_parts(messages: list, left: int | None, crcs: array, lengths: array
     """Add the parts of ``messages`` (``left``: at least as many markers as they hold;
     None: every block is searched for one)."""
     # Markers are few, and clients put them on the newest messages: the messages that hold
-    # one are found from the end, and every other message is hashed in C.
+    # one are found from the end, and the parts of all are hashed in one C pass at the end.
     contents: list[list[Any]] = []
     for message in messages:
         value = message.content
@@ -391,19 +391,27 @@ def _message_parts(messages: list, left: int | None, crcs: array, lengths: array
             if found:
                 marked.add(i)
                 left -= found
-    crc32 = zlib.crc32
+    parts: list[Any] = []
+    base = len(lengths)
     for i, message in enumerate(messages):
-        role = message.role
-        crcs.append(crc32(role))
-        lengths.append(len(role))
+        parts.append(message.role)
         blocks = contents[i]
         if i in marked:
             for block in blocks:
-                _part(block, crcs, lengths, breakpoints, ttls)
+                data = bytes(block)
+                # bytes.find rather than `in` (see _part).
+                first = data.find(_KEY)
+                if first >= 0:
+                    data, lifetimes = strip_cache_control(data, first)
+                    for ttl in lifetimes:
+                        breakpoints.append(base + len(parts))
+                        ttls.append(ttl)
+                parts.append(data)
         else:
-            crcs.extend(map(crc32, blocks))
-            lengths.extend(map(len, blocks))
-        counts.append(1 + len(blocks))
+            parts.extend(blocks)
+    crcs.extend(map(zlib.crc32, parts))
+    lengths.extend(map(len, parts))
+    counts.extend([1 + len(blocks) for blocks in contents])
 
 
 def _items(value: Raw) -> list | None:
