@@ -20,8 +20,8 @@ TINYPROXY := /usr/bin/tinyproxy
 OPENSSL := /usr/bin/openssl
 PYTEST_ARGS ?=
 # The tiers (setup.cfg's markers): the fast one starts no process (tests/conftest.py refuses
-# it) and is what `make check` runs, in two pytest-xdist workers (one a core); the rest is
-# what only `make test` adds.
+# it) and is what `make check` runs, in two pytest-xdist workers (one a core; PYTEST_ARGS="-n 0
+# --pdb" to debug in one process); the rest is what only `make test` adds.
 FAST_TIER := -m "not e2e and not slow" -n 2
 # The slow tier in two pytest-xdist workers: its tests start processes and wait on them, one
 # core at a time; each has its own ports (0) and tmp_path, so two run side by side.

@@ -211,6 +211,7 @@ class Store:
         self.seen: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.trials: collections.OrderedDict[tuple[str, int], None] = \
             collections.OrderedDict()
+        self.trial_bytes = 0
         # The sessions whose key came from the request itself (no session id), by their
         # requests' first bytes: such a request is matched against their records without
         # working out its key, which decodes the whole body (relay.sessions).
@@ -276,7 +277,10 @@ class Store:
         whose key came from the request's content, registers it for
         :meth:`take_unnamed`."""
         share = self.budget // 4
-        if record.size > share:
+        if record.size > share or trial and record.size > \
+                self.budget - self.bytes + self.trial_bytes:
+            # A trial the other sessions' records leave no room for would push out every
+            # other trial, then itself.
             return
         lanes = self.lanes.setdefault(session, [])
         while lanes and (len(lanes) >= LANES or record.size + sum(
@@ -288,6 +292,14 @@ class Store:
         self.bytes += record.size
         if trial:
             self.trials[session, lane] = None
+            self.trial_bytes += record.size
+        else:
+            # The session went on (in another of its conversations, maybe): its records
+            # are no trials any more.
+            for kept in self.lanes[session]:
+                if (session, kept) in self.trials:
+                    del self.trials[session, kept]
+                    self.trial_bytes -= self.records[session, kept].size
         while self.bytes > self.budget:
             self._drop(*next(iter(self.trials or self.records)))
         if head is not None and session in self.lanes and self.head_of.get(session) != head:
@@ -302,7 +314,9 @@ class Store:
     def _drop(self, session: str, lane: int) -> None:
         record = self.records.pop((session, lane))
         self.bytes -= record.size
-        self.trials.pop((session, lane), None)
+        if (session, lane) in self.trials:
+            del self.trials[session, lane]
+            self.trial_bytes -= record.size
         lanes = self.lanes[session]
         lanes.remove(lane)
         if not lanes:

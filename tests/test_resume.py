@@ -11,7 +11,7 @@ import asyncio
 
 import orjson
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from multidict import CIMultiDict, CIMultiDictProxy
 from relay_builtins import dedup, portable
@@ -392,6 +392,40 @@ def test_sessions_that_begin_at_once_each_keep_their_first_request_s_record():
     assert not state.resume.trials and state.resume.bytes <= state.resume.budget
 
 
+class Sized:
+    """A stand-in for a record, of which the store reads only the size."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+
+def test_a_trial_with_no_room_left_is_not_kept_and_pushes_out_no_other_trial():
+    store = resume.Store(104)  # a quarter: 26
+    for session, size in (("a", 26), ("b", 26), ("c", 26), ("d", 10)):
+        store.put(session, Sized(size))
+    store.put("t1", Sized(8), trial=True)
+    store.put("t2", Sized(8), trial=True)
+    store.put("t3", Sized(20), trial=True)  # the other sessions leave 16: never kept
+    assert [session for session, _ in store.records] == ["a", "b", "c", "d", "t1", "t2"]
+    assert store.bytes == 104 and store.trial_bytes == 16
+    store.put("t4", Sized(8), trial=True)  # room once the oldest trial goes
+    assert [session for session, _ in store.trials] == ["t2", "t4"]
+    assert store.bytes == 104 and store.trial_bytes == 16
+
+
+def test_a_session_that_went_on_in_another_conversation_keeps_its_first_record():
+    """A session's first record is a trial until the session sends more, in any of its
+    conversations (Claude Code's subagents share its id): then one-offs push out neither."""
+    store = resume.Store(100)
+    store.put("S", Sized(20), trial=True)
+    store.put("S", Sized(5))  # a second conversation of the session
+    assert not store.trials and store.trial_bytes == 0
+    for n in range(8):
+        store.put(f"one-off-{n}", Sized(10), trial=True)
+        assert len(store.lanes["S"]) == 2 and store.bytes <= store.budget
+    assert store.trial_bytes == sum(store.records[key].size for key in store.trials) == 70
+
+
 def test_a_small_request_is_walked_whole_without_bookkeeping():
     state = relay()
     state.resume.min_bytes = resume.MIN_BYTES
@@ -509,6 +543,9 @@ def test_a_breakpoint_after_a_turn_without_one_is_found_where_only_the_new_bytes
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=120), st.lists(st.integers(0, 120), max_size=3),
        st.integers(0, 130), st.integers(1, 40))
+# A key that starts one byte before where the tail begins, and one that ends there.
+@example(b"x" * 40, [34], 0, 20)
+@example(b"x" * 40, [21], 0, 20)
 def test_a_breakpoint_is_found_wherever_it_lies_against_the_searched_tail(filler, at, start,
                                                                           tail):
     """The cache plugin looks for a breakpoint in the body's tail first, then forward
