@@ -231,7 +231,9 @@ async def test_sqlite_sweeps_what_expired_so_the_file_stays_bounded(tmp_path, mo
         past = time.time() - 2 * 86400
         await state.take([Counter("old", "minute", limit=5)], [Slot("old", 1, lease=1)],
                          now=past)
-        await state.take([Counter("new", "minute", limit=5)], [Slot("new", 1)])
+        # BASE: taken now, the window would end within the sleep below when the test starts
+        # in a minute's last half second, and be swept as it should.
+        await state.take([Counter("new", "minute", limit=5)], [Slot("new", 1)], now=BASE)
         await state.record([{"id": "old", "time": past}, {"id": "new", "time": time.time()}])
         await state.put("ns", {"gone": b"1"}, ttl=0.05)
         await state.put("ns", {"kept": b"1"}, ttl=60)
