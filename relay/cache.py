@@ -398,15 +398,7 @@ def _message_parts(messages: list, left: int | None, crcs: array, lengths: array
         blocks = contents[i]
         if i in marked:
             for block in blocks:
-                data = bytes(block)
-                # bytes.find rather than `in` (see _part).
-                first = data.find(_KEY)
-                if first >= 0:
-                    data, lifetimes = strip_cache_control(data, first)
-                    for ttl in lifetimes:
-                        breakpoints.append(base + len(parts))
-                        ttls.append(ttl)
-                parts.append(data)
+                parts.append(_unmarked(block, base + len(parts), breakpoints, ttls)[0])
         else:
             parts.extend(blocks)
     crcs.extend(map(zlib.crc32, parts))
@@ -436,20 +428,26 @@ def _text_block(text: str) -> bytes:
 
 def _part(raw: Raw | bytes, crcs: array, lengths: array, breakpoints: array, ttls: array) -> int:
     """Add one part, without its markers; returns how many it held."""
+    data, found = _unmarked(raw, len(lengths), breakpoints, ttls)
+    crcs.append(zlib.crc32(data))
+    lengths.append(len(data))
+    return found
+
+
+def _unmarked(raw: Raw | bytes, index: int, breakpoints: array, ttls: array) -> tuple[bytes, int]:
+    """A part's bytes without its markers, each noted as a breakpoint at part ``index``, and
+    how many it held."""
     data = bytes(raw)
     # bytes.find rather than `in`: `in` tries its operand as an integer first, and raising and
     # clearing that TypeError costs more than the search, once per part.
     first = data.find(_KEY)
-    if first >= 0:
-        data, found = strip_cache_control(data, first)
-        for ttl in found:
-            breakpoints.append(len(lengths))
-            ttls.append(ttl)
-    else:
-        found = []
-    crcs.append(zlib.crc32(data))
-    lengths.append(len(data))
-    return len(found)
+    if first < 0:
+        return data, 0
+    data, found = strip_cache_control(data, first)
+    for ttl in found:
+        breakpoints.append(index)
+        ttls.append(ttl)
+    return data, len(found)
 
 
 def strip_cache_control(raw: bytes, start: int | None = None) -> tuple[bytes, list[float]]:
