@@ -539,7 +539,10 @@ class Exchange:
 
     def note(self, step: str, action: str, **detail) -> None:
         """Record on the timeline what ``step`` (a plugin name, or "relay") did."""
-        entry = {"t": time.time(), "step": step, "action": action}
+        # Wall-clock time read on the exchange's own clock: the wall clock may be stepped or
+        # slewed during an exchange, and a trace puts these beside the attempts' times.
+        entry = {"t": self.received + (time.perf_counter() - self._clock), "step": step,
+                 "action": action}
         if detail:
             entry.update(detail)
         self.timeline.append(entry)

@@ -136,7 +136,8 @@ class Traces:
                     if key not in ENTRY_FIELDS and not is_credential_header(key):
                         event[f"relay.{key}"] = _value(value)
                 span.add_event(f"{step} {action}", _present(event),
-                               timestamp=_ns(entry["t"]) if "t" in entry else end)
+                               timestamp=start + _ns(entry["t"] - exchange.received)
+                               if "t" in entry else end)
             if _failed(exchange):
                 span.set_status(Status(StatusCode.ERROR, _why(exchange)))
             context = trace.set_span_in_context(span)

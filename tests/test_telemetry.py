@@ -479,3 +479,26 @@ def test_the_record_as_spans_in_the_sdks_memory():
         (int(0.001 * 1e9), int(0.01 * 1e9)), (int(0.016 * 1e9), int(0.01 * 1e9))]
     assert [s.attributes["url.full"] for s in attempts] == ["http://127.0.0.1:9/v1/messages"] * 2
     assert all(s.parent.span_id == root.context.span_id for s in attempts)
+
+
+def test_the_timeline_keeps_the_exchanges_clock_when_the_wall_clock_is_stepped(monkeypatch):
+    """A step of the wall clock during an exchange (NTP, a VM resumed) moves none of its times:
+    a plugin's note lands between the attempts it came between, as the trace draws them."""
+    section = config_module.parse({"backends": [backend("http://127.0.0.1:9")],
+                                   "telemetry": {"otlp_endpoint": "http://127.0.0.1:9"}},
+                                  {}).telemetry
+    memory = InMemorySpanExporter()
+    traces = Traces(section, {}, exporter=memory)
+    exchange = finished_exchange(attempts=[
+        Attempt("emu", "http://127.0.0.1:9/v1/messages", status=529, seconds=0.0, sent=0.0)])
+    exchange.attempts[0].seconds = exchange.elapsed()
+    monkeypatch.setattr(time, "time", lambda: exchange.received - 5.0)
+    exchange.note("relay", "fallback", backend="b1")
+    exchange.timings.last_byte = exchange.elapsed()
+    assert 0 < exchange.timeline[-1]["t"] - exchange.received <= exchange.elapsed()
+    traces.record(exchange)
+    traces.close()
+    root, = [s for s in memory.get_finished_spans() if s.kind == SpanKind.SERVER]
+    attempt, = [s for s in memory.get_finished_spans() if s.kind == SpanKind.CLIENT]
+    [event] = root.events
+    assert attempt.end_time <= event.timestamp <= root.end_time
