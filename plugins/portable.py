@@ -91,6 +91,7 @@ log = logging.getLogger("relay.portable")
 # WRITE_QUEUE answers' records wait for the writer (each transaction takes up to WRITE_BATCH
 # of them). In front of a file, memory keeps the CACHE_ROWS blocks last written or read.
 BUSY_SECONDS = 0.1
+CREATE_SECONDS = 1.0  # how long a new file's WAL switch is tried again
 LOOKUP_SECONDS = 0.5
 MAX_READS = 32
 CACHE_ROWS = 10000
@@ -383,7 +384,19 @@ class Provenance:
     def connect(self) -> sqlite3.Connection:
         db = sqlite3.connect(self.path, isolation_level=None, timeout=BUSY_SECONDS)
         try:
-            db.execute("PRAGMA journal_mode=WAL")
+            # Connections making a new file at once (two workers' start-up, or the writer's
+            # and the reader's threads): SQLite answers the second switch to WAL with
+            # "database is locked" at once, whatever the busy timeout. Tried again for a
+            # moment; on a file in WAL mode already the switch takes no lock.
+            deadline = time.monotonic() + CREATE_SECONDS
+            while True:
+                try:
+                    db.execute("PRAGMA journal_mode=WAL")
+                    break
+                except sqlite3.OperationalError as e:
+                    if "locked" not in str(e) or time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.01)
             db.execute("PRAGMA synchronous=NORMAL")
             db.execute("CREATE TABLE IF NOT EXISTS issued (key TEXT PRIMARY KEY, "
                        "backend TEXT NOT NULL, model TEXT NOT NULL)")
