@@ -357,6 +357,11 @@ class Exchange:
         """Take over from ``previous``, whose backend failed: one client request keeps one id,
         one clock, and the record of every attempt and step before this one."""
         self.id = previous.id
+        # This exchange's entries so far moved onto the clock it takes over (its wall-clock
+        # start may be off from the previous one's clock, should the wall clock have moved).
+        shift = previous.received + (self._clock - previous._clock) - self.received
+        for entry in self.timeline:
+            entry["t"] += shift
         self.received = previous.received
         self._clock = previous._clock
         self.key_name = previous.key_name

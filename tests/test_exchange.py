@@ -6,6 +6,7 @@ import ast
 import asyncio
 import datetime as dt
 import json
+import time
 from pathlib import Path
 
 import orjson
@@ -241,3 +242,19 @@ def test_serving_builds_no_document():
                 alias.name.rpartition(".")[2] for node in ast.walk(ast.parse(path.read_text()))
                 if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names}, name
     assert Path(record.__file__).name == "document.py"
+
+
+def test_a_fallback_takes_over_the_clock_with_its_notes_on_it(monkeypatch):
+    """The exchange prepared for a fallback notes things before it takes over the first one's
+    clock; a wall clock stepped in between (here five seconds back) moves none of them."""
+    first = finished_exchange()
+    first.note("relay", "retrying")
+    monkeypatch.setattr(time, "time", lambda: first.received - 5.0)
+    following = finished_exchange()
+    following.note("portable", "rewrote")
+    following.follow(first)
+    following.note("relay", "fallback")
+    times = [entry["t"] - first.received for entry in following.timeline]
+    assert [entry["action"] for entry in following.timeline] == ["retrying", "rewrote",
+                                                                  "fallback"]
+    assert 0 < times[0] < times[1] < times[2] <= following.elapsed()
