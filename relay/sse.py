@@ -208,15 +208,17 @@ class _EventLines:
     names the shipped pipeline asks for, those passes cost about 1.6 times as much per byte
     as this one, on every byte of every stream."""
 
-    __slots__ = ("names", "_line", "_at_start")
+    __slots__ = ("names", "_line", "_lines")
     _made: dict[frozenset, _EventLines] = {}  # by names: pipelines ask for few sets of them
 
     def __init__(self, names: frozenset):
         self.names = names
         alternatives = b"|".join(re.escape(name.encode()) for name in sorted(names))
-        line = b"event: ?(?:" + alternatives + b")\n"
-        self._line = re.compile(b"\n" + line).search
-        self._at_start = re.compile(line).match
+        self._line = re.compile(b"\nevent: ?(?:" + alternatives + b")\n").search
+        # The same lines as literal prefixes, for the line at ``pos``: a regular expression's
+        # call costs more than the whole of a one-event read.
+        self._lines = tuple(f"event:{space}{name}\n".encode()
+                            for name in sorted(names) for space in ("", " "))
 
     @classmethod
     def of(cls, names) -> _EventLines | None:
@@ -233,9 +235,14 @@ class _EventLines:
     def find(self, data: bytes, pos: int) -> int:
         """Where, from ``pos`` (a line start) on, the first line naming one of the names
         starts, or -1."""
-        if self._at_start(data, pos) is not None:
+        if data.startswith(self._lines, pos):
             return pos
-        found = self._line(data, pos)
+        # Most reads hold one event, whose only event line is the first: no other line starts
+        # with "event:", and the expression is not run at all.
+        at = data.find(b"\nevent:", pos)
+        if at < 0:
+            return -1
+        found = self._line(data, at)
         return found.start() + 1 if found is not None else -1
 
 
@@ -350,13 +357,18 @@ class LazyFramer:
     def _keep(self, complete: bytes) -> None:
         if not self._ends:
             return
-        tail = self._tail
         if len(complete) >= TAIL_BYTES:
-            tail.clear()
+            self._tail.clear()
             complete = complete[-TAIL_BYTES:]
             self._tail_size = 0
-        tail.append(complete)
+        self._tail.append(complete)
         self._tail_size += len(complete)
+        if self._tail_size >= 4 * TAIL_BYTES:  # cut back now and then, not on every read
+            self._trim()
+
+    def _trim(self) -> None:
+        """The tail cut to the fewest last parts that hold TAIL_BYTES."""
+        tail = self._tail
         while self._tail_size - len(tail[0]) >= TAIL_BYTES:
             self._tail_size -= len(tail.popleft())
 
@@ -397,6 +409,8 @@ class LazyFramer:
         is the last thing a stream sends), so that no chunk is searched for those names."""
         if self._ended:
             return True
+        if self._tail:
+            self._trim()
         needles = self._end_needles
         # From the end: the ending event is the last one, so the last part usually has it.
         return any(_last_event_line(part, needle) >= 0 for part in reversed(self._tail)

@@ -179,7 +179,9 @@ def test_the_end_of_a_stream_is_seen_without_framing_it(cuts, names):
 
 def test_an_end_followed_by_more_than_the_tail_no_longer_counts():
     many_pings = PING * (TAIL_BYTES // len(PING) + 1)
+    one_by_one = [PING] * (TAIL_BYTES // len(PING) + 1)  # the tail cut back only when asked
     for chunks, ended in (([STREAM, many_pings], False), ([STREAM + many_pings], False),
+                          ([STREAM, *one_by_one], False), ([STREAM, *one_by_one[:3]], True),
                           ([STREAM, PING * 3], True), ([STREAM + PING * 3], True)):
         framer = LazyFramer(set(), ends=ENDS)
         for chunk in chunks:
