@@ -858,7 +858,10 @@ def _passed_back_off(exchange, messages: list, done: list, validating: bool) -> 
     /anthropic, NousResearch/hermes-agent#16748, #22313); with thinking disabled sent
     explicitly such histories go through (hermes-agent#15700, #21668). Nothing is invented
     in place of the missing thinking (a turn another backend made has none valid here)."""
-    thinking = exchange.field("thinking")
+    try:
+        thinking = exchange.field("thinking")
+    except ValueError:  # not JSON the relay can read (broken UTF-8): the backend's to judge
+        return
     if thinking is not None and not (type(thinking) is dict
                                      and thinking.get("type") in ("enabled", "adaptive")):
         return  # disabled already, or a value that is the backend's to judge
@@ -1226,7 +1229,10 @@ class Portable:
         here is refused by the API: that request goes with thinking disabled. So does, for a
         backend with ``thinking_passed_back``, a request with any tool turn lacking thinking."""
         messages = exchange.messages
-        thinking = exchange.field("thinking")
+        try:
+            thinking = exchange.field("thinking")
+        except ValueError:  # not JSON the relay can read: the backend's to judge, as it is
+            thinking = None
         mode = thinking.get("type") if type(thinking) is dict else None
         # The final turn reaches back over the whole tool loop: looked for only when thinking
         # is on, the one case where it can matter, and, in a session's request resumed from

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
+import msgspec
 import orjson
 
 from . import betas, resume, sessions, skeleton, threads
@@ -83,24 +84,29 @@ async def prepare_exchange(state: Preparation, *, method: str, path: str, query:
         return await _prepare(state, endpoint, method, path, query, headers, raw_body, key,
                               backend, parse_request(raw_body))
     tenant = key.name if key else None
-    session, decoded, record, start, head = None, None, None, 0, None
+    session, decoded, resumed, head = None, None, None, None
     if not headers.get(sessions.HEADER):
         # The key comes from the body's content: the records of such sessions are found by
         # the body's bytes instead of by a key worked out from the whole of it.
         head = resume.head(tenant, raw_body)
         session, record, start = store.take_unnamed(head, raw_body)
+        if record is not None:
+            resumed = resume.decode_from(record, raw_body, start)
+            if resumed is None or resumed.end is None:
+                # The bytes after its messages are not shown to be the record's (the body
+                # only ends as the record's did): its key may not be the record's.
+                session, resumed = None, None
     if session is None:
         session, decoded = resume.session_of(raw_body, headers, tenant)
         record, start = store.take(session, raw_body) if session is not None else (None, 0)
-    if record is not None:
-        resumed = resume.decode_from(record, raw_body, start)
-        if resumed is not None:
-            try:
-                return await _prepare(state, endpoint, method, path, query, headers, raw_body,
-                                      key, backend, resumed.skeleton,
-                                      (store, session, resumed, head))
-            except resume.Decline:
-                pass  # walked whole below
+        if record is not None:
+            resumed = resume.decode_from(record, raw_body, start)
+    if resumed is not None:
+        try:
+            return await _prepare(state, endpoint, method, path, query, headers, raw_body,
+                                  key, backend, resumed.skeleton, (store, session, resumed, head))
+        except resume.Decline:
+            pass  # walked whole below
     parsed = decoded if decoded is not None else parse_request(raw_body)
     return await _prepare(state, endpoint, method, path, query, headers, raw_body, key, backend,
                           parsed, (store, session, None, head) if session is not None else None)
@@ -178,6 +184,11 @@ async def _prepare(state: Preparation, endpoint: str, method: str, path: str, qu
         raise
     except RelayError as error:
         raise refused(threads.carried_error(error, exchange.thread)) from None
+    except (msgspec.DecodeError, UnicodeDecodeError) as e:
+        # A value the skeleton kept raw and a plugin decoded: broken UTF-8, say, which the
+        # API refuses as it refuses any body that does not parse (anthropics/claude-code
+        # #6464: "The request body is not valid JSON: ...").
+        raise refused(invalid_request(f"request body is not valid JSON: {e}")) from None
     except Exception as e:  # logged by the chain with the plugin's name, or above
         raise refused(RelayError(500, "the relay failed while preparing this request",
                                  "api_error")) from e
@@ -192,15 +203,15 @@ def _resume(state: Preparation, exchange: Exchange, resuming: tuple | None):
             raise resume.Decline()
         return None
     store, session, resumed, _ = resuming
+    messages = exchange.messages or []
+    count = len(messages)
+    if not count:
+        return None  # no boundary to keep (and no session: the rule needs a message)
     # The same rule over the same request (the chain has not run): not worked out twice.
     exchange._session = session
     # A session's first request keeps a record too, as a trial (see resume.Store): else its
     # second, the first that goes on from it, is walked whole again.
     trial = resumed is None and not store.established(session)
-    messages = exchange.messages or []
-    count = len(messages)
-    if not count:
-        return None  # no boundary to keep
     chain = state.chain
     context = resume.context(exchange)
     if resumed is None:

@@ -59,6 +59,7 @@ HEAD_SESSIONS = 8
 TAIL_BYTES = 256 * 1024
 
 _fields = msgspec.json.Decoder(dict[str, msgspec.Raw])
+_value = msgspec.json.Decoder(msgspec.Raw)  # one JSON value, nothing after it
 _encoder = msgspec.json.Encoder()
 
 
@@ -424,7 +425,16 @@ def _locate(record: Record) -> bool:
         position += len(encoded)
         offsets[index] = position  # the "," or "]" after messages[index - 1]
         position += 1
-    if raw.find(_MESSAGES_NAME, offsets[count]) >= 0:
+    close = offsets[count]
+    if first > 0:
+        # The last messages' bytes are where they were found only if the array that opens
+        # at ``array`` closes there: they may also stand in a later field (the messages
+        # written in another form), or in a second "messages" the full decode took.
+        try:
+            _value.decode(memoryview(raw)[array - 1:close + 1])
+        except msgspec.DecodeError:
+            return False
+    if _names_after(raw, close) is None:
         return False  # "messages" given twice: the full decode decides which one counts
     record.offsets = offsets
     record.before = before
@@ -512,12 +522,21 @@ class Resumed:
         self.end = end
 
 
+def _names_after(raw: bytes, close: int) -> dict | None:
+    """The top-level fields after the messages array that closes at ``close``, raw; None
+    when one of them is "messages" again (written with escapes, maybe), which the full
+    decode would take instead."""
+    found = _fields.decode(b'{"":0' + raw[close + 1:])
+    return None if "messages" in found else found
+
+
 def decode_from(record: Record, raw: bytes, start: int) -> Resumed | None:
     """The skeleton of ``raw`` resumed at boundary ``start`` of ``record``, or None when it
     cannot be held as one (then the full decode decides)."""
     offsets = record.offsets or {}
     end = offsets[start]
     comma = raw[end] == 44  # ","
+    offset = end + 1 if comma else end  # where the new messages begin
     try:
         after = record.after
         closing = offsets[record.count]  # the "]" of the record's messages
@@ -533,8 +552,15 @@ def decode_from(record: Record, raw: bytes, start: int) -> Resumed | None:
             if not comma and last != end:
                 return None
         else:
-            tail, after = skeleton.decode_rest(b'{"messages":[' + (raw[end + 1:] if comma
-                                                                   else raw[end:]))
+            tail, after = skeleton.decode_rest(b'{"messages":[' + raw[offset:])
+            # Where this array closes, told by its new messages' bytes: the fields after it
+            # must hold no second "messages", and are the record's only if they start there.
+            close = _closing(raw, offset, tail)
+            if close is None or _names_after(raw, close) is None:
+                return None
+            same = same and close == last
+        if comma and not tail:
+            return None  # "[...,]": not JSON, which the full decode says
         before = record.before
         if any(name in before for name in after):
             return None  # a field given twice: the full decode decides which one counts
@@ -551,8 +577,21 @@ def decode_from(record: Record, raw: bytes, start: int) -> Resumed | None:
         found = skeleton.from_fields(model, messages, fields)
     except (msgspec.MsgspecError, ValueError, KeyError, TypeError, RecursionError):
         return None
-    return Resumed(found, start, record, end + 1 if comma else end, after,
-                   last if same else None)
+    return Resumed(found, start, record, offset, after, last if same else None)
+
+
+def _closing(raw: bytes, offset: int, messages: list) -> int | None:
+    """Where the messages array whose values from ``offset`` on are ``messages`` closes, if
+    they are written there in their canonical form (None if not: then nobody can say
+    without decoding the body whole)."""
+    encoded = canonical(messages)
+    if encoded is None:
+        return None
+    joined = b",".join(encoded)
+    close = offset + len(joined)
+    if not raw.startswith(joined, offset) or close >= len(raw) or raw[close] != 93:  # "]"
+        return None
+    return close
 
 
 def canonical(messages: list) -> list[bytes] | None:

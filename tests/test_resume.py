@@ -930,3 +930,108 @@ def test_earlier_thinking_judged_against_a_record_on_disk_as_the_full_walk(
             for provenance in records:
                 provenance.close(1)
         assert read
+
+
+# --- bodies whose bytes a prefix comparison could misread (each found by a fuzzer) ---------
+
+def _loose(message) -> bytes:
+    """A message written with a space after ``"role":``: valid, not the relay's form."""
+    return orjson.dumps(message).replace(b'"role":', b'"role": ', 1)
+
+
+def _messages_twice(messages) -> bytes:
+    return (b'{"messages":[' + orjson.dumps(user(text("x"))) + b'],"max_tokens":64,'
+            b'"system":"be brief","messages":[' + b",".join(map(orjson.dumps, messages))
+            + b'],"model":"claude-test"}')
+
+
+def _decoy(copies) -> bytes:
+    first, call, answer = user(text("start")), assistant(text("looking"), use("toolu_1")), \
+        user(result("toolu_1"))
+    return (b'{"model":"claude-test","max_tokens":64,"messages":[' + orjson.dumps(first) + b","
+            + _loose(call) + b"," + _loose(answer) + b'],"stop_sequences":[0,'
+            + b",".join(map(orjson.dumps, copies)) + b"]}")
+
+
+_TURN = [user(text("start")), assistant(text("looking"), use("toolu_1"))]
+_CALL, _ANSWER = assistant(text("looking"), use("toolu_1")), user(result("toolu_1"))
+_THREE = [user(text("start")), assistant(text("looking"), use("fn.tool:1")),
+          user(result("fn.tool:1"))]
+
+
+@pytest.mark.parametrize("requests", [
+    # A trailing comma after the boundary: not JSON, refused by the full decode.
+    [body([user(text("start")), assistant(text("ok"))]),
+     body([user(text("start")), assistant(text("ok"))])[:-2] + b",]}"],
+    [body([user(text("start")), assistant(text("ok"))]),
+     body([user(text("start")), assistant(text("ok"))])[:-2] + b", ]}"],
+    # "messages" again after the array, plain or escaped: the full decode keeps the last.
+    [body(_TURN), body(_TURN)[:-1] + b',"messages":[' + orjson.dumps(user(text("new"))) + b"]}"],
+    [body(_TURN), body(_TURN)[:-1] + b',"m\\u0065ssages":[' + orjson.dumps(user(text("new")))
+     + b"]}"],
+    # "messages" twice with fields between: the second array, and every field, count.
+    [_messages_twice(_THREE), _messages_twice([*_THREE, assistant(text("done"))])],
+    # The last messages' bytes in a later field, the messages themselves in another form.
+    [_decoy([_CALL, _ANSWER]), _decoy([_CALL, _ANSWER, assistant(use("toolu_9"))])],
+], ids=["comma", "comma-space", "messages-again", "messages-escaped", "messages-twice",
+        "decoy"])
+def test_bodies_a_prefix_comparison_could_misread_go_as_the_full_walk_sends_them(requests):
+    resuming, whole = relay(), relay(resume_bytes=0)
+    for raw in requests:
+        assert prepared(resuming, raw)[0] == prepared(whole, raw)[0]
+
+
+def test_a_request_without_a_session_id_that_adds_a_field_after_its_messages_is_keyed_anew():
+    """Its bytes end as the previous request's did ("]}", a tools array now), but what follows
+    its messages is not the record's: the session rule, which reads the tools, decides."""
+    unnamed = {"x-claude-code-session-id": ""}
+    history = [user(text("Refactor the relay. " * 40)), assistant(text("ok"))]
+    first = body(marked(history))
+    second = orjson.dumps({"model": "claude-test", "max_tokens": 64,
+                           "messages": marked([*history, user(text("go on"))]),
+                           "tools": [{"name": "t", "input_schema": {"type": "object"}}]})
+    pipeline = ["cache", *PIPELINE]
+    resuming, whole = relay(pipeline), relay(pipeline, resume_bytes=0)
+    for raw in (first, second):
+        (found, resumed), (expected, walked) = judged(resuming, raw, unnamed), \
+            judged(whole, raw, unnamed)
+        assert found == expected
+        assert resumed.session() == walked.session()
+
+
+def test_a_request_without_messages_has_no_session_whether_resuming_or_not():
+    raw = orjson.dumps({"model": "claude-test", "max_tokens": 64, "messages": [],
+                        "system": [{"type": "text", "text": "be brief",
+                                    "cache_control": {"type": "ephemeral"}}]})
+    pipeline = ["cache", *PIPELINE]
+    resuming, whole = relay(pipeline), relay(pipeline, resume_bytes=0)
+    for _ in range(2):
+        (found, resumed), (expected, walked) = judged(resuming, raw), judged(whole, raw)
+        assert found == expected and resumed.session() is walked.session() is None
+
+
+@pytest.mark.parametrize("raw", [
+    # Broken UTF-8 in a field the skeleton keeps raw: the relay cannot read it and forwards it
+    # for the backend to judge, resuming or not (portable read it while resuming: a 500).
+    b'{"model":"claude-test","max_tokens":64,"messages":[{"role":"user","content":"hi"}],'
+    b'"thinking":{"type":"enabled","budget_t\xffokens":1024}}',
+    b'{"model":"claude-test","max_tokens":64,"messages":[{"role":"user","content":[{"type":'
+    b'"text","text":"hi"}]}],"thinking":{"type":"enabled","budget_t\xffokens":1024}}',
+])
+def test_a_field_the_relay_cannot_read_goes_up_as_it_came(raw):
+    resuming, whole = relay(), relay(resume_bytes=0)
+    assert prepared(resuming, raw)[0] == prepared(whole, raw)[0]
+    assert prepared(whole, raw)[0][0] == raw
+
+
+def test_broken_utf8_a_plugin_must_read_is_a_400_in_the_apis_words():
+    """A thinking block's signature the portable plugin must judge: the API refuses a body
+    that does not parse with 400 invalid_request_error ("The request body is not valid JSON")."""
+    raw = (b'{"model":"claude-test","max_tokens":64,"messages":[{"role":"user","content":"hi"},'
+           b'{"role":"assistant","content":[{"type":"thinking","thinking":"hm","signature":'
+           b'"s\xff"},{"type":"text","text":"ok"}]},{"role":"user","content":"go"}],'
+           b'"thinking":{"type":"enabled","budget_tokens":1024}}')
+    for state in (relay(), relay(resume_bytes=0)):
+        found = prepared(state, raw)[0]
+        assert found[:2] == ("refused", 400)
+        assert found[2].startswith("request body is not valid JSON: ")
