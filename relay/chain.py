@@ -20,6 +20,7 @@ from .config import HOST_QUIRKS
 from .errors import ConfigError, RelayError
 from .options import declared, resolve
 from .resume import Decline
+from .skeleton import UNREADABLE
 from .state import State, open_state
 
 ENTRY_POINT_GROUP = "relay.plugins"
@@ -393,8 +394,11 @@ class Chain:
                 raise
             except Decline:
                 raise  # not a fault: the request is walked whole instead
-            except Exception:
-                log.exception("plugin %s failed in %s", impl.plugin, hook)
+            except Exception as e:
+                # A raw value of the request's that is not JSON after all is the client's
+                # error (a 400, see relay.prepare), not the plugin's that read it.
+                if not (hook == "relay_request" and isinstance(e, UNREADABLE)):
+                    log.exception("plugin %s failed in %s", impl.plugin, hook)
                 raise
             results.append(result)
         return results

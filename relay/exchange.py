@@ -336,7 +336,15 @@ class Exchange:
         """The conversation this request belongs to (:func:`relay.sessions.session_key`:
         an opaque digest, namespaced by the inbound key), worked out once on first use."""
         if self._session is False:
-            self._session = sessions.session_key(self)
+            found = None
+            if self._changed and self.raw_body and self.thread is None:
+                # The client's request, not what plugins made of it: a repair of the first
+                # message must not move the request into another session than the one the
+                # same request resumed (keyed before the chain runs) or not repaired is in.
+                # A carried thread's conversation is the exchange's, not its new turn's.
+                found, _ = sessions.session_of(self.raw_body, self.client_headers,
+                                               self.key_name)
+            self._session = found if found is not None else sessions.session_key(self)
         return self._session  # type: ignore[return-value]
 
     @property

@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-import msgspec
 import orjson
 
 from . import betas, resume, sessions, skeleton, threads
@@ -97,7 +96,7 @@ async def prepare_exchange(state: Preparation, *, method: str, path: str, query:
                 # only ends as the record's did): its key may not be the record's.
                 session, resumed = None, None
     if session is None:
-        session, decoded = resume.session_of(raw_body, headers, tenant)
+        session, decoded = sessions.session_of(raw_body, headers, tenant)
         record, start = store.take(session, raw_body) if session is not None else (None, 0)
         if record is not None:
             resumed = resume.decode_from(record, raw_body, start)
@@ -184,7 +183,7 @@ async def _prepare(state: Preparation, endpoint: str, method: str, path: str, qu
         raise
     except RelayError as error:
         raise refused(threads.carried_error(error, exchange.thread)) from None
-    except (msgspec.DecodeError, UnicodeDecodeError) as e:
+    except skeleton.UNREADABLE as e:
         # A value the skeleton kept raw and a plugin decoded: broken UTF-8, say, which the
         # API refuses as it refuses any body that does not parse (anthropics/claude-code
         # #6464: "The request body is not valid JSON: ...").

@@ -31,6 +31,7 @@ import functools
 import hashlib
 import logging
 import time
+from typing import Any
 
 import msgspec
 import orjson
@@ -62,6 +63,58 @@ def session_key(exchange) -> str | None:
              _without_cache_control(skeleton.value(messages[0]))]
     return _digest(b"f", tenant, orjson.dumps(fixed, option=orjson.OPT_SORT_KEYS,
                                               default=skeleton.value))
+
+
+class _Unread(list):
+    """A probe's messages before anything asked to read them: the request has some (the
+    session rule only asks whether it has any before it looks at the header)."""
+
+    def __init__(self, probe: _Probe):
+        super().__init__()
+        self.probe = probe
+
+    def __bool__(self) -> bool:
+        return True
+
+    def __getitem__(self, index):
+        return self.probe.skeleton().messages[index]
+
+
+class _Probe:
+    """What :func:`session_key` reads of a request, decoded only if the rule
+    gets that far (a request with Claude Code's session header decodes nothing)."""
+
+    def __init__(self, raw: bytes, headers, key_name: str | None):
+        self.raw = raw
+        self.client_headers = headers
+        self.key_name = key_name
+        self.decoded: skeleton.Skeleton | None | bool = False
+
+    def skeleton(self):
+        if self.decoded is False:
+            self.decoded = skeleton.decode(self.raw)
+        if self.decoded is None:
+            raise LookupError("no skeleton")
+        return self.decoded
+
+    @property
+    def messages(self):
+        return _Unread(self)
+
+    def field(self, name: str):
+        return self.skeleton().field(name)
+
+
+def session_of(raw: bytes, headers, key_name: str | None) -> tuple[str | None, Any]:
+    """The request's session by the relay's rule, and its skeleton when working it out took
+    decoding the body (else None)."""
+    probe = _Probe(raw, headers, key_name)
+    try:
+        found = session_key(probe)
+    except (LookupError, TypeError, ValueError):
+        found = None
+    decoded = probe.decoded if isinstance(probe.decoded, skeleton.Skeleton) else None
+    return found, decoded
 
 
 # The same session id comes with every request of a session: its digest is remembered (a

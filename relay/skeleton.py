@@ -212,6 +212,11 @@ def has_blocks(messages: list) -> bool:
     return False
 
 
+# What decoding a raw value raises when it is not JSON after all (broken UTF-8 in a text,
+# a number out of range): the client's error, not a fault of the plugin that read it.
+UNREADABLE = (msgspec.DecodeError, UnicodeDecodeError)
+
+
 def value(item):
     """``item`` as a Python value, whether it is still raw JSON text or already decoded."""
     return _decode(item) if type(item) is Raw else item

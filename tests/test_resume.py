@@ -8,6 +8,7 @@ one resuming, one walking every request whole."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import orjson
 import pytest
@@ -20,6 +21,7 @@ from test_history_properties import histories
 
 from relay import config as config_module
 from relay import resume
+from relay import sessions as session_rule
 from relay.chain import Chain, load_plugins
 from relay.errors import RelayError
 from relay.hookspecs import hookimpl
@@ -492,7 +494,7 @@ def test_a_session_without_an_id_is_found_by_its_bytes_without_decoding_them_who
     state, whole = relay(), relay(resume_bytes=0)
     requests = [body(messages[:n], system="be brief") for n in range(2, len(messages) + 1)]
     _, first = prepared(state, requests[0], UNNAMED)
-    decoded = found_by_each_call(monkeypatch, resume, "session_of")
+    decoded = found_by_each_call(monkeypatch, session_rule, "session_of")
     for raw in requests[1:]:
         _, exchange = prepared(state, raw, UNNAMED)
         _, walked = prepared(whole, raw, UNNAMED)
@@ -1010,6 +1012,22 @@ def test_a_request_without_messages_has_no_session_whether_resuming_or_not():
         assert found == expected and resumed.session() is walked.session() is None
 
 
+def test_a_repaired_first_message_keeps_the_request_in_the_clients_session():
+    """Without a session header the key is a fingerprint of the first message: the client's,
+    whether the request is resumed (keyed before the chain runs) or walked whole (keyed when
+    a plugin first asks, after portable dropped a foreign thinking block from it)."""
+    raw = orjson.dumps({"model": "claude-test", "max_tokens": 64, "messages": [
+        {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "hm", "signature": FOREIGN},
+            {"type": "text", "text": "hello"}]},
+        user(text("go"))]})
+    client = session_rule.session_of(raw, {}, None)[0]
+    for state in (relay(), relay(resume_bytes=0)):
+        _, exchange = prepared(state, raw, UNNAMED)
+        assert exchange.repairs == 1
+        assert exchange.session() == client is not None
+
+
 @pytest.mark.parametrize("raw", [
     # Broken UTF-8 in a field the skeleton keeps raw: the relay cannot read it and forwards it
     # for the backend to judge, resuming or not (portable read it while resuming: a 500).
@@ -1024,9 +1042,10 @@ def test_a_field_the_relay_cannot_read_goes_up_as_it_came(raw):
     assert prepared(whole, raw)[0][0] == raw
 
 
-def test_broken_utf8_a_plugin_must_read_is_a_400_in_the_apis_words():
+def test_broken_utf8_a_plugin_must_read_is_a_400_in_the_apis_words(caplog):
     """A thinking block's signature the portable plugin must judge: the API refuses a body
-    that does not parse with 400 invalid_request_error ("The request body is not valid JSON")."""
+    that does not parse with 400 invalid_request_error ("The request body is not valid JSON"),
+    the client's error, logged as no fault of the plugin's."""
     raw = (b'{"model":"claude-test","max_tokens":64,"messages":[{"role":"user","content":"hi"},'
            b'{"role":"assistant","content":[{"type":"thinking","thinking":"hm","signature":'
            b'"s\xff"},{"type":"text","text":"ok"}]},{"role":"user","content":"go"}],'
@@ -1035,3 +1054,4 @@ def test_broken_utf8_a_plugin_must_read_is_a_400_in_the_apis_words():
         found = prepared(state, raw)[0]
         assert found[:2] == ("refused", 400)
         assert found[2].startswith("request body is not valid JSON: ")
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info]
