@@ -296,14 +296,18 @@ async def listing(state: State, config) -> list[dict[str, Any]]:
     window of each of its limits, read from the counters."""
     rows: list[dict[str, Any]] = []
     for key in config.keys or ():
+        # relay.yaml holds its keys' limits already laid over the defaults.
         rows.append({"name": key.name, "source": "relay.yaml", "created": None,
-                     "expires": None, "revoked": None, "limits": None, "_limits": key.limits})
+                     "expires": None, "revoked": None,
+                     "limits": key.limits.raw if key.limits is not None else None,
+                     "_limits": key.limits})
     for record in await list_keys(state):
         rows.append({**record, "source": "stored", "_limits": limits_module.effective(
             config.default_limits, record["limits"])})
     now = time.time()
     for row in rows:
         key_limits = row.pop("_limits")
+        row["effective_limits"] = key_limits.raw if key_limits is not None else None
         row["status"] = ("revoked" if row["revoked"] else
                          "expired" if row["expires"] is not None and row["expires"] <= now
                          else "active")

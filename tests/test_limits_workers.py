@@ -71,11 +71,29 @@ def test_two_workers_share_limits_and_keys(emulator, relay, tmp_path):
     assert listed.returncode == 0, listed.stderr
     rows = {row["name"]: row for row in json.loads(listed.stdout)}
     assert rows["team-a"]["source"] == "relay.yaml"
+    assert rows["team-a"]["limits"] == rows["team-a"]["effective_limits"] \
+        == {"requests_per_minute": 10}
+    assert rows["team-cli"]["limits"] == rows["team-cli"]["effective_limits"] \
+        == {"output_tokens_per_minute": 100000}
     assert rows["team-a"]["usage"][0]["limit"] == "requests_per_minute"
     assert rows["team-a"]["usage"][0]["used"] == 10
     assert rows["team-cli"]["status"] == "active" and "hash" not in rows["team-cli"]
     table = keys_command(server.config_path, "list").stdout
     assert "team-cli" in table and "rpm 10/10" in table
+
+    # New limits and an expiry date, through the command line, seen by every worker.
+    changed = keys_command(server.config_path, "set", "team-cli",
+                           "--limits", "{requests_per_minute: 3}")
+    assert changed.returncode == 0, changed.stderr
+    until(server.url, secret, 429)
+    dated = keys_command(server.config_path, "create", "team-dated", "--expires", "2099-01-31")
+    assert dated.returncode == 0, dated.stderr
+    rows = {row["name"]: row for row in json.loads(
+        keys_command(server.config_path, "list", "--json").stdout)}
+    assert rows["team-cli"]["limits"] == {"requests_per_minute": 3}
+    assert rows["team-dated"]["expires"] == 4073500800.0
+    assert rows["team-dated"]["status"] == "active"
+    until(server.url, dated.stdout.strip(), 200)
 
     revoked = keys_command(server.config_path, "revoke", "team-cli")
     assert revoked.returncode == 0, revoked.stderr
