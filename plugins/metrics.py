@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import bisect
+import datetime
 import functools
 import logging
 import operator
@@ -166,6 +167,19 @@ TOKEN_COUNTS = operator.attrgetter(*(name for _, name in TOKEN_KINDS))  # in one
 CACHE_KINDS = (("read", "read_input_tokens"), ("written", "written_input_tokens"),
                ("fresh", "fresh_input_tokens"))
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# The upstream account's quota headers (anthropic-ratelimit-KIND-limit, -remaining, -reset:
+# https://docs.anthropic.com/en/api/rate-limits#response-headers), by their ``kind`` label;
+# read at most once a QUOTA_SECONDS per backend and credential.
+QUOTA_KINDS = (("requests", "anthropic-ratelimit-requests-"),
+               ("input_tokens", "anthropic-ratelimit-input-tokens-"),
+               ("output_tokens", "anthropic-ratelimit-output-tokens-"),
+               ("tokens", "anthropic-ratelimit-tokens-"))
+QUOTA_SECONDS = 1.0
+
+
+def _timestamp(value: str) -> float:
+    """An RFC 3339 time (the quota headers' ``-reset``) as Unix time."""
+    return datetime.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
 
 
 class _Value:
@@ -184,6 +198,9 @@ class _Value:
 
     def dec(self, amount: float = 1) -> None:  # the gauge's
         self.value -= amount
+
+    def set(self, value: float) -> None:  # the gauge's
+        self.value = value
 
 
 class _Observed:
@@ -224,6 +241,10 @@ class _Written:
     def dec(self, amount: float = 1) -> None:
         self.file.inc(-amount)
 
+    def set(self, value: float) -> None:
+        # Stamped, for a gauge whose workers' values are not added up: the last one set wins.
+        self.file.set(value, time.time())
+
 
 class _WrittenObserved:
     """One series of a histogram with workers: its sum and each bucket's own count in this
@@ -263,8 +284,9 @@ class Family:
 
     def __init__(self, kind: str, name: str, documentation: str, labelnames=(),
                  registry: CollectorRegistry | None = None, buckets: tuple | None = None,
-                 written: bool = False):
+                 written: bool = False, mode: str = "livesum"):
         self.kind = kind
+        self.mode = mode  # a gauge's, across workers: added up, or the one set last
         self.name = name
         self.documentation = documentation
         self.labelnames = tuple(labelnames)
@@ -282,9 +304,9 @@ class Family:
             return _Observed(self.bounds) if self.kind == "histogram" else _Value()
         if self.kind == "counter":
             return _Written(self._file(self.name + "_total", self.labelnames, key))
-        if self.kind == "gauge":  # open streams: the live workers' added up
+        if self.kind == "gauge":
             return _Written(self._file(self.name, self.labelnames, key,
-                                       multiprocess_mode="livesum"))
+                                       multiprocess_mode=self.mode))
         names = (*self.labelnames, "le")
         return _WrittenObserved(
             self.bounds, self._file(self.name + "_sum", self.labelnames, key),
@@ -485,6 +507,22 @@ class Metrics:
             "relay_credential_cost_micro_usd", "What the answers each pooled credential got "
             "cost, in millionths of a US dollar (where the usage plugin prices them).",
             ["backend", "credential"], registry=registry)
+        # The upstream account's quota as its last answer stated it, whether the client saw
+        # those headers or a relay key's own in their place (the limits plugin's).
+        quota = functools.partial(gauge, labelnames=["backend", "credential", "kind"],
+                                  registry=registry, mode="mostrecent")
+        self.quota_limit = quota(
+            "relay_upstream_ratelimit_limit", "The upstream account's rate limit, by backend, "
+            "pooled credential (- for none) and kind (requests, input_tokens, output_tokens, "
+            "tokens), from its anthropic-ratelimit-* answer headers.")
+        self.quota_remaining = quota(
+            "relay_upstream_ratelimit_remaining", "What the upstream account's last answer "
+            "said is left of each rate limit, by backend, credential and kind.")
+        self.quota_reset = quota(
+            "relay_upstream_ratelimit_reset_timestamp_seconds", "When the upstream account's "
+            "rate limit of each kind is next fully replenished (Unix time), as its last answer "
+            "said.")
+        self.quota_read: dict[tuple[str, str], float] = {}
         # The prompt cache, from the cache plugin's exchange.cache (its causes are a closed
         # set of the relay's words).
         self.cache_breaks = counter(
@@ -584,6 +622,8 @@ class Metrics:
                              exchange.outcome or "-").inc()
         if exchange.timings.first_byte is not None:
             self.first_byte.labels(backend, stream).observe(exchange.timings.first_byte)
+        if answer is not None:
+            self._quota(exchange, backend, answer)
         error = exchange.error
         if exchange.endpoint == "refused":
             if error is not None and error.status == 401:
@@ -639,6 +679,29 @@ class Metrics:
                     self.cache_tokens.labels(backend, exchange.key_name or "-", kind).inc(
                         tokens)
 
+
+    def _quota(self, exchange, backend: str, answer) -> None:
+        """The upstream account's quota headers of this answer (those a relay key's replaced,
+        or those the client got), at most once a QUOTA_SECONDS per backend and credential."""
+        credential = exchange.credential or "-"
+        now = time.monotonic()
+        if now - self.quota_read.get((backend, credential), -QUOTA_SECONDS) < QUOTA_SECONDS:
+            return
+        self.quota_read[backend, credential] = now
+        replaced = exchange.replaced_headers  # a dict once a relay key's took their place
+        headers = answer.headers if replaced is None else replaced
+        for kind, prefix in QUOTA_KINDS:
+            for family, field, read in ((self.quota_limit, "limit", float),
+                                        (self.quota_remaining, "remaining", float),
+                                        (self.quota_reset, "reset", _timestamp)):
+                value = headers.get(prefix + field)
+                if value is None:
+                    continue
+                try:
+                    number = read(value)
+                except (TypeError, ValueError):
+                    continue  # not a number or a time: nothing to show
+                family.labels(backend, credential, kind).set(number)
 
     def _credentials(self, exchange) -> None:
         """What a pool noted on the exchange (relay.pools) and the usage it was answered

@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from relay_builtins import metrics as metrics_plugin
 from relay_builtins.metrics import Metrics
 from support import backend
-from test_server import BODY, STREAM, Upstream, start_relay, start_upstream, stream_reply  # noqa: F401
+from test_server import ANSWER, BODY, STREAM, Upstream, start_relay, start_upstream, stream_reply  # noqa: F401
 
 from relay import config as config_module
 from relay.errors import ConfigError, RelayError
@@ -339,6 +339,10 @@ def exchanges_of_every_kind():
         exchange.cache = {"status": "miss" if n % 2 else "hit", "cause": "system_changed",
                           "read_input_tokens": n, "fresh_input_tokens": 2}
         exchange.translation = {"toolu_a": {"direction": "to_upstream"}}
+        if n == 0:  # the upstream account's quota, as a relay key's headers replaced it
+            exchange.replaced_headers = {"anthropic-ratelimit-requests-remaining": "41",
+                                         "anthropic-ratelimit-input-tokens-reset":
+                                             "2026-12-02T21:30:00Z"}
         if n == 2:
             exchange.credential = "first"
             exchange.attempts[-1].credential = "first"
@@ -402,6 +406,9 @@ def test_workers_serve_what_one_process_serves(monkeypatch, tmp_path, request, c
     assert value(own, "relay_active_streams") == 1
     assert value(own, "relay_auth_failures_total") == 1
     assert value(own, "relay_credential_cooldown_seconds_total", credential="first") == 1.5
+    assert value(own, "relay_upstream_ratelimit_remaining", kind="requests") == 41
+    assert value(own, "relay_upstream_ratelimit_reset_timestamp_seconds",
+                 kind="input_tokens") == 1796247000
     assert any(name.endswith("_created") for name, _ in own) is created
 
 
@@ -417,3 +424,53 @@ def test_label_values_that_are_equal_but_shown_apart_or_unhashable_keep_their_ow
     for shown, count in (("1", 2.0), ("1.0", 1.0), ("True", 1.0), ("['a']", 1.0)):
         assert f'relay_test_total{{value="{shown}"}} {count}' in text, (shown, text)
 
+
+
+async def test_the_upstream_accounts_quota_is_kept_where_a_relay_keys_replaced_it(
+        aiohttp_server, aiohttp_client, monkeypatch):
+    """A key with limits gets its own anthropic-ratelimit-* headers, in place of the pooled
+    account's; the account's stay in the metrics, by backend, credential and kind, as do
+    those the client of a key without limits sees."""
+    monkeypatch.setattr(metrics_plugin, "QUOTA_SECONDS", 0)  # every answer read
+    upstream = Upstream()
+    quota = iter([("4000", "3999", "2026-12-02T21:30:00Z"), ("4000", "3998", "not a time")])
+
+    async def reply(request):
+        limit, remaining, reset = next(quota)
+        return web.json_response(ANSWER, headers={
+            "anthropic-ratelimit-requests-limit": limit,
+            "anthropic-ratelimit-requests-remaining": remaining,
+            "anthropic-ratelimit-requests-reset": reset,
+            "anthropic-ratelimit-output-tokens-remaining": "79000"})
+
+    upstream.reply = reply
+    server = await start_upstream(aiohttp_server, upstream)
+    client = await start_relay(aiohttp_client, {
+        "server": {"auth": {"keys": [{"name": "k", "key_env": "K",
+                                      "limits": {"requests_per_minute": 7}},
+                                     {"name": "open", "key_env": "OPEN"}],
+                            "admin_key_env": "ADMIN"}},
+        "pipeline": ["limits", "metrics"],
+        "backends": [backend(str(server.make_url("")), name="main")]},
+        env={"K": KEY, "OPEN": OTHER_KEY, "ADMIN": ADMIN_KEY})
+    resp = await client.post("/v1/messages", json=BODY, headers={"x-api-key": KEY})
+    assert resp.status == 200
+    assert resp.headers["anthropic-ratelimit-requests-limit"] == "7"
+    assert "anthropic-ratelimit-output-tokens-remaining" not in resp.headers
+    found = samples(await (await client.get("/metrics", headers={"x-api-key": ADMIN_KEY})).text())
+    labels = {"backend": "main", "credential": "-"}
+    assert value(found, "relay_upstream_ratelimit_limit", kind="requests", **labels) == 4000
+    assert value(found, "relay_upstream_ratelimit_remaining", kind="requests", **labels) == 3999
+    assert value(found, "relay_upstream_ratelimit_remaining", kind="output_tokens",
+                 **labels) == 79000
+    assert value(found, "relay_upstream_ratelimit_reset_timestamp_seconds", kind="requests",
+                 **labels) == 1796247000  # 2026-12-02T21:30:00Z
+    # A key without limits sees none of the account's headers; the metrics do (a reset that
+    # is not a time is left as it was).
+    resp = await client.post("/v1/messages", json=BODY, headers={"x-api-key": OTHER_KEY})
+    assert resp.status == 200
+    assert not [name for name in resp.headers if name.lower().startswith("anthropic-ratelimit")]
+    found = samples(await (await client.get("/metrics", headers={"x-api-key": ADMIN_KEY})).text())
+    assert value(found, "relay_upstream_ratelimit_remaining", kind="requests", **labels) == 3998
+    assert value(found, "relay_upstream_ratelimit_reset_timestamp_seconds", kind="requests",
+                 **labels) == 1796247000
