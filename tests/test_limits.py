@@ -210,6 +210,26 @@ async def test_model_pattern_limits_stand_beside_the_keys(aiohttp_client, aiohtt
     await client.chain.shutdown(client.config)
 
 
+async def test_a_weekly_budget_for_one_model_pattern_leaves_the_others_open(aiohttp_client,
+                                                                             aiohttp_server):
+    """The weekly Opus cap operators ask for: two answers' worth of Opus a week, spent;
+    the next Opus request is refused, naming the pattern, while Sonnet still goes through."""
+    client = await start(aiohttp_client, aiohttp_server, auth({"models": {
+        "claude-opus-*": {"budget": {"usd": 2 * COST / 1e6, "per": "week"}}}}))
+    for _ in range(2):
+        assert (await post(client, model="claude-opus-4-1"))[0].status == 200
+    resp, body = await post(client, model="claude-opus-4-1")
+    assert resp.status == 429 and body["error"]["type"] == "billing_error"
+    assert "claude-opus-*" in body["error"]["message"], body
+    assert resp.headers["anthropic-ratelimit-unified-overage-period"] == "weekly"
+    assert int(resp.headers["retry-after"]) > 0
+    assert (await post(client, model="claude-opus-4-5"))[0].status == 429  # any Opus
+    resp, _ = await post(client, model="claude-sonnet-4-5")
+    assert resp.status == 200
+    assert (await post(client, "KEY_B", model="claude-opus-4-1"))[0].status == 200
+    await client.chain.shutdown(client.config)
+
+
 async def concurrent_posts(client, n: int, key="KEY_A") -> list[int]:
     async def one():
         resp, body = await post(client, key)
