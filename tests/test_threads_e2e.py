@@ -88,6 +88,50 @@ def test_the_tool_runner_threads_through_a_backend_without_threads(emulator, rel
     assert [len(request["body"]["messages"]) for request in sent] == [1, 3, 5]
 
 
+class Alternating(httpx2.BaseTransport):
+    """Each request to the next of some relays in turn: replicas behind a round-robin
+    balancer, with nothing shared between them."""
+
+    def __init__(self, urls: list[str]):
+        self.ports = [httpx2.URL(url).port for url in urls]
+        self.sent = 0
+        self.inner = httpx2.HTTPTransport()
+
+    def handle_request(self, request):
+        request.url = request.url.copy_with(port=self.ports[self.sent % len(self.ports)])
+        self.sent += 1
+        return self.inner.handle_request(request)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_the_tool_runner_goes_on_unthreaded_where_the_relay_has_no_record(emulator, relay,
+                                                                          stream):
+    """Two replicas without a shared state, in turn: the continuation reaches the one that
+    did not see the thread's start, which has nothing to carry for a backend without
+    threads, and answers as the API does a thread it cannot serve; the SDK's tool runner
+    sends the whole history from then on and completes, every upstream request a valid
+    history without ``thread``."""
+    emu = emulator("--threads", "refuse", "--tool-turns", str(TURNS))
+    first, second = (relay({"backends": [backend(emu.url)]}) for _ in range(2))
+    statuses: list[int] = []
+    client = anthropic.Anthropic(
+        base_url=first.url, api_key="sk-test-client", max_retries=0,
+        http_client=httpx2.Client(transport=Alternating([first.url, second.url]), event_hooks={
+            "response": [lambda response: statuses.append(response.status_code)]}))
+    final = finish(client, stream)
+    assert final.stop_reason == "end_turn"
+    # The create (first replica), the continuation refused (second), then the full history
+    # unthreaded for each later turn, to either.
+    assert statuses == [200, 400] + [200] * TURNS, statuses
+    sent = messages_requests(emu)
+    assert len(sent) == TURNS + 1
+    assert all("thread" not in request["body"] for request in sent)
+    assert [len(request["body"]["messages"]) for request in sent] == [1, 3, 5]
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
 def test_the_tool_runner_threads_through_an_openai_format_backend(emulator, relay, stream):
     emu = emulator("--format", "openai", "--tool-turns", str(TURNS))
