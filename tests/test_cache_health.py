@@ -508,3 +508,40 @@ async def test_diagnostics_from_an_openai_format_backend(aiohttp_server, aiohttp
     finally:
         await client.close()
         await client.chain.shutdown(client.config)
+
+
+@pytest.mark.parametrize("store", ["sqlite", "redis"])
+def test_replicas_share_the_session_record_through_the_real_store(emulator, relay, tmp_path,
+                                                                  request, store):
+    """Two relay processes on one shared state (a SQLite file, a redis-server), taking a
+    session's requests in turn: each judges against the record the other left, and computes
+    diagnostics for an answer the other gave."""
+    import urllib.request
+
+    url = (f"sqlite:///{tmp_path / 'state.db'}" if store == "sqlite"
+           else request.getfixturevalue("redis_server").url)
+    emu = emulator("--prompt-cache", "--no-diagnostics")
+    config = {"pipeline": ["cache"], "state": {"url": url},
+              "backends": [{"name": "emulator", "url": emu.url, "models": ["*"]}]}
+    replicas = [relay(config), relay(config)]
+
+    def send(replica, body: dict) -> tuple[dict, str]:
+        asked = urllib.request.Request(
+            replica.url + "/v1/messages", data=orjson.dumps(body), method="POST",
+            headers={"content-type": "application/json", "anthropic-version": "2023-06-01",
+                     "x-api-key": "sk-test", **SESSION})
+        with urllib.request.urlopen(asked, timeout=10) as answer:
+            return orjson.loads(answer.read()), answer.headers["x-relay-cache"]
+
+    first, header = send(replicas[0], asking(conversation(1), None))
+    assert header == "write"
+    body = asking(conversation(2), first["id"])
+    body["system"][1]["text"] = "changed"
+    second, header = send(replicas[1], body)
+    assert header == "miss; cause=system_changed; where=system[1]; by=client"
+    reason = BetaMessage.model_validate(second).diagnostics.cache_miss_reason
+    assert isinstance(reason, BetaCacheMissSystemChanged)
+    third, header = send(replicas[0], asking(conversation(3) | {"system": body["system"]},
+                                             second["id"]))
+    assert header == "hit"
+    assert "diagnostics" not in third  # the other replica's answer, found: nothing diverged
