@@ -765,3 +765,25 @@ async def test_the_parsed_request_is_let_go_once_sent_and_reread_on_demand(setup
     assert released is None  # nothing held the parsed history while the upstream worked
     assert reread == orjson.loads(upstream.received[0]["raw"])
     assert reread["messages"][0]["content"] == "changed by a plugin"
+
+
+@pytest.mark.parametrize("pipeline, ends", [((), 0), (("dedup", "pairing", "ordering"), 0),
+                                            (("dedup", "metrics"), 2)])
+async def test_the_end_hooks_cost_only_a_pipeline_that_has_them(setup, monkeypatch, pipeline,
+                                                                ends):
+    """Pay for what is configured: the end-of-exchange loop runs only where a plugin has an
+    end hook (dedup, pairing and ordering have none)."""
+    from relay.chain import Chain
+
+    ran = []
+    original = Chain.end
+
+    async def counted(self, exchange):
+        ran.append(exchange.id)
+        await original(self, exchange)
+
+    monkeypatch.setattr(Chain, "end", counted)
+    client, _ = await setup(pipeline=pipeline)
+    assert (await client.post("/v1/messages", json=BODY)).status == 200
+    assert (await (await client.post("/v1/messages", json={**BODY, "stream": True})).read())
+    assert len(ran) == ends
