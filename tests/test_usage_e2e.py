@@ -141,6 +141,19 @@ async def test_a_stream_cut_before_its_usage_is_final_is_charged_what_was_report
     assert row["cost_micro_usd"] == 360 + 15 + 270 + 750 + 384
 
 
+async def test_an_openai_stream_cut_before_its_usage_chunk_is_marked_incomplete(
+        aiohttp_client, aiohttp_server):
+    # An OpenAI-format stream reports its usage in its last chunk only: cut before it, the
+    # upstream reported nothing, and the row says that it is incomplete rather than free.
+    client = await relay_for(aiohttp_client, aiohttp_server, fmt="openai", cut_after=3)
+    resp = await post(client, request(user(text("go")), model="gpt-4.1-mini", stream=True))
+    streamed = await resp.read()
+    assert b"event: error" in streamed
+    [row] = await ledger(client, 1)
+    assert not row["usage_complete"]
+    assert (row["input_tokens"], row["output_tokens"], row["cost_micro_usd"]) == (0, 0, 0)
+
+
 async def test_a_stream_the_client_abandons_is_charged_and_marked_incomplete(
         aiohttp_client, aiohttp_server):
     client = await relay_for(aiohttp_client, aiohttp_server, stall_after=4, stall_ms=3000)
