@@ -583,6 +583,30 @@ async def test_redis_every_key_expires_but_the_ledgers_index_and_the_keys(redis_
         await client.aclose()
 
 
+async def test_redis_keeps_the_ledger_for_its_retention_only(redis_server):
+    """Rows older than the retention leave the ledger's index as new ones come, and every
+    row's own key expires within the retention: the ledger stays bounded in Redis too."""
+    import redis.asyncio
+
+    state = await open_state({"url": redis_server.url, "retention_days": 1})
+    try:
+        await state.record([{"id": "old", "time": time.time() - 2 * 86400}])
+        await state.record([{"id": "new", "time": time.time()}])
+        assert [row["id"] for row in await state.rows()] == ["new"]
+    finally:
+        await state.close()
+    client = redis.asyncio.Redis.from_url(redis_server.url)
+    try:
+        assert [member.decode() for member in await client.zrange("relay:ledger", 0, -1)] \
+            == ["new"]
+        rows = [k async for k in client.scan_iter("relay:row:*")]
+        assert rows
+        for row in rows:
+            assert 0 < await client.ttl(row) <= 86400
+    finally:
+        await client.aclose()
+
+
 async def test_redis_the_ids_of_the_adds_batches_cost_one_small_key_a_process(redis_server):
     """Each batch of adds has an id, so that one sent again counts once; the ids the process
     has heard back about are dropped, so a soak's hundreds of thousands of batches leave one
