@@ -255,14 +255,25 @@ async def test_the_pages_read_the_ledger(served):
         row(2, now, status=400, outcome="rejected", session="sess-rewrite"),
         row(3, now, cache={"status": "miss", "cause": "system_changed", "where": "system"},
             session="sess-rewrite"),
+        row(4, now, key="team-b", backend="other", cache_read_input_tokens=0,
+            cache_write_1h_input_tokens=500, session="sess-other"),
     ])
     await log_in(served)
     overview = await (await served.get("/console")).text()
-    assert 'data-metric="requests-hour">3<' in overview
+    assert 'data-metric="requests-hour">4<' in overview
     assert 'data-metric="errors-hour">1<' in overview
     assert 'data-metric="repairs-hour">2<' in overview  # a repair and an id rewrite
+    # The cache by backend and by key: hit ratio, read, written, fresh, breaks.
+    cells = "<td class=num>75%</td><td class=num>900</td><td class=num>0</td>" \
+            "<td class=num>300</td><td class=num>1</td>"
+    assert f"<td>emulator</td>{cells}" in overview and f"<td>team-a</td>{cells}" in overview
+    cells = "<td class=num>0%</td><td class=num>0</td><td class=num>500</td>" \
+            "<td class=num>100</td><td class=num>0</td>"
+    assert f"<td>other</td>{cells}" in overview and f"<td>team-b</td>{cells}" in overview
     sessions = await (await served.get("/console/sessions")).text()
     assert "system_changed" in sessions and "sess-rewrite"[:16] in sessions
+    assert "<td class=num>75%</td><td class=num>900 / 0 / 300</td>" in sessions
+    assert "<td class=num>0%</td><td class=num>0 / 500 / 100</td>" in sessions
     page = await (await served.get("/console/session?id=sess-rewrite")).text()
     assert all(f"req_00000{n}" in page for n in (1, 2, 3))
     listed = await (await served.get("/console/exchanges?outcome=rejected")).text()

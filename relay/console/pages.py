@@ -134,6 +134,20 @@ def overview(data: dict) -> str:
         f'{ratio(data["cache_day"])}</span> <span class="muted">last day</span></p>'
         '<p class="muted">cache reads over all input tokens (fresh, written and read)</p>'
         '</section>')
+    for field, title in (("backend", "backend"), ("key", "relay key")):
+        rows = [[e(entry["name"]),
+                 f'{entry["ratio"]:.0%}' if entry["ratio"] is not None else "-",
+                 f'{entry["read"]:,}',
+                 f'{entry["written"]:,}', f'{entry["fresh"]:,}', str(entry["breaks"])]
+                for entry in data["cache_by"][field]]
+        cards.append(
+            f'<section class="card" aria-label="Prompt cache by {title}">'
+            f'<h2>Prompt cache by {title}</h2>'
+            + (table([title.capitalize(), "Hit ratio", "Read", "Written", "Fresh", "Breaks"],
+                     rows, frozenset({1, 2, 3, 4, 5}))
+               if rows else '<p class="muted">no exchanges in the last day</p>')
+            + '<p class="muted">input tokens of the last day, by what the cache did with '
+              'them</p></section>')
     return (f'<p class="muted">{data["total"]} exchanges on record in the last day (the shared '
             f'ledger: every worker and replica).</p><div class="cards">{"".join(cards)}</div>')
 
@@ -208,15 +222,19 @@ def sessions(found: list[dict], page: int, pages: int) -> str:
                          f'{e(cache.get("cause"))}'
                          f'{" at " + e(cache["where"]) if cache.get("where") else ""}</div>'
                          for row_id, cache in s["breaks"][:5])
+        total = s["read"] + s["written"] + s["fresh"]
         rows.append([link("/console/session", s["session"][:16], id=s["session"]),
                      when(s["last"]), str(s["turns"]), _top(s["backends"]), _top(s["models"]),
                      str(s["repairs"]), str(s["rewrites"]), str(s["errors"]),
+                     f'{s["read"] / total:.0%}' if total else "-",
+                     f'{s["read"]:,} / {s["written"]:,} / {s["fresh"]:,}',
                      breaks or '<span class="muted">none</span>'])
     if not rows:
         return notice("No sessions in the last day.")
     return (table(["Session", "Last seen", "Turns", "Backends", "Models", "Repairs",
-                   "Id rewrites", "Errors", "Cache breaks (cause)"], rows,
-                  frozenset({2, 5, 6, 7}))
+                   "Id rewrites", "Errors", "Cache hit ratio",
+                   "Input read / written / fresh", "Cache breaks (cause)"], rows,
+                  frozenset({2, 5, 6, 7, 8, 9}))
             + pager("/console/sessions", page, pages, {}))
 
 

@@ -70,6 +70,35 @@ def cache_ratio(rows) -> float | None:
     return read / total if total else None
 
 
+def cache_tokens(row: dict) -> tuple[int, int, int]:
+    """What the prompt cache did with an exchange's input tokens: read, written, sent fresh."""
+    return (row.get("cache_read_input_tokens") or 0,
+            (row.get("cache_write_5m_input_tokens") or 0)
+            + (row.get("cache_write_1h_input_tokens") or 0),
+            row.get("input_tokens") or 0)
+
+
+def cache_by(rows, field: str) -> list[dict]:
+    """The cache's figures by ``field`` (``backend``, ``key``): read, written and fresh input
+    tokens, the hit ratio, and the breaks, the most input first."""
+    found: dict[str, dict] = {}
+    for row in rows:
+        name = row.get(field) or "-"
+        entry = found.get(name)
+        if entry is None:
+            entry = found[name] = {"name": name, "read": 0, "written": 0, "fresh": 0,
+                                   "breaks": 0}
+        read, written, fresh = cache_tokens(row)
+        entry["read"] += read
+        entry["written"] += written
+        entry["fresh"] += fresh
+        entry["breaks"] += cache_break(row) is not None
+    for entry in found.values():
+        total = entry["read"] + entry["written"] + entry["fresh"]
+        entry["ratio"] = entry["read"] / total if total else None
+    return sorted(found.values(), key=lambda e: -(e["read"] + e["written"] + e["fresh"]))
+
+
 def buckets(rows, start: float, size: float, count: int, value) -> list[float]:
     """``value(row)`` summed into ``count`` buckets of ``size`` seconds from ``start``."""
     out = [0.0] * count
@@ -94,6 +123,7 @@ def overview(rows: list[dict], now: float) -> dict[str, Any]:
                         "day": buckets(rows, day_start, 3600, 24, value)}
     series["cache_hour"] = cache_ratio(last_hour)
     series["cache_day"] = cache_ratio(rows)
+    series["cache_by"] = {field: cache_by(rows, field) for field in ("backend", "key")}
     series["hour_start"], series["day_start"] = hour_start, day_start
     series["total"] = len(rows)
     return series
@@ -111,7 +141,8 @@ def sessions(rows: list[dict]) -> list[dict]:
             session = found[key] = {"session": key, "first": row["time"], "last": row["time"],
                                     "turns": 0, "backends": Tally(), "models": Tally(),
                                     "keys": set(), "repairs": 0, "rewrites": 0, "breaks": [],
-                                    "errors": 0, "ids": []}
+                                    "errors": 0, "ids": [], "read": 0, "written": 0,
+                                    "fresh": 0}
         session["first"] = min(session["first"], row["time"])
         session["last"] = max(session["last"], row["time"])
         session["turns"] += 1
@@ -122,6 +153,10 @@ def sessions(rows: list[dict]) -> list[dict]:
         session["repairs"] += repairs_of(row)
         session["rewrites"] += rewrites_of(row)
         session["errors"] += is_error(row)
+        read, written, fresh = cache_tokens(row)
+        session["read"] += read
+        session["written"] += written
+        session["fresh"] += fresh
         broke = cache_break(row)
         if broke is not None:
             session["breaks"].append((row["id"], broke))
