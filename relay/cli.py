@@ -14,7 +14,7 @@ from . import __version__, logs
 from . import config as config_module
 from .chain import Chain, load_plugins
 from .errors import ConfigError
-from .state import warn_if_per_process
+from .state import check_per_process
 
 # Each command: the module that declares its arguments and runs it (serve's is this one), and
 # its help line.
@@ -133,7 +133,10 @@ def run_serve(args) -> int:
         if name not in config.pipeline:
             logging.getLogger("relay").warning(
                 "plugins.%s: options for a plugin that is not in the pipeline", name)
-    warn_if_per_process(config)
+    try:
+        check_per_process(config)
+    except ConfigError as e:
+        return fail(f"config error: {e}")
     warn_if_unenforced(config)
     logs.announce(describe(config))
     try:

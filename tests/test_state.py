@@ -6,6 +6,7 @@ a file that stays bounded, a clean ``Unavailable`` when the store cannot answer.
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import sqlite3
 import subprocess
@@ -459,6 +460,28 @@ def test_workers_with_the_state_in_memory_are_warned_of_at_start(relay, emulator
                    args=["--workers", "2"])
     assert shared.wait_for_output("(2 workers)")
     assert "state.url is empty" not in shared.output()
+
+
+@pytest.mark.slow
+def test_workers_with_limits_and_the_state_in_memory_do_not_start(tmp_path):
+    """Limits each worker would count on its own let N times as much through: refused at
+    start-up, before anything listens, rather than found out from a bill."""
+    import yaml
+
+    path = tmp_path / "relay.yaml"
+    path.write_text(yaml.safe_dump({
+        "pipeline": ["limits"],
+        "server": {"auth": {"keys": [{"name": "team", "key_env": "TEAM_KEY",
+                                      "limits": {"requests_per_minute": 10}}]}},
+        "backends": [{"name": "emu", "url": "http://127.0.0.1:9", "models": ["*"]}]}))
+    started = subprocess.run(
+        [sys.executable, "-m", "relay", "--config", str(path), "--port", "0", "--workers", "2"],
+        env={**os.environ, "TEAM_KEY": "team-key-" + "t" * 20}, capture_output=True,
+        text=True, timeout=60)
+    assert started.returncode == 2, started.stderr
+    assert "each worker would count them on its own and let 2 times as much through" \
+        in started.stderr
+    assert "listening" not in started.stderr + started.stdout
 
 
 # --- portable's thinking provenance on the seam ---------------------------------------------

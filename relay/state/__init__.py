@@ -257,17 +257,27 @@ class State:
         """Finish pending writes (within a short time) and let go of connections."""
 
 
-def warn_if_per_process(config) -> None:
+def check_per_process(config) -> None:
     """At start-up, before the workers fork: with several workers and the state in memory,
     each worker would count for itself (a limit of N would let N times as much through, and
-    each worker's ledger would be its own). Said loudly rather than refused: a relay without
-    limits or usage loses nothing."""
-    if config.workers > 1 and not (config.state or {}).get("url"):
-        logging.getLogger("relay").warning(
-            "server.workers is %d and state.url is empty: each worker keeps its own counters, "
-            "concurrency slots, ledger and keys in its memory, so limits and usage are per "
-            "worker; set state.url (sqlite:///./relay-state.db for one host, redis://... for "
-            "several) to share them", config.workers)
+    each worker's ledger would be its own). Refused where relay keys have limits the limits
+    plugin keeps (ConfigError): they would not hold. Said loudly otherwise: a relay without
+    limits loses only the ledger's unity."""
+    if config.workers <= 1 or (config.state or {}).get("url"):
+        return
+    limited = bool(config.default_limits) or any(
+        key.limits is not None for key in config.keys or ())
+    if limited and "limits" in config.pipeline:
+        raise ConfigError(
+            f"server.workers is {config.workers} and state.url is empty, but relay keys have "
+            f"limits: each worker would count them on its own and let {config.workers} times "
+            "as much through; set state.url (sqlite:///./relay-state.db for one host, "
+            "redis://... for several)")
+    logging.getLogger("relay").warning(
+        "server.workers is %d and state.url is empty: each worker keeps its own counters, "
+        "concurrency slots, ledger and keys in its memory, so limits and usage are per "
+        "worker; set state.url (sqlite:///./relay-state.db for one host, redis://... for "
+        "several) to share them", config.workers)
 
 
 async def open_state(options: dict[str, Any] | None = None) -> State:
