@@ -679,7 +679,6 @@ class Metrics:
                     self.cache_tokens.labels(backend, exchange.key_name or "-", kind).inc(
                         tokens)
 
-
     def _quota(self, exchange, backend: str, answer) -> None:
         """The upstream account's quota headers of this answer (those a relay key's replaced,
         or those the client got), at most once a QUOTA_SECONDS per backend and credential."""
