@@ -196,12 +196,15 @@ async def test_the_sdk_reads_a_pinged_stream_as_the_same_message(aiohttp_server,
     sdk = anthropic.AsyncAnthropic(base_url=str(client.make_url("")), api_key="k" * 20,
                                    max_retries=0)
     try:
-        async with sdk.messages.stream(model=BODY["model"], max_tokens=10,
-                                       messages=BODY["messages"]) as stream:
-            kinds = [event.type async for event in stream]
-            message = await stream.get_final_message()
+        # Twice: the SDK builds its event models on the first stream it reads, on this loop,
+        # which on a busy machine can take up the pause the pings are counted in.
+        for _ in range(2):
+            async with sdk.messages.stream(model=BODY["model"], max_tokens=10,
+                                           messages=BODY["messages"]) as stream:
+                kinds = [event.type async for event in stream]
+                message = await stream.get_final_message()
+            assert "ping" not in kinds and message.content[0].text == "hello"
     finally:
         await sdk.close()
-    assert "ping" not in kinds and message.content[0].text == "hello"
-    pinged = next(e for e in recorder.ended[0].timeline if e["action"] == "keep-alive")
-    assert pinged["pings"] >= 3
+    pinged = [e for e in recorder.ended[-1].timeline if e["action"] == "keep-alive"]
+    assert pinged and pinged[0]["pings"] >= 3, recorder.ended[-1].timeline
