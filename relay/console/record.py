@@ -62,11 +62,9 @@ def cache_break(row: dict) -> dict | None:
 def cache_ratio(rows) -> float | None:
     read = total = 0
     for row in rows:
-        r = row.get("cache_read_input_tokens") or 0
-        read += r
-        total += (r + (row.get("input_tokens") or 0)
-                  + (row.get("cache_write_5m_input_tokens") or 0)
-                  + (row.get("cache_write_1h_input_tokens") or 0))
+        figures = cache_tokens(row)
+        read += figures[0]
+        total += sum(figures)
     return read / total if total else None
 
 
