@@ -332,8 +332,10 @@ class Cache:
     @hookimpl
     def relay_startup(self, options, state):
         if state is not None and getattr(state, "kind", "memory") != "memory":
+            # A session's record is written at every request: behind, so that none waits
+            # for the store. A diagnosed answer is written before the client has its id.
             self.records = SharedRecords(state, "sessions", Record.from_bytes,
-                                         options["max_age"])
+                                         options["max_age"], behind=True)
             self.answers = SharedRecords(state, "cache-answers", Diagnosed.from_bytes,
                                          options["max_age"])
         else:
@@ -578,10 +580,10 @@ class Cache:
                                    Diagnosed(upstream, tokens))
         if judgement.key is None:
             return
+        # Built on the record the judgement read once the answer began, moments ago: not
+        # read again (a round trip to a shared state), so another process's write of this
+        # session in between is overwritten.
         record = judgement.record
-        if self.records.shared:
-            # Another replica may have written since: build on the newest.
-            record = await self.records.get(judgement.key)
         now = exchange.received
         if record is None:
             record = Record(started=now, updated=now)

@@ -294,11 +294,15 @@ class SharedRecords:
 
     shared = True
 
-    def __init__(self, state, namespace: str, decode, max_age: float = MAX_AGE):
+    def __init__(self, state, namespace: str, decode, max_age: float = MAX_AGE,
+                 behind: bool = False):
         self.state = state
         self.namespace = namespace
         self.decode = decode
         self.max_age = max_age
+        # Written behind (State.put_soon): the caller does not wait for the store, and other
+        # processes read the record once it lands, milliseconds later.
+        self.behind = behind
         self._failures = 0
         self._warned = -WARN_EVERY
 
@@ -327,6 +331,9 @@ class SharedRecords:
 
     async def put(self, key: str, value) -> None:
         try:
-            await self.state.put(self.namespace, {key: value.to_bytes()}, self.max_age)
+            if self.behind:
+                self.state.put_soon(self.namespace, {key: value.to_bytes()}, self.max_age)
+            else:
+                await self.state.put(self.namespace, {key: value.to_bytes()}, self.max_age)
         except Exception as e:
             self._failed("written", e)

@@ -5,9 +5,11 @@ a backend without them, checked with the SDK's own types; the session record."""
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
 import dataclasses
 import datetime
+import time
 
 import orjson
 import pytest
@@ -404,9 +406,22 @@ async def test_the_access_log_and_the_dump_carry_the_verdict(relay_client):
 
 
 class SharedMemory(MemoryState):
-    """One process's memory standing in for a state that replicas share (Redis, SQLite)."""
+    """One process's memory standing in for a state that replicas share (Redis, SQLite),
+    counting the calls a request waits for (a round trip each, on a real one)."""
 
     kind = "shared"
+
+    def __init__(self):
+        super().__init__()
+        self.waited: collections.Counter = collections.Counter()
+
+    async def get(self, namespace, keys):
+        self.waited["get", namespace] += 1
+        return await super().get(namespace, keys)
+
+    async def put(self, namespace, items, ttl):
+        self.waited["put", namespace] += 1
+        await super().put(namespace, items, ttl)
 
 
 async def test_replicas_on_a_shared_state_share_the_record(aiohttp_server, aiohttp_client):
@@ -432,6 +447,10 @@ async def test_replicas_on_a_shared_state_share_the_record(aiohttp_server, aioht
     assert second["diagnostics"]["cache_miss_reason"]["type"] == "system_changed"
     _, header = await send(replicas[0], conversation(3) | {"system": body["system"]})
     assert header == "hit"
+    # A request waits for one read of its session's record, never for its write (written
+    # behind); a diagnosed answer is written before its client has its id.
+    assert state.waited == {("get", "sessions"): 3, ("put", "cache-answers"): 2,
+                            ("get", "cache-answers"): 1}
     (key,) = [key for namespace, key in state._kv if namespace == "sessions"]
     stored = await state.get("sessions", [key])
     assert Record.from_bytes(stored[0]).turns == 3
@@ -526,6 +545,9 @@ def test_replicas_share_the_session_record_through_the_real_store(emulator, rela
     replicas = [relay(config), relay(config)]
 
     def send(replica, body: dict) -> tuple[dict, str]:
+        # A session's record is written behind each answer, within milliseconds: the next
+        # turn of a conversation comes after its client has read the answer.
+        time.sleep(0.5)
         asked = urllib.request.Request(
             replica.url + "/v1/messages", data=orjson.dumps(body), method="POST",
             headers={"content-type": "application/json", "anthropic-version": "2023-06-01",

@@ -174,6 +174,19 @@ async def test_key_values_expire_and_namespaces_are_apart(state):
     assert await state.get("provenance", ["x"]) == [b"1"]
 
 
+async def test_a_value_put_soon_is_read_at_once_until_a_later_put_or_delete(state):
+    state.put_soon("sessions", {"a": b"1", "b": b"2"}, ttl=60)
+    state.put_soon("sessions", {"a": b"newer"}, ttl=60)
+    assert await state.get("sessions", ["a", "b", "c"]) == [b"newer", b"2", None]
+    assert await state.get("other", ["a"]) == [None]
+    await state.put("sessions", {"a": b"put"}, ttl=60)
+    await state.delete("sessions", ["b"])
+    state.put_soon("sessions", {"short": b"x"}, ttl=0.2)
+    assert await state.get("sessions", ["a", "b", "short"]) == [b"put", None, b"x"]
+    await asyncio.sleep(0.3)  # queued or written: what the queue held is never read again
+    assert await state.get("sessions", ["a", "b", "short"]) == [b"put", None, None]
+
+
 async def rows_when_back(state, wanted: str, within: float = 15.0) -> list[dict]:
     deadline = time.monotonic() + within
     while True:
@@ -265,11 +278,40 @@ async def test_sqlite_locked_past_the_timeout_is_unavailable_and_the_ledger_wait
         assert time.monotonic() - started < 0.1  # not the 0.2 s timeout
         assert state.unavailable_count >= 2
         await state.record([{"id": "waited", "time": time.time()}])  # never raises
+        state.put_soon("ns", {"waited": b"1"}, ttl=60)
+        assert await state.get("ns", ["waited"]) == [b"1"]  # this process reads its own
         await asyncio.sleep(sqlite_state.DOWN_SECONDS)
         blocker.execute("ROLLBACK")
         rows = await rows_when_back(state, "waited", within=5.0)
         assert [r["id"] for r in rows] == ["waited"]
+        assert blocker.execute("SELECT value FROM kv WHERE key = 'waited'").fetchall() \
+            == [(b"1",)]
         assert (await state.take([Counter("key:a:rpm", "minute", limit=5)])).granted
+    finally:
+        blocker.close()
+        await state.close()
+
+
+async def test_sqlite_reads_need_no_write_lock_and_leave_the_queue_to_its_time(
+        tmp_path, monkeypatch):
+    """A key-value read or the keys' version is answered while another process holds the
+    write lock, and carries none of what waits to be written (ledger rows keep lingering,
+    to share a commit)."""
+    monkeypatch.setattr(sqlite_state, "ROW_LINGER", 30.0)  # the rows wait for a reader
+    path = tmp_path / "state.db"
+    state = await open_state({"url": f"sqlite:///{path}", "timeout": 0.2})
+    blocker = sqlite3.connect(path, isolation_level=None)
+    try:
+        await state.put("ns", {"k": b"v"}, ttl=60)
+        version = await state.keys_version()
+        await state.record([{"id": "lingering", "time": time.time()}])
+        blocker.execute("BEGIN IMMEDIATE")
+        assert await state.get("ns", ["k", "x"]) == [b"v", None]
+        assert await state.keys_version() == version
+        blocker.execute("ROLLBACK")
+        assert blocker.execute("SELECT id FROM ledger").fetchall() == []
+        rows = await rows_when_back(state, "lingering", within=5.0)
+        assert [r["id"] for r in rows] == ["lingering"]
     finally:
         blocker.close()
         await state.close()
@@ -362,8 +404,17 @@ async def test_redis_stopped_mid_run_is_unavailable_at_once_and_the_ledger_catch
         assert len(warnings) == 1 and "Traceback" not in warnings[0].getMessage()
         await state.record([{"id": "during", "time": time.time()}])  # never raises
         await state.add([Counter("key:a:otpm", "minute", amount=7)])
+        state.put_soon("ns", {"during": b"1"}, ttl=60)
         redis_server.start()
         await rows_when_back(state, "during")
+        other = await open_state({"url": redis_server.url})
+        try:
+            deadline = time.monotonic() + 10
+            while await other.get("ns", ["during"]) != [b"1"]:
+                assert time.monotonic() < deadline, "what was queued never landed"
+                await asyncio.sleep(0.05)
+        finally:
+            await other.close()
         counts = await state.counts([rpm, Counter("key:a:otpm", "minute")])
         assert [c.used for c in counts] == [0, 7]  # Redis kept nothing; what waited landed
         assert (await state.take([rpm])).granted
@@ -576,6 +627,24 @@ async def test_what_is_queued_at_close_is_written(shared_url):
                                                     now=BASE)] == [3]
     finally:
         await again.close()
+
+
+async def test_a_value_put_soon_reaches_the_other_processes_within_moments(shared_url):
+    """Written behind: no call waits for it, another process reads it once it lands (and
+    what is still queued at close lands then)."""
+    writer, reader = await open_state({"url": shared_url}), await open_state({"url": shared_url})
+    try:
+        writer.put_soon("sessions", {"s": b"turn 1"}, ttl=60)
+        deadline = time.monotonic() + 5
+        while await reader.get("sessions", ["s"]) != [b"turn 1"]:
+            assert time.monotonic() < deadline, "never written"
+            await asyncio.sleep(0.01)
+        writer.put_soon("sessions", {"s": b"turn 2"}, ttl=60)
+        await writer.close()
+        assert await reader.get("sessions", ["s"]) == [b"turn 2"]
+    finally:
+        await writer.close()
+        await reader.close()
 
 
 async def test_redis_every_key_expires_but_the_ledgers_index_and_the_keys(redis_server):

@@ -23,10 +23,10 @@ process; the default), :class:`relay.state.sqlite.SQLiteState` (``sqlite:///PATH
 for the workers of one host), :class:`relay.state.redis.RedisState` (``redis://``: replicas
 on several hosts); :func:`open_state` puts :class:`relay.state.lease.LeasedState` in front
 of the shared ones, so that what is far from its limits is spent in memory. Each method is
-one round trip at most. :meth:`State.add`,
-:meth:`State.release` and :meth:`State.record` owe no answer: the shared backends queue them
-and send them with the next call (or within milliseconds), so they cost a request next to
-nothing; a process always reads its own writes.
+one round trip at most. :meth:`State.add`, :meth:`State.release`, :meth:`State.record` and
+:meth:`State.put_soon` owe no answer: the shared backends queue them and send them with the
+next call (or within milliseconds), so they cost a request next to nothing; a process
+always reads its own writes.
 
 **When the backend cannot be reached** a method raises :class:`Unavailable` after at most
 ``timeout`` seconds (:meth:`State.rows`, an operator's read that no request waits for, gets
@@ -248,6 +248,12 @@ class State:
 
     async def put(self, namespace: str, items: dict[str, bytes], ttl: float) -> None:
         """Store each value under its key in ``namespace`` for ``ttl`` seconds."""
+        raise NotImplementedError
+
+    def put_soon(self, namespace: str, items: dict[str, bytes], ttl: float) -> None:
+        """:meth:`put` without a coroutine: queued at once, owing no answer, written within
+        milliseconds (other processes read it from then on; this one at once). For what is
+        written on every request (a session's record): no request waits for the store."""
         raise NotImplementedError
 
     async def delete(self, namespace: str, keys: Sequence[str]) -> None:

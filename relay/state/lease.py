@@ -516,6 +516,9 @@ class LeasedState(State):
     async def put(self, namespace: str, items: dict[str, bytes], ttl: float) -> None:
         await self.inner.put(namespace, items, ttl)
 
+    def put_soon(self, namespace: str, items: dict[str, bytes], ttl: float) -> None:
+        self.inner.put_soon(namespace, items, ttl)
+
     async def delete(self, namespace: str, keys: Sequence[str]) -> None:
         await self.inner.delete(namespace, keys)
 

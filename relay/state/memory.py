@@ -177,13 +177,16 @@ class MemoryState(State):
             found.append(entry[1] if entry is not None and entry[0] > now else None)
         return found
 
-    async def put(self, namespace: str, items: dict[str, bytes], ttl: float) -> None:
+    def put_soon(self, namespace: str, items: dict[str, bytes], ttl: float) -> None:
         until = time.time() + ttl
         for key, value in items.items():
             self._kv[(namespace, key)] = (until, _exact(value))
             self._kv.move_to_end((namespace, key))
         while len(self._kv) > self.max_entries:
             self._kv.popitem(last=False)
+
+    async def put(self, namespace: str, items: dict[str, bytes], ttl: float) -> None:
+        self.put_soon(namespace, items, ttl)
 
     async def delete(self, namespace: str, keys: Sequence[str]) -> None:
         for key in keys:

@@ -210,6 +210,8 @@ class RedisState(State):
         self._open: set[int] = set()  # batches sent whose answer is not known yet
         self._releases: list[tuple[str, str]] = []
         self._pending: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
+        # Key-value entries to write, by Redis key: (value, until), the newest last.
+        self._puts: dict[str, tuple[bytes, float]] = {}
         self._flusher: asyncio.Task | None = None
         # Script calls of this turn of the loop: (keys, arguments, reply, seconds to wait).
         self._outgoing: list[tuple[list[str], list[Any], asyncio.Future, float]] = []
@@ -296,6 +298,10 @@ class RedisState(State):
     # --- one round trip: what is queued, then the call's own commands ---
 
     def _has_queued(self) -> bool:
+        return bool(self._puts) or self._carried()
+
+    def _carried(self) -> bool:
+        """Whether the script has something queued to carry."""
         return bool(self._adds or self._unsure or self._releases or self._pending)
 
     def _queued(self, rows: int) -> tuple[list[str], list[Any], tuple]:
@@ -449,10 +455,11 @@ class RedisState(State):
             pipe.evalsha(self._sha, len(keys), *keys, *argv)
         return await pipe.execute(raise_on_error=False)
 
-    async def _commands(self, build, wait: float | None = None) -> list:
-        """What is queued (when anything is), then the commands ``build`` adds to a pipeline,
-        in one round trip; the results of ``build``'s commands."""
-        if self._has_queued():
+    async def _commands(self, build, wait: float | None = None, carry: bool = True) -> list:
+        """What is queued (when anything is, and ``carry``: for a read of what it changes),
+        then the commands ``build`` adds to a pipeline, in one round trip; the results of
+        ``build``'s commands."""
+        if carry and self._carried():
             await self._script([], [])
         self._check_up()
         self._trim_later()
@@ -610,21 +617,82 @@ class RedisState(State):
     async def get(self, namespace: str, keys: Sequence[str]) -> list[bytes | None]:
         if not keys:
             return []
-        (values,) = await self._commands(
-            lambda pipe: pipe.mget([_kv_key(namespace, key) for key in keys]))
-        return list(values)
+        names = [_kv_key(namespace, key) for key in keys]
+        puts = self._puts
+        queued = [puts.get(name) for name in names] if puts else None
+        if queued is None or None in queued:
+            # Nothing queued is a counter, a slot or a row this reads: it need not wait.
+            (values,) = await self._commands(lambda pipe: pipe.mget(names), carry=False)
+        else:
+            values = [None] * len(names)
+        if queued is None:
+            return list(values)
+        now = time.time()
+        return [v if q is None else q[0] if q[1] > now else None
+                for q, v in zip(queued, values, strict=True)]
+
+    def put_soon(self, namespace: str, items: dict[str, bytes], ttl: float) -> None:
+        until = time.time() + ttl
+        puts = self._puts
+        for key, value in items.items():
+            name = _kv_key(namespace, key)
+            puts.pop(name, None)  # to the end: the newest go last
+            puts[name] = (value, until)
+        dropped = 0
+        while len(puts) > MAX_PENDING:
+            del puts[next(iter(puts))]
+            dropped += 1
+        if dropped:
+            log.warning("state %s: %d key-value entries dropped (%d waited for Redis)",
+                        self.where, dropped, MAX_PENDING)
+        self._schedule()
+
+    def _unqueue(self, namespace: str, keys: Iterable[str]) -> None:
+        """What a later :meth:`put` or :meth:`delete` of the same keys supersedes."""
+        if self._puts:
+            for key in keys:
+                self._puts.pop(_kv_key(namespace, key), None)
 
     async def put(self, namespace: str, items: dict[str, bytes], ttl: float) -> None:
         if not items:
             return
+        self._unqueue(namespace, items)
         ms = max(1, int(ttl * 1000))
         await self._commands(lambda pipe: [pipe.set(_kv_key(namespace, key), value, px=ms)
                                           for key, value in items.items()])
 
     async def delete(self, namespace: str, keys: Sequence[str]) -> None:
         if keys:
+            self._unqueue(namespace, keys)
             await self._commands(
                 lambda pipe: pipe.delete(*[_kv_key(namespace, key) for key in keys]))
+
+    async def _send_puts(self) -> None:
+        """The key-value entries queued, in one pipeline; on a failure they wait again
+        (behind what was queued since, which is newer)."""
+        puts, self._puts = self._puts, {}
+        now = time.time()
+        live = [(name, value, int((until - now) * 1000))
+                for name, (value, until) in puts.items() if until > now]
+        if not live:
+            return
+        try:
+            self._check_up()
+            pipe = self._redis.pipeline(transaction=False)
+            for name, value, ms in live:
+                pipe.set(name, value, px=max(1, ms))
+            results = await asyncio.wait_for(pipe.execute(raise_on_error=False), self.timeout)
+            failed = next((r for r in results if isinstance(r, Exception)), None)
+            if failed is not None:
+                raise failed
+        except Exception as e:  # refused, reset, timed out, a reply it could not read
+            merged = {**puts, **self._puts}
+            while len(merged) > MAX_PENDING:
+                del merged[next(iter(merged))]
+            self._puts = merged
+            if isinstance(e, Unavailable):
+                raise
+            raise self._failure(e) from None
 
     # --- the background flush: what is queued, when no call carries it ---
 
@@ -642,7 +710,8 @@ class RedisState(State):
             waited += LINGER
             if not self._has_queued():
                 break  # a call carried it meanwhile
-            if not (self._adds or self._unsure or self._releases) and waited < ROW_LINGER \
+            if not (self._adds or self._unsure or self._releases or self._puts) \
+                    and waited < ROW_LINGER \
                     and len(self._pending) < ROW_BATCH:
                 continue  # only ledger rows: more of them share the round trip
             waited = 0.0
@@ -655,4 +724,7 @@ class RedisState(State):
                 pause = min(pause * 2, 30.0)
 
     async def _flush(self) -> None:
-        await self._script([], [], rows=ROW_BATCH)
+        if self._puts:
+            await self._send_puts()
+        if self._carried():
+            await self._script([], [], rows=ROW_BATCH)

@@ -9,10 +9,13 @@ unit of a counter.
 The event loop never waits for SQLite. Every statement runs in one thread of this state's
 own (``SQLiteState._work``), which takes whatever queued meanwhile into one transaction:
 under load, many requests' takes share one commit. What needs no answer (:meth:`add`,
-:meth:`release`, :meth:`record`) is only queued; the next transaction carries it, within
-``LINGER`` seconds when nothing else wakes the thread (``ROW_LINGER`` while only ledger rows
-wait: dozens of rows share a commit), and before any later call of the same process, so a
-process always reads its own writes. A call that gets no answer within
+:meth:`release`, :meth:`record`, :meth:`put_soon`) is only queued; the next transaction
+carries it, within ``LINGER`` seconds when nothing else wakes the thread (``ROW_LINGER``
+while only ledger rows wait: dozens of rows share a commit), and before any later call of
+the same process that could read it, so a process always reads its own writes (a key-value
+entry still queued is read from the queue). A call that only reads the key-value store or
+the keys' version neither waits for nor hurries what is queued: it runs outside any write
+transaction. A call that gets no answer within
 ``timeout`` raises :class:`~relay.state.Unavailable` (and for ``DOWN_SECONDS`` after a
 failure every call does so at once); if the thread still grants it later, the take is undone
 (its slots released, its amounts taken back). The ledger is read (:meth:`rows`) on another
@@ -113,16 +116,17 @@ def connect(path: str, timeout: float) -> sqlite3.Connection:
 class _Call:
     """One call queued for the worker, and the future its caller awaits."""
 
-    __slots__ = ("run", "args", "future", "loop", "abandoned", "flush")
+    __slots__ = ("run", "args", "future", "loop", "abandoned", "flush", "read")
 
     def __init__(self, run: Callable, args: tuple, future: asyncio.Future,
-                 loop: asyncio.AbstractEventLoop, flush: bool = False):
+                 loop: asyncio.AbstractEventLoop, flush: bool = False, read: bool = False):
         self.run = run
         self.args = args
         self.future = future
         self.loop = loop
         self.abandoned = False  # the caller gave up: not to be run, or to be undone
         self.flush = flush  # the whole ledger backlog goes in before the answer
+        self.read = read  # reads nothing this process may have queued: needs no write
 
 
 class SQLiteState(State):
@@ -138,6 +142,8 @@ class SQLiteState(State):
         self._calls: list[_Call] = []
         self._adds: dict[tuple[str, int], list[int]] = {}  # (name, start) -> [end, amount]
         self._releases: list[tuple[str, str]] = []
+        # Key-value entries to write, by (namespace, key): (until, value), the newest last.
+        self._puts: dict[tuple[str, str], tuple[float, bytes]] = {}
         # Ledger rows waiting for the file, by id: (id, time, the row encoded), the values of
         # its INSERT in their order. Encoded at once, so that what waits is three plain values
         # a row, never a tree of objects.
@@ -212,14 +218,14 @@ class SQLiteState(State):
     # --- what the loop does: queue, and wait for an answer when one is owed ---
 
     async def _call(self, run: Callable, *args: Any, flush: bool = False,
-                    wait: float | None = None) -> Any:
+                    wait: float | None = None, read: bool = False) -> Any:
         if self._thread is None:
             raise Unavailable("the SQLite state is closed")
         if time.monotonic() < self._down_until:
             self._unreachable(1, "unreachable a moment ago")
             raise Unavailable(f"{self.path}: unreachable (a moment ago)")
         loop = asyncio.get_running_loop()
-        call = _Call(run, args, loop.create_future(), loop, flush)
+        call = _Call(run, args, loop.create_future(), loop, flush, read)
         with self._wake:
             self._calls.append(call)
             self._wake.notify()
@@ -355,18 +361,57 @@ class SQLiteState(State):
         return await self._call(self._keys)
 
     async def keys_version(self) -> int:
-        return await self._call(self._keys_version)
+        return await self._call(self._keys_version, read=True)
 
     async def put_key(self, record: dict[str, Any]) -> None:
         await self._call(self._put_key, orjson.dumps(record), record["name"])
 
     async def get(self, namespace: str, keys: Sequence[str]) -> list[bytes | None]:
-        return await self._call(self._get, namespace, tuple(keys))
+        queued = self._queued_values(namespace, keys)
+        if queued is not None and None not in queued:
+            return _live(queued, [None] * len(queued))
+        found = await self._call(self._get, namespace, tuple(keys), read=True)
+        return found if queued is None else _live(queued, found)
+
+    def _queued_values(self, namespace: str, keys: Sequence[str]
+                       ) -> list[tuple[float, bytes] | None] | None:
+        """The entries of ``keys`` still queued (None for each that is not; None for all
+        when nothing is)."""
+        if not self._puts:
+            return None
+        with self._lock:
+            puts = self._puts
+            return [puts.get((namespace, key)) for key in keys]
+
+    def put_soon(self, namespace: str, items: dict[str, bytes], ttl: float) -> None:
+        until = time.time() + ttl
+        dropped = 0
+        with self._lock:
+            puts = self._puts
+            for key, value in items.items():
+                puts.pop((namespace, key), None)  # to the end: the newest go last
+                puts[namespace, key] = (until, value)
+            while len(puts) > MAX_PENDING:
+                del puts[next(iter(puts))]
+                dropped += 1
+            self._queued()
+        if dropped:
+            log.warning("state %s: %d key-value entries dropped (%d waited for the file)",
+                        self.path, dropped, MAX_PENDING)
+
+    def _unqueue(self, namespace: str, keys: Iterable[str]) -> None:
+        """What a later :meth:`put` or :meth:`delete` of the same keys supersedes."""
+        if self._puts:
+            with self._lock:
+                for key in keys:
+                    self._puts.pop((namespace, key), None)
 
     async def put(self, namespace: str, items: dict[str, bytes], ttl: float) -> None:
+        self._unqueue(namespace, items)
         await self._call(self._put, namespace, dict(items), ttl)
 
     async def delete(self, namespace: str, keys: Sequence[str]) -> None:
+        self._unqueue(namespace, keys)
         await self._call(self._delete, namespace, tuple(keys))
 
     # --- the worker thread ---
@@ -395,21 +440,30 @@ class SQLiteState(State):
                     self._wake.wait(min(due, next_sweep) - now)
                     self._idle = False
                 calls, self._calls = [c for c in self._calls if not c.abandoned], []
-                adds, self._adds = self._adds, {}
-                releases, self._releases = self._releases, []
                 stopping = self._stopping
-                flush = stopping or any(c.flush for c in calls)
-                backlog = list(itertools.islice(self._pending.values(), None,
-                                                None if flush else ROW_BATCH))
-                self._queued_since = None
-                self._urgent = False
-            if calls or adds or releases or backlog:
+                queued_since = self._queued_since
+                writing = stopping or not all(c.read for c in calls) or (
+                    queued_since is not None and time.monotonic() >= queued_since
+                    + (LINGER if self._urgent else ROW_LINGER))
+                if writing:
+                    adds, self._adds = self._adds, {}
+                    releases, self._releases = self._releases, []
+                    puts, self._puts = self._puts, {}
+                    flush = stopping or any(c.flush for c in calls)
+                    backlog = list(itertools.islice(self._pending.values(), None,
+                                                    None if flush else ROW_BATCH))
+                    self._queued_since = None
+                    self._urgent = False
+                else:  # reads alone: what is queued waits for its own time
+                    adds, releases, puts, backlog = {}, [], {}, []
+            if calls or adds or releases or puts or backlog:
                 try:
                     if db is None:
                         db = connect(self.path, self.timeout)
-                    answers = self._transaction(db, calls, adds, releases, backlog)
+                    answers = (self._transaction(db, calls, adds, releases, puts, backlog)
+                               if writing else self._read(db, calls))
                 except Exception as e:  # sqlite3's own, or a value it could not take
-                    self._failed(db, e, calls, adds, releases)
+                    self._failed(db, e, calls, adds, releases, puts)
                     db = None
                 else:
                     self._landed(backlog)
@@ -428,13 +482,27 @@ class SQLiteState(State):
                         db = connect(self.path, self.timeout)
                     self._sweep(db)
                 except sqlite3.Error as e:
-                    self._failed(db, e, [], {}, [])
+                    self._failed(db, e, [], {}, [], {})
                     db = None
         if db is not None:
             db.close()
 
+    @staticmethod
+    def _read(db: sqlite3.Connection, calls: list[_Call]) -> list[tuple[Any, Any]]:
+        """Calls that only read, each in a read transaction of its own (no write lock)."""
+        answers: list[tuple[Any, Any]] = []
+        for call in calls:
+            try:
+                answers.append((call.run(db, *call.args), None))
+            except sqlite3.Error:
+                raise
+            except Exception as e:  # a value SQLite could not take: that caller's error
+                answers.append((None, e))
+        return answers
+
     def _transaction(self, db: sqlite3.Connection, calls: list[_Call],
                      adds: dict[tuple[str, int], list[int]], releases: list[tuple[str, str]],
+                     puts: dict[tuple[str, str], tuple[float, bytes]],
                      backlog: list[tuple[str, float, bytes]]) -> list[tuple[Any, Any]]:
         db.execute("BEGIN IMMEDIATE")
         try:
@@ -443,6 +511,11 @@ class SQLiteState(State):
                                      for (name, start), (end, amount) in adds.items()])
             if releases:
                 db.executemany("DELETE FROM slots WHERE name = ? AND token = ?", releases)
+            if puts:
+                db.executemany("INSERT OR REPLACE INTO kv (namespace, key, until, value) "
+                               "VALUES (?, ?, ?, ?)",
+                               [(namespace, key, until, value)
+                                for (namespace, key), (until, value) in puts.items()])
             for start in range(0, len(backlog), ROWS_PER_INSERT):
                 chunk = backlog[start:start + ROWS_PER_INSERT]
                 db.execute(_insert_rows(len(chunk)), list(itertools.chain.from_iterable(chunk)))
@@ -462,8 +535,8 @@ class SQLiteState(State):
         return answers
 
     def _failed(self, db: sqlite3.Connection | None, error: Exception, calls: list[_Call],
-                adds: dict[tuple[str, int], list[int]], releases: list[tuple[str, str]]
-                ) -> None:
+                adds: dict[tuple[str, int], list[int]], releases: list[tuple[str, str]],
+                puts: dict[tuple[str, str], tuple[float, bytes]]) -> None:
         """The file could not be written (locked past the timeout, full, gone): the callers
         hear so, and what owed no answer waits for the next transaction."""
         self._down_until = time.monotonic() + DOWN_SECONDS
@@ -472,7 +545,12 @@ class SQLiteState(State):
                 entry = self._adds.setdefault(key, [end, 0])
                 entry[1] += amount
             self._releases[:0] = releases[:max(0, MAX_PENDING - len(self._releases))]
-            if self._adds or self._releases or self._pending:
+            if puts:  # ahead of what queued since, which is newer where both hold a key
+                self._puts = {**{k: v for k, v in list(puts.items())[-MAX_PENDING:]},
+                              **self._puts}
+                while len(self._puts) > MAX_PENDING:
+                    del self._puts[next(iter(self._puts))]
+            if self._adds or self._releases or self._pending or self._puts:
                 self._queued_since = time.monotonic() + 1.0  # try again in a second
         self._unreachable(len(calls), str(error))
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
@@ -650,6 +728,15 @@ def encode_rows(rows: Iterable[dict[str, Any]]) -> list[tuple[str, float, bytes]
         except (TypeError, ValueError, KeyError) as e:
             log.warning("ledger row %s cannot be stored: %s", row.get("id"), e)
     return encoded
+
+
+def _live(queued: list[tuple[float, bytes] | None], found: list[bytes | None]
+          ) -> list[bytes | None]:
+    """What a read answers: the value still queued where there is one (None once it has
+    expired), else what the file holds."""
+    now = time.time()
+    return [f if q is None else q[1] if q[0] > now else None
+            for q, f in zip(queued, found, strict=True)]
 
 
 def _soon(loop: asyncio.AbstractEventLoop, callback: Callable, *args: Any) -> None:
