@@ -581,8 +581,8 @@ class Cache:
         if judgement.key is None:
             return
         # Built on the record the judgement read once the answer began, moments ago: not
-        # read again (a round trip to a shared state), so another process's write of this
-        # session in between is overwritten.
+        # read again (a round trip to a shared state), so a write of this session by another
+        # request in between (of this process or another) is overwritten.
         record = judgement.record
         now = exchange.received
         if record is None:

@@ -317,6 +317,47 @@ async def test_sqlite_reads_need_no_write_lock_and_leave_the_queue_to_its_time(
         await state.close()
 
 
+async def test_sqlite_a_later_put_soon_wins_over_an_earlier_delete_in_one_batch(tmp_path):
+    """A delete made while the worker was busy and a put_soon made after it, written in one
+    transaction: the newer entry stays."""
+    path = tmp_path / "state.db"
+    state = await open_state({"url": f"sqlite:///{path}", "timeout": 5})
+    blocker = sqlite3.connect(path, isolation_level=None)
+    try:
+        await state.put("ns", {"k": b"old"}, ttl=60)
+        blocker.execute("BEGIN IMMEDIATE")
+        busy = asyncio.ensure_future(state.take([Counter("c", "minute", limit=5)]))
+        await asyncio.sleep(0.1)  # the worker waits for the lock with that take
+        deleting = asyncio.ensure_future(state.delete("ns", ["k"]))
+        await asyncio.sleep(0)
+        state.put_soon("ns", {"k": b"newest"}, ttl=60)
+        blocker.execute("ROLLBACK")
+        await busy
+        await deleting
+        assert await state.get("ns", ["k", "other"]) == [b"newest", None]
+        assert blocker.execute("SELECT value FROM kv WHERE key = 'k'").fetchall() \
+            == [(b"newest",)]
+    finally:
+        blocker.close()
+        await state.close()
+
+
+async def test_sqlite_a_read_sees_what_a_failed_transaction_left_queued(tmp_path):
+    path = tmp_path / "state.db"
+    state = await open_state({"url": f"sqlite:///{path}", "timeout": 0.3})
+    blocker = sqlite3.connect(path, isolation_level=None)
+    try:
+        await state.put("ns", {"k": b"v0"}, ttl=60)
+        blocker.execute("BEGIN IMMEDIATE")
+        state.put_soon("ns", {"k": b"v1"}, ttl=60)
+        await asyncio.sleep(0.1)  # taken into a transaction that waits for the lock, and fails
+        assert await state.get("ns", ["k", "other"]) == [b"v1", None]
+    finally:
+        blocker.execute("ROLLBACK")
+        blocker.close()
+        await state.close()
+
+
 async def test_sqlite_url_names_a_file_in_a_directory_that_exists(tmp_path):
     with pytest.raises(ConfigError, match="state.url: the directory .* does not exist"):
         await open_state({"url": f"sqlite:///{tmp_path}/missing/state.db"})
@@ -645,6 +686,48 @@ async def test_a_value_put_soon_reaches_the_other_processes_within_moments(share
     finally:
         await writer.close()
         await reader.close()
+
+
+@pytest.mark.slow
+async def test_redis_values_being_sent_are_read_superseded_and_kept_through_a_close(
+        redis_server):
+    """While a write-behind is on its way (slowed here): this process reads what it
+    carries, a delete of one of its keys lands after it, and a close that cuts it short
+    sends it again."""
+    state = await open_state({"url": redis_server.url, "timeout": 2})
+    inner = state.inner
+    try:
+        await state.put("ns", {"k": b"v0"}, ttl=60)
+        pipeline = inner._redis.pipeline
+
+        def slow_pipeline(*args, **kwargs):
+            pipe = pipeline(*args, **kwargs)
+            execute = pipe.execute
+
+            async def slowly(*a, **kw):
+                if any(command[0][0] == "SET" for command in pipe.command_stack):
+                    await asyncio.sleep(0.3)
+                return await execute(*a, **kw)
+
+            pipe.execute = slowly
+            return pipe
+
+        inner._redis.pipeline = slow_pipeline
+        state.put_soon("ns", {"k": b"v1", "d": b"x"}, ttl=60)
+        await asyncio.sleep(0.1)
+        assert inner._inflight  # on its way
+        assert await state.get("ns", ["k"]) == [b"v1"]
+        await state.delete("ns", ["d"])
+        state.put_soon("ns", {"c": b"last"}, ttl=60)
+        await asyncio.sleep(0.1)
+        assert inner._inflight
+    finally:
+        await state.close()
+    other = await open_state({"url": redis_server.url})
+    try:
+        assert await other.get("ns", ["k", "d", "c"]) == [b"v1", None, b"last"]
+    finally:
+        await other.close()
 
 
 async def test_redis_every_key_expires_but_the_ledgers_index_and_the_keys(redis_server):

@@ -210,8 +210,12 @@ class RedisState(State):
         self._open: set[int] = set()  # batches sent whose answer is not known yet
         self._releases: list[tuple[str, str]] = []
         self._pending: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
-        # Key-value entries to write, by Redis key: (value, until), the newest last.
+        # Key-value entries to write, by Redis key: (value, until), the newest last; and
+        # those being sent now (what a read must still see, what goes back to the queue
+        # should the send fail), with the future that is done once the send is over.
         self._puts: dict[str, tuple[bytes, float]] = {}
+        self._inflight: dict[str, tuple[bytes, float]] = {}
+        self._sending: asyncio.Future | None = None
         self._flusher: asyncio.Task | None = None
         # Script calls of this turn of the loop: (keys, arguments, reply, seconds to wait).
         self._outgoing: list[tuple[list[str], list[Any], asyncio.Future, float]] = []
@@ -252,9 +256,11 @@ class RedisState(State):
         if self._trimmer is not None:
             self._trimmer.cancel()
             self._trimmer = None
-        if self._flusher is not None:
-            self._flusher.cancel()
-            self._flusher = None
+        flusher, self._flusher = self._flusher, None
+        if flusher is not None:
+            flusher.cancel()
+            # What a send it cut short carried is queued again once it has stopped.
+            await asyncio.gather(flusher, return_exceptions=True)
         deadline = time.monotonic() + CLOSE_SECONDS
         if self._senders:
             await asyncio.wait(set(self._senders), timeout=CLOSE_SECONDS)
@@ -618,8 +624,9 @@ class RedisState(State):
         if not keys:
             return []
         names = [_kv_key(namespace, key) for key in keys]
-        puts = self._puts
-        queued = [puts.get(name) for name in names] if puts else None
+        puts, inflight = self._puts, self._inflight
+        queued = [puts.get(name) or inflight.get(name) for name in names] \
+            if puts or inflight else None
         if queued is None or None in queued:
             # Nothing queued is a counter, a slot or a row this reads: it need not wait.
             (values,) = await self._commands(lambda pipe: pipe.mget(names), carry=False)
@@ -647,52 +654,68 @@ class RedisState(State):
                         self.where, dropped, MAX_PENDING)
         self._schedule()
 
-    def _unqueue(self, namespace: str, keys: Iterable[str]) -> None:
-        """What a later :meth:`put` or :meth:`delete` of the same keys supersedes."""
-        if self._puts:
-            for key in keys:
-                self._puts.pop(_kv_key(namespace, key), None)
+    async def _unqueue(self, namespace: str, keys: Iterable[str]) -> None:
+        """What a later :meth:`put` or :meth:`delete` of the same keys supersedes: dropped
+        from the queue, and where it is being sent, waited for (on another connection, it
+        could land after the call's own command) and never queued again."""
+        names = [_kv_key(namespace, key) for key in keys]
+        for name in names:
+            self._puts.pop(name, None)
+        inflight = self._inflight
+        if any(name in inflight for name in names):
+            for name in names:
+                inflight.pop(name, None)
+            if self._sending is not None:
+                await asyncio.shield(self._sending)
 
     async def put(self, namespace: str, items: dict[str, bytes], ttl: float) -> None:
         if not items:
             return
-        self._unqueue(namespace, items)
+        await self._unqueue(namespace, items)
         ms = max(1, int(ttl * 1000))
         await self._commands(lambda pipe: [pipe.set(_kv_key(namespace, key), value, px=ms)
                                           for key, value in items.items()])
 
     async def delete(self, namespace: str, keys: Sequence[str]) -> None:
         if keys:
-            self._unqueue(namespace, keys)
+            await self._unqueue(namespace, keys)
             await self._commands(
                 lambda pipe: pipe.delete(*[_kv_key(namespace, key) for key in keys]))
 
     async def _send_puts(self) -> None:
-        """The key-value entries queued, in one pipeline; on a failure they wait again
-        (behind what was queued since, which is newer)."""
-        puts, self._puts = self._puts, {}
-        now = time.time()
-        live = [(name, value, int((until - now) * 1000))
-                for name, (value, until) in puts.items() if until > now]
-        if not live:
-            return
+        """The key-value entries queued, in one pipeline; when the send fails or is
+        cancelled (a close), they wait again (behind what was queued since, which is
+        newer), but for those a later put or delete superseded meanwhile."""
+        self._inflight, self._puts = self._puts, {}
+        self._sending = done = asyncio.get_running_loop().create_future()
+        sent = False
         try:
-            self._check_up()
-            pipe = self._redis.pipeline(transaction=False)
-            for name, value, ms in live:
-                pipe.set(name, value, px=max(1, ms))
-            results = await asyncio.wait_for(pipe.execute(raise_on_error=False), self.timeout)
-            failed = next((r for r in results if isinstance(r, Exception)), None)
-            if failed is not None:
-                raise failed
+            now = time.time()
+            live = [(name, value, int((until - now) * 1000))
+                    for name, (value, until) in self._inflight.items() if until > now]
+            if live:
+                self._check_up()
+                pipe = self._redis.pipeline(transaction=False)
+                for name, value, ms in live:
+                    pipe.set(name, value, px=max(1, ms))
+                results = await asyncio.wait_for(pipe.execute(raise_on_error=False),
+                                                 self.timeout)
+                failed = next((r for r in results if isinstance(r, Exception)), None)
+                if failed is not None:
+                    raise failed
+            sent = True
+        except Unavailable:
+            raise
         except Exception as e:  # refused, reset, timed out, a reply it could not read
-            merged = {**puts, **self._puts}
-            while len(merged) > MAX_PENDING:
-                del merged[next(iter(merged))]
-            self._puts = merged
-            if isinstance(e, Unavailable):
-                raise
             raise self._failure(e) from None
+        finally:
+            inflight, self._inflight, self._sending = self._inflight, {}, None
+            if not sent and inflight:
+                merged = {**inflight, **self._puts}
+                while len(merged) > MAX_PENDING:
+                    del merged[next(iter(merged))]
+                self._puts = merged
+            done.set_result(None)
 
     # --- the background flush: what is queued, when no call carries it ---
 

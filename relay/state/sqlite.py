@@ -142,8 +142,11 @@ class SQLiteState(State):
         self._calls: list[_Call] = []
         self._adds: dict[tuple[str, int], list[int]] = {}  # (name, start) -> [end, amount]
         self._releases: list[tuple[str, str]] = []
-        # Key-value entries to write, by (namespace, key): (until, value), the newest last.
+        # Key-value entries to write, by (namespace, key): (until, value), the newest last;
+        # and those the worker's transaction is writing now (what a read must still see,
+        # what goes back to the queue should the transaction fail).
         self._puts: dict[tuple[str, str], tuple[float, bytes]] = {}
+        self._inflight: dict[tuple[str, str], tuple[float, bytes]] = {}
         # Ledger rows waiting for the file, by id: (id, time, the row encoded), the values of
         # its INSERT in their order. Encoded at once, so that what waits is three plain values
         # a row, never a tree of objects.
@@ -367,21 +370,20 @@ class SQLiteState(State):
         await self._call(self._put_key, orjson.dumps(record), record["name"])
 
     async def get(self, namespace: str, keys: Sequence[str]) -> list[bytes | None]:
-        queued = self._queued_values(namespace, keys)
-        if queued is not None and None not in queued:
-            return _live(queued, [None] * len(queued))
-        found = await self._call(self._get, namespace, tuple(keys), read=True)
-        return found if queued is None else _live(queued, found)
+        if self._puts or self._inflight:
+            queued = self._queued_values(namespace, keys)
+            if None not in queued:  # all of them this process's own, not written yet
+                return _live(queued, [None] * len(queued))
+        return await self._call(self._get, namespace, tuple(keys), read=True)
 
-    def _queued_values(self, namespace: str, keys: Sequence[str]
-                       ) -> list[tuple[float, bytes] | None] | None:
-        """The entries of ``keys`` still queued (None for each that is not; None for all
-        when nothing is)."""
-        if not self._puts:
-            return None
+    def _queued_values(self, namespace: str, keys: Iterable[str]
+                       ) -> list[tuple[float, bytes] | None]:
+        """The entries of ``keys`` this process queued and the file may not hold yet (None
+        for each that has none)."""
         with self._lock:
-            puts = self._puts
-            return [puts.get((namespace, key)) for key in keys]
+            puts, inflight = self._puts, self._inflight
+            return [puts.get((namespace, key)) or inflight.get((namespace, key))
+                    for key in keys]
 
     def put_soon(self, namespace: str, items: dict[str, bytes], ttl: float) -> None:
         until = time.time() + ttl
@@ -400,11 +402,14 @@ class SQLiteState(State):
                         self.path, dropped, MAX_PENDING)
 
     def _unqueue(self, namespace: str, keys: Iterable[str]) -> None:
-        """What a later :meth:`put` or :meth:`delete` of the same keys supersedes."""
-        if self._puts:
+        """What a later :meth:`put` or :meth:`delete` of the same keys supersedes: never
+        written after it (the call runs after a transaction in flight), nor queued again
+        should that transaction fail."""
+        if self._puts or self._inflight:
             with self._lock:
                 for key in keys:
                     self._puts.pop((namespace, key), None)
+                    self._inflight.pop((namespace, key), None)
 
     async def put(self, namespace: str, items: dict[str, bytes], ttl: float) -> None:
         self._unqueue(namespace, items)
@@ -448,7 +453,8 @@ class SQLiteState(State):
                 if writing:
                     adds, self._adds = self._adds, {}
                     releases, self._releases = self._releases, []
-                    puts, self._puts = self._puts, {}
+                    puts = self._inflight = self._puts
+                    self._puts = {}
                     flush = stopping or any(c.flush for c in calls)
                     backlog = list(itertools.islice(self._pending.values(), None,
                                                     None if flush else ROW_BATCH))
@@ -460,10 +466,11 @@ class SQLiteState(State):
                 try:
                     if db is None:
                         db = connect(self.path, self.timeout)
-                    answers = (self._transaction(db, calls, adds, releases, puts, backlog)
+                    answers = (self._transaction(db, calls, adds, releases,
+                                                 self._writing(puts), backlog)
                                if writing else self._read(db, calls))
                 except Exception as e:  # sqlite3's own, or a value it could not take
-                    self._failed(db, e, calls, adds, releases, puts)
+                    self._failed(db, e, calls, adds, releases)
                     db = None
                 else:
                     self._landed(backlog)
@@ -482,7 +489,7 @@ class SQLiteState(State):
                         db = connect(self.path, self.timeout)
                     self._sweep(db)
                 except sqlite3.Error as e:
-                    self._failed(db, e, [], {}, [], {})
+                    self._failed(db, e, [], {}, [])
                     db = None
         if db is not None:
             db.close()
@@ -502,7 +509,7 @@ class SQLiteState(State):
 
     def _transaction(self, db: sqlite3.Connection, calls: list[_Call],
                      adds: dict[tuple[str, int], list[int]], releases: list[tuple[str, str]],
-                     puts: dict[tuple[str, str], tuple[float, bytes]],
+                     puts: list[tuple[str, str, float, bytes]],
                      backlog: list[tuple[str, float, bytes]]) -> list[tuple[Any, Any]]:
         db.execute("BEGIN IMMEDIATE")
         try:
@@ -511,11 +518,6 @@ class SQLiteState(State):
                                      for (name, start), (end, amount) in adds.items()])
             if releases:
                 db.executemany("DELETE FROM slots WHERE name = ? AND token = ?", releases)
-            if puts:
-                db.executemany("INSERT OR REPLACE INTO kv (namespace, key, until, value) "
-                               "VALUES (?, ?, ?, ?)",
-                               [(namespace, key, until, value)
-                                for (namespace, key), (until, value) in puts.items()])
             for start in range(0, len(backlog), ROWS_PER_INSERT):
                 chunk = backlog[start:start + ROWS_PER_INSERT]
                 db.execute(_insert_rows(len(chunk)), list(itertools.chain.from_iterable(chunk)))
@@ -527,6 +529,9 @@ class SQLiteState(State):
                     raise
                 except Exception as e:  # a value SQLite could not take: that caller's error
                     answers.append((None, e))
+            if puts:  # after the calls: each was made before the entries it would replace
+                db.executemany("INSERT OR REPLACE INTO kv (namespace, key, until, value) "
+                               "VALUES (?, ?, ?, ?)", puts)
             db.execute("COMMIT")
         except BaseException:
             if db.in_transaction:
@@ -534,9 +539,17 @@ class SQLiteState(State):
             raise
         return answers
 
+    def _writing(self, puts: dict[tuple[str, str], tuple[float, bytes]]
+                 ) -> list[tuple[str, str, float, bytes]]:
+        """The rows of the entries a transaction takes (read under the lock: the loop drops
+        what a later put or delete supersedes)."""
+        with self._lock:
+            return [(namespace, key, until, value)
+                    for (namespace, key), (until, value) in puts.items()]
+
     def _failed(self, db: sqlite3.Connection | None, error: Exception, calls: list[_Call],
-                adds: dict[tuple[str, int], list[int]], releases: list[tuple[str, str]],
-                puts: dict[tuple[str, str], tuple[float, bytes]]) -> None:
+                adds: dict[tuple[str, int], list[int]], releases: list[tuple[str, str]]
+                ) -> None:
         """The file could not be written (locked past the timeout, full, gone): the callers
         hear so, and what owed no answer waits for the next transaction."""
         self._down_until = time.monotonic() + DOWN_SECONDS
@@ -545,9 +558,9 @@ class SQLiteState(State):
                 entry = self._adds.setdefault(key, [end, 0])
                 entry[1] += amount
             self._releases[:0] = releases[:max(0, MAX_PENDING - len(self._releases))]
-            if puts:  # ahead of what queued since, which is newer where both hold a key
-                self._puts = {**{k: v for k, v in list(puts.items())[-MAX_PENDING:]},
-                              **self._puts}
+            if self._inflight:  # ahead of what queued since, which is newer where both are
+                self._puts = {**self._inflight, **self._puts}
+                self._inflight = {}
                 while len(self._puts) > MAX_PENDING:
                     del self._puts[next(iter(self._puts))]
             if self._adds or self._releases or self._pending or self._puts:
@@ -563,6 +576,9 @@ class SQLiteState(State):
             db.close()  # a file replaced or repaired meanwhile is opened afresh
 
     def _landed(self, backlog: list[tuple[str, float, bytes]]) -> None:
+        if self._inflight:
+            with self._wake:
+                self._inflight = {}
         if backlog:
             with self._wake:
                 pending = self._pending
@@ -639,8 +655,7 @@ class SQLiteState(State):
         db.execute("INSERT OR REPLACE INTO keys (name, record) VALUES (?, ?)", (name, record))
         db.execute("UPDATE meta SET value = value + 1 WHERE name = 'keys_version'")
 
-    @staticmethod
-    def _get(db: sqlite3.Connection, namespace: str, keys: tuple[str, ...]
+    def _get(self, db: sqlite3.Connection, namespace: str, keys: tuple[str, ...]
              ) -> list[bytes | None]:
         now = time.time()
         found: dict[str, bytes] = {}
@@ -649,7 +664,9 @@ class SQLiteState(State):
             found.update(db.execute(
                 f"SELECT key, value FROM kv WHERE namespace = ? AND until > ? AND key IN "
                 f"({','.join('?' * len(chunk))})", (namespace, now, *chunk)))
-        return [found.get(key) for key in keys]
+        # What this process queued, or a transaction of this batch writes after its calls,
+        # or a failed one left queued again: newer than the file.
+        return _live(self._queued_values(namespace, keys), [found.get(key) for key in keys])
 
     @staticmethod
     def _put(db: sqlite3.Connection, namespace: str, items: dict[str, bytes], ttl: float
