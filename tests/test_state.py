@@ -22,6 +22,7 @@ from relay import config as config_module
 from relay.config import Backend
 from relay.errors import ConfigError
 from relay.state import Counter, Slot, Unavailable, open_state, window
+from relay.state import redis as redis_state
 from relay.state import sqlite as sqlite_state
 
 # A minute well ahead of the clock: its windows are whole and no sweep reaches them.
@@ -728,6 +729,34 @@ async def test_redis_values_being_sent_are_read_superseded_and_kept_through_a_cl
         assert await other.get("ns", ["k", "d", "c"]) == [b"v1", None, b"last"]
     finally:
         await other.close()
+
+
+@pytest.mark.slow
+async def test_redis_close_ends_even_when_its_flusher_missed_the_cancel(redis_server):
+    """asyncio.wait_for (3.11) loses a cancel that comes as the send it waits for finishes:
+    the flusher goes on, here with Redis out and rows queued. The close still ends, within
+    its bound."""
+    state = await open_state({"url": redis_server.url, "timeout": 0.2})
+    inner = state.inner
+    flush = inner._flush
+
+    async def deaf_flush():
+        try:
+            await asyncio.sleep(0.3)
+        except asyncio.CancelledError:
+            pass  # the lost cancel
+        await flush()
+
+    inner._flush = deaf_flush
+    redis_server.stop()
+    try:
+        await state.record([{"id": "queued", "time": time.time()}])
+        await asyncio.sleep(0.15)  # the flusher is in its flush
+        started = time.monotonic()
+        await asyncio.wait_for(state.close(), 10)
+        assert time.monotonic() - started < 2 * redis_state.CLOSE_SECONDS + 1
+    finally:
+        redis_server.start()
 
 
 async def test_redis_every_key_expires_but_the_ledgers_index_and_the_keys(redis_server):

@@ -259,8 +259,9 @@ class RedisState(State):
         flusher, self._flusher = self._flusher, None
         if flusher is not None:
             flusher.cancel()
-            # What a send it cut short carried is queued again once it has stopped.
-            await asyncio.gather(flusher, return_exceptions=True)
+            # What a send it cut short carried is queued again once it has stopped (a cancel
+            # that came as the send finished is lost: the loop ends as it sees the close).
+            await asyncio.wait({flusher}, timeout=CLOSE_SECONDS)
         deadline = time.monotonic() + CLOSE_SECONDS
         if self._senders:
             await asyncio.wait(set(self._senders), timeout=CLOSE_SECONDS)
@@ -686,13 +687,14 @@ class RedisState(State):
         """The key-value entries queued, in one pipeline; when the send fails or is
         cancelled (a close), they wait again (behind what was queued since, which is
         newer), but for those a later put or delete superseded meanwhile."""
-        self._inflight, self._puts = self._puts, {}
+        inflight = self._inflight = self._puts
+        self._puts = {}
         self._sending = done = asyncio.get_running_loop().create_future()
         sent = False
         try:
             now = time.time()
             live = [(name, value, int((until - now) * 1000))
-                    for name, (value, until) in self._inflight.items() if until > now]
+                    for name, (value, until) in inflight.items() if until > now]
             if live:
                 self._check_up()
                 pipe = self._redis.pipeline(transaction=False)
@@ -709,7 +711,10 @@ class RedisState(State):
         except Exception as e:  # refused, reset, timed out, a reply it could not read
             raise self._failure(e) from None
         finally:
-            inflight, self._inflight, self._sending = self._inflight, {}, None
+            if self._inflight is inflight:
+                self._inflight = {}
+            if self._sending is done:
+                self._sending = None
             if not sent and inflight:
                 merged = {**inflight, **self._puts}
                 while len(merged) > MAX_PENDING:
@@ -728,7 +733,7 @@ class RedisState(State):
     async def _flush_loop(self) -> None:
         pause = DOWN_SECONDS
         waited = 0.0
-        while self._has_queued():
+        while self._has_queued() and not self._closing:
             await asyncio.sleep(LINGER)
             waited += LINGER
             if not self._has_queued():
@@ -742,6 +747,8 @@ class RedisState(State):
                 await self._flush()
                 pause = DOWN_SECONDS
             except Unavailable:
+                if self._closing:
+                    break
                 # Catch up when Redis is back: try again, less often the longer it is out.
                 await asyncio.sleep(max(pause, self._down_until - time.monotonic()))
                 pause = min(pause * 2, 30.0)

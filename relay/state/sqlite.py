@@ -405,11 +405,10 @@ class SQLiteState(State):
         """What a later :meth:`put` or :meth:`delete` of the same keys supersedes: never
         written after it (the call runs after a transaction in flight), nor queued again
         should that transaction fail."""
-        if self._puts or self._inflight:
-            with self._lock:
-                for key in keys:
-                    self._puts.pop((namespace, key), None)
-                    self._inflight.pop((namespace, key), None)
+        with self._lock:  # never skipped: a failed transaction may be queueing them again
+            for key in keys:
+                self._puts.pop((namespace, key), None)
+                self._inflight.pop((namespace, key), None)
 
     async def put(self, namespace: str, items: dict[str, bytes], ttl: float) -> None:
         self._unqueue(namespace, items)
