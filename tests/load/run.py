@@ -18,9 +18,10 @@ subprocess, as in `make bench`. Scenarios:
   priced, the shared state in a SQLite file or, with ``--state redis``, in a redis-server the
   run starts on loopback; an Anthropic-format and an OpenAI-format backend, both the mock): answers and streams checked byte for byte, rewrites, refused
   histories that are dumped, client disconnects, count_tokens, 1 MB histories, wrong keys,
-  the same answers translated from the OpenAI-format backend, and thinking answers each with
+  the same answers translated from the OpenAI-format backend, thinking answers each with
   its own signature and tool id, carried back in later histories to either backend (dropped
-  or translated on the way). The relay's RSS and open fds are sampled from /proc every 2 s;
+  or translated on the way), and turns of 64 conversations under Claude Code's session
+  header with a cache breakpoint (their records read and written on the shared state). The relay's RSS and open fds are sampled from /proc every 2 s;
   after a three-minute warm-up (caches and pools filling to their bounds), lines are fitted
   through the lowest sample of each 20 s, which a leak lifts and a request in flight does
   not, against time and against requests answered. A slope beyond its limit fails, and once
@@ -415,11 +416,17 @@ THINKING_ON = {"type": "enabled", "budget_tokens": 1024}
 CARRIED_TURNS = 6
 # The soak's mix, one kind per step (and a 1 MB history every 50th, a wrong key every 100th):
 # Anthropic-format answers and streams, dedup's rewrite, a refusal that is dumped, a client
-# that goes away, count_tokens, the same from the OpenAI-format backend, and thinking answers
-# of a kind each (their own signature and tool id), carried back across backends.
+# that goes away, count_tokens, the same from the OpenAI-format backend, thinking answers
+# of a kind each (their own signature and tool id), carried back across backends, and a turn
+# of one of SOAK_SESSIONS conversations under Claude Code's session header with the cache
+# marker on its last block (its session's record read and written on the shared state).
 SOAK_MIX = ("json", "stream", "rewrite", "refused", "disconnect", "count_tokens", "think_stream",
             "oai_json", "oai_stream", "oai_think_stream", "think_history", "think_json",
-            "oai_think_json", "oai_disconnect", "oai_think_history", "stream")
+            "oai_think_json", "oai_disconnect", "oai_think_history", "stream", "session")
+# The soak's conversations, each begun again after SOAK_SESSION_TURNS turns under the same id:
+# as many session records all along.
+SOAK_SESSIONS = 64
+SOAK_SESSION_TURNS = 8
 
 
 # Limits on every key, high enough that the soak's own load never reaches them, so each
@@ -518,10 +525,16 @@ class Soak:
         self.session, self.base = session, base
         self.seq = 0
         self.carried: collections.deque = collections.deque(maxlen=CARRIED_TURNS)
+        self.turns = 0
 
     def next_seq(self) -> int:
         self.seq += 1
         return self.seq
+
+    def next_turn(self) -> tuple[int, int]:
+        """The next conversation's number and turn."""
+        self.turns += 1
+        return self.turns % SOAK_SESSIONS, self.turns // SOAK_SESSIONS % SOAK_SESSION_TURNS
 
     def history(self, model: str) -> dict:
         """A thinking session's next request: each carried answer, its call's result after it."""
@@ -611,6 +624,11 @@ async def soak_step(soak: Soak, n: int) -> str | None:
             "wrong_key": ("/v1/messages", "mock=json", workloads.body("small")),
         }[kind]
         seq = 0
+    elif kind == "session":
+        number, turn = soak.next_turn()
+        headers[workloads.SESSION_HEADER] = f"soak-{number}"
+        path, query, body, seq = ("/v1/messages", "mock=json",
+                                  orjson.dumps(session_turn(number, turn)), 0)
     else:
         path, query, body, seq = soak_request(soak, kind)
     if kind.startswith("oai_"):
