@@ -495,7 +495,8 @@ class SQLiteState(State):
 
     @staticmethod
     def _read(db: sqlite3.Connection, calls: list[_Call]) -> list[tuple[Any, Any]]:
-        """Calls that only read, each in a read transaction of its own (no write lock)."""
+        """The calls' answers; outside a transaction (calls that only read), each in a read
+        transaction of its own, without the write lock."""
         answers: list[tuple[Any, Any]] = []
         for call in calls:
             try:
@@ -520,14 +521,7 @@ class SQLiteState(State):
             for start in range(0, len(backlog), ROWS_PER_INSERT):
                 chunk = backlog[start:start + ROWS_PER_INSERT]
                 db.execute(_insert_rows(len(chunk)), list(itertools.chain.from_iterable(chunk)))
-            answers: list[tuple[Any, Any]] = []
-            for call in calls:
-                try:
-                    answers.append((call.run(db, *call.args), None))
-                except sqlite3.Error:
-                    raise
-                except Exception as e:  # a value SQLite could not take: that caller's error
-                    answers.append((None, e))
+            answers = self._read(db, calls)
             if puts:  # after the calls: each was made before the entries it would replace
                 db.executemany("INSERT OR REPLACE INTO kv (namespace, key, until, value) "
                                "VALUES (?, ?, ?, ?)", puts)
