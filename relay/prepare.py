@@ -246,16 +246,18 @@ def _keep(exchange: Exchange, resuming: tuple, keeping: tuple, messages: list) -
     for the session's next request."""
     store, session, resumed, head = resuming
     context, count, encoded, trial, blocks, dirty = keeping
-    saved = exchange.resume.saved if exchange.resume is not None else {}
+    if exchange.resume is None:
+        return
+    saved = exchange.resume.saved
     # Kept only when the chain left the request a skeleton of the same messages, each
     # position still the client's (nothing merged or dropped), and at a boundary where
-    # every plugin that keeps a state (saved one anywhere) saved it.
-    if (encoded is None or type(messages) is not list or len(messages) != count
-            or not saved):
+    # every plugin that keeps a state (saved one anywhere) saved it. A chain of plugins
+    # that keep none (or no plugin at all) goes on from any boundary.
+    if encoded is None or type(messages) is not list or len(messages) != count:
         return
     keeping_state = set().union(*(found.keys() for found in saved.values()))
-    states = {index: found for index, found in saved.items()
-              if keeping_state <= found.keys()}
+    states = {index: saved.get(index, {}) for index in exchange.resume.marks
+              if keeping_state <= saved.get(index, {}).keys()}
     if not states:
         return
     raw = exchange.raw_body

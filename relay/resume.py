@@ -75,7 +75,8 @@ class Resume:
     are as the chain left them in the session's previous request, and :meth:`state` is
     what the plugin saved there. On a full walk ``start`` is 0. :meth:`save` keeps the
     plugin's state after ``messages[:index]`` for each index in ``marks``; a plugin that
-    saves none there makes that boundary unusable. :meth:`seen` says whether
+    saves a state at some marks makes the others unusable (one that saves none keeps no
+    state, and leaves every mark usable). :meth:`seen` says whether
     ``messages[:start]`` are as this plugin would see them in a full walk (no plugin after
     it changed them); where not, it must not read them, and a plugin that needs them
     anyway calls :meth:`decline`. A plugin takes its resume through :meth:`usable`, which

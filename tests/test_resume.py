@@ -277,6 +277,22 @@ def test_a_plugin_that_reads_no_history_opts_in_and_need_do_nothing_more():
     assert starts == [0, 3, 5, 7] and len(Stateless.models) == 4
 
 
+@pytest.mark.parametrize("pipeline", [[], ["stateless"], ["stateless", "metrics"]])
+def test_a_chain_that_keeps_no_state_goes_on_from_the_previous_request(pipeline):
+    """No plugin saves a state at any boundary (or none walks at all): every boundary is
+    one to go on from, not none."""
+    state = relay(pipeline=pipeline, extra={"stateless": Stateless})
+    whole = relay(pipeline=pipeline, extra={"stateless": Stateless}, resume_bytes=0)
+    messages = conversation(5)
+    starts = []
+    for n in range(3, len(messages) + 1, 2):
+        raw = body(marked(messages[:n]))
+        ours, exchange = prepared(state, raw)
+        assert ours == prepared(whole, raw)[0] and exchange.upstream_body() == raw
+        starts.append(exchange.resume.start if exchange.resume is not None else None)
+    assert starts == [0, *range(2, len(messages) - 2, 2)]
+
+
 def test_a_plugin_that_does_not_opt_in_gets_every_request_whole():
     state = relay(pipeline=[*PIPELINE, "walker"], extra={"walker": Walker})
     assert state.resume is None
