@@ -293,6 +293,20 @@ def test_a_chain_that_keeps_no_state_goes_on_from_the_previous_request(pipeline)
     assert starts == [0, *range(2, len(messages) - 2, 2)]
 
 
+@RUN
+@given(sessions(), st.sampled_from([[], ["limits", "usage", "metrics"]]))
+def test_a_chain_that_keeps_no_state_resumes_as_the_full_walk(session, pipeline):
+    _, requests = session
+    resuming, whole = relay(pipeline), relay(pipeline, resume_bytes=0)
+    starts = []
+    for raw in requests:
+        ours, exchange = prepared(resuming, raw)
+        assert ours == prepared(whole, raw)[0]
+        starts.append(exchange.resume.start if exchange.resume is not None else 0)
+    # From the third request on, each goes on from before the previous one's last message.
+    assert len(requests) < 3 or any(starts[2:])
+
+
 def test_a_plugin_that_does_not_opt_in_gets_every_request_whole():
     state = relay(pipeline=[*PIPELINE, "walker"], extra={"walker": Walker})
     assert state.resume is None
