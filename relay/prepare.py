@@ -256,8 +256,8 @@ def _keep(exchange: Exchange, resuming: tuple, keeping: tuple, messages: list) -
     if encoded is None or type(messages) is not list or len(messages) != count:
         return
     keeping_state = set().union(*(found.keys() for found in saved.values()))
-    states = {index: saved.get(index, {}) for index in exchange.resume.marks
-              if keeping_state <= saved.get(index, {}).keys()}
+    states = {index: found for index in exchange.resume.marks
+              if keeping_state <= (found := saved.get(index, {})).keys()}
     if not states:
         return
     raw = exchange.raw_body
