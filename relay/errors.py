@@ -44,6 +44,24 @@ class RelayError(Exception):
         return error_body(self.type, self.message, request_id)
 
 
+def let_go(error: BaseException | None) -> None:
+    """Drop what ``error`` and the errors it came from hold: the frames they went through
+    and the exchange they carried (``.exchange``). The frames' locals hold the exchange or
+    what keeps the error (the upstream's reader, a refused exchange's record of it): a cycle,
+    which keeps a request's body alive until the collector's next pass, and a relay refusing
+    large bodies one after another would hold every one of them until then."""
+    pending, seen = [error], set()
+    while pending:
+        error = pending.pop()
+        if not isinstance(error, BaseException) or id(error) in seen:
+            continue
+        seen.add(id(error))
+        if getattr(error, "exchange", None) is not None:
+            error.exchange = None  # type: ignore[attr-defined]  # a RelayError, an Unreachable
+        error.__traceback__ = None
+        pending += (error.__cause__, error.__context__)
+
+
 def invalid_request(message: str, rule: str | None = None) -> RelayError:
     return RelayError(400, message, "invalid_request_error", rule=rule)
 

@@ -14,7 +14,7 @@ import msgspec
 import orjson
 
 from . import sessions, skeleton
-from .errors import RelayError, invalid_request
+from .errors import RelayError, invalid_request, let_go
 from .headers import AUTH_HEADERS, end_to_end
 from .skeleton import Skeleton
 
@@ -469,6 +469,12 @@ class Exchange:
         self._sent = sent
         self._body = None
         self._skeleton = None
+
+    def close(self) -> None:
+        """The exchange is over (its end hooks and trace done): its error lets go of it
+        (:func:`relay.errors.let_go`), so that it and its body are freed as its handler
+        returns."""
+        let_go(self.error)
 
     def set_model(self, model: str) -> None:
         """Ask the upstream for ``model`` instead of the model the client named."""

@@ -28,7 +28,7 @@ from aiohttp.web_urldispatcher import UrlMappingMatchInfo
 from . import __version__, keys, lifecycle, logs, pools, threads
 from .chain import Chain
 from .config import InboundKey
-from .errors import RelayError, invalid_request
+from .errors import RelayError, invalid_request, let_go
 from .exchange import Exchange, Outcome, UpstreamAnswer, UpstreamResponse
 from .inbound import (
     AdminGate,
@@ -245,6 +245,7 @@ class Relay:
                 traces.record(exchange)
             except Exception:
                 log.exception("%s: the exchange could not be made a trace", exchange.id)
+        exchange.close()
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
         state = self.state
@@ -291,7 +292,10 @@ class Relay:
         try:
             exchange, upstream = await state.upstream.open(exchange, fallbacks)
         except Unreachable as e:
-            return await unreachable(request, e.exchange, e.__cause__ or e)
+            try:
+                return await unreachable(request, e.exchange, e.__cause__ or e)
+            finally:
+                let_go(e)
         except RelayError as error:  # a path the backend's base URL cannot take, or a
             # request its format cannot carry
             return await refuse(request, exchange, error)

@@ -20,7 +20,7 @@ import aiohttp
 from aiohttp import web
 
 from . import lifecycle, threads
-from .errors import RelayError
+from .errors import RelayError, let_go
 from .exchange import Answer, Exchange, Outcome, UpstreamAnswer
 from .formats import Translator
 from .logs import access_log
@@ -436,6 +436,7 @@ async def relay_stream(state, request: web.Request, exchange: Exchange,
             await pump(stream, content.iter_any(), translator,
                        content.at_eof if end is not None else None)
         except (aiohttp.ClientError, asyncio.TimeoutError, StreamBroken) as e:
+            let_go(e)  # the upstream's reader keeps it, and its traceback this frame
             if request.transport is None or request.transport.is_closing():
                 exchange.outcome = Outcome.CLIENT_DISCONNECTED
                 return response

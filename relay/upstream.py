@@ -20,7 +20,7 @@ from yarl import URL
 
 from . import beta_filter, transport
 from .config import Retries
-from .errors import RelayError
+from .errors import RelayError, let_go
 from .exchange import Attempt, UpstreamRequest
 from .headers import AUTH_HEADERS, end_to_end, keep_undecoded_coding, seconds_until
 from .pools import Exhausted, Pools
@@ -412,6 +412,7 @@ class Upstream:
                 raise Unreachable(backend.name) from failure
             if answer is not None:
                 answer.release()
+            let_go(failure)  # held by the connection it broke, whose frames its traceback holds
             pools.release(exchange)
             exchange.note("relay", "retrying", backend=backend.name,
                           status=attempt.status, error=attempt.error, wait=round(wait, 3))
@@ -475,6 +476,7 @@ class Upstream:
                 return exchange, answer
             if answer is not None:
                 answer.release()
+            let_go(failure)  # its traceback holds this frame, which holds it and the exchange
             following.note("relay", "fallback", backend=following.backend.name,
                            after=exchange.backend.name)
             exchange = following

@@ -1,0 +1,147 @@
+"""A finished exchange is freed when its handler returns, whatever its outcome, not at the
+garbage collector's next pass: it holds the request's body (up to 32 MB), and a relay that
+refuses many large requests (a key past its limits, a model nobody serves) would otherwise
+hold every one of them until then (the collector's first generation runs only every
+``relay.server.GC_YOUNG`` allocations).
+
+Each case sends its request with the collector off and then counts the exchanges still
+alive: any left was kept alive by a reference cycle."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+
+import pytest
+from aiohttp import web
+
+from relay.errors import RelayError
+from relay.exchange import Exchange
+from relay.hookspecs import hookimpl
+from relay.testing.fixtures import start_relay
+
+BODY = {"model": "claude-test", "max_tokens": 10, "messages": [{"role": "user", "content": "hi"}]}
+ANSWER = {"id": "msg_1", "type": "message", "role": "assistant", "model": "claude-test",
+          "content": [{"type": "text", "text": "hello"}], "stop_reason": "end_turn",
+          "stop_sequence": None, "usage": {"input_tokens": 1, "output_tokens": 1}}
+STARTED = (b'event: message_start\ndata: {"type":"message_start","message":{"id":"msg_1",'
+           b'"type":"message","role":"assistant","content":[],"model":"m","stop_reason":null,'
+           b'"usage":{"input_tokens":1,"output_tokens":0}}}\n\n')
+
+
+class Refuse:
+    @hookimpl
+    def relay_request(self, exchange):
+        raise RelayError(429, "requests_per_minute: over the key's limit", "rate_limit_error")
+
+
+class RefuseSecond:
+    @hookimpl
+    def relay_request(self, exchange):
+        if exchange.backend.name == "second":
+            raise RelayError(400, "not for this backend")
+
+
+class Crash:
+    @hookimpl
+    def relay_request(self):
+        raise KeyError("bug")
+
+
+async def answer(request):
+    await request.read()
+    return web.json_response(ANSWER)
+
+
+async def overloaded(request):
+    await request.read()
+    return web.json_response({"type": "error", "error": {"type": "overloaded_error",
+                                                         "message": "busy"}}, status=529)
+
+
+async def cut_stream(request):
+    await request.read()
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    await response.write(STARTED)
+    request.transport.close()
+    return response
+
+
+@pytest.fixture
+def unlogged():
+    """No log records: pytest's capture keeps each one, and with a logged exception its
+    traceback and the frames it went through, where serving formats a record and lets it
+    go."""
+    logging.disable(logging.CRITICAL)
+    yield
+    logging.disable(logging.NOTSET)
+
+
+async def hang_up(request):
+    await request.read()
+    request.transport.close()
+    return web.Response()
+
+
+def every_other(first, then):
+    """A handler that hangs up and answers by turns."""
+    calls = []
+
+    async def handle(request):
+        calls.append(None)
+        return await (first if len(calls) % 2 else then)(request)
+    return handle
+
+
+def alive() -> int:
+    return sum(1 for o in gc.get_objects() if type(o) is Exchange)
+
+
+# Each case: the first backend's handler, the pipeline, the body, the status the client
+# gets, and the handler of a second backend the first falls back to (or None).
+CASES = {
+    "answered": (answer, (), BODY, 200, None),
+    "a model no backend serves": (answer, (), {**BODY, "model": "gpt-nobody"}, 404, None),
+    "refused by a plugin": (answer, ("refuse",), BODY, 429, None),
+    "a plugin that fails": (answer, ("crash",), BODY, 500, None),
+    "the upstream's error": (overloaded, (), BODY, 529, None),
+    "a stream the upstream cut": (cut_stream, (), {**BODY, "stream": True}, 200, None),
+    "an upstream that hangs up": (hang_up, (), BODY, 502, None),
+    "a retry after a hang-up": (every_other(hang_up, answer), (), BODY, 200, None),
+    "a fallback after a hang-up": (hang_up, (), BODY, 200, answer),
+    "a fallback the chain refuses": (overloaded, ("second",), BODY, 529, answer),
+}
+
+
+async def backend(aiohttp_server, name: str, handler, fallback: str | None = None) -> dict:
+    app = web.Application()
+    app.router.add_post("/v1/messages", handler)
+    server = await aiohttp_server(app)
+    return {"name": name, "url": str(server.make_url("")), "models": ["claude-*"],
+            "retries": {"attempts": 2, "backoff": 0.001}, **({"fallbacks": [fallback]} if fallback else {})}
+
+
+@pytest.mark.parametrize("case", CASES)
+async def test_a_finished_exchange_is_freed_without_the_collector(case, aiohttp_server,
+                                                                   aiohttp_client, unlogged):
+    handler, pipeline, body, status, second = CASES[case]
+    backends = [await backend(aiohttp_server, "up", handler, "second" if second else None)]
+    if second:
+        backends.append(await backend(aiohttp_server, "second", second))
+    client = await start_relay(aiohttp_client, {"pipeline": list(pipeline), "backends": backends},
+                               extra={"refuse": Refuse, "crash": Crash, "second": RefuseSecond})
+    await (await client.post("/v1/messages", json=body)).read()  # connections made
+    gc.collect()
+    gc.disable()
+    try:
+        before = alive()
+        response = await client.post("/v1/messages", json=body)
+        await response.read()
+        assert response.status == status
+        await asyncio.sleep(0.05)  # the end hooks, after the answer
+        assert alive() == before
+    finally:
+        gc.enable()
+        await client.chain.shutdown(client.config)
