@@ -320,6 +320,10 @@ SERVER_OPTIONS = (
            "request is checked from where its previous one ended (its new turn only), in all; "
            "one session takes at most a quarter (0: every request is walked whole)",
            expect="a number of bytes", check=lambda n: None if n >= 0 else "must be 0 or more"),
+    Option("keep_freed_bytes", float, 64 * 1024 * 1024, "freed memory the process keeps for "
+           "reuse rather than handing back to the kernel, so that large request bodies reuse "
+           "pages instead of faulting in fresh ones (glibc; 0: the C library's own policy)",
+           expect="a number of bytes", check=lambda n: None if n >= 0 else "must be 0 or more"),
 )
 SERVER = {option.name: option for option in SERVER_OPTIONS}
 
@@ -358,6 +362,7 @@ class Config:
     stream_keepalive: float = SERVER["stream_keepalive"].default
     console: bool = SERVER["console"].default
     resume_bytes: int = SERVER["resume_bytes"].default
+    keep_freed_bytes: int = SERVER["keep_freed_bytes"].default
     # The checked ``state:`` section (relay.state.OPTIONS): where shared state lives.
     state: dict = field(default_factory=dict)
     # The checked ``telemetry:`` section (relay.telemetry.OPTIONS): traces, off by default.
@@ -446,7 +451,7 @@ def parse(raw, env=os.environ, require_keys: bool = True) -> Config:
         setattr(config, name, values[name])
     # Counts and sizes have always taken a number and dropped its fraction.
     for name in ("max_body_bytes", "upstream_connections", "max_upstream_body_bytes",
-                 "max_connections", "resume_bytes"):
+                 "max_connections", "resume_bytes", "keep_freed_bytes"):
         setattr(config, name, int(values[name]))
     config.log_level = values["log_level"].upper()
     config.drain_seconds = float(values["drain_seconds"])

@@ -25,7 +25,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 from aiohttp.web_urldispatcher import UrlMappingMatchInfo
 
-from . import __version__, keys, lifecycle, logs, pools, threads
+from . import __version__, allocator, keys, lifecycle, logs, pools, threads
 from .chain import Chain
 from .config import InboundKey
 from .errors import RelayError, invalid_request, let_go
@@ -508,6 +508,7 @@ async def serve(config, chain: Chain, host: str, port: int, worker=None) -> int:
             # objects, which the default threshold (700) had the collector walk and promote
             # every few requests under load, for nothing.
             gc.set_threshold(GC_YOUNG, *gc.get_threshold()[1:])
+            log.debug("memory: %s", allocator.keep_freed(config.keep_freed_bytes))
             state.listening = True
             if worker:
                 worker.started(loop, state.signal)
