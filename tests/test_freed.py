@@ -43,6 +43,16 @@ class RefuseSecond:
             raise RelayError(400, "not for this backend")
 
 
+class EndStream:
+    @hookimpl
+    def relay_stream_events(self):
+        return {"message_start"}
+
+    @hookimpl
+    def relay_stream_event(self, event):
+        raise RelayError(400, "a stream plugin ends it")
+
+
 class Crash:
     @hookimpl
     def relay_request(self):
@@ -79,6 +89,24 @@ def unlogged():
     logging.disable(logging.NOTSET)
 
 
+async def stream(request):
+    await request.read()
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    await response.write(STARTED)
+    await response.write(b'event: message_stop\ndata: {"type":"message_stop"}\n\n')
+    return response
+
+
+async def slow_stream(request):
+    await request.read()
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    await response.write(STARTED)
+    await asyncio.sleep(30)
+    return response
+
+
 async def hang_up(request):
     await request.read()
     request.transport.close()
@@ -93,6 +121,9 @@ def every_other(first, then):
         calls.append(None)
         return await (first if len(calls) % 2 else then)(request)
     return handle
+
+
+PLUGINS = {"refuse": Refuse, "crash": Crash, "second": RefuseSecond, "end": EndStream}
 
 
 def alive() -> int:
@@ -112,6 +143,8 @@ CASES = {
     "a retry after a hang-up": (every_other(hang_up, answer), (), BODY, 200, None),
     "a fallback after a hang-up": (hang_up, (), BODY, 200, answer),
     "a fallback the chain refuses": (overloaded, ("second",), BODY, 529, answer),
+    "a stream a plugin ends": (stream, ("end",), {**BODY, "stream": True}, 200, None),
+    "a body over the limit": (answer, (), {**BODY, "pad": "x" * 70_000}, 413, None),
 }
 
 
@@ -130,8 +163,9 @@ async def test_a_finished_exchange_is_freed_without_the_collector(case, aiohttp_
     backends = [await backend(aiohttp_server, "up", handler, "second" if second else None)]
     if second:
         backends.append(await backend(aiohttp_server, "second", second))
-    client = await start_relay(aiohttp_client, {"pipeline": list(pipeline), "backends": backends},
-                               extra={"refuse": Refuse, "crash": Crash, "second": RefuseSecond})
+    client = await start_relay(aiohttp_client, {
+        "pipeline": list(pipeline), "backends": backends,
+        "server": {"max_body_bytes": 65_536}}, extra=PLUGINS)
     await (await client.post("/v1/messages", json=body)).read()  # connections made
     gc.collect()
     gc.disable()
@@ -141,6 +175,29 @@ async def test_a_finished_exchange_is_freed_without_the_collector(case, aiohttp_
         await response.read()
         assert response.status == status
         await asyncio.sleep(0.05)  # the end hooks, after the answer
+        assert alive() == before
+    finally:
+        gc.enable()
+        await client.chain.shutdown(client.config)
+
+
+async def test_a_stream_its_client_walked_away_from_is_freed(aiohttp_server, aiohttp_client,
+                                                             unlogged):
+    backends = [await backend(aiohttp_server, "up", slow_stream)]
+    client = await start_relay(aiohttp_client, {
+        "backends": backends, "server": {"stream_keepalive": 0.05}})
+    gc.collect()
+    gc.disable()
+    try:
+        before = alive()
+        response = await client.post("/v1/messages", json={**BODY, "stream": True})
+        assert (await response.content.readany()).startswith(b"event: message_start")
+        assert alive() == before + 1  # in flight
+        response.close()  # the client goes away mid-stream
+        for _ in range(100):  # the next ping finds it gone
+            await asyncio.sleep(0.02)
+            if alive() == before:
+                break
         assert alive() == before
     finally:
         gc.enable()
