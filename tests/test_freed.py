@@ -202,3 +202,36 @@ async def test_a_stream_its_client_walked_away_from_is_freed(aiohttp_server, aio
     finally:
         gc.enable()
         await client.chain.shutdown(client.config)
+
+
+SHIPPED = ["limits", "usage", "metrics", "cache", "dedup", "pairing", "ordering", "portable",
+           "dump"]
+KEY = "sk-relay-freed-0123456789abcdef"
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["answer", "stream"])
+async def test_the_shipped_pipeline_with_a_key_leaves_no_exchange_alive(
+        streamed, aiohttp_server, aiohttp_client, unlogged, tmp_path):
+    backends = [await backend(aiohttp_server, "up", stream if streamed else answer)]
+    client = await start_relay(aiohttp_client, {
+        "pipeline": SHIPPED, "backends": backends, "plugins": {"dump": {"dir": str(tmp_path)}},
+        "server": {"auth": {"keys": [{"name": "team", "key_env": "RELAY_FREED_KEY", "limits": {
+            "requests_per_minute": 100, "concurrent": 4, "budget": {"usd": 5, "per": "day"}}}]}}},
+        env={"RELAY_FREED_KEY": KEY})
+    body = {**BODY, "stream": True} if streamed else BODY
+    headers = {"x-api-key": KEY}
+    for _ in range(3):  # the session's record, the limits' windows, the metrics' series made
+        await (await client.post("/v1/messages", json=body, headers=headers)).read()
+    await asyncio.sleep(0.05)
+    gc.collect()
+    gc.disable()
+    try:
+        before = alive()
+        response = await client.post("/v1/messages", json=body, headers=headers)
+        await response.read()
+        assert response.status == 200
+        await asyncio.sleep(0.05)
+        assert alive() == before
+    finally:
+        gc.enable()
+        await client.chain.shutdown(client.config)
