@@ -24,7 +24,8 @@ M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 # glibc's ceiling for the mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX), which its
 # own dynamic threshold also climbs to: blocks below it come from the heap, where freed
-# pages can be reused. Setting either parameter fixes both, so both are set.
+# pages can be reused. Setting either parameter fixes both, so both are set, and this one
+# always at the ceiling (below a body's size, every body would be a fresh mapping).
 MMAP_THRESHOLD = 32 * 1024 * 1024
 _TUNABLES = ("glibc.malloc.trim_threshold", "glibc.malloc.mmap_threshold")
 
@@ -49,7 +50,7 @@ def keep_freed(limit: int, environ=os.environ, libc=None) -> str:
     libc = libc if libc is not None else _libc()
     if libc is None:
         return "the C library's own policy (not glibc)"
-    if not (libc.mallopt(M_MMAP_THRESHOLD, min(MMAP_THRESHOLD, limit))
+    if not (libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
             and libc.mallopt(M_TRIM_THRESHOLD, min(limit, 2**31 - 1))):
         return "the C library's own policy (mallopt refused)"
     return f"up to {limit} bytes of freed memory kept for reuse"

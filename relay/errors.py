@@ -56,8 +56,8 @@ def let_go(error: BaseException | None) -> None:
         if not isinstance(error, BaseException) or id(error) in seen:
             continue
         seen.add(id(error))
-        if getattr(error, "exchange", None) is not None:
-            error.exchange = None  # type: ignore[attr-defined]  # a RelayError, an Unreachable
+        if "exchange" in getattr(error, "__dict__", ()):  # a RelayError's, an Unreachable's
+            error.exchange = None  # type: ignore[attr-defined]
         error.__traceback__ = None
         pending += (error.__cause__, error.__context__)
 

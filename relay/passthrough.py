@@ -10,7 +10,7 @@ import logging
 import aiohttp
 from aiohttp import web
 
-from .errors import RelayError
+from .errors import RelayError, let_go
 from .exchange import Answer, Exchange, Outcome, UpstreamAnswer
 from .redact import StreamRedactor
 from .respond import deliver, refuse, unreachable
@@ -34,7 +34,10 @@ async def relay_passthrough(state, request: web.Request, exchange: Exchange,
     except RelayError as error:
         return await refuse(request, exchange, error, Outcome.REJECTED, close=True)
     except Unreachable as e:
-        return await unreachable(request, exchange, e.__cause__ or e)
+        try:
+            return await unreachable(request, exchange, e.__cause__ or e)
+        finally:
+            let_go(e)
     async with upstream:
         if backend.adapter.reads_passthrough:
             return await _translated(state, request, exchange, upstream)
@@ -58,6 +61,7 @@ async def relay_passthrough(state, request: web.Request, exchange: Exchange,
                 answer.size += len(chunk)
                 await response.write(chunk)
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            let_go(e)  # the upstream's reader keeps it, and its traceback this frame
             # Headers are gone already: closing without the final chunk is how HTTP says
             # the body is incomplete.
             log.warning("passthrough %s from %s broke off: %r", exchange.path,

@@ -13,7 +13,7 @@ import aiohttp
 from aiohttp import web
 
 from . import logs
-from .errors import RelayError
+from .errors import RelayError, let_go
 from .exchange import Answer, Exchange, Outcome
 from .pools import Exhausted
 from .redact import redact, redact_headers
@@ -125,6 +125,7 @@ async def unreachable(request: web.Request, exchange: Exchange,
                             else Outcome.UPSTREAM_UNREACHABLE)
     error = upstream_failure(exchange.backend, e)
     log.warning("%s: %s (%s)", exchange.id, error.message, f"{type(e).__name__} {e}".rstrip())
+    let_go(e)  # a broken connection or reader keeps it, and its traceback their frames
     return await refuse(request, exchange, error, Outcome.POOL_FULL if isinstance(e, PoolFull)
                         else Outcome.UPSTREAM_UNREACHABLE)
 

@@ -234,18 +234,20 @@ class Relay:
 
     async def finish(self, exchange: Exchange) -> None:
         """The exchange is over and the client has its answer: log it, run the end hooks."""
-        self.state.upstream.pools.release(exchange)
-        log_exchange(exchange, exchange.answer.status if exchange.answer else None)
-        chain = self.state.chain
-        if chain.impls["relay_exchange_end"]:  # a pipeline without end hooks pays nothing
-            await chain.end(exchange)
-        traces = self.state.traces
-        if traces is not None:  # after the end hooks: the record is complete
-            try:
-                traces.record(exchange)
-            except Exception:
-                log.exception("%s: the exchange could not be made a trace", exchange.id)
-        exchange.close()
+        try:
+            self.state.upstream.pools.release(exchange)
+            log_exchange(exchange, exchange.answer.status if exchange.answer else None)
+            chain = self.state.chain
+            if chain.impls["relay_exchange_end"]:  # a pipeline without end hooks pays nothing
+                await chain.end(exchange)
+            traces = self.state.traces
+            if traces is not None:  # after the end hooks: the record is complete
+                try:
+                    traces.record(exchange)
+                except Exception:
+                    log.exception("%s: the exchange could not be made a trace", exchange.id)
+        finally:
+            exchange.close()
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
         state = self.state

@@ -39,11 +39,11 @@ def test_the_limit_sets_both_thresholds():
     assert said == f"up to {64 * MIB} bytes of freed memory kept for reuse"
 
 
-def test_a_limit_below_the_mmap_ceiling_is_both_thresholds_and_a_huge_one_fits_an_int():
+def test_a_small_limit_keeps_the_mmap_threshold_at_its_ceiling_and_a_huge_one_fits_an_int():
     libc = FakeLibc()
     allocator.keep_freed(4 * MIB, environ={}, libc=libc)
     allocator.keep_freed(2**40, environ={}, libc=libc)
-    assert libc.calls == [(allocator.M_MMAP_THRESHOLD, 4 * MIB),
+    assert libc.calls == [(allocator.M_MMAP_THRESHOLD, 32 * MIB),
                           (allocator.M_TRIM_THRESHOLD, 4 * MIB),
                           (allocator.M_MMAP_THRESHOLD, 32 * MIB),
                           (allocator.M_TRIM_THRESHOLD, 2**31 - 1)]
