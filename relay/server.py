@@ -299,8 +299,8 @@ class Relay:
             finally:
                 let_go(e)
         except RelayError as error:  # a path the backend's base URL cannot take, or a
-            # request its format cannot carry
-            return await refuse(request, exchange, error)
+            # request its format cannot carry: maybe a fallback's, whose record it then is
+            return await refuse(request, fallbacks.current, error)
         async with upstream:
             if upstream.status >= 300:
                 return await self._upstream_error(request, exchange, upstream)

@@ -178,6 +178,28 @@ async def test_a_stream_that_breaks_after_its_first_byte_is_never_retried(aiohtt
     assert recorder.ended[0].outcome == "stream_error"
 
 
+async def test_a_fallback_that_cannot_carry_the_request_is_the_one_refused(aiohttp_server,
+                                                                          aiohttp_client):
+    # The primary is overloaded; its fallback speaks OpenAI's format, which has no MCP servers.
+    # The 400 is the fallback's, and it is that exchange's record that says so.
+    primary, second = Upstream(), Upstream()
+    primary.reply = scripted(529)
+    client, recorder = await relay_for(aiohttp_server, aiohttp_client, [
+        (primary, {"name": "main", "fallbacks": ["spare"]}),
+        (second, {"name": "spare", "format": "openai"})])
+    body = {**BODY, "mcp_servers": [{"type": "url", "url": "https://mcp.example/sse",
+                                     "name": "m"}]}
+    resp = await client.post("/v1/messages", json=body)
+    error = await resp.json()
+    assert resp.status == 400 and error["error"]["type"] == "invalid_request_error"
+    assert "backend spare" in error["error"]["message"] and second.received == []
+    assert len(recorder.ended) == 1
+    exchange = recorder.ended[0]
+    assert exchange.backend.name == "spare" and exchange.outcome == "rejected"
+    assert resp.headers["x-relay-request-id"] == exchange.id
+    assert exchange.answer is not None and exchange.answer.status == 400
+
+
 def test_fallbacks_must_name_other_backends():
     with pytest.raises(config_module.ConfigError, match=r"backends\[0\]\.fallbacks\[0\]"):
         config_module.parse({"backends": [backend("http://127.0.0.1:1", name="a", fallbacks=["a"])]})
