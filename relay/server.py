@@ -510,7 +510,8 @@ async def serve(config, chain: Chain, host: str, port: int, worker=None) -> int:
             # objects, which the default threshold (700) had the collector walk and promote
             # every few requests under load, for nothing.
             gc.set_threshold(GC_YOUNG, *gc.get_threshold()[1:])
-            log.debug("memory: %s", allocator.keep_freed(config.keep_freed_bytes))
+            kept, said = allocator.keep_freed(config.keep_freed_bytes)
+            (log.debug if kept else log.warning)("memory: %s", said)
             state.listening = True
             if worker:
                 worker.started(loop, state.signal)

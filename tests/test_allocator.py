@@ -36,7 +36,7 @@ def test_the_limit_sets_both_thresholds():
     said = allocator.keep_freed(64 * MIB, environ={}, libc=libc)
     assert libc.calls == [(allocator.M_MMAP_THRESHOLD, 32 * MIB),
                           (allocator.M_TRIM_THRESHOLD, 64 * MIB)]
-    assert said == f"up to {64 * MIB} bytes of freed memory kept for reuse"
+    assert said == (True, f"up to {64 * MIB} bytes of freed memory kept for reuse")
 
 
 def test_a_small_limit_keeps_the_mmap_threshold_at_its_ceiling_and_a_huge_one_fits_an_int():
@@ -51,8 +51,8 @@ def test_a_small_limit_keeps_the_mmap_threshold_at_its_ceiling_and_a_huge_one_fi
 
 def test_zero_leaves_the_c_librarys_policy():
     libc = FakeLibc()
-    assert "own policy" in allocator.keep_freed(0, environ={}, libc=libc)
-    assert libc.calls == []
+    kept, said = allocator.keep_freed(0, environ={}, libc=libc)
+    assert kept and "own policy" in said and libc.calls == []
 
 
 @pytest.mark.parametrize("tunables", ["glibc.malloc.trim_threshold=1",
@@ -60,7 +60,14 @@ def test_zero_leaves_the_c_librarys_policy():
 def test_the_operators_own_tunables_win(tunables):
     libc = FakeLibc()
     said = allocator.keep_freed(64 * MIB, environ={"GLIBC_TUNABLES": tunables}, libc=libc)
-    assert said == "the allocator's tunables in GLIBC_TUNABLES" and libc.calls == []
+    assert said == (True, "the allocator's tunables in GLIBC_TUNABLES") and libc.calls == []
+
+
+@pytest.mark.parametrize("name", ["MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_"])
+def test_the_operators_older_settings_win_too(name):
+    libc = FakeLibc()
+    said = allocator.keep_freed(64 * MIB, environ={name: "131072"}, libc=libc)
+    assert said == (True, f"the allocator's settings in {name}") and libc.calls == []
 
 
 def test_tunables_of_something_else_do_not_stop_it():
@@ -70,8 +77,15 @@ def test_tunables_of_something_else_do_not_stop_it():
     assert len(libc.calls) == 2
 
 
-def test_a_refusal_is_said():
-    assert "refused" in allocator.keep_freed(64 * MIB, environ={}, libc=FakeLibc(answer=0))
+def test_a_refusal_is_said_as_one():
+    kept, said = allocator.keep_freed(64 * MIB, environ={}, libc=FakeLibc(answer=0))
+    assert not kept and "refused" in said
+
+
+@linux
+def test_this_process_finds_glibc_among_its_own_symbols():
+    libc = allocator._libc()
+    assert libc is not None and libc.gnu_get_libc_version() is not None
 
 
 # Bodies of a megabyte and a little more each round (a growing session's), 32 at once, then
@@ -79,7 +93,7 @@ def test_a_refusal_is_said():
 CHURN = textwrap.dedent("""
     import resource, sys
     from relay import allocator
-    print(allocator.keep_freed(int(sys.argv[1])))
+    print(allocator.keep_freed(int(sys.argv[1]))[1])
     def churn(first, rounds):
         for r in range(first, first + rounds):
             bodies = [b"x" * (1024 * 1024 + 4096 * (i + r)) for i in range(32)]
