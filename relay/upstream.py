@@ -476,6 +476,9 @@ class Upstream:
                 return exchange, answer
             if answer is not None:
                 answer.release()
+                # Its credential was held for this answer, which nobody reads now; the end
+                # of the request gives back only the fallback's.
+                self.pools.release(exchange)
             let_go(failure)  # its traceback holds this frame, which holds it and the exchange
             following.note("relay", "fallback", backend=following.backend.name,
                            after=exchange.backend.name)

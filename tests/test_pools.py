@@ -704,3 +704,28 @@ def test_relay_backends_lists_each_credential(tmp_path, capsys, monkeypatch):
                      "--json"]) == 0
     assert [e["state"] for e in orjson.loads(capsys.readouterr().out)] == ["healthy"] * 2
     assert cli.main(["backends", "--config", str(path), "--reinstate", "pooled/z"]) == 2
+
+
+async def test_a_credential_that_a_fallback_took_over_from_is_given_back(aiohttp_server,
+                                                                         relays):
+    # The pooled backend answers a status it retries; its fallback answers: the credential
+    # the first exchange held (its in-flight count, its one concurrency slot) goes back.
+    async def broken(request):
+        await request.read()
+        return web.json_response({"type": "error", "error": {
+            "type": "api_error", "message": "upstream broke"}}, status=500)
+    app = web.Application()
+    app.router.add_post("/v1/messages", broken)
+    server = await aiohttp_server(app)
+    spare, spare_url = await emulated(aiohttp_server)
+    client = await relays.start(str(server.make_url("")).rstrip("/"),
+                                [limited("a", concurrent=1)], fallbacks=["spare"],
+                                more=[{"name": "spare", "url": spare_url}])
+    body = request(user(text("hi")))
+    for _ in range(3):
+        resp = await client.post("/v1/messages", json=body)
+        assert resp.status == 200
+        ended = client.recorder.ended[-1]
+        assert [(a.backend, a.credential, a.status) for a in ended.attempts] == [
+            ("emu", "a", 500), ("spare", None, 200)]  # a's slot was free each time
+    assert client.app[STATE].upstream.pools.pools["emu"].inflight == {"a": 0}
