@@ -633,8 +633,10 @@ class Metrics:
         if used is not None:
             self._usage(used, backend, exchange.key_name or "-", exchange.model)
         previous = None
+        pooled = False
         for attempt in exchange.attempts:
             if attempt.credential is not None:
+                pooled = True
                 self.credential_requests.labels(
                     attempt.backend, attempt.credential,
                     attempt.status if attempt.status is not None else "-").inc()
@@ -663,7 +665,9 @@ class Metrics:
                 for missed in entry["counts"]:
                     self.provenance_missed.labels(missed["result"], missed["reason"]).inc(
                         missed["count"])
-        if exchange.credential is not None:
+        # Not the exchange's own credential: a fallback without a pool answers for one
+        # whose pool noted its placements and cooldowns on the way.
+        if pooled:
             self._credentials(exchange)
         for kind, name in exchange.rules_defer:
             self.deferred.labels(kind, self._deferred_name(name)).inc()
@@ -718,7 +722,7 @@ class Metrics:
             else:
                 self.credential_cooldown.labels(backend, credential).inc(entry["seconds"])
         usage = getattr(exchange, "usage", None)
-        if usage is not None and exchange.backend is not None:
+        if usage is not None and exchange.backend is not None and exchange.credential is not None:
             for kind in ("input_tokens", "output_tokens", "cache_read_input_tokens",
                          "cache_write_5m_input_tokens", "cache_write_1h_input_tokens"):
                 count = getattr(usage, kind, 0)

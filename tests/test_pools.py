@@ -729,3 +729,21 @@ async def test_a_credential_that_a_fallback_took_over_from_is_given_back(aiohttp
         assert [(a.backend, a.credential, a.status) for a in ended.attempts] == [
             ("emu", "a", 500), ("spare", None, 200)]  # a's slot was free each time
     assert client.app[STATE].upstream.pools.pools["emu"].inflight == {"a": 0}
+
+
+async def test_what_a_pool_noted_before_its_fallback_answered_is_counted(aiohttp_server,
+                                                                       relays):
+    # Both credentials are cooled by 429s, then a backend without a pool answers: the
+    # exchange that ends holds no credential, but the cooldowns happened all the same.
+    limited, url = await emulated(aiohttp_server, key_budget=0)
+    spare, spare_url = await emulated(aiohttp_server)
+    client = await relays.start(url, credentials("a", "b"), fallbacks=["spare"],
+                                more=[{"name": "spare", "url": spare_url}])
+    resp = await client.post("/v1/messages", json=request(user(text("hi"))),
+                             headers={"x-claude-code-session-id": "s1"})
+    assert resp.status == 200 and client.recorder.ended[-1].credential is None
+    for name in ("a", "b"):
+        assert await metric(client, "relay_credential_cooldown_seconds_total",
+                            credential=name) > 0
+    assert await metric(client, "relay_credential_sessions_placed_total", credential="a") == 1
+    assert await metric(client, "relay_credential_sessions_moved_total", credential="a") == 1
