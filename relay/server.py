@@ -301,6 +301,10 @@ class Relay:
         except RelayError as error:  # a path the backend's base URL cannot take, or a
             # request its format cannot carry: maybe a fallback's, whose record it then is
             return await refuse(request, fallbacks.current, error)
+        if upstream is None:  # a fallback that answers the count itself
+            count = exchange.backend.adapter.count_tokens(exchange.upstream_body())
+            assert count is not None  # why open sent nothing
+            return await self._estimate(request, exchange, count)
         async with upstream:
             if upstream.status >= 300:
                 return await self._upstream_error(request, exchange, upstream)

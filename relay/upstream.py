@@ -449,7 +449,9 @@ class Upstream:
         is one the backend retries (or none came). ``fallbacks`` (a
         :class:`relay.prepare.Fallbacks`) hands over the exchange prepared for the next one,
         or None when none is left. Returns ``(exchange, answer)`` with the exchange that was
-        sent last; raises :class:`Unreachable`, with that exchange as ``.exchange``."""
+        sent last, or ``(exchange, None)`` for a count_tokens fallback whose format counts
+        tokens itself (its adapter's ``count_tokens``): nothing is sent, the caller answers
+        with the estimate. Raises :class:`Unreachable`, with that exchange as ``.exchange``."""
         while True:
             failure: Unreachable | None = None
             answer: Reply | None
@@ -483,6 +485,12 @@ class Upstream:
             following.note("relay", "fallback", backend=following.backend.name,
                            after=exchange.backend.name)
             exchange = following
+            if exchange.endpoint == "count_tokens" and exchange.backend.adapter.count_tokens(
+                    exchange.upstream_body()) is not None:
+                # As when it is asked first: a format without the endpoint would be sent a
+                # request it cannot read.
+                _mark_retried(exchange)
+                return exchange, None
 
 
 def _mark_retried(exchange) -> None:

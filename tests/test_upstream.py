@@ -200,6 +200,27 @@ async def test_a_fallback_that_cannot_carry_the_request_is_the_one_refused(aioht
     assert exchange.answer is not None and exchange.answer.status == 400
 
 
+async def test_a_count_that_falls_back_to_a_format_without_one_is_its_estimate(
+        aiohttp_server, aiohttp_client):
+    # The primary is overloaded; its fallback speaks OpenAI's format, which has no count_tokens
+    # endpoint: the fallback's answer is the relay's estimate, as it is when asked first.
+    primary, second = Upstream(), Upstream()
+    primary.reply = scripted(529)
+    client, recorder = await relay_for(aiohttp_server, aiohttp_client, [
+        (primary, {"name": "main", "fallbacks": ["spare"]}),
+        (second, {"name": "spare", "format": "openai"})])
+    raw = orjson.dumps(BODY)
+    resp = await client.post("/v1/messages/count_tokens", data=raw,
+                             headers={"Content-Type": "application/json"})
+    assert resp.status == 200 and resp.headers["x-relay-token-count"] == "estimate"
+    assert await resp.json() == {"input_tokens": -(-len(raw) // 4)}
+    assert len(primary.received) == 1 and second.received == []
+    exchange = recorder.ended[-1]
+    assert len(recorder.ended) == 1 and exchange.backend.name == "spare"
+    assert [(a.backend, a.status) for a in exchange.attempts] == [("main", 529)]
+    assert resp.headers["x-relay-request-id"] == exchange.id
+
+
 def test_fallbacks_must_name_other_backends():
     with pytest.raises(config_module.ConfigError, match=r"backends\[0\]\.fallbacks\[0\]"):
         config_module.parse({"backends": [backend("http://127.0.0.1:1", name="a", fallbacks=["a"])]})
