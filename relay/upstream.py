@@ -466,7 +466,14 @@ class Upstream:
             if answer is not None and answer.status not in exchange.backend.retries.statuses:
                 _mark_retried(exchange)
                 return exchange, answer
-            following = await fallbacks.next() if fallbacks is not None else None
+            try:
+                following = await fallbacks.next() if fallbacks is not None else None
+            except BaseException:
+                # The client gone while the chain prepared the fallback: nobody will read
+                # this answer, whose connection is held until then.
+                if answer is not None:
+                    answer.release()
+                raise
             if following is None:
                 if failure is None or not isinstance(failure.__cause__, Exhausted):
                     # A pool's own refusal says when to come back: the client may.

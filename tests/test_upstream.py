@@ -15,6 +15,7 @@ from relay import config as config_module
 from relay import logs
 from relay.config import Retries
 from relay.hookspecs import hookimpl
+from relay.server import STATE
 from relay.upstream import backoff, retry_after
 
 
@@ -219,6 +220,56 @@ async def test_a_count_that_falls_back_to_a_format_without_one_is_its_estimate(
     assert len(recorder.ended) == 1 and exchange.backend.name == "spare"
     assert [(a.backend, a.status) for a in exchange.attempts] == [("main", 529)]
     assert resp.headers["x-relay-request-id"] == exchange.id
+
+
+class SlowFallback:
+    """A plugin whose request hook takes its time for the fallback's exchange: the request's
+    task, as serving cancels it when the client goes away, is ``task``."""
+
+    def __init__(self):
+        self.task = None
+
+    @hookimpl
+    async def relay_request(self, exchange):
+        if exchange.backend.name == "spare":
+            self.task = asyncio.current_task()
+            await asyncio.sleep(30)
+
+
+async def test_an_answer_a_fallback_was_being_prepared_for_is_let_go_on_a_disconnect(
+        aiohttp_server, aiohttp_client):
+    # The primary's 529 has come, its body not yet; the client goes away while the chain
+    # prepares the fallback: the primary's answer lets its connection go.
+    primary, second = Upstream(), Upstream()
+    hold = asyncio.Event()
+
+    async def overloaded(request):
+        resp = web.StreamResponse(status=529, headers={"Content-Type": "application/json",
+                                                       "Content-Length": "100"})
+        await resp.prepare(request)
+        await resp.write(b'{"type": "error", ')
+        await hold.wait()
+        return resp
+    primary.reply = overloaded
+    a, b = await start_upstream(aiohttp_server, primary), await start_upstream(aiohttp_server, second)
+    recorder, slow = Recorder(), SlowFallback()
+    client = await start_relay(aiohttp_client, {
+        "pipeline": ["slow", "rec"],
+        "backends": [backend(str(a.make_url("")), name="main", fallbacks=["spare"]),
+                     backend(str(b.make_url("")), name="spare", models=[])]},
+        extra={"slow": slow, "rec": recorder})
+    posted = asyncio.ensure_future(client.post("/v1/messages", json=BODY))
+    while slow.task is None:
+        await asyncio.sleep(0.01)
+    slow.task.cancel()
+    while not recorder.ended:
+        await asyncio.sleep(0.01)
+    posted.cancel()
+    assert recorder.ended[0].outcome == "client_disconnected"
+    hold.set()
+    connections = client.app[STATE].upstream.connections
+    assert not connections._busy  # else held until the relay stops, a connection of its limit
+    await client.chain.shutdown(client.config)
 
 
 def test_fallbacks_must_name_other_backends():
