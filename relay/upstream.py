@@ -384,9 +384,18 @@ class Upstream:
             attempt.seconds = time.perf_counter() - sent
             if answer is not None:
                 attempt.status = answer.status
-            if pool is not None and credential is not None and await pools.report(
-                    exchange, pool, credential.name, attempt.status,
-                    answer.headers if answer is not None else None):
+            fault = False
+            if pool is not None and credential is not None:
+                try:
+                    fault = await pools.report(exchange, pool, credential.name, attempt.status,
+                                               answer.headers if answer is not None else None)
+                except BaseException:
+                    # The client gone while the state took the credential's health: nobody
+                    # will read this answer, whose connection is held until then.
+                    if answer is not None:
+                        answer.release()
+                    raise
+            if fault and credential is not None:
                 # The credential's own fault (rate limited, overloaded, refused): another
                 # one of the pool is asked now, without a wait and without using a retry.
                 tried.add(credential.name)

@@ -747,3 +747,53 @@ async def test_what_a_pool_noted_before_its_fallback_answered_is_counted(aiohttp
                             credential=name) > 0
     assert await metric(client, "relay_credential_sessions_placed_total", credential="a") == 1
     assert await metric(client, "relay_credential_sessions_moved_total", credential="a") == 1
+
+
+class SlowWrites(MemoryState):
+    """A shared state whose writes take their time once ``slow`` is set, like a distant
+    Redis: ``task`` is the request that waits on one."""
+
+    def __init__(self):
+        super().__init__()
+        self.slow = False
+        self.task = None
+
+    async def put(self, namespace, items, ttl):
+        if self.slow and any(key.startswith("h:") for key in items):  # a credential's health
+            self.task = asyncio.current_task()
+            await asyncio.sleep(30)
+        await super().put(namespace, items, ttl)
+
+
+async def test_an_answer_whose_cooldown_was_being_written_is_let_go_on_a_disconnect(
+        aiohttp_server, relays):
+    # A 429 cools its credential; the client goes away while the cooldown is written to the
+    # shared state, the 429's body not all come: its connection goes back all the same.
+    hold = asyncio.Event()
+
+    async def limited(request):
+        await request.read()
+        resp = web.StreamResponse(status=429, headers={"Content-Type": "application/json",
+                                                       "Content-Length": "100"})
+        await resp.prepare(request)
+        await resp.write(b'{"type": "error", ')
+        await hold.wait()
+        return resp
+    app = web.Application()
+    app.router.add_post("/v1/messages", limited)
+    server = await aiohttp_server(app)
+    state = SlowWrites()
+    client = await relays.start(str(server.make_url("")).rstrip("/"), credentials("a", "b"),
+                                state=state)
+    state.slow = True
+    posted = asyncio.ensure_future(client.post("/v1/messages", json=request(user(text("hi")))))
+    while state.task is None:
+        await asyncio.sleep(0.01)
+    state.task.cancel()
+    while not client.recorder.ended:
+        await asyncio.sleep(0.01)
+    posted.cancel()
+    hold.set()
+    assert client.recorder.ended[0].outcome == "client_disconnected"
+    assert not client.app[STATE].upstream.connections._busy
+    assert client.app[STATE].upstream.pools.pools["emu"].inflight == {"a": 0, "b": 0}
