@@ -376,8 +376,9 @@ class Exchange:
         self.key = previous.key
         self.attempts = previous.attempts + self.attempts
         self.timeline = previous.timeline + self.timeline
-        self.repaired_by = previous.repaired_by + self.repaired_by
-        self.uncertain = previous.uncertain + self.uncertain
+        # Not the previous exchange's repairs and doubts: the chain ran again over the same
+        # request for this backend, and what it found here is what went up (the header, the
+        # ledger's count and the metrics then agree; the timeline keeps both).
         self.response_headers["x-relay-request-id"] = self.id
 
     def elapsed(self) -> float:

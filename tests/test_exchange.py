@@ -258,3 +258,19 @@ def test_a_fallback_takes_over_the_clock_with_its_notes_on_it(monkeypatch):
     assert [entry["action"] for entry in following.timeline] == ["retrying", "rewrote",
                                                                   "fallback"]
     assert 0 < times[0] < times[1] < times[2] <= following.elapsed()
+
+
+def test_a_fallback_counts_its_own_repairs_not_the_first_ones_again():
+    """The fallback's chain repairs the same history again: one request with two repairs is
+    two in its header, its ledger row and the metrics, not four."""
+    first = finished_exchange()
+    first.repaired("dedup", 2, rule="repeated_id")
+    first.unsure("pairing", "messages[3]", "no record")
+    following = finished_exchange()
+    following.repaired("dedup", 2, rule="repeated_id")
+    following.follow(first)
+    assert following.repairs == 2 and following.response_headers["x-relay-repairs"] == "2"
+    assert [(r.step, r.rule, r.count) for r in following.repaired_by] == [
+        ("dedup", "repeated_id", 2)]
+    assert following.uncertain == ()
+    assert [e["action"] for e in following.timeline].count("repaired") == 2
