@@ -737,23 +737,37 @@ def final_tool_turn_without_thinking(messages: list) -> int | None:
     return final_tool_turn(messages)[0]
 
 
-def _continues_loop(message) -> bool:
-    """Whether a tool loop reaching back over ``message`` goes on past it."""
-    return _role(message) in ("assistant", "system") or _answers_calls(message)
+def _loop_step(messages: list, index: int) -> int | None:
+    """Where a tool loop reaching back over ``messages[index - 1]`` goes on from: past an
+    assistant message or a system entry, or past the whole user turn it is part of when that
+    turn answers calls; None where the loop stops."""
+    role = _role(messages[index - 1])
+    if role == "assistant" or role == "system":
+        return index - 1
+    if role != "user":
+        return None
+    # The API combines consecutive user messages into one turn ("Consecutive user or
+    # assistant turns in your request will be combined into a single turn"): a text in a
+    # message of its own beside the results answers calls as much as the results do.
+    first = index - 1
+    while first > 0 and _role(messages[first - 1]) == "user":
+        first -= 1
+    return first if any(_answers_calls(message) for message in messages[first:index]) else None
 
 
 def loop_reach(messages: list, index: int, known: tuple[int, int] | None = None) -> int:
     """How far back from ``index`` the messages go on a tool loop: the least ``reach`` such
     that every message in ``messages[reach:index]`` is an assistant message, a system entry
-    or a user message answering calls. ``known``: ``(at, reach)``, that value for index
+    or part of a user turn answering calls. ``known``: ``(at, reach)``, that value for index
     ``at`` (a session's previous request's, whose messages up to ``at`` are these), so that
     only what lies after it is walked."""
     while index > 0:
         if known is not None and known[1] < index <= known[0]:
             return known[1]  # every message from there to ``at`` goes on: so on down to it
-        if not _continues_loop(messages[index - 1]):
+        step = _loop_step(messages, index)
+        if step is None:
             break
-        index -= 1
+        index = step
     return index
 
 

@@ -71,6 +71,14 @@ SHAPES = {
         [QUESTION, assistant(thought(), use("toolu_1")),
          user(result("toolu_1"), text("<system-reminder>")), *loop_step("toolu_2")],
         {"thinking": THINKING}, {}),
+    # The same text in a user message of its own: the API reference, "Consecutive user or
+    # assistant turns in your request will be combined into a single turn", so the results
+    # and the text are one user turn that answers calls, and the loop still opened with
+    # thinking (tests/fixtures/recorded/accepts-consecutive-same-role.json: such a split
+    # accepted). The relay read the text alone as the loop's start and sent thinking off.
+    "a thinking tool loop whose results and a reminder are consecutive user messages": (
+        [QUESTION, assistant(thought(), use("toolu_1")), user(result("toolu_1")),
+         user(text("<system-reminder>")), *loop_step("toolu_2")], {"thinking": THINKING}, {}),
     # Mid-conversation system messages: before an assistant message, or at the end.
     "calls split around a system entry": (
         [QUESTION, assistant(use("toolu_1")), system("a reminder"), assistant(use("toolu_2")),

@@ -764,9 +764,9 @@ def test_with_thinking_on_the_final_tool_turn_is_looked_for_back_to_the_new_turn
     loop's reach the previous request found, and comes out as the full walk makes it; a
     question that opens a turn without thinking is found the same way (and repaired)."""
     visited = []
-    looked = portable._continues_loop
-    monkeypatch.setattr(portable, "_continues_loop",
-                        lambda message: visited.append(1) or looked(message))
+    looked = portable._loop_step
+    monkeypatch.setattr(portable, "_loop_step",
+                        lambda messages, index: visited.append(1) or looked(messages, index))
     thinking = {"thinking": {"type": "enabled", "budget_tokens": 1024}}
     messages = [user(text("start"))]
     for n in range(12):

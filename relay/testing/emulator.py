@@ -600,9 +600,18 @@ def _final_thinking_problem(convo, thinking) -> str | None:
     # (the docs' "Toggling thinking modes in conversations"; without interleaved thinking the
     # later steps of a loop carry no thinking block of their own).
     start = last
-    while start > 0 and (convo[start - 1][1]["role"] == "assistant"
-                         or any(b["type"] == "tool_result" for b in _blocks(convo[start - 1][1]))):
-        start -= 1
+    while start > 0:
+        if convo[start - 1][1]["role"] == "assistant":
+            start -= 1
+            continue
+        # Consecutive user messages are one turn: it answers calls if any of them does.
+        first = start - 1
+        while first > 0 and convo[first - 1][1]["role"] == "user":
+            first -= 1
+        if not any(b["type"] == "tool_result" for _, message in convo[first:start]
+                   for b in _blocks(message)):
+            break
+        start = first
     while convo[start][1]["role"] != "assistant":
         start += 1
     opening = start
