@@ -564,23 +564,24 @@ class Divergence:
 
 
 def first_difference(previous: array, current: array) -> int:
-    """The first index where two arrays differ (the shorter one's length when one is a
-    prefix of the other), found by comparing slices: C speed on long histories."""
-    # Arrays of one type compare in a C loop over their items (memoryviews go through a
-    # per-item unpacking: several times slower).
+    """The first index where two integer arrays of one type differ (the shorter one's length
+    when one is a prefix of the other), found by comparing their bytes: C speed on long
+    histories."""
+    # As bytes: arrays compare item by item, making an integer of each, and memoryviews
+    # unpack each item through struct, ten times slower still.
     n = min(len(previous), len(current))
-    if (previous if len(previous) == n else previous[:n]) == \
-            (current if len(current) == n else current[:n]):
+    a = (previous if len(previous) == n else previous[:n]).tobytes()
+    b = (current if len(current) == n else current[:n]).tobytes()
+    if a == b:
         return n
-    a, b = memoryview(previous), memoryview(current)
-    low, high = 0, n  # a[:low] == b[:low]; a[:high] != b[:high]
+    low, high = 0, len(a)  # a[:low] == b[:low]; a[:high] != b[:high]
     while high - low > 1:
         middle = (low + high) // 2
         if a[low:middle] == b[low:middle]:
             low = middle
         else:
             high = middle
-    return low
+    return low // previous.itemsize
 
 
 def diverge(previous: Fingerprint, current: Fingerprint) -> Divergence | None:
