@@ -673,6 +673,23 @@ def thinking_blocks(messages: list, lo: int = 0, hi: int | None = None) -> list:
     return found
 
 
+# The models with preserved thinking, as the API's docs list them (their prefix-checks page's
+# supportedModels), on the Claude API and on the cloud platforms (``anthropic.`` and the like
+# before the name, a version or ``@date`` after it).
+PRESERVED_THINKING = re.compile(
+    r"(?:^|[./:])claude-(?:fable-5-[12]|mythos-5-[12]|opus-5-5|sonnet-5-5|haiku-5-5)"
+    r"(?![0-9])")
+
+
+def preserved_thinking(model: str) -> bool:
+    """Whether ``model`` is one the API checks thinking blocks for itself: "If the current
+    model can't read a block, the API drops it from that request without an error", and a
+    block whose prefix (``system``, ``tools``, the messages before it, another block left
+    out among them) differs from the one it was made under fails the prefix check
+    (platform.claude.com/docs/en/build-with-claude/preserved-thinking)."""
+    return PRESERVED_THINKING.search(model) is not None
+
+
 def verdict(key: str | None, issuers: dict, backend: str, model: str,
             scope: str) -> str | None:
     """Why the target would refuse the thinking block of this key, or None."""
@@ -684,7 +701,16 @@ def verdict(key: str | None, issuers: dict, backend: str, model: str,
     issuer = issuers.get(key) if key else None
     if issuer is None:
         return None
-    if issuer[0] != backend or (scope == "model" and issuer[1] != model):
+    if issuer[0] != backend:
+        return f"issued by {issuer[0]}/{issuer[1]}"
+    if scope == "model" and issuer[1] != model and not preserved_thinking(model):
+        # Another model of the same backend: a model with preserved thinking drops a block
+        # it cannot read itself, without an error, and keeps one it can (Fable 5.1 reads
+        # Opus 5's and, on the Claude API, Opus 5.5's). Dropping it here would lose that
+        # reasoning, and would change the prefix of the thinking the model then makes: a
+        # record that forgets the issuer later (evicted, restarted, another replica) sends
+        # the block again, and that thinking fails the prefix check (a 400, "The block is
+        # bound to a different conversation", where the account enforces it).
         return f"issued by {issuer[0]}/{issuer[1]}"
     return None
 
