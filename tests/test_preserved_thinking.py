@@ -54,6 +54,9 @@ def sessions(draw):
             "unanswered_at": draw(st.one_of(st.none(), st.integers(0, turns - 1))),
             "stream": draw(st.lists(st.booleans(), min_size=turns, max_size=turns)),
             "rows": draw(st.sampled_from((100000, 1, 2))),
+            # Backend a fails every K-th request (529): its fallback c, serving the same
+            # models, answers that one, and the next goes to a again.
+            "fail_every": draw(st.sampled_from((0, 2, 3))),
             # Claude Code sends adaptive thinking to the newer models.
             "thinking": draw(st.sampled_from(("adaptive", "enabled")))}
 
@@ -85,11 +88,14 @@ def thinking_in(body: dict):
 
 async def run(session: dict, tmp: Path, options: dict | None = None) -> list:
     servers, emulated = [], []
-    for name, style in (("a", "anthropic"), ("b", "functions")):
+    fail_every = session.get("fail_every", 0)
+    for name, style in (("a", "anthropic"), ("b", "functions"), ("c", "anthropic")):
         opts = emulator.EmulatorOptions(
             tool_turns=99, reuse_ids=session["reuse_ids"], thinking=True,
             parallel=session["parallel"], id_style=style, prompt_cache=True, diagnostics=False,
-            signing_secret=f"secret-{name}")
+            signing_secret=f"secret-{name}",
+            fail_status=529 if name == "a" and fail_every else None,
+            fail_every=fail_every if name == "a" else 0)
         server = TestServer(emulator.create_app(opts), host="127.0.0.1")
         await server.start_server()
         servers.append(server)
@@ -101,9 +107,11 @@ async def run(session: dict, tmp: Path, options: dict | None = None) -> list:
                        "pairing": {"pairing_mode": "repair"}},
            "backends": [
                {"name": "a", "url": str(servers[0].make_url("")).rstrip("/"),
-                "models": ["claude-opus-5-5", "claude-fable-5-1"]},
+                "models": ["claude-opus-5-5", "claude-fable-5-1"], "fallbacks": ["c"]},
                {"name": "b", "url": str(servers[1].make_url("")).rstrip("/"),
-                "models": ["claude-b*"]}]}
+                "models": ["claude-b*"]},
+               {"name": "c", "url": str(servers[2].make_url("")).rstrip("/"),
+                "models": ["claude-c*"]}]}
     config = config_module.parse(raw, {})
     recorder = Recorder()
     chain = Chain(load_plugins(config.pipeline, extra={"recorder": recorder}), config)
@@ -112,7 +120,7 @@ async def run(session: dict, tmp: Path, options: dict | None = None) -> list:
     await client.start_server()
     try:
         await converse(client, session)
-        return violations(servers, emulated, session.get("refused"))
+        return violations(servers, emulated, bool(session.get("refused")))
     finally:
         await client.close()
         await chain.shutdown(config)
@@ -135,7 +143,7 @@ async def converse(client, session: dict) -> None:
         if resp.status == 400 and b"Invalid `signature`" in raw and session["rows"] < 100:
             # A record that forgot the issuer sends another backend's block as the client
             # sent it, which is what a relay without the record does (docs/sessions.md).
-            session["refused"] = "b" if model.startswith("claude-b") else "a"
+            session["refused"] = True
             return
         assert resp.status == 200, raw[:500]
         answer = answer_of(raw) if body["stream"] else orjson.loads(raw)
@@ -148,19 +156,25 @@ async def converse(client, session: dict) -> None:
                          "content": results + [{"type": "text", "text": f"turn {turn}"}]})
 
 
-def violations(servers, emulated, refused: str | None = None) -> list:
-    """Each thinking block backend a (its models have preserved thinking) received whose
-    prefix there is not the one it was produced under (the emulator's answer to the request
-    is rebuilt from that request: its thinking block comes first, its signature from the
-    request alone). A request the emulator refused (``refused``: its last) is not judged."""
+def violations(servers, emulated, refused: bool = False) -> list:
+    """Each thinking block backends a and c (their models have preserved thinking) received
+    whose prefix there is not the one it was produced under (the emulator's answer to the
+    request is rebuilt from that request: its thinking block comes first, its signature from
+    the request alone; a request a failed made none). With ``refused``, the session's last
+    request, which the emulator refused, is not judged (nor is any backend's last)."""
     found = []
-    for name, server, opts in zip("ab", servers, emulated, strict=True):
+    for name, server, opts in zip("abc", servers, emulated, strict=True):
+        if name == "b":
+            continue
         produced: dict[str, tuple[int, bytes]] = {}
+        number = 0
         records = server.app[emulator.STATE].records
         for n, record in enumerate(records):
             body = orjson.loads(record[-1])
-            if not body.get("messages") or name != "a" or (name == refused
-                                                            and n == len(records) - 1):
+            if not body.get("messages"):
+                continue
+            number += 1
+            if refused and n == len(records) - 1:
                 continue
             for i, k, signature in thinking_in(body):
                 if signature not in produced:
@@ -168,6 +182,8 @@ def violations(servers, emulated, refused: str | None = None) -> list:
                 when, expected = produced[signature]
                 if k != 0 or prefix(body, i) != expected:
                     found.append((name, n, f"messages.{i}.content.{k}", f"made by request {when}"))
+            if emulator.is_fault(number, opts):
+                continue
             content, _ = emulator.plan_reply(body, opts)
             if content and content[0]["type"] == "thinking":
                 produced.setdefault(content[0]["signature"],
