@@ -58,10 +58,17 @@ class SharedCounter:
         struct.pack_into("q", self._memory, 0, count)
 
 
-def shutting_down() -> web.Response:
+# Set by a handler whose exchange the drain cut (see Lifecycle.cuts): the 503 it recorded.
+CUT_ANSWER = web.RequestKey("relay_cut_answer", web.Response)
+
+
+def shutting_down(request_id: str | None = None) -> web.Response:
     error = RelayError(503, SHUTTING_DOWN, "api_error")
+    headers = {"x-should-retry": "true", "Connection": "close"}
+    if request_id is not None:
+        headers["x-relay-request-id"] = request_id
     return web.Response(status=503, body=error.body(), content_type="application/json",
-                        headers={"x-should-retry": "true", "Connection": "close"})
+                        headers=headers)
 
 
 class Lifecycle:
@@ -98,16 +105,21 @@ class Lifecycle:
         except asyncio.CancelledError:
             # Cut short by the drain before any byte of the answer went out: the client can
             # still be told why, and that a retry (elsewhere) will do.
-            if (self.forced and response_started() is None and request.transport is not None
-                    and not request.transport.is_closing()):
+            if self.cuts(request):
                 if hasattr(task, "uncancel"):  # Python 3.11+: the cancel is handled here
                     task.uncancel()
-                return shutting_down()
+                return request.get(CUT_ANSWER) or shutting_down()
             raise
         finally:
             in_flight.discard(task)
             if not in_flight and self.draining:
                 self._idle.set()
+
+    def cuts(self, request: web.Request) -> bool:
+        """Whether the cancel ``request``'s handler is getting is the drain's, with the client
+        still there and no byte of its answer sent: then it gets :func:`shutting_down`."""
+        return (self.forced and response_started() is None and request.transport is not None
+                and not request.transport.is_closing())
 
     def readiness(self) -> tuple[int, dict]:
         """``/readyz``: 200 while this process takes requests, 503 once it drains."""

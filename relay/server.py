@@ -29,7 +29,7 @@ from . import __version__, allocator, keys, lifecycle, logs, pools, threads
 from .chain import Chain
 from .config import InboundKey
 from .errors import RelayError, invalid_request, let_go
-from .exchange import Exchange, Outcome, UpstreamAnswer, UpstreamResponse
+from .exchange import Answer, Exchange, Outcome, UpstreamAnswer, UpstreamResponse
 from .inbound import (
     AdminGate,
     AdminRoute,
@@ -275,8 +275,18 @@ class Relay:
         try:
             return await self._forward(request, exchange, fallbacks)
         except asyncio.CancelledError:
-            if fallbacks.current.outcome is None:
-                fallbacks.current.outcome = Outcome.CLIENT_DISCONNECTED
+            current = fallbacks.current
+            if current.outcome is None:
+                serving = self.lifecycle
+                if serving is not None and serving.cuts(request):
+                    # The drain's deadline, not the client: it is answered 503 (see
+                    # relay.lifecycle), and the record says so.
+                    cut = request[lifecycle.CUT_ANSWER] = lifecycle.shutting_down(current.id)
+                    current.outcome = Outcome.RELAY_ERROR
+                    current.error = RelayError(503, lifecycle.SHUTTING_DOWN, "api_error")
+                    current.answer = Answer(cut.status, cut.headers, cut.content_length or 0)
+                else:
+                    current.outcome = Outcome.CLIENT_DISCONNECTED
             raise
         finally:
             exchange = fallbacks.current

@@ -455,6 +455,10 @@ async def test_an_answer_cut_by_the_drain_is_a_503_in_anthropics_format(tmp_path
             assert await response.json() == {"type": "error", "error": {
                 "type": "api_error", "message": SHUTTING_DOWN.decode()}}
         assert await asyncio.to_thread(exit_status, relay) == 1
+        # The record says what the client got: the relay's 503, under the id the client has.
+        [line] = [line for line in access_lines(relay) if line["path"] == "/v1/messages"]
+        assert (line["status"], line["outcome"]) == (503, "relay_error")
+        assert response.headers["x-relay-request-id"] == line["request_id"]
     finally:
         relay.stop()
 
