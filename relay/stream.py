@@ -46,6 +46,8 @@ MAX_EVENT_BYTES = 64 * 1024 * 1024
 # framing that much and running the plugins on it delays the first byte far less than a
 # write of its own costs.
 FIRST_READ_WHOLE = 16384
+# Where a blank line may end: a line end ("\r\n", "\r", "\n") followed by another.
+_BLANK_LINES = (b"\n\n", b"\n\r", b"\r\r")
 
 
 class _StreamAnswer(web.StreamResponse):
@@ -73,7 +75,7 @@ class StreamRelay:
     """Relays one stream: :meth:`feed` each upstream chunk, then :meth:`finish`."""
 
     __slots__ = ("chain", "exchange", "plan", "write", "end", "last", "ending", "framer",
-                 "writing", "written", "events")
+                 "head", "writing", "written", "events")
 
     def __init__(self, chain, exchange, plan, write: Callable[[bytes], Awaitable[None]],
                  count_events: bool = True, end: Callable[[bytes], Awaitable[None]] | None = None):
@@ -88,6 +90,9 @@ class StreamRelay:
         self.last = False
         self.ending = False  # the last bytes went to ``end``: the stream is whole and over
         self.framer: LazyFramer | None = None
+        # The stream's start while it is not yet known whether its events are named: that
+        # takes its first whole event with a field, which one read need not hold.
+        self.head = bytearray()
         self.writing = False  # inside a write: what the framer saw has not all gone out
         self.written = 0  # bytes written to the client
         # Events written to the client, counted by the blank lines ending them: a scan of
@@ -105,14 +110,27 @@ class StreamRelay:
         if framer is None:
             if not chunk:
                 return
-            # An upstream that frames without "event:" lines (the type only in the data) is
-            # framed by that type, and its events get their names back: clients drop events
-            # without one.
-            untyped = names_events(chunk) is False
-            framer = self.framer = LazyFramer(None if untyped else self.plan.framed_names(),
-                                              ends=STREAM_ENDS, name_by_type=untyped)
-            if untyped:
-                self.exchange.note("relay", "named untyped stream events")
+            head = self.head
+            # Looked at again only where this read may have ended the first event: a start
+            # that trickles in is not scanned whole per read.
+            seen = max(len(head) - 1, 0)
+            start: bytes | bytearray = head
+            if head:
+                head += chunk
+            else:
+                start = chunk
+            if not any(start.find(blank, seen) >= 0 for blank in _BLANK_LINES):
+                if start is chunk:
+                    head += chunk
+                if len(head) > MAX_EVENT_BYTES:
+                    raise StreamBroken(f"an event grew past {MAX_EVENT_BYTES} bytes without "
+                                       f"ending")
+                return
+            if start is head:
+                chunk = bytes(head)
+            named = names_events(chunk)
+            self.head = bytearray()
+            framer = self._framer(named)
         parts, events = framer.feed(chunk)
         if parts:
             if events and self.plan:
@@ -127,9 +145,28 @@ class StreamRelay:
         if (not parts or len(chunk) > limit) and framer.buffered > limit:
             raise StreamBroken(f"an event grew past {limit} bytes without ending")
 
+    def _framer(self, named: bool | None) -> LazyFramer:
+        # An upstream that frames without "event:" lines (the type only in the data) is
+        # framed by that type, and its events get their names back: clients drop events
+        # without one.
+        untyped = named is False
+        framer = self.framer = LazyFramer(None if untyped else self.plan.framed_names(),
+                                          ends=STREAM_ENDS, name_by_type=untyped)
+        if untyped:
+            self.exchange.note("relay", "named untyped stream events")
+        return framer
+
     async def finish(self) -> None:
         """The upstream has sent everything: relay what is left, and raise
         :class:`StreamBroken` if the stream did not end on its own terms."""
+        if self.framer is None and self.head:
+            # A stream whose start never showed a whole event: framed as its last event is.
+            head = bytes(self.head)
+            self.head = bytearray()
+            framer = self._framer(names_events(head + b"\n\n"))
+            parts, events = framer.feed(head)
+            if parts:
+                await self._relay(parts, events)
         if self.framer is None:
             raise StreamBroken("the stream ended before message_start")
         if self.ending:
