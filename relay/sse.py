@@ -284,6 +284,7 @@ class LazyFramer:
         # the very end of the tail, before a name that is searched for through all of it.
         self._end_needles = _needles(ends)
         self._ended = False  # an event in ``ends`` was framed
+        self._ending: Event | None = None  # that event
         self._name_by_type = name_by_type
         # The last TAIL_BYTES of what went out unframed, where ``ended`` looks when asked.
         self._tail: collections.deque[bytes] = collections.deque()
@@ -351,7 +352,10 @@ class LazyFramer:
                 if event.name is None:
                     event.adopt_type()
         if not self._ended and self._ends:
-            self._ended = any(event.name in self._ends for event in events)
+            for event in events:
+                if event.name in self._ends:
+                    self._ended, self._ending = True, event
+                    break
         return events, events
 
     def _keep(self, complete: bytes) -> None:
@@ -415,6 +419,20 @@ class LazyFramer:
         # From the end: the ending event is the last one, so the last part usually has it.
         return any(_last_event_line(part, needle) >= 0 for part in reversed(self._tail)
                    for needle in needles)
+
+    def ending(self) -> Event | None:
+        """The event in ``ends`` that ended the stream (see :attr:`ended`), framed, or None.
+        Asked once, at the end: an unframed one is looked for in the tail then."""
+        if self._ending is not None or not self._tail:
+            return self._ending
+        self._trim()
+        tail = b"".join(self._tail)
+        at = max(_last_event_line(tail, needle) for needle in self._end_needles)
+        if at < 0:
+            return None
+        start = tail.rfind(b"\n\n", 0, at)
+        stop = tail.find(b"\n\n", at)
+        return Event(tail[start + 2 if start >= 0 else 0:stop + 2 if stop >= 0 else len(tail)])
 
     def close(self) -> list[Event]:
         """The events left at the end of the stream (see :meth:`SSEDecoder.close`)."""

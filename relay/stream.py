@@ -530,3 +530,26 @@ async def relay_stream(state, request: web.Request, exchange: Exchange,
                 log.warning("%s: %s", exchange.id, message)
                 exchange.error = RelayError(502, message, "api_error")
                 exchange.stream_failed(message)
+        if exchange.outcome is None and stream.ended:
+            ended_in_error(exchange, stream)
+
+
+def ended_in_error(exchange: Exchange, stream: StreamRelay) -> None:
+    """Record a stream that the upstream itself ended with an ``error`` event (overloaded
+    mid-answer, say): the client has the event as it came, and the record says why, as for
+    a stream the relay ended."""
+    framer = stream.framer
+    ending = framer.ending() if framer is not None else None
+    if ending is None or ending.name != "error":
+        return
+    data = ending.data
+    error = data.get("error") if type(data) is dict else None
+    message = error.get("message") if type(error) is dict else None
+    kind = error.get("type") if type(error) is dict else None
+    if type(message) is not str or not message:
+        message = "the upstream ended the stream with an error event"
+    exchange.outcome = Outcome.STREAM_ERROR
+    exchange.stream_failed(message, kind if type(kind) is str and kind else "api_error",
+                           "the upstream's own error event")
+    log.warning("%s: upstream %s ended the stream with an error event: %s", exchange.id,
+                exchange.backend.name, message)
