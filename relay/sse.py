@@ -420,12 +420,26 @@ class LazyFramer:
         return any(_last_event_line(part, needle) >= 0 for part in reversed(self._tail)
                    for needle in needles)
 
-    def ending(self) -> Event | None:
-        """The event in ``ends`` that ended the stream (see :attr:`ended`), framed, or None.
-        Asked once, at the end: an unframed one is looked for in the tail then."""
-        if self._ending is not None or not self._tail:
-            return self._ending
+    def ending(self, name: str | None = None) -> Event | None:
+        """The event in ``ends`` that ended the stream (see :attr:`ended`), framed, or None;
+        with ``name``, only when it is that event. Asked once, at the end: an unframed one is
+        looked for in the tail then, and framed only when it is the one asked for."""
+        found = self._ending
+        if found is not None or not self._tail:
+            return found if name is None or found is None or found.name == name else None
         self._trim()
+        if name is not None:
+            # Which event ended it, from the last part of the tail that names one (every
+            # stream ends so, and most with message_stop): nothing joined for those.
+            for part in reversed(self._tail):
+                at, needle = max((_last_event_line(part, needle), needle)
+                                 for needle in self._end_needles)
+                if at >= 0:
+                    break
+            else:
+                return None
+            if needle != name.encode() + b"\n":
+                return None
         tail = b"".join(self._tail)
         at = max(_last_event_line(tail, needle) for needle in self._end_needles)
         if at < 0:

@@ -539,8 +539,8 @@ def ended_in_error(exchange: Exchange, stream: StreamRelay) -> None:
     mid-answer, say): the client has the event as it came, and the record says why, as for
     a stream the relay ended."""
     framer = stream.framer
-    ending = framer.ending() if framer is not None else None
-    if ending is None or ending.name != "error":
+    ending = framer.ending("error") if framer is not None else None
+    if ending is None:
         return
     data = ending.data
     error = data.get("error") if type(data) is dict else None
