@@ -46,6 +46,7 @@ from .errors import ConfigError, RelayError
 from .exchange import Exchange, is_credential_header
 from .inbound import check_target
 from .prepare import ENDPOINTS, Preparation, prepare_exchange
+from .redact import redact, secrets_of
 from .upstream import Unreachable, Upstream, upstream_url
 
 log = logging.getLogger("relay.replay")
@@ -343,8 +344,13 @@ async def send(config, exchange, request: ClientRequest, body: bytes, source: st
     answer; False if it could not be sent."""
     backend = exchange.backend
     headers = request.headers.copy()
+    # What serving redacts from an answer (relay.redact), the output redacts too: an upstream
+    # may quote the key it was sent, and this output is pasted into issues. So is a client
+    # key taken from the environment.
+    secrets = backend.secrets
     if backend.api_key is None and os.environ.get(API_KEY_VARIABLE):
         client_key = os.environ[API_KEY_VARIABLE]
+        secrets = secrets_of([client_key, *(s.decode() for s in secrets)])
         if "authorization" in request.credentials:
             headers["Authorization"] = "Bearer " + client_key
         else:
@@ -373,8 +379,11 @@ async def send(config, exchange, request: ClientRequest, body: bytes, source: st
         await upstream.close()
     print(f"== answer: {answer.status}")
     if 300 <= answer.status < 400:
-        print(printable(f"(a redirect to {answer.headers.get('Location')}: not followed)"))
-    print(printable(payload.decode("utf-8", "replace")))
+        location = answer.headers.get("Location")
+        if location is not None:
+            location = redact(location.encode(), secrets).decode()
+        print(printable(f"(a redirect to {location}: not followed)"))
+    print(printable(redact(payload, secrets).decode("utf-8", "replace")))
     return True
 
 

@@ -632,3 +632,21 @@ def test_a_dump_from_an_openai_format_backend_replays_to_the_translated_body(
     status, out = replay(capsys, path)
     assert status == 0, out
     assert "== identical to the dump" in out
+
+
+def test_send_never_prints_the_backend_key_an_upstream_echoes(tmp_path, capsys, recorder,
+                                                              monkeypatch):
+    # What the server redacts from every answer (relay.redact), the replay's output must not
+    # show either: an upstream that quotes the key it refused, in its body or a header.
+    key = "sk-current-config-key-0123456789"
+    echoing = recorder(status=401, headers={"Location": f"http://elsewhere/?key={key}"},
+                       body=orjson.dumps({"type": "error", "error": {
+                           "type": "authentication_error",
+                           "message": f"invalid x-api-key: {key}"}}))
+    path = handmade_dump(tmp_path)
+    config = write_config(tmp_path / "other.yaml", echoing.url, api_key_env="REPLAY_KEY")
+    monkeypatch.setenv("REPLAY_KEY", key)
+    status, out = replay(capsys, path, "--config", config, "--send")
+    assert status == 0 and "== answer: 401" in out
+    assert echoing.requests[0]["headers"]["x-api-key"] == key
+    assert key not in out and "invalid x-api-key: [redacted]" in out
