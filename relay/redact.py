@@ -37,6 +37,16 @@ def redact(data: bytes, secrets: tuple[bytes, ...]) -> bytes:
     return data
 
 
+def redact_text(text: str, secrets: tuple[bytes, ...]) -> str:
+    """``text`` with every key redacted: a message of the relay's that quotes an upstream's
+    answer (one it could not translate), before it goes to the log, the record or a trace."""
+    for secret in secrets:
+        key = secret.decode("utf-8")
+        if key in text:
+            text = text.replace(key, REDACTED.decode())
+    return text
+
+
 def redact_headers(headers: CIMultiDict, secrets: tuple[bytes, ...]) -> CIMultiDict:
     """``headers`` with every value holding a key redacted (in place; returned)."""
     if not secrets:

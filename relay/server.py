@@ -43,6 +43,7 @@ from .inbound import (
 from .listen import Listener
 from .passthrough import relay_passthrough
 from .prepare import ENDPOINTS, Fallbacks, Preparation, prepare_exchange
+from .redact import redact_text
 from .respond import deliver, log_exchange, refuse, relay_error, unreachable
 from .state import Unavailable
 from .stream import relay_stream
@@ -329,6 +330,8 @@ class Relay:
             payload = exchange.backend.adapter.answer_body(payload, exchange.backend.name,
                                                            exchange.model)
         except RelayError as error:  # not an answer of its format: the record says why
+            # Its message may quote the answer, and so a key the upstream echoed.
+            error.message = redact_text(error.message, exchange.backend.secrets)
             log.warning("%s: %s", exchange.id, error.message)
             return await refuse(request, exchange, error, Outcome.UPSTREAM_MALFORMED)
         response = UpstreamResponse(upstream.status, upstream.headers, payload)

@@ -24,7 +24,7 @@ from .errors import RelayError, let_go
 from .exchange import Answer, Exchange, Outcome, UpstreamAnswer
 from .formats import Translator
 from .logs import access_log
-from .redact import redacting_writer
+from .redact import redact_text, redacting_writer
 from .sse import Event, LazyFramer, names_events
 from .upstream import Reply, answer_headers
 
@@ -526,6 +526,8 @@ async def relay_stream(state, request: web.Request, exchange: Exchange,
             record.body = translator.raw.value()
             if translator.fault is not None and exchange.outcome is None:
                 outcome, message = translator.fault
+                # It may quote the upstream's event, and so a key the upstream echoed.
+                message = redact_text(message, secrets)
                 exchange.outcome = Outcome(outcome)
                 log.warning("%s: %s", exchange.id, message)
                 exchange.error = RelayError(502, message, "api_error")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import logging
 import socket
 import subprocess
 import sys
@@ -732,3 +733,44 @@ def test_no_secret_is_in_the_configs_repr():
                       "credentials": [{"name": "c", "key_env": "POOL"}]}]}, env)
     shown = repr(config) + repr(config.backends) + repr(config.keys)
     assert [name for name, secret in env.items() if secret in shown] == []
+
+
+class Records:
+    """Keeps each finished exchange's error and timeline, as the trace and the ledger read them."""
+
+    def __init__(self):
+        self.seen: list[str] = []
+
+    @hookimpl
+    def relay_exchange_end(self, exchange):
+        error = exchange.error.message if exchange.error is not None else ""
+        self.seen.append(error + repr(exchange.timeline))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_upstream_answer_that_echoes_the_key_is_not_quoted_in_the_log(
+        aiohttp_server, aiohttp_client, caplog, stream):
+    # An OpenAI-format answer the relay cannot translate is quoted in its error, which goes to
+    # the client (redacted), the log, the record and the trace: the key the upstream echoed
+    # must not.
+    upstream = Upstream()
+
+    async def reply(request):
+        if stream:
+            return web.Response(body=b"data: bad key " + BACKEND_KEY.encode() + b"\n\n",
+                                content_type="text/event-stream")
+        return web.Response(body=b"bad key " + BACKEND_KEY.encode(),
+                            content_type="application/json")
+    upstream.reply = reply
+    up = await start_upstream(aiohttp_server, upstream)
+    raw = {"pipeline": ["records"],
+           "backends": [{"name": "oa", "url": str(up.make_url("/v1")), "format": "openai",
+                         "models": ["*"], "api_key_env": "UP_KEY"}]}
+    records = Records()
+    client = await start_relay(aiohttp_client, raw, extra={"records": records}, env=ENV)
+    with caplog.at_level(logging.INFO):
+        resp = await client.post("/v1/messages", json={**BODY, "stream": stream})
+        text = await resp.text()
+    assert upstream.received and "[redacted]" in text and BACKEND_KEY not in text
+    assert caplog.records and BACKEND_KEY not in caplog.text
+    assert records.seen and "[redacted]" in records.seen[0] and BACKEND_KEY not in records.seen[0]
