@@ -453,9 +453,12 @@ class Dump:
     def relay_startup(self, config, options):
         self.settings = settings = parse_options(options)
         self.config_doc = record.config_document(config)
+        # And what a backend's URL sends as Basic credentials, which no recorded header
+        # holds (aiohttp adds them).
         self.secrets = {key for backend in config.backends
                         for key in (backend.api_key,
-                                    *(credential.key for credential in backend.credentials))
+                                    *(credential.key for credential in backend.credentials),
+                                    *backend.url_credentials)
                         if key}
         self.retention = Retention(settings.dir, settings.max_files, settings.max_bytes)
         if self.executor is None:

@@ -174,8 +174,9 @@ def warn_if_unenforced(config) -> None:
 def describe(config) -> str:
     """What start-up loaded, said once: the config file, the pipeline, the backends (never a
     key), and whether inbound auth is on."""
+    from .document import redact_url  # a password in a backend's URL is never shown
     backends = "; ".join(
-        f"{b.name} {b.url} ({', '.join(b.models) or 'no models'}"
+        f"{b.name} {redact_url(b.url)} ({', '.join(b.models) or 'no models'}"
         f"{', default' if b.default else ''}"
         f"{', ' + b.adapter.described if b.adapter.described else ''}"
         f"{f', via proxy {b.proxy.url} from {b.proxy.source}' if b.proxy else ''})"

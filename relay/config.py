@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import fnmatch
 import functools
 import ipaddress
@@ -9,7 +10,7 @@ import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import yaml
 
@@ -155,7 +156,8 @@ class Credential:
 @dataclass
 class Backend:
     name: str
-    url: str
+    # Never in a repr (a log line): it may hold a user and password (see url_credentials).
+    url: str = field(repr=False)
     models: list[str]
     default: bool = False
     rename: dict[str, str] = field(default_factory=dict)
@@ -192,13 +194,27 @@ class Backend:
         """Every key of the relay's that goes to this backend (its ``api_key_env`` key, or
         each of its ``credentials``), as :func:`relay.redact.secrets_of` searches for them
         in what goes back to clients. Empty when the client's own key goes up."""
-        return secrets_of([self.api_key] if self.api_key else
-                          [credential.key for credential in self.credentials])
+        return secrets_of(([self.api_key] if self.api_key else
+                           [credential.key for credential in self.credentials])
+                          + self.url_credentials)
+
+    @functools.cached_property
+    def url_credentials(self) -> list[str]:
+        """What the ``user:password@`` of its URL sends: aiohttp makes them Basic credentials
+        on every request, the operator's as much as a key is. The user and password, and
+        the Basic token they make; empty for a URL without them."""
+        parts = urlsplit(self.url)
+        if parts.username is None and parts.password is None:
+            return []
+        user, password = unquote(parts.username or ""), unquote(parts.password or "")
+        token = base64.b64encode(f"{user}:{password}".encode("latin-1", "replace")).decode()
+        return [user, password, token]
 
     @property
     def keyed(self) -> bool:
-        """Whether the operator's key (or keys) go up, not the client's."""
-        return bool(self.api_key_env or self.credentials)
+        """Whether the operator's key (or keys) go up, not the client's: its
+        ``api_key_env``, its ``credentials``, or credentials in its URL."""
+        return bool(self.api_key_env or self.credentials or self.url_credentials)
 
     def upstream_model(self, model: str) -> str | None:
         """The model name to send up, when relay.yaml renames this one."""

@@ -152,7 +152,9 @@ async def _replay(args, config_path, dump: dict, request: ClientRequest, recorde
     print(printable(f"replaying {args.dump}: request {dump.get('request_id')} of "
                     f"{dump.get('time')}, pipeline [{', '.join(config.pipeline)}] from {source}"))
     if exchange is not None and exchange.backend is not None:
-        print(printable(f"backend: {exchange.backend.name} ({exchange.backend.url})"))
+        # Never a password in its URL (the Basic credentials it sends).
+        print(printable(f"backend: {exchange.backend.name} "
+                        f"({record.redact_url(exchange.backend.url)})"))
     print("\n== translation table (rebuilt)")
     print(pretty(rebuilt.translation))
     if rebuilt.relay_error is not None:
@@ -362,8 +364,8 @@ async def send(config, exchange, request: ClientRequest, body: bytes, source: st
     except RelayError as e:
         print(printable(f"relay: the dump's request cannot be sent: {e.message}"), file=sys.stderr)
         return False
-    print(printable(f"\n== sending to {url} (backend {backend.name} of {source}; redirects are "
-                    f"not followed)"), flush=True)
+    print(printable(f"\n== sending to {record.redact_url(str(url))} (backend {backend.name} "
+                    f"of {source}; redirects are not followed)"), flush=True)
     upstream = Upstream(config)
     await upstream.start()
     try:

@@ -650,3 +650,15 @@ def test_send_never_prints_the_backend_key_an_upstream_echoes(tmp_path, capsys, 
     assert status == 0 and "== answer: 401" in out
     assert echoing.requests[0]["headers"]["x-api-key"] == key
     assert key not in out and "invalid x-api-key: [redacted]" in out
+
+
+def test_send_never_prints_a_password_in_the_backends_url(tmp_path, capsys, recorder):
+    configured = recorder()
+    password = "basic-auth-password-0123456789"
+    path = handmade_dump(tmp_path)
+    url = configured.url.replace("http://", f"http://relay:{password}@")
+    config = write_config(tmp_path / "other.yaml", url)
+    status, out = replay(capsys, path, "--config", config, "--send")
+    assert status == 0 and "== answer: 200" in out
+    assert configured.requests[0]["headers"]["Authorization"].startswith("Basic ")
+    assert password not in out and "relay:[redacted]@" in out

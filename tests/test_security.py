@@ -774,3 +774,51 @@ async def test_an_upstream_answer_that_echoes_the_key_is_not_quoted_in_the_log(
     assert upstream.received and "[redacted]" in text and BACKEND_KEY not in text
     assert caplog.records and BACKEND_KEY not in caplog.text
     assert records.seen and "[redacted]" in records.seen[0] and BACKEND_KEY not in records.seen[0]
+
+
+URL_PASSWORD = "basic-auth-password-0123456789"
+
+
+def test_a_backend_urls_password_is_never_shown():
+    # A password in a backend's URL goes up as Basic credentials (aiohttp makes them): the
+    # operator's, like a key, so neither the config's repr nor the start-up line shows it.
+    from relay import cli
+    config = config_module.parse({"backends": [
+        {"name": "one", "url": f"http://relay:{URL_PASSWORD}@127.0.0.1:1/base",
+         "models": ["*"]}]}, {})
+    shown = repr(config) + repr(config.backends) + cli.describe(config)
+    assert URL_PASSWORD not in shown
+    assert "one http://relay:[redacted]@127.0.0.1:1/base (*)" in cli.describe(config)
+
+
+def test_a_backend_urls_password_is_an_operator_credential():
+    config = config_module.parse({"backends": [
+        {"name": "one", "url": f"http://relay:{URL_PASSWORD}@127.0.0.1:1", "models": ["*"]}]}, {})
+    with pytest.raises(config_module.ConfigError, match="backends one put the operator's key"):
+        config_module.check_exposure(config, "0.0.0.0")
+
+
+async def test_an_upstream_that_echoes_a_backend_urls_password_has_it_redacted(
+        aiohttp_server, aiohttp_client, tmp_path):
+    upstream = Upstream()
+
+    async def reply(request):
+        return web.json_response({"type": "error", "error": {
+            "type": "authentication_error",
+            "message": f"bad credentials: {request.headers.get('Authorization')} "
+                       f"({URL_PASSWORD})"}}, status=401, headers={"x-echo": URL_PASSWORD})
+    upstream.reply = reply
+    up = await start_upstream(aiohttp_server, upstream)
+    raw = {"server": {"auth": {"keys": [{"name": "alpha", "key_env": "KEY_A"}]}},
+           "pipeline": ["dump"], "plugins": {"dump": {"dir": str(tmp_path)}},
+           "backends": [{"name": "up", "url": f"http://relay:{URL_PASSWORD}@127.0.0.1:{up.port}",
+                         "models": ["claude-*"]}]}
+    client = await start_relay(aiohttp_client, raw, env=ENV)
+    resp = await client.post("/v1/messages", json=BODY, headers={"x-api-key": KEY_A})
+    text = await resp.text()
+    sent = upstream.received[0]["headers"]["Authorization"]
+    assert resp.status == 401 and sent.startswith("Basic ")
+    await client.chain.shutdown(client.config)  # the dump written
+    [dump] = tmp_path.rglob("*.json")
+    for shown in (text, str(dict(resp.headers)), dump.read_text()):
+        assert URL_PASSWORD not in shown and sent.split()[1] not in shown
