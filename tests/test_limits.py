@@ -470,3 +470,29 @@ def test_limits_the_pipeline_would_not_keep_are_said_at_start_up(
         assert messages == []
     else:
         assert len(messages) == 1 and warned in messages[0]
+
+
+async def test_a_model_pattern_limits_the_renamed_model(aiohttp_client, aiohttp_server):
+    """A pattern's limit is the model's as sent upstream, after the backend's rename
+    (docs/accounting.md): a client's alias for Opus is under the Opus limit, and an alias
+    that matches the pattern but goes up as another model is not."""
+    same_minute()
+    upstream = await aiohttp_server(emulator.create_app(emulator.EmulatorOptions()))
+    raw = {"pipeline": ["limits", "usage"], "plugins": {"usage": {"prices": PRICES}},
+           "server": {"auth": auth(default={"models": {
+               "claude-opus-*": {"requests_per_minute": 1}}})},
+           "backends": [{"name": "emulator", "url": str(upstream.make_url("")).rstrip("/"),
+                         "models": ["*"], "rename": {"fast": "claude-opus-4-1",
+                                                     "claude-opus-alias": "claude-haiku-4-5"}}]}
+    config = config_module.parse(raw, KEYS)
+    chain = Chain(load_plugins(config.pipeline), config)
+    await chain.startup(config)
+    client = await aiohttp_client(create_app(config, chain))
+    assert (await post(client, model="fast"))[0].status == 200
+    resp, body = await post(client, model="fast")
+    assert resp.status == 429, body
+    assert "claude-opus-*" in body["error"]["message"]
+    # Sent up as Haiku: not under the Opus limit, whatever the client called it.
+    for _ in range(2):
+        assert (await post(client, model="claude-opus-alias"))[0].status == 200
+    await chain.shutdown(config)
