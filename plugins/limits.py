@@ -86,13 +86,7 @@ class Limits:
             exchange.state["limits"] = before
             exchange.response_headers.update(before.headers)
             return None
-        model = exchange.model
-        backend = exchange.backend
-        if backend is not None and backend.rename and model is not None:
-            # A model pattern limits the model as it goes upstream (after the backend's
-            # rename), not the client's name for it: an alias is no way around the Opus cap.
-            model = backend.upstream_model(model) or model
-        plan = key.limits.plan(key.name, model)
+        plan = key.limits.plan(key.name, limits.upstream_model(exchange.backend, exchange.model))
         if plan is None:
             return None
         assert self.state is not None  # relay_startup ran

@@ -199,6 +199,15 @@ class Limits:
         return found
 
 
+def upstream_model(backend, model: str | None) -> str | None:
+    """The model a request's limits are decided by: as it goes upstream, after ``backend``'s
+    rename (docs/accounting.md), not the client's name for it, so that an alias is no way
+    around a model pattern's limit."""
+    if backend is not None and backend.rename and model is not None:
+        return backend.upstream_model(model) or model
+    return model
+
+
 def effective(default: dict | None, own: dict | None) -> Limits | None:
     return Limits.of(overlay(default, own))
 

@@ -317,8 +317,8 @@ class Pools:
             chosen = await self._place(exchange, pool, tried, now)
             held = None
             found = pool.limits[chosen]
-            plan = found.plan(f"{pool.backend}/{chosen}", exchange.model, SCOPE) \
-                if found is not None else None
+            plan = found.plan(f"{pool.backend}/{chosen}", limits_module.upstream_model(
+                exchange.backend, exchange.model), SCOPE) if found is not None else None
             if plan is not None:
                 taken = await self._take(exchange, plan)
                 if taken is not None and not taken.granted:

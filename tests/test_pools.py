@@ -383,6 +383,23 @@ async def test_a_credential_at_its_own_limits_moves_its_session_before_anything_
     assert [a.credential for a in client.recorder.ended[2].attempts] == ["b"]
 
 
+async def test_a_credential_s_model_pattern_limits_the_renamed_model(aiohttp_server, relays):
+    """A credential's limit for a model pattern is the model's as it goes up (after the
+    backend's rename), as a relay key's is: the client's alias for Opus is under a's Opus
+    limit."""
+    server, url = await emulated(aiohttp_server)
+    client = await relays.start(url, [
+        {**limited("a"), "limits": {"models": {"claude-opus-*": {"requests_per_minute": 1}}}},
+        limited("b")], rename={"fast": "claude-opus-4-1"})
+    for _ in range(3):
+        resp = await client.post("/v1/messages", json=request(user(text("hi")), model="fast"),
+                                 headers={"x-claude-code-session-id": "s"})
+        assert resp.status == 200
+    assert keys_seen(server) == ["a", "b", "b"]
+    assert [n["limit"] for n in noted(client, "credential at its limits")] == [
+        "requests_per_minute"]
+
+
 async def test_every_credential_at_its_limits_is_a_clean_429_with_the_wait(aiohttp_server,
                                                                              relays):
     server, url = await emulated(aiohttp_server)
