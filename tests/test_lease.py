@@ -97,6 +97,31 @@ async def test_two_processes_together_get_exactly_the_limit(url, limit):
         await two.close()
 
 
+async def test_requests_asking_together_never_spend_one_leased_unit_twice(url):
+    """Requests that must ask the store for something else (a slot of a concurrency limit
+    too small for blocks) while their request is spent from this process's lease: each
+    leased unit goes to one of them, and the limit is never passed."""
+    state = await open_state({"url": url})
+    try:
+        rpm = Counter("k:rpm", "minute", limit=200)
+        slot = Slot("k:slots", 100)
+        granted = 0
+
+        async def one():
+            nonlocal granted
+            taken = await state.take([rpm], [slot], now=BASE + 1)
+            if taken.granted:
+                granted += 1
+                await asyncio.sleep(0.001)
+                await state.release(slot.name, taken.tokens[0])
+
+        for _ in range(10):
+            await asyncio.gather(*(one() for _ in range(50)))
+        assert granted == 200
+    finally:
+        await state.close()
+
+
 async def test_concurrency_blocks_never_pass_the_limit_and_all_come_back(url):
     one, two = await open_state({"url": url}), await open_state({"url": url})
     try:

@@ -263,6 +263,11 @@ class LeasedState(State):
             if counter.amount and counter.limit is not None and not local \
                     and not seen.refilling and seen.seen > -1e18:
                 lease = lease_size(counter.limit - seen.used)
+            if local:
+                # Spent now, not once the store has answered: a request arriving meanwhile
+                # must not find the same units still there (it would spend them too, and
+                # the store, which counted them once, would never know).
+                seen.room -= counter.amount
             spend.append(local)
             leases.append(lease)
             asked.append(Counter(counter.name, counter.per, None, 0) if local
@@ -291,6 +296,7 @@ class LeasedState(State):
             reading = asyncio.get_running_loop().create_future()
             for seen in viewed:
                 seen.viewing = reading
+        kept = False  # whether the units spent from leases above stay spent
         try:
             if self._adds:  # the store decides with this process's own adds
                 self._flush_adds()
@@ -317,7 +323,12 @@ class LeasedState(State):
                          for c, local in zip(counters, spend, strict=True)]
                 wanted = [Slot(s.name, s.limit, s.lease) for s in wanted]
                 taken = await self.inner.take(asked, wanted, wall)
+            kept = taken.granted
         finally:
+            if not kept:  # refused, unreachable or given up: what was spent here comes back
+                for counter, seen, local in zip(counters, windows, spend, strict=True):
+                    if local:
+                        seen.room += counter.amount
             for seen in marked:
                 seen.refilling = False
             self._refilling.difference_update(refilling)
@@ -334,8 +345,6 @@ class LeasedState(State):
             if lease:
                 seen.room += lease
                 self._arm()
-            if local:
-                seen.room -= counter.amount
             if lease or local:
                 seen.last = clock
             counts.append(Count(counter.name, seen.used - seen.room, counter.limit, seen.end))
