@@ -147,6 +147,27 @@ async def test_concurrency_blocks_never_pass_the_limit_and_all_come_back(url):
         await fresh.close()
 
 
+async def test_requests_asking_together_never_occupy_a_block_past_its_units(url):
+    """Requests that must ask the store for something else (each request of a rate limit
+    near its end) while their slot is a unit of this process's block: each unit of the block
+    goes to one request, and the concurrency limit is never passed."""
+    state = await open_state({"url": url})
+    try:
+        rpm = Counter("k:rpm", "minute", limit=100)  # too few for leases: every take asks
+        slot = Slot("k:slots", 640)  # blocks of 10
+        first = await state.take([rpm], [slot], now=BASE + 1)
+        assert first.granted
+        taken = await asyncio.gather(*(state.take([rpm], [slot], now=BASE + 1)
+                                       for _ in range(50)))
+        held = 1 + sum(t.granted for t in taken)
+        inner = await state.inner.take([], [Slot(slot.name, 640, units=640 - held + 1)],
+                                       now=BASE + 1)
+        # Every request held is a unit the store knows of: none past the limit unseen.
+        assert not inner.granted
+    finally:
+        await state.close()
+
+
 async def test_unused_leases_go_back_after_a_quiet_second(url, monkeypatch):
     monkeypatch.setattr(lease, "IDLE_SECONDS", 0.1)
     one, two = await open_state({"url": url}), await open_state({"url": url})

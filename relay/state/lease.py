@@ -273,12 +273,14 @@ class LeasedState(State):
             asked.append(Counter(counter.name, counter.per, None, 0) if local
                          else Counter(counter.name, counter.per, counter.limit,
                                       counter.amount + lease))
-        held: list[_Block | None] = []
+        # A unit of a block this process holds is occupied now, like a leased unit above: a
+        # request arriving while this one waits for the store must find it taken.
+        held: list[str | None] = []
         wanted = []
         for slot in slots:
             block = self._blocks.get(slot.name)
             if block is not None and block.inflight < block.units and clock < block.until:
-                held.append(block)
+                held.append(self._occupy(block, clock))
                 continue
             held.append(None)
             size = 1
@@ -329,6 +331,9 @@ class LeasedState(State):
                 for counter, seen, local in zip(counters, windows, spend, strict=True):
                     if local:
                         seen.room += counter.amount
+                for slot, token in zip(slots, held, strict=True):
+                    if token is not None:
+                        self.release_soon(slot.name, token)
             for seen in marked:
                 seen.refilling = False
             self._refilling.difference_update(refilling)
@@ -350,9 +355,9 @@ class LeasedState(State):
             counts.append(Count(counter.name, seen.used - seen.room, counter.limit, seen.end))
         tokens = []
         given = iter(zip(wanted, taken.tokens, strict=True))
-        for block in held:
-            if block is not None:
-                tokens.append(self._occupy(block, clock))
+        for token in held:
+            if token is not None:
+                tokens.append(token)
                 continue
             slot, token = next(given)
             if slot.units == 1:
