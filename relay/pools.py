@@ -205,14 +205,17 @@ class Pool:
         this request, was answered with a 429 that asked for no wait)."""
         limited = [self.limited[name][0] for name in self.order if self.at_limits(name, now)]
         blocked = [name for name in self.order if name in tried or self.blocked(name, now)]
-        if limited and len(limited) + len(blocked) >= len(self.order):
-            retry = max(1, math.ceil(min(limited) - now))
-            return Exhausted(RelayError(
-                429, f"every credential of backend {self.backend} is at its limits or cooling "
-                     f"down; retry after {retry} s", "rate_limit_error"), retry)
         cooling = [health for name in self.order
                    if (health := self.health.get(name)) is not None and health.state == "cooling"
                    and (name in tried or health.blocks(now, None))]
+        if limited and len(limited) + len(blocked) >= len(self.order):
+            # The soonest any credential takes a request again: a cooling one may be back
+            # before the limits' window turns (a minute's), and the client may come then.
+            soonest = min(limited + [max(now, health.until or now) for health in cooling])
+            retry = max(1, math.ceil(soonest - now))
+            return Exhausted(RelayError(
+                429, f"every credential of backend {self.backend} is at its limits or cooling "
+                     f"down; retry after {retry} s", "rate_limit_error"), retry)
         if cooling:
             soonest = min(max(now, health.until or now) for health in cooling)
             retry = max(1, math.ceil(soonest - now))

@@ -814,3 +814,26 @@ async def test_an_answer_whose_cooldown_was_being_written_is_let_go_on_a_disconn
     assert client.recorder.ended[0].outcome == "client_disconnected"
     assert not client.app[STATE].upstream.connections._busy
     assert client.app[STATE].upstream.pools.pools["emu"].inflight == {"a": 0, "b": 0}
+
+
+async def test_a_credential_at_its_limits_beside_a_cooling_one_waits_for_the_soonest():
+    """Every credential at its limits or cooling: the client's wait is the soonest any of
+    them can take a request, the cooling one's too, not only the limits' window."""
+    config = config_module.parse({"backends": [{
+        "name": "p", "url": "http://127.0.0.1:1",
+        "credentials": [limited("a", requests_per_minute=1), limited("b")]}]}, KEYS)
+    backend = config.backends[0]
+    made = pools.Pools(config)
+    pool = made.pools["p"]
+    first = exchange_for(request(user(text("hi"))), backend=backend)
+    first.client_headers = {"x-claude-code-session-id": "s1"}
+    assert (await made.choose(first, pool, set())).name == "a"  # a's one request a minute
+    made.release(first)
+    assert await made.report(first, pool, "b", 429, {"retry-after": "5"})
+    second = exchange_for(request(user(text("hi"))), backend=backend)
+    second.client_headers = {"x-claude-code-session-id": "s2"}
+    with pytest.raises(pools.Exhausted) as refused:
+        await made.choose(second, pool, set())
+    assert refused.value.error.status == 429
+    assert second.response_headers["retry-after"] in ("4", "5")  # b is back in 5 s, not 60
+
