@@ -375,15 +375,16 @@ class Pools:
             # healthy, with a view of the others' cooldowns fresh enough): one read, of what
             # other processes know and where they placed (or moved) the session.
             found = await self._read(pool, session, now)
-            if found is UNREACHED:
+            if session is not None and (placed := pool.sticky.get(session)) is not None \
+                    and placed is not entry:
+                # Another request of this session placed or moved it while this one read (a
+                # client sends its first requests together): the same credential, not a
+                # second one. What the read found may be older than that move.
+                current = placed[0]
+            elif found is UNREACHED:
                 pass  # what this process knows is all there is
             elif found is not None:
                 current = found
-            elif session is not None and (placed := pool.sticky.get(session)) is not None \
-                    and placed is not entry:
-                # Another request of this session placed it while this one read (a client
-                # sends its first requests together): the same credential, not a second one.
-                current = placed[0]
             else:
                 stored = False
         usable = [name for name in pool.order if name not in tried

@@ -837,3 +837,32 @@ async def test_a_credential_at_its_limits_beside_a_cooling_one_waits_for_the_soo
     assert refused.value.error.status == 429
     assert second.response_headers["retry-after"] in ("4", "5")  # b is back in 5 s, not 60
 
+
+async def test_a_session_s_requests_moving_together_move_to_one_credential():
+    """A session's credential cools while two of its requests are in hand (Claude Code's
+    title and turn): with a state whose reads wait, both move to the same credential, not
+    one each (a second move is a second cache write)."""
+    config, backend = pool_of("a", "b", "c")
+
+    class Slow(MemoryState):
+        async def get(self, namespace, keys):
+            found = await super().get(namespace, keys)
+            for _ in range(3):  # the answer on its way back
+                await asyncio.sleep(0)
+            return found
+
+    made = pools.Pools(config, Slow())
+    pool = made.pools["p"]
+
+    def exchange():
+        found = exchange_for(request(user(text("hi"))), backend=backend)
+        found.client_headers = {"x-claude-code-session-id": "s"}
+        return found
+    first = exchange()
+    assert (await made.choose(first, pool, set())).name == "a"
+    made.release(first)
+    assert await made.report(first, pool, "a", 429, {"retry-after": "60"})
+    together = [exchange(), exchange()]
+    chosen = await asyncio.gather(*(made.choose(e, pool, set()) for e in together))
+    assert [c.name for c in chosen] == ["b", "b"]
+    assert sum(len(e.noted("relay", "credential moved")) for e in together) == 1
