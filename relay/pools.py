@@ -473,6 +473,13 @@ class Pools:
         if status is None:
             failures = (previous.failures if previous is not None else 0) + 1
             seconds = min(options.max_cooldown, options.backoff * 2 ** (failures - 1))
+            if previous is not None and previous.status is not None \
+                    and previous.blocks(now, pool.prints[name]) \
+                    and (previous.until is None or previous.until >= now + seconds):
+                # A request still in flight failed after another was answered a 429 or a
+                # 401 with this key: the failure says nothing of the key, and must not cut
+                # the upstream's wait short or put a refused key back after a backoff.
+                return False
             record = Health("cooling", now, "connection failed", until=now + seconds,
                             failures=failures)
             exchange.note("relay", "credential backoff", backend=pool.backend, credential=name,

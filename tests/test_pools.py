@@ -866,3 +866,25 @@ async def test_a_session_s_requests_moving_together_move_to_one_credential():
     chosen = await asyncio.gather(*(made.choose(e, pool, set()) for e in together))
     assert [c.name for c in chosen] == ["b", "b"]
     assert sum(len(e.noted("relay", "credential moved")) for e in together) == 1
+
+
+async def test_a_connection_failure_in_flight_neither_ends_a_cooldown_nor_an_out_key():
+    """A request still in flight on a credential fails to connect after another was answered
+    a 429 (or a 401) with it: the failure says nothing about the key, so the upstream's
+    longer wait (or the refused key) stands, not the first second of backoff."""
+    config, backend = pool_of("a", "b", backoff=1)
+    clock = [1000.0]
+    made = pools.Pools(config, clock=lambda: clock[0])
+    pool, exchange = made.pools["p"], exchange_for(request(user(text("hi"))), backend=backend)
+    assert await made.report(exchange, pool, "a", 429, {"retry-after": "60"})
+    assert await made.report(exchange, pool, "b", 401)
+    assert not await made.report(exchange, pool, "a", None)
+    assert not await made.report(exchange, pool, "b", None)
+    clock[0] += 2  # past the backoff's second
+    assert pool.blocked("a", clock[0]) and pool.health["a"].until == 1060
+    assert pool.blocked("b", clock[0]) and pool.health["b"].state == "out"
+    stored = await made.state.get(pools.NAMESPACE, ["h:p:a", "h:p:b"])
+    assert [pools.Health.decode(raw).state for raw in stored] == ["cooling", "out"]
+    with pytest.raises(pools.Exhausted) as refused:
+        await made.choose(exchange, pool, set())
+    assert refused.value.error.status == 429 and refused.value.retry == 58
