@@ -491,8 +491,16 @@ class Pools:
             # Answered again after a backoff: the next failure starts from the first wait.
             pool.health.pop(name, None)
             pool.unwritten.discard(name)
+            key = health_key(pool.backend, name)
             try:
-                await self.state.delete(NAMESPACE, [health_key(pool.backend, name)])
+                # Only the record this process holds: another process may have written a
+                # newer one (a 429 it was answered while this request was in flight), which
+                # a blind delete would take from every process.
+                stored = Health.decode((await self.state.get(NAMESPACE, [key]))[0])
+                if stored is not None and stored != previous:
+                    pool.health[name] = stored
+                else:
+                    await self.state.delete(NAMESPACE, [key])
             except (Unavailable, OSError) as e:
                 self._unreachable(e)
         return False

@@ -888,3 +888,24 @@ async def test_a_connection_failure_in_flight_neither_ends_a_cooldown_nor_an_out
     with pytest.raises(pools.Exhausted) as refused:
         await made.choose(exchange, pool, set())
     assert refused.value.error.status == 429 and refused.value.retry == 58
+
+
+async def test_an_answer_after_a_backoff_leaves_another_replica_s_newer_cooldown():
+    """One replica is answered again by a credential it had backed off from, while another
+    was answered a 429 by it: forgetting its own backoff must not delete the other's
+    cooldown from the shared state."""
+    config, backend = pool_of("a", "b", backoff=1, refresh=0)
+    state, clock = MemoryState(), [1000.0]
+    one, two = (pools.Pools(config, state, clock=lambda: clock[0]) for _ in range(2))
+    exchange = exchange_for(request(user(text("hi"))), backend=backend)
+    assert not await one.report(exchange, one.pools["p"], "a", None)  # one backs off a for 1 s
+    clock[0] += 2  # over; one sends with a again
+    assert await two.report(exchange, two.pools["p"], "a", 429, {"retry-after": "60"})
+    assert not await one.report(exchange, one.pools["p"], "a", 200)  # one's request answered
+    stored = pools.Health.decode((await state.get(pools.NAMESPACE, ["h:p:a"]))[0])
+    assert stored is not None and stored.status == 429 and stored.until == 1062
+    three = pools.Pools(config, state, clock=lambda: clock[0])
+    for _ in range(3):
+        chosen = await three.choose(exchange, three.pools["p"], set())
+        three.release(exchange)
+        assert chosen.name == "b"
