@@ -359,6 +359,9 @@ async def prepare(store: Store, exchange) -> None:
         return
     if found is not None:
         thread.head, thread.recorded, thread.renamed = head, found[1], found[2]
+        # A continuation sends no create-only fields: the next turn's record keeps the ones
+        # the thread was created with, for a backend it may be carried to later.
+        thread.fields = found[3]
         exchange.note("relay", "thread head known", previous_message_id=thread.previous_id,
                       messages=len(head))
         return

@@ -425,3 +425,31 @@ async def test_workers_sharing_a_state_carry_each_others_threads(upstream, aioht
     finally:
         for client in (one, other):
             await client.chain.shutdown(client.config)
+
+
+async def test_a_thread_moved_after_a_held_turn_keeps_the_fields_it_was_created_with(
+        upstream, aiohttp_client):
+    # Two turns held by one backend, then a /model switch: the continuation the relay
+    # recorded sent no `system` or `tools` (a continuation may not), and the conversation
+    # carried to the other backend must still have the ones the thread was created with.
+    holding = await upstream(tool_turns=3, threads="hold")
+    other = await upstream(tool_turns=3, threads="refuse")
+    client = await start_relay(aiohttp_client, {"pipeline": PIPELINE, "backends": [
+        {"name": "a", "url": str(holding.make_url("")).rstrip("/"), "models": ["claude-a"],
+         "holds_threads": True},
+        {"name": "b", "url": str(other.make_url("")).rstrip("/"), "models": ["claude-b"],
+         "holds_threads": True}]})
+    try:
+        _, first = await post(client, create(user(text("go")), model="claude-a",
+                                             system="be brief"))
+        response, second = await post(client, carry_on(first["id"], user(*answers_to(first)),
+                                                       model="claude-a"))
+        assert response.status == 200, second
+        response, third = await post(client, carry_on(second["id"], user(*answers_to(second)),
+                                                      model="claude-b"))
+        assert response.status == 200, third
+        sent = [orjson.loads(raw) for *_, raw in other.app[emulator.STATE].records]
+        assert "thread" not in sent[0] and len(sent[0]["messages"]) == 5
+        assert sent[0]["tools"] == TOOLS and sent[0]["system"] == "be brief"
+    finally:
+        await client.chain.shutdown(client.config)
