@@ -130,16 +130,29 @@ def requested(value) -> Thread | None:
 class ThreadUnsupported(RelayError):
     """The API's refusal of a request it cannot thread, in the shape the SDKs read."""
 
+    error_code = "thread_unsupported_request"
+
     def __init__(self, message: str = UNSUPPORTED_MESSAGE):
         super().__init__(400, message, "invalid_request_error", rule="thread-unsupported")
 
     def body(self, request_id: str | None = None) -> bytes:
         doc = {"type": "error", "error": {
             "type": self.type, "message": self.message,
-            "details": {"error_code": "thread_unsupported_request"}}}
+            "details": {"error_code": self.error_code}}}
         if request_id:
             doc["request_id"] = request_id
         return orjson.dumps(doc)
+
+
+class ThreadNotFound(ThreadUnsupported):
+    """The API's answer to a continuation of a thread it holds none of (``ThreadNotFoundError``
+    in the SDK, which then replays the full history under a new thread)."""
+
+    error_code = "thread_not_found"
+
+    def __init__(self, previous_id: str):
+        RelayError.__init__(self, 404, f"previous_message_id: no thread state for {previous_id}",
+                            "not_found_error", rule="thread-not-found")
 
 
 class Store:
@@ -158,6 +171,10 @@ class Store:
         self.bytes = 0
         self._entries: collections.OrderedDict[
             object, tuple[float, str, bytes, dict, dict]] = collections.OrderedDict()
+        # Answer id -> the key it is recorded under (with its inbound key's name): the
+        # upstream holds every tenant's threads under the relay's own credential, so a
+        # continuation of an id recorded for another key is refused, not forwarded.
+        self._owners: dict[object, object] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -187,6 +204,13 @@ class Store:
             return None
         self._keep(message_id, *entry)
         return entry
+
+    def held_elsewhere(self, message_id) -> bool:
+        """Whether this process records the answer ``message_id`` names under another
+        inbound key than its own."""
+        self._expire()
+        owner = self._owners.get(_answer_id(message_id))
+        return owner is not None and owner != message_id
 
     def get(self, message_id) -> tuple[str, bytes, dict, dict] | None:
         """``(backend name, conversation as JSON, renamed ids, the fields the thread was
@@ -221,6 +245,7 @@ class Store:
         if size > self.max_bytes:
             return False
         self._entries[message_id] = (self.clock(), backend, conversation, renamed, fields)
+        self._owners[_answer_id(message_id)] = message_id
         self.bytes += size
         while len(self._entries) > self.max_threads or self.bytes > self.max_bytes:
             self._drop_oldest()
@@ -235,6 +260,8 @@ class Store:
         entry = self._entries.pop(message_id, None)
         if entry is not None:
             self.bytes -= _size(entry[2], entry[4])
+            if self._owners.get(_answer_id(message_id)) == message_id:
+                del self._owners[_answer_id(message_id)]
 
     def _share(self, write) -> None:
         """Write to the shared state in the background (the answer is not held for it); a
@@ -253,8 +280,10 @@ class Store:
                         task.exception())
 
     def _drop_oldest(self) -> None:
-        _, entry = self._entries.popitem(last=False)
+        message_id, entry = self._entries.popitem(last=False)
         self.bytes -= _size(entry[2], entry[4])
+        if self._owners.get(_answer_id(message_id)) == message_id:
+            del self._owners[_answer_id(message_id)]
 
     def _expire(self) -> None:
         limit = self.clock() - self.max_age
@@ -263,6 +292,10 @@ class Store:
             if used >= limit:
                 return
             self._drop_oldest()
+
+
+def _answer_id(message_id):
+    return message_id[1] if type(message_id) is tuple else message_id
 
 
 def _shared_key(message_id) -> str:
@@ -338,6 +371,12 @@ async def prepare(store: Store, exchange) -> None:
     backend = exchange.backend
     found = await store.fetch(_key(exchange, thread.previous_id)) \
         if thread.previous_id is not None else None
+    if found is None and thread.previous_id is not None \
+            and store.held_elsewhere(_key(exchange, thread.previous_id)):
+        exchange.note("relay", "thread refused", kind=thread.kind,
+                      previous_message_id=thread.previous_id,
+                      reason="the relay recorded this thread for another inbound key")
+        raise ThreadNotFound(thread.previous_id)
     if found is not None:
         try:
             head = orjson.loads(found[1])

@@ -396,10 +396,10 @@ async def test_one_clients_thread_is_no_other_clients_to_judge_against(upstream,
     bravo = {**BETA, "x-api-key": keys["KEY_B"]}
     _, first = await post(client, create(user(text("go"))), alpha)
     response, _ = await post(client, carry_on(first["id"], user(*answers_to(first))), bravo)
-    assert "thread-head-unseen" in response.headers["x-relay-notes"]
+    assert response.status == 404  # not bravo's to continue (below)
     response, _ = await post(client, carry_on(first["id"], user(text("hi"))), alpha)
     assert response.status == 400  # alpha's record is still there, judged against
-    assert len(received(client)) == 2
+    assert len(received(client)) == 1
 
 
 async def test_workers_sharing_a_state_carry_each_others_threads(upstream, aiohttp_client,
@@ -453,3 +453,26 @@ async def test_a_thread_moved_after_a_held_turn_keeps_the_fields_it_was_created_
         assert sent[0]["tools"] == TOOLS and sent[0]["system"] == "be brief"
     finally:
         await client.chain.shutdown(client.config)
+
+
+async def test_one_clients_thread_is_not_continued_by_another_client(upstream, relay):
+    # The upstream holds every tenant's threads under the relay's one credential: a
+    # continuation of a thread the relay recorded for another key would have the model answer
+    # from that key's conversation. The relay answers as the API does for a thread it does
+    # not hold, and the SDK replays its own history under a new thread.
+    keys = {"KEY_A": "relay-key-alpha-0123456789", "KEY_B": "relay-key-bravo-0123456789"}
+    client = await relay(await upstream(tool_turns=2, threads="hold"), env=keys,
+                         server={"auth": {"keys": [{"name": "alpha", "key_env": "KEY_A"},
+                                                   {"name": "bravo", "key_env": "KEY_B"}]}})
+    alpha = {**BETA, "x-api-key": keys["KEY_A"]}
+    bravo = {**BETA, "x-api-key": keys["KEY_B"]}
+    _, first = await post(client, create(user(text("go"))), alpha)
+    response, error = await post(client, carry_on(first["id"], user(*answers_to(first))), bravo)
+    assert response.status == 404, error
+    assert error["error"]["type"] == "not_found_error"
+    assert error["error"]["details"] == {"error_code": "thread_not_found"}
+    assert len(received(client)) == 1
+    # Alpha's thread is still alpha's to continue.
+    response, second = await post(client, carry_on(first["id"], user(*answers_to(first))),
+                                  alpha)
+    assert response.status == 200, second
