@@ -486,7 +486,9 @@ class Cache:
             judgement.answer_id = answer_id
         if judgement.diagnostics is _UNSET:
             return False
-        if message.get("diagnostics") is not None:
+        if "diagnostics" in message:
+            # Null included: the API's word for "no divergence" (BetaMessage.diagnostics), so
+            # a backend that says it answered, whatever the relay's record holds.
             exchange.note(PLUGIN, "diagnostics from the backend")
             return False
         reason = judgement.diagnostics

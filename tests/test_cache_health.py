@@ -567,3 +567,34 @@ def test_replicas_share_the_session_record_through_the_real_store(emulator, rela
                                              second["id"]))
     assert header == "hit"
     assert "diagnostics" not in third  # the other replica's answer, found: nothing diverged
+
+
+async def test_a_backends_null_diagnostics_are_its_answer(aiohttp_server, aiohttp_client):
+    """Never both: an upstream that answers ``diagnostics: null`` (the API's word for no
+    divergence, BetaMessage.diagnostics) answered the request, though the relay does not
+    know it holds diagnostics: its null is not replaced by the relay's own reason."""
+    from aiohttp import web
+
+    async def messages(request):
+        body = await request.json()
+        return web.json_response({
+            "id": f"msg_{len(body['messages'])}", "type": "message", "role": "assistant",
+            "model": body["model"], "content": [{"type": "text", "text": "ok"}],
+            "stop_reason": "end_turn", "stop_sequence": None, "diagnostics": None,
+            "usage": {"input_tokens": 10, "output_tokens": 1}})
+
+    app = web.Application()
+    app.router.add_post("/v1/messages", messages)
+    upstream = await aiohttp_server(app)
+    client = await start_relay(aiohttp_client, {"pipeline": ["cache"], "backends": [
+        {"name": "proxy", "url": str(upstream.make_url("")).rstrip("/"), "models": ["*"]}]})
+    try:
+        # An earlier answer this relay never saw (another replica's, say).
+        resp = await client.post("/v1/messages", headers=SESSION,
+                                 json=asking(conversation(1), "msg_elsewhere"))
+        answer = await resp.json()
+        assert resp.status == 200, answer
+        assert BetaMessage.model_validate(answer).diagnostics is None
+        assert answer["diagnostics"] is None
+    finally:
+        await client.chain.shutdown(client.config)
