@@ -36,6 +36,7 @@ from relay.errors import error_body
 from relay.hookspecs import hookimpl
 from relay.inbound import AdminRoute
 from relay.options import Option
+from relay.state import Unavailable
 
 log = logging.getLogger("relay.plugins.usage")
 
@@ -145,7 +146,14 @@ class Usage:
             return web.Response(status=400, body=error_body("invalid_request_error", str(e)),
                                 content_type="application/json")
         assert self.state is not None  # routes are served after start-up
-        rows = await self.state.rows(since=since, until=until)
+        try:
+            rows = await self.state.rows(since=since, until=until)
+        except Unavailable as e:
+            # The ledger out of reach is the state's trouble, said as the relay says it
+            # elsewhere (a 503 in Anthropic's format), not aiohttp's bare 500 and a traceback.
+            return web.Response(status=503, body=error_body(
+                "api_error", f"the shared state cannot be reached now: {e}"),
+                content_type="application/json")
         # Months of rows are a lot of adding up: not on the event loop.
         groups = await asyncio.get_running_loop().run_in_executor(
             None, metering.aggregate, rows, by)

@@ -225,6 +225,36 @@ async def test_the_usage_endpoint_is_the_operators(aiohttp_client, aiohttp_serve
     assert bad.status == 400
 
 
+async def test_the_usage_endpoint_with_the_state_out_is_a_clean_503(aiohttp_client,
+                                                                    aiohttp_server, tmp_path):
+    """The ledger unreachable (another process holds the SQLite file's write lock past the
+    timeout): the operator's endpoint answers 503 in Anthropic's format, not aiohttp's bare
+    500 with a traceback in the log."""
+    import sqlite3
+
+    upstream = await aiohttp_server(emulator.create_app(emulator.EmulatorOptions()))
+    path = tmp_path / "state.db"
+    client = await start_relay(aiohttp_client, {
+        "server": {"auth": {"keys": [{"name": "team-a", "key_env": "KEY_A"}],
+                            "admin_key_env": "ADMIN"}},
+        "state": {"url": f"sqlite:///{path}", "timeout": 0.1}, "pipeline": ["usage"],
+        "backends": [{"name": "emu", "url": str(upstream.make_url("")).rstrip("/"),
+                      "models": ["*"]}]}, env=KEYS)
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")
+    try:
+        resp = await client.get("/v1/relay/usage", headers=key("ADMIN"))
+        assert resp.status == 503
+        body = await resp.json()
+        assert body["type"] == "error" and body["error"]["type"] == "api_error"
+        assert "state" in body["error"]["message"]
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+        await client.close()
+        await client.chain.shutdown(client.config)
+
+
 async def test_a_ledger_nobody_could_read_is_not_kept(aiohttp_client, aiohttp_server, caplog):
     # No state url (rows in this process's memory) and no admin key (no route reads them):
     # the usage is still metered, and no row is kept.
