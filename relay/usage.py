@@ -483,7 +483,7 @@ async def read_ledger(state_options: dict, since: float | None,
 
 def main(args) -> int:
     """``relay usage``: the ledger added up. Exit status 2 for a config error or a bad
-    time."""
+    time, 1 when the state cannot be reached."""
     import asyncio
     import sys
 
@@ -499,7 +499,12 @@ def main(args) -> int:
     except (ConfigError, ValueError) as e:
         print(f"relay: {e}", file=sys.stderr)
         return 2
-    kind, rows = asyncio.run(read_ledger(config.state, since, until))
+    from .state import Unavailable
+    try:
+        kind, rows = asyncio.run(read_ledger(config.state, since, until))
+    except Unavailable as e:  # said as `relay keys` says it: one line, no traceback
+        print(f"relay usage: the state cannot be reached: {e}", file=sys.stderr)
+        return 1
     if kind == "memory":
         print("relay: state.url is not set, so the ledger lives in the serving relay's memory, "
               "which this command cannot read: set state.url, or ask the serving relay "

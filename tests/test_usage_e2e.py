@@ -338,6 +338,23 @@ async def test_relay_usage_prints_the_ledger_added_up(aiohttp_client, aiohttp_se
     assert (await run("--json", "--until", "2000-01-01")).strip() == "[]"
 
 
+def test_relay_usage_with_the_state_out_says_so_without_a_traceback(tmp_path, capsys):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens there once closed
+    config = tmp_path / "relay.yaml"
+    config.write_text("backends: [{name: emu, url: 'http://127.0.0.1:9', models: ['*']}]\n"
+                      f"state: {{url: 'redis://:secret@127.0.0.1:{port}/0', timeout: 0.1}}\n")
+    parser = argparse.ArgumentParser()
+    metering.add_arguments(parser)
+    assert metering.main(parser.parse_args(["--config", str(config)])) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and "relay usage: the state cannot be reached" in err
+    assert "Traceback" not in err and "secret" not in err
+
+
 @pytest.mark.slow
 def test_relay_usage_reads_the_ledger_a_serving_relay_wrote(emulator, relay, tmp_path):
     """Across processes: a relay writes its rows to a SQLite state, `relay usage` (a process
