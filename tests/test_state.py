@@ -691,6 +691,29 @@ async def test_a_value_put_soon_reaches_the_other_processes_within_moments(share
         await reader.close()
 
 
+async def test_a_take_whose_caller_gave_up_is_given_back_whole(shared_url):
+    """The client gone while its take was at the store (a limit too small for leases): what
+    the store granted nobody will use or release, its slot and its request's count alike,
+    so a key of 3 requests a minute does not lose one to every client that hung up."""
+    state = await open_state({"url": shared_url})
+    try:
+        rpm = Counter("key:gone:rpm", "minute", limit=3)
+        slot = Slot("key:gone:concurrent", limit=3)
+        given_up = asyncio.ensure_future(state.take([rpm], [slot], now=BASE))
+        await asyncio.sleep(0)  # asked
+        given_up.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await given_up
+        deadline = time.monotonic() + 5
+        while (await state.counts([rpm], now=BASE))[0].used:
+            assert time.monotonic() < deadline, "the take given up is still counted"
+            await asyncio.sleep(0.05)
+        for _ in range(3):  # the whole limit, and the slots, are there
+            assert (await state.take([rpm], [slot], now=BASE)).granted
+    finally:
+        await state.close()
+
+
 @pytest.mark.slow
 async def test_redis_values_being_sent_are_read_superseded_and_kept_through_a_close(
         redis_server):

@@ -502,10 +502,19 @@ class RedisState(State):
         for slot, token in zip(slots, tokens, strict=True):
             keys.append(_slot_key(slot.name))
             args += [slot.limit, now + slot.lease, token, slot.units]
+        # The take's own clock: a caller's ``now`` decides its windows and leases.
+        call = asyncio.ensure_future(
+            self._script(keys, args, len(counters), len(slots), now=now))
         try:
-            # The take's own clock: a caller's ``now`` decides its windows and leases.
-            reply = await self._script(keys, args, len(counters), len(slots), now=now)
-        except (Unavailable, asyncio.CancelledError):
+            # Shielded: a caller that gives up (the client gone) leaves the round trip to
+            # finish, and what it granted is given back once the answer says so, the
+            # request's counts as well as its slots (nobody will use them).
+            reply = await asyncio.shield(call)
+        except asyncio.CancelledError:
+            call.add_done_callback(lambda done: self._given_up(done, counters, slots, tokens,
+                                                               now))
+            raise
+        except Unavailable:
             # It may have been taken all the same: the slots go back (releasing a token
             # never taken does nothing).
             for slot, token in zip(slots, tokens, strict=True):
@@ -521,6 +530,17 @@ class RedisState(State):
         return Taken(True, tuple(Count(c.name, u + c.amount, c.limit, end)
                                  for c, u, end in zip(counters, used, ends, strict=True)),
                      tokens)
+
+    def _given_up(self, done: asyncio.Future, counters: Sequence[Counter],
+                  slots: Sequence[Slot], tokens: tuple[str, ...], now: float) -> None:
+        """A take whose caller gave up, answered: what it was granted goes back."""
+        if not done.cancelled() and done.exception() is None:
+            if not int(done.result()[0]):
+                return  # refused: nothing was taken
+            self.add_soon([Counter(c.name, c.per, amount=-c.amount)
+                           for c in counters if c.amount], now)
+        for slot, token in zip(slots, tokens, strict=True):  # and where unknown, the slots
+            self.release_soon(slot.name, token)
 
     def add_soon(self, counters: Iterable[Counter], now: float | None = None) -> None:
         now = time.time() if now is None else now
