@@ -318,6 +318,29 @@ async def test_sqlite_reads_need_no_write_lock_and_leave_the_queue_to_its_time(
         await state.close()
 
 
+async def test_sqlite_reads_are_answered_while_a_held_lock_fails_the_writes(tmp_path):
+    """A take that met another process's write lock makes the writes fail at once for a
+    moment, not the reads: a key-value record (a session's, portable's provenance) and the
+    keys' version need no write lock, and are answered all the while the lock is held."""
+    path = tmp_path / "state.db"
+    state = await open_state({"url": f"sqlite:///{path}", "timeout": 0.2})
+    blocker = sqlite3.connect(path, isolation_level=None)
+    try:
+        await state.put("ns", {"k": b"v"}, ttl=60)
+        version = await state.keys_version()
+        blocker.execute("BEGIN IMMEDIATE")
+        with pytest.raises(Unavailable):
+            await state.take([Counter("key:a:rpm", "minute", limit=5)])
+        with pytest.raises(Unavailable):  # the writes: at once, for a moment
+            await state.counts([Counter("key:a:rpm", "minute", limit=5)])
+        assert await state.get("ns", ["k", "x"]) == [b"v", None]
+        assert await state.keys_version() == version
+    finally:
+        blocker.execute("ROLLBACK")
+        blocker.close()
+        await state.close()
+
+
 async def test_sqlite_a_later_put_soon_wins_over_an_earlier_delete_in_one_batch(tmp_path):
     """A delete made while the worker was busy and a put_soon made after it, written in one
     transaction: the newer entry stays."""

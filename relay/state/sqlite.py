@@ -17,7 +17,8 @@ entry still queued is read from the queue). A call that only reads the key-value
 the keys' version neither waits for nor hurries what is queued: it runs outside any write
 transaction. A call that gets no answer within
 ``timeout`` raises :class:`~relay.state.Unavailable` (and for ``DOWN_SECONDS`` after a
-failure every call does so at once); if the thread still grants it later, the take is undone
+failure every call does so at once, but for the reads that need no write lock when it was a
+write that failed); if the thread still grants it later, the take is undone
 (its slots released, its amounts taken back). The ledger is read (:meth:`rows`) on another
 thread, bounded by ``ROWS_SECONDS``: no request waits for it.
 
@@ -156,6 +157,10 @@ class SQLiteState(State):
         self._urgent = False  # and whether it holds more than ledger rows
         self._stopping = False
         self._down_until = 0.0  # monotonic; set by either thread (a float: one store)
+        # The same for the calls that only read (read=True): a write that failed (another
+        # process holding the write lock past the timeout, a full disk) says nothing of a
+        # read, which needs no write lock; only a read that failed stops them.
+        self._reads_down_until = 0.0
         self._idle = False  # the worker sleeps until woken (or the next sweep)
         self._prefix = secrets.token_hex(4)  # slot tokens: unique across processes
         self._tokens = itertools.count()
@@ -224,7 +229,7 @@ class SQLiteState(State):
                     wait: float | None = None, read: bool = False) -> Any:
         if self._thread is None:
             raise Unavailable("the SQLite state is closed")
-        if time.monotonic() < self._down_until:
+        if time.monotonic() < (self._reads_down_until if read else self._down_until):
             self._unreachable(1, "unreachable a moment ago")
             raise Unavailable(f"{self.path}: unreachable (a moment ago)")
         loop = asyncio.get_running_loop()
@@ -243,6 +248,8 @@ class SQLiteState(State):
         if not call.future.done():
             call.abandoned = True
             self._down_until = time.monotonic() + DOWN_SECONDS
+            if call.read:
+                self._reads_down_until = self._down_until
             self._unreachable(1, f"no answer within {seconds} s")
             call.future.set_exception(Unavailable(f"{self.path}: no answer within "
                                                   f"{seconds} s"))
@@ -469,7 +476,7 @@ class SQLiteState(State):
                                                  self._writing(puts), backlog)
                                if writing else self._read(db, calls))
                 except Exception as e:  # sqlite3's own, or a value it could not take
-                    self._failed(db, e, calls, adds, releases)
+                    self._failed(db, e, calls, adds, releases, reading=not writing)
                     db = None
                 else:
                     self._landed(backlog)
@@ -541,11 +548,14 @@ class SQLiteState(State):
                     for (namespace, key), (until, value) in puts.items()]
 
     def _failed(self, db: sqlite3.Connection | None, error: Exception, calls: list[_Call],
-                adds: dict[tuple[str, int], list[int]], releases: list[tuple[str, str]]
-                ) -> None:
-        """The file could not be written (locked past the timeout, full, gone): the callers
-        hear so, and what owed no answer waits for the next transaction."""
+                adds: dict[tuple[str, int], list[int]], releases: list[tuple[str, str]],
+                reading: bool = False) -> None:
+        """The file could not be written (locked past the timeout, full, gone), or with
+        ``reading`` not even read: the callers hear so, and what owed no answer waits for
+        the next transaction."""
         self._down_until = time.monotonic() + DOWN_SECONDS
+        if reading:
+            self._reads_down_until = self._down_until
         with self._wake:
             for key, (end, amount) in adds.items():
                 entry = self._adds.setdefault(key, [end, 0])
