@@ -285,6 +285,16 @@ class Store:
             # other trial, then itself.
             return
         lanes = self.lanes.setdefault(session, [])
+        messages = getattr(record, "messages", None)
+        first = messages[0] if messages else None
+        for kept in [lane for lane in lanes if first is not None
+                     and (old := getattr(self.records[session, lane], "messages", None))
+                     and old[0] == first]:
+            # The same conversation (its first message): one that went back to an earlier
+            # turn (an edit, a rewind), whose record for the later turn it will not go on
+            # from, and which would hold that record's megabyte until evicted.
+            self._drop(session, kept)
+        lanes = self.lanes.setdefault(session, [])
         while lanes and (len(lanes) >= LANES or record.size + sum(
                 self.records[session, lane].size for lane in lanes) > share):
             self._drop(session, lanes[0])

@@ -225,6 +225,23 @@ def test_two_conversations_of_one_session_each_go_on_from_their_own_record():
             assert ours == prepared(whole, body(messages))[0]
 
 
+def test_a_conversation_that_goes_back_keeps_one_record_not_two():
+    """A request back at an earlier turn (an edit, a rewind) supersedes the record of the
+    later one it cannot go on from; another conversation of the session keeps its own."""
+    state = relay()
+    main, side = conversation(8), [user(text("summarise this session")), *conversation(2)[1:]]
+    opened(state, body(main))
+    opened(state, body(side))
+    _, exchange = prepared(state, body(main[:5]))  # back to an earlier turn
+    assert exchange.resume.start == 0
+    [lanes] = state.resume.lanes.values()
+    assert sorted(state.resume.records[key].count for key in state.resume.records) == sorted(
+        [len(side), 5])
+    assert len(lanes) == 2
+    _, exchange = prepared(state, body(main[:5] + [assistant(text("again")), user(text("go"))]))
+    assert exchange.resume.start >= 4  # going on from the one kept
+
+
 def test_a_record_that_could_go_no_further_than_the_one_found_is_not_compared(monkeypatch):
     state, whole = relay(), relay(resume_bytes=0)
     main, side = conversation(6), [user(text("summarise this session")), *conversation(1)[1:]]
