@@ -284,12 +284,9 @@ class Store:
             # A trial the other sessions' records leave no room for would push out every
             # other trial, then itself.
             return
-        lanes = self.lanes.setdefault(session, [])
-        messages = getattr(record, "messages", None)
-        first = messages[0] if messages else None
-        for kept in [lane for lane in lanes if first is not None
-                     and (old := getattr(self.records[session, lane], "messages", None))
-                     and old[0] == first]:
+        first = record.messages[0] if record.messages else None
+        for kept in [lane for lane in self.lanes.get(session, ()) if first is not None
+                     and (old := self.records[session, lane].messages) and old[0] == first]:
             # The same conversation (its first message): one that went back to an earlier
             # turn (an edit, a rewind), whose record for the later turn it will not go on
             # from, and which would hold that record's megabyte until evicted.

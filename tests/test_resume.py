@@ -442,10 +442,12 @@ def test_sessions_that_begin_at_once_each_keep_their_first_request_s_record():
 
 
 class Sized:
-    """A stand-in for a record, of which the store reads only the size."""
+    """A stand-in for a record, of which the store reads the size and the first message (a
+    conversation of its own: none)."""
 
     def __init__(self, size: int):
         self.size = size
+        self.messages: list = []
 
 
 def test_a_trial_with_no_room_left_is_not_kept_and_pushes_out_no_other_trial():
