@@ -38,9 +38,9 @@ class Load:
         self.sessions: dict[str, aiohttp.ClientSession] = {}
         self.idle: list = []
         self.idle_release: asyncio.Event | None = None
+        self.turns: dict = {}  # (url, connection) -> the growing session's next turn
 
     runs = 0
-    turns: dict = {}  # (url, connection) -> the growing session's next turn
 
     def session(self, base: str) -> aiohttp.ClientSession:
         session = self.sessions.get(base)
@@ -78,15 +78,19 @@ class Load:
             if sessions == "grow":  # one session per connection, the same in every run
                 headers = {**base, workloads.SESSION_HEADER: f"bench-{cmd['url']}-{worker}"}
             # A session goes on where its last run left it, not from its first turn again.
+            # Each connection's session begins at a turn of its own: a gateway's sessions
+            # are not in step, and in step every one went back to its first turn (walked
+            # whole) in the same round.
             where = (cmd["url"], worker)
-            turn = self.turns.get(where, 0)
+            turn = self.turns.get(where, worker * len(bodies) // workloads.SESSIONS_SPREAD)
             while issued < count and perf_counter() < deadline:
                 issued += 1
                 if sessions == "fresh":
                     headers = {**base, workloads.SESSION_HEADER: f"bench-{run}-{issued}"}
                 body = bodies[turn % len(bodies)]
-                turn += 1
-                self.turns[where] = turn
+                if sessions == "grow":
+                    turn += 1
+                    self.turns[where] = turn
                 t0 = perf_counter()
                 try:
                     async with session.post(url, data=body, headers=headers) as response:

@@ -48,6 +48,7 @@ for _name in ("history_changed", "history_unchanged"):
     WORKLOADS[_name]["session"] = "fresh"
 SESSION_HEADER = "x-claude-code-session-id"
 SESSION_REQUESTS = 40  # the turns a growing session goes through before it starts again
+SESSIONS_SPREAD = 32  # the growing sessions' first turns spread over the cycle as for c=32
 IDLE_QUERY = "mock=idle"
 
 _WORDS = ("the", "relay", "tool", "result", "file", "line", "def", "return", "self", "import",
