@@ -173,7 +173,8 @@ class Attempt:
     status: int | None = None
     """The upstream's status; None when it could not be reached."""
     error: str | None = None
-    """Why it could not be reached (``pool full`` when the relay's own pool was)."""
+    """Why it could not be reached (``pool full`` when the relay's own pool was), or why a
+    ``200`` stream counted as a failure (``the stream opened with overloaded_error``)."""
     seconds: float = 0.0
     """From sending to the upstream's headers (or the failure)."""
     sent: float = 0.0

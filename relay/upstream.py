@@ -11,6 +11,7 @@ import asyncio
 import functools
 import random
 import time
+from collections.abc import AsyncIterator
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
@@ -25,6 +26,7 @@ from .exchange import Attempt, UpstreamRequest
 from .headers import AUTH_HEADERS, end_to_end, keep_undecoded_coding, seconds_until
 from .pools import Exhausted, Pools
 from .redact import redact_headers
+from .sse import SSEDecoder
 
 
 @functools.lru_cache(maxsize=256)
@@ -127,9 +129,19 @@ def answer_headers(exchange, upstream_headers, secrets=()) -> CIMultiDict:
     return redact_headers(out, secrets) if secrets else out
 
 
+class Body(Protocol):
+    """An answer's body as the relay reads it (an ``aiohttp.StreamReader``, or
+    :class:`Opened`'s)."""
+
+    def iter_any(self) -> AsyncIterator[bytes]: ...
+
+    def at_eof(self) -> bool: ...
+
+
 class Reply(Protocol):
     """An upstream's answer as the relay reads it: an ``aiohttp.ClientResponse`` (a backend
-    behind an egress proxy) or a :class:`relay.transport.Response` (any other)."""
+    behind an egress proxy), a :class:`relay.transport.Response` (any other), or either as
+    :class:`Opened`."""
 
     @property
     def status(self) -> int: ...
@@ -141,7 +153,7 @@ class Reply(Protocol):
     def headers(self) -> CIMultiDictProxy[str]: ...
 
     @property
-    def content(self) -> aiohttp.StreamReader: ...
+    def content(self) -> Body: ...
 
     @property
     def content_type(self) -> str: ...
@@ -158,6 +170,125 @@ class Reply(Protocol):
     async def __aenter__(self) -> Any: ...
 
     async def __aexit__(self, *exc_info: Any) -> Any: ...
+
+
+# How much of a stream's start is read for its first event: Anthropic's error events are a
+# line, and an event that has not ended by then is no such refusal.
+OPENING_BYTES = 65536
+
+
+class _Resumed:
+    """A body whose first bytes were read already: they come again first."""
+
+    __slots__ = ("held", "rest", "failure")
+
+    def __init__(self, held: bytes, rest: Body, failure: BaseException | None):
+        self.held = held
+        self.rest = rest
+        self.failure = failure  # what ended the first read: raised where it would have been
+
+    async def iter_any(self) -> AsyncIterator[bytes]:
+        held, self.held = self.held, b""
+        if held:
+            yield held
+        failure, self.failure = self.failure, None
+        if failure is not None:
+            raise failure
+        async for chunk in self.rest.iter_any():
+            yield chunk
+
+    def at_eof(self) -> bool:
+        return not self.held and self.failure is None and self.rest.at_eof()
+
+
+class Opened:
+    """An upstream stream whose first event was read before it went on, to see whether the
+    upstream refused the request in it: the same answer, its body again from its first byte.
+    ``refused``: the status that event stands for (the format's ``opening_errors``), and
+    ``kind`` its error type; None when the stream began."""
+
+    __slots__ = ("answer", "content", "refused", "kind")
+
+    def __init__(self, answer: Reply, content: _Resumed, refused: int | None,
+                 kind: str | None):
+        self.answer = answer
+        self.content = content
+        self.refused = refused
+        self.kind = kind
+
+    @property
+    def status(self) -> int:
+        return self.answer.status
+
+    @property
+    def reason(self) -> str | None:
+        return self.answer.reason
+
+    @property
+    def headers(self) -> CIMultiDictProxy[str]:
+        return self.answer.headers
+
+    @property
+    def content_type(self) -> str:
+        return self.answer.content_type
+
+    @property
+    def content_length(self) -> int | None:
+        return self.answer.content_length
+
+    async def read(self) -> bytes:
+        parts = [chunk async for chunk in self.content.iter_any()]
+        return b"".join(parts)
+
+    def release(self) -> Any:
+        return self.answer.release()
+
+    def close(self) -> None:
+        self.answer.close()
+
+    async def __aenter__(self) -> Opened:
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self.answer.__aexit__(*exc_info)
+
+
+async def opened(answer: Reply, errors) -> Opened:
+    """``answer`` (a 200 stream) with its first event read: whether it is an ``error`` event
+    of a type in ``errors`` (error type -> status). A read that fails is raised later, by the
+    body's reader, where the stream's own failures are handled."""
+    decoder = SSEDecoder()
+    held = bytearray()
+    failure: BaseException | None = None
+    first = None
+    try:
+        async for chunk in answer.content.iter_any():
+            held += chunk
+            events = decoder.feed(chunk)
+            if events or len(held) > OPENING_BYTES:
+                first = events[0] if events else None
+                break
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        failure = e
+    except BaseException:
+        answer.release()
+        raise
+    refused = kind = None
+    data = first.data if first is not None else None
+    name = first.name if first is not None else None
+    if type(data) is dict and (name or data.get("type")) == "error":
+        error = data.get("error")
+        found = error.get("type") if type(error) is dict else None
+        if type(found) is str and found in errors:
+            refused, kind = errors[found], found
+    return Opened(answer, _Resumed(bytes(held), answer.content, failure), refused, kind)
+
+
+def standing(answer: Reply) -> int:
+    """The status ``answer`` stands for: its own, or the one its stream opened with."""
+    if isinstance(answer, Opened) and answer.refused is not None:
+        return answer.refused
+    return answer.status
 
 
 class Fallbacks(Protocol):
@@ -339,6 +470,12 @@ class Upstream:
         pool = pools.pool(backend)
         tried: set[str] = set()  # credentials this request failed with: not asked again
         counted = 0  # attempts the retries count (a switch of credential is not one)
+        errors = adapter.opening_errors
+        # A stream's first event is read before it goes on only where a refusal in it can be
+        # acted on: another credential, a retry, a fallback. Elsewhere the client gets the
+        # stream at once, as it came.
+        opens = bool(errors) and exchange.endpoint == "messages" and (
+            pool is not None or retries.attempts > 1 or bool(backend.fallbacks))
         while True:
             credential = None
             if pool is not None:
@@ -382,12 +519,23 @@ class Upstream:
                 failure = e
                 attempt.error = f"{type(e).__name__} {e}".rstrip()
             attempt.seconds = time.perf_counter() - sent
+            status = None
             if answer is not None:
-                attempt.status = answer.status
+                status = attempt.status = answer.status
+                if opens and status == 200 and answer.content_type == "text/event-stream":
+                    answer = await opened(answer, errors)
+                    if answer.refused is not None:
+                        # Nothing has reached the client: the stream counts as the status
+                        # its error stands for (a 529 for overloaded_error), for the pool,
+                        # the retries and the fallbacks alike.
+                        status = answer.refused
+                        attempt.error = f"the stream opened with {answer.kind}"
+                        exchange.note("relay", "stream refused", backend=backend.name,
+                                      error=answer.kind, stands_for=status)
             fault = False
             if pool is not None and credential is not None:
                 try:
-                    fault = await pools.report(exchange, pool, credential.name, attempt.status,
+                    fault = await pools.report(exchange, pool, credential.name, status,
                                                answer.headers if answer is not None else None)
                 except BaseException:
                     # The client gone while the state took the credential's health: nobody
@@ -403,10 +551,10 @@ class Upstream:
                 if answer is not None:
                     answer.release()
                 exchange.note("relay", "next credential", backend=backend.name,
-                              credential=credential.name, status=attempt.status)
+                              credential=credential.name, status=status)
                 waited = 0.0
                 continue
-            if answer is not None and answer.status not in retries.statuses:
+            if answer is not None and status not in retries.statuses:
                 exchange.timings.upstream_headers = exchange.elapsed()
                 return answer
             counted += 1
@@ -424,7 +572,7 @@ class Upstream:
             let_go(failure)  # held by the connection it broke, whose frames its traceback holds
             pools.release(exchange)
             exchange.note("relay", "retrying", backend=backend.name,
-                          status=attempt.status, error=attempt.error, wait=round(wait, 3))
+                          status=status, error=attempt.error, wait=round(wait, 3))
             await self._sleep(wait)
             waited = wait
 
@@ -472,7 +620,7 @@ class Upstream:
                     e.exchange = exchange
                     raise
                 answer, failure = None, e
-            if answer is not None and answer.status not in exchange.backend.retries.statuses:
+            if answer is not None and standing(answer) not in exchange.backend.retries.statuses:
                 _mark_retried(exchange)
                 return exchange, answer
             try:

@@ -10,8 +10,8 @@ import time
 import orjson
 import pytest
 from aiohttp import web
-from test_server import ANSWER
-from test_upstream import Recorder
+from test_server import ANSWER, STREAM, stream_reply
+from test_upstream import OPENING_ERROR, Recorder
 
 from relay import cli, limits, pools
 from relay import config as config_module
@@ -542,6 +542,33 @@ async def test_another_credential_is_tried_before_the_fallbacks(aiohttp_server, 
     assert [(a.backend, a.credential, a.status) for a in ended.attempts] == [
         ("emu", "a", 429), ("emu", "b", 429), ("spare", None, 200)]
     assert ended.credential is None and keys_seen(limited) == ["a", "b"]
+
+
+async def test_a_stream_that_opens_overloaded_cools_its_credential_like_a_529(aiohttp_server,
+                                                                             relays):
+    # Anthropic under load answers 200 and opens the stream with an error event: nothing of
+    # it has reached the client, so the next credential answers instead.
+    asked = []
+
+    async def answer(request):
+        asked.append(NAME_OF[request.headers["x-api-key"]])
+        return await stream_reply([OPENING_ERROR if asked[-1] == "a" else STREAM])(request)
+    app = web.Application()
+    app.router.add_post("/v1/messages", answer)
+    server = await aiohttp_server(app)
+    client = await relays.start(str(server.make_url("")).rstrip("/"), credentials("a", "b"),
+                                pool={"default_cooldown": 60})
+    for n in range(2):
+        resp = await client.post("/v1/messages", json={**request(user(text("hi"))),
+                                                       "stream": True},
+                                 headers={"x-claude-code-session-id": f"s{n}"})
+        assert resp.status == 200 and await resp.read() == STREAM
+    assert asked == ["a", "b", "b"]  # a cooled: the second session went to b at once
+    first = client.recorder.ended[0]
+    assert [(a.credential, a.status) for a in first.attempts] == [("a", 200), ("b", 200)]
+    [cooled] = first.noted("relay", "credential cooling")
+    assert (cooled["credential"], cooled["status"], cooled["seconds"]) == ("a", 529, 60)
+    assert client.app[STATE].upstream.pools.pools["emu"].inflight == {"a": 0, "b": 0}
 
 
 async def test_a_revoked_key_is_taken_out_once_and_never_retried(aiohttp_server, relays,

@@ -179,6 +179,80 @@ async def test_a_stream_that_breaks_after_its_first_byte_is_never_retried(aiohtt
     assert recorder.ended[0].outcome == "stream_error"
 
 
+# Anthropic under load: a 200, then this as the stream's first event, before message_start.
+OPENING_ERROR = (b'event: error\ndata: {"type":"error","error":{"type":"overloaded_error",'
+                 b'"message":"Overloaded"}}\n\n')
+
+
+def streams(*bodies):
+    """An upstream answering each request with a 200 stream: these bodies in turn, then
+    STREAM."""
+    left = list(bodies)
+
+    async def reply(request):
+        return await stream_reply([left.pop(0) if left else STREAM])(request)
+    return reply
+
+
+async def test_a_stream_that_opens_with_overloaded_is_retried_before_any_byte_goes(
+        aiohttp_server, aiohttp_client):
+    upstream = Upstream()
+    upstream.reply = streams(OPENING_ERROR, OPENING_ERROR.replace(b"\n", b"\r\n"))
+    client, recorder = await relay_for(aiohttp_server, aiohttp_client,
+                                       [(upstream, {"retries": FAST})])
+    resp = await client.post("/v1/messages", json={**BODY, "stream": True})
+    assert resp.status == 200 and await resp.read() == STREAM
+    assert len(upstream.received) == 3
+    assert resp.headers["x-should-retry"] == "false"  # the relay retried already
+    exchange = recorder.ended[0]
+    assert [(a.status, a.error) for a in exchange.attempts] == [
+        (200, "the stream opened with overloaded_error")] * 2 + [(200, None)]
+    assert [step["stands_for"] for step in exchange.noted("relay", "stream refused")] == [529] * 2
+    assert exchange.outcome == "ok"
+
+
+async def test_a_stream_that_opens_with_overloaded_goes_to_the_fallback(aiohttp_server,
+                                                                       aiohttp_client):
+    primary, second = Upstream(), Upstream()
+    primary.reply = streams(OPENING_ERROR)
+    second.reply = streams()
+    client, recorder = await relay_for(aiohttp_server, aiohttp_client, [
+        (primary, {"name": "main", "fallbacks": ["spare"]}), (second, {"name": "spare"})])
+    resp = await client.post("/v1/messages", json={**BODY, "stream": True})
+    assert await resp.read() == STREAM
+    exchange = recorder.ended[0]
+    assert [(a.backend, a.status) for a in exchange.attempts] == [("main", 200), ("spare", 200)]
+    assert exchange.backend.name == "spare" and exchange.outcome == "ok"
+
+
+async def test_a_refused_stream_with_nothing_left_to_try_reaches_the_client_as_it_came(
+        aiohttp_server, aiohttp_client):
+    upstream = Upstream()
+    upstream.reply = streams(OPENING_ERROR, OPENING_ERROR, OPENING_ERROR)
+    client, recorder = await relay_for(aiohttp_server, aiohttp_client,
+                                       [(upstream, {"retries": FAST})])
+    resp = await client.post("/v1/messages", json={**BODY, "stream": True})
+    assert resp.status == 200 and await resp.read() == OPENING_ERROR
+    assert len(upstream.received) == 3
+    exchange = recorder.ended[0]
+    assert exchange.outcome == "stream_error"
+    assert exchange.stream_failure.kind == "overloaded_error"
+
+
+async def test_a_stream_is_never_retried_for_an_error_after_it_began_or_one_of_the_request(
+        aiohttp_server, aiohttp_client):
+    begun = STREAM[:STREAM.index(b"event: ping")] + OPENING_ERROR
+    invalid = OPENING_ERROR.replace(b"overloaded_error", b"invalid_request_error")
+    for body in (begun, invalid):
+        upstream = Upstream()
+        upstream.reply = streams(body)
+        client, recorder = await relay_for(aiohttp_server, aiohttp_client,
+                                           [(upstream, {"retries": FAST})])
+        resp = await client.post("/v1/messages", json={**BODY, "stream": True})
+        assert await resp.read() == body and len(upstream.received) == 1
+        assert recorder.ended[0].outcome == "stream_error"
+
+
 async def test_a_fallback_that_cannot_carry_the_request_is_the_one_refused(aiohttp_server,
                                                                           aiohttp_client):
     # The primary is overloaded; its fallback speaks OpenAI's format, which has no MCP servers.

@@ -45,6 +45,14 @@ class Adapter:
     # Pass-through answers are read whole to be translated (else they stream as they come).
     reads_passthrough = False
     described = ""  # what the start-up line says of the format ("" for Anthropic's)
+    # The errors a 200 stream may open with, in place of an answer, each with the status it
+    # stands for (the API's own pairing, relay.errors.STATUS_TYPES). Under load Anthropic
+    # answers 200 and then, as its first event, ``event: error`` with ``overloaded_error``
+    # (manaflow-ai/subrouter#230, seen in production; charmbracelet/fantasy#323): nothing of
+    # the answer exists yet, so the relay treats such a stream as that status while no byte
+    # of it has reached the client (relay.upstream). Empty: the relay never looks.
+    opening_errors: Mapping[str, int] = {"rate_limit_error": 429, "api_error": 500,
+                                         "timeout_error": 504, "overloaded_error": 529}
 
     def upstream_target(self, path: str, query: str) -> tuple[str, str]:
         """The path (under the backend's base URL) and query a client's request goes to."""

@@ -63,6 +63,8 @@ the stream ends with an ``error`` event; the copy kept for the record is a head 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from multidict import CIMultiDict
 
 from ..base import Adapter
@@ -98,6 +100,9 @@ class OpenAI(Adapter):
     signs_thinking = False  # only Anthropic signs: the translated blocks carry none
     reads_passthrough = True
     described = "openai"
+    # Its stream errors are the translator's to make Anthropic's; which of them an OpenAI
+    # server sends before anything else is unrecorded.
+    opening_errors: Mapping[str, int] = {}
 
     def upstream_target(self, path: str, query: str) -> tuple[str, str]:
         # Anthropic's query parameters (?beta=true) mean nothing there.
