@@ -554,7 +554,12 @@ class Upstream:
                               credential=credential.name, status=status)
                 waited = 0.0
                 continue
-            if answer is not None and status not in retries.statuses:
+            # The upstream's own word ends the retries, as the SDKs obey it before the status
+            # (anthropic/_base_client.py, _should_retry); the Claude Code 2.1.332 binary
+            # tells a first-party 503 that carries it from one worth retrying. Another
+            # credential or a fallback backend may still answer.
+            if answer is not None and (status not in retries.statuses
+                                       or answer.headers.get("x-should-retry") == "false"):
                 exchange.timings.upstream_headers = exchange.elapsed()
                 return answer
             counted += 1

@@ -97,6 +97,19 @@ async def test_a_retry_after_longer_than_the_relay_waits_ends_the_retries(aiohtt
     assert len(upstream.received) == 1
 
 
+async def test_an_upstream_that_says_not_to_retry_is_not_retried(aiohttp_server, aiohttp_client):
+    # The SDKs obey x-should-retry before the status (anthropic/_base_client.py
+    # _should_retry); Anthropic sends it with 503s it does not want retried.
+    upstream = Upstream()
+    upstream.reply = scripted(503, 503, headers={"x-should-retry": "false"})
+    client, recorder = await relay_for(aiohttp_server, aiohttp_client,
+                                       [(upstream, {"retries": FAST})])
+    resp = await client.post("/v1/messages", json=BODY)
+    assert resp.status == 503 and resp.headers["x-should-retry"] == "false"
+    assert len(upstream.received) == 1
+    assert "retrying" not in [step["action"] for step in recorder.ended[0].timeline]
+
+
 def test_backoff_grows_with_jitter_and_honours_the_upstream():
     retries = Retries(attempts=5, backoff=1, max_backoff=8)
     assert [backoff(retries, n, {}, rng=lambda: 1.0) for n in (1, 2, 3, 4, 5)] == [1, 2, 4, 8, 8]
