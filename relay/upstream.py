@@ -368,7 +368,9 @@ def backoff(retries: Retries, tried: int, headers, rng=random.random) -> float |
     asks for a longer wait than ``max_backoff``: exponential, with jitter so that clients
     shed together do not come back together, and the upstream's own retry-after honoured."""
     asked = retry_after(headers) if headers is not None else None
-    if asked is not None:
+    # Zero, or a date gone by, asks for no wait: the SDKs then wait their own backoff
+    # (anthropic/_base_client.py _calculate_retry_timeout, @anthropic-ai/sdk retryRequest).
+    if asked:
         return asked if asked <= retries.max_backoff else None
     wait = min(retries.max_backoff, retries.backoff * 2 ** (tried - 1))
     return wait * (0.5 + rng() / 2)

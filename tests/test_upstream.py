@@ -117,6 +117,12 @@ def test_backoff_grows_with_jitter_and_honours_the_upstream():
     assert backoff(retries, 1, {"retry-after-ms": "250"}) == 0.25
     assert backoff(retries, 1, {"retry-after": "3"}) == 3
     assert backoff(retries, 1, {"retry-after": "30"}) is None
+    # No wait asked (zero, or a date gone by) is no wait given, as the SDKs read it: their
+    # own backoff, never a retry at once (anthropic/_base_client.py _calculate_retry_timeout,
+    # @anthropic-ai/sdk client.js retryRequest).
+    for asked in ({"retry-after": "0"}, {"retry-after-ms": "0"},
+                  {"retry-after": "Wed, 21 Oct 2015 07:28:00 GMT"}):
+        assert backoff(retries, 2, asked, rng=lambda: 1.0) == 2, asked
     assert retry_after({"retry-after": "Wed, 21 Oct 2015 07:28:00 GMT"}) == 0.0
     assert retry_after({"retry-after": "soon"}) is None
 
