@@ -450,6 +450,13 @@ class Pools:
         now = self.clock()
         previous = pool.health.get(name)
         options = pool.options
+        if status in COOLING_STATUSES and exchange.endpoint == "count_tokens":
+            # Token counting has rate limits of its own, apart from the Messages API's
+            # (Anthropic's token-counting docs: 100 requests a minute at tier 1): its 429 or
+            # 529 says nothing of the messages the credential can take. Cooling it would move
+            # its sessions (a prompt-cache miss each) and, with every credential's counting
+            # limited, refuse messages the upstream would take. The client gets the answer.
+            return False
         if status is not None and status in COOLING_STATUSES:
             seconds = cooldown(headers, options, now)
             record = Health("cooling", now, f"{status} from upstream", until=now + seconds,

@@ -571,6 +571,37 @@ async def test_a_stream_that_opens_overloaded_cools_its_credential_like_a_529(ai
     assert client.app[STATE].upstream.pools.pools["emu"].inflight == {"a": 0, "b": 0}
 
 
+async def test_a_token_count_s_429_cools_no_credential_for_messages(aiohttp_server, relays):
+    # Token counting has rate limits of its own (Anthropic's token-counting docs: 100
+    # requests a minute at tier 1, apart from the Messages API's): its 429 says nothing of
+    # the messages a credential can take, and the client gets it as the API answered it.
+    asked = []
+
+    async def count(request):
+        asked.append(("count", NAME_OF[request.headers["x-api-key"]]))
+        return web.json_response({"type": "error", "error": {
+            "type": "rate_limit_error", "message": "Number of requests has exceeded your "
+            "rate limit"}}, status=429, headers={"retry-after": "60"})
+
+    async def create(request):
+        asked.append(("messages", NAME_OF[request.headers["x-api-key"]]))
+        return web.json_response(ANSWER)
+    app = web.Application()
+    app.router.add_post("/v1/messages/count_tokens", count)
+    app.router.add_post("/v1/messages", create)
+    server = await aiohttp_server(app)
+    client = await relays.start(str(server.make_url("")).rstrip("/"), credentials("a", "b"))
+    session = {"x-claude-code-session-id": "s1"}
+    body = request(user(text("hi")))
+    resp = await client.post("/v1/messages/count_tokens", json=body, headers=session)
+    assert resp.status == 429 and resp.headers["retry-after"] == "60"
+    assert (await resp.json())["error"]["message"].startswith("Number of requests")
+    resp = await client.post("/v1/messages", json=body, headers=session)
+    assert resp.status == 200
+    assert asked == [("count", "a"), ("messages", "a")]
+    assert noted(client, "credential cooling") == [] and noted(client, "credential moved") == []
+
+
 async def test_a_revoked_key_is_taken_out_once_and_never_retried(aiohttp_server, relays,
                                                                  caplog):
     server, url = await emulated(aiohttp_server, revoked_keys=(KEYS["POOL_A"],))
