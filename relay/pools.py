@@ -319,7 +319,10 @@ class Pools:
             now = self.clock()
             chosen = await self._place(exchange, pool, tried, now)
             held = None
-            found = pool.limits[chosen]
+            # Messages only, as a relay key's limits (docs/accounting.md): the upstream counts
+            # token counts apart (Anthropic's token-counting docs give them requests a minute
+            # of their own); pass-through routes are left out as a key's are.
+            found = pool.limits[chosen] if exchange.endpoint == "messages" else None
             plan = found.plan(f"{pool.backend}/{chosen}", limits_module.upstream_model(
                 exchange.backend, exchange.model), SCOPE) if found is not None else None
             if plan is not None:
@@ -387,8 +390,9 @@ class Pools:
                 current = found
             else:
                 stored = False
-        usable = [name for name in pool.order if name not in tried
-                  and not pool.blocked(name, now) and not pool.at_limits(name, now)]
+        limited = exchange.endpoint == "messages"  # what a credential's limits count
+        usable = [name for name in pool.order if name not in tried and not pool.blocked(
+            name, now) and not (limited and pool.at_limits(name, now))]
         if current is not None and current in usable:
             chosen = current
             if not stored and session is not None:  # the state lost it (expired, restarted)

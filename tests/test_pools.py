@@ -419,6 +419,21 @@ async def test_every_credential_at_its_limits_is_a_clean_429_with_the_wait(aioht
     assert client.recorder.ended[-1].attempts == []
 
 
+async def test_a_credential_s_limits_count_its_messages_only(aiohttp_server, relays):
+    # As a relay key's (docs/accounting.md): token counts and pass-through routes take
+    # nothing from them, the upstream counting its token counts apart from its messages.
+    server, url = await emulated(aiohttp_server)
+    client = await relays.start(url, [limited("a", requests_per_minute=1, concurrent=1)])
+    body = request(user(text("hi")))
+    assert (await client.post("/v1/messages/count_tokens", json=body)).status == 200
+    assert (await client.get("/v1/models")).status == 200
+    assert (await client.post("/v1/messages", json=body)).status == 200
+    assert keys_seen(server) == ["a"] * 3
+    assert (await client.post("/v1/messages", json=body)).status == 429  # its one a minute
+    assert (await client.post("/v1/messages/count_tokens", json=body)).status == 200
+    assert keys_seen(server) == ["a"] * 4
+
+
 async def test_a_credential_s_concurrency_slot_is_given_back_on_every_exit(aiohttp_server,
                                                                           relays):
     gate, fail = asyncio.Event(), []
