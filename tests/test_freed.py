@@ -99,6 +99,24 @@ async def stream(request):
     return response
 
 
+async def refused_stream(request):
+    await request.read()
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    await response.write(b'event: error\ndata: {"type":"error","error":{"type":'
+                         b'"overloaded_error","message":"Overloaded"}}\n\n')
+    return response
+
+
+async def cut_before_the_first_event(request):
+    await request.read()
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    await response.write(STARTED[:10])
+    request.transport.close()
+    return response
+
+
 async def slow_stream(request):
     await request.read()
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -168,6 +186,12 @@ CASES = {
     "a fallback after a hang-up": (hang_up, (), BODY, 200, answer),
     "a fallback the chain refuses": (overloaded, ("second",), BODY, 529, answer),
     "a stream a plugin ends": (stream, ("end",), {**BODY, "stream": True}, 200, None),
+    "a retry after a stream refused at its start": (
+        every_other(refused_stream, stream), (), {**BODY, "stream": True}, 200, None),
+    "a fallback after a stream refused at its start": (
+        refused_stream, (), {**BODY, "stream": True}, 200, stream),
+    "a stream cut before its first event": (
+        cut_before_the_first_event, (), {**BODY, "stream": True}, 200, None),
     "a body over the limit": (answer, (), {**BODY, "pad": "x" * 70_000}, 413, None),
     "an answer cut mid-body": (cut_body(200), (), BODY, 502, None),
     "an error cut mid-body": (cut_body(400), (), BODY, 502, None),

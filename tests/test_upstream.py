@@ -272,6 +272,27 @@ async def test_a_stream_is_never_retried_for_an_error_after_it_began_or_one_of_t
         assert recorder.ended[0].outcome == "stream_error"
 
 
+async def test_a_stream_that_breaks_before_its_first_event_ends_as_it_did_unread(
+        aiohttp_server, aiohttp_client):
+    # Read for its first event, the stream breaks off: the client is told as before.
+    async def die(request):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(STREAM[:20])
+        request.transport.write(b"400\r\nnot all of it")
+        request.transport.close()
+        return resp
+    upstream = Upstream()
+    upstream.reply = die
+    client, recorder = await relay_for(aiohttp_server, aiohttp_client,
+                                       [(upstream, {"retries": FAST})])
+    resp = await client.post("/v1/messages", json={**BODY, "stream": True})
+    last = (await resp.read()).rstrip(b"\n").split(b"\n\n")[-1]
+    assert orjson.loads(last.split(b"data: ", 1)[1])["error"]["message"] == (
+        "upstream b0's stream broke off: the upstream ended it before it was complete")
+    assert len(upstream.received) == 1 and recorder.ended[0].outcome == "stream_error"
+
+
 async def test_a_fallback_that_cannot_carry_the_request_is_the_one_refused(aiohttp_server,
                                                                           aiohttp_client):
     # The primary is overloaded; its fallback speaks OpenAI's format, which has no MCP servers.
