@@ -667,6 +667,11 @@ class Upstream:
 def _mark_retried(exchange) -> None:
     """Every answer after relay retries says so, whether an upstream status came back or every
     attempt timed out or could not connect: the SDKs retry on ``x-should-retry`` alone, and
-    a client retrying on top of the relay multiplies the attempts."""
-    if len(exchange.attempts) > 1:
+    a client retrying on top of the relay multiplies the attempts. A switch to another
+    credential of a pool is no retry (docs/pools.md: the answer was the key's): after one
+    alone, the client keeps its own retries of what the next credential answered."""
+    attempts = exchange.attempts
+    # A retry is an attempt after a backoff (never 0 s: see backoff), or on a fallback.
+    if len(attempts) > 1 and (attempts[0].backend != attempts[-1].backend
+                              or any(attempt.waited for attempt in attempts)):
         exchange.response_headers["x-should-retry"] = "false"

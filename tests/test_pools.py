@@ -617,6 +617,27 @@ async def test_a_token_count_s_429_cools_no_credential_for_messages(aiohttp_serv
     assert noted(client, "credential cooling") == [] and noted(client, "credential moved") == []
 
 
+async def test_a_switch_of_credential_leaves_the_client_its_own_retries(aiohttp_server,
+                                                                        relays):
+    # a is rate limited, b fails: the 500 was asked once, the relay retried nothing, and the
+    # client may retry it as it would without the relay (no x-should-retry: false).
+    async def answer(request):
+        if request.headers["x-api-key"] == KEYS["POOL_A"]:
+            return web.json_response({"type": "error", "error": {
+                "type": "rate_limit_error", "message": "slow down"}}, status=429,
+                headers={"retry-after": "30"})
+        return web.json_response({"type": "error", "error": {
+            "type": "api_error", "message": "Internal server error"}}, status=500)
+    app = web.Application()
+    app.router.add_post("/v1/messages", answer)
+    server = await aiohttp_server(app)
+    client = await relays.start(str(server.make_url("")).rstrip("/"), credentials("a", "b"))
+    resp = await client.post("/v1/messages", json=request(user(text("hi"))))
+    assert resp.status == 500 and "x-should-retry" not in resp.headers
+    ended = client.recorder.ended[-1]
+    assert [(a.credential, a.status) for a in ended.attempts] == [("a", 429), ("b", 500)]
+
+
 async def test_a_revoked_key_is_taken_out_once_and_never_retried(aiohttp_server, relays,
                                                                  caplog):
     server, url = await emulated(aiohttp_server, revoked_keys=(KEYS["POOL_A"],))
