@@ -553,8 +553,9 @@ def restore_held_ids(exchange) -> None:
 
 
 def message_from_events(events) -> dict | None:
-    """The message a stream's events build (``id`` and ``content``), or None for a stream
-    that did not reach ``message_stop``."""
+    """The message a stream's events build (``id`` and ``content``), as the SDK's stream
+    accumulator builds it for the client, or None for a stream that did not reach
+    ``message_stop``."""
     message = None
     # Keyed by the events' ``index`` as it came: an int from a sound server, but whatever
     # JSON holds from another (``_sort_key`` puts those first).
@@ -583,7 +584,15 @@ def message_from_events(events) -> dict | None:
             elif dtype == "signature_delta":
                 block["signature"] = block.get("signature", "") + delta.get("signature", "")
             elif dtype == "citations_delta":
-                block.setdefault("citations", []).append(delta.get("citation"))
+                # The API opens a text block with `"citations": null`.
+                if type(block.get("citations")) is not list:
+                    block["citations"] = []
+                block["citations"].append(delta.get("citation"))
+            elif dtype == "compaction_delta":
+                # The summary and its opaque metadata come in the delta, not the block's
+                # start; the SDK's accumulator takes both from it.
+                block["content"] = delta.get("content")
+                block["encrypted_content"] = delta.get("encrypted_content")
         elif kind == "message_stop" and message is not None:
             for index, pieces in partial.items():
                 text = "".join(pieces)

@@ -301,6 +301,70 @@ def test_the_messages_a_stream_builds():
     assert threads.message_from_events(events[:-1]) is None
 
 
+# An answer as the API streams it (SDK types/beta: BetaCompactionContentBlockDelta,
+# BetaCitationsDelta): a compaction block whose summary and opaque metadata come in its
+# compaction_delta, a text block opened with `"citations": null` and cited by a
+# citations_delta; and the same answer unstreamed, as the SDK's accumulator gives it.
+CITATION = {"type": "char_location", "cited_text": "The sky is blue.", "document_index": 0,
+            "document_title": None, "start_char_index": 0, "end_char_index": 16}
+STREAMED = [
+    {"type": "message_start", "message": {
+        "id": "msg_s", "type": "message", "role": "assistant", "model": "claude-test",
+        "content": [], "stop_reason": None, "stop_sequence": None,
+        "usage": {"input_tokens": 5, "output_tokens": 1}}},
+    {"type": "content_block_start", "index": 0, "content_block": {
+        "type": "compaction", "content": None, "encrypted_content": None}},
+    {"type": "content_block_delta", "index": 0, "delta": {
+        "type": "compaction_delta", "content": "Earlier: the files were listed.",
+        "encrypted_content": "Eo8BCkYIBRgC"}},
+    {"type": "content_block_stop", "index": 0},
+    {"type": "content_block_start", "index": 1, "content_block": {
+        "type": "text", "text": "", "citations": None}},
+    {"type": "content_block_delta", "index": 1, "delta": {
+        "type": "text_delta", "text": "The sky is blue."}},
+    {"type": "content_block_delta", "index": 1, "delta": {
+        "type": "citations_delta", "citation": CITATION}},
+    {"type": "content_block_stop", "index": 1},
+    {"type": "message_delta", "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+     "usage": {"output_tokens": 9}},
+    {"type": "message_stop"}]
+UNSTREAMED = [{"type": "compaction", "content": "Earlier: the files were listed.",
+               "encrypted_content": "Eo8BCkYIBRgC"},
+              {"type": "text", "text": "The sky is blue.", "citations": [CITATION]}]
+
+
+def test_a_streamed_compaction_and_citations_build_what_the_answer_holds():
+    from relay.sse import Event
+
+    events = [Event(emulator.encode_event(event)) for event in STREAMED]
+    assert threads.message_from_events(events)["content"] == UNSTREAMED
+
+
+async def test_a_carried_thread_goes_on_with_its_streamed_compaction_and_citations(relay,
+                                                                                   aiohttp_server):
+    from aiohttp import web
+
+    bodies = []
+
+    async def messages(request):
+        bodies.append(orjson.loads(await request.read()))
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for event in STREAMED:
+            await response.write(emulator.encode_event(event))
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/messages", messages)
+    client = await relay(await aiohttp_server(app), holds_threads=False)
+    response, _ = await post(client, create(user(text("go")), stream=True))
+    assert response.status == 200
+    response, _ = await post(client, carry_on("msg_s", user(text("and?")), stream=True))
+    assert response.status == 200
+    assert bodies[1]["messages"] == [user(text("go")), assistant(*UNSTREAMED),
+                                     user(text("and?"))]
+
+
 def test_relay_validate_judges_a_continuation_as_a_tail(tmp_path, capsys):
     from relay import cli
     path = tmp_path / "tail.json"
