@@ -207,6 +207,21 @@ def test_system_entries_must_precede_an_assistant_message_or_end_the_array():
                                 "end the array")
 
 
+def test_at_most_four_blocks_carry_cache_control():
+    mark = {"type": "ephemeral"}
+    marked = dict(text(), cache_control=mark)
+    # A tool, a system block, a text and one inside a document: four. A tool's input is the
+    # model's own data, whatever its keys.
+    body = request(user(marked, {"type": "document", "source": {"type": "content",
+                                                                "content": [marked]}}),
+                   assistant(dict(use("toolu_a"), input={"cache_control": mark})),
+                   user(result("toolu_a")), tools=[dict(BASH, cache_control=mark)],
+                   system=[marked])
+    assert problem(body) is None
+    body["messages"][2]["content"][0]["content"] = [marked]  # inside a tool result: five
+    assert problem(body) == "A maximum of 4 blocks with cache_control may be provided. Found 5."
+
+
 def test_unknown_fields_and_block_types_pass():
     body = request(user(text(), {"type": "future_block", "anything": 1}),
                    metadata={"user_id": "u"}, context_management={"edits": []}, brand_new=True)

@@ -259,9 +259,9 @@ def find_problem(body, options: EmulatorOptions, *, needs_max_tokens: bool = Tru
         return problem
     messages = body["messages"]
     convo = [(n, m) for n, m in enumerate(messages) if m["role"] != "system"]
-    return (_system_problem(messages) or _content_problem(convo) or _id_problem(convo, options)
-            or _server_result_problem(convo) or _pairing_problem(convo)
-            or _open_server_call_problem(convo)
+    return (_breakpoint_problem(body) or _system_problem(messages) or _content_problem(convo)
+            or _id_problem(convo, options) or _server_result_problem(convo)
+            or _pairing_problem(convo) or _open_server_call_problem(convo)
             or _signature_problem(convo, options.signing_key, options.unsigned_thinking)
             or _final_thinking_problem(convo, body.get("thinking"))
             or (_passed_back_problem(convo, body.get("thinking"))
@@ -336,6 +336,33 @@ def _message_shape_problem(n, message, regex, pattern) -> str | None:
     if any(block["type"] == forbidden for block in content):
         return f"messages.{n}: `{forbidden}` blocks can only be in `{home}` messages"
     return None
+
+
+# The prompt caching guide allows up to four cache breakpoints a request; the API's words for
+# more are quoted in public reports (tghamm/Anthropic.SDK#50, Wei-Shaw/sub2api#176). The
+# top-level `cache_control` is left out of the count: whether it counts is not on record.
+MAX_BREAKPOINTS = 4
+_HOLD_BLOCKS = ("content", "source", "tool", "definition", "tool_references")
+
+
+def _breakpoint_problem(body) -> str | None:
+    found = _breakpoints(body.get("tools")) + _breakpoints(body.get("system")) \
+        + _breakpoints(body["messages"])
+    if found > MAX_BREAKPOINTS:
+        return (f"A maximum of {MAX_BREAKPOINTS} blocks with cache_control may be provided. "
+                f"Found {found}.")
+    return None
+
+
+def _breakpoints(value) -> int:
+    """The blocks in ``value`` that carry a ``cache_control``, following only the keys that
+    hold blocks (a tool's ``input`` is free-form)."""
+    if isinstance(value, list):
+        return sum(_breakpoints(item) for item in value)
+    if not isinstance(value, dict):
+        return 0
+    return (isinstance(value.get("cache_control"), dict)
+            + sum(_breakpoints(value.get(key)) for key in _HOLD_BLOCKS))
 
 
 def _blocks(message) -> list:
