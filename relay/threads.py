@@ -16,7 +16,8 @@ thread-head-unseen``).
 A backend that holds no threads (``holds_threads: false``, every OpenAI-format backend) never
 gets a ``thread``: the relay carries the thread for it. A ``create`` goes up without the field;
 a ``continue`` whose earlier turns the relay recorded goes up as the whole conversation, the
-recorded turns followed by the request's own, without the field (and without the threads beta
+recorded turns (without their ``cache_control`` breakpoints, as the SDKs resend a thread's
+history) followed by the request's own, without the field (and without the threads beta
 in ``anthropic-beta``), and its answer is recorded in turn, so the client threads as it would
 against the API. A thread also moves this way with its session: a continuation of a thread
 held by one backend, bound for another (a fallback, a ``/model`` switch), is carried. The
@@ -413,12 +414,13 @@ async def prepare(store: Store, exchange) -> None:
 def _carry(exchange, thread: Thread, head: list, recorded: bytes | None,
            fields: dict[str, bytes] | None) -> None:
     """Send the whole conversation up in place of a thread the backend does not hold: the
-    turns recorded, and the fields a thread keeps from its ``create`` (``system``,
-    ``tools``), which a continuation may not send."""
+    turns recorded (without their cache breakpoints, see :func:`without_cache_control`),
+    and the fields a thread keeps from its ``create`` (``system``, ``tools``), which a
+    continuation may not send."""
     messages = exchange.messages
     if type(messages) is not list or type(head) is not list:
         raise ThreadUnsupported()
-    messages[:0] = head
+    messages[:0] = without_cache_control(head)
     for name, value in (fields or {}).items():
         exchange.set_field(name, msgspec.Raw(value))
     exchange.drop_field("thread")
@@ -430,6 +432,25 @@ def _carry(exchange, thread: Thread, head: list, recorded: bytes | None,
                   previous_message_id=thread.previous_id, messages=len(head),
                   reason="the backend does not hold this thread: the relay sends the "
                          "conversation it recorded, without `thread`")
+
+
+# The keys of a message or block whose values hold blocks (the SDK's KEYS_THAT_HOLD_BLOCKS,
+# ``lib/threads/_thread_state.py``): a tool's ``input`` and other free-form data are not.
+_HOLD_BLOCKS = ("content", "source", "tool", "definition", "tool_references")
+
+
+def without_cache_control(value):
+    """A copy of the recorded turns ``value`` without the ``cache_control`` of any block in
+    them, as the SDK resends a thread's history unthreaded: each breakpoint was set for the
+    turn that first sent it, and the API takes at most four in a request ("A maximum of 4
+    blocks with cache_control may be provided"), so a thread carried past its fourth turn
+    with the client's marker on every turn would be refused."""
+    if type(value) is dict:
+        return {key: without_cache_control(item) if key in _HOLD_BLOCKS else item
+                for key, item in value.items() if key != "cache_control"}
+    if type(value) is list:
+        return [without_cache_control(item) for item in value]
+    return value
 
 
 def carried_error(error: RelayError, thread: Thread | None) -> RelayError:

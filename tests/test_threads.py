@@ -365,6 +365,42 @@ async def test_a_carried_thread_goes_on_with_its_streamed_compaction_and_citatio
                                      user(text("and?"))]
 
 
+async def test_a_carried_thread_marking_each_turn_for_the_cache_goes_past_four_turns(
+        upstream, relay):
+    # A client that marks its newest block each turn holds one breakpoint a request against
+    # the API's threads; carried, the earlier turns go without theirs, as the SDK resends a
+    # thread's history, or the fifth turn would hold five (the strict emulator, like the
+    # API, takes four).
+    mark = {"type": "ephemeral"}
+    client = await relay(await upstream(tool_turns=6, threads="refuse"), holds_threads=False)
+    response, answer = await post(client, create(user(dict(text("go"), cache_control=mark))))
+    for _ in range(5):
+        assert response.status == 200, answer
+        results = answers_to(answer)
+        results[-1]["cache_control"] = mark
+        response, answer = await post(client, carry_on(answer["id"], user(*results)))
+    assert response.status == 200, answer
+    sent = received(client)
+    assert [len(doc["messages"]) for doc in sent] == [1, 3, 5, 7, 9, 11]
+    assert all(orjson.dumps(doc["messages"]).count(b'"cache_control"') == 1 for doc in sent)
+    assert sent[-1]["messages"][-1]["content"][-1]["cache_control"] == mark
+
+
+def test_a_carried_head_loses_its_breakpoints_and_nothing_else():
+    head = [user(dict(text("go"), cache_control={"type": "ephemeral"}),
+                 {"type": "document", "cache_control": {"type": "ephemeral"},
+                  "source": {"type": "content", "content": [
+                      dict(text("a"), cache_control={"type": "ephemeral", "ttl": "1h"})]}}),
+            assistant(dict(use("toolu_1"), input={"cache_control": "a tool's own input"})),
+            user(dict(result("toolu_1", [dict(text("r"), cache_control={"type": "ephemeral"})]),
+                      cache_control={"type": "ephemeral"}))]
+    assert threads.without_cache_control(head) == [
+        user(text("go"), {"type": "document", "source": {"type": "content",
+                                                         "content": [text("a")]}}),
+        assistant(dict(use("toolu_1"), input={"cache_control": "a tool's own input"})),
+        user(result("toolu_1", [text("r")]))]
+
+
 def test_relay_validate_judges_a_continuation_as_a_tail(tmp_path, capsys):
     from relay import cli
     path = tmp_path / "tail.json"
