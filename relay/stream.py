@@ -510,7 +510,13 @@ async def relay_stream(state, request: web.Request, exchange: Exchange,
                 return response
         await response.write_eof()
         if tap is not None:
-            threads.record(state.threads, exchange, tap.message())
+            try:
+                threads.record(state.threads, exchange, tap.message())
+            except Exception:
+                # The client has its answer: a failed record leaves the thread unrecorded (its
+                # next turn is then one the relay did not see), never a dropped connection.
+                log.exception("%s: the thread's streamed answer could not be recorded",
+                              exchange.id)
         return response
     finally:
         answer.size, answer.events = stream.written, stream.events

@@ -365,6 +365,38 @@ async def test_a_carried_thread_goes_on_with_its_streamed_compaction_and_citatio
                                      user(text("and?"))]
 
 
+async def test_a_streamed_answer_the_record_cannot_read_still_reaches_the_client(
+        relay, aiohttp_server, caplog):
+    from aiohttp import web
+
+    # A backend's text delta of the wrong type: the record fails on it, after the stream.
+    broken = [dict(event, delta={"type": "text_delta", "text": None})
+              if event.get("delta", {}).get("type") == "text_delta" else event
+              for event in STREAMED]
+
+    async def messages(request):
+        await request.read()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for event in broken:
+            await response.write(emulator.encode_event(event))
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/messages", messages)
+    client = await relay(await aiohttp_server(app), holds_threads=False)
+    response, raw = await post(client, create(user(text("go")), stream=True))
+    assert response.status == 200
+    assert raw == b"".join(emulator.encode_event(event) for event in broken)
+    # Logged as what it is, not as a handler that failed (aiohttp then drops the connection).
+    assert [r.name for r in caplog.records if r.levelname == "ERROR"] == ["relay"]
+    assert "could not be recorded" in caplog.text
+    # Unrecorded, the thread is one this backend cannot go on with: the API's answer.
+    response, error = await post(client, carry_on("msg_s", user(text("and?"))))
+    assert response.status == 400
+    assert error["error"]["details"] == {"error_code": "thread_unsupported_request"}
+
+
 async def test_a_carried_thread_marking_each_turn_for_the_cache_goes_past_four_turns(
         upstream, relay):
     # A client that marks its newest block each turn holds one breakpoint a request against
