@@ -4,9 +4,10 @@ the client sent them: not refused, not repaired, not rewritten.
 
 A refusal or an alteration here is a false positive, the worst bug a relay can have. Each
 case names where the shape comes from; the rules that refuse are in docs/evidence/rules.json
-and their refused examples in test_evidence.py. The SDK's own tool runner, threaded and not,
-then runs loops whose answers hold server tools, pauses, programmatic calls and thinking,
-each request judged by the emulator's rules.
+and their refused examples in test_evidence.py. An answer holding every block kind an answer
+may hold goes back to the client byte for byte, streamed and whole. The SDK's own tool
+runner, threaded and not, then runs loops whose answers hold server tools, pauses,
+programmatic calls and thinking, each request judged by the emulator's rules.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import yaml
 from aiohttp import web
 from support import ROOT, assistant, request, result, text, use, user
 
-from relay.testing.emulator import EmulatorOptions, find_problem, sign_thinking
+from relay.testing.emulator import EmulatorOptions, find_problem, redacted_data, sign_thinking
 from relay.testing.fixtures import received, relay_client  # noqa: F401  (the fixture)
 
 SECRET = "secret-of-the-shapes"
@@ -46,6 +47,14 @@ def web_search_result(tool_id: str) -> dict:
          "encrypted_content": "abc"}]}
 
 
+def web_fetch_result(tool_id: str) -> dict:
+    return {"type": "web_fetch_tool_result", "tool_use_id": tool_id, "content": {
+        "type": "web_fetch_result", "url": "https://example.com/a",
+        "retrieved_at": "2026-01-01T00:00:00Z",
+        "content": {"type": "document", "title": "A", "citations": {"enabled": True},
+                    "source": {"type": "text", "media_type": "text/plain", "data": "page"}}}}
+
+
 def code_result(tool_id: str) -> dict:
     return {"type": "code_execution_tool_result", "tool_use_id": tool_id,
             "content": {"type": "code_execution_result", "stdout": "1", "stderr": "",
@@ -59,6 +68,8 @@ def loop_step(tool_id: str, *before) -> list:
 
 QUESTION = user(text("go"))
 EPHEMERAL = {"type": "ephemeral"}
+HOUR = {"type": "ephemeral", "ttl": "1h"}
+CALLER = {"type": "code_execution_20260120", "tool_id": "srvtoolu_1"}
 
 # name: (messages, extra top-level fields, extra headers)
 SHAPES = {
@@ -206,6 +217,187 @@ SHAPES = {
         [QUESTION, assistant(thought(), server_use("srvtoolu_1", "web_search"),
                              web_search_result("srvtoolu_1"), thought("again"), text("found")),
          user(text("more"))], {"thinking": THINKING}, {}),
+    # SDK 2.16's server-tool results beyond search and code (beta_web_fetch_tool_result_block_param,
+    # beta_advisor_tool_result_block_param, beta_encrypted_code_execution_result_block_param,
+    # beta_tool_search_tool_result_error_param and the other *_error params).
+    "web fetch, advisor and tool search results, errors among them": (
+        [QUESTION, assistant(
+            server_use("srvtoolu_1", "web_fetch"), web_fetch_result("srvtoolu_1"),
+            server_use("srvtoolu_2", "web_fetch"),
+            {"type": "web_fetch_tool_result", "tool_use_id": "srvtoolu_2", "content": {
+                "type": "web_fetch_tool_result_error", "error_code": "url_not_accessible"}},
+            server_use("srvtoolu_3", "web_search"),
+            {"type": "web_search_tool_result", "tool_use_id": "srvtoolu_3", "content": {
+                "type": "web_search_tool_result_error", "error_code": "max_uses_exceeded"}},
+            server_use("srvtoolu_4", "advisor"),
+            {"type": "advisor_tool_result", "tool_use_id": "srvtoolu_4",
+             "content": {"type": "advisor_result", "text": "Check the tests first."}},
+            server_use("srvtoolu_5", "advisor"),
+            {"type": "advisor_tool_result", "tool_use_id": "srvtoolu_5",
+             "content": {"type": "advisor_redacted_result", "encrypted_content": "e"}},
+            server_use("srvtoolu_6", "code_execution"),
+            {"type": "code_execution_tool_result", "tool_use_id": "srvtoolu_6", "content": {
+                "type": "encrypted_code_execution_result", "encrypted_stdout": "e",
+                "stderr": "", "return_code": 0, "content": []}},
+            server_use("srvtoolu_7", "tool_search_tool_bm25"),
+            {"type": "tool_search_tool_result", "tool_use_id": "srvtoolu_7",
+             "content": {"type": "tool_search_tool_result_error", "error_code": "unavailable"}},
+            use("toolu_1")), user(result("toolu_1"))], {},
+        {"anthropic-beta": "advisor-tool-2026-03-01,advanced-tool-use-2025-11-20"}),
+    # A server tool called from code carries `caller` on its use and its result
+    # (beta_server_tool_use_block_param, beta_web_search_tool_result_block_param); so does a
+    # client call, with the newer caller type (beta_server_tool_caller_20260120_param).
+    "server and client tools called from code, results in later turns": (
+        [QUESTION, assistant(server_use("srvtoolu_1", "code_execution"),
+                             dict(server_use("srvtoolu_2", "web_search"), caller=CALLER),
+                             dict(use("toolu_1"), caller=CALLER)),
+         user(result("toolu_1")),
+         assistant(dict(use("toolu_2"), caller=CALLER)), user(result("toolu_2")),
+         assistant(dict(web_search_result("srvtoolu_2"), caller=CALLER),
+                   code_result("srvtoolu_1"), text("ok")), user(text("thanks"))], {}, {}),
+    "a client call explicitly direct": (
+        [QUESTION, assistant(dict(use("toolu_1"), caller={"type": "direct"})),
+         user(result("toolu_1"))], {}, {}),
+    "an MCP call beside a client call, and an MCP error as a string": (
+        [QUESTION, assistant(
+            {"type": "mcp_tool_use", "id": "mcptoolu_1", "name": "search", "server_name": "s",
+             "input": {}},
+            {"type": "mcp_tool_result", "tool_use_id": "mcptoolu_1", "content": "boom",
+             "is_error": True}, use("toolu_1")), user(result("toolu_1"))],
+        {"mcp_servers": [{"type": "url", "url": "https://mcp.example.com", "name": "s"}]},
+        {"anthropic-beta": "mcp-client-2025-11-20"}),
+    "a deferred web fetch beside a client call, its result in the next turn": (
+        [QUESTION, assistant(server_use("srvtoolu_1", "web_fetch"), use("toolu_1")),
+         user(result("toolu_1")), assistant(web_fetch_result("srvtoolu_1"), text("done")),
+         user(text("thanks"))], {}, {}),
+    # Thinking: redacted blocks open a tool turn as thinking does (extended-thinking docs);
+    # the config's newer variants (beta_thinking_config_*_param: display, adaptive,
+    # between_tools) and a history made with thinking then sent with it disabled.
+    "a tool turn opening with redacted thinking": (
+        [QUESTION, assistant({"type": "redacted_thinking",
+                              "data": redacted_data(SECRET.encode(), 1)}, use("toolu_1")),
+         user(result("toolu_1"))], {"thinking": THINKING}, {}),
+    "thinking shown as omitted": (
+        [QUESTION, *loop_step("toolu_1", thought(""))],
+        {"thinking": dict(THINKING, display="omitted")}, {}),
+    "adaptive thinking with a display and effort": (
+        [QUESTION, *loop_step("toolu_1", thought()), *loop_step("toolu_2")],
+        {"thinking": {"type": "adaptive", "display": "summarized"},
+         "output_config": {"effort": "xhigh"}}, {}),
+    "adaptive thinking, a tool turn that did not think": (
+        [QUESTION, *loop_step("toolu_1")], {"thinking": {"type": "adaptive"}}, {}),
+    "thinking between tools": (
+        [QUESTION, *loop_step("toolu_1")], {"thinking": {"type": "between_tools"}}, {}),
+    "thinking disabled over a history that thought": (
+        [QUESTION, *loop_step("toolu_1", thought())], {"thinking": {"type": "disabled"}}, {}),
+    "a thinking tool turn whose server tools ran after the thinking": (
+        [QUESTION, assistant(thought(), server_use("srvtoolu_1", "web_search"),
+                             web_search_result("srvtoolu_1"), use("toolu_1")),
+         user(result("toolu_1"))], {"thinking": THINKING}, {}),
+    "a paused thinking turn the client continued in a message of its own": (
+        [QUESTION, assistant(thought(), server_use("srvtoolu_1", "web_search")),
+         assistant(web_search_result("srvtoolu_1"), use("toolu_1")), user(result("toolu_1"))],
+        {"thinking": THINKING}, {}),
+    # Toolsets (beta_tool_use_block_param and beta_tool_result_block_param's toolset_name,
+    # beta_browser_state_block_param in a result).
+    "a toolset member's call and its result with the browser's state": (
+        [QUESTION, assistant(dict(use("toolu_1", "navigate"), toolset_name="browser")),
+         user({"type": "tool_result", "tool_use_id": "toolu_1", "toolset_name": "browser",
+               "content": [text("ok"), {"type": "browser_state", "tabs": [
+                   {"id": 1, "url": "https://example.com", "title": "E", "active": True}]}]})],
+        {"tools": [{"type": "browser_toolset_20260801", "name": "browser"}]}, {}),
+    "a client tool search answered with tool references": (
+        [QUESTION, assistant(use("toolu_1", "find_tools")),
+         user(result("toolu_1", [{"type": "tool_reference", "tool_name": "Bash"}])),
+         *loop_step("toolu_2")], {}, {}),
+    # Every citation location (beta_text_citation_param) and source kind
+    # (beta_request_document_block_param, beta_image_block_param).
+    "citations of every kind, and sources of every kind": (
+        [user({"type": "document", "source": {"type": "base64", "media_type": "application/pdf",
+                                              "data": "JVBERi0="},
+               "citations": {"enabled": True}, "title": "pdf", "context": "c"},
+              {"type": "document", "source": {"type": "content", "content": [text("chunk")]},
+               "citations": {"enabled": True}},
+              {"type": "document", "source": {"type": "url", "url": "https://example.com/a.pdf"}},
+              {"type": "document", "source": {"type": "file", "file_id": "file_2"}},
+              {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                           "data": "iVBORw0KGgo="}, "transformations": {}},
+              {"type": "image", "source": {"type": "file", "file_id": "file_1"}},
+              {"type": "search_result", "source": "https://s", "title": "t",
+               "content": [text("c")], "citations": {"enabled": True}}, text("q")),
+         assistant(dict(text("A"), citations=[{
+             "type": "page_location", "cited_text": "x", "document_index": 0,
+             "start_page_number": 1, "end_page_number": 2}]),
+             dict(text("B"), citations=[{
+                 "type": "content_block_location", "cited_text": "chunk", "document_index": 1,
+                 "start_block_index": 0, "end_block_index": 1}]),
+             dict(text("C"), citations=[{
+                 "type": "search_result_location", "cited_text": "c", "search_result_index": 0,
+                 "source": "https://s", "title": "t", "start_block_index": 0,
+                 "end_block_index": 1}]),
+             dict(text("D"), citations=[{
+                 "type": "web_search_result_location", "cited_text": "c",
+                 "url": "https://example.com", "title": "E", "encrypted_index": "ei"}])),
+         user(text("thanks"))], {}, {"anthropic-beta": "files-api-2025-04-14"}),
+    "a container upload opening the conversation": (
+        [user({"type": "container_upload", "file_id": "file_1"}, text("analyse it"))],
+        {"container": "container_1",
+         "tools": [{"type": "code_execution_20250825", "name": "code_execution"}]},
+        {"anthropic-beta": "files-api-2025-04-14"}),
+    "breakpoints with a ttl on server blocks, and the top-level one": (
+        [QUESTION, assistant(dict(server_use("srvtoolu_1", "web_search"), cache_control=HOUR),
+                             dict(web_search_result("srvtoolu_1"), cache_control=HOUR),
+                             dict(text("x"), cache_control=EPHEMERAL)), user(text("more"))],
+        {"cache_control": EPHEMERAL}, {}),
+    # The top-level fields and tool kinds of beta MessageCreateParams and BetaToolUnionParam.
+    "every top-level field and tool kind": (
+        [QUESTION], {
+            "service_tier": "standard_only", "inference_geo": "us", "speed": "fast",
+            "metadata": {"user_id": "u"}, "stop_sequences": ["X"], "temperature": 0.2,
+            "top_k": 3, "top_p": 0.9, "diagnostics": {"previous_message_id": None},
+            "output_config": {"effort": "max", "task_budget": {"type": "tokens", "total": 20000},
+                              "format": {"type": "json_schema", "schema": {"type": "object"}}},
+            "container": {"id": "c", "skills": [{"type": "anthropic", "skill_id": "pptx",
+                                                 "version": "latest"}]},
+            "context_management": {"edits": [
+                {"type": "clear_tool_uses_20250919", "trigger": {"type": "input_tokens",
+                                                                 "value": 30000},
+                 "keep": {"type": "tool_uses", "value": 3}, "exclude_tools": ["Bash"]}]},
+            "mcp_servers": [{"type": "url", "url": "https://mcp.example.com", "name": "s"}],
+            "tool_choice": {"type": "auto", "disable_parallel_tool_use": True},
+            "tools": [
+                {"name": "get", "input_schema": {"type": "object"}, "strict": True,
+                 "input_examples": [{"a": "x"}], "defer_loading": True,
+                 "allowed_callers": ["direct", "code_execution_20250825"],
+                 "cache_control": EPHEMERAL},
+                {"type": "bash_20250124", "name": "bash"},
+                {"type": "text_editor_20250728", "name": "str_replace_based_edit_tool"},
+                {"type": "computer_20251124", "name": "computer", "display_width_px": 1024,
+                 "display_height_px": 768},
+                {"type": "memory_20250818", "name": "memory"},
+                {"type": "web_search_20260209", "name": "web_search", "max_uses": 3},
+                {"type": "web_fetch_20260209", "name": "web_fetch", "max_uses": 2},
+                {"type": "code_execution_20260120", "name": "code_execution"},
+                {"type": "tool_search_tool_regex_20251119", "name": "tool_search_tool_regex"},
+                {"type": "advisor_20260301", "name": "advisor", "model": "claude-test"},
+                {"type": "mcp_toolset", "mcp_server_name": "s"}]},
+        {"anthropic-beta": "fast-mode-2026-02-01,task-budgets-2026-03-13,skills-2025-10-02,"
+                           "context-management-2025-06-27,computer-use-2025-11-24,"
+                           "advanced-tool-use-2025-11-20,mcp-client-2025-11-20,"
+                           "advisor-tool-2026-03-01,cache-diagnosis-2026-04-07"}),
+    "a system entry after the results and before the answer, and one ending the array": (
+        [QUESTION, *loop_step("toolu_1"), system("a reminder"), assistant(text("done")),
+         user(text("k")), system("another")], {}, {}),
+    "tool changes naming MCP toolsets and tools": (
+        [QUESTION, system([{"type": "tool_addition",
+                            "tool": {"type": "mcp_toolset_reference", "server_name": "s"}},
+                           {"type": "tool_removal", "tool": {
+                               "type": "mcp_tool_reference", "server_name": "s", "name": "x"}}]),
+         assistant(text("ok")), user(text("k"))],
+        {"mcp_servers": [{"type": "url", "url": "https://mcp.example.com", "name": "s"}]},
+        {"anthropic-beta": "mid-conversation-tool-changes-2026-07-01,mcp-client-2025-11-20"}),
+    "a conversation opening with an assistant message": (
+        [assistant(text("Hello, how can I help?")), user(text("hi"))], {}, {}),
 }
 
 
@@ -223,6 +415,104 @@ async def test_an_accepted_shape_goes_up_as_the_client_sent_it(relay_client, tmp
     assert "x-relay-rewrites" not in response.headers
     (sent,) = received(client)
     assert sent == body
+
+
+# --- answers holding the newest blocks --------------------------------------------------------
+
+# An answer as the API streams it, block by block (SDK 2.16: BetaRawContentBlockStartEvent's
+# blocks; the deltas of BetaRawContentBlockDelta, compaction_delta and citations_delta among
+# them; a message_delta with a container, context management and iterations).
+ANSWER_BLOCKS = [
+    ({"type": "compaction", "content": None, "encrypted_content": None},
+     [{"type": "compaction_delta", "content": "Earlier work.", "encrypted_content": "enc"}]),
+    ({"type": "thinking", "thinking": "", "signature": ""},
+     [{"type": "thinking_delta", "thinking": "Let me look.", "estimated_tokens": None},
+      {"type": "signature_delta", "signature": sign_thinking(SECRET.encode(), "Let me look.")}]),
+    ({"type": "redacted_thinking", "data": redacted_data(SECRET.encode(), 1)}, []),
+    ({"type": "server_tool_use", "id": "srvtoolu_1", "name": "web_search", "input": {},
+      "caller": {"type": "direct"}},
+     [{"type": "input_json_delta", "partial_json": ""},
+      {"type": "input_json_delta", "partial_json": '{"query": "relay"}'}]),
+    (dict(web_search_result("srvtoolu_1"), caller={"type": "direct"}), []),
+    ({"type": "server_tool_use", "id": "srvtoolu_2", "name": "web_fetch", "input": {}},
+     [{"type": "input_json_delta", "partial_json": '{"url": "https://example.com/a"}'}]),
+    (web_fetch_result("srvtoolu_2"), []),
+    ({"type": "text", "text": "", "citations": None},
+     [{"type": "text_delta", "text": "The sky is blue."},
+      {"type": "citations_delta", "citation": {
+          "type": "web_search_result_location", "cited_text": "blue",
+          "url": "https://example.com", "title": "Example", "encrypted_index": "ei"}}]),
+    ({"type": "mcp_tool_use", "id": "mcptoolu_1", "name": "search", "server_name": "s",
+      "input": {}}, [{"type": "input_json_delta", "partial_json": '{"q": 1}'}]),
+    ({"type": "mcp_tool_result", "tool_use_id": "mcptoolu_1", "is_error": False,
+      "content": [text("r")]}, []),
+    ({"type": "fallback", "from": {"model": "claude-a"}, "to": {"model": "claude-b"},
+      "trigger": None}, []),
+    ({"type": "server_tool_use", "id": "srvtoolu_3", "name": "code_execution", "input": {}},
+     [{"type": "input_json_delta", "partial_json": '{"code": "print(1)"}'}]),
+    ({"type": "tool_use", "id": "toolu_1", "name": "Bash", "input": {}, "caller": CALLER
+      | {"tool_id": "srvtoolu_3"}},
+     [{"type": "input_json_delta", "partial_json": '{"command": "ls"}'}])]
+ANSWER_END = {"type": "message_delta", "delta": {
+    "stop_reason": "tool_use", "stop_sequence": None, "stop_details": None,
+    "container": {"id": "container_1", "expires_at": "2026-12-01T00:00:00Z"}},
+    "context_management": {"applied_edits": []}, "usage": {
+        "output_tokens": 50, "server_tool_use": {"web_search_requests": 1},
+        "iterations": [{"type": "compaction", "input_tokens": 100, "output_tokens": 20},
+                       {"type": "message", "input_tokens": 10, "output_tokens": 30}]}}
+
+
+def answer_events() -> bytes:
+    events = [{"type": "message_start", "message": {
+        "id": "msg_1", "type": "message", "role": "assistant", "model": "claude-test",
+        "content": [], "stop_reason": None, "stop_sequence": None, "container": None,
+        "input_transformations": [], "usage": {"input_tokens": 10, "output_tokens": 1}}}]
+    for index, (start, deltas) in enumerate(ANSWER_BLOCKS):
+        events.append({"type": "content_block_start", "index": index, "content_block": start})
+        events += [{"type": "content_block_delta", "index": index, "delta": delta}
+                   for delta in deltas]
+        events.append({"type": "content_block_stop", "index": index})
+        if index == 3:
+            events.append({"type": "ping"})
+    events += [ANSWER_END, {"type": "message_stop"}]
+    return b"".join(f"event: {e['type']}\ndata: {orjson.dumps(e).decode()}\n\n".encode()
+                    for e in events)
+
+
+def whole_answer() -> bytes:
+    return orjson.dumps({
+        "id": "msg_1", "type": "message", "role": "assistant", "model": "claude-test",
+        "content": [dict(start, input={"query": "relay"}) if start.get("id") == "srvtoolu_1"
+                    else start for start, _ in ANSWER_BLOCKS],
+        "stop_reason": "tool_use", "stop_sequence": None, "container": ANSWER_END["delta"][
+            "container"], "usage": {"input_tokens": 10, "output_tokens": 50}})
+
+
+@pytest.mark.parametrize("streamed", [True, False], ids=["streamed", "whole"])
+async def test_an_answer_with_the_newest_blocks_reaches_the_client_as_sent(
+        relay_client, aiohttp_server, tmp_path, streamed):
+    payload = answer_events() if streamed else whole_answer()
+
+    async def messages(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        response = web.StreamResponse(headers={
+            "Content-Type": "text/event-stream" if streamed else "application/json"})
+        await response.prepare(request)
+        for at in range(0, len(payload), 61):  # events cut across writes
+            await response.write(payload[at:at + 61])
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/messages", messages)
+    shipped = yaml.safe_load((ROOT / "relay.yaml").read_text())
+    client = await relay_client(shipped["pipeline"], {"dump": {"dir": str(tmp_path / "dumps")}},
+                                upstream=await aiohttp_server(app))
+    response = await client.post("/v1/messages", json=request(
+        QUESTION, *loop_step("toolu_0", thought()), stream=streamed, thinking=THINKING),
+        headers={"x-api-key": "test", "anthropic-version": "2023-06-01"})
+    assert response.status == 200
+    assert await response.read() == payload
+    assert "x-relay-rewrites" not in response.headers
 
 
 # --- the SDK's own tool runner ----------------------------------------------------------------
