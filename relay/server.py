@@ -171,6 +171,27 @@ class Relay:
         request[ROUTE] = route
         return route.handler(request)
 
+    async def expect(self, request: web.Request) -> None:
+        """A client's ``Expect: 100-continue``: it holds its body back until told to send it.
+        A request the relay refuses on its headers alone (its target, Host, key, method,
+        type or declared size) is answered without the 100, as RFC 9110 (10.1.1) asks of a
+        server whose final status its headers decide, so the client never sends a body only
+        to have it thrown away. Any other expectation is ignored, as RFC 9110 allows: aiohttp
+        would answer it with a plain-text 417, and nothing shows the API refusing one."""
+        if (request.version != aiohttp.HttpVersion11
+                or request.headers.get("Expect", "").lower() != "100-continue"):
+            return
+        try:
+            route = self.route(request)
+        except RelayError:
+            return  # the dispatcher answers it with the same refusal
+        length = request.content_length
+        if (route.handler in (self.messages, self.passthrough) and length is not None
+                and length > self.state.config.max_body_bytes):
+            return  # read_body answers 413 before reading a byte
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # as aiohttp's own handler: the answer is still to come
+
     def route(self, request: web.Request) -> Route:
         config = self.state.config
         path, query = split_target(request.raw_path)
@@ -453,7 +474,7 @@ def create_app(config, chain: Chain,
     # Served under serve(): straight into the lifecycle's tracking, one frame less a request.
     entry = relay.dispatch if serving is None else functools.partial(
         serving.serve, handler=relay._dispatch)
-    everything = app.router.add_route("*", "/{tail:.*}", entry)
+    everything = app.router.add_route("*", "/{tail:.*}", entry, expect_handler=relay.expect)
 
     async def resolve(request: web.Request) -> UrlMappingMatchInfo:
         # Every target goes to the dispatcher, which routes it itself, the ones aiohttp's

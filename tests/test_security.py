@@ -387,6 +387,63 @@ async def test_a_declared_length_over_the_limit_is_refused_before_reading(aiohtt
     assert upstream.received == []
 
 
+async def expecting(client, target: str, headers: str, body: bytes) -> list[bytes]:
+    """The answers to a request that asks ``Expect: 100-continue``, its body sent only once
+    the relay says 100, as curl does for bodies over 1 MB: the interim answer's head, if
+    any, then the final answer's head and body."""
+    reader, writer = await asyncio.open_connection(client.server.host, client.server.port)
+    try:
+        writer.write(f"POST {target} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+                     f"Expect: 100-continue\r\n{headers}\r\n".encode())
+        first = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        if not first.startswith(b"HTTP/1.1 100 "):
+            return [first, await asyncio.wait_for(reader.read(), 5)]
+        writer.write(body)
+        return [first, *(await asyncio.wait_for(reader.read(), 5)).split(b"\r\n\r\n", 1)]
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize("target, headers", [
+    ("/v1/messages", "Content-Type: text/plain\r\nContent-Length: 82\r\n"),
+    ("/v1/messages", "Content-Type: application/json\r\nContent-Length: 5000000000\r\n"),
+    ("/v1/nope", "Content-Type: application/json\r\nContent-Length: 82\r\n"),
+])
+async def test_a_request_refused_on_its_headers_is_answered_without_a_100(
+        aiohttp_server, aiohttp_client, target, headers):
+    # RFC 9110, 10.1.1: a final status its headers decide goes at once, not after a 100 that
+    # has the client send a body only for it to be thrown away.
+    upstream = Upstream()
+    up = await start_upstream(aiohttp_server, upstream)
+    client = await start_relay(aiohttp_client, {"server": {"max_body_bytes": 1000},
+                                                "backends": [backend(str(up.make_url("")))]})
+    head, body = await expecting(client, target, headers, orjson.dumps(BODY))
+    status = int(head.split()[1])
+    assert status in (400, 404, 413) and is_anthropic_error(orjson.loads(body), status)
+    assert upstream.received == []
+
+
+@pytest.mark.parametrize("expect, interim", [("100-continue", True), ("100-Continue", True),
+                                             ("something-else", False)])
+async def test_an_expectation_is_met_or_ignored_never_a_plain_text_417(setup, expect, interim):
+    # aiohttp answers an expectation it does not know with a plain-text 417; RFC 9110 lets a
+    # server ignore it, and nothing shows the API refusing one.
+    client, upstream = await setup()
+    payload = orjson.dumps(BODY)
+    headers = f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n"
+    if interim:
+        answers = await expecting(client, "/v1/messages", headers, payload)
+        assert answers[0] == b"HTTP/1.1 100 Continue\r\n\r\n"
+        head = answers[1]
+    else:
+        status, _, _ = await raw_request(client, request_bytes(
+            "POST", "/v1/messages", payload,
+            headers={"Content-Type": "application/json", "Expect": expect}))
+        head = f"HTTP/1.1 {status}".encode()
+    assert head.startswith(b"HTTP/1.1 200")
+    assert upstream.received[0]["raw"] == payload
+
+
 async def test_a_body_that_stalls_gets_408(aiohttp_server, aiohttp_client):
     upstream = Upstream()
     up = await start_upstream(aiohttp_server, upstream)
