@@ -104,7 +104,9 @@ class AnthropicErrors(RequestHandler):
             text = "the relay failed while handling this request"
         response = web.Response(
             status=status, content_type="application/json",
-            headers={"x-relay-request-id": request_id},
+            # request-id as well, as every error of the relay's has it: the SDKs read an
+            # error's request_id from that header.
+            headers={"x-relay-request-id": request_id, "request-id": request_id},
             body=error_body(STATUS_TYPES.get(status, "api_error"),
                             text.replace("\n", " ")[:500], request_id))
         response.force_close()

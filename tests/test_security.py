@@ -722,6 +722,40 @@ def test_a_request_the_parser_refuses_never_echoes_or_logs_its_credentials(relay
         assert fragment not in server.output()
 
 
+async def test_a_request_the_parser_refuses_carries_its_id_where_the_sdks_read_it(
+        aiohttp_server):
+    # As every other error the relay makes: the SDKs take an error's request_id from the
+    # request-id header, not from the body.
+    from relay.chain import Chain, load_plugins
+    from relay.listen import Listener
+    from relay.server import create_app
+
+    up = await start_upstream(aiohttp_server, Upstream())
+    config = config_module.parse({"backends": [backend(str(up.make_url("")))]})
+    runner = web.AppRunner(create_app(config, Chain(load_plugins(config.pipeline), config)),
+                           access_log=None)
+    await runner.setup()
+    site = Listener(runner, "127.0.0.1", 0, max_connections=8, header_timeout=5)
+    await site.start()
+    try:
+        host, port = runner.addresses[0][:2]
+        for head in (b"FROB /v1/messages HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
+                     b"POST /v1/messages HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 2\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n"):
+            reader, writer = await asyncio.open_connection(host, port)
+            writer.write(head)
+            answer = await asyncio.wait_for(reader.read(), 5)
+            writer.close()
+            head_text, _, body = answer.partition(b"\r\n\r\n")
+            headers = dict(line.lower().split(b": ", 1) for line in head_text.split(b"\r\n")[1:])
+            doc = orjson.loads(body)
+            assert is_anthropic_error(doc, 400)
+            assert headers[b"request-id"].decode() == doc["request_id"]
+            assert headers[b"x-relay-request-id"] == headers[b"request-id"]
+    finally:
+        await runner.cleanup()
+
+
 @pytest.mark.parametrize("parser", ["HttpRequestParser", "HttpRequestParserPy"])
 def test_both_of_aiohttps_parsers_errors_are_redacted(parser):
     """The C parser (what serving uses) and the pure-Python one (AIOHTTP_NO_EXTENSIONS)
