@@ -66,6 +66,13 @@ def invalid_request(message: str, rule: str | None = None) -> RelayError:
     return RelayError(400, message, "invalid_request_error", rule=rule)
 
 
+def not_json(detail) -> RelayError:
+    """A body that does not parse, refused in the API's words: its texts are orjson's, the
+    relay's parser ("The request body is not valid JSON: no low surrogate in string: line 1
+    column 129185 (char 129184)", docs/evidence/inbound.json)."""
+    return invalid_request(f"The request body is not valid JSON: {detail}")
+
+
 def error_body(type: str, message: str, request_id: str | None = None) -> bytes:
     doc = {"type": "error", "error": {"type": type, "message": message}}
     if request_id:

@@ -14,7 +14,7 @@ import msgspec
 import orjson
 
 from . import sessions, skeleton
-from .errors import RelayError, invalid_request, let_go
+from .errors import RelayError, let_go, not_json
 from .headers import AUTH_HEADERS, end_to_end
 from .skeleton import Skeleton
 
@@ -424,7 +424,7 @@ class Exchange:
             except (msgspec.MsgspecError, ValueError) as e:
                 if self._sent is not None:
                     raise  # the request is gone: a plugin fault now, not the client's 400
-                raise invalid_request(f"request body is not valid JSON: {e}") from None
+                raise not_json(e) from None
         return self._body
 
     @body.setter

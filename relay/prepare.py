@@ -13,7 +13,7 @@ import orjson
 from . import betas, resume, sessions, skeleton, threads
 from .chain import Chain
 from .config import Backend, Config, InboundKey
-from .errors import RelayError, invalid_request
+from .errors import RelayError, invalid_request, not_json
 from .exchange import Exchange
 from .inbound import forbidden
 from .skeleton import Skeleton
@@ -54,7 +54,7 @@ def parse_request(raw: bytes) -> Skeleton | dict:
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as e:
-        raise invalid_request(f"request body is not valid JSON: {e}") from None
+        raise not_json(e) from None
     if not isinstance(body, dict):
         raise invalid_request("request body must be a JSON object")
     if "messages" not in body:
@@ -187,7 +187,7 @@ async def _prepare(state: Preparation, endpoint: str, method: str, path: str, qu
         # A value the skeleton kept raw and a plugin decoded: broken UTF-8, say, which the
         # API refuses as it refuses any body that does not parse (anthropics/claude-code
         # #6464: "The request body is not valid JSON: ...").
-        raise refused(invalid_request(f"request body is not valid JSON: {e}")) from None
+        raise refused(not_json(e)) from None
     except Exception as e:  # logged by the chain with the plugin's name, or above
         raise refused(RelayError(500, "the relay failed while preparing this request",
                                  "api_error")) from e

@@ -1102,5 +1102,5 @@ def test_broken_utf8_a_plugin_must_read_is_a_400_in_the_apis_words(caplog):
     for state in (relay(), relay(resume_bytes=0)):
         found = prepared(state, raw)[0]
         assert found[:2] == ("refused", 400)
-        assert found[2].startswith("request body is not valid JSON: ")
+        assert found[2].startswith("The request body is not valid JSON: ")
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info]
