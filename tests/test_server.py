@@ -197,6 +197,31 @@ async def test_unchanged_request_goes_up_as_the_clients_bytes(setup):
     assert upstream.received[0]["raw"] == payload
 
 
+async def test_a_changed_request_keeps_the_clients_escapes_and_a_lone_surrogate_is_the_apis_400(
+        setup):
+    # dedup renames the repeated id, so the request is encoded again: the texts it did not
+    # touch go up as the client's JSON text, escapes and all, not decoded and re-escaped.
+    # A lone surrogate never gets that far: the API refuses it (docs/evidence/inbound.json),
+    # and so does the relay, in the same words.
+    client, upstream = await setup(pipeline=("dedup",))
+    turn = (b'{"role":"assistant","content":[{"type":"tool_use","id":"toolu_1","name":"Bash",'
+            b'"input":{"c":"\\u00e9"}}]},{"role":"user","content":[{"type":"tool_result",'
+            b'"tool_use_id":"toolu_1","content":"ok \\ud83d\\ude00 \\"q\\""}]}')
+    raw = (b'{"model":"claude-test","max_tokens":5,"messages":[{"role":"user","content":"go"},'
+           + turn + b"," + turn + b"]}")
+    headers = {"Content-Type": "application/json"}
+    assert (await client.post("/v1/messages", data=raw, headers=headers)).status == 200
+    sent = upstream.received[0]["raw"]
+    assert sent != raw and b'"toolu_1-2"' in sent
+    assert sent.count(b'"ok \\ud83d\\ude00 \\"q\\""') == 2 and sent.count(b'{"c":"\\u00e9"}') == 2
+    lone = raw.replace(b"\\ud83d\\ude00", b"\\ud83d", 1)
+    resp = await client.post("/v1/messages", data=lone, headers=headers)
+    assert resp.status == 400
+    assert (await resp.json())["error"]["message"].startswith(
+        "The request body is not valid JSON: no low surrogate in string: line 1 column ")
+    assert len(upstream.received) == 1
+
+
 async def test_large_history_accepted_and_oversize_is_413(aiohttp_server, aiohttp_client):
     upstream = Upstream()
     server = await start_upstream(aiohttp_server, upstream)
