@@ -73,9 +73,16 @@ async def deliver(request: web.Request, exchange: Exchange,
     body = response.body
     exchange.answer = Answer(response.status, response.headers,
                              len(body) if isinstance(body, bytes) else 0)
-    await response.prepare(request)
-    exchange.timings.first_byte = exchange.elapsed()
-    await response.write_eof()
+    try:
+        await response.prepare(request)
+        exchange.timings.first_byte = exchange.elapsed()
+        await response.write_eof()
+    except ConnectionError:
+        # The client hung up first (in the middle of its body, say): no fault of the
+        # relay's, and not worth a traceback in the log, which any client could have it
+        # write once a request. The exchange still ends as every other does.
+        exchange.outcome = Outcome.CLIENT_DISCONNECTED
+        return response
     exchange.timings.last_byte = exchange.elapsed()
     if response.keep_alive is False and request.protocol is not None:
         if response.status != 408:  # a body that stalled is not coming

@@ -89,6 +89,11 @@ async def read_body(request: web.Request, limit: int, timeout: float | None = No
         cause = e.__cause__ or e
         reason = getattr(cause, "message", None) or str(cause).strip()
         raise invalid_request(f"request body could not be read: {reason}") from None
+    except ConnectionError:
+        # The client hung up in the middle of its body: refused like any body that cannot
+        # be read, so that the exchange ends as every other does (its answer finds no one).
+        raise invalid_request("request body could not be read: the connection closed "
+                              "before it was complete") from None
 
 
 async def _read(content: aiohttp.StreamReader, limit: int) -> bytes:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import logging
 
 import orjson
 import pytest
@@ -555,6 +556,41 @@ async def test_client_disconnect_cancels_the_upstream(setup):
     resp.close()  # the client goes away mid-stream
     await asyncio.wait_for(seen["closed"].wait(), 5)
     assert seen["written"] < 200
+
+
+@pytest.mark.parametrize("framing, sent", [
+    (b"Content-Length: 500\r\n", orjson.dumps(BODY)),  # less than it declared
+    (b"Transfer-Encoding: chunked\r\n", b"10\r\n" + orjson.dumps(BODY)[:16] + b"\r\n"),
+])
+async def test_a_client_that_hangs_up_mid_body_ends_its_exchange_without_a_traceback(
+        aiohttp_server, aiohttp_client, caplog, framing, sent):
+    ended: list = []
+
+    class Ends:
+        @hookimpl
+        def relay_exchange_end(self, exchange):
+            ended.append(exchange.outcome)
+
+    upstream = Upstream()
+    server = await start_upstream(aiohttp_server, upstream)
+    client = await start_relay(aiohttp_client, {
+        "pipeline": ["ends"],
+        "backends": [{"name": "up", "url": str(server.make_url("")), "models": ["*"]}]},
+        extra={"ends": Ends})
+    reader, writer = await asyncio.open_connection(client.server.host, client.server.port)
+    writer.write(b"POST /v1/messages HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                 b"application/json\r\n" + framing + b"\r\n" + sent)
+    await writer.drain()
+    writer.write_eof()  # the client is done: the body will never be whole
+    assert await asyncio.wait_for(reader.read(), 5) == b""
+    writer.close()
+    for _ in range(100):
+        if ended:
+            break
+        await asyncio.sleep(0.01)
+    assert [str(outcome) for outcome in ended] == ["client_disconnected"]
+    assert upstream.received == []
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
 
 
 # --- the chain --------------------------------------------------------------------------
