@@ -398,6 +398,11 @@ SHAPES = {
         {"anthropic-beta": "mid-conversation-tool-changes-2026-07-01,mcp-client-2025-11-20"}),
     "a conversation opening with an assistant message": (
         [assistant(text("Hello, how can I help?")), user(text("hi"))], {}, {}),
+    # MessageCreateParams.max_tokens: "Set to `0` to populate the prompt cache without
+    # generating a response".
+    "a cache warm-up: max_tokens 0 with a breakpoint": (
+        [QUESTION, *loop_step("toolu_1"), user(dict(text("go on"), cache_control=EPHEMERAL))],
+        {"max_tokens": 0}, {}),
 }
 
 

@@ -236,8 +236,8 @@ def test_unknown_fields_and_block_types_pass():
     ({"model": "m", "messages": [user(text())]}, "max_tokens: Field required"),
     ({"model": "m", "max_tokens": "1", "messages": [user(text())]},
      "max_tokens: Input should be a valid integer"),
-    ({"model": "m", "max_tokens": 0, "messages": [user(text())]},
-     "max_tokens: Input should be greater than or equal to 1"),
+    ({"model": "m", "max_tokens": -1, "messages": [user(text())]},
+     "max_tokens: Input should be greater than or equal to 0"),
     ({"model": "m", "max_tokens": 1}, "messages: Field required"),
     ({"model": "m", "max_tokens": 1, "messages": {}}, "messages: Input should be a valid list"),
     ({"model": "m", "max_tokens": 1, "messages": []}, "messages: at least one message is required"),
@@ -295,6 +295,16 @@ def test_arbitrary_json_gets_an_answer_never_a_crash(messages, tools, id_style):
         assert content[-1]["name"] in [t.get("name") for t in tools if isinstance(t, dict)]
     else:
         assert stop == "end_turn" and content[-1]["type"] == "text"
+
+
+def test_max_tokens_zero_warms_the_cache_and_generates_nothing():
+    # The SDK's MessageCreateParams.max_tokens: "Set to `0` to populate the prompt cache
+    # without generating a response".
+    body = request(user(text()), max_tokens=0, tools=[BASH])
+    assert find_problem(body, EmulatorOptions()) is None
+    message = build_message(body, EmulatorOptions(thinking=True), 100)
+    assert message["content"] == [] and message["stop_reason"] == "max_tokens"
+    assert message["usage"]["output_tokens"] == 0
 
 
 def test_count_tokens_needs_no_max_tokens():

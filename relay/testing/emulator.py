@@ -281,8 +281,11 @@ def _shape_problem(body, options, needs_max_tokens) -> str | None:
         max_tokens = body["max_tokens"]
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool):
             return "max_tokens: Input should be a valid integer"
-        if max_tokens < 1:
-            return "max_tokens: Input should be greater than or equal to 1"
+        # 0 is valid: it writes the prompt cache and generates nothing (the SDK's
+        # MessageCreateParams.max_tokens, "Set to `0` to populate the prompt cache without
+        # generating a response").
+        if max_tokens < 0:
+            return "max_tokens: Input should be greater than or equal to 0"
     if "messages" not in body:
         return "messages: Field required"
     messages = body["messages"]
@@ -747,6 +750,8 @@ def _tool_input(tool: dict, turn: int, index: int) -> dict:
 
 def plan_reply(body: dict, options: EmulatorOptions) -> tuple[list[dict], str]:
     """The content blocks and stop_reason the script gives for a (valid) request."""
+    if body.get("max_tokens") == 0:  # a cache warm-up: nothing generated
+        return [], "max_tokens"
     turn = sum(1 for m in body["messages"] if is_turn(m, options))
     tool = _pick_tool(body)
     tool_turn = turn < options.tool_turns and tool is not None
@@ -823,7 +828,7 @@ def message_usage(report: dict[str, int], input_tokens: int, output_tokens: int)
 def build_message(body: dict, options: EmulatorOptions, input_tokens: int,
                   report: dict[str, int] | None = None) -> dict:
     content, stop_reason = plan_reply(body, options)
-    output_tokens = max(1, len(orjson.dumps(content)) // 4)
+    output_tokens = max(1, len(orjson.dumps(content)) // 4) if content else 0
     return {
         "id": "msg_01" + _base62(int.from_bytes(os.urandom(17), "big"), 22),
         "type": "message",
