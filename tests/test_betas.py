@@ -84,7 +84,7 @@ BROKEN = {"model": "claude-test", "max_tokens": 50, "messages": [
 
 
 @pytest_asyncio.fixture
-async def relay(aiohttp_client, aiohttp_server):
+async def local_relay(aiohttp_client, aiohttp_server):
     upstream = await aiohttp_server(emulator.create_app(emulator.EmulatorOptions()))
     client = await start_relay(aiohttp_client, {
         "pipeline": ["metrics", "dedup", "pairing", "ordering"],
@@ -108,28 +108,29 @@ async def post(client, doc, beta=None):
     ("compact-2026-09-04", {}),
     (None, {"brand_new_field": {"on": True}}),
 ])
-async def test_the_rules_defer_and_the_upstream_judges(relay, beta, extra):
-    response, error = await post(relay, {**BROKEN, **extra}, beta)
+async def test_the_rules_defer_and_the_upstream_judges(local_relay, beta, extra):
+    response, error = await post(local_relay, {**BROKEN, **extra}, beta)
     # The emulator's refusal, not the relay's: it went up.
-    assert len(received(relay)) == 1
+    assert len(received(local_relay)) == 1
     assert response.status == 400 and "toolu_wrong" in error["error"]["message"]
     assert response.headers["x-relay-notes"] == "history-rules-deferred"
-    metrics = await (await relay.get("/metrics")).text()
+    metrics = await (await local_relay.get("/metrics")).text()
     kind, name = ("beta", beta) if beta else ("field", "brand_new_field")
     assert f'relay_history_rules_deferred_total{{kind="{kind}",name="{name}"}} 1.0' in metrics
 
 
-async def test_a_beta_that_changes_no_history_leaves_the_rules_on(relay):
-    response, error = await post(relay, BROKEN, "prompt-caching-2024-07-31,cache-diagnosis-2026-04-07")
-    assert response.status == 400 and received(relay) == []
+async def test_a_beta_that_changes_no_history_leaves_the_rules_on(local_relay):
+    response, error = await post(local_relay, BROKEN,
+                                 "prompt-caching-2024-07-31,cache-diagnosis-2026-04-07")
+    assert response.status == 400 and received(local_relay) == []
     assert "x-relay-notes" not in response.headers
 
 
-async def test_client_chosen_names_cannot_grow_the_metrics_labels(relay):
+async def test_client_chosen_names_cannot_grow_the_metrics_labels(local_relay):
     for n in range(40):
-        await post(relay, {**BROKEN, "messages": BROKEN["messages"][:1]}, f"made-up-{n}")
-    await post(relay, {**BROKEN, "messages": BROKEN["messages"][:1]}, "NOT a name")
-    metrics = await (await relay.get("/metrics")).text()
+        await post(local_relay, {**BROKEN, "messages": BROKEN["messages"][:1]}, f"made-up-{n}")
+    await post(local_relay, {**BROKEN, "messages": BROKEN["messages"][:1]}, "NOT a name")
+    metrics = await (await local_relay.get("/metrics")).text()
     lines = [line for line in metrics.splitlines()
              if line.startswith("relay_history_rules_deferred_total{")]
     assert len(lines) == 33  # 32 names and "other"
@@ -143,7 +144,7 @@ CLAUDE_CODE_BETAS = ("claude-code-20250219,interleaved-thinking-2025-05-14,"
                      "advanced-tool-use-2025-11-20,effort-2025-11-24")
 
 
-async def test_claude_codes_own_betas_leave_the_rules_on(relay):
-    response, error = await post(relay, BROKEN, CLAUDE_CODE_BETAS)
-    assert response.status == 400 and received(relay) == []
+async def test_claude_codes_own_betas_leave_the_rules_on(local_relay):
+    response, error = await post(local_relay, BROKEN, CLAUDE_CODE_BETAS)
+    assert response.status == 400 and received(local_relay) == []
     assert "unexpected `tool_use_id`" in error["error"]["message"]

@@ -37,7 +37,7 @@ SSE = "text/event-stream"
 
 
 @pytest.fixture
-async def relay(aiohttp_server, aiohttp_client):
+async def local_relay(aiohttp_server, aiohttp_client):
     """A relay (no plugins, or those named) in front of ``reply``; what it wrote to the
     client's connection, one entry a write, is in ``client.writes``."""
     async def start(reply, pipeline=(), plugins=None):
@@ -88,11 +88,11 @@ def body(writes: list[bytes]) -> bytes:
         data = data[int(size, 16) + 2:]
 
 
-async def test_a_stream_read_whole_is_one_write_head_body_and_end(relay):
+async def test_a_stream_read_whole_is_one_write_head_body_and_end(local_relay):
     async def reply(request):  # head and body in one write: the relay reads them in one
         return web.Response(body=STREAM, content_type=SSE)
 
-    client = await relay(reply)
+    client = await local_relay(reply)
     resp = await client.post("/v1/messages", json=BODY)
     assert await resp.read() == STREAM
     assert len(client.writes) == 1
@@ -101,17 +101,17 @@ async def test_a_stream_read_whole_is_one_write_head_body_and_end(relay):
     assert body(client.writes) == STREAM
 
 
-async def test_a_stream_seen_by_plugins_is_one_write_as_well(relay):
+async def test_a_stream_seen_by_plugins_is_one_write_as_well(local_relay):
     async def reply(request):
         return web.Response(body=STREAM, content_type=SSE)
 
-    client = await relay(reply, pipeline=["usage", "dedup", "portable"])
+    client = await local_relay(reply, pipeline=["usage", "dedup", "portable"])
     resp = await client.post("/v1/messages", json=BODY)
     assert await resp.read() == STREAM
     assert len(client.writes) == 1
 
 
-async def test_the_head_does_not_wait_for_the_first_event(relay):
+async def test_the_head_does_not_wait_for_the_first_event(local_relay):
     gate = asyncio.Event()
 
     async def reply(request):
@@ -122,7 +122,7 @@ async def test_the_head_does_not_wait_for_the_first_event(relay):
         await response.write_eof()
         return response
 
-    client = await relay(reply)
+    client = await local_relay(reply)
     resp = await asyncio.wait_for(client.post("/v1/messages", json=BODY), 5)
     assert resp.status == 200 and resp.headers["Content-Type"].startswith(SSE)
     gate.set()
@@ -130,7 +130,7 @@ async def test_the_head_does_not_wait_for_the_first_event(relay):
     assert client.writes[0].startswith(b"HTTP/1.1 200 ") and client.writes[0].endswith(b"\r\n\r\n")
 
 
-async def test_the_last_event_does_not_wait_for_the_upstreams_end(relay):
+async def test_the_last_event_does_not_wait_for_the_upstreams_end(local_relay):
     gate = asyncio.Event()
 
     async def reply(request):
@@ -142,7 +142,7 @@ async def test_the_last_event_does_not_wait_for_the_upstreams_end(relay):
         await response.write_eof()
         return response
 
-    client = await relay(reply)
+    client = await local_relay(reply)
     resp = await client.post("/v1/messages", json=BODY)
     got = await asyncio.wait_for(resp.content.readuntil(b'"message_stop"}\n\n'), 5)
     gate.set()
@@ -150,13 +150,13 @@ async def test_the_last_event_does_not_wait_for_the_upstreams_end(relay):
     assert body(client.writes) == STREAM + PING
 
 
-async def test_a_long_first_read_still_sends_its_first_event_first(relay):
+async def test_a_long_first_read_still_sends_its_first_event_first(local_relay):
     deltas = DELTA * (FIRST_READ_WHOLE // len(DELTA) + 1)
 
     async def reply(request):
         return web.Response(body=START + BLOCK + deltas + END, content_type=SSE)
 
-    client = await relay(reply)
+    client = await local_relay(reply)
     resp = await client.post("/v1/messages", json=BODY)
     assert await resp.read() == START + BLOCK + deltas + END
     first, rest = client.writes
@@ -164,11 +164,11 @@ async def test_a_long_first_read_still_sends_its_first_event_first(relay):
     assert rest.startswith(b"%x\r\n" % (len(BLOCK + deltas + END))) and rest.endswith(b"0\r\n\r\n")
 
 
-async def test_a_stream_without_its_end_still_ends_with_an_error_event(relay):
+async def test_a_stream_without_its_end_still_ends_with_an_error_event(local_relay):
     async def reply(request):
         return web.Response(body=START + BLOCK + DELTA, content_type=SSE)
 
-    client = await relay(reply)
+    client = await local_relay(reply)
     resp = await client.post("/v1/messages", json=BODY)
     out = await resp.read()
     assert out.startswith(START + BLOCK + DELTA)
@@ -182,7 +182,7 @@ TOOL_DELTA = (b'event: content_block_delta\ndata: {"type":"content_block_delta",
 TOOL_STOP = b'event: content_block_stop\ndata: {"type":"content_block_stop","index":1}\n\n'
 
 
-async def test_the_shipped_plugins_are_handed_only_the_events_they_read(relay, monkeypatch,
+async def test_the_shipped_plugins_are_handed_only_the_events_they_read(local_relay, monkeypatch,
                                                                        caplog, tmp_path):
     monkeypatch.setenv("RELAY_TRACE", "1")  # every hook call logged, by plugin
     stream = (START + BLOCK + DELTA * 20 + PING + TOOL_START + TOOL_DELTA * 5 + TOOL_STOP
@@ -193,7 +193,7 @@ async def test_the_shipped_plugins_are_handed_only_the_events_they_read(relay, m
 
     pipeline = ["limits", "usage", "metrics", "cache", "dedup", "pairing", "ordering",
                 "portable", "dump"]
-    client = await relay(reply, pipeline=pipeline, plugins={"dump": {"dir": str(tmp_path)}})
+    client = await local_relay(reply, pipeline=pipeline, plugins={"dump": {"dir": str(tmp_path)}})
     with caplog.at_level("INFO", logger="relay.chain"):
         resp = await client.post("/v1/messages", json=BODY)
         assert await resp.read() == stream

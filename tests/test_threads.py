@@ -30,7 +30,7 @@ def upstream(aiohttp_server):
 
 
 @pytest_asyncio.fixture
-async def relay(aiohttp_client):
+async def local_relay(aiohttp_client):
     started = []
 
     async def start(upstream, holds_threads=True, pipeline=PIPELINE, server=None, env=None,
@@ -75,8 +75,8 @@ def answers_to(message: dict) -> list[dict]:
     return [result(block["id"]) for block in message["content"] if block["type"] == "tool_use"]
 
 
-async def test_a_continuation_answering_held_calls_is_not_refused(upstream, relay):
-    client = await relay(await upstream(tool_turns=2, threads="hold"))
+async def test_a_continuation_answering_held_calls_is_not_refused(upstream, local_relay):
+    client = await local_relay(await upstream(tool_turns=2, threads="hold"))
     response, first = await post(client, create(user(text("go"))))
     assert response.status == 200 and first["stop_reason"] == "tool_use"
     response, second = await post(client, carry_on(first["id"], user(*answers_to(first))))
@@ -102,9 +102,9 @@ async def refused_for_nobody(client, message_id):
         "toolu_nobody")
 
 
-async def test_with_the_head_known_the_whole_conversation_is_judged(upstream, relay):
+async def test_with_the_head_known_the_whole_conversation_is_judged(upstream, local_relay):
     emu = await upstream(tool_turns=2, threads="hold")
-    client = await relay(emu)
+    client = await local_relay(emu)
     _, first = await post(client, create(user(text("go"))))
     # A result for a call nobody made: refused by the relay, named where the client put it.
     await refused_for_nobody(client, first["id"])
@@ -115,11 +115,11 @@ async def test_with_the_head_known_the_whole_conversation_is_judged(upstream, re
     assert len(received(client)) == 1
 
 
-async def test_a_head_the_relay_did_not_see_is_forwarded_and_noted(upstream, relay):
+async def test_a_head_the_relay_did_not_see_is_forwarded_and_noted(upstream, local_relay):
     emu = await upstream(tool_turns=2, threads="hold")
-    elsewhere = await relay(emu)  # another replica, or this one before a restart
+    elsewhere = await local_relay(emu)  # another replica, or this one before a restart
     _, first = await post(elsewhere, create(user(text("go"))))
-    client = await relay(emu)
+    client = await local_relay(emu)
     response, second = await post(client, carry_on(first["id"], user(*answers_to(first))))
     assert response.status == 200, second
     assert "thread-head-unseen" in response.headers["x-relay-notes"]
@@ -131,10 +131,10 @@ async def test_a_head_the_relay_did_not_see_is_forwarded_and_noted(upstream, rel
     assert len(received(client)) == 3  # the same emulator behind both
 
 
-async def test_a_tail_continuing_a_held_paused_turn_is_forwarded_unseen(upstream, relay):
+async def test_a_tail_continuing_a_held_paused_turn_is_forwarded_unseen(upstream, local_relay):
     # A paused web search the server holds, continued: the tail opens with the assistant
     # message that carries its result (relay.threads.opens_with_held_calls).
-    client = await relay(await upstream(threads="hold"))
+    client = await local_relay(await upstream(threads="hold"))
     searched = {"type": "web_search_tool_result", "tool_use_id": "srvtoolu_held",
                 "content": []}
     response, _ = await post(client, carry_on("msg_unseen", assistant(searched, text("found")),
@@ -143,8 +143,8 @@ async def test_a_tail_continuing_a_held_paused_turn_is_forwarded_unseen(upstream
     assert "thread-head-unseen" in response.headers.get("x-relay-notes", "")
 
 
-async def test_a_tail_of_its_own_faults_is_refused_even_unseen(upstream, relay):
-    client = await relay(await upstream(tool_turns=2, threads="hold"))
+async def test_a_tail_of_its_own_faults_is_refused_even_unseen(upstream, local_relay):
+    client = await local_relay(await upstream(tool_turns=2, threads="hold"))
     broken = carry_on("msg_unseen", user(result("toolu_a")),
                       assistant(text("again"), use("toolu_b")), user(result("toolu_c")))
     response, error = await post(client, broken)
@@ -154,8 +154,8 @@ async def test_a_tail_of_its_own_faults_is_refused_even_unseen(upstream, relay):
     assert received(client) == []
 
 
-async def test_a_streamed_answer_is_recorded_too(upstream, relay):
-    client = await relay(await upstream(tool_turns=2, threads="hold"))
+async def test_a_streamed_answer_is_recorded_too(upstream, local_relay):
+    client = await local_relay(await upstream(tool_turns=2, threads="hold"))
     response, raw = await post(client, create(user(text("go")), stream=True))
     assert response.status == 200
     events = [orjson.loads(line[6:]) for line in raw.split(b"\n") if line.startswith(b"data: ")]
@@ -170,10 +170,11 @@ async def test_a_streamed_answer_is_recorded_too(upstream, relay):
     assert response.status == 200
 
 
-async def test_a_backend_without_threads_gets_the_whole_conversation_carried(upstream, relay):
+async def test_a_backend_without_threads_gets_the_whole_conversation_carried(upstream,
+                                                                           local_relay):
     # The emulator refuses any thread itself: it must never see one.
     emu = await upstream(tool_turns=2, threads="refuse")
-    client = await relay(emu, holds_threads=False)
+    client = await local_relay(emu, holds_threads=False)
     response, first = await post(client, create(user(text("go"))))
     assert response.status == 200 and first["stop_reason"] == "tool_use"
     response, second = await post(client, carry_on(first["id"], user(*answers_to(first))))
@@ -190,16 +191,16 @@ async def test_a_backend_without_threads_gets_the_whole_conversation_carried(ups
 
 
 async def test_a_carried_conversation_is_judged_whole_and_named_at_the_clients_indexes(
-        upstream, relay):
-    client = await relay(await upstream(tool_turns=2, threads="refuse"), holds_threads=False)
+        upstream, local_relay):
+    client = await local_relay(await upstream(tool_turns=2, threads="refuse"), holds_threads=False)
     _, first = await post(client, create(user(text("go"))))
     await refused_for_nobody(client, first["id"])
     assert len(received(client)) == 1
 
 
-async def test_a_thread_the_relay_cannot_carry_is_refused_as_the_api_does(upstream, relay):
+async def test_a_thread_the_relay_cannot_carry_is_refused_as_the_api_does(upstream, local_relay):
     emu = await upstream(tool_turns=1, threads="refuse")
-    client = await relay(emu, holds_threads=False)
+    client = await local_relay(emu, holds_threads=False)
     for doc in (carry_on("msg_x", user(result("toolu_a"))),
                 body(user(text("go")), thread={"type": "branch"})):
         response, error = await post(client, doc)
@@ -445,22 +446,22 @@ def test_relay_validate_judges_a_continuation_as_a_tail(tmp_path, capsys):
     assert cli.main(["validate", str(path)]) == 1  # without the thread, it is refused
 
 
-async def test_ordering_judges_the_first_turn_against_held_calls(upstream, relay):
-    client = await relay(await upstream(tool_turns=2, threads="hold"))
+async def test_ordering_judges_the_first_turn_against_held_calls(upstream, local_relay):
+    client = await local_relay(await upstream(tool_turns=2, threads="hold"))
     _, first = await post(client, create(user(text("go"))))
     late = carry_on(first["id"], user(text("here:"), *answers_to(first)))
     response, error = await post(client, late)
     assert response.status == 400
     assert error["error"]["message"].startswith("messages.0: `tool_use` ids were found without")
     # Unseen, the same tail cannot be judged: it goes up, and the upstream refuses it.
-    other = await relay(client.upstream)
+    other = await local_relay(client.upstream)
     response, error = await post(other, late)
     assert response.status == 400 and len(received(other)) == 2
     assert "thread-head-unseen" in response.headers["x-relay-notes"]
 
 
-async def test_an_answer_repeating_a_held_id_reaches_the_client_renamed(upstream, relay):
-    client = await relay(await upstream(tool_turns=3, threads="hold", reuse_ids=True))
+async def test_an_answer_repeating_a_held_id_reaches_the_client_renamed(upstream, local_relay):
+    client = await local_relay(await upstream(tool_turns=3, threads="hold", reuse_ids=True))
     _, first = await post(client, create(user(text("go"))))
     response, second = await post(client, carry_on(first["id"], user(*answers_to(first))))
     assert response.status == 200
@@ -502,10 +503,10 @@ async def test_a_stream_too_long_to_keep_is_relayed_but_not_recorded():
 
 
 async def test_a_renamed_call_is_answered_upstream_under_the_id_the_server_holds(upstream,
-                                                                                relay):
+                                                                                local_relay):
     # A Kimi-like backend that holds threads: it repeats its ids turn after turn.
     emu = await upstream(tool_turns=3, threads="hold", reuse_ids=True, id_style="functions")
-    client = await relay(emu, quirks={"tool_id_pattern": "^[a-zA-Z0-9_.:-]+$"})
+    client = await local_relay(emu, quirks={"tool_id_pattern": "^[a-zA-Z0-9_.:-]+$"})
     _, first = await post(client, create(user(text("go"))))
     _, second = await post(client, carry_on(first["id"], user(*answers_to(first))))
     (renamed,) = [b["id"] for b in second["content"] if b["type"] == "tool_use"]
@@ -519,9 +520,9 @@ async def test_a_renamed_call_is_answered_upstream_under_the_id_the_server_holds
     assert sent["tool_use_id"] == "functions.Bash:0"  # what the server holds
 
 
-async def test_one_clients_thread_is_no_other_clients_to_judge_against(upstream, relay):
+async def test_one_clients_thread_is_no_other_clients_to_judge_against(upstream, local_relay):
     keys = {"KEY_A": "relay-key-alpha-0123456789", "KEY_B": "relay-key-bravo-0123456789"}
-    client = await relay(await upstream(tool_turns=2, threads="hold"), env=keys,
+    client = await local_relay(await upstream(tool_turns=2, threads="hold"), env=keys,
                          server={"auth": {"keys": [{"name": "alpha", "key_env": "KEY_A"},
                                                    {"name": "bravo", "key_env": "KEY_B"}]}})
     alpha = {**BETA, "x-api-key": keys["KEY_A"]}
@@ -587,13 +588,13 @@ async def test_a_thread_moved_after_a_held_turn_keeps_the_fields_it_was_created_
         await client.chain.shutdown(client.config)
 
 
-async def test_one_clients_thread_is_not_continued_by_another_client(upstream, relay):
+async def test_one_clients_thread_is_not_continued_by_another_client(upstream, local_relay):
     # The upstream holds every tenant's threads under the relay's one credential: a
     # continuation of a thread the relay recorded for another key would have the model answer
     # from that key's conversation. The relay answers as the API does for a thread it does
     # not hold, and the SDK replays its own history under a new thread.
     keys = {"KEY_A": "relay-key-alpha-0123456789", "KEY_B": "relay-key-bravo-0123456789"}
-    client = await relay(await upstream(tool_turns=2, threads="hold"), env=keys,
+    client = await local_relay(await upstream(tool_turns=2, threads="hold"), env=keys,
                          server={"auth": {"keys": [{"name": "alpha", "key_env": "KEY_A"},
                                                    {"name": "bravo", "key_env": "KEY_B"}]}})
     alpha = {**BETA, "x-api-key": keys["KEY_A"]}

@@ -3,6 +3,7 @@ refuses it), and ``make check`` selects exactly the tier setup.cfg declares."""
 
 from __future__ import annotations
 
+import ast
 import configparser
 import os
 import re
@@ -24,6 +25,22 @@ def test_a_fast_test_cannot_start_a_process():
 def test_asking_for_a_process_fixture_is_the_slow_tier(request, emulator, relay):
     # Not started: the fixtures hand out starters, so this stays cheap.
     assert request.node.get_closest_marker("slow") is not None
+
+
+def test_no_module_names_a_fixture_of_its_own_after_a_process_fixture():
+    # The tier is chosen by the fixture's name: a module's own in-process `relay` would put
+    # its tests in the slow tier, never run by `make check`.
+    from conftest import PROCESS_FIXTURES
+    shadowing = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        if path.name == "conftest.py" and path.parent == ROOT / "tests":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) \
+                    and node.name in PROCESS_FIXTURES and any(
+                        "fixture" in ast.unparse(d) for d in node.decorator_list):
+                shadowing.append(f"{path.relative_to(ROOT)}::{node.name}")
+    assert shadowing == []
 
 
 @pytest.mark.slow
