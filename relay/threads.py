@@ -24,11 +24,12 @@ held by one backend, bound for another (a fallback, a ``/model`` switch), is car
 plugins then see a whole conversation, as if the client had sent it all.
 
 Where the relay has no record to carry (evicted, expired, another replica), a backend that
-holds threads gets the request as it came; one that holds none gets the answer the API gives
-a thread it cannot serve, 400 with ``error.details.error_code:
-"thread_unsupported_request"``, and the SDKs then resend the full history without ``thread``
-(``_unsupported_features`` / ``recovers_from`` in the SDK; types
-``thread_unsupported_request_error*.py``).
+holds threads gets the request as it came; for one that holds none the relay is the thread's
+server and holds no state for it, so it answers as the API answers such a continuation: 404
+with ``error.details.error_code: "thread_not_found"``, and the SDKs replay the history under a
+new thread (``ThreadNotFoundError``; ``_REPLAY_ERROR_CODES`` / ``recovers_from`` in the SDK's
+``lib/threads/_thread_state.py``). A ``thread`` value it cannot read gets the API's answer to a
+request it cannot thread, 400 ``thread_unsupported_request``.
 
 The functions are pure but for :class:`Store`, an in-process map the host owns. When the
 host's state is shared (``state.url``: SQLite for one host's workers, Redis for replicas), each
@@ -391,10 +392,23 @@ async def prepare(store: Store, exchange) -> None:
             _carry(exchange, thread, [], None, None)
         return
     if not backend.holds_threads:
+        if thread.previous_id is None:  # a `thread` value the relay cannot read
+            exchange.note("relay", "thread refused", kind=thread.kind, backend=backend.name,
+                          reason="the backend holds no threads (holds_threads: false) and "
+                                 "the relay cannot read this `thread`")
+            raise ThreadUnsupported()
+        # The relay is the thread's server here, and it holds no state for this id: the API's
+        # answer to such a continuation is thread_not_found, from which the SDKs replay the
+        # history under a new thread (thread_unsupported_request would have the SDK's thread
+        # helper raise, its default, and its tool runner stop threading for good).
         exchange.note("relay", "thread refused", kind=thread.kind, backend=backend.name,
+                      previous_message_id=thread.previous_id,
                       reason="the backend holds no threads (holds_threads: false) and the "
-                             "relay has no record of this one to carry")
-        raise ThreadUnsupported()
+                             "relay has no record of this one to carry (evicted, expired, "
+                             "or recorded by another replica): answered as the API answers "
+                             "a thread it holds no state for")
+        exchange.flag("thread-not-recorded")
+        raise ThreadNotFound(thread.previous_id)
     if thread.kind == "create":
         return
     if found is not None:

@@ -201,14 +201,18 @@ async def test_a_carried_conversation_is_judged_whole_and_named_at_the_clients_i
 async def test_a_thread_the_relay_cannot_carry_is_refused_as_the_api_does(upstream, local_relay):
     emu = await upstream(tool_turns=1, threads="refuse")
     client = await local_relay(emu, holds_threads=False)
-    for doc in (carry_on("msg_x", user(result("toolu_a"))),
-                body(user(text("go")), thread={"type": "branch"})):
-        response, error = await post(client, doc)
-        assert response.status == 400
-        assert error["type"] == "error"
-        assert error["error"]["type"] == "invalid_request_error"
-        assert error["error"]["details"] == {"error_code": "thread_unsupported_request"}
-        assert error["request_id"] == response.headers["x-relay-request-id"]
+    # One it holds no state for, as the API answers an unknown previous_message_id.
+    response, error = await post(client, carry_on("msg_x", user(result("toolu_a"))))
+    assert response.status == 404
+    assert error["error"]["type"] == "not_found_error"
+    assert error["error"]["details"] == {"error_code": "thread_not_found"}
+    # One it cannot read, as the API answers what it cannot thread.
+    response, error = await post(client, body(user(text("go")), thread={"type": "branch"}))
+    assert response.status == 400
+    assert error["type"] == "error"
+    assert error["error"]["type"] == "invalid_request_error"
+    assert error["error"]["details"] == {"error_code": "thread_unsupported_request"}
+    assert error["request_id"] == response.headers["x-relay-request-id"]
     assert received(client) == []
     response, _ = await post(client, body(user(text("go")), tools=TOOLS))
     assert response.status == 200
@@ -609,3 +613,54 @@ async def test_one_clients_thread_is_not_continued_by_another_client(upstream, l
     response, second = await post(client, carry_on(first["id"], user(*answers_to(first))),
                                   alpha)
     assert response.status == 200, second
+
+
+def thread_store(client) -> threads.Store:
+    from relay import server
+    return client.server.app[server.STATE].threads
+
+
+def expire_records(client) -> None:
+    """What an hour without use does to the relay's record of threads."""
+    store = thread_store(client)
+    clock = store.clock
+    store.clock = lambda: clock() + threads.MAX_AGE + 1
+
+
+async def test_a_thread_the_relay_lost_is_answered_as_the_api_answers_a_thread_it_lost(
+        upstream, local_relay):
+    # The relay carries this thread for a backend that holds none; its record expired. The
+    # API answers a previous_message_id it holds no state for 404 thread_not_found (the SDK's
+    # ThreadNotFoundError), and the SDK replays its history under a new thread: the client
+    # goes on threading. thread_unsupported_request would have the SDK's thread helper raise
+    # (its unsupported_request_behavior is "error" by default) and its tool runner stop
+    # threading for good.
+    client = await local_relay(await upstream(tool_turns=2, threads="refuse"),
+                               holds_threads=False)
+    _, first = await post(client, create(user(text("go"))))
+    expire_records(client)
+    response, error = await post(client, carry_on(first["id"], user(*answers_to(first))))
+    assert response.status == 404, error
+    assert error["error"]["type"] == "not_found_error"
+    assert error["error"]["details"] == {"error_code": "thread_not_found"}
+    assert error["request_id"] == response.headers["x-relay-request-id"]
+    assert "thread-not-recorded" in response.headers["x-relay-notes"]
+    assert len(received(client)) == 1
+
+
+async def test_the_sdks_thread_goes_on_when_the_relay_lost_its_record(upstream, local_relay):
+    import anthropic
+    client = await local_relay(await upstream(tool_turns=2, threads="refuse"),
+                               holds_threads=False)
+    sdk = anthropic.AsyncAnthropic(base_url=str(client.make_url("")).rstrip("/"),
+                                   api_key="sk-test-client", max_retries=0)
+    thread = sdk.beta.messages.thread(model="claude-test", max_tokens=100, tools=TOOLS)
+    first = await thread.send(user(text("go")))
+    expire_records(client)
+    second = await thread.send(user(*answers_to(first.model_dump())))
+    third = await thread.send(user(*answers_to(second.model_dump())))
+    assert third.stop_reason == "end_turn"
+    # The replay went up whole, and the turn after it continued the new thread.
+    assert [len(doc["messages"]) for doc in received(client)] == [1, 3, 5]
+    await sdk.close()
+

@@ -111,9 +111,11 @@ def test_the_tool_runner_goes_on_unthreaded_where_the_relay_has_no_record(emulat
                                                                           stream):
     """Two replicas without a shared state, in turn: the continuation reaches the one that
     did not see the thread's start, which has nothing to carry for a backend without
-    threads, and answers as the API does a thread it cannot serve; the SDK's tool runner
-    sends the whole history from then on and completes, every upstream request a valid
-    history without ``thread``."""
+    threads, and answers as the API does a thread it holds no state for (404
+    thread_not_found); the SDK's tool runner replays the history under a new thread, and
+    when that one is lost as well (the other replica again) sends the whole history
+    without a thread from then on and completes, every upstream request a valid history
+    without ``thread``."""
     emu = emulator("--threads", "refuse", "--tool-turns", str(TURNS))
     first, second = (relay({"backends": [backend(emu.url)]}) for _ in range(2))
     statuses: list[int] = []
@@ -123,9 +125,10 @@ def test_the_tool_runner_goes_on_unthreaded_where_the_relay_has_no_record(emulat
             "response": [lambda response: statuses.append(response.status_code)]}))
     final = finish(client, stream)
     assert final.stop_reason == "end_turn"
-    # The create (first replica), the continuation refused (second), then the full history
-    # unthreaded for each later turn, to either.
-    assert statuses == [200, 400] + [200] * TURNS, statuses
+    # The create (first replica), the continuation not found (second), the replay under a
+    # new thread (first), its continuation not found (second), then the full history
+    # unthreaded (first).
+    assert statuses == [200, 404, 200, 404, 200], statuses
     sent = messages_requests(emu)
     assert len(sent) == TURNS + 1
     assert all("thread" not in request["body"] for request in sent)
