@@ -519,6 +519,8 @@ async def relay_stream(state, request: web.Request, exchange: Exchange,
                               exchange.id)
         return response
     finally:
+        if tap is not None:
+            threads.own_stream(state.threads, exchange, tap)
         answer.size, answer.events = stream.written, stream.events
         if keepalive is not None:
             keepalive.stop()

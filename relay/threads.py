@@ -35,7 +35,9 @@ The functions are pure but for :class:`Store`, an in-process map the host owns. 
 host's state is shared (``state.url``: SQLite for one host's workers, Redis for replicas), each
 record also goes there (namespace ``threads``, expiring with the record's age; a conversation
 over :data:`MAX_SHARED_BYTES` stays in its process), so a continuation that reaches another
-worker or replica finds it: the local map answers first, the state when it does not.
+worker or replica finds it: the local map answers first, the state when it does not. Which
+inbound key each answer went to is kept apart from the conversations, and longer (namespace
+``thread-owners``, see :data:`MAX_OWNERS`): a key continues only its own threads.
 """
 
 from __future__ import annotations
@@ -76,6 +78,15 @@ MAX_STREAM_BYTES = 16 * 1024 * 1024
 MAX_SHARED_BYTES = 4 * 1024 * 1024
 NAMESPACE = "threads"
 MAX_PENDING = 256  # writes to the shared state under way; past this, kept in process only
+# Which inbound key each answer to a thread request was given to, kept apart from the
+# conversations and far longer: the upstream holds every key's threads under the relay's one
+# credential, so this alone keeps a key from continuing another's thread once its
+# conversation is evicted or expired, was never recorded (a thread that went on unseen, a
+# stream too long to keep or cut short), or was recorded by another replica. About 230 bytes
+# an answer in process (23 MB at the bound); in a shared state, a day each.
+MAX_OWNERS = 100_000
+OWNER_AGE = 86400.0
+OWNERS = "thread-owners"
 # The fields a thread keeps from its ``create`` and a continuation may not send
 # (``CREATE_ONLY_FIELDS`` in the SDK's ``lib/threads/_thread_state.py``).
 CREATE_ONLY = ("system", "tools")
@@ -173,10 +184,10 @@ class Store:
         self.bytes = 0
         self._entries: collections.OrderedDict[
             object, tuple[float, str, bytes, dict, dict]] = collections.OrderedDict()
-        # Answer id -> the key it is recorded under (with its inbound key's name): the
-        # upstream holds every tenant's threads under the relay's own credential, so a
-        # continuation of an id recorded for another key is refused, not forwarded.
-        self._owners: dict[object, object] = {}
+        # Answer id -> the name of the inbound key it was given to (see MAX_OWNERS), least
+        # recently given first out.
+        self.max_owners = MAX_OWNERS
+        self._owners: collections.OrderedDict[str, str] = collections.OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -207,12 +218,41 @@ class Store:
         self._keep(message_id, *entry)
         return entry
 
-    def held_elsewhere(self, message_id) -> bool:
-        """Whether this process records the answer ``message_id`` names under another
-        inbound key than its own."""
-        self._expire()
-        owner = self._owners.get(_answer_id(message_id))
-        return owner is not None and owner != message_id
+    def own(self, message_id) -> None:
+        """Note that the answer ``message_id`` names (``(key name, answer id)``) was given to
+        that inbound key: in process, and in the shared state when there is one. Without
+        auth (no key name) there is no other tenant to keep out."""
+        key_name, answer_id = _split(message_id)
+        if key_name is None:
+            return
+        owners = self._owners
+        known = owners.get(answer_id)
+        owners[answer_id] = key_name
+        owners.move_to_end(answer_id)
+        while len(owners) > self.max_owners:
+            owners.popitem(last=False)
+        if known != key_name and self.shared is not None:
+            try:
+                self.shared.put_soon(OWNERS, {answer_id: key_name.encode()}, OWNER_AGE)
+            except Exception as e:  # Unavailable, or a backend's own failure
+                log.warning("threads: the answer's owner could not be shared: %s", e)
+
+    async def held_elsewhere(self, message_id) -> bool:
+        """Whether the answer ``message_id`` names was given to another inbound key than its
+        own (known in process, else from the shared state; unknown is False: a state out of
+        reach is an owner not found)."""
+        key_name, answer_id = _split(message_id)
+        if key_name is None:
+            return False
+        owner = self._owners.get(answer_id)
+        if owner is None and self.shared is not None:
+            try:
+                value = (await self.shared.get(OWNERS, [answer_id]))[0]
+            except Exception as e:  # Unavailable, or a backend's own failure
+                log.warning("threads: the answer's owner could not be read: %s", e)
+                return False
+            owner = value.decode("utf-8", "replace") if value is not None else None
+        return owner is not None and owner != key_name
 
     def get(self, message_id) -> tuple[str, bytes, dict, dict] | None:
         """``(backend name, conversation as JSON, renamed ids, the fields the thread was
@@ -247,7 +287,6 @@ class Store:
         if size > self.max_bytes:
             return False
         self._entries[message_id] = (self.clock(), backend, conversation, renamed, fields)
-        self._owners[_answer_id(message_id)] = message_id
         self.bytes += size
         while len(self._entries) > self.max_threads or self.bytes > self.max_bytes:
             self._drop_oldest()
@@ -262,8 +301,6 @@ class Store:
         entry = self._entries.pop(message_id, None)
         if entry is not None:
             self.bytes -= _size(entry[2], entry[4])
-            if self._owners.get(_answer_id(message_id)) == message_id:
-                del self._owners[_answer_id(message_id)]
 
     def _share(self, write) -> None:
         """Write to the shared state in the background (the answer is not held for it); a
@@ -284,8 +321,6 @@ class Store:
     def _drop_oldest(self) -> None:
         message_id, entry = self._entries.popitem(last=False)
         self.bytes -= _size(entry[2], entry[4])
-        if self._owners.get(_answer_id(message_id)) == message_id:
-            del self._owners[_answer_id(message_id)]
 
     def _expire(self) -> None:
         limit = self.clock() - self.max_age
@@ -296,12 +331,12 @@ class Store:
             self._drop_oldest()
 
 
-def _answer_id(message_id):
-    return message_id[1] if type(message_id) is tuple else message_id
+def _split(message_id) -> tuple[str | None, str]:
+    return message_id if type(message_id) is tuple else (None, message_id)
 
 
 def _shared_key(message_id) -> str:
-    key_name, answer_id = message_id if type(message_id) is tuple else (None, message_id)
+    key_name, answer_id = _split(message_id)
     return f"{key_name or ''}\x00{answer_id}"
 
 
@@ -374,10 +409,10 @@ async def prepare(store: Store, exchange) -> None:
     found = await store.fetch(_key(exchange, thread.previous_id)) \
         if thread.previous_id is not None else None
     if found is None and thread.previous_id is not None \
-            and store.held_elsewhere(_key(exchange, thread.previous_id)):
+            and await store.held_elsewhere(_key(exchange, thread.previous_id)):
         exchange.note("relay", "thread refused", kind=thread.kind,
                       previous_message_id=thread.previous_id,
-                      reason="the relay recorded this thread for another inbound key")
+                      reason="the relay gave this answer to another inbound key")
         raise ThreadNotFound(thread.previous_id)
     if found is not None:
         try:
@@ -493,11 +528,15 @@ def record(store: Store, exchange, answer) -> None:
     got it), keep the conversation up to it under its id, and forget the one it continued:
     the API lets each answer be continued once (``thread_already_continued``)."""
     thread = exchange.thread
-    if thread is None or thread.kind == "other" or thread.unseen or type(answer) is not dict:
+    if thread is None or type(answer) is not dict:
         return
     message_id = answer.get("id")
+    if type(message_id) is not str:
+        return
+    # Whatever is kept of the conversation: the upstream may hold it under this id.
+    store.own(_key(exchange, message_id))
     content = answer.get("content")
-    if type(message_id) is not str or type(content) is not list:
+    if thread.kind == "other" or thread.unseen or type(content) is not list:
         return
     try:
         top = _top_level.decode(exchange.raw_body)
@@ -520,6 +559,14 @@ def record(store: Store, exchange, answer) -> None:
     holder = "" if thread.carried is not None else exchange.backend.name
     store.put(_key(exchange, message_id), holder,
               _joined(thread.recorded or b"[]", sent, reply), renamed, fields)
+
+
+def own_stream(store: Store, exchange, tap: Tap) -> None:
+    """After a stream to a thread request, however it ended: the answer it began is the
+    inbound key's (see :data:`MAX_OWNERS`)."""
+    answer_id = tap.answer_id()
+    if answer_id is not None:
+        store.own(_key(exchange, answer_id))
 
 
 def _held_id(table: dict, client_id: str) -> str | None:
@@ -646,24 +693,40 @@ def _sort_key(index) -> int:
 
 class Tap:
     """Keeps what a stream wrote to the client, up to ``limit`` bytes, for :func:`record`;
-    past the limit it keeps nothing (the answer is then not recorded)."""
+    past the limit it keeps nothing (the answer is then not recorded) but the answer's id."""
 
-    __slots__ = ("write", "limit", "parts", "size")
+    __slots__ = ("write", "limit", "parts", "size", "started")
 
     def __init__(self, write, limit: int = MAX_STREAM_BYTES):
         self.write = write
         self.limit = limit
         self.parts: list[bytes] | None = []
         self.size = 0
+        self.started: str | None = None  # the answer's id, once ``parts`` is let go
 
     async def __call__(self, data: bytes) -> None:
         if self.parts is not None:
             self.size += len(data)
+            self.parts.append(data)
             if self.size > self.limit:
+                self.started = self.answer_id()
                 self.parts = None
-            else:
-                self.parts.append(data)
         await self.write(data)
+
+    def answer_id(self) -> str | None:
+        """The id of the answer the stream began (its ``message_start``'s), however far it
+        got: the upstream may hold the answer whether or not the client saw it end."""
+        if self.parts is None:
+            return self.started
+        decoder = SSEDecoder()
+        for part in self.parts:
+            for event in decoder.feed(part):
+                data = event.data
+                if type(data) is dict and data.get("type") == "message_start":
+                    message = data.get("message")
+                    answer_id = message.get("id") if type(message) is dict else None
+                    return answer_id if type(answer_id) is str else None
+        return None
 
     def message(self) -> dict | None:
         if self.parts is None:

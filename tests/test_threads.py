@@ -664,3 +664,110 @@ async def test_the_sdks_thread_goes_on_when_the_relay_lost_its_record(upstream, 
     assert [len(doc["messages"]) for doc in received(client)] == [1, 3, 5]
     await sdk.close()
 
+
+
+KEYS = {"KEY_A": "relay-key-alpha-0123456789", "KEY_B": "relay-key-bravo-0123456789"}
+AUTH = {"auth": {"keys": [{"name": "alpha", "key_env": "KEY_A"},
+                          {"name": "bravo", "key_env": "KEY_B"}]}}
+ALPHA = {**BETA, "x-api-key": KEYS["KEY_A"]}
+BRAVO = {**BETA, "x-api-key": KEYS["KEY_B"]}
+
+
+async def not_bravos(client, message: dict) -> None:
+    """Bravo's continuation of alpha's answer: the API's answer to a thread it does not hold,
+    and nothing upstream."""
+    before = len(received(client))
+    response, error = await post(client, carry_on(message["id"], user(*answers_to(message))),
+                                 BRAVO)
+    assert response.status == 404, error
+    assert error["error"]["details"] == {"error_code": "thread_not_found"}
+    assert len(received(client)) == before
+
+
+async def test_a_thread_whose_record_is_gone_is_still_its_own_keys(upstream, local_relay):
+    # Evicted or expired: the conversation is no longer known, its owner still is.
+    client = await local_relay(await upstream(tool_turns=2, threads="hold"), env=KEYS,
+                               server=AUTH)
+    _, first = await post(client, create(user(text("go"))), ALPHA)
+    expire_records(client)
+    await not_bravos(client, first)
+    response, second = await post(client, carry_on(first["id"], user(*answers_to(first))),
+                                  ALPHA)
+    assert response.status == 200, second
+    assert "thread-head-unseen" in response.headers["x-relay-notes"]
+
+
+async def test_a_thread_gone_on_unseen_is_still_its_own_keys(upstream, local_relay):
+    # A restart (or another replica): alpha's thread goes on unseen, and its next answer is
+    # alpha's alone all the same.
+    emu = await upstream(tool_turns=3, threads="hold")
+    before = await local_relay(emu, env=KEYS, server=AUTH)
+    _, first = await post(before, create(user(text("go"))), ALPHA)
+    client = await local_relay(emu, env=KEYS, server=AUTH)
+    response, second = await post(client, carry_on(first["id"], user(*answers_to(first))),
+                                  ALPHA)
+    assert response.status == 200, second
+    await not_bravos(client, second)
+
+
+@pytest.mark.parametrize("store", ["sqlite", pytest.param("redis", marks=pytest.mark.slow)])
+async def test_replicas_sharing_a_state_keep_each_keys_threads_its_own(upstream,
+                                                                       aiohttp_client,
+                                                                       tmp_path, request,
+                                                                       store):
+    emu = await upstream(tool_turns=2, threads="hold")
+    url = (f"sqlite:///{tmp_path / 'state.db'}" if store == "sqlite"
+           else request.getfixturevalue("redis_server").url)
+    raw = {"pipeline": PIPELINE, "server": AUTH, "state": {"url": url},
+           "backends": [{"name": "emu", "url": str(emu.make_url("")).rstrip("/"),
+                         "models": ["*"], "holds_threads": True}]}
+    one, other = (await start_relay(aiohttp_client, raw, env=KEYS),
+                  await start_relay(aiohttp_client, raw, env=KEYS))
+    other.upstream = emu
+    try:
+        _, first = await post(one, create(user(text("go"))), ALPHA)
+        for _ in range(100):  # the owner is written to the state in the background
+            if (await other.chain.state.get(threads.OWNERS, [first["id"]]))[0]:
+                break
+            await asyncio.sleep(0.02)
+        await not_bravos(other, first)
+        response, second = await post(other, carry_on(first["id"], user(*answers_to(first))),
+                                      ALPHA)
+        assert response.status == 200, second
+    finally:
+        for client in (one, other):
+            await client.chain.shutdown(client.config)
+
+
+async def test_a_streamed_answer_cut_short_is_still_its_own_keys(upstream, local_relay):
+    # The server holds an answer whole or not at all (the SDK's record_partial_reply): this
+    # one it holds, though the client's stream ended in an error event and the relay kept
+    # nothing of it to continue from.
+    client = await local_relay(await upstream(tool_turns=2, threads="hold",
+                                              stream_error_after=3), env=KEYS, server=AUTH)
+    response, raw = await post(client, create(user(text("go")), stream=True), ALPHA)
+    assert response.status == 200 and b"event: error" in raw
+    started = orjson.loads(raw.split(b"data: ", 1)[1].split(b"\n", 1)[0])["message"]
+    (held,) = [content for content in client.upstream.app[emulator.STATE].threads.values()]
+    calls = [block for block in held[0][-1]["content"] if block["type"] == "tool_use"]
+    await not_bravos(client, {"id": started["id"], "content": calls})
+
+
+def test_a_stream_too_long_to_keep_still_names_its_answer():
+    async def write(data):
+        pass
+
+    start = {"type": "message_start", "message": {"id": "msg_long", "content": []}}
+    tap = threads.Tap(write, limit=200)
+    asyncio.run(tap(b"event: message_start\ndata: " + orjson.dumps(start) + b"\n\n"))
+    asyncio.run(tap(b"event: ping\ndata: {\"type\": \"ping\"}\n\n" * 10))
+    assert tap.parts is None and tap.message() is None
+    assert tap.answer_id() == "msg_long"
+
+
+def test_the_owners_are_bounded_by_count():
+    store = threads.Store()
+    store.max_owners = 2
+    for answer in ("msg_a", "msg_b", "msg_c"):
+        store.own(("alpha", answer))
+    assert list(store._owners) == ["msg_b", "msg_c"]
