@@ -35,6 +35,8 @@ keyed by its answer's id (kept only for requests that carried ``diagnostics``, a
 keeps fingerprints only for those): ``previous_message_not_found`` when it has none,
 ``unavailable`` when only ``thinking`` or ``tool_choice`` changed, else the section that
 changed with ``cache_missed_input_tokens`` estimated from that request's own tokens per byte.
+A continuation of a server-held thread is compared as the whole request the server builds
+from it, where the relay recorded the thread's turns (``unavailable`` where it did not).
 An answer that already holds diagnostics keeps them: never both. In a stream they go in
 ``message_start``'s message, where the API puts them. The ``diagnostics`` field itself goes
 up as the client sent it (the relay does not know which backends refuse it: a backend's
@@ -55,6 +57,7 @@ from typing import Any
 import msgspec
 
 from relay import cache as fingerprints
+from relay import threads
 from relay.cache import Fingerprint
 from relay.hookspecs import hookimpl
 from relay.options import Option
@@ -154,6 +157,9 @@ class Judgement:
     cache: dict
     diagnostics: Any = _UNSET  # what the relay answers (None: null); _UNSET: nothing
     wants_diagnostics: bool = False
+    # What diagnostics compare: ``upstream``, or for a continuation of a thread the upstream
+    # holds, the whole request the server builds from it (relay.threads.held_prompt).
+    prompt: Fingerprint | None = None
     answer_id: str | None = None
     settled: bool = False
 
@@ -410,10 +416,19 @@ class Cache:
         held = exchange.state.get(RESUMED)
         if held is not None:
             held[1].found = found
+        if requested is _UNSET and REQUEST not in exchange.state:
+            requested = exchange.field("diagnostics")  # the request hook did not run
+        wants = isinstance(requested, dict) and "previous_message_id" in requested
+        prompt = upstream
         thread = exchange.thread
         if thread is not None and thread.continues and exchange.backend is not None \
                 and exchange.backend.holds_threads:
             upstream = None  # the upstream holds the head: this body is not the prompt
+            # The API compares the whole prompt the server builds: where the relay recorded
+            # the head, it can too (and keep it for a later request that names this answer,
+            # on this backend or, the thread moved, another).
+            whole = threads.held_prompt(exchange, sent) if wants else None
+            prompt = fingerprints.fingerprint(whole) if whole is not None else None
         key = exchange.session()
         record = await self.records.get(key) if key and upstream is not None else None
         rewriters = rewriters_of(exchange)
@@ -427,14 +442,12 @@ class Cache:
             cache = verdict(record, lane, upstream, client or upstream, exchange.received,
                             backend, credential, rewriters)
         judgement = exchange.state[PLUGIN] = Judgement(key, record, upstream, client, lane,
-                                                       rewriters, cache)
+                                                       rewriters, cache, prompt=prompt)
         exchange.cache = cache
-        if requested is _UNSET and REQUEST not in exchange.state:
-            requested = exchange.field("diagnostics")  # the request hook did not run
-        if isinstance(requested, dict) and "previous_message_id" in requested:
+        if wants:
             judgement.wants_diagnostics = True
             if exchange.backend is not None and not exchange.backend.holds_diagnostics:
-                judgement.diagnostics = await self._diagnose(exchange, requested, upstream)
+                judgement.diagnostics = await self._diagnose(exchange, requested, prompt)
         return judgement
 
     @staticmethod
@@ -514,7 +527,7 @@ class Cache:
         exchange.note(PLUGIN, cache["status"], **{
             name: value for name, value in cache.items()
             if name != "status" and value is not None})
-        if judgement.upstream is not None:
+        if judgement.upstream is not None or judgement.prompt is not None:
             await self._remember(exchange, judgement)
 
     # The answer hooks return an awaitable only when there is a judgement to make or an
@@ -570,17 +583,16 @@ class Cache:
             exchange.note(PLUGIN, judgement.cache["status"], predicted=True)
 
     async def _remember(self, exchange, judgement: Judgement) -> None:
-        upstream = judgement.upstream
-        assert upstream is not None
         cache = judgement.cache
         read = cache.get("read_input_tokens", 0)
         written = cache.get("written_input_tokens", 0)
         fresh = cache.get("fresh_input_tokens", 0)
         tokens = read + written + fresh if "read_input_tokens" in cache else None
-        if judgement.wants_diagnostics and judgement.answer_id:
+        if judgement.wants_diagnostics and judgement.answer_id and judgement.prompt is not None:
             await self.answers.put(self._answer_key(exchange, judgement.answer_id),
-                                   Diagnosed(upstream, tokens))
-        if judgement.key is None:
+                                   Diagnosed(judgement.prompt, tokens))
+        upstream = judgement.upstream
+        if judgement.key is None or upstream is None:
             return
         # Built on the record the judgement read once the answer began, moments ago: not
         # read again (a round trip to a shared state), so a write of this session by another

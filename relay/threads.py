@@ -569,6 +569,27 @@ def own_stream(store: Store, exchange, tap: Tap) -> None:
         store.own(_key(exchange, answer_id))
 
 
+def held_prompt(exchange, body: bytes) -> bytes | None:
+    """The request the server builds from ``body`` (what goes up) for a continuation whose
+    head it holds and the relay recorded: the recorded turns before its own messages, with
+    the fields the thread was created with, without ``thread``. None where the relay did not
+    see the head. The recorded turns are the client's: where a plugin renamed an id on the
+    way up, the server's own differ there."""
+    thread = exchange.thread
+    if thread is None or not thread.continues or thread.recorded is None:
+        return None
+    try:
+        top = _top_level.decode(body)
+        messages = _messages_json(top)
+    except (msgspec.MsgspecError, KeyError, TypeError):
+        return None
+    top["messages"] = msgspec.Raw(_joined(thread.recorded, messages))
+    for name, value in (thread.fields or {}).items():
+        top[name] = msgspec.Raw(value)
+    top.pop("thread", None)
+    return msgspec.json.encode(top)
+
+
 def _held_id(table: dict, client_id: str) -> str | None:
     """The id the upstream gave the call the client holds as ``client_id``, following the
     answer's renames back (each plugin renames what the one after it handed on: dedup's

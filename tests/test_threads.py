@@ -771,3 +771,55 @@ def test_the_owners_are_bounded_by_count():
     for answer in ("msg_a", "msg_b", "msg_c"):
         store.own(("alpha", answer))
     assert list(store._owners) == ["msg_b", "msg_c"]
+
+
+DIAGNOSED = {"anthropic-beta": f"{BETA['anthropic-beta']},cache-diagnosis-2026-04-07"}
+DIAGNOSING = ["cache", *PIPELINE]
+
+
+def diagnosing(previous: str | None) -> dict:
+    return {"diagnostics": {"previous_message_id": previous}}
+
+
+async def test_diagnostics_of_a_held_continuation_compare_the_whole_conversation(
+        upstream, local_relay):
+    # A backend that holds threads and answers no diagnostics: the relay answers them, and
+    # the prompt the server builds is the held turns and the new one, not the new one alone.
+    client = await local_relay(await upstream(tool_turns=3, threads="hold", diagnostics=False),
+                               pipeline=DIAGNOSING)
+    _, first = await post(client, create(user(text("go")), **diagnosing(None)), DIAGNOSED)
+    _, second = await post(client, carry_on(first["id"], user(*answers_to(first)),
+                                            **diagnosing(first["id"])), DIAGNOSED)
+    assert "diagnostics" not in second  # the prefix only grew: no divergence
+    _, third = await post(client, carry_on(second["id"], user(*answers_to(second)),
+                                           **diagnosing(second["id"])), DIAGNOSED)
+    assert "diagnostics" not in third  # it knew the second, held, request as well
+    _, fourth = await post(client, carry_on(third["id"], user(*answers_to(third)),
+                                            model="claude-other", **diagnosing(third["id"])),
+                           DIAGNOSED)
+    assert fourth["diagnostics"]["cache_miss_reason"]["type"] == "model_changed"
+
+
+async def test_diagnostics_of_a_thread_moved_off_a_holding_backend(upstream, aiohttp_client):
+    # Held turns on a backend that answers diagnostics itself, then a /model switch to one
+    # that answers none, the thread carried there: the relay compares with the held turn.
+    holding = await upstream(tool_turns=3, threads="hold")
+    other = await upstream(tool_turns=3, threads="refuse", diagnostics=False)
+    client = await start_relay(aiohttp_client, {"pipeline": DIAGNOSING, "backends": [
+        {"name": "a", "url": str(holding.make_url("")).rstrip("/"), "models": ["claude-a"],
+         "holds_threads": True, "holds_diagnostics": True},
+        {"name": "b", "url": str(other.make_url("")).rstrip("/"), "models": ["claude-b"],
+         "holds_threads": True}]})
+    try:
+        _, first = await post(client, create(user(text("go")), model="claude-a",
+                                             **diagnosing(None)), DIAGNOSED)
+        _, second = await post(client, carry_on(first["id"], user(*answers_to(first)),
+                                                model="claude-a", **diagnosing(first["id"])),
+                               DIAGNOSED)
+        response, third = await post(client, carry_on(
+            second["id"], user(*answers_to(second)), model="claude-b",
+            **diagnosing(second["id"])), DIAGNOSED)
+        assert response.status == 200, third
+        assert third["diagnostics"]["cache_miss_reason"]["type"] == "model_changed"
+    finally:
+        await client.chain.shutdown(client.config)
