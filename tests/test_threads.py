@@ -823,3 +823,42 @@ async def test_diagnostics_of_a_thread_moved_off_a_holding_backend(upstream, aio
         assert third["diagnostics"]["cache_miss_reason"]["type"] == "model_changed"
     finally:
         await client.chain.shutdown(client.config)
+
+
+async def test_a_stream_the_client_left_is_no_turn_to_continue(upstream, aiohttp_client):
+    # The SDK never continues a reply whose stream ended before message_stop (the server
+    # holds it whole or not at all: record_partial_reply starts a new thread); the relay,
+    # the server of a carried thread, holds none of it, and the turn before stays.
+    from relay.hookspecs import hookimpl
+
+    class Ends:
+        def __init__(self):
+            self.ended: list = []
+
+        @hookimpl
+        def relay_exchange_end(self, exchange):
+            self.ended.append(exchange.outcome)
+
+    ends = Ends()
+    emu = await upstream(tool_turns=2, threads="refuse", stall_after=2, stall_ms=300)
+    client = await start_relay(aiohttp_client, {
+        "pipeline": ["ends", *PIPELINE], "backends": [{
+            "name": "emu", "url": str(emu.make_url("")).rstrip("/"), "models": ["*"],
+            "holds_threads": False}]}, extra={"ends": ends})
+    try:
+        _, first = await post(client, create(user(text("go"))))
+        response = await client.post("/v1/messages", data=orjson.dumps(carry_on(
+            first["id"], user(*answers_to(first)), stream=True)), headers={
+                "Content-Type": "application/json", **BETA})
+        started = orjson.loads((await response.content.readuntil(b"\n\n")).split(b"data: ")[1])
+        response.close()  # gone mid-answer
+        for _ in range(300):  # the relay goes on until the upstream does, then cannot write
+            if len(ends.ended) == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert [outcome.value for outcome in ends.ended] == ["ok", "client_disconnected"]
+        store = thread_store(client)
+        assert store.get((None, started["message"]["id"])) is None
+        assert store.get((None, first["id"])) is not None
+    finally:
+        await client.chain.shutdown(client.config)
