@@ -338,7 +338,13 @@ class Exchange:
         an opaque digest, namespaced by the inbound key), worked out once on first use."""
         if self._session is False:
             found = None
-            if self._changed and self.raw_body and self.thread is None:
+            opening = self.thread.opening(self.raw_body) \
+                if self.thread is not None and self.raw_body else None
+            if opening is not None:
+                # A continuation of a thread the upstream holds: the conversation's session,
+                # on the credential that holds it (a pool's keys are accounts of their own).
+                found, _ = sessions.session_of(opening, self.client_headers, self.key_name)
+            elif self._changed and self.raw_body and self.thread is None:
                 # The client's request, not what plugins made of it: a repair of the first
                 # message must not move the request into another session than the one the
                 # same request resumed (keyed before the chain runs) or not repaired is in.

@@ -126,6 +126,28 @@ class Thread:
         """A continuation whose held part this relay does not know."""
         return self.kind != "create" and self.head is None and self.carried is None
 
+    def opening(self, raw: bytes) -> bytes | None:
+        """For the session rule (:mod:`relay.sessions`), a continuation the upstream holds the
+        head of, as the relay recorded it: the request's ``model`` and ``metadata`` with the
+        thread's ``system``, ``tools`` and first message, which the request itself leaves
+        out. None for any other request."""
+        if not self.continues or not self.recorded:
+            return None
+        try:
+            recorded = _messages.decode(self.recorded)
+            top = _top_level.decode(raw)
+        except msgspec.MsgspecError:
+            return None
+        if not recorded:
+            return None
+        doc: dict[str, Any] = {name: msgspec.Raw(value)
+                               for name, value in (self.fields or {}).items()}
+        for name in ("model", "metadata"):
+            if name in top:
+                doc[name] = top[name]
+        doc["messages"] = [recorded[0]]
+        return msgspec.json.encode(doc)
+
 
 def requested(value) -> Thread | None:
     """The thread a request's ``thread`` field asks for (None: no field, or null)."""
@@ -613,6 +635,7 @@ def _key(exchange, message_id: str):
 
 
 _top_level = msgspec.json.Decoder(dict[str, msgspec.Raw])
+_messages = msgspec.json.Decoder(list[msgspec.Raw])
 
 
 def _messages_json(top: dict) -> bytes:

@@ -862,3 +862,27 @@ async def test_a_stream_the_client_left_is_no_turn_to_continue(upstream, aiohttp
         assert store.get((None, first["id"])) is not None
     finally:
         await client.chain.shutdown(client.config)
+
+
+async def test_a_held_thread_stays_on_the_credential_that_holds_it(upstream, aiohttp_client):
+    # A pool's keys are accounts of their own: a thread is held by the one it was created
+    # with, and a continuation sent with another would find nothing there. A continuation
+    # holds neither the thread's system and tools nor its first message, so the relay's
+    # session rule reads them from the conversation the relay recorded: it is the create's
+    # session, on the create's credential.
+    emu = await upstream(tool_turns=3, threads="hold")
+    client = await start_relay(aiohttp_client, {"pipeline": PIPELINE, "backends": [{
+        "name": "a", "url": str(emu.make_url("")).rstrip("/"), "models": ["*"],
+        "holds_threads": True, "credentials": [{"name": "one", "key_env": "K1"},
+                                               {"name": "two", "key_env": "K2"}]}]},
+        env={"K1": "sk-upstream-one-0123456789", "K2": "sk-upstream-two-0123456789"})
+    client.upstream = emu
+    try:
+        _, first = await post(client, create(user(text("go")), system="be brief"))
+        _, second = await post(client, carry_on(first["id"], user(*answers_to(first))))
+        _, third = await post(client, carry_on(second["id"], user(*answers_to(second))))
+        assert third["stop_reason"] == "tool_use"
+        keys = [headers["x-api-key"] for headers in received_headers(client)]
+        assert len(keys) == 3 and len(set(keys)) == 1, keys
+    finally:
+        await client.chain.shutdown(client.config)
