@@ -16,9 +16,10 @@ What the pinned clients do, as these tests pin down:
   ``400`` with ``error.details.error_code: "thread_unsupported_request"``, it sends that turn
   again, and every later one, as a full history without ``thread``
   (lib/internal/threads/ThreadState.ts, ``recoversFrom``; the runner asks for
-  ``continue_unthreaded``). So in front of a backend that holds threads (``--threads hold``,
+  ``continue_unthreaded``). In front of a backend that holds threads (``--threads hold``,
   ``holds_threads: true``) it keeps one thread to the end; in front of one that does not
-  (``--threads refuse``, or any OpenAI-format one) the relay's 400 turns it to full histories.
+  (``--threads refuse``, or any OpenAI-format one) the relay carries the thread, sending each
+  turn up as the whole history, and the runner threads to the end as against the API.
 """
 
 from __future__ import annotations
