@@ -103,6 +103,11 @@ class Health:
             return None
 
 
+def _rate_limited(health: Health) -> bool:
+    """Whether ``health`` is a Messages API rate limit (a 429's cooldown)."""
+    return health.state == "cooling" and health.status == 429
+
+
 def fingerprint(key: str) -> str | None:
     """A short digest naming a key in shared state (never the key); None for no key."""
     if not key:
@@ -391,8 +396,13 @@ class Pools:
             else:
                 stored = False
         limited = exchange.endpoint == "messages"  # what a credential's limits count
-        usable = [name for name in pool.order if name not in tried and not pool.blocked(
-            name, now) and not (limited and pool.at_limits(name, now))]
+        # A token count goes with a credential cooling for the Messages API's 429: counting
+        # has its own rate limits (Anthropic's token-counting docs), so that 429 says
+        # nothing of it, and refusing the count would be the relay's own refusal.
+        counting = exchange.endpoint == "count_tokens"
+        usable = [name for name in pool.order if name not in tried and (
+            not pool.blocked(name, now) or counting and _rate_limited(pool.health[name]))
+            and not (limited and pool.at_limits(name, now))]
         if current is not None and current in usable:
             chosen = current
             if not stored and session is not None:  # the state lost it (expired, restarted)

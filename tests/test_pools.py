@@ -617,6 +617,40 @@ async def test_a_token_count_s_429_cools_no_credential_for_messages(aiohttp_serv
     assert noted(client, "credential cooling") == [] and noted(client, "credential moved") == []
 
 
+async def test_a_token_count_goes_with_credentials_cooling_for_messages(aiohttp_server,
+                                                                         relays):
+    # Every credential cooling after the Messages API's 429s: a token count, whose rate
+    # limits are its own, still goes up (refused, it would be the relay's own 429), and the
+    # session stays where it was.
+    asked = []
+
+    async def create(request):
+        asked.append(("messages", NAME_OF[request.headers["x-api-key"]]))
+        return web.json_response({"type": "error", "error": {
+            "type": "rate_limit_error", "message": "slow down"}}, status=429,
+            headers={"retry-after": "60"})
+
+    async def count(request):
+        asked.append(("count", NAME_OF[request.headers["x-api-key"]]))
+        return web.json_response({"input_tokens": 12})
+    app = web.Application()
+    app.router.add_post("/v1/messages", create)
+    app.router.add_post("/v1/messages/count_tokens", count)
+    server = await aiohttp_server(app)
+    client = await relays.start(str(server.make_url("")).rstrip("/"), credentials("a", "b"))
+    session = {"x-claude-code-session-id": "s1"}
+    body = request(user(text("hi")))
+    resp = await client.post("/v1/messages", json=body, headers=session)
+    assert resp.status == 429
+    assert asked == [("messages", "a"), ("messages", "b")]
+    resp = await client.post("/v1/messages/count_tokens", json=body, headers=session)
+    assert resp.status == 200 and await resp.json() == {"input_tokens": 12}
+    assert asked[-1][0] == "count"
+    resp = await client.post("/v1/messages", json=body, headers=session)
+    assert resp.status == 429 and "retry-after" in resp.headers  # the relay's: both cooling
+    assert len(asked) == 3
+
+
 async def test_a_switch_of_credential_leaves_the_client_its_own_retries(aiohttp_server,
                                                                         relays):
     # a is rate limited, b fails: the 500 was asked once, the relay retried nothing, and the
