@@ -523,27 +523,54 @@ async def test_redis_unreachable_at_start_up_is_not_fatal(caplog):
 
 class Muffler:
     """A loopback proxy in front of Redis that, while ``mute``, passes the commands on and
-    drops the answers: a round trip that ran but whose caller never heard."""
+    drops the answers: a round trip that ran but whose caller never heard. While ``hold``,
+    it keeps the commands instead (a round trip still on its way) until :meth:`let_go`
+    sends them on, even for a client that has hung up meanwhile."""
 
     def __init__(self, port: int):
         self.port = port
         self.mute = False
+        self.hold = False
+        self.held: list[tuple[asyncio.StreamWriter, bytes]] = []
+        self.answered = asyncio.Event()  # Redis answered something held
 
     async def start(self) -> str:
         self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
         return f"redis://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/0"
 
+    async def let_go(self) -> None:
+        held, self.held = self.held, []
+        self.answered.clear()
+        for sink, data in held:
+            sink.write(data)
+        await asyncio.wait_for(self.answered.wait(), 5)
+
     async def _serve(self, reader, writer):
         upstream_reader, upstream_writer = await asyncio.open_connection("127.0.0.1", self.port)
 
-        async def pump(source, sink, muted):
-            while data := await source.read(65536):
-                if not (muted and self.mute):
-                    sink.write(data)
-            sink.close()
+        async def commands():
+            holding = False
+            while data := await reader.read(65536):
+                if self.hold:
+                    holding = True
+                    self.held.append((upstream_writer, data))
+                else:
+                    upstream_writer.write(data)
+            while holding and any(sink is upstream_writer for sink, _ in self.held):
+                await asyncio.sleep(0.01)  # hung up: what it sent goes on all the same
+            if holding:
+                await asyncio.sleep(1)  # for the answer to what was let go
 
-        await asyncio.gather(pump(reader, upstream_writer, False),
-                             pump(upstream_reader, writer, True), return_exceptions=True)
+            upstream_writer.close()
+
+        async def answers():
+            while data := await upstream_reader.read(65536):
+                self.answered.set()
+                if not self.mute:
+                    writer.write(data)
+            writer.close()
+
+        await asyncio.gather(commands(), answers(), return_exceptions=True)
 
 
 async def test_redis_a_round_trip_unheard_is_sent_again_and_counts_once(redis_server):
@@ -564,6 +591,51 @@ async def test_redis_a_round_trip_unheard_is_sent_again_and_counts_once(redis_se
         await state.close()
         muffler.server.close()
 
+
+
+async def test_redis_a_take_unheard_is_given_back_once_it_is_known_to_have_run(redis_server):
+    """A take that ran but whose answer was lost: the caller heard it failed (with
+    on_unavailable: closed, a 503 its client retries), so what it counted would be counted
+    for nothing; it is given back, slot and count, by the next round trip."""
+    muffler = Muffler(redis_server.port)
+    state = await open_state({"url": await muffler.start(), "timeout": 0.2})
+    try:
+        rpm = Counter("key:a:rpm", "minute", limit=3)
+        slot = Slot("key:a:concurrent", limit=1)
+        muffler.mute = True
+        with pytest.raises(Unavailable):
+            await state.take([rpm], [slot], now=BASE)  # it runs, unheard
+        muffler.mute = False
+        await asyncio.sleep(redis_state.DOWN_SECONDS + 0.1)
+        assert [c.used for c in await state.counts([rpm], now=BASE)] == [0]
+        taken = [await state.take([rpm], now=BASE) for _ in range(3)]
+        assert all(t.granted for t in taken)
+        assert (await state.take([], [slot], now=BASE)).granted
+    finally:
+        await state.close()
+        muffler.server.close()
+
+
+async def test_redis_a_take_that_arrives_after_it_was_given_up_takes_nothing(redis_server):
+    """The take's command still on its way on the connection given up (Redis paused, a
+    slow network) when its undoing goes by another: it takes nothing once it arrives."""
+    muffler = Muffler(redis_server.port)
+    state = await open_state({"url": await muffler.start(), "timeout": 0.2})
+    try:
+        rpm = Counter("key:a:rpm", "minute", limit=3)
+        slot = Slot("key:a:concurrent", limit=1)
+        muffler.hold = True
+        with pytest.raises(Unavailable):
+            await state.take([rpm], [slot], now=BASE)
+        muffler.hold = False
+        await asyncio.sleep(redis_state.DOWN_SECONDS + 0.1)
+        assert [c.used for c in await state.counts([rpm], now=BASE)] == [0]  # undone
+        await muffler.let_go()  # the take arrives
+        assert [c.used for c in await state.counts([rpm], now=BASE)] == [0]
+        assert (await state.take([], [slot], now=BASE)).granted
+    finally:
+        await state.close()
+        muffler.server.close()
 
 # --- start-up -------------------------------------------------------------------------------
 
@@ -860,9 +932,10 @@ async def test_redis_keeps_the_ledger_for_its_retention_only(redis_server):
 
 
 async def test_redis_the_ids_of_the_adds_batches_cost_one_small_key_a_process(redis_server):
-    """Each batch of adds has an id, so that one sent again counts once; the ids the process
-    has heard back about are dropped, so a soak's hundreds of thousands of batches leave one
-    key with nothing much in it (not a key per batch for ten minutes)."""
+    """Each batch of adds has an id, so that one sent again counts once, and so has each take
+    (so that one unheard can be undone); the ids the process has heard back about are
+    dropped, so a soak's hundreds of thousands of batches and takes leave one key with
+    nothing much in it (not a key per batch for ten minutes)."""
     import redis.asyncio
 
     state = await open_state({"url": redis_server.url})
@@ -871,6 +944,10 @@ async def test_redis_the_ids_of_the_adds_batches_cost_one_small_key_a_process(re
             await state.inner.add([Counter("key:a:otpm", "minute", amount=1)], now=BASE)
             await state.inner.counts([Counter("key:a:otpm", "minute")], now=BASE)  # sends it
         assert (await state.counts([Counter("key:a:otpm", "minute")], now=BASE))[0].used == 200
+        for _ in range(200):
+            taken = await state.inner.take([Counter("key:a:rpm", "minute", limit=1000)],
+                                           [Slot("key:a:concurrent", limit=10)], now=BASE)
+            await state.inner.release("key:a:concurrent", taken.tokens[0])
     finally:
         await state.close()
     client = redis.asyncio.Redis.from_url(redis_server.url)

@@ -12,7 +12,7 @@ Where things live (every key under ``relay:``): a counter is a string per window
 (``INCRBY``), expiring at its window's end, and the adds come in numbered batches, the
 numbers a process has not heard back about kept in one sorted set of its own (expiring
 ``BATCH_SECONDS`` after its last use), so that a batch sent again after an unanswered round
-trip counts once; a
+trip counts once (a take has a number there too, so that one unanswered is undone once); a
 concurrency slot set is a sorted set of release tokens scored by lease end, trimmed as it is
 read, expiring with its last lease; a ledger row is a string set only if absent (``SET NX``:
 idempotent by id) expiring after the retention, with a sorted set of ids by time trimmed to
@@ -72,27 +72,37 @@ GRACE_SECONDS = 5
 # sorted set of batches applied until the process knows the answer (every number below the
 # lowest it does not know yet is dropped; the set expires BATCH_SECONDS after its last use),
 # so that a Redis blip never inflates a counter and one key a process is all the ids cost.
+# A take that adds or holds something has a number from the same count, entered in that set
+# when it is granted: a take whose round trip went unheard is undone by a batch naming it,
+# which takes back its amounts only if the take's number is there, and otherwise enters it,
+# so that a take still on its way (on a connection given up) is refused when it arrives.
 # KEYS, in order: per batch the process's set of batches then its counters, each release's
 # slot set, each row's key and then the ledger's sorted set (when there are rows), each
-# counter to take, each slot set to take from. ARGV: now, retention (s), the five numbers of
-# those (batches, releases, rows, counters, slots), then per batch its number of adds, its
-# number, the lowest number not settled, how long the set is kept, and per add the amount and
-# expiry (epoch s), per release its token, per row its id,
-# time and body, per counter its limit (-1: none), amount and expiry, per slot its limit,
-# lease end, token and units (a token of several units, a block, ends in ``*UNITS``).
-# Returns {granted, blocked (1-based among counters then slots, 0: none), slot retry (a
-# string), used...}: the counts before the take.
+# counter to take, each slot set to take from, and the set of batches (when the take has a
+# number). ARGV: now, retention (s), the five numbers of those (batches, releases, rows,
+# counters, slots), the take's number (0: none), then per batch its number of adds, its
+# number, the lowest number not settled, how long the set is kept, the number of the take it
+# undoes (0: none), and per add the amount and expiry (epoch s), per release its token, per
+# row its id, time and body, per counter its limit (-1: none), amount and expiry, per slot
+# its limit, lease end, token and units (a token of several units, a block, ends in
+# ``*UNITS``), and with a take's number the lowest number not settled and how long the set
+# is kept.
+# Returns {granted, blocked (1-based among counters then slots, 0: none, -1: the take was
+# undone before it arrived), slot retry (a string), used...}: the counts before the take.
 SCRIPT = """
 local now, retention = tonumber(ARGV[1]), tonumber(ARGV[2])
 local nbatches, nrel, nrows = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
-local nc, ns = tonumber(ARGV[6]), tonumber(ARGV[7])
-local k, a = 1, 8
+local nc, ns, take = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
+local k, a = 1, 9
 for b = 1, nbatches do
   local count = tonumber(ARGV[a])
   local fresh = redis.call('ZADD', KEYS[k], 'NX', ARGV[a + 1], ARGV[a + 1]) == 1
+  if fresh and ARGV[a + 4] ~= '0' then
+    fresh = redis.call('ZADD', KEYS[k], 'NX', ARGV[a + 4], ARGV[a + 4]) == 0
+  end
   redis.call('ZREMRANGEBYSCORE', KEYS[k], '-inf', '(' .. ARGV[a + 2])
   redis.call('EXPIRE', KEYS[k], ARGV[a + 3])
-  k, a = k + 1, a + 4
+  k, a = k + 1, a + 5
   for i = 1, count do
     if fresh then
       redis.call('INCRBY', KEYS[k], ARGV[a])
@@ -128,6 +138,9 @@ for c = 0, nc - 1 do
   end
 end
 local sk, sa = k + nc, a + 3 * nc
+if take > 0 and redis.call('ZSCORE', KEYS[sk + ns], take) then
+  return {0, -1, '0', unpack(used)}
+end
 for s = 0, ns - 1 do
   local key = KEYS[sk + s]
   redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
@@ -140,6 +153,12 @@ for s = 0, ns - 1 do
     local oldest = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
     return {0, nc + s + 1, tostring(tonumber(oldest[2]) - now), unpack(used)}
   end
+end
+if take > 0 then
+  local batches, ta = KEYS[sk + ns], sa + 4 * ns
+  redis.call('ZREMRANGEBYSCORE', batches, '-inf', '(' .. ARGV[ta])
+  redis.call('ZADD', batches, take, take)
+  redis.call('EXPIRE', batches, ARGV[ta + 1])
 end
 for c = 0, nc - 1 do
   local amount = tonumber(ARGV[a + 3 * c + 1])
@@ -203,11 +222,12 @@ class RedisState(State):
         self._redis = Redis(connection_pool=pool)
         self._sha = ""
         self._adds: dict[str, list[int]] = {}  # counter key -> [expiry, amount]
-        # Batches of adds sent without an answer, to send again under the same id.
-        self._unsure: list[tuple[int, dict[str, list[int]]]] = []
+        # Batches of adds to send under their number: sent without an answer (to send again),
+        # or undoing a take whose answer never came: (number, adds, the take's number or 0).
+        self._unsure: list[tuple[int, dict[str, list[int]], int]] = []
         self._batches = itertools.count(1)
         self._applied = f"{PREFIX}batches:{secrets.token_hex(4)}"  # this process's
-        self._open: set[int] = set()  # batches sent whose answer is not known yet
+        self._open: set[int] = set()  # batches and takes sent whose answer is not known yet
         self._releases: list[tuple[str, str]] = []
         self._pending: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
         # Key-value entries to write, by Redis key: (value, until), the newest last; and
@@ -313,12 +333,12 @@ class RedisState(State):
 
     def _queued(self, rows: int) -> tuple[list[str], list[Any], tuple]:
         """Take what is queued off the queues, as the script's first keys and arguments
-        (after its seven numbers) and what to put back should the round trip fail."""
+        (after its eight numbers) and what to put back should the round trip fail."""
         batches, self._unsure = self._unsure, []
         if self._adds:
             number = next(self._batches)
             self._open.add(number)
-            batches.append((number, self._adds))
+            batches.append((number, self._adds, 0))
             self._adds = {}
         releases, self._releases = self._releases, []
         # Off the queue while in flight: calls sent at once never carry the same rows.
@@ -327,9 +347,9 @@ class RedisState(State):
         keys: list[str] = []
         args: list[Any] = []
         settled = min(self._open, default=0)
-        for number, adds in batches:
+        for number, adds, undoes in batches:
             keys.append(self._applied)
-            args += [len(adds), number, settled, BATCH_SECONDS]
+            args += [len(adds), number, settled, BATCH_SECONDS, undoes]
             for key, (expiry, amount) in adds.items():
                 keys.append(key)
                 args += [amount, expiry]
@@ -363,21 +383,31 @@ class RedisState(State):
                 pending.move_to_end(row_id, last=False)
         while len(pending) > MAX_PENDING:
             pending.popitem(last=False)
-        for number, _ in batches[:-MAX_PENDING]:  # given up: no longer waited for
+        for number, _, undoes in batches[:-MAX_PENDING]:  # given up: no longer waited for
             self._open.discard(number)
+            self._open.discard(undoes)
         self._unsure[:0] = batches[-MAX_PENDING:]
         self._releases[:0] = releases[:max(0, MAX_PENDING - len(self._releases))]
         self._schedule()
 
     async def _script(self, keys: list[str], args: list[Any], counters: int = 0,
                       slots: int = 0, rows: int = CARRIED_ROWS, wait: float | None = None,
-                      now: float | None = None) -> list:
+                      now: float | None = None,
+                      undo: tuple[dict[str, list[int]], list[tuple[str, str]]] | None = None
+                      ) -> list:
         """One ``EVALSHA`` of :data:`SCRIPT`: what is queued, then ``keys``/``args`` (the
-        take's counters and slots)."""
+        take's counters and slots). ``undo``, for a take that adds or holds something: the
+        adds and releases that give it back should its answer never come."""
         self._check_up()
         queued_keys, queued_args, carried = self._queued(rows)
+        take = 0
+        if undo is not None:
+            take = next(self._batches)
+            self._open.add(take)
+            keys = [*keys, self._applied]
+            args = [*args, min(self._open), BATCH_SECONDS]
         head = [time.time() if now is None else now, self.retention, len(carried[0]),
-                len(carried[1]), carried[3], counters, slots]
+                len(carried[1]), carried[3], counters, slots, take]
         all_keys = queued_keys + keys
         argv = head + queued_args + args
         loop = asyncio.get_running_loop()
@@ -391,12 +421,32 @@ class RedisState(State):
             result = await reply
         except asyncio.CancelledError:
             self._restore(carried)  # sent again, counted once (the batches keep their ids)
+            self._unheard(take, undo)
             raise
         except Exception as e:  # refused, reset, timed out, or an error reply
             self._restore(carried)
+            self._unheard(take, undo)
             raise self._failure(e) from None
-        self._open.difference_update(number for number, _ in carried[0])
+        for number, _, undoes in carried[0]:
+            self._open.discard(number)
+            self._open.discard(undoes)
+        self._open.discard(take)
         return result
+
+    def _unheard(self, take: int, undo: tuple[dict[str, list[int]], list[tuple[str, str]]]
+                 | None) -> None:
+        """A take whose answer never came may have run (its caller heard it failed, so
+        nobody will use or release what it took) or may still arrive: a batch of its own
+        gives back whichever it did, and refuses it should it arrive later."""
+        if undo is None:
+            return
+        adds, releases = undo
+        number = next(self._batches)
+        self._open.add(number)
+        self._unsure.append((number, adds, take))
+        for name, token in releases:
+            self.release_soon(name, token)
+        self._schedule()
 
     def _send_outgoing(self) -> None:
         calls, self._outgoing = self._outgoing, []
@@ -502,9 +552,16 @@ class RedisState(State):
         for slot, token in zip(slots, tokens, strict=True):
             keys.append(_slot_key(slot.name))
             args += [slot.limit, now + slot.lease, token, slot.units]
+        undo: tuple[dict[str, list[int]], list[tuple[str, str]]] | None = None
+        if slots or any(counter.amount for counter in counters):
+            adds: dict[str, list[int]] = {}
+            for key, counter, end in zip(keys[:len(counters)], counters, ends, strict=True):
+                if counter.amount:
+                    adds.setdefault(key, [end + GRACE_SECONDS, 0])[1] -= counter.amount
+            undo = adds, [(slot.name, token) for slot, token in zip(slots, tokens, strict=True)]
         # The take's own clock: a caller's ``now`` decides its windows and leases.
         call = asyncio.ensure_future(
-            self._script(keys, args, len(counters), len(slots), now=now))
+            self._script(keys, args, len(counters), len(slots), now=now, undo=undo))
         try:
             # Shielded: a caller that gives up (the client gone) leaves the round trip to
             # finish, and what it granted is given back once the answer says so, the
@@ -513,12 +570,6 @@ class RedisState(State):
         except asyncio.CancelledError:
             call.add_done_callback(lambda done: self._given_up(done, counters, slots, tokens,
                                                                now))
-            raise
-        except Unavailable:
-            # It may have been taken all the same: the slots go back (releasing a token
-            # never taken does nothing).
-            for slot, token in zip(slots, tokens, strict=True):
-                self.release_soon(slot.name, token)
             raise
         granted, blocked, retry = int(reply[0]), int(reply[1]), float(reply[2])
         used = [int(u) for u in reply[3:]]
@@ -533,13 +584,13 @@ class RedisState(State):
 
     def _given_up(self, done: asyncio.Future, counters: Sequence[Counter],
                   slots: Sequence[Slot], tokens: tuple[str, ...], now: float) -> None:
-        """A take whose caller gave up, answered: what it was granted goes back."""
-        if not done.cancelled() and done.exception() is None:
-            if not int(done.result()[0]):
-                return  # refused: nothing was taken
-            self.add_soon([Counter(c.name, c.per, amount=-c.amount)
-                           for c in counters if c.amount], now)
-        for slot, token in zip(slots, tokens, strict=True):  # and where unknown, the slots
+        """A take whose caller gave up, answered: what it was granted goes back (unanswered,
+        :meth:`_unheard` gives it back)."""
+        if done.cancelled() or done.exception() is not None or not int(done.result()[0]):
+            return
+        self.add_soon([Counter(c.name, c.per, amount=-c.amount) for c in counters if c.amount],
+                      now)
+        for slot, token in zip(slots, tokens, strict=True):
             self.release_soon(slot.name, token)
 
     def add_soon(self, counters: Iterable[Counter], now: float | None = None) -> None:
