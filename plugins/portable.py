@@ -97,6 +97,10 @@ MAX_READS = 32
 CACHE_ROWS = 10000
 WRITE_QUEUE = 1024
 WRITE_BATCH = 64
+# Records for a shared state that is out wait (in that queue) and are tried again this often,
+# twice as long each time up to MAX_RETRY_SECONDS.
+RETRY_SECONDS = 1.0
+MAX_RETRY_SECONDS = 30.0
 # In the shared state, each block's issuer is kept this long (a session resumed later than
 # that sends its thinking as it is, which is what a relay without the record does).
 SHARED_NAMESPACE = "provenance"
@@ -348,7 +352,8 @@ class Provenance:
 
     Without ``path`` the record is the shared ``state`` (a :class:`relay.state.State` other
     than memory: SQLite, Redis), in namespace ``provenance``, written by a task of its own
-    from a bounded queue and read with a deadline, with a memory cache in front; without
+    from a bounded queue (where records wait while the state is out, to be written once it
+    is back) and read with a deadline, with a memory cache in front; without
     either, this process's memory. With ``path``, it is a SQLite file, and
     the event loop never waits for it: writes go to a thread of their own through a bounded
     queue, reads to another with a deadline, every statement gives up on a lock after
@@ -524,15 +529,23 @@ class Provenance:
 
     async def _share_loop(self) -> None:
         assert self.shared is not None
+        pause = RETRY_SECONDS
         while self._shares:
+            taken = []
             batch: dict[str, bytes] = {}
             while self._shares and len(batch) < WRITE_BATCH:
-                for key, backend, model in self._shares.popleft():
+                taken.append(self._shares.popleft())
+                for key, backend, model in taken[-1]:
                     batch[key] = f"{backend}\0{model}".encode()
             try:
                 await self.shared.put(SHARED_NAMESPACE, batch, SHARED_DAYS * 86400)
-            except Unavailable as e:
-                self.trouble.report("not_recorded", "unreachable", len(batch), str(e))
+                pause = RETRY_SECONDS
+            except Unavailable:
+                # Kept for when the state is back (the state logs and counts the outage):
+                # another replica that carries the session on must know these issuers.
+                self._shares.extendleft(reversed(taken))
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, MAX_RETRY_SECONDS)
             except Exception as e:  # a value the state could not take: the task goes on
                 self.trouble.report("not_recorded", "error", len(batch), str(e))
 
