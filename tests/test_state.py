@@ -382,6 +382,55 @@ async def test_sqlite_a_read_sees_what_a_failed_transaction_left_queued(tmp_path
         await state.close()
 
 
+async def eventually(check, within: float = 5.0) -> None:
+    deadline = time.monotonic() + within
+    while not await check():
+        assert time.monotonic() < deadline, "never came true"
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.parametrize("how", ["deleted", "replaced"])
+async def test_sqlite_a_file_deleted_or_replaced_under_the_relay_is_the_one_it_uses(
+        tmp_path, caplog, how):
+    """The file removed (to start afresh) or another moved over it while the relay runs:
+    the relay goes on with the file at the path, as a worker or `relay keys create`
+    starting now does, not with the one gone (where its counts, its ledger rows and the
+    keys it serves would be nobody else's)."""
+    path = tmp_path / "state.db"
+    url = f"sqlite:///{path}"
+    running = await open_state({"url": url})
+    try:
+        rpm = Counter("key:a:rpm", "minute", limit=10)
+        assert (await running.take([rpm], now=BASE)).granted
+        await running.put_key({"name": "old", "hash": "h0"})
+        for name in ("state.db", "state.db-wal", "state.db-shm"):  # `rm relay-state.db*`
+            (tmp_path / name).unlink(missing_ok=True)
+        if how == "replaced":  # and a copy moved in its place
+            made = await open_state({"url": f"sqlite:///{tmp_path}/other.db"})
+            await made.close()
+            os.replace(tmp_path / "other.db", path)
+        starting = await open_state({"url": url})  # another worker, or the CLI
+        try:
+            await starting.put_key({"name": "new", "hash": "h1"})
+
+            async def sees_the_new_key():
+                return [k["name"] for k in (await running.keys())[1]] == ["new"]
+
+            await eventually(sees_the_new_key)
+            assert (await running.take([rpm], now=BASE)).counts[0].used == 1
+            assert (await starting.counts([rpm], now=BASE))[0].used == 1
+            await running.record([{"id": "after", "time": BASE}])
+            await running.rows()
+            assert [r["id"] for r in await starting.rows()] == ["after"]
+        finally:
+            await starting.close()
+        warnings = [r.getMessage() for r in caplog.records if "opened the one there" in
+                    r.getMessage()]
+        assert len(warnings) == 1
+    finally:
+        await running.close()
+
+
 async def test_sqlite_url_names_a_file_in_a_directory_that_exists(tmp_path):
     with pytest.raises(ConfigError, match="state.url: the directory .* does not exist"):
         await open_state({"url": f"sqlite:///{tmp_path}/missing/state.db"})

@@ -68,6 +68,8 @@ ROWS_SECONDS = 10.0
 CLOSE_SECONDS = 2.0
 # After a failure, calls fail at once for this long instead of each waiting the timeout.
 DOWN_SECONDS = 1.0
+# How often the worker looks whether the path still names the file it has open.
+LOOK_SECONDS = 1.0
 
 SCHEMA = (
     "CREATE TABLE IF NOT EXISTS counters (name TEXT NOT NULL, start INTEGER NOT NULL, "
@@ -96,6 +98,15 @@ def path_of(url: str) -> str:
     if not url.startswith(prefix) or len(url) == len(prefix):
         raise ValueError(f"state.url: {url!r} must be sqlite:///PATH")
     return url[len(prefix):]
+
+
+def identity(path: str) -> tuple[int, int] | None:
+    """Which file ``path`` names now (None: none)."""
+    try:
+        found = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return found.st_dev, found.st_ino
 
 
 def connect(path: str, timeout: float) -> sqlite3.Connection:
@@ -169,7 +180,9 @@ class SQLiteState(State):
         self._quiet = 0
         self._thread: threading.Thread | None = None
         self._reader: sqlite3.Connection | None = None
+        self._reader_file: tuple[int, int] | None = None
         self._reader_lock = threading.Lock()
+        self._file: tuple[int, int] | None = None  # the file the worker has open
 
     # --- opening and closing ---
 
@@ -198,17 +211,30 @@ class SQLiteState(State):
     def _create_tables(self) -> None:
         db = connect(self.path, max(self.timeout, 5.0))
         try:
-            db.execute("BEGIN IMMEDIATE")
-            for statement in SCHEMA:
-                db.execute(statement)
-            # A file made before slots were taken in blocks: each of its slots is one.
-            if not any(column[1] == "units"
-                       for column in db.execute("PRAGMA table_info(slots)")):
-                db.execute("ALTER TABLE slots ADD COLUMN units INTEGER NOT NULL DEFAULT 1")
-            db.execute("INSERT OR IGNORE INTO meta (name, value) VALUES ('keys_version', 0)")
-            db.execute("COMMIT")
+            _create_tables(db)
+            self._file = identity(self.path)
         finally:
             db.close()
+
+    def _open(self) -> sqlite3.Connection:
+        """The worker's connection, to the file the path names now: one deleted (to start
+        afresh) or replaced while the relay runs is the one every process starting now
+        uses, so it is made or completed as at start-up."""
+        db = connect(self.path, self.timeout)
+        try:
+            found = identity(self.path)
+            # A file made again may have the number of the one this process let go of.
+            if found != self._file or db.execute(
+                    "SELECT 1 FROM sqlite_master WHERE name = 'meta'").fetchone() is None:
+                _create_tables(db)
+                log.warning("state %s: the file was deleted or replaced while the relay ran; "
+                            "opened the one there now (what the other held is not in it)",
+                            self.path)
+                self._file = found
+        except BaseException:
+            db.close()
+            raise
+        return db
 
     async def close(self) -> None:
         thread, self._thread = self._thread, None
@@ -430,6 +456,7 @@ class SQLiteState(State):
     def _work(self) -> None:
         db: sqlite3.Connection | None = None
         next_sweep = time.monotonic() + SWEEP_SECONDS
+        next_look = time.monotonic() + LOOK_SECONDS
         quiet_until = 0.0
         while True:
             with self._wake:
@@ -468,10 +495,15 @@ class SQLiteState(State):
                     self._urgent = False
                 else:  # reads alone: what is queued waits for its own time
                     adds, releases, puts, backlog = {}, [], {}, []
+            if db is not None and time.monotonic() >= next_look:
+                next_look = time.monotonic() + LOOK_SECONDS
+                if identity(self.path) != self._file:
+                    db.close()
+                    db = None
             if calls or adds or releases or puts or backlog:
                 try:
                     if db is None:
-                        db = connect(self.path, self.timeout)
+                        db = self._open()
                     answers = (self._transaction(db, calls, adds, releases,
                                                  self._writing(puts), backlog)
                                if writing else self._read(db, calls))
@@ -492,7 +524,7 @@ class SQLiteState(State):
                 next_sweep = time.monotonic() + SWEEP_SECONDS
                 try:
                     if db is None:
-                        db = connect(self.path, self.timeout)
+                        db = self._open()
                     self._sweep(db)
                 except sqlite3.Error as e:
                     self._failed(db, e, [], {}, [])
@@ -690,8 +722,12 @@ class SQLiteState(State):
                    where: dict[str, Any] | None, limit: int | None, newest_first: bool
                    ) -> list[dict[str, Any]]:
         with self._reader_lock:
+            if self._reader is not None and self._reader_file != identity(self.path):
+                self._reader.close()  # the file was replaced: what is read is the new one
+                self._reader = None
             if self._reader is None:
                 self._reader = connect(self.path, self.timeout)
+                self._reader_file = identity(self.path)
             reader = self._reader
         found = []
         query = "SELECT row FROM ledger WHERE time >= ? AND time < ? ORDER BY time {}, rowid {}"
@@ -708,6 +744,22 @@ class SQLiteState(State):
                 break
         cursor.close()
         return found
+
+
+def _create_tables(db: sqlite3.Connection) -> None:
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        for statement in SCHEMA:
+            db.execute(statement)
+        # A file made before slots were taken in blocks: each of its slots is one.
+        if not any(column[1] == "units" for column in db.execute("PRAGMA table_info(slots)")):
+            db.execute("ALTER TABLE slots ADD COLUMN units INTEGER NOT NULL DEFAULT 1")
+        db.execute("INSERT OR IGNORE INTO meta (name, value) VALUES ('keys_version', 0)")
+        db.execute("COMMIT")
+    except BaseException:
+        if db.in_transaction:
+            db.execute("ROLLBACK")
+        raise
 
 
 @functools.lru_cache(maxsize=ROWS_PER_INSERT)
