@@ -843,6 +843,39 @@ async def test_what_is_queued_at_close_is_written(shared_url):
         await again.close()
 
 
+@pytest.mark.parametrize("store", ["sqlite", pytest.param("redis", marks=pytest.mark.slow)])
+async def test_what_an_outage_drops_from_the_queues_is_logged_once_not_per_request(
+        store, tmp_path, request, monkeypatch, caplog):
+    """Past its bound, what waits for a store that is out goes, oldest first: said once (and
+    then once a minute with the count since), not once for every request that records."""
+    backend = {"sqlite": sqlite_state, "redis": redis_state}[store]
+    monkeypatch.setattr(backend, "MAX_PENDING", 5)
+    if store == "sqlite":
+        path = tmp_path / "state.db"
+        state = await open_state({"url": f"sqlite:///{path}", "timeout": 0.1})
+        blocker = sqlite3.connect(path, isolation_level=None)
+        blocker.execute("BEGIN IMMEDIATE")  # another process holding the write lock
+        back = blocker.close
+    else:
+        server = request.getfixturevalue("redis_server")
+        state = await open_state({"url": server.url, "timeout": 0.1})
+        server.stop()
+        back = server.start
+    try:
+        for n in range(30):  # a request each
+            state.record_soon([{"id": f"row{n}", "time": BASE}])
+            state.put_soon("ns", {f"key{n}": b"1"}, ttl=60)
+            await asyncio.sleep(0.01)
+        for what in ("ledger rows dropped", "key-value entries dropped"):
+            assert len([r for r in caplog.records if what in r.getMessage()]) == 1, what
+        back()
+        # What is kept lands: the newest, within the bound.
+        rows = await rows_when_back(state, "row29")
+        assert len(rows) <= 5
+    finally:
+        await state.close()
+
+
 async def test_a_value_put_soon_reaches_the_other_processes_within_moments(shared_url):
     """Written behind: no call waits for it, another process reads it once it lands (and
     what is still queued at close lands then)."""

@@ -53,6 +53,8 @@ import calendar
 import dataclasses
 import datetime
 import logging
+import threading
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
@@ -78,6 +80,29 @@ OPTIONS = (
 
 class Unavailable(Exception):
     """The state backend could not be reached (or did not answer within ``timeout``)."""
+
+
+class Seldom:
+    """A warning logged at most once every ``every`` seconds, then with the count of what
+    it held back since: what an outage would otherwise say again for every request."""
+
+    def __init__(self, every: float = 60.0):
+        self.every = every
+        self._last: float | None = None
+        self._held = 0
+        self._lock = threading.Lock()  # SQLite's worker thread warns too
+
+    def warn(self, count: int, message: str, *args: Any) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if self._last is not None and now - self._last < self.every:
+                self._held += count
+                return
+            self._last, held, self._held = now, self._held, 0
+        if held:
+            message += "; %d more since the last warning"
+            args = (*args, held)
+        logging.getLogger("relay.state").warning(message, *args)
 
 
 def window(per: str, now: float) -> tuple[int, int]:

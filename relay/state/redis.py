@@ -39,7 +39,7 @@ from typing import Any
 
 import orjson
 
-from . import Count, Counter, Slot, State, Taken, Unavailable, window
+from . import Count, Counter, Seldom, Slot, State, Taken, Unavailable, window
 
 log = logging.getLogger("relay.state")
 
@@ -243,6 +243,8 @@ class RedisState(State):
         self._down_until = 0.0
         self._warned = 0.0
         self._quiet = 0
+        self._dropped_rows = Seldom()
+        self._dropped_puts = Seldom()
         self._prefix = secrets.token_hex(4)
         self._tokens = itertools.count()
         self._closing = False
@@ -634,8 +636,8 @@ class RedisState(State):
             pending.popitem(last=False)
             dropped += 1
         if dropped:
-            log.warning("state %s: %d ledger rows dropped (%d waited for Redis already)",
-                        self.where, dropped, MAX_PENDING)
+            self._dropped_rows.warn(dropped, "state %s: %d ledger rows dropped (%d waited for "
+                                    "Redis already)", self.where, dropped, MAX_PENDING)
         self._schedule()
 
     async def rows(self, since: float | None = None, until: float | None = None,
@@ -722,8 +724,8 @@ class RedisState(State):
             del puts[next(iter(puts))]
             dropped += 1
         if dropped:
-            log.warning("state %s: %d key-value entries dropped (%d waited for Redis)",
-                        self.where, dropped, MAX_PENDING)
+            self._dropped_puts.warn(dropped, "state %s: %d key-value entries dropped (%d waited "
+                                    "for Redis)", self.where, dropped, MAX_PENDING)
         self._schedule()
 
     async def _unqueue(self, namespace: str, keys: Iterable[str]) -> None:

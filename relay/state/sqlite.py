@@ -46,7 +46,7 @@ from typing import Any
 
 import orjson
 
-from . import Count, Counter, Slot, State, Taken, Unavailable, window
+from . import Count, Counter, Seldom, Slot, State, Taken, Unavailable, window
 
 log = logging.getLogger("relay.state")
 
@@ -175,7 +175,8 @@ class SQLiteState(State):
         self._idle = False  # the worker sleeps until woken (or the next sweep)
         self._prefix = secrets.token_hex(4)  # slot tokens: unique across processes
         self._tokens = itertools.count()
-        self._dropped = 0
+        self._dropped_rows = Seldom()
+        self._dropped_puts = Seldom()
         self._warned = 0.0
         self._quiet = 0
         self._thread: threading.Thread | None = None
@@ -370,9 +371,8 @@ class SQLiteState(State):
                 dropped += 1
             self._queued(urgent=len(pending) >= ROW_BATCH)
         if dropped:
-            self._dropped += dropped
-            log.warning("state %s: %d ledger rows dropped (%d waited for the file already)",
-                        self.path, dropped, MAX_PENDING)
+            self._dropped_rows.warn(dropped, "state %s: %d ledger rows dropped (%d waited for "
+                                    "the file already)", self.path, dropped, MAX_PENDING)
 
     async def rows(self, since: float | None = None, until: float | None = None,
                    where: dict[str, Any] | None = None, limit: int | None = None,
@@ -431,8 +431,8 @@ class SQLiteState(State):
                 dropped += 1
             self._queued()
         if dropped:
-            log.warning("state %s: %d key-value entries dropped (%d waited for the file)",
-                        self.path, dropped, MAX_PENDING)
+            self._dropped_puts.warn(dropped, "state %s: %d key-value entries dropped (%d waited "
+                                    "for the file)", self.path, dropped, MAX_PENDING)
 
     def _unqueue(self, namespace: str, keys: Iterable[str]) -> None:
         """What a later :meth:`put` or :meth:`delete` of the same keys supersedes: never
