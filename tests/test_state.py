@@ -876,6 +876,48 @@ async def test_what_an_outage_drops_from_the_queues_is_logged_once_not_per_reque
         await state.close()
 
 
+async def test_redis_a_close_right_after_a_blip_writes_what_waits(redis_server):
+    """The relay stopped within the second after a failure (every call then fails at once,
+    not waiting again): Redis is back, and what waits is written all the same."""
+    state = await open_state({"url": redis_server.url, "timeout": 0.2})
+    rpm = Counter("key:a:otpm", "minute")
+    redis_server.stop()
+    with pytest.raises(Unavailable):
+        await state.counts([rpm], now=BASE)
+    redis_server.start()
+    await state.record([{"id": "at-close", "time": BASE}])
+    await state.add([Counter("key:a:otpm", "minute", amount=3)], now=BASE)
+    await state.close()
+    again = await open_state({"url": redis_server.url})
+    try:
+        assert [r["id"] for r in await again.rows()] == ["at-close"]
+        assert [c.used for c in await again.counts([rpm], now=BASE)] == [3]
+    finally:
+        await again.close()
+
+
+@pytest.mark.parametrize("store", ["sqlite", pytest.param("redis", marks=pytest.mark.slow)])
+async def test_a_close_with_the_store_out_says_what_it_could_not_write(
+        store, tmp_path, request, caplog):
+    if store == "sqlite":
+        path = tmp_path / "state.db"
+        state = await open_state({"url": f"sqlite:///{path}", "timeout": 0.1})
+        blocker = sqlite3.connect(path, isolation_level=None)
+        blocker.execute("BEGIN IMMEDIATE")  # another process holding the write lock
+    else:
+        server = request.getfixturevalue("redis_server")
+        state = await open_state({"url": server.url, "timeout": 0.1})
+        server.stop()
+    await state.record([{"id": f"row{n}", "time": BASE} for n in range(3)])
+    await asyncio.sleep(0.2)
+    caplog.clear()
+    started = time.monotonic()
+    await state.close()
+    assert time.monotonic() - started < 3
+    lost = [r.getMessage() for r in caplog.records if "lost" in r.getMessage()]
+    assert len(lost) == 1 and "3 ledger rows" in lost[0]
+
+
 async def test_a_value_put_soon_reaches_the_other_processes_within_moments(shared_url):
     """Written behind: no call waits for it, another process reads it once it lands (and
     what is still queued at close lands then)."""

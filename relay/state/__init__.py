@@ -82,6 +82,13 @@ class Unavailable(Exception):
     """The state backend could not be reached (or did not answer within ``timeout``)."""
 
 
+def lost(where: str, rows: int, adds: int, puts: int) -> None:
+    """Said when a backend closes with writes it could not make: they were in memory only."""
+    logging.getLogger("relay.state").warning(
+        "state %s: closed while unreachable: %d ledger rows, %d counters' adds and %d "
+        "key-value entries were not written and are lost", where, rows, adds, puts)
+
+
 class Seldom:
     """A warning logged at most once every ``every`` seconds, then with the count of what
     it held back since: what an outage would otherwise say again for every request."""

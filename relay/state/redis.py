@@ -39,7 +39,7 @@ from typing import Any
 
 import orjson
 
-from . import Count, Counter, Seldom, Slot, State, Taken, Unavailable, window
+from . import Count, Counter, Seldom, Slot, State, Taken, Unavailable, lost, window
 
 log = logging.getLogger("relay.state")
 
@@ -287,11 +287,18 @@ class RedisState(State):
         deadline = time.monotonic() + CLOSE_SECONDS
         if self._senders:
             await asyncio.wait(set(self._senders), timeout=CLOSE_SECONDS)
+        # The last chance for what waits: tried even within the second after a failure
+        # (Redis may be back), once, within the timeout.
+        self._down_until = 0.0
         while self._has_queued() and time.monotonic() < deadline:
             try:
                 await self._flush()
             except Unavailable:
                 break
+        if self._has_queued():
+            lost(self.where, len(self._pending),
+                 len(self._adds) + sum(len(adds) for _, adds, _ in self._unsure),
+                 len(self._puts))
         self._closed = True
         try:
             await self._redis.aclose()

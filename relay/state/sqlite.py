@@ -46,7 +46,7 @@ from typing import Any
 
 import orjson
 
-from . import Count, Counter, Seldom, Slot, State, Taken, Unavailable, window
+from . import Count, Counter, Seldom, Slot, State, Taken, Unavailable, lost, window
 
 log = logging.getLogger("relay.state")
 
@@ -245,6 +245,11 @@ class SQLiteState(State):
             self._stopping = True
             self._wake.notify()
         await asyncio.get_running_loop().run_in_executor(None, thread.join, CLOSE_SECONDS)
+        if not thread.is_alive():
+            with self._lock:
+                left = len(self._pending), len(self._adds), len(self._puts)
+            if any(left):
+                lost(self.path, *left)
         with self._reader_lock:
             if self._reader is not None:
                 self._reader.close()
