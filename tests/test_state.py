@@ -918,6 +918,43 @@ async def test_a_close_with_the_store_out_says_what_it_could_not_write(
     assert len(lost) == 1 and "3 ledger rows" in lost[0]
 
 
+@pytest.mark.parametrize("store", ["sqlite", pytest.param("redis", marks=pytest.mark.slow)])
+async def test_a_store_that_lost_its_counts_is_not_given_back_what_it_lost(
+        store, tmp_path, request, monkeypatch):
+    """Redis restarted empty (no persistence), or the SQLite file deleted, while a process
+    held a lease: what it gives back unused must not take the fresh count below zero (a
+    count of -1023 is 1,023 requests more than the limit in that window, per process)."""
+    from relay.state import lease
+
+    monkeypatch.setattr(sqlite_state, "LOOK_SECONDS", 0.05)
+    if store == "sqlite":
+        url = f"sqlite:///{tmp_path}/state.db"
+    else:
+        server = request.getfixturevalue("redis_server")
+        url = server.url
+    state = await open_state({"url": url, "timeout": 0.2})
+    try:
+        rpm = Counter("key:a:rpm", "minute", limit=100_000)
+        for _ in range(2):  # the second takes a lease with it, the window seen
+            assert (await state.take([rpm])).granted
+        assert (await state.inner.counts([rpm]))[0].used > 2
+        if store == "sqlite":
+            # The file last: a process noticing in between would open it beside the old WAL.
+            for name in ("state.db-wal", "state.db-shm", "state.db"):
+                (tmp_path / name).unlink(missing_ok=True)
+            await asyncio.sleep(0.1)
+            assert (await state.inner.counts([rpm]))[0].used == 0  # the new file's
+        else:
+            server.stop()
+            server.start()
+        await asyncio.sleep(lease.IDLE_SECONDS + 0.3)  # the lease unused: given back
+        await state.record([{"id": "after", "time": BASE}])
+        await rows_when_back(state, "after")  # lands with what was queued before it
+        assert (await state.inner.counts([rpm]))[0].used == 0
+    finally:
+        await state.close()
+
+
 async def test_a_value_put_soon_reaches_the_other_processes_within_moments(shared_url):
     """Written behind: no call waits for it, another process reads it once it lands (and
     what is still queued at close lands then)."""

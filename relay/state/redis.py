@@ -72,6 +72,8 @@ GRACE_SECONDS = 5
 # sorted set of batches applied until the process knows the answer (every number below the
 # lowest it does not know yet is dropped; the set expires BATCH_SECONDS after its last use),
 # so that a Redis blip never inflates a counter and one key a process is all the ids cost.
+# What is given back (a lease unused, a take undone) never takes a count below zero: below
+# it, the store lost what was given (a Redis restarted empty), and the limit would grow.
 # A take that adds or holds something has a number from the same count, entered in that set
 # when it is granted: a take whose round trip went unheard is undone by a batch naming it,
 # which takes back its amounts only if the take's number is there, and otherwise enters it,
@@ -105,7 +107,9 @@ for b = 1, nbatches do
   k, a = k + 1, a + 5
   for i = 1, count do
     if fresh then
-      redis.call('INCRBY', KEYS[k], ARGV[a])
+      if redis.call('INCRBY', KEYS[k], ARGV[a]) < 0 then
+        redis.call('SET', KEYS[k], 0)
+      end
       redis.call('EXPIREAT', KEYS[k], ARGV[a + 1])
     end
     k, a = k + 1, a + 2

@@ -89,6 +89,9 @@ SCHEMA = (
 
 ADD = ("INSERT INTO counters (name, start, end, used) VALUES (?, ?, ?, ?) "
        "ON CONFLICT (name, start) DO UPDATE SET used = used + excluded.used")
+# What is given back (a lease unused, a take undone) never takes a count below zero: below
+# it, the file lost what was given (deleted meanwhile), and the limit would grow.
+GIVE_BACK = "UPDATE counters SET used = MAX(used + ?, 0) WHERE name = ? AND start = ?"
 
 
 def path_of(url: str) -> str:
@@ -559,7 +562,11 @@ class SQLiteState(State):
         try:
             if adds:
                 db.executemany(ADD, [(name, start, end, amount)
-                                     for (name, start), (end, amount) in adds.items()])
+                                     for (name, start), (end, amount) in adds.items()
+                                     if amount > 0])
+                db.executemany(GIVE_BACK, [(amount, name, start)
+                                           for (name, start), (_, amount) in adds.items()
+                                           if amount < 0])
             if releases:
                 db.executemany("DELETE FROM slots WHERE name = ? AND token = ?", releases)
             for start in range(0, len(backlog), ROWS_PER_INSERT):
