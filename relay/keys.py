@@ -160,7 +160,16 @@ class Watch:
 
     async def load(self) -> None:
         version, records = await self.state.keys()
-        self.gate.replace(stored(records, self.default_limits, self.gate.configured_names))
+        table = stored(records, self.default_limits, self.gate.configured_names)
+        if self.version is not None and version < self.version:
+            # Only a store that lost what it held counts back; without a word, its keys
+            # would just start failing with 401.
+            gone = len(self.gate.stored.keys() - table.keys())
+            log.warning("keys: the state's keys version went back from %d to %d: it lost "
+                        "what it held (a Redis restarted without persistence, a state file "
+                        "deleted?); %d stored key(s) no longer there are refused until made "
+                        "again", self.version, version, gone)
+        self.gate.replace(table)
         self.version = version
 
     async def poll(self) -> None:

@@ -126,6 +126,35 @@ async def test_an_expired_key_is_refused(aiohttp_client, aiohttp_server):
     await client.chain.shutdown(client.config)
 
 
+async def test_keys_a_redis_restarted_empty_lost_are_refused_and_said_so(redis_server, caplog):
+    """A Redis without persistence restarted: the stored keys are gone with it. They are
+    refused from then on (the store is what says a key is valid), and the log says why,
+    once, rather than leave an operator with 401s and nothing else."""
+    from relay.inbound import Gate
+    from relay.state import open_state
+
+    state = await open_state({"url": redis_server.url, "timeout": 0.2})
+    try:
+        await keys.create_key(state, "team-c")
+        gate = Gate([])
+        watch = keys.Watch(gate, state, None)
+        await watch.poll()
+        assert len(gate.stored) == 1
+        redis_server.stop()
+        redis_server.start()
+        deadline = time.monotonic() + 10
+        while gate.stored:
+            assert time.monotonic() < deadline, "still serving the keys Redis lost"
+            await asyncio.sleep(0.2)
+            await watch.poll()
+        lost = [r.getMessage() for r in caplog.records if "lost" in r.getMessage()]
+        assert len(lost) == 1 and "1 stored key" in lost[0]
+        await watch.poll()
+        assert len([r for r in caplog.records if "lost" in r.getMessage()]) == 1
+    finally:
+        await state.close()
+
+
 async def test_a_stored_key_may_not_take_a_relay_yaml_name():
     table = keys.stored([{"name": "team-a", "hash": "00" * 32}, {"name": "b", "hash": "11" * 32,
                                                                  "revoked": 1.0}],
