@@ -665,6 +665,41 @@ async def test_redis_a_take_unheard_is_given_back_once_it_is_known_to_have_run(r
         muffler.server.close()
 
 
+async def test_redis_paused_the_takes_it_runs_late_are_given_back(redis_server):
+    """Redis paused (SIGSTOP: a stall, a fork for a snapshot on a big data set) while
+    requests take: each times out, and when Redis goes on it runs them all; they are
+    undone, so the key's window and slots are as they were."""
+    import signal
+
+    state = await open_state({"url": redis_server.url, "timeout": 0.2})
+    try:
+        rpm = Counter("key:a:rpm", "minute", limit=100)
+        slot = Slot("key:a:concurrent", limit=100)
+        assert (await state.take([rpm], [slot], now=BASE)).granted
+        os.kill(redis_server.process.pid, signal.SIGSTOP)
+        try:
+            taken = await asyncio.gather(*[state.take([rpm], [slot], now=BASE)
+                                           for _ in range(20)], return_exceptions=True)
+            assert all(isinstance(t, Unavailable) for t in taken)
+        finally:
+            os.kill(redis_server.process.pid, signal.SIGCONT)
+
+        async def as_before():
+            try:
+                return (await state.inner.counts([rpm], now=BASE))[0].used == 1
+            except Unavailable:
+                return False
+
+        await eventually(as_before)
+        await asyncio.sleep(0.3)  # and stays so
+        assert (await state.inner.counts([rpm], now=BASE))[0].used == 1
+        for _ in range(99):
+            assert (await state.inner.take([], [slot], now=BASE)).granted
+        assert not (await state.inner.take([], [slot], now=BASE)).granted
+    finally:
+        await state.close()
+
+
 async def test_redis_a_take_that_arrives_after_it_was_given_up_takes_nothing(redis_server):
     """The take's command still on its way on the connection given up (Redis paused, a
     slow network) when its undoing goes by another: it takes nothing once it arrives."""
