@@ -665,6 +665,38 @@ async def test_redis_a_take_unheard_is_given_back_once_it_is_known_to_have_run(r
         muffler.server.close()
 
 
+async def test_redis_takes_to_undo_are_bounded_and_never_crowd_out_usage(
+        redis_server, monkeypatch):
+    """A Redis that swallows commands (a network dropping them), with takes going to it:
+    the undoings wait in a bound of their own (the oldest left to their windows), and the
+    batch of usage waiting with them is not pushed out by them."""
+    monkeypatch.setattr(redis_state, "MAX_PENDING", 3)
+    monkeypatch.setattr(redis_state, "MAX_UNDOS", 2)
+    muffler = Muffler(redis_server.port)
+    state = await open_state({"url": await muffler.start(), "timeout": 0.2})
+    try:
+        otpm = Counter("key:a:otpm", "minute", amount=5)
+        rpm = Counter("key:a:rpm", "minute", limit=100)
+        await state.counts([rpm], now=BASE)  # connected
+        await state.add([otpm], now=BASE)
+        muffler.hold = True
+        taken = await asyncio.gather(*[state.take([rpm], now=BASE) for _ in range(10)],
+                                     return_exceptions=True)
+        assert all(isinstance(t, Unavailable) for t in taken)
+        await asyncio.sleep(redis_state.DOWN_SECONDS + 0.1)
+        with pytest.raises(Unavailable):  # what waits goes again, and is swallowed again
+            await state.counts([rpm], now=BASE)
+        muffler.held.clear()  # never to arrive
+        muffler.hold = False
+        await asyncio.sleep(redis_state.DOWN_SECONDS + 0.1)
+        used = [c.used for c in await state.counts([Counter("key:a:otpm", "minute"), rpm],
+                                                   now=BASE)]
+        assert used == [5, 0]
+    finally:
+        await state.close()
+        muffler.server.close()
+
+
 async def test_redis_paused_the_takes_it_runs_late_are_given_back(redis_server):
     """Redis paused (SIGSTOP: a stall, a fork for a snapshot on a big data set) while
     requests take: each times out, and when Redis goes on it runs them all; they are

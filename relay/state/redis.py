@@ -48,6 +48,10 @@ LINGER = 0.005
 ROW_LINGER = 0.05  # while only ledger rows wait for the background flush
 BATCH_SECONDS = 600
 MAX_PENDING = 10_000
+# Takes unheard waiting to be undone (a Redis that swallows commands can leave one a request
+# every time its outage lets one through): past that the oldest are left to their windows
+# and leases, and never crowd out the batches of usage.
+MAX_UNDOS = 1_000
 # Rows a call carries along; the background flush takes up to ROW_BATCH at a time.
 CARRIED_ROWS = 50
 ROW_BATCH = 500
@@ -396,10 +400,8 @@ class RedisState(State):
                 pending.move_to_end(row_id, last=False)
         while len(pending) > MAX_PENDING:
             pending.popitem(last=False)
-        for number, _, undoes in batches[:-MAX_PENDING]:  # given up: no longer waited for
-            self._open.discard(number)
-            self._open.discard(undoes)
-        self._unsure[:0] = batches[-MAX_PENDING:]
+        self._unsure[:0] = batches
+        self._bound_batches()
         self._releases[:0] = releases[:max(0, MAX_PENDING - len(self._releases))]
         self._schedule()
 
@@ -457,9 +459,28 @@ class RedisState(State):
         number = next(self._batches)
         self._open.add(number)
         self._unsure.append((number, adds, take))
+        if len(self._unsure) > MAX_UNDOS:
+            self._bound_batches()
         for name, token in releases:
             self.release_soon(name, token)
         self._schedule()
+
+    def _bound_batches(self) -> None:
+        """The newest MAX_PENDING batches of usage and MAX_UNDOS undoings are kept; the
+        others are given up on (no longer waited for)."""
+        left = {False: MAX_PENDING, True: MAX_UNDOS}
+        kept = []
+        for batch in reversed(self._unsure):
+            undoing = bool(batch[2])
+            if left[undoing]:
+                left[undoing] -= 1
+                kept.append(batch)
+            else:
+                self._open.discard(batch[0])
+                self._open.discard(batch[2])
+        if len(kept) < len(self._unsure):
+            kept.reverse()
+            self._unsure = kept
 
     def _send_outgoing(self) -> None:
         calls, self._outgoing = self._outgoing, []
