@@ -56,6 +56,7 @@ import orjson
 from . import beta_filter
 from .errors import RelayError
 from .sse import SSEDecoder
+from .state import Seldom
 
 log = logging.getLogger("relay.threads")
 
@@ -199,6 +200,7 @@ class Store:
         # The host's state (relay.state.State) when it is shared between processes.
         self.shared = shared
         self._pending: set[asyncio.Task] = set()
+        self._unread, self._unwritten = Seldom(log), Seldom(log)
         self.max_threads = max_threads
         self.max_bytes = max_bytes
         self.max_age = max_age
@@ -224,7 +226,7 @@ class Store:
         try:
             value = (await self.shared.get(NAMESPACE, [_shared_key(message_id)]))[0]
         except Exception as e:  # Unavailable, or a backend's own failure
-            log.warning("threads: the shared record could not be read: %s", e)
+            self._unread.warn(1, "threads: the shared record could not be read: %s", e)
             return None
         if value is None:
             return None
@@ -337,8 +339,8 @@ class Store:
     def _written(self, task: asyncio.Task) -> None:
         self._pending.discard(task)
         if not task.cancelled() and task.exception() is not None:
-            log.warning("threads: the shared record could not be written: %s",
-                        task.exception())
+            self._unwritten.warn(1, "threads: the shared record could not be written: %s",
+                                 task.exception())
 
     def _drop_oldest(self) -> None:
         message_id, entry = self._entries.popitem(last=False)

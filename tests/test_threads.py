@@ -277,6 +277,34 @@ def test_the_record_is_bounded_by_count_bytes_and_age():
     assert store.get("d") is None and store.bytes == 0
 
 
+async def test_a_shared_state_out_is_logged_once_not_for_every_thread(caplog):
+    """Records read and written while the shared state is out: said once (then once a
+    minute, with the count since), not once per continuation and per answer."""
+    import socket
+
+    from relay.state import open_state
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens there once closed
+    state = await open_state({"url": f"redis://127.0.0.1:{port}/0", "timeout": 0.05})
+    try:
+        store = threads.Store(shared=state)
+        for n in range(10):
+            store.put(f"msg_{n}", "emu", b"[]")
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)  # the writes, in the background, fail
+        other = threads.Store(shared=state)  # another worker's, or replica's
+        for n in range(10):
+            assert await other.fetch(f"msg_{n}") is None
+        for doing in ("written", "read"):
+            said = [r for r in caplog.records
+                    if f"shared record could not be {doing}" in r.getMessage()]
+            assert len(said) == 1, doing
+    finally:
+        await state.close()
+
+
 def test_a_location_is_renamed_after_the_requests_own_messages():
     message = "messages.5.content.1: unexpected `tool_use_id`"
     assert threads.shifted("messages.5.content.1", message, 3) == (

@@ -93,7 +93,8 @@ class Seldom:
     """A warning logged at most once every ``every`` seconds, then with the count of what
     it held back since: what an outage would otherwise say again for every request."""
 
-    def __init__(self, every: float = 60.0):
+    def __init__(self, log: logging.Logger, every: float = 60.0):
+        self.log = log
         self.every = every
         self._last: float | None = None
         self._held = 0
@@ -109,7 +110,7 @@ class Seldom:
         if held:
             message += "; %d more since the last warning"
             args = (*args, held)
-        logging.getLogger("relay.state").warning(message, *args)
+        self.log.warning(message, *args)
 
 
 def window(per: str, now: float) -> tuple[int, int]:

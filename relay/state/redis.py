@@ -251,8 +251,8 @@ class RedisState(State):
         self._down_until = 0.0
         self._warned = 0.0
         self._quiet = 0
-        self._dropped_rows = Seldom()
-        self._dropped_puts = Seldom()
+        self._dropped_rows = Seldom(log)
+        self._dropped_puts = Seldom(log)
         self._prefix = secrets.token_hex(4)
         self._tokens = itertools.count()
         self._closing = False

@@ -178,8 +178,8 @@ class SQLiteState(State):
         self._idle = False  # the worker sleeps until woken (or the next sweep)
         self._prefix = secrets.token_hex(4)  # slot tokens: unique across processes
         self._tokens = itertools.count()
-        self._dropped_rows = Seldom()
-        self._dropped_puts = Seldom()
+        self._dropped_rows = Seldom(log)
+        self._dropped_puts = Seldom(log)
         self._warned = 0.0
         self._quiet = 0
         self._thread: threading.Thread | None = None
