@@ -20,7 +20,9 @@ transaction. A call that gets no answer within
 failure every call does so at once, but for the reads that need no write lock when it was a
 write that failed); if the thread still grants it later, the take is undone
 (its slots released, its amounts taken back). The ledger is read (:meth:`rows`) on another
-thread, bounded by ``ROWS_SECONDS``: no request waits for it.
+thread, bounded by ``ROWS_SECONDS``: no request waits for it. The path is looked at every
+``LOOK_SECONDS``: a file deleted or replaced meanwhile is let go of for the one the path names
+(made again when there is none), which every process starting now would open.
 
 Bounded on disk: counters are deleted once their window ends, slots when their lease runs
 out, key-value entries at their expiry, ledger rows after ``retention_days``, in a sweep
@@ -215,7 +217,7 @@ class SQLiteState(State):
     def _create_tables(self) -> None:
         db = connect(self.path, max(self.timeout, 5.0))
         try:
-            _create_tables(db)
+            _make_tables(db)
             self._file = identity(self.path)
         finally:
             db.close()
@@ -230,7 +232,7 @@ class SQLiteState(State):
             # A file made again may have the number of the one this process let go of.
             if found != self._file or db.execute(
                     "SELECT 1 FROM sqlite_master WHERE name = 'meta'").fetchone() is None:
-                _create_tables(db)
+                _make_tables(db)
                 log.warning("state %s: the file was deleted or replaced while the relay ran; "
                             "opened the one there now (what the other held is not in it)",
                             self.path)
@@ -758,7 +760,7 @@ class SQLiteState(State):
         return found
 
 
-def _create_tables(db: sqlite3.Connection) -> None:
+def _make_tables(db: sqlite3.Connection) -> None:
     db.execute("BEGIN IMMEDIATE")
     try:
         for statement in SCHEMA:
