@@ -259,7 +259,8 @@ class Store:
             try:
                 self.shared.put_soon(OWNERS, {answer_id: key_name.encode()}, OWNER_AGE)
             except Exception as e:  # Unavailable, or a backend's own failure
-                log.warning("threads: the answer's owner could not be shared: %s", e)
+                self._unwritten.warn(1, "threads: the answer's owner could not be shared: %s",
+                                     e)
 
     async def held_elsewhere(self, message_id) -> bool:
         """Whether the answer ``message_id`` names was given to another inbound key than its
@@ -273,7 +274,7 @@ class Store:
             try:
                 value = (await self.shared.get(OWNERS, [answer_id]))[0]
             except Exception as e:  # Unavailable, or a backend's own failure
-                log.warning("threads: the answer's owner could not be read: %s", e)
+                self._unread.warn(1, "threads: the answer's owner could not be read: %s", e)
                 return False
             owner = value.decode("utf-8", "replace") if value is not None else None
         return owner is not None and owner != key_name

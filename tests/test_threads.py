@@ -373,7 +373,7 @@ def test_a_streamed_compaction_and_citations_build_what_the_answer_holds():
     assert threads.message_from_events(events)["content"] == UNSTREAMED
 
 
-async def test_a_carried_thread_goes_on_with_its_streamed_compaction_and_citations(relay,
+async def test_a_carried_thread_goes_on_with_its_streamed_compaction_and_citations(local_relay,
                                                                                    aiohttp_server):
     from aiohttp import web
 
@@ -389,7 +389,7 @@ async def test_a_carried_thread_goes_on_with_its_streamed_compaction_and_citatio
 
     app = web.Application()
     app.router.add_post("/v1/messages", messages)
-    client = await relay(await aiohttp_server(app), holds_threads=False)
+    client = await local_relay(await aiohttp_server(app), holds_threads=False)
     response, _ = await post(client, create(user(text("go")), stream=True))
     assert response.status == 200
     response, _ = await post(client, carry_on("msg_s", user(text("and?")), stream=True))
@@ -399,7 +399,7 @@ async def test_a_carried_thread_goes_on_with_its_streamed_compaction_and_citatio
 
 
 async def test_a_streamed_answer_the_record_cannot_read_still_reaches_the_client(
-        relay, aiohttp_server, caplog):
+        local_relay, aiohttp_server, caplog):
     from aiohttp import web
 
     # A backend's text delta of the wrong type: the record fails on it, after the stream.
@@ -417,27 +417,28 @@ async def test_a_streamed_answer_the_record_cannot_read_still_reaches_the_client
 
     app = web.Application()
     app.router.add_post("/v1/messages", messages)
-    client = await relay(await aiohttp_server(app), holds_threads=False)
+    client = await local_relay(await aiohttp_server(app), holds_threads=False)
     response, raw = await post(client, create(user(text("go")), stream=True))
     assert response.status == 200
     assert raw == b"".join(emulator.encode_event(event) for event in broken)
     # Logged as what it is, not as a handler that failed (aiohttp then drops the connection).
     assert [r.name for r in caplog.records if r.levelname == "ERROR"] == ["relay"]
     assert "could not be recorded" in caplog.text
-    # Unrecorded, the thread is one this backend cannot go on with: the API's answer.
+    # Unrecorded, the relay holds no state for the thread: the API's answer to that, from
+    # which the SDKs replay the history.
     response, error = await post(client, carry_on("msg_s", user(text("and?"))))
-    assert response.status == 400
-    assert error["error"]["details"] == {"error_code": "thread_unsupported_request"}
+    assert response.status == 404
+    assert error["error"]["details"] == {"error_code": "thread_not_found"}
 
 
 async def test_a_carried_thread_marking_each_turn_for_the_cache_goes_past_four_turns(
-        upstream, relay):
+        upstream, local_relay):
     # A client that marks its newest block each turn holds one breakpoint a request against
     # the API's threads; carried, the earlier turns go without theirs, as the SDK resends a
     # thread's history, or the fifth turn would hold five (the strict emulator, like the
     # API, takes four).
     mark = {"type": "ephemeral"}
-    client = await relay(await upstream(tool_turns=6, threads="refuse"), holds_threads=False)
+    client = await local_relay(await upstream(tool_turns=6, threads="refuse"), holds_threads=False)
     response, answer = await post(client, create(user(dict(text("go"), cache_control=mark))))
     for _ in range(5):
         assert response.status == 200, answer
