@@ -1009,8 +1009,10 @@ async def test_a_store_that_lost_its_counts_is_not_given_back_what_it_lost(
             # The file last: a process noticing in between would open it beside the old WAL.
             for name in ("state.db-wal", "state.db-shm", "state.db"):
                 (tmp_path / name).unlink(missing_ok=True)
-            await asyncio.sleep(0.1)
-            assert (await state.inner.counts([rpm]))[0].used == 0  # the new file's
+            deadline = time.monotonic() + 5  # noticed within LOOK_SECONDS, on a calm machine
+            while (await state.inner.counts([rpm]))[0].used != 0:  # the new file's
+                assert time.monotonic() < deadline, "the deleted file was never noticed"
+                await asyncio.sleep(0.02)
         else:
             server.stop()
             server.start()
