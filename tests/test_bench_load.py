@@ -29,6 +29,11 @@ async def recorder(aiohttp_server):
     return str(server.make_url("")).rstrip("/"), seen
 
 
+async def run(runner: load.Load, url: str, workload: str, concurrency: int, count: int):
+    await runner.run({"url": url, "workload": workload, "concurrency": concurrency,
+                      "count": count, "seconds": 60})
+
+
 def turns(seen: list[tuple[str, bytes]]) -> dict[str, list[int]]:
     by_session: dict[str, list[int]] = {}
     for session, body in seen:
@@ -40,8 +45,7 @@ async def test_growing_sessions_are_spread_over_the_cycle(aiohttp_server):
     url, seen = await recorder(aiohttp_server)
     runner = load.Load()
     try:
-        await runner.run({"url": url, "workload": "session", "concurrency": 32, "count": 64,
-                          "seconds": 60})
+        await run(runner, url, "session", 32, 64)
     finally:
         await runner.close()
     by_session = turns(seen)
@@ -58,14 +62,11 @@ async def test_other_workloads_do_not_move_a_growing_session(aiohttp_server):
     url, seen = await recorder(aiohttp_server)
     runner = load.Load()
     try:
-        await runner.run({"url": url, "workload": "session", "concurrency": 2, "count": 2,
-                          "seconds": 60})
+        await run(runner, url, "session", 2, 2)
         for workload in ("history_changed", "small"):
-            await runner.run({"url": url, "workload": workload, "concurrency": 2, "count": 6,
-                              "seconds": 60})
+            await run(runner, url, workload, 2, 6)
         del seen[2:]
-        await runner.run({"url": url, "workload": "session", "concurrency": 2, "count": 2,
-                          "seconds": 60})
+        await run(runner, url, "session", 2, 2)
     finally:
         await runner.close()
     # Each session goes on at the turn after its last one, whatever ran in between.
