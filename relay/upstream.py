@@ -12,7 +12,7 @@ import functools
 import random
 import time
 from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -172,9 +172,12 @@ class Reply(Protocol):
     async def __aexit__(self, *exc_info: Any) -> Any: ...
 
 
-# How much of a stream's start is read for its first event: Anthropic's error events are a
-# line, and an event that has not ended by then is no such refusal.
+# How much of a stream's start is read for its first event, and for how long: Anthropic's
+# error events are a line, sent with the headers; an event that has not ended by then is no
+# such refusal, and a stream slow to begin is owed its headers (and the keep-alive pings
+# that follow them) meanwhile.
 OPENING_BYTES = 65536
+OPENING_SECONDS = 2.0
 
 
 class _Resumed:
@@ -261,8 +264,24 @@ async def opened(answer: Reply, errors) -> Opened:
     held = bytearray()
     failure: BaseException | None = None
     first = None
+    # A fresh answer's body: an aiohttp.StreamReader, read as one (Body is what comes after).
+    content = cast(aiohttp.StreamReader, answer.content)
+    loop = asyncio.get_running_loop()
+    until = loop.time() + OPENING_SECONDS
     try:
-        async for chunk in answer.content.iter_any():
+        while True:
+            chunk = content.read_nowait()  # usually in hand: read with the headers
+            if not chunk:
+                if content.at_eof() or (left := until - loop.time()) <= 0:
+                    break
+                try:
+                    chunk = await asyncio.wait_for(content.readany(), left)
+                except asyncio.TimeoutError as e:
+                    if isinstance(e, aiohttp.ClientError):
+                        raise  # the read's own timeout, not the wait's
+                    break  # slow to begin: no refusal came with its headers
+                if not chunk:
+                    break
             held += chunk
             events = decoder.feed(chunk)
             if events or len(held) > OPENING_BYTES:

@@ -13,6 +13,7 @@ from test_server import ANSWER, BODY, STREAM, Upstream, start_relay, start_upstr
 
 from relay import config as config_module
 from relay import logs
+from relay import upstream as upstream_module
 from relay.config import Retries
 from relay.hookspecs import hookimpl
 from relay.server import STATE
@@ -228,6 +229,24 @@ async def test_a_stream_that_opens_with_overloaded_is_retried_before_any_byte_go
         (200, "the stream opened with overloaded_error")] * 2 + [(200, None)]
     assert [step["stands_for"] for step in exchange.noted("relay", "stream refused")] == [529] * 2
     assert exchange.outcome == "ok"
+
+
+async def test_a_stream_slow_to_begin_gets_its_headers_before_its_first_event(
+        aiohttp_server, aiohttp_client, monkeypatch):
+    # Read for a refusal only while one would come (with the headers): the upstream holds
+    # its first event until the client has its headers, which it must get meanwhile.
+    monkeypatch.setattr(upstream_module, "OPENING_SECONDS", 0.05)
+    gate = asyncio.Event()
+    upstream = Upstream()
+    upstream.reply = stream_reply([STREAM], gate=gate, hold_after=0)
+    client, recorder = await relay_for(aiohttp_server, aiohttp_client,
+                                       [(upstream, {"retries": FAST})])
+    resp = await asyncio.wait_for(client.post("/v1/messages", json={**BODY, "stream": True}),
+                                  10)
+    assert resp.status == 200
+    gate.set()
+    assert await resp.read() == STREAM
+    assert len(upstream.received) == 1 and recorder.ended[0].outcome == "ok"
 
 
 async def test_a_stream_that_opens_with_overloaded_goes_to_the_fallback(aiohttp_server,
