@@ -25,6 +25,15 @@ log = logging.getLogger("relay")
 
 SHUTTING_DOWN = "the relay is shutting down"
 
+
+def hangup() -> None:
+    """SIGHUP, which many daemons take for "reload": the relay has no reload, and the
+    signal's default action would end the process at once, cutting every stream without an
+    ``event: error``. It goes on serving and says so."""
+    log.warning("SIGHUP: the relay does not reload its configuration and goes on serving "
+                "with the one it started with; to apply a change, restart it (SIGTERM "
+                "drains first)")
+
 # When the answer's status line and headers went out, in the request's own task (aiohttp
 # runs each request in a task of its own, with a context of its own): the access line's time
 # to first byte, and how a cancelled request tells whether it can still be answered.

@@ -529,6 +529,8 @@ async def serve(config, chain: Chain, host: str, port: int, worker=None) -> int:
     # From the start: a signal during start-up drains (nothing) once listening, not a kill.
     for sig in worker.signals if worker else (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, state.signal)
+    if not worker:  # a worker ignores it: its supervisor says so, once
+        loop.add_signal_handler(signal.SIGHUP, lifecycle.hangup)
     await chain.startup(config)
     try:
         app = create_app(config, chain, state)

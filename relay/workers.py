@@ -8,7 +8,8 @@ workers' sockets) and drains on its own (see :mod:`relay.lifecycle`).
 
 Signals: SIGTERM or SIGINT to the supervisor is passed on to every worker as SIGTERM (the
 workers ignore SIGINT, so a Ctrl-C to the terminal's process group stops them once, through
-the supervisor); a second one is passed on too and cuts the drains short. The supervisor
+the supervisor); a second one is passed on too and cuts the drains short. SIGHUP is logged
+and changes nothing (there is no reload), in the workers too. The supervisor
 exits 0 when every worker drained completely, 1 otherwise, or with a worker's own status
 when one could not start (2: a config error from a plugin's relay_startup). A worker that
 dies while serving is started again (at most once a second). A worker whose supervisor is
@@ -29,13 +30,13 @@ import time
 
 from . import logs
 from .errors import ConfigError
-from .lifecycle import SharedCounter
+from .lifecycle import SharedCounter, hangup
 
 log = logging.getLogger("relay")
 
 RESTART_INTERVAL = 1.0  # seconds between two starts of the same worker slot
 KILL_GRACE = 15.0  # seconds past the drain before a worker that hangs is killed
-HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD)
+HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD)
 
 
 class WorkerLink:
@@ -136,6 +137,7 @@ class Supervisor:
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor passes it on
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)  # the supervisor logs it
             signal.pthread_sigmask(signal.SIG_UNBLOCK, HANDLED)
             for fd in (self.wake_r, self.wake_w, self.ready_r, self.alive_w):
                 os.close(fd)
@@ -177,6 +179,8 @@ class Supervisor:
             for signum in self.drain_pipe(self.wake_r):
                 if signum in (signal.SIGTERM, signal.SIGINT):
                     self.stop()
+                elif signum == signal.SIGHUP:
+                    hangup()
         self.reap()
         if self.stop_deadline is not None and time.monotonic() >= self.stop_deadline:
             for pid in self.pids:

@@ -379,6 +379,32 @@ async def test_sigterm_lets_a_stream_in_flight_finish_and_exits_0(tmp_path, work
 
 @pytest.mark.slow
 @WORKER_COUNTS
+async def test_sighup_neither_stops_the_relay_nor_cuts_a_stream(tmp_path, workers):
+    # The relay has no reload: SIGHUP's default action would end it at once, every stream
+    # cut without an error event. A terminal's hangup reaches the workers too.
+    async with HeldStream() as upstream, aiohttp.ClientSession() as session:
+        relay = start_relay(tmp_path, upstream.url, workers=workers)
+        try:
+            async with session.post(relay.url + "/v1/messages", json=STREAM_BODY) as response:
+                await upstream.started.wait()
+                for pid in [relay.pid, *worker_pids(relay.pid)]:
+                    os.kill(pid, signal.SIGHUP)
+                assert relay.wait_for_output("SIGHUP: the relay does not reload")
+                async with session.get(relay.url + "/readyz") as ready:
+                    assert ready.status == 200
+                upstream.release.set()
+                body = await read_stream(response)
+            assert body == HEAD + TAIL
+            assert relay.proc.poll() is None
+            assert relay.output().count("SIGHUP") == 1
+            os.kill(relay.pid, signal.SIGTERM)
+            assert await asyncio.to_thread(exit_status, relay) == 0
+        finally:
+            relay.stop()
+
+
+@pytest.mark.slow
+@WORKER_COUNTS
 async def test_a_second_sigterm_ends_open_streams_with_an_error_event_and_exits_1(tmp_path,
                                                                                  workers):
     async with HeldStream() as upstream, aiohttp.ClientSession() as session:
