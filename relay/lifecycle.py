@@ -20,6 +20,7 @@ import time
 from aiohttp import web
 
 from .errors import RelayError
+from .exchange import new_request_id
 
 log = logging.getLogger("relay")
 
@@ -71,13 +72,14 @@ class SharedCounter:
 CUT_ANSWER = web.RequestKey("relay_cut_answer", web.Response)
 
 
-def shutting_down(request_id: str | None = None) -> web.Response:
+def shutting_down(request_id: str) -> web.Response:
+    """The drain's 503, with its request id where every error of the relay's has it (the
+    SDKs read ``request-id``)."""
     error = RelayError(503, SHUTTING_DOWN, "api_error")
-    headers = {"x-should-retry": "true", "Connection": "close"}
-    if request_id is not None:
-        headers["x-relay-request-id"] = request_id
-    return web.Response(status=503, body=error.body(), content_type="application/json",
-                        headers=headers)
+    headers = {"x-should-retry": "true", "Connection": "close",
+               "x-relay-request-id": request_id, "request-id": request_id}
+    return web.Response(status=503, body=error.body(request_id),
+                        content_type="application/json", headers=headers)
 
 
 class Lifecycle:
@@ -117,7 +119,7 @@ class Lifecycle:
             if self.cuts(request):
                 if hasattr(task, "uncancel"):  # Python 3.11+: the cancel is handled here
                     task.uncancel()
-                return request.get(CUT_ANSWER) or shutting_down()
+                return request.get(CUT_ANSWER) or shutting_down(new_request_id())
             raise
         finally:
             in_flight.discard(task)

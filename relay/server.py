@@ -249,15 +249,43 @@ class Relay:
                      close: bool | None = None) -> web.StreamResponse:
         """A request turned away before it was routed still makes an exchange (outcome
         ``refused``), so that the end hooks see it: an auth failure is worth counting."""
+        exchange = self.refused(request, error)
+        response = await refuse(request, exchange, error, Outcome.REFUSED,
+                                close=request.can_read_body if close is None else close)
+        await self.finish(exchange)
+        return response
+
+    @staticmethod
+    def refused(request: web.Request, error: RelayError) -> Exchange:
+        """The record of a request answered before it became an exchange of its own."""
         path, query = split_target(request.raw_path)
         exchange = Exchange(endpoint="refused", method=request.method, path=path[:2000],
                             query=query[:2000], headers=request.headers)
         exchange.response_headers["x-relay-request-id"] = exchange.id
         exchange.note("relay", "refused", status=error.status, message=error.message)
-        response = await refuse(request, exchange, error, Outcome.REFUSED,
-                                close=request.can_read_body if close is None else close)
+        return exchange
+
+    async def cut_unprepared(self, request: web.Request) -> None:
+        """A Messages request cancelled while its body came or it was prepared: when the
+        drain cut it, its 503 is recorded as a refusal's (the client gets the id)."""
+        if self.lifecycle is None or not self.lifecycle.cuts(request):
+            return
+        exchange = self.refused(request, RelayError(503, lifecycle.SHUTTING_DOWN, "api_error"))
+        self.cut(request, exchange)
         await self.finish(exchange)
-        return response
+
+    def cut(self, request: web.Request, exchange: Exchange) -> bool:
+        """Whether the drain's deadline (not the client) cancelled ``exchange`` before its
+        answer began: then the client gets the 503 recorded here (see relay.lifecycle),
+        under the exchange's id."""
+        serving = self.lifecycle
+        if serving is None or not serving.cuts(request):
+            return False
+        answer = request[lifecycle.CUT_ANSWER] = lifecycle.shutting_down(exchange.id)
+        exchange.outcome = Outcome.RELAY_ERROR
+        exchange.error = RelayError(503, lifecycle.SHUTTING_DOWN, "api_error")
+        exchange.answer = Answer(answer.status, answer.headers, answer.content_length or 0)
+        return True
 
     async def finish(self, exchange: Exchange) -> None:
         """The exchange is over and the client has its answer: log it, run the end hooks."""
@@ -285,6 +313,9 @@ class Relay:
             # Whatever is left of a body that could not be read is not worth reading: the
             # connection closes rather than trip over it again.
             return await self.refuse(request, error, close=True)
+        except asyncio.CancelledError:
+            await self.cut_unprepared(request)
+            raise
         try:
             exchange = await prepare_exchange(
                 state, method=request.method, path=route.path, query=route.query,
@@ -298,22 +329,16 @@ class Relay:
             response = await refuse(request, refused, error, close=error.status in (408, 413))
             await self.finish(refused)
             return response
+        except asyncio.CancelledError:
+            await self.cut_unprepared(request)
+            raise
         fallbacks = Fallbacks(state, exchange, route.key)  # the exchange in flight: .current
         try:
             return await self._forward(request, exchange, fallbacks)
         except asyncio.CancelledError:
             current = fallbacks.current
-            if current.outcome is None:
-                serving = self.lifecycle
-                if serving is not None and serving.cuts(request):
-                    # The drain's deadline, not the client: it is answered 503 (see
-                    # relay.lifecycle), and the record says so.
-                    cut = request[lifecycle.CUT_ANSWER] = lifecycle.shutting_down(current.id)
-                    current.outcome = Outcome.RELAY_ERROR
-                    current.error = RelayError(503, lifecycle.SHUTTING_DOWN, "api_error")
-                    current.answer = Answer(cut.status, cut.headers, cut.content_length or 0)
-                else:
-                    current.outcome = Outcome.CLIENT_DISCONNECTED
+            if current.outcome is None and not self.cut(request, current):
+                current.outcome = Outcome.CLIENT_DISCONNECTED
             raise
         finally:
             exchange = fallbacks.current
@@ -430,7 +455,8 @@ class Relay:
         try:
             return await relay_passthrough(state, request, exchange, read_body)
         except asyncio.CancelledError:
-            exchange.outcome = Outcome.CLIENT_DISCONNECTED
+            if not self.cut(request, exchange):
+                exchange.outcome = Outcome.CLIENT_DISCONNECTED
             raise
         finally:
             if exchange.outcome is None:

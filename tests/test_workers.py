@@ -80,9 +80,15 @@ class HeldStream:
         await response.write_eof()
         return response
 
+    async def models(self, request: web.Request) -> web.Response:
+        self.started.set()
+        await asyncio.wait_for(self.release.wait(), 30)
+        return web.json_response({"data": [], "has_more": False})
+
     async def __aenter__(self):
         app = web.Application()
         app.router.add_post("/v1/messages", self.handle)
+        app.router.add_get("/v1/models", self.models)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
@@ -478,13 +484,72 @@ async def test_an_answer_cut_by_the_drain_is_a_503_in_anthropics_format(tmp_path
             response = await answer
             assert response.status == 503
             assert response.headers["x-should-retry"] == "true"
+            request_id = response.headers["x-relay-request-id"]
+            # Where the SDKs read an error's request id, as for every error of the relay's.
+            assert response.headers["request-id"] == request_id
             assert await response.json() == {"type": "error", "error": {
-                "type": "api_error", "message": SHUTTING_DOWN.decode()}}
+                "type": "api_error", "message": SHUTTING_DOWN.decode()},
+                "request_id": request_id}
         assert await asyncio.to_thread(exit_status, relay) == 1
         # The record says what the client got: the relay's 503, under the id the client has.
         [line] = [line for line in access_lines(relay) if line["path"] == "/v1/messages"]
         assert (line["status"], line["outcome"]) == (503, "relay_error")
-        assert response.headers["x-relay-request-id"] == line["request_id"]
+        assert request_id == line["request_id"]
+    finally:
+        relay.stop()
+
+
+@pytest.mark.slow
+async def test_a_pass_through_request_cut_by_the_drain_is_a_recorded_503(tmp_path):
+    async with HeldStream() as upstream, aiohttp.ClientSession() as session:
+        relay = start_relay(tmp_path, upstream.url, workers=1)
+        try:
+            answer = asyncio.ensure_future(session.get(relay.url + "/v1/models"))
+            await upstream.started.wait()
+            os.kill(relay.pid, signal.SIGTERM)
+            assert await until(lambda: refuses_connections(relay.url))
+            os.kill(relay.pid, signal.SIGTERM)
+            response = await answer
+            assert response.status == 503
+            request_id = response.headers["request-id"]
+            assert (await response.json())["request_id"] == request_id
+            assert await asyncio.to_thread(exit_status, relay) == 1
+            [line] = access_lines(relay)
+            assert (line["request_id"], line["endpoint"], line["status"], line["outcome"]) == (
+                request_id, "passthrough", 503, "relay_error")
+        finally:
+            relay.stop()
+
+
+@pytest.mark.slow
+@WORKER_COUNTS
+async def test_a_request_whose_body_is_still_coming_at_the_deadline_gets_a_recorded_503(
+        tmp_path, emulator, workers):
+    emu = emulator()
+    relay = start_relay(tmp_path, emu.url, workers=workers, drain_seconds=0.5)
+    body = orjson.dumps(BODY)
+    parts = urlsplit(relay.url)
+    try:
+        reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+        writer.write(b"POST /v1/messages HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                     b"Content-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body[:10])
+        await writer.drain()
+        await asyncio.sleep(0.3)  # its handler waits for the rest of the body
+        os.kill(relay.pid, signal.SIGTERM)
+        head, _, answer = (await asyncio.wait_for(reader.read(), 10)).partition(b"\r\n\r\n")
+        writer.close()
+        assert head.startswith(b"HTTP/1.1 503 ")
+        headers = dict(line.split(": ", 1) for line in head.decode().split("\r\n")[1:])
+        request_id = headers["x-relay-request-id"]
+        assert headers["request-id"] == request_id
+        assert orjson.loads(answer) == {"type": "error", "error": {
+            "type": "api_error", "message": SHUTTING_DOWN.decode()}, "request_id": request_id}
+        assert await asyncio.to_thread(exit_status, relay) == 1
+        [line] = [line for line in access_lines(relay) if line["path"] == "/v1/messages"]
+        assert (line["request_id"], line["status"], line["outcome"]) == (
+            request_id, 503, "relay_error")
+        assert emu.requests() == []
     finally:
         relay.stop()
 
