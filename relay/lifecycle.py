@@ -99,7 +99,8 @@ class Lifecycle:
     def signal(self) -> None:
         """SIGTERM or SIGINT: the first starts the drain, the second cuts it short."""
         if self.stop_requested.is_set():
-            log.warning("second stop signal: ending the requests still in flight")
+            log.warning("second stop signal: ending the requests still in flight"
+                        if self.listening else "second stop signal: ending the start-up")
             self.second_signal.set()
         else:
             self.stop_requested.set()

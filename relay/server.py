@@ -545,6 +545,25 @@ async def traces_context(app):
     await asyncio.get_running_loop().run_in_executor(None, traces.close)
 
 
+async def started(chain: Chain, config, state: lifecycle.Lifecycle) -> bool:
+    """The plugins' ``relay_startup``, unless a second stop signal comes first: then what
+    started is shut down and the process stops without listening (a plugin's start-up can
+    wait on the network for as long as it likes; an operator's second signal should not)."""
+    startup = asyncio.ensure_future(chain.startup(config))
+    forced = asyncio.ensure_future(state.second_signal.wait())
+    try:
+        await asyncio.wait({startup, forced}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        forced.cancel()
+    if startup.done():
+        startup.result()  # a ConfigError stops start-up as it is
+        return True
+    startup.cancel()
+    await asyncio.wait({startup}, timeout=5)
+    await chain.shutdown(config)
+    return False
+
+
 async def serve(config, chain: Chain, host: str, port: int, worker=None) -> int:
     """Serve until SIGTERM or SIGINT, then drain (see :mod:`relay.lifecycle`); returns the
     exit status. Alone, prints the listening address once bound (port 0 picks one); as one
@@ -552,12 +571,14 @@ async def serve(config, chain: Chain, host: str, port: int, worker=None) -> int:
     with its siblings and tells the supervisor instead."""
     loop = asyncio.get_running_loop()
     state = lifecycle.Lifecycle(config.workers, worker.serving) if worker else lifecycle.Lifecycle()
-    # From the start: a signal during start-up drains (nothing) once listening, not a kill.
+    # From the start: a signal during start-up drains (nothing) once listening, not a kill;
+    # a second one ends the start-up.
     for sig in worker.signals if worker else (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, state.signal)
     if not worker:  # a worker ignores it: its supervisor says so, once
         loop.add_signal_handler(signal.SIGHUP, lifecycle.hangup)
-    await chain.startup(config)
+    if not await started(chain, config, state):
+        return 1
     try:
         app = create_app(config, chain, state)
         app[lifecycle.LIFECYCLE] = state

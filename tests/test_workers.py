@@ -23,7 +23,7 @@ import aiohttp
 import orjson
 import pytest
 from aiohttp import web
-from support import Relay, backend
+from support import Process, Relay, backend
 
 from relay.chain import Chain, load_plugins
 from relay.config import parse
@@ -215,10 +215,10 @@ def relay_shutdown(config):
 '''
 
 
-def probe_plugin(root: Path) -> dict:
+def probe_plugin(root: Path, source: str = PROBE) -> dict:
     """A third-party plugin, installed the way pip installs one (an entry point in a
     dist-info directory on the path): it leaves a file per process for its start and end."""
-    (root / "relay_probe.py").write_text(PROBE)
+    (root / "relay_probe.py").write_text(source)
     info = root / "relay_probe-1.0.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: relay-probe\nVersion: 1.0\n")
@@ -239,6 +239,60 @@ def test_each_worker_runs_the_plugins_startup_and_shutdown(tmp_path, emulator):
     relay.stop()
     assert exit_status(relay) == 0
     assert {p.name.split("-")[1] for p in marks.glob("shutdown-*")} == started
+
+
+# A plugin whose start-up waits long (on a service it needs, say).
+SLOW_START = """
+import asyncio
+import os
+from relay.hookspecs import hookimpl
+
+
+def _mark(what):
+    with open(os.path.join(os.environ["PROBE_DIR"], f"{what}-{os.getpid()}"), "w"):
+        pass
+
+
+@hookimpl
+async def relay_startup(config):
+    _mark("startup")
+    await asyncio.sleep(60)
+
+
+@hookimpl
+def relay_shutdown(config):
+    _mark("shutdown")
+"""
+
+
+@pytest.mark.slow
+@WORKER_COUNTS
+def test_a_second_signal_ends_a_start_up_that_takes_long(tmp_path, workers):
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    (tmp_path / "site").mkdir()
+    env = {**probe_plugin(tmp_path / "site", SLOW_START), "PROBE_DIR": str(marks)}
+    config = tmp_path / "relay.yaml"
+    config.write_text(orjson.dumps({
+        "pipeline": ["probe"],
+        "backends": [backend("http://127.0.0.1:9")]}).decode())
+    relay = Process([sys.executable, "-m", "relay", "--config", str(config), "--port", "0",
+                     "--workers", str(workers)], env=env, cwd=str(tmp_path))
+    try:
+        deadline = time.monotonic() + 20
+        while len(list(marks.glob("startup-*"))) < workers and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(list(marks.glob("startup-*"))) == workers
+        os.kill(relay.pid, signal.SIGTERM)
+        time.sleep(0.2)
+        os.kill(relay.pid, signal.SIGTERM)
+        assert relay.wait(10) == 1
+        assert "listening" not in relay.output()
+        assert "second stop signal: ending the start-up" in relay.output()
+        # What had started was shut down: each process ran the plugins' relay_shutdown.
+        assert len(list(marks.glob("shutdown-*"))) == workers
+    finally:
+        relay.stop()
 
 
 def test_a_plugin_config_error_in_the_workers_stops_the_relay_with_status_2(tmp_path, emulator):
