@@ -138,6 +138,9 @@ def run_serve(args) -> int:
     except ConfigError as e:
         return fail(f"config error: {e}")
     warn_if_unenforced(config)
+    from .listen import fit_open_files  # the server's (aiohttp's): serve alone needs it
+    enough, said = fit_open_files(config.max_connections, config.upstream_connections)
+    logging.getLogger("relay").log(logging.DEBUG if enough else logging.WARNING, said)
     logs.announce(describe(config))
     try:
         if config.workers > 1:

@@ -14,6 +14,8 @@ import ast
 import asyncio
 import logging
 import re
+import resource
+import time
 from http import HTTPStatus
 
 from aiohttp import web
@@ -111,6 +113,73 @@ class AnthropicErrors(RequestHandler):
                             text.replace("\n", " ")[:500], request_id))
         response.force_close()
         return response
+
+
+# What the configured connections leave for everything else a process opens: its state,
+# dumps, the provenance file, the metrics' files, the console's, the interpreter's own.
+FILES_BESIDES_CONNECTIONS = 128
+
+
+def fit_open_files(max_connections: int, upstream_connections: int) -> tuple[bool, str]:
+    """Raise this process's soft limit on open files (``ulimit -n``) toward what the
+    configured connections need, as far as its hard limit allows: with fewer, the clients past
+    the limit wait unanswered in the kernel's queue instead of getting the relay's 529 at
+    ``server.max_connections`` (systemd's default soft limit, 1024, is below the defaults'
+    1,536 connections). Workers inherit it. Returns whether the need is met, and what to say."""
+    need = max_connections + upstream_connections + FILES_BESIDES_CONNECTIONS
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return True, f"open files: up to {soft}, for about {need}"
+    wanted = need if hard == resource.RLIM_INFINITY else min(need, hard)
+    if wanted > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+        except (ValueError, OSError):
+            wanted = soft
+    if wanted >= need:
+        return True, f"open files: raised the limit from {soft} to {wanted}"
+    return False, (
+        f"open files: this process may have {wanted} open (ulimit -n), and "
+        f"server.max_connections ({max_connections}) with server.upstream_connections "
+        f"({upstream_connections}) need about {need}: past the limit, new connections wait "
+        f"unanswered instead of getting 529 overloaded_error; raise the limit (systemd: "
+        f"LimitNOFILE) or lower server.max_connections")
+
+
+class AcceptErrors:
+    """The event loop's exception handler: a listening socket that cannot accept (out of file
+    descriptors) is said once a minute at most, with a count, and without a traceback.
+
+    asyncio logs every failed accept, traceback and all, and goes on trying up to the
+    listen backlog (1,024) times per wake-up, each time scheduling another retry
+    (python/cpython#151615): a relay at its file limit wrote thousands of lines a second, and
+    spent more than half a core on them, while it waited for connections to close.
+    Everything else goes to asyncio's own handler."""
+
+    MESSAGE = "socket.accept() out of system resource"
+
+    def __init__(self, every: float = 60.0, clock=time.monotonic):
+        self.every = every
+        self.clock = clock
+        self.said: float | None = None
+        self.since = 0  # failures not said since
+
+    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict) -> None:
+        if context.get("message") != self.MESSAGE:
+            loop.default_exception_handler(context)
+            return
+        now = self.clock()
+        if self.said is not None and now - self.said < self.every:
+            self.since += 1
+            return
+        error = context.get("exception")
+        reason = getattr(error, "strerror", None) or str(error)
+        more = f"; {self.since} more since it was last said" if self.since else ""
+        limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        log.error("cannot accept connections: %s (this process may have %s files open, "
+                  "ulimit -n): new connections wait until some close%s", reason, limit, more)
+        self.said = now
+        self.since = 0
 
 
 class _Refusal(asyncio.Protocol):

@@ -40,7 +40,7 @@ from .inbound import (
     is_json,
     split_target,
 )
-from .listen import Listener
+from .listen import AcceptErrors, Listener
 from .passthrough import relay_passthrough
 from .prepare import ENDPOINTS, Fallbacks, Preparation, prepare_exchange
 from .redact import redact_text
@@ -570,6 +570,7 @@ async def serve(config, chain: Chain, host: str, port: int, worker=None) -> int:
     of several workers (``worker``, a :class:`relay.workers.WorkerLink`) it shares the port
     with its siblings and tells the supervisor instead."""
     loop = asyncio.get_running_loop()
+    loop.set_exception_handler(AcceptErrors())
     state = lifecycle.Lifecycle(config.workers, worker.serving) if worker else lifecycle.Lifecycle()
     # From the start: a signal during start-up drains (nothing) once listening, not a kill;
     # a second one ends the start-up.

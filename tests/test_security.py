@@ -14,7 +14,7 @@ import time
 import orjson
 import pytest
 from aiohttp import web
-from support import ROOT, backend
+from support import ROOT, Process, backend
 from test_server import (  # noqa: F401
     ANSWER,
     BODY,
@@ -650,6 +650,90 @@ def test_connections_past_the_cap_get_a_clean_529_and_service_resumes(small_rela
         time.sleep(0.1)
     assert answer.startswith(b"HTTP/1.1 200")
     assert "Traceback" not in small_relay.output()
+
+
+def test_a_relay_out_of_file_descriptors_says_so_once_and_serves_again(tmp_path, emulator):
+    # asyncio logs every failed accept with a traceback, up to the backlog's 1,024 a wake-up
+    # (python/cpython#151615): thousands of lines a second until connections close.
+    emu = emulator()
+    config = tmp_path / "relay.yaml"
+    config.write_text(orjson.dumps({"backends": [backend(emu.url)]}).decode())
+    server = Process(["sh", "-c", 'ulimit -n 64 && exec "$@"', "sh", sys.executable, "-m",
+                      "relay", "--config", str(config), "--port", "0"], cwd=str(tmp_path))
+    try:
+        url = server.wait_ready(20, "relay")
+        # It says at start-up that the connections it is configured for cannot all be had.
+        assert "open files: this process may have 64 open (ulimit -n)" in server.output()
+        held = []
+        for _ in range(80):
+            held.append(connect(url))
+        assert server.wait_for_output("cannot accept connections: Too many open files")
+        time.sleep(1.5)  # asyncio's retries, once a second
+        for sock in held:
+            sock.close()
+        deadline = time.monotonic() + 10
+        while True:
+            with connect(url) as sock:
+                sock.sendall(request_bytes("POST", "/v1/messages", orjson.dumps(BODY)))
+                answer = read_answer(sock)
+            if answer.startswith(b"HTTP/1.1 200") or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert answer.startswith(b"HTTP/1.1 200")
+        assert server.output().count("cannot accept connections") == 1
+        assert "Traceback" not in server.output()
+    finally:
+        server.stop()
+    assert server.proc.returncode == 0
+
+
+def test_accept_errors_are_said_once_a_minute_with_a_count(caplog):
+    from relay.listen import AcceptErrors
+
+    now = [100.0]
+    handler = AcceptErrors(every=60, clock=lambda: now[0])
+    loop = asyncio.new_event_loop()
+    try:
+        failed = {"message": AcceptErrors.MESSAGE,
+                  "exception": OSError(24, "Too many open files")}
+        with caplog.at_level(logging.ERROR, logger="relay"):
+            for _ in range(2000):
+                handler(loop, failed)
+            now[0] += 61
+            handler(loop, failed)
+            handler(loop, {"message": "something else broke"})
+        said = [r.getMessage() for r in caplog.records]
+    finally:
+        loop.close()
+    assert len(said) == 3
+    assert said[0].startswith("cannot accept connections: Too many open files (this process "
+                              "may have ")
+    assert said[1].endswith("1999 more since it was last said")
+    assert said[2] == "something else broke"  # asyncio's own handler, for everything else
+
+
+@pytest.mark.parametrize("limits, need_met, soft_after", [
+    ((1024, 524288), True, 1024 + 512 + 128),  # systemd's default: raised to what is needed
+    ((256, 1000), False, 1000),  # as far as the hard limit goes, and said
+    ((64, 64), False, 64),
+    ((4096, 4096), True, 4096),
+])
+def test_the_open_files_limit_is_raised_to_what_the_connections_need(monkeypatch, limits,
+                                                                      need_met, soft_after):
+    from relay import listen
+
+    current = list(limits)
+    monkeypatch.setattr(listen.resource, "getrlimit", lambda which: tuple(current))
+
+    def setrlimit(which, wanted):
+        assert wanted[1] == limits[1]  # the hard limit is the operator's
+        current[:] = wanted
+    monkeypatch.setattr(listen.resource, "setrlimit", setrlimit)
+    enough, said = listen.fit_open_files(1024, 512)
+    assert (enough, current[0]) == (need_met, soft_after)
+    if not need_met:
+        assert said.startswith(f"open files: this process may have {soft_after} open")
+        assert "server.max_connections (1024)" in said
 
 
 def test_planted_secrets_never_reach_a_log_line_or_a_dump(relay, emulator, tmp_path):
