@@ -8,7 +8,9 @@ workers' sockets) and drains on its own (see :mod:`relay.lifecycle`).
 
 Signals: SIGTERM or SIGINT to the supervisor is passed on to every worker as SIGTERM (the
 workers ignore SIGINT, so a Ctrl-C to the terminal's process group stops them once, through
-the supervisor); a second one is passed on too and cuts the drains short. SIGHUP is logged
+the supervisor); a second one is passed on too and cuts the drains short. A worker still
+there ``KILL_GRACE`` seconds after the drain's deadline, or after the second signal, is
+killed. SIGHUP is logged
 and changes nothing (there is no reload), in the workers too. The supervisor
 exits 0 when every worker drained completely, 1 otherwise, or with a worker's own status
 when one could not start (2: a config error from a plugin's relay_startup). A worker that
@@ -225,6 +227,10 @@ class Supervisor:
             self.stop_deadline = time.monotonic() + self.config.drain_seconds + KILL_GRACE
             log.info("stopping %d worker(s): draining for up to %gs", len(self.pids),
                      self.config.drain_seconds)
+        elif self.stop_deadline is not None:
+            # The drains end now: a worker still there once the grace is over is stuck, however
+            # long drain_seconds is.
+            self.stop_deadline = min(self.stop_deadline, time.monotonic() + KILL_GRACE)
         for pid in self.pids:
             with contextlib.suppress(ProcessLookupError):  # exited since the last reap
                 os.kill(pid, signal.SIGTERM)

@@ -650,6 +650,19 @@ def test_workers_on_the_command_line_are_checked(tmp_path):
     assert "--workers: must be between 1 and 256" in done.stderr
 
 
+def test_a_second_signal_leaves_a_stuck_worker_the_grace_alone_not_the_drain():
+    from relay import workers
+    config = parse({"backends": [backend("http://127.0.0.1:9")],
+                    "server": {"drain_seconds": 600}})
+    supervisor = workers.Supervisor(config, None, "127.0.0.1", 0, 2)
+    started = time.monotonic()
+    supervisor.stop()
+    assert supervisor.stop_deadline is not None
+    assert supervisor.stop_deadline - started >= 600 + workers.KILL_GRACE
+    supervisor.stop()
+    assert supervisor.stop_deadline - started <= workers.KILL_GRACE + 1
+
+
 async def test_readiness_follows_the_process_through_its_life():
     serving = SharedCounter()
     state = Lifecycle(3, serving)
