@@ -125,6 +125,8 @@ def run_serve(args) -> int:
     port = config.port if args.port is None else args.port
     if not 0 <= port <= 65535:
         return fail(f"--port: must be between 0 and 65535, not {port}")
+    # What the server reads of them (the Host names it answers to) is what it listens on.
+    config.host, config.port = host, port
     try:
         config_module.check_exposure(config, host)
     except ConfigError as e:

@@ -220,6 +220,36 @@ def test_the_cli_refuses_to_start_before_listening(tmp_path):
     assert "Traceback" not in done.stderr and BACKEND_KEY not in done.stderr
 
 
+def test_the_host_flag_is_the_address_the_relay_answers_to(tmp_path, monkeypatch):
+    # As server.host in relay.yaml: a client that reaches the relay at the address it was
+    # told to listen on (with auth off) names it in its Host header.
+    import logging as logging_module
+
+    from relay import cli, listen, server
+    from relay.inbound import host_allowed
+
+    (tmp_path / "relay.yaml").write_text(
+        "backends:\n  - {name: up, url: 'http://127.0.0.1:1', models: ['*']}\n")
+    seen = {}
+
+    async def serve(config, chain, host, port, worker=None):
+        seen.update(host=host, allowed=host_allowed("relay.internal:8787", config))
+        return 0
+
+    monkeypatch.setattr(server, "serve", serve)
+    monkeypatch.setattr(listen, "fit_open_files", lambda *limits: (True, ""))
+    monkeypatch.setenv("RELAY_WORKERS", "1")
+    root = logging_module.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        assert cli.main(["--config", str(tmp_path / "relay.yaml"), "--host",
+                         "relay.internal", "--port", "0"]) == 0
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    assert seen == {"host": "relay.internal", "allowed": True}
+
+
 # --- browser-shaped requests -------------------------------------------------------------------
 
 @pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded",
