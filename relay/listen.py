@@ -115,6 +115,12 @@ class AnthropicErrors(RequestHandler):
         return response
 
 
+def url_of(address: tuple) -> str:
+    """``http://HOST:PORT`` for a bound socket's address, an IPv6 host in brackets."""
+    host, port = address[0], address[1]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 # What the configured connections leave for everything else a process opens: its state,
 # dumps, the provenance file, the metrics' files, the console's, the interpreter's own.
 FILES_BESIDES_CONNECTIONS = 128

@@ -40,7 +40,7 @@ from .inbound import (
     is_json,
     split_target,
 )
-from .listen import AcceptErrors, Listener
+from .listen import AcceptErrors, Listener, url_of
 from .passthrough import relay_passthrough
 from .prepare import ENDPOINTS, Fallbacks, Preparation, prepare_exchange
 from .redact import redact_text
@@ -609,8 +609,7 @@ async def serve(config, chain: Chain, host: str, port: int, worker=None) -> int:
             if worker:
                 worker.started(loop, state.signal)
             else:
-                bound = runner.addresses[0]
-                logs.announce(f"relay listening on http://{bound[0]}:{bound[1]}")
+                logs.announce(f"relay listening on {url_of(runner.addresses[0])}")
             await state.stop_requested.wait()
             return await state.drain(runner, config.drain_seconds)
         finally:

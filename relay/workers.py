@@ -33,6 +33,7 @@ import time
 from . import logs
 from .errors import ConfigError
 from .lifecycle import SharedCounter, hangup
+from .listen import url_of
 
 log = logging.getLogger("relay")
 
@@ -214,12 +215,8 @@ class Supervisor:
         self.serving.value = len(self.ready)
         if not self.announced and len(self.ready) == self.workers:
             self.announced = True
-            logs.announce(f"relay listening on http://{self.host_text()}:{self.port} "
+            logs.announce(f"relay listening on {url_of(self.reserved.getsockname())} "
                           f"({self.workers} workers)")
-
-    def host_text(self) -> str:
-        host = self.reserved.getsockname()[0]
-        return f"[{host}]" if ":" in host else host
 
     def stop(self) -> None:
         self.stopping += 1

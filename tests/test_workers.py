@@ -663,6 +663,13 @@ def test_a_second_signal_leaves_a_stuck_worker_the_grace_alone_not_the_drain():
     assert supervisor.stop_deadline - started <= workers.KILL_GRACE + 1
 
 
+def test_the_listening_line_names_an_ipv6_address_as_a_url_does():
+    # One process and the supervisor alike (`relay --host ::1`): http://::1:8787 is no URL.
+    from relay.listen import url_of
+    assert url_of(("::1", 8787, 0, 0)) == "http://[::1]:8787"
+    assert url_of(("127.0.0.1", 8787)) == "http://127.0.0.1:8787"
+
+
 async def test_readiness_follows_the_process_through_its_life():
     serving = SharedCounter()
     state = Lifecycle(3, serving)
