@@ -158,9 +158,10 @@ load: $(VENV)/.installed $(REDIS)
 	$(PY) tests/load/run.py --only soak --state redis --out-dir .load/redis
 
 # The docs site (mkdocs.yml), built strictly: a broken link or a generated part that fails
-# stops the build. Into .site/, never committed.
+# stops the build. Into .site/, never committed. Not --quiet: it silences the warnings
+# before --strict can count them, and a broken link then passes.
 docs: $(VENV)/.installed
-	$(PY) -m mkdocs build --strict --quiet
+	$(PY) -m mkdocs build --strict
 
 demo: $(VENV)/.installed
 	$(PY) -m relay.demo
