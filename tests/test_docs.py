@@ -1,13 +1,20 @@
 """The docs site's generated reference holds everything it is generated from (the build
-itself, strict, is `make docs`, part of `make test`)."""
+itself, strict, is `make docs`, part of `make test`), and what the pages say of the operator's
+interface (relay.yaml's keys and examples, the command line, metrics, headers, routes, the
+access log) is what the code declares."""
 
 import importlib.util
 import json
+import re
+import textwrap
 from pathlib import Path
 
 import pytest
+import yaml
 
+from relay import config as config_module
 from relay import hookspecs
+from relay.chain import Chain, load_plugins
 from relay.options import declared
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,3 +63,81 @@ def test_a_page_asking_for_an_unknown_part_fails_the_build():
 def test_docstring_roles_become_code():
     assert generate.markdown("see :class:`relay.exchange.Exchange` and ``x``") \
         == "see `relay.exchange.Exchange` and `x`"
+
+
+# --- the docs against the interface ---------------------------------------------------------
+# Each check below reads what the docs say about one part of the operator's interface (config
+# keys, YAML examples, command-line flags, metrics, headers, routes, access-log fields) and
+# holds it to what the code declares, both ways where the docs mean to be complete.
+
+DOCS = ROOT / "docs"
+PAGES = sorted(DOCS.glob("*.md")) + sorted((DOCS / "reference").glob("*.md"))
+
+
+class _Page:
+    def __init__(self, path: Path):
+        class file:
+            src_path = str(path.relative_to(DOCS))
+        self.file = file
+
+
+def rendered(path: Path) -> str:
+    """A page as the site shows it: its generated parts filled in."""
+    return generate.on_page_markdown(path.read_text(), _Page(path), None, None)
+
+
+def unreleased() -> str:
+    """The CHANGELOG's unreleased section: what it names is what the code names now."""
+    text = (ROOT / "CHANGELOG.md").read_text()
+    return text.split("(unreleased)", 1)[1].split("\n## ", 1)[0]
+
+
+def operator_texts() -> list[tuple[str, str]]:
+    """Every text an operator reads about the interface, by name."""
+    return ([(str(p.relative_to(ROOT)), rendered(p)) for p in PAGES]
+            + [("README.md", (ROOT / "README.md").read_text()),
+               ("relay.yaml", (ROOT / "relay.yaml").read_text()),
+               ("CHANGELOG.md (unreleased)", unreleased())])
+
+
+YAML_FENCE = re.compile(r"^(?P<indent>[ \t]*)```ya?ml[ \t]*\n(?P<body>.*?)^(?P=indent)```",
+                        re.MULTILINE | re.DOTALL)
+TOP_LEVEL = {"server", "pipeline", "plugins", "backends", "state", "telemetry"}
+# Fenced YAML in the docs that is another program's configuration, by its first key.
+NOT_RELAY_YAML = {"scrape_configs"}  # Prometheus's (telemetry.md)
+
+
+def yaml_examples():
+    for path in [*PAGES, ROOT / "README.md"]:
+        text = path.read_text()
+        for match in YAML_FENCE.finditer(text):
+            raw = yaml.safe_load(textwrap.dedent(match.group("body")))
+            if isinstance(raw, dict) and next(iter(raw), None) in NOT_RELAY_YAML:
+                continue
+            line = text.count("\n", 0, match.start()) + 1
+            yield pytest.param(raw, id=f"{path.relative_to(ROOT)}:{line}")
+
+
+def as_relay_yaml(raw) -> dict:
+    """An example as the whole relay.yaml it stands for: a list of backends is the
+    ``backends:`` section, ``credentials:`` alone a backend's, each in the shipped relay.yaml's
+    pipeline; a config without backends gets one (relay.yaml needs one)."""
+    shipped = yaml.safe_load((ROOT / "relay.yaml").read_text())["pipeline"]
+    if isinstance(raw, list):
+        raw = {"pipeline": shipped, "backends": raw}
+    elif isinstance(raw, dict) and set(raw) == {"credentials"}:
+        raw = {"pipeline": shipped,
+               "backends": [{"name": "pooled", "url": "https://api.anthropic.com", **raw}]}
+    assert isinstance(raw, dict) and set(raw) <= TOP_LEVEL, f"not relay.yaml: {raw!r:.200}"
+    return {"backends": [{"name": "any", "url": "http://127.0.0.1:8788"}], **raw}
+
+
+@pytest.mark.parametrize("raw", list(yaml_examples()))
+def test_every_yaml_example_is_a_config_the_relay_accepts(raw):
+    """As ``relay validate --config`` loads it (offline: no key need be set), with the options
+    of every plugin it configures checked against their declarations, in the pipeline or
+    not."""
+    config = config_module.parse(as_relay_yaml(raw), env={}, require_keys=False)
+    config.pipeline = list(dict.fromkeys([*config.pipeline, *config.plugins]))
+    Chain(load_plugins(config.pipeline), config)
+
