@@ -3,6 +3,7 @@ itself, strict, is `make docs`, part of `make test`), and what the pages say of 
 interface (relay.yaml's keys and examples, the command line, metrics, headers, routes, the
 access log) is what the code declares."""
 
+import argparse
 import importlib.util
 import json
 import re
@@ -12,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from relay import cli, hookspecs
 from relay import config as config_module
-from relay import hookspecs
 from relay.chain import Chain, load_plugins
 from relay.options import declared
 
@@ -141,3 +142,64 @@ def test_every_yaml_example_is_a_config_the_relay_accepts(raw):
     config.pipeline = list(dict.fromkeys([*config.pipeline, *config.plugins]))
     Chain(load_plugins(config.pipeline), config)
 
+
+def command_parsers() -> dict[tuple[str, ...], argparse.ArgumentParser]:
+    """Each command's parser, and each of its subcommands' (``keys create``), by their words."""
+    found = {}
+    for name in cli.COMMANDS:
+        parser = _subcommands(cli.build_parser(name))[name]
+        found[(name,)] = parser
+        for word, nested in _subcommands(parser).items():
+            found[(name, word)] = nested
+    return found
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> dict:
+    return next((action.choices for action in parser._actions
+                 if isinstance(action, argparse._SubParsersAction)), {})
+
+
+def flags(parser: argparse.ArgumentParser) -> set[str]:
+    return {flag for action in parser._actions for flag in action.option_strings
+            if flag.startswith("--")} - {"--help"}
+
+
+FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
+
+
+def test_every_flag_of_every_command_is_on_the_command_line_page():
+    page = (DOCS / "cli.md").read_text()
+    documented = set(FLAG.findall(page))
+    missing = {" ".join(words): sorted(flags(parser) - documented)
+               for words, parser in command_parsers().items() if flags(parser) - documented}
+    assert not missing
+
+
+def test_every_flag_the_command_line_page_names_is_a_flag():
+    every = set().union(*map(flags, command_parsers().values()))
+    assert set(FLAG.findall((DOCS / "cli.md").read_text())) - every == set()
+
+
+# A command as the docs write it in code: `relay usage --by model`, `python -m relay ...`.
+COMMAND = re.compile(r"(?:^|(?<=[`\s]))(?:\.venv/bin/)?(?:python -m )?relay((?: [^`\n]*)?)"
+                     r"(?=`|$)", re.MULTILINE)
+
+
+def test_every_command_the_docs_show_takes_the_flags_they_give_it():
+    parsers = command_parsers()
+    wrong = []
+    for name, text in operator_texts():
+        if name == "docs/cli.md":  # its synopsis puts several commands on a line; see above
+            continue
+        for match in COMMAND.finditer(text):
+            words = match.group(1).split()
+            if words and words[0] in cli.COMMANDS:
+                command = tuple(words[:2]) if tuple(words[:2]) in parsers else (words[0],)
+            elif not words or words[0].startswith("-"):
+                command = ("serve",)
+            else:
+                continue  # prose: "relay keeps ..."
+            for flag in FLAG.findall(match.group(1)):
+                if flag not in flags(parsers[command]) | {"--help"}:
+                    wrong.append(f"{name}: relay {' '.join(command)} {flag}")
+    assert not wrong
