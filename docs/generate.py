@@ -161,6 +161,35 @@ def telemetry_options() -> str:
     return markdown_table(telemetry.OPTIONS, quirks=False)
 
 
+def metric_families() -> list:
+    """The metrics plugin's families, as one that has started makes them (each a
+    ``relay_builtins.metrics.Family``: ``kind``, ``name``, ``labelnames``, ``documentation``),
+    in the order it declares them."""
+    from relay.config import Config
+    from relay.state import State
+
+    module = importlib.import_module("relay_builtins.metrics")
+    plugin = module.Metrics()
+    plugin.relay_startup(config=Config(backends=[]),
+                         options={"path": "/metrics", "scrape_key_env": ""}, state=State())
+    return [value for value in vars(plugin).values() if isinstance(value, module.Family)]
+
+
+def scraped_name(family) -> str:
+    """A family's name as a scrape shows it: a counter's with ``_total``."""
+    return family.name + "_total" if family.kind == "counter" else family.name
+
+
+def metrics() -> str:
+    """Every metric the metrics plugin serves: its name as scraped, type, labels, help."""
+    rows = ["| metric | type | labels | meaning |", "|---|---|---|---|"]
+    for family in metric_families():
+        labels = ", ".join(f"`{label}`" for label in family.labelnames) or "—"
+        rows.append(f"| `{scraped_name(family)}` | {family.kind} | {labels} | "
+                    f"{_cell(family.documentation)} |")
+    return "\n".join(rows)
+
+
 def _plugin(name: str):
     """A built-in as the entry point loads it: its module, or the class in it that declares
     the options."""
@@ -202,7 +231,7 @@ def rules() -> str:
 
 PARTS = {"hookspecs": hookspecs, "exchange": exchange, "options": options,
          "server_options": server_options, "plugins": plugins, "rules": rules,
-         "telemetry_options": telemetry_options}
+         "telemetry_options": telemetry_options, "metrics": metrics}
 
 
 def on_page_markdown(markdown_text: str, page, config, files) -> str:

@@ -203,3 +203,58 @@ def test_every_command_the_docs_show_takes_the_flags_they_give_it():
                 if flag not in flags(parsers[command]) | {"--help"}:
                     wrong.append(f"{name}: relay {' '.join(command)} {flag}")
     assert not wrong
+
+
+def test_every_generated_part_is_on_one_page():
+    asked = [match.group(1) for path in PAGES for match in generate.MARKER.finditer(
+        path.read_text())]
+    assert sorted(asked) == sorted(generate.PARTS)
+
+
+def test_every_metric_is_in_the_metrics_reference_with_its_type_and_labels():
+    page = generate.metrics()
+    families = generate.metric_families()
+    assert {family.kind for family in families} == {"counter", "histogram", "gauge"}
+    for family in families:
+        row = next(line for line in page.splitlines()
+                   if line.startswith(f"| `{generate.scraped_name(family)}` |"))
+        assert f"| {family.kind} |" in row
+        for label in family.labelnames:
+            assert f"`{label}`" in row
+    metrics = importlib.import_module("relay_builtins.metrics")
+    about = (DOCS / "reference" / "metrics.md").read_text()
+    assert f"first {metrics.MAX_MODELS} model names" in " ".join(about.split())
+    assert f"(the first {metrics.MAX_NAMES},\nthen `other`)" in about
+
+
+# A metric as the docs name it: `relay_tokens_total{backend, key, model, kind}`,
+# `relay_credential_*`, `relay_requests_total{outcome="pool_full"}`.
+METRIC = re.compile(r"(?<![\w.])(relay_[a-z0-9_]+)(\*)?(\{[^}]*\})?")
+SAMPLES = {"counter": ("_total", "_created"), "histogram": ("", "_bucket", "_sum", "_count"),
+           "gauge": ("",)}
+
+
+def test_every_metric_the_docs_name_is_served_under_that_name_with_those_labels():
+    families = {family.name: family for family in generate.metric_families()}
+    wrong = []
+    for name, text in operator_texts():
+        for match in METRIC.finditer(text):
+            written, star, braces = match.groups()
+            if star:
+                matching = [family for family in families.values()
+                            if generate.scraped_name(family).startswith(written)]
+            else:
+                matching = [family for base, family in families.items()
+                            if written.startswith(base) and written[len(base):]
+                            in SAMPLES[family.kind]]
+                if not matching and (braces or written.endswith("_total")
+                                     or written in families):
+                    matching = [None]  # a metric by its looks, under no name served
+            if not matching:
+                continue  # a hook, a module, a package: not a metric
+            labels = {part.split("=")[0].strip() for part in (braces or "{}")[1:-1].split(",")
+                      if part.strip()}
+            for family in matching:
+                if family is None or not labels <= set(family.labelnames):
+                    wrong.append(f"{name}: {match.group(0)}")
+    assert not wrong
