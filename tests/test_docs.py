@@ -258,3 +258,22 @@ def test_every_metric_the_docs_name_is_served_under_that_name_with_those_labels(
                 if family is None or not labels <= set(family.labelnames):
                     wrong.append(f"{name}: {match.group(0)}")
     assert not wrong
+
+
+def test_every_access_log_field_is_on_the_production_page():
+    from relay import logs
+    from relay.testing import finished_exchange
+    from relay.usage import Usage
+
+    exchange = finished_exchange(stream=True, events=7)
+    exchange.credential, exchange.key_name = "team-a", "ci"
+    exchange.repairs = 1
+    exchange.translation["toolu_1-2"] = {"direction": "to_client"}
+    exchange.cache = {"status": "miss", "cause": "ttl_expired"}
+    exchange.timings.first_byte = 0.25
+    exchange.usage = Usage(1, 2, 3, 4, 5, complete=False, cost_micro_usd=6)
+    fields = logs.access_fields(exchange, 200)
+    assert len(fields) == 24  # every field the line can hold, so that none is left unchecked
+    page = (DOCS / "operations.md").read_text()
+    logged = page.split("**Logs.**", 1)[1].split("\n\n", 1)[0]
+    assert [name for name in fields if f"`{name}`" not in logged] == []
