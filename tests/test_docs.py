@@ -277,3 +277,34 @@ def test_every_access_log_field_is_on_the_production_page():
     page = (DOCS / "operations.md").read_text()
     logged = page.split("**Logs.**", 1)[1].split("\n\n", 1)[0]
     assert [name for name in fields if f"`{name}`" not in logged] == []
+
+
+def _source() -> str:
+    return "\n".join(path.read_text() for folder in ("relay", "plugins")
+                     for path in sorted((ROOT / folder).rglob("*.py"))
+                     if "testing" not in path.relative_to(ROOT).parts)
+
+
+def test_every_x_relay_header_and_note_is_on_the_request_page():
+    page = (DOCS / "request-flow.md").read_text()
+    source = _source()
+    headers = set(re.findall(r"x-relay-[a-z]+(?:-[a-z]+)*", source))
+    notes = set(re.findall(r"\.flag\(\"([a-z-]+)\"\)", source))
+    assert {"x-relay-request-id", "x-relay-notes"} <= headers and notes
+    assert sorted(name for name in headers | notes
+                  if not re.search(f"`{re.escape(name)}[`:]", page)) == []
+    assert set(re.findall(r"x-relay-[a-z]+(?:-[a-z]+)*", page)) <= headers
+
+
+def test_every_route_the_relay_serves_is_on_the_request_page():
+    from relay import console, prepare, server
+
+    config = config_module.Config(backends=[config_module.Backend("a", "http://127.0.0.1:1",
+                                                                  [])],
+                                  pipeline=list(generate.BUILTINS))
+    routes = Chain(load_plugins(config.pipeline), config).routes(config)
+    served = ([f"POST {path}" for path in prepare.ENDPOINTS] + ["GET /healthz", "GET /readyz",
+              f"GET {server.BACKENDS}", console.PREFIX]
+              + [f"{method} {path}" for method, path in routes])
+    page = (DOCS / "request-flow.md").read_text()
+    assert [route for route in served if f"`{route}`" not in page] == []
