@@ -308,3 +308,61 @@ def test_every_route_the_relay_serves_is_on_the_request_page():
               + [f"{method} {path}" for method, path in routes])
     page = (DOCS / "request-flow.md").read_text()
     assert [route for route in served if f"`{route}`" not in page] == []
+
+
+# A key of relay.yaml as the docs name it in code: `server.auth.admin_key_env`,
+# `plugins.dump.dir`, `pool.refresh`, `state.url: sqlite:///...`.
+KEY_PATH = re.compile(r"`((?:server|state|telemetry|plugins|pool|retries|timeouts)"
+                      r"(?:\.[a-z_]+)+)(?=[`:\s\[])")
+FILES = (".md", ".py", ".db", ".json", ".yaml")
+
+
+def known_key(path: str) -> bool:
+    from relay import telemetry
+    from relay.state import OPTIONS as STATE_OPTIONS
+
+    sections = {"server": config_module.SERVER_OPTIONS,
+                "server.auth": config_module.AUTH_OPTIONS, "state": STATE_OPTIONS,
+                "telemetry": telemetry.OPTIONS, "pool": config_module.POOL_OPTIONS,
+                "retries": config_module.RETRY_OPTIONS,
+                "timeouts": config_module.TIMEOUT_OPTIONS}
+    parts = path.split(".")
+    if parts[0] == "plugins":
+        if parts[1] not in generate.BUILTINS:
+            return False
+        return len(parts) == 2 or parts[2] in {option.name for option in declared(
+            generate._plugin(parts[1])) or ()}
+    for end in range(len(parts) - 1, 0, -1):  # the longest section first; deeper: its values
+        section = sections.get(".".join(parts[:end]))
+        if section is not None:
+            return parts[end] in {option.name for option in section}
+    return False
+
+
+def test_every_key_the_docs_name_is_a_key_of_relay_yaml():
+    wrong = []
+    for name, text in operator_texts():
+        for match in KEY_PATH.finditer(text):
+            path = match.group(1)
+            after = text[match.end():match.end() + 40]
+            if path.endswith(FILES) or after.startswith(": unknown"):  # a file; a misspelling
+                continue
+            if not known_key(path):
+                wrong.append(f"{name}: {path}")
+    assert not wrong
+
+
+def test_every_quirk_the_host_reads_is_documented_with_its_values():
+    from relay.beta_filter import QUIRKS as BETA_QUIRKS
+    from relay.formats.openai.wire import QUIRKS as OPENAI_QUIRKS
+
+    table = (DOCS / "openai-backends.md").read_text()
+    for quirk, choices in OPENAI_QUIRKS.items():
+        row = next(line for line in table.splitlines() if line.startswith(f"| `{quirk}` |"))
+        values = [str(choice).lower() if isinstance(choice, bool) else choice
+                  for choice in choices]
+        assert f"| `{values[0]}` (default) / " in row
+        assert all(f"`{value}`" in row.split("|")[2] for value in values)
+    configuration = (DOCS / "configuration.md").read_text()
+    assert all(f"`{quirk}`" in configuration for quirk in BETA_QUIRKS)
+    assert config_module.HOST_QUIRKS == {*OPENAI_QUIRKS, *BETA_QUIRKS}
