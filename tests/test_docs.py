@@ -366,3 +366,16 @@ def test_every_quirk_the_host_reads_is_documented_with_its_values():
     configuration = (DOCS / "configuration.md").read_text()
     assert all(f"`{quirk}`" in configuration for quirk in BETA_QUIRKS)
     assert config_module.HOST_QUIRKS == {*OPENAI_QUIRKS, *BETA_QUIRKS}
+
+
+def test_every_page_is_listed_on_the_front_pages():
+    index, readme = (DOCS / "index.md").read_text(), (ROOT / "README.md").read_text()
+    pages = [str(path.relative_to(DOCS)) for path in PAGES if path.name != "index.md"]
+    assert [page for page in pages if f"]({page}" not in index] == []
+    assert [page for page in pages if f"](docs/{page}" not in readme] == []
+    commands = (DOCS / "cli.md").read_text().split("\n- **")[1:]
+    assert [line.split("**")[0] for line in commands] == [c for c in cli.COMMANDS
+                                                          if c != "serve"]
+    for text in (index, readme):
+        listed = text.split("[Command line](", 1)[1].split("\n", 1)[0]
+        assert [c for c in cli.COMMANDS if f"`{c}`" not in listed] == []
