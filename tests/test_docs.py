@@ -379,3 +379,14 @@ def test_every_page_is_listed_on_the_front_pages():
     for text in (index, readme):
         listed = text.split("[Command line](", 1)[1].split("\n", 1)[0]
         assert [c for c in cli.COMMANDS if f"`{c}`" not in listed] == []
+
+
+def test_the_plugin_guide_gives_option_its_whole_signature():
+    import dataclasses
+
+    from relay.options import Option
+
+    page = " ".join((DOCS / "writing-a-plugin.md").read_text().split())
+    written = page.split("`relay.options.Option(", 1)[1].split(")`", 1)[0]
+    names = [part.strip().split("=")[0] for part in written.split(",")]
+    assert names == [field.name for field in dataclasses.fields(Option)]
