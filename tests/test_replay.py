@@ -432,6 +432,29 @@ def test_send_goes_to_the_current_configs_backend_never_the_dumps(tmp_path, caps
     assert target in out and out.index(target) < out.index("== answer: 200")
 
 
+@pytest.mark.parametrize("client_header", ["authorization", "x-api-key"])
+def test_send_to_a_pool_goes_with_one_of_its_credentials_never_the_environment_key(
+        tmp_path, capsys, recorder, monkeypatch, client_header):
+    # docs/cli.md: the key comes from the backend's (a pool's: one of its credentials), and
+    # $RELAY_REPLAY_API_KEY only for a backend that sends the client's own.
+    configured = recorder()
+    client = {"method": "POST", "path": "/v1/messages", "query": "",
+              "headers": {"content-type": "application/json", client_header: "[redacted]"},
+              "body": orjson.dumps(BODY).decode()}
+    path = handmade_dump(tmp_path, client_request=client)
+    config = write_config(tmp_path / "other.yaml", configured.url,
+                          credentials=[{"name": "team", "key_env": "POOL_KEY"}])
+    monkeypatch.setenv("POOL_KEY", "sk-pooled-credential-key")
+    monkeypatch.setenv("RELAY_REPLAY_API_KEY", "sk-client-key-from-the-environment")
+    status, out = replay(capsys, path, "--config", config, "--send")
+    assert status == 0, out
+    [sent] = configured.requests
+    received = {name.lower(): value for name, value in sent["headers"].items()}
+    assert received["x-api-key"] == "sk-pooled-credential-key"
+    assert "authorization" not in received
+    assert "sk-client-key-from-the-environment" not in str(sent["headers"])
+
+
 def test_send_never_follows_a_redirect(tmp_path, capsys, recorder):
     elsewhere = recorder()
     redirecting = recorder(status=307, headers={"Location": elsewhere.url + "/v1/messages"},
