@@ -20,8 +20,8 @@ names. It goes through the same seam as serving (:class:`relay.upstream.Upstream
 and query are checked as the server checks a client's and joined under the backend URL's
 path, the target is printed before anything is sent, and a redirect is printed, not
 followed. Credentials are never in a dump: the backend's ``api_key_env`` key is used when it
-has one, else the client key in ``$RELAY_REPLAY_API_KEY`` (sent the way the client sent its
-own), else none.
+has one (a pool's: one of its ``credentials``, as serving chooses), else the client key in
+``$RELAY_REPLAY_API_KEY`` (sent the way the client sent its own), else none.
 """
 
 from __future__ import annotations
@@ -103,8 +103,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--send", action="store_true",
                         help="send the rebuilt request to the backend of the current config "
                              f"(--config, else ./{DEFAULT_CONFIG}; never a URL from the dump) and "
-                             "print its answer (key: the backend's api_key_env, else "
-                             f"${API_KEY_VARIABLE})")
+                             "print its answer (key: the backend's api_key_env or a "
+                             f"credential of its pool, else ${API_KEY_VARIABLE})")
 
 
 def main(args) -> int:
