@@ -390,3 +390,13 @@ def test_the_plugin_guide_gives_option_its_whole_signature():
     written = page.split("`relay.options.Option(", 1)[1].split(")`", 1)[0]
     names = [part.strip().split("=")[0] for part in written.split(",")]
     assert names == [field.name for field in dataclasses.fields(Option)]
+
+
+def test_every_file_the_docs_point_to_is_there():
+    path = re.compile(r"(?<![\w/.-])(?:relay|plugins|tests|docs|examples)/[\w/.-]*\w"
+                      r"\.(?:py|md|json|yaml|toml)\b")
+    texts = [(p.name, p.read_text()) for p in PAGES] + [
+        (name, (ROOT / name).read_text()) for name in ("README.md", "CONTRIBUTING.md")]
+    named = {found for _, text in texts for found in path.findall(text)}
+    assert len(named) > 20
+    assert sorted(found for found in named if not (ROOT / found).exists()) == []
