@@ -400,3 +400,25 @@ def test_every_file_the_docs_point_to_is_there():
     named = {found for _, text in texts for found in path.findall(text)}
     assert len(named) > 20
     assert sorted(found for found in named if not (ROOT / found).exists()) == []
+
+
+def test_the_accounting_tables_hold_every_limit_and_usage_column():
+    import dataclasses
+
+    from relay import limits
+    from relay.usage import Usage
+
+    page = (DOCS / "accounting.md").read_text()
+    table = page.split("| limit | counts | window |", 1)[1].split("\n\n", 1)[0]
+    rows = [line.split("`")[1].split(":")[0] for line in table.splitlines()
+            if line.startswith("| `")]
+    assert rows == list(limits.FIELDS)
+    budget = next(line for line in table.splitlines() if line.startswith("| `budget"))
+    assert all(f"`{period}`" in budget for period in limits.BUDGET_PERIODS)
+    for name, family in limits.HEADER_FAMILIES.items():
+        assert f"| `anthropic-ratelimit-{family}-limit` / `-remaining` / `-reset` | `{name}`" \
+            in page
+    usage = page.split("| column | from an Anthropic-format answer |", 1)[1].split("\n\n")[0]
+    columns = [line.split("`")[1] for line in usage.splitlines() if line.startswith("| `")]
+    assert columns == [field.name for field in dataclasses.fields(Usage)
+                       if field.name not in ("complete", "cost_micro_usd")]
