@@ -422,3 +422,21 @@ def test_the_accounting_tables_hold_every_limit_and_usage_column():
     columns = [line.split("`")[1] for line in usage.splitlines() if line.startswith("| `")]
     assert columns == [field.name for field in dataclasses.fields(Usage)
                        if field.name not in ("complete", "cost_micro_usd")]
+
+
+def test_the_cache_verdicts_words_are_on_the_sessions_page():
+    from relay_builtins import cache as plugin
+
+    from relay import cache
+
+    page = (DOCS / "sessions.md").read_text()
+    causes = (cache.MODEL, cache.SYSTEM, cache.TOOLS, cache.MESSAGES, cache.THINKING,
+              cache.TOOL_CHOICE, plugin.BACKEND, plugin.CREDENTIAL, plugin.TTL,
+              plugin.UNEXPLAINED)
+    table = page.split("| `cause` | what changed |", 1)[1].split("\n\n", 1)[0]
+    assert [cause for cause in causes if f"`{cause}`" not in table] == []
+    by = page.split("`by` says who changed the prefix", 1)[1].split("\n\n", 1)[0]
+    assert [action for action in plugin.REWRITES if f"`{action}`" not in by] == []
+    statuses = page.split("| `status` | when |", 1)[1].split("\n\n", 1)[0]
+    assert [line.split("`")[1] for line in statuses.splitlines()
+            if line.startswith("| `")] == ["hit", "write", "none", "miss"]
