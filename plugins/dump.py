@@ -128,7 +128,7 @@ def _directory(value: str) -> str | None:
 
 DECLARED = (
     Option("dir", str, None, "where dumps go (relative to the directory the relay runs in)",
-           check=_directory),
+           check=_directory, required=True),
     Option("statuses", (list, int, str), ["400-499"],
            'upstream statuses to dump: codes and `"lo-hi"` ranges; a 2xx here dumps successful '
            "exchanges too (a stream's events are not kept, only its request side and headers)"),

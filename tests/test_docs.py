@@ -121,13 +121,15 @@ def yaml_examples():
 
 def as_relay_yaml(raw) -> dict:
     """An example as the whole relay.yaml it stands for: a list of backends is the
-    ``backends:`` section, ``credentials:`` alone a backend's, each in the shipped relay.yaml's
-    pipeline; a config without backends gets one (relay.yaml needs one)."""
-    shipped = yaml.safe_load((ROOT / "relay.yaml").read_text())["pipeline"]
+    ``backends:`` section, ``credentials:`` alone a backend's, each in the shipped relay.yaml
+    (its pipeline and plugin options); a config without backends gets one (relay.yaml needs
+    one)."""
+    shipped = yaml.safe_load((ROOT / "relay.yaml").read_text())
+    around = {"pipeline": shipped["pipeline"], "plugins": shipped["plugins"]}
     if isinstance(raw, list):
-        raw = {"pipeline": shipped, "backends": raw}
+        raw = {**around, "backends": raw}
     elif isinstance(raw, dict) and set(raw) == {"credentials"}:
-        raw = {"pipeline": shipped,
+        raw = {**around,
                "backends": [{"name": "pooled", "url": "https://api.anthropic.com", **raw}]}
     assert isinstance(raw, dict) and set(raw) <= TOP_LEVEL, f"not relay.yaml: {raw!r:.200}"
     return {"backends": [{"name": "any", "url": "http://127.0.0.1:8788"}], **raw}
@@ -301,7 +303,8 @@ def test_every_route_the_relay_serves_is_on_the_request_page():
 
     config = config_module.Config(backends=[config_module.Backend("a", "http://127.0.0.1:1",
                                                                   [])],
-                                  pipeline=list(generate.BUILTINS))
+                                  pipeline=list(generate.BUILTINS),
+                                  plugins={"dump": {"dir": "dumps"}})
     routes = Chain(load_plugins(config.pipeline), config).routes(config)
     served = ([f"POST {path}" for path in prepare.ENDPOINTS] + ["GET /healthz", "GET /readyz",
               f"GET {server.BACKENDS}", console.PREFIX]

@@ -114,9 +114,21 @@ async def test_bad_options(options, message):
 async def test_bad_options_stop_start_up():
     config = config_module.parse({"pipeline": ["dump"], "plugins": {"dump": {"statuses": [400]}},
                                   "backends": [backend("http://127.0.0.1:9")]}, env={})
-    chain = Chain(load_plugins(config.pipeline), config)
     with pytest.raises(ConfigError, match=r"^plugins\.dump\.dir: required"):
+        chain = Chain(load_plugins(config.pipeline), config)
         await chain.startup(config)
+
+
+def test_dir_is_declared_required():
+    # As the plugin's docstring says and start-up holds: so the options reference says
+    # "(required)", and a config without it is refused with the other options' mistakes,
+    # when the chain is built, not only once the plugins start.
+    [option] = [option for option in dump.DECLARED if option.name == "dir"]
+    assert option.required
+    config = config_module.parse({"pipeline": ["dump"],
+                                  "backends": [backend("http://127.0.0.1:9")]}, env={})
+    with pytest.raises(ConfigError, match=r"^plugins\.dump\.dir: required$"):
+        Chain(load_plugins(config.pipeline), config)
 
 
 def test_bad_options_stop_the_relay(relay, tmp_path):
