@@ -552,8 +552,8 @@ def _names(value, path: str) -> list[str]:
 
 
 AUTH_OPTIONS = (
-    Option("keys", list, None, "the inbound keys (at least one), each a mapping of the keys "
-           "below", expect="a list of keys"),
+    Option("keys", list, None, "the inbound keys, each a mapping of the keys below (`[]`: "
+           "only those `relay keys create` stores)", required=True, expect="a list of keys"),
     Option("admin_key_env", str, None, "the environment variable holding the operator's key "
            "for admin routes (`/metrics`)", expect="an environment variable name"),
     Option("admin_key_file", str, None, "or the file holding it", expect="a file path"),

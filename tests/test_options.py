@@ -252,6 +252,22 @@ def test_the_docs_tables_hold_every_declared_key():
     assert "<!-- generated: server_options -->" in (ROOT / "docs" / "configuration.md").read_text()
 
 
+def test_the_auth_table_says_keys_is_required_and_may_be_empty():
+    # An auth section without keys is refused; an empty list is allowed (only the keys
+    # `relay keys create` stores then pass): the generated table says both.
+    spec = importlib.util.spec_from_file_location("docs_generate",
+                                                  ROOT / "docs" / "generate.py")
+    generate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generate)
+    row = next(line for line in generate.server_options().splitlines()
+               if line.startswith("| `keys` |"))
+    assert row.startswith("| `keys` | (required) |") and "`[]`" in row
+    server = {"backends": [{"name": "a", "url": "http://127.0.0.1:1"}]}
+    assert config_module.parse({**server, "server": {"auth": {"keys": []}}}).keys == []
+    with pytest.raises(ConfigError, match=r"^server\.auth\.keys: required$"):
+        config_module.parse({**server, "server": {"auth": {}}})
+
+
 def test_the_configuration_example_shows_every_server_key():
     page = (ROOT / "docs" / "configuration.md").read_text()
     example = yaml.safe_load(page.split("```yaml", 1)[1].split("```", 1)[0])
