@@ -753,6 +753,28 @@ async def test_redis_a_take_that_arrives_after_it_was_given_up_takes_nothing(red
         await state.close()
         muffler.server.close()
 
+async def test_redis_a_take_arriving_after_later_takes_still_takes_nothing(redis_server):
+    """The same, with takes between its undoing and its arrival: each of them trims the
+    numbers the process no longer waits for, and the one undone must stay there until a
+    command given up can no longer arrive."""
+    muffler = Muffler(redis_server.port)
+    state = await open_state({"url": await muffler.start(), "timeout": 0.2})
+    try:
+        rpm = Counter("key:a:rpm", "minute", limit=5)
+        muffler.hold = True
+        with pytest.raises(Unavailable):
+            await state.take([rpm], now=BASE)
+        muffler.hold = False
+        await asyncio.sleep(redis_state.DOWN_SECONDS + 0.1)
+        assert [c.used for c in await state.counts([rpm], now=BASE)] == [0]  # undone
+        for _ in range(2):
+            assert (await state.take([rpm], now=BASE)).granted
+        await muffler.let_go()  # the take arrives
+        assert [c.used for c in await state.counts([rpm], now=BASE)] == [2]
+    finally:
+        await state.close()
+        muffler.server.close()
+
 # --- start-up -------------------------------------------------------------------------------
 
 

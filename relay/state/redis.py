@@ -52,6 +52,10 @@ MAX_PENDING = 10_000
 # every time its outage lets one through): past that the oldest are left to their windows
 # and leases, and never crowd out the batches of usage.
 MAX_UNDOS = 1_000
+# How long the number of a take undone stays in the process's set of batches, below what the
+# set is trimmed to: a take whose command was still on its way (on a connection given up,
+# which Redis may read late) is refused when it lands, not counted.
+UNDO_LINGER = 30.0
 # Rows a call carries along; the background flush takes up to ROW_BATCH at a time.
 CARRIED_ROWS = 50
 ROW_BATCH = 500
@@ -236,6 +240,8 @@ class RedisState(State):
         self._batches = itertools.count(1)
         self._applied = f"{PREFIX}batches:{secrets.token_hex(4)}"  # this process's
         self._open: set[int] = set()  # batches and takes sent whose answer is not known yet
+        # Takes undone -> until when their numbers stay in the set (UNDO_LINGER), oldest first.
+        self._lingering: dict[int, float] = {}
         self._releases: list[tuple[str, str]] = []
         self._pending: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
         # Key-value entries to write, by Redis key: (value, until), the newest last; and
@@ -363,7 +369,7 @@ class RedisState(State):
         backlog = [pending.popitem(last=False) for _ in range(min(rows, len(pending)))]
         keys: list[str] = []
         args: list[Any] = []
-        settled = min(self._open, default=0)
+        settled = self._settled()
         for number, adds, undoes in batches:
             keys.append(self._applied)
             args += [len(adds), number, settled, BATCH_SECONDS, undoes]
@@ -420,7 +426,7 @@ class RedisState(State):
             take = next(self._batches)
             self._open.add(take)
             keys = [*keys, self._applied]
-            args = [*args, min(self._open), BATCH_SECONDS]
+            args = [*args, self._settled(), BATCH_SECONDS]
         head = [time.time() if now is None else now, self.retention, len(carried[0]),
                 len(carried[1]), carried[3], counters, slots, take]
         all_keys = queued_keys + keys
@@ -444,9 +450,32 @@ class RedisState(State):
             raise self._failure(e) from None
         for number, _, undoes in carried[0]:
             self._open.discard(number)
-            self._open.discard(undoes)
+            if undoes:
+                self._open.discard(undoes)
+                self._linger(undoes)
         self._open.discard(take)
         return result
+
+    def _settled(self) -> int:
+        """The lowest number still waited for (the set keeps it and every one above; 0:
+        none, and nothing is trimmed)."""
+        lowest = min(self._open, default=0)
+        lingering = self._lingering
+        if lingering:
+            now = time.monotonic()
+            while lingering and next(iter(lingering.values())) <= now:
+                del lingering[next(iter(lingering))]
+            if lingering:
+                held = min(lingering)
+                lowest = min(lowest, held) if lowest else held
+        return lowest
+
+    def _linger(self, take: int) -> None:
+        """An undone take's number stays in the set a while: see UNDO_LINGER."""
+        lingering = self._lingering
+        lingering[take] = time.monotonic() + UNDO_LINGER
+        while len(lingering) > MAX_UNDOS:
+            del lingering[next(iter(lingering))]
 
     def _unheard(self, take: int, undo: tuple[dict[str, list[int]], list[tuple[str, str]]]
                  | None) -> None:
