@@ -143,6 +143,38 @@ async def test_logging_out_ends_the_session_for_every_copy_of_the_cookie(served)
     assert resp.status == 303
 
 
+async def raw_status(client, head: bytes, body: bytes = b"") -> tuple[int, bytes]:
+    """The status and head of the answer to a request sent as these bytes (no client
+    re-encodes its headers)."""
+    reader, writer = await asyncio.open_connection(client.server.host, client.server.port)
+    try:
+        writer.write(head + b"\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n" + body)
+        answer = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        return int(answer.split()[1]), answer
+    finally:
+        writer.close()
+
+
+async def test_a_cookie_or_token_of_any_bytes_is_refused_not_an_error(served):
+    # Not ASCII, or not even UTF-8: each was a 500 and a traceback in the log, before login.
+    for cookie in (b"1.ab.\xc3\xa9\xc3\xa9", b"1.\xff.ab", b"\xff"):
+        status, head = await raw_status(served, b"GET /console HTTP/1.1\r\nCookie: "
+                                        + auth.COOKIE.encode() + b"=" + cookie)
+        assert status == 303 and b"Location: /console/login" in head, cookie
+    form = b"csrf=%C3%A9&key=x"
+    for cookie in (b"\xff", b"ab"):
+        status, _ = await raw_status(
+            served, b"POST /console/login HTTP/1.1\r\nContent-Type: application/x-www-form-"
+            b"urlencoded\r\nContent-Length: " + str(len(form)).encode() + b"\r\nCookie: "
+            + auth.LOGIN_COOKIE.encode() + b"=" + cookie, form)
+        assert status == 403, cookie
+    await log_in(served)
+    for token in (b"%C3%A9", b"%FF"):
+        resp = await served.post("/console/logout", data=b"csrf=" + token, headers={
+            "Content-Type": "application/x-www-form-urlencoded"}, allow_redirects=False)
+        assert resp.status == 403 and (await served.get("/console")).status == 200
+
+
 def test_a_forged_or_expired_cookie_proves_nothing():
     signer = auth.Signer(ADMIN)
     token, session = signer.issue(now=1000.0)

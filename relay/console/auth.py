@@ -33,8 +33,19 @@ def signing_key(admin_key: str) -> bytes:
     return hmac.new(admin_key.encode(), _CONTEXT, hashlib.sha256).digest()
 
 
+# A cookie or a form field may hold any bytes (a header's that are not UTF-8 arrive as
+# surrogates): they are compared and signed as the bytes they came as, never refused with a
+# TypeError (compare_digest takes a str of ASCII only) or a UnicodeEncodeError.
+def _bytes(text: str) -> bytes:
+    return text.encode("utf-8", "surrogateescape")
+
+
 def _mac(key: bytes, purpose: str, text: str) -> str:
-    return hmac.new(key, f"{purpose}:{text}".encode(), hashlib.sha256).hexdigest()
+    return hmac.new(key, _bytes(f"{purpose}:{text}"), hashlib.sha256).hexdigest()
+
+
+def _same(presented: str, expected: str) -> bool:
+    return hmac.compare_digest(_bytes(presented), _bytes(expected))
 
 
 @dataclass(frozen=True)
@@ -55,7 +66,7 @@ class Signer:
         self.admin_digest = hashlib.sha256(admin_key.encode()).digest()
 
     def is_admin_key(self, presented: str) -> bool:
-        digest = hashlib.sha256(presented.encode("utf-8", "surrogateescape")).digest()
+        digest = hashlib.sha256(_bytes(presented)).digest()
         return hmac.compare_digest(digest, self.admin_digest)
 
     def issue(self, now: float | None = None) -> tuple[str, Session]:
@@ -71,7 +82,7 @@ class Signer:
         nonce, _, mac = rest.partition(".")
         if not (issued.isdigit() and nonce and mac):
             return None
-        if not hmac.compare_digest(mac, _mac(self.key, "session", f"{issued}.{nonce}")):
+        if not _same(mac, _mac(self.key, "session", f"{issued}.{nonce}")):
             return None
         session = Session(nonce, int(issued))
         now = time.time() if now is None else now
@@ -83,4 +94,4 @@ class Signer:
         return _mac(self.key, "csrf", nonce)[:32]
 
     def csrf_ok(self, nonce: str, token: str | None) -> bool:
-        return bool(token) and hmac.compare_digest(self.csrf(nonce), token or "")
+        return bool(token) and _same(token or "", self.csrf(nonce))
