@@ -175,6 +175,16 @@ async def test_a_cookie_or_token_of_any_bytes_is_refused_not_an_error(served):
         assert resp.status == 403 and (await served.get("/console")).status == 200
 
 
+async def test_a_form_of_too_many_fields_is_refused_not_an_error(served):
+    fields = {f"field{n}": "1" for n in range(21)}
+    resp = await served.post("/console/login", data=fields)
+    assert resp.status == 400 and "too many fields" in await resp.text()
+    await log_in(served)
+    token = csrf_of(await (await served.get("/console")).text())
+    resp = await served.post("/console/logout", data={"csrf": token, **fields})
+    assert resp.status == 400 and (await served.get("/console")).status == 200
+
+
 def test_a_forged_or_expired_cookie_proves_nothing():
     signer = auth.Signer(ADMIN)
     token, session = signer.issue(now=1000.0)

@@ -38,6 +38,7 @@ log = logging.getLogger("relay.console")
 
 PREFIX = "/console"
 MAX_FORM_BYTES = 16 * 1024
+MAX_FORM_FIELDS = 20
 DAY = 86400.0
 # The login form takes this many tries a minute, from everyone together.
 LOGINS_PER_MINUTE = 30
@@ -192,8 +193,11 @@ class Console:
                    if request.content_length else b"")
         except asyncio.IncompleteReadError:
             raise Refused(400, "the form was cut short") from None
-        parsed = parse_qs(raw.decode("utf-8", "replace"), keep_blank_values=True,
-                          max_num_fields=20)
+        try:
+            parsed = parse_qs(raw.decode("utf-8", "replace"), keep_blank_values=True,
+                              max_num_fields=MAX_FORM_FIELDS)
+        except ValueError:  # what parse_qs raises past max_num_fields
+            raise Refused(400, "the form has too many fields") from None
         return {name: values[0] for name, values in parsed.items()}
 
     def page(self, request: web.Request, title: str, main: str, current: str | None = None,
