@@ -388,9 +388,27 @@ def test_a_dump_written_after_midnight_is_found_under_the_next_day(tmp_path):
 
 async def test_a_dump_name_is_never_a_path(served):
     await log_in(served)
-    for name in ("../../etc/passwd", "2026-01-01/../../x.json", "/etc/passwd"):
+    for name in ("../../etc/passwd", "2026-01-01/../../x.json", "/etc/passwd",
+                 "2026-13-45/000000.000001-req_1.json",  # no such day: was a 500
+                 "\u0662\u0660\u0662\u0666-\u0660\u0661-\u0660\u0661/000000.000001-req_1.json",
+                 "2026-01-01/000000.000001-req_1.json\n"):
         page = await (await served.get("/console/dump", params={"name": name})).text()
         assert "not a dump" in page
+
+
+async def test_a_parameter_that_is_no_number_is_refused_not_an_error(served):
+    # "²" is a digit to str.isdigit and not to int(); int() refuses over 4,300 digits.
+    await log_in(served)
+    for path in ("/console/sessions?page=%C2%B2", "/console/dumps?page=%C2%B2",
+                 "/console/sessions?page=x", "/console/exchanges?status=%C2%B2",
+                 "/console/exchanges?status=" + "9" * 30, "/console/exchanges?before=nan",
+                 "/console/exchanges?before=inf", "/console/exchanges?before=soon"):
+        resp = await served.get(path)
+        assert resp.status == 400, path
+        assert "script-src 'none'" in resp.headers["Content-Security-Policy"]
+    for path in ("/console/sessions?page=", "/console/dumps?page="):
+        for value in ("9" * 5000, "0" * 4999 + "1"):
+            assert (await served.get(path + value)).status == 200
 
 
 async def test_pages_and_assets_weigh_at_most_300_kb(served):

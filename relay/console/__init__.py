@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import secrets
 import time
 from importlib import resources
@@ -325,8 +326,8 @@ class Console:
         where: dict[str, Any] = {name: value for name, value in filters.items()
                                  if value and name != "status"}
         if filters["status"]:
-            if not filters["status"].isdigit():
-                raise Refused(400, "status: a number")
+            if not _digits(filters["status"]) or len(filters["status"]) > 3:
+                raise Refused(400, "status: an HTTP status")
             where["status"] = int(filters["status"])
         before = _number(request.query.get("before"))
         rows = await self.state.rows(until=before, where=where or None,
@@ -436,16 +437,28 @@ def _dump_page(directory: str, name: str) -> str:
     return pages.dump(name, doc, None, record.replay(doc))
 
 
+def _digits(value: str) -> bool:
+    # ASCII ones: str.isdigit takes "²" too, which int() refuses.
+    return value.isascii() and value.isdigit()
+
+
 def _page(request: web.Request) -> int:
-    value = request.query.get("page", "0")
-    return min(int(value), 10_000) if value.isdigit() else 0
+    value = request.query.get("page") or "0"
+    if not _digits(value):
+        raise Refused(400, "page: a number")
+    # Past 10,000 is 10,000, and int() refuses a number of more than 4,300 digits.
+    digits = value.lstrip("0")
+    return 10_000 if len(digits) > 5 else min(int(digits or "0"), 10_000)
 
 
 def _number(value: str | None) -> float | None:
     try:
-        return float(value) if value else None
+        found = float(value) if value else None
     except ValueError:
-        raise Refused(400, "before: a time") from None
+        found = math.nan
+    if found is not None and not math.isfinite(found):
+        raise Refused(400, "before: a time")
+    return found
 
 
 def meter(entry: dict) -> tuple[str, float, float]:

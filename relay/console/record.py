@@ -19,8 +19,9 @@ from .. import document
 MAX_SCAN = 50_000
 PAGE = 50
 SPEND_DAYS = 7  # the Keys page's spend by day
-DAY_NAME = re.compile(r"^\d{4}-\d{2}-\d{2}$")
-DUMP_NAME = re.compile(r"^\d{6}\.\d{6}-[A-Za-z0-9_-]+\.json$")
+# ASCII digits (``\d`` takes any script's) and nothing after, not even a line break (``$``).
+DAY_NAME = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}\Z")
+DUMP_NAME = re.compile(r"[0-9]{6}\.[0-9]{6}-[A-Za-z0-9_-]+\.json\Z")
 # A dump holds at most four bodies of the writer's max_body_bytes (8 MiB by default).
 MAX_DUMP_BYTES = 64 * 1024 * 1024
 # Where an error names the part of the request it refuses: "messages.3.content.1: ...".
@@ -216,6 +217,10 @@ def dump_file(directory: str, name: str) -> str | None:
     that is not one a dump has."""
     day, _, file = name.partition("/")
     if not (DAY_NAME.match(day) and DUMP_NAME.match(file)):
+        return None
+    try:
+        dt.date.fromisoformat(day)  # a day the dump plugin names, not 2026-13-45
+    except ValueError:
         return None
     return os.path.join(directory, day, file)
 
