@@ -446,3 +446,29 @@ def test_the_replay_side_by_side_marks_what_differs_and_cuts_long_equal_runs():
     assert "equal lines" in drawn and "line 50\n" not in drawn  # far from the change: cut
     assert "line 95\n" in drawn  # its context kept
     assert pages.side_by_side("<b>", "<b>").count("&lt;b&gt;") == 2  # escaped
+
+
+def test_the_replay_side_by_side_matches_line_by_line_only_a_bounded_part(monkeypatch):
+    # difflib's matcher takes time growing with the square of lines that repeat, and a
+    # client's request of many like messages is such a body: 32,000 lines of one dump took
+    # 42 s of CPU (and the GIL) each time it was looked at. What both sides share at their
+    # ends is set aside, and only a bounded difference is matched.
+    import difflib
+
+    from relay.console import pages
+
+    class Bounded(difflib.SequenceMatcher):
+        def __init__(self, junk, a, b, **options):
+            # Here, not after: unbounded, the matching would not end before the test run's.
+            assert max(len(a), len(b)) <= 2000, "matched line by line"
+            super().__init__(junk, a, b, **options)
+
+    monkeypatch.setattr(pages.difflib, "SequenceMatcher", Bounded)
+    body = "\n".join(['{', '  "role": "user",', '  "content": "x"', '},'] * 20_000)
+    drawn = pages.side_by_side(body, body)
+    assert "79980 equal lines" in drawn and "<span" not in drawn
+    drawn = pages.side_by_side(body, body.replace('"x"', '"y"', 1))
+    assert '<span class="del">  &quot;content&quot;: &quot;x&quot;</span>' in drawn
+    assert drawn.count("<span") == 2
+    drawn = pages.side_by_side("first\n" + body, body + "\nlast")  # every line a change
+    assert drawn.count('<span class="add">') == 80_001

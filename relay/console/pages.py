@@ -25,6 +25,11 @@ AROUND = 2
 # COLLAPSE lines are cut to that context.
 DIFF_CONTEXT = 10
 COLLAPSE = 60
+# The most lines of each side matched line by line, once the head and tail both share are set
+# aside: difflib's matcher takes time growing with the square of lines that repeat (a client's
+# request of many like messages, as a dump holds it: 32,000 lines took 42 s of CPU, holding the
+# GIL, at each look). A longer difference is shown whole, as one change.
+DIFF_LINES = 2000
 
 
 def e(value: Any) -> str:
@@ -477,8 +482,7 @@ def side_by_side(before: str, after: str) -> str:
     old, new = before.splitlines(), after.splitlines()
     left: list[str] = []
     right: list[str] = []
-    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, old, new, autojunk=False
-                                                       ).get_opcodes():
+    for tag, i1, i2, j1, j2 in _opcodes(old, new):
         if tag == "equal":
             run = old[i1:i2]
             if len(run) > COLLAPSE:
@@ -494,6 +498,29 @@ def side_by_side(before: str, after: str) -> str:
         (left if pad > 0 else right).append("\n" * abs(pad))
     return (f'<div class="diff"><div><h3>dumped</h3><pre tabindex="0">{"".join(left)}</pre></div>'
             f'<div><h3>replayed</h3><pre tabindex="0">{"".join(right)}</pre></div></div>')
+
+
+def _opcodes(old: list[str], new: list[str]) -> list[tuple[str, int, int, int, int]]:
+    """difflib's opcodes, the head and tail both sides share found without it."""
+    shorter = min(len(old), len(new))
+    head = 0
+    while head < shorter and old[head] == new[head]:
+        head += 1
+    tail = 0
+    while tail < shorter - head and old[-1 - tail] == new[-1 - tail]:
+        tail += 1
+    end_old, end_new = len(old) - tail, len(new) - tail
+    codes = [("equal", 0, head, 0, head)] if head else []
+    if end_old - head > DIFF_LINES or end_new - head > DIFF_LINES:
+        codes.append(("replace", head, end_old, head, end_new))
+    else:
+        matcher = difflib.SequenceMatcher(None, old[head:end_old], new[head:end_new],
+                                          autojunk=False)
+        codes += [(tag, i1 + head, i2 + head, j1 + head, j2 + head)
+                  for tag, i1, i2, j1, j2 in matcher.get_opcodes()]
+    if tail:
+        codes.append(("equal", end_old, len(old), end_new, len(new)))
+    return codes
 
 
 def dump(name: str, doc: dict | None, error: str | None, replayed) -> str:
