@@ -253,8 +253,13 @@ def dumped_config(dump: dict):
             raise UnusableDump("config.backends: must be a list of mappings")
         backends.append({key: value for key, value in backend.items()
                          if key != "api_key_env" and value is not None})
-    raw = {"pipeline": part.get("pipeline") or [], "plugins": part.get("plugins") or {},
-           "backends": backends}
+    pipeline = part.get("pipeline") or []
+    if isinstance(pipeline, list):
+        # The dump plugin writes only when an exchange ends, which no rebuild does: started,
+        # all it would do is its retention, scanning the dumped dir and deleting the dumps
+        # the dumped max_files and max_bytes leave over (at a look at a dump in the console).
+        pipeline = [name for name in pipeline if name != "dump"]
+    raw = {"pipeline": pipeline, "plugins": part.get("plugins") or {}, "backends": backends}
     try:
         return config_module.parse(raw, env={})
     except ConfigError as e:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import threading
 import time
 from pathlib import Path
 
@@ -376,6 +377,36 @@ async def test_an_upstream_400_leaves_a_dump_the_console_draws_and_replays(serve
     assert "messages.2.content.1" in page and "toolu_missing" in page
     assert "identical to the dumped one" in page
     assert 'class="diff"' in page
+
+
+async def test_a_look_at_a_dump_deletes_no_other_dump(served, tmp_path):
+    # The replay started the dumped pipeline's dump plugin, whose retention then ran on the
+    # directory with the dump's own max_files: a dump recorded under a smaller one (an older
+    # relay.yaml, another replica's) had all but that many deleted at a look at it.
+    body = request(user(text("go")), assistant(text("sure")),
+                   user(text("see"), result("toolu_missing")))
+    assert (await served.post("/v1/messages", json=body,
+                              headers={"x-api-key": CLIENT})).status == 400
+    folder = tmp_path / "dumps"
+    for _ in range(100):
+        written = list(folder.glob("*/*.json"))
+        if written:
+            break
+        await asyncio.sleep(0.05)
+    [dumped] = written
+    doc = orjson.loads(dumped.read_bytes())
+    doc["config"]["plugins"]["dump"]["max_files"] = 1
+    (dumped.parent / "235959.999999-req_later.json").write_bytes(orjson.dumps(doc))
+    (dumped.parent / "000000.000001-req_earlier.json").write_bytes(b"{}")
+    kept = sorted(folder.glob("*/*.json"))
+    writers = {t for t in threading.enumerate() if t.name.startswith("relay-dump")}
+    await log_in(served)
+    page = await served.get(f"/console/dump?name={dumped.parent.name}/235959.999999-req_later.json")
+    assert "identical to the dumped one" in await page.text()
+    for thread in threading.enumerate():  # any writer thread the look started, done
+        if thread.name.startswith("relay-dump") and thread not in writers:
+            thread.join(5)
+    assert sorted(folder.glob("*/*.json")) == kept
 
 
 def test_a_dump_written_after_midnight_is_found_under_the_next_day(tmp_path):
