@@ -251,8 +251,11 @@ def dumped_config(dump: dict):
     for backend in part["backends"]:
         if not isinstance(backend, dict):
             raise UnusableDump("config.backends: must be a list of mappings")
-        backends.append({key: value for key, value in backend.items()
-                         if key != "api_key_env" and value is not None})
+        kept = {key: value for key, value in backend.items()
+                if key != "api_key_env" and value is not None}
+        if isinstance(kept.get("url"), str):
+            kept["url"] = _without_userinfo(kept["url"])
+        backends.append(kept)
     pipeline = part.get("pipeline") or []
     if isinstance(pipeline, list):
         # The dump plugin writes only when an exchange ends, which no rebuild does: started,
@@ -266,6 +269,15 @@ def dumped_config(dump: dict):
         raise UnusableDump(f"config: {e}") from None
     except (TypeError, ValueError) as e:  # values no relay.yaml could hold (a bad IPv6 URL)
         raise UnusableDump(f"config: {type(e).__name__} {e}") from None
+
+
+def _without_userinfo(url: str) -> str:
+    """A dumped backend URL without its ``user:[redacted]@``: a rebuild sends nothing, and
+    urlsplit reads the brackets of ``[redacted]`` as an IPv6 host, which it refuses."""
+    scheme, sep, rest = url.partition("://")
+    ends = [at for at in (rest.find(mark) for mark in "/?#") if at >= 0]
+    end = min(ends, default=len(rest))
+    return scheme + sep + rest[:end].rpartition("@")[2] + rest[end:]
 
 
 # --- rebuilding and comparing ---------------------------------------------------------------

@@ -314,6 +314,14 @@ def test_a_handmade_dump_replays(tmp_path, capsys):
     assert replay(capsys, handmade_dump(tmp_path))[0] == 0
 
 
+def test_a_dump_of_a_backend_with_a_password_in_its_url_replays(tmp_path, capsys):
+    # The dump holds its URL as redact_url writes it, whose "[redacted]" urlsplit reads as
+    # an IPv6 host: the config was refused, in relay replay and on the console's dump page.
+    url = "http://relay:[redacted]@127.0.0.1:9"
+    status, out = replay(capsys, handmade_dump(tmp_path, url))
+    assert status == 0, out
+
+
 def test_a_recorded_body_that_differs_is_reported(tmp_path, capsys):
     other = orjson.dumps({**BODY, "max_tokens": 11}).decode()
     path = handmade_dump(tmp_path, upstream_request={"url": "u", "headers": {}, "body": other})
