@@ -245,6 +245,8 @@ def parse_limits(text: str | None) -> dict | None:
         value = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise ValueError(f"--limits: not YAML or JSON: {e}") from None
+    except RecursionError:  # the parser recurses once a level: "[[[[..." deep enough
+        raise ValueError("--limits: not YAML or JSON: nested too deeply") from None
     if value is not None and not isinstance(value, dict):
         raise ValueError("--limits: must be a mapping, like '{requests_per_minute: 50}'")
     return value

@@ -248,6 +248,14 @@ async def test_keys_are_made_limited_and_revoked_by_the_key_stores_own_operation
     assert "revoked" in await (await served.get("/console/keys")).text()
 
 
+async def test_limits_nested_too_deeply_are_refused_not_an_error(served):
+    await log_in(served)
+    token = csrf_of(await (await served.get("/console/keys")).text())
+    resp = await served.post("/console/keys/create", data={
+        "csrf": token, "name": "team-deep", "limits": "[" * 1100})
+    assert resp.status == 400 and "nested too deeply" in await resp.text()
+
+
 async def test_the_backends_page_shows_each_pooled_credentials_health(aiohttp_client,
                                                                       aiohttp_server, tmp_path):
     upstream = await aiohttp_server(emulator.create_app(emulator.EmulatorOptions()))
