@@ -64,6 +64,18 @@ def test_the_console_needs_the_admin_key():
         config_module.parse(raw, {"K": CLIENT})
 
 
+def test_the_console_with_workers_needs_the_shared_state():
+    # In memory, a logout is one worker's: a copy of the cookie still opened the others.
+    from relay.state import check_per_process
+    raw = {"server": {"console": True, "auth": AUTH, "workers": 2},
+           "backends": [{"name": "b", "url": "http://127.0.0.1:1"}]}
+    with pytest.raises(ConfigError, match="a logout would end the session in one worker"):
+        check_per_process(config_module.parse(raw, ENV))
+    check_per_process(config_module.parse({**raw, "state": {"url": "sqlite:///x.db"}}, ENV))
+    check_per_process(config_module.parse({**raw, "server": {**raw["server"], "workers": 1}},
+                                          ENV))
+
+
 def test_a_relay_without_the_console_never_loads_it():
     from test_layers import imported_at_load
     assert not any(name.startswith("relay.console") for name in imported_at_load("relay.server"))

@@ -300,10 +300,18 @@ def check_per_process(config) -> None:
     """At start-up, before the workers fork: with several workers and the state in memory,
     each worker would count for itself (a limit of N would let N times as much through, and
     each worker's ledger would be its own). Refused where relay keys have limits the limits
-    plugin keeps (ConfigError): they would not hold. Said loudly otherwise: a relay without
-    limits loses only the ledger's unity."""
+    plugin keeps (ConfigError): they would not hold; and with the console, whose logout must
+    end a session everywhere. Said loudly otherwise: a relay without limits loses only the
+    ledger's unity."""
     if config.workers <= 1 or (config.state or {}).get("url"):
         return
+    if config.console:
+        raise ConfigError(
+            f"server.workers is {config.workers} and state.url is empty, but server.console is "
+            "on: a logout would end the session in one worker only (a copy of the cookie "
+            "would still open the others), and each worker would show and change keys and "
+            "traffic of its own; set state.url (sqlite:///./relay-state.db for one host, "
+            "redis://... for several)")
     limited = bool(config.default_limits) or any(
         key.limits is not None for key in config.keys or ())
     if limited and "limits" in config.pipeline:
