@@ -113,6 +113,29 @@ async def test_the_admin_key_logs_in_with_a_strict_httponly_cookie(served):
     assert ADMIN not in str(page.url)
 
 
+async def test_the_cookie_is_secure_where_the_browser_came_over_tls(served):
+    # The relay serves no TLS: behind the proxy that does, request.secure is never true, and
+    # the cookie went without Secure. The browser's Origin says which scheme it used.
+    host = f"{served.host}:{served.port}"
+    for origin, secure in ((f"https://{host}", True), (f"http://{host}", False), (None, False)):
+        form = await served.get("/console/login")
+        headers = {"Origin": origin} if origin else {}
+        resp = await served.post("/console/login", data={
+            "csrf": csrf_of(await form.text()), "key": ADMIN}, headers=headers,
+            allow_redirects=False)
+        cookie = next(value for value in resp.headers.getall("Set-Cookie")
+                      if value.startswith(auth.COOKIE + "="))
+        assert resp.status == 303 and ("Secure" in cookie) is secure, origin
+        # By hand: the test client keeps a Secure cookie from going over plain HTTP.
+        headers["Cookie"] = cookie.partition(";")[0]
+        token = csrf_of(await (await served.get("/console", headers=headers)).text())
+        resp = await served.post("/console/logout", data={"csrf": token}, headers=headers,
+                                 allow_redirects=False)
+        ended = next(value for value in resp.headers.getall("Set-Cookie")
+                     if value.startswith(auth.COOKIE + "="))
+        assert resp.status == 303 and ("Secure" in ended) is secure, origin
+
+
 async def test_a_client_key_cannot_log_in(served):
     resp = await log_in(served, CLIENT)
     assert resp.status == 401

@@ -239,7 +239,7 @@ class Console:
         token, session = self.signer.issue()
         response = redirect(PREFIX)
         response.set_cookie(auth.COOKIE, token, max_age=auth.SESSION_SECONDS, path=PREFIX,
-                            httponly=True, samesite="Strict", secure=request.secure)
+                            httponly=True, samesite="Strict", secure=over_tls(request))
         response.del_cookie(auth.LOGIN_COOKIE, path=f"{PREFIX}/login")
         return response
 
@@ -248,7 +248,8 @@ class Console:
         left = max(session.expires - time.time(), 1.0)
         await self.state.put(auth.LOGGED_OUT, {session.nonce: b"1"}, ttl=left)
         response = redirect(f"{PREFIX}/login")
-        response.del_cookie(auth.COOKIE, path=PREFIX)
+        response.del_cookie(auth.COOKIE, path=PREFIX, httponly=True, samesite="Strict",
+                            secure=over_tls(request))
         return response
 
     # --- pages ---------------------------------------------------------------------------
@@ -420,6 +421,14 @@ class Recent:
         else:
             self.forgetting = asyncio.get_running_loop().call_later(self.IDLE - idle,
                                                                    self.forget)
+
+
+def over_tls(request: web.Request) -> bool:
+    """Whether the browser reached the console over TLS. The relay serves no TLS itself, so
+    a proxy in front of it does, and only the browser knows: it names the scheme it used in
+    the ``Origin`` of a form post. A client that claims https falsely gets a cookie it
+    cannot send back over plain HTTP, which harms nobody else."""
+    return request.secure or (request.headers.get("Origin") or "").lower().startswith("https://")
 
 
 def redirect(location: str) -> web.Response:
