@@ -316,6 +316,93 @@ async def test_the_backends_page_shows_each_pooled_credentials_health(aiohttp_cl
         await client.chain.shutdown(client.config)
 
 
+# Every element the console's markup uses: none that runs or loads anything.
+CONSOLE_TAGS = frozenset({
+    "html", "head", "meta", "title", "link", "body", "header", "span", "nav", "a", "form",
+    "input", "button", "main", "h1", "h2", "h3", "p", "b", "code", "mark", "pre", "div",
+    "table", "thead", "tbody", "tr", "th", "td", "label", "select", "option", "svg", "defs",
+    "marker", "path", "line", "rect", "circle", "text", "br", "section"})
+
+
+def tags_and_handlers(page: str) -> set[str]:
+    """The elements of a page, and any event handler attribute (``on...``) as ``@on...``."""
+    from html.parser import HTMLParser
+    found: set[str] = set()
+
+    class Parser(HTMLParser):
+        def handle_starttag(self, tag, attrs):
+            found.add(tag)
+            found.update(f"@{name}" for name, _ in attrs if name.startswith("on"))
+
+    Parser().feed(page)
+    return found
+
+
+HOSTILE = ('<script>alert(1)</script>"><img src=x onerror=alert(2)>\'</textarea>'
+           'javascript:alert(3)')
+
+
+async def test_what_clients_and_upstreams_send_is_escaped_and_no_secret_is_shown(
+        aiohttp_client, aiohttp_server, tmp_path):
+    from aiohttp import web
+
+    upstream_key, password = "sk-upstream-secret-0123456789", "url-password-0123456789"
+
+    async def echoing(request):  # an upstream that quotes what it was sent
+        return web.json_response({"type": "error", "error": {
+            "type": "invalid_request_error", "message": f"messages.0.content.0: {HOSTILE} "
+            f"{request.headers.get('x-api-key')} {request.headers.get('Authorization')}"}},
+            status=400)
+
+    app = web.Application()
+    app.router.add_post("/v1/messages", echoing)
+    upstream = await aiohttp_server(app)
+    url = str(upstream.make_url("")).rstrip("/").replace("://", f"://relay:{password}@")
+    raw = {"server": {"auth": AUTH, "console": True}, "pipeline": ["usage", "cache", "dump"],
+           "plugins": {"dump": {"dir": str(tmp_path / "dumps")}},
+           "backends": [{"name": "hostile", "url": url, "models": ["*"],
+                         "api_key_env": "UPSTREAM"}]}
+    client = await start_relay(aiohttp_client, raw, env={**ENV, "UPSTREAM": upstream_key})
+    try:
+        body = {"model": HOSTILE[:200], "max_tokens": 10, "metadata": {"user_id": HOSTILE},
+                "tools": [{"name": "t" + HOSTILE, "input_schema": {"type": "object"}}],
+                "messages": [{"role": "user", "content": [{"type": "text", "text": HOSTILE}]}]}
+        resp = await client.post("/v1/messages", json=body, headers={
+            "x-api-key": CLIENT, "X-Claude-Code-Session-Id": HOSTILE,
+            "anthropic-beta": HOSTILE})
+        assert resp.status == 400
+        await log_in(client)
+        for _ in range(100):
+            if list((tmp_path / "dumps").glob("*/*.json")):
+                break
+            await asyncio.sleep(0.05)
+        paths = ["/console", "/console/keys", "/console/sessions", "/console/exchanges",
+                 "/console/dumps", "/console/backends"]
+        for path in list(paths):
+            page = await (await client.get(path)).text()
+            paths += [found.replace("&amp;", "&") for found in
+                      re.findall(r'href="(/console/(?:session|exchange|dump)\?[^"]+)"', page)]
+        assert {path.partition("?")[0] for path in paths} >= {
+            "/console/session", "/console/exchange", "/console/dump"}
+        for path in paths:
+            resp = await client.get(path)
+            page = await resp.text()
+            assert resp.status == 200 and "script-src 'none'" in resp.headers[
+                "Content-Security-Policy"], path
+            assert tags_and_handlers(page) <= CONSOLE_TAGS, path
+            for secret in (upstream_key, password, CLIENT, ADMIN):
+                assert secret not in page, (path, secret)
+        # The operator's JSON: never with a client's key, never a key in the query.
+        resp = await client.get("/admin/backends", headers={"x-api-key": CLIENT})
+        assert resp.status == 403 and (await resp.json())["error"]["type"] == "permission_error"
+        resp = await client.get(f"/admin/backends?x-api-key={ADMIN}&key={ADMIN}")
+        assert resp.status == 401
+        assert (await client.get("/admin/backends", headers={"x-api-key": ADMIN})).status == 200
+    finally:
+        await client.close()
+        await client.chain.shutdown(client.config)
+
+
 def row(n: int, now: float, **fields) -> dict:
     base = {"id": f"req_{n:06d}", "time": now - n, "key": "team-a", "backend": "emulator",
             "credential": None, "model": "claude-test", "endpoint": "messages",
