@@ -145,11 +145,19 @@ async def test_a_client_key_cannot_log_in(served):
 
 
 async def test_every_answer_carries_a_strict_policy(served):
+    # Refusals and redirects too: before login, a method not allowed, an action unproved.
+    answers = [await served.get("/console", allow_redirects=False),
+               await served.get("/console/logout", allow_redirects=False),
+               await served.post("/console/keys/revoke", data={}, allow_redirects=False)]
+    assert [resp.status for resp in answers] == [303, 405, 401]
     await log_in(served)
     for path in ("/console/login", "/console", "/console/static/console.css", "/console/nope"):
-        resp = await served.get(path)
+        answers.append(await served.get(path))
+    for resp in answers:
+        path = resp.url.path
         policy = resp.headers["Content-Security-Policy"]
         assert "default-src 'self'" in policy and "script-src 'none'" in policy, path
+        assert "unsafe" not in policy and "object-src 'none'" in policy, path
         assert "frame-ancestors 'none'" in policy and resp.headers["X-Frame-Options"] == "DENY"
         assert resp.headers["Cache-Control"] == "no-store"
 
