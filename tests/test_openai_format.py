@@ -6,6 +6,7 @@ from __future__ import annotations
 import msgspec
 import orjson
 import pytest
+from anthropic.lib.streaming._messages import accumulate_event
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -797,3 +798,35 @@ def test_a_streamed_usage_chunk_with_cache_hits_counts_them_once():
     usage = events[-2]["usage"]
     assert (usage["input_tokens"], usage["output_tokens"], usage["cache_read_input_tokens"],
             usage["cache_creation_input_tokens"]) == (176, 30, 1024, 0)
+
+
+# --- what real servers send -------------------------------------------------------------------
+
+def sdk_message(events: list[dict]) -> dict:
+    """The message the anthropic SDK's stream accumulator builds of ``events``: what a client
+    gets of the stream."""
+    snapshot = None
+    buffers: dict = {}
+    for event in events:
+        if event["type"] != "ping":
+            snapshot = accumulate_event(event=event, current_snapshot=snapshot,
+                                        json_bufs=buffers)
+    assert snapshot is not None
+    return snapshot.to_dict()
+
+
+def test_a_streamed_refusal_is_the_answers_text_as_in_a_whole_answer():
+    # OpenAI streams a structured-output refusal in delta.refusal, content null (the API
+    # reference's chat.completion.chunk; openclaw/openclaw#102334, NousResearch/hermes-agent
+    # #91181: clients that read only content showed an empty answer).
+    events, ended = translate(sse(
+        chunk({"role": "assistant", "content": None, "refusal": ""}),
+        chunk({"content": None, "refusal": "I can't help"}),
+        chunk({"content": None, "refusal": " with that."}), chunk({}, "stop")))
+    assert ended
+    whole = openai.anthropic_message(completion({"content": None,
+                                                 "refusal": "I can't help with that."}), "oa")
+    streamed = sdk_message(events)
+    assert streamed["content"] == whole["content"] == [
+        {"type": "text", "text": "I can't help with that."}]
+    assert streamed["stop_reason"] == whole["stop_reason"] == "end_turn"

@@ -30,7 +30,8 @@ server tools and their results, MCP servers, documents other than plain text, an
 type not listed here.
 
 Answers. ``reasoning_content`` / ``reasoning`` become ``thinking`` blocks (with an empty
-signature: only Anthropic can sign), text a ``text`` block, ``tool_calls`` ``tool_use``
+signature: only Anthropic can sign), text (and a ``refusal``, streamed or not) a ``text``
+block, ``tool_calls`` ``tool_use``
 blocks with their arguments parsed. Arguments that are not a JSON object are never passed on
 as something else: the answer becomes an ``api_error`` (502 when not streaming, an ``error``
 event in a stream) naming the call and quoting the arguments. So does any answer or chunk

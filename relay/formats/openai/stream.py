@@ -258,6 +258,11 @@ class StreamTranslator:
         content = delta.get("content")
         if content is not None and content.__class__ is not str:
             content = _content_text(content, "choices[0].delta.content")
+        # A structured-output refusal streams here, not in content: as in a whole answer, it
+        # is the model's text (else the client gets an empty answer that says end_turn).
+        refusal = delta.get("refusal")
+        if refusal is not None and refusal.__class__ is not str:
+            raise Malformed("choices[0].delta.refusal is not a string")
         calls = delta.get("tool_calls")
         fragments = [self._fragment(call, position) for position, call in enumerate(
             _optional(calls, list, "choices[0].delta.tool_calls", "a list"))] \
@@ -275,6 +280,8 @@ class StreamTranslator:
                 self._text("thinking", reasoning, out)
         if content:
             self._text("text", content, out)
+        if refusal:
+            self._text("text", refusal, out)
         for fragment in fragments:
             self._call(*fragment, out)
             if self.ended:
