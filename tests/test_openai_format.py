@@ -830,3 +830,14 @@ def test_a_streamed_refusal_is_the_answers_text_as_in_a_whole_answer():
     assert streamed["content"] == whole["content"] == [
         {"type": "text", "text": "I can't help with that."}]
     assert streamed["stop_reason"] == whole["stop_reason"] == "end_turn"
+
+
+def test_a_null_error_on_a_healthy_chunk_is_no_error():
+    # Gateways that put "error": null on every chunk (NVIDIA-NeMo/Guardrails#2306's review:
+    # testing the key's presence "would terminate a healthy stream").
+    events, ended = translate(sse(chunk({"content": "hi"}, error=None),
+                                  chunk({}, "stop", error=None)))
+    assert ended and sdk_message(events)["content"] == [{"type": "text", "text": "hi"}]
+    events, ended = translate(sse(chunk({"content": "hi"}), {"error": {"message": "Boom"},
+                                                             "choices": []}, done=False))
+    assert ended and summary(events)[-1] == ("error", "api_error", "Boom")

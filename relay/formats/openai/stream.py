@@ -226,7 +226,9 @@ class StreamTranslator:
         self._data(data, out)
 
     def _data(self, data: dict, out: list) -> None:
-        if "error" in data or data.get("object") == "error":
+        # Null is absent here as everywhere: some gateways put "error": null on every
+        # healthy chunk.
+        if data.get("error") is not None or data.get("object") == "error":
             self._upstream_error(data, out)
             return
         try:
@@ -451,7 +453,7 @@ class StreamTranslator:
         self.ended = True
 
     def _upstream_error(self, data: dict, out: list) -> None:
-        error = data.get("error") if "error" in data else data
+        error = data.get("error") if data.get("error") is not None else data
         status = None
         message = None
         if type(error) is dict:
