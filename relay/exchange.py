@@ -72,7 +72,8 @@ class Outcome(str, enum.Enum):
     RELAY_ERROR = "relay_error"
     """The relay failed while preparing the request (a 5xx of its own)."""
     UPSTREAM_ERROR = "upstream_error"
-    """The upstream answered with a status of 300 or more, passed on to the client."""
+    """The upstream answered with a status of 300 or more, passed on to the client, or with
+    an error in a 200 answer (an OpenAI-format server's), answered as that error."""
     UPSTREAM_MALFORMED = "upstream_malformed"
     """An answer or stream chunk of the wrong shape, that the relay could not translate."""
     UPSTREAM_UNREACHABLE = "upstream_unreachable"

@@ -384,7 +384,10 @@ class Relay:
             # Its message may quote the answer, and so a key the upstream echoed.
             error.message = redact_text(error.message, exchange.backend.secrets)
             log.warning("%s: %s", exchange.id, error.message)
-            return await refuse(request, exchange, error, Outcome.UPSTREAM_MALFORMED)
+            # An error the upstream sent with its 200 is its error, not a malformed answer.
+            return await refuse(request, exchange, error,
+                                Outcome.UPSTREAM_ERROR if error.rule == "openai_upstream_error"
+                                else Outcome.UPSTREAM_MALFORMED)
         response = UpstreamResponse(upstream.status, upstream.headers, payload)
         if exchange.endpoint == "messages" and state.chain.impls["relay_response"]:
             try:

@@ -841,3 +841,55 @@ def test_a_null_error_on_a_healthy_chunk_is_no_error():
     events, ended = translate(sse(chunk({"content": "hi"}), {"error": {"message": "Boom"},
                                                              "choices": []}, done=False))
     assert ended and summary(events)[-1] == ("error", "api_error", "Boom")
+
+
+@pytest.mark.parametrize("finish", ["error", "network_error", "insufficient_system_resource"])
+def test_a_finish_reason_that_says_the_generation_failed_is_an_error_not_an_end(finish):
+    # OpenRouter ends a stream with finish_reason "error" when its provider dies mid-answer
+    # (gethouston/houston#1211), and a whole answer too (maximhq/bifrost#5425); z.AI says
+    # network_error (genkit-ai/genkit#6259), DeepSeek insufficient_system_resource.
+    events, ended = translate(sse(chunk({"content": "The answer is"}), chunk({}, finish),
+                                  chunk(usage=USAGE)))
+    assert ended and summary(events)[-1] == (
+        "error", "api_error", f"upstream oa ended the stream with finish_reason {finish!r}: "
+                              "the generation failed part way")
+    assert not any(e["type"] in ("message_delta", "message_stop") for e in events)
+    with pytest.raises(RelayError) as failed:
+        openai.anthropic_message(completion({"content": '{"events": [{"title": "partial'},
+                                            finish), "oa")
+    assert (failed.value.status, failed.value.type) == (502, "api_error")
+    assert failed.value.message == (f"upstream oa answered with finish_reason {finish!r}: the "
+                                    "generation failed part way")
+
+
+def test_the_error_a_gateway_puts_on_a_failed_choice_is_what_the_client_reads():
+    failing = {"message": "Provider disconnected unexpectedly", "code": 502}
+    events, _ = translate(sse(chunk({"content": "x"}),
+                              {"choices": [{"index": 0, "delta": {}, "finish_reason": "error",
+                                            "error": failing}]}))
+    assert summary(events)[-1] == ("error", "api_error", "Provider disconnected unexpectedly")
+    answer = completion({"content": "x"}, "error")
+    answer["choices"][0]["error"] = failing
+    with pytest.raises(RelayError) as failed:
+        openai.anthropic_message(answer, "oa")
+    assert (failed.value.status, failed.value.message) == (
+        502, "Provider disconnected unexpectedly")
+
+
+@pytest.mark.parametrize("error, status, kind, message", [
+    # OpenRouter's errors page: error.code is the HTTP status it stands for.
+    ({"message": "Rate limit exceeded: free-models-per-day", "code": 429}, 429,
+     "rate_limit_error", "Rate limit exceeded: free-models-per-day"),
+    ({"message": "Internal", "code": "server_error"}, 502, "api_error", "Internal"),
+    ("model is loading", 502, "api_error", "model is loading"),
+    ({"code": 503}, 503, "overloaded_error",
+     'upstream oa answered with an error: {"code":503}'),
+])
+def test_an_error_in_a_200_answer_is_that_error_in_its_own_words(error, status, kind, message):
+    for answer in ({"error": error}, {**completion({"content": "x"}), "error": error}):
+        with pytest.raises(RelayError) as failed:
+            openai.anthropic_message(answer, "oa")
+        assert (failed.value.status, failed.value.type, failed.value.message) == (
+            status, kind, message)
+    assert openai.anthropic_message({**completion({"content": "x"}), "error": None}, "oa")[
+        "content"] == [{"type": "text", "text": "x"}]

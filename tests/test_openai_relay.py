@@ -13,6 +13,7 @@ import pytest
 import yaml
 from aiohttp import web
 from test_server import Upstream, start_relay, start_upstream
+from test_upstream import Recorder
 
 from relay import config as config_module
 from relay.errors import ConfigError
@@ -46,7 +47,7 @@ def stream_reply(payload: bytes):
 
 @pytest.fixture
 async def oa(aiohttp_server, aiohttp_client):
-    async def make(reply=None, pipeline=(), plugins=None, **backend_extra):
+    async def make(reply=None, pipeline=(), plugins=None, extra=None, **backend_extra):
         upstream = Upstream()
         if reply is not None:
             upstream.reply = reply
@@ -58,7 +59,7 @@ async def oa(aiohttp_server, aiohttp_client):
         raw = {"pipeline": list(pipeline), "plugins": plugins or {},
                "backends": [{"name": "oa", "url": str(server.make_url("/v1")),
                              "models": ["*"], "format": "openai", **backend_extra}]}
-        return await start_relay(aiohttp_client, raw), upstream
+        return await start_relay(aiohttp_client, raw, extra=extra), upstream
     return make
 
 
@@ -162,6 +163,8 @@ async def test_a_stream_is_translated(oa):
           done=False), "upstream fell over"),
     (data(chunk({"tool_calls": [{"index": 0, "id": "c", "type": "function", "function": {
         "name": "Bash", "arguments": "{nope"}}]}), chunk({}, "tool_calls")), "c"),
+    # OpenRouter's provider died mid-answer (gethouston/houston#1211)
+    (data(chunk({"content": "x"}), chunk({}, "error")), "finish_reason 'error'"),
 ])
 async def test_a_stream_that_fails_ends_with_an_error_event(oa, payload, message):
     client, _ = await oa(stream_reply(payload))
@@ -170,6 +173,25 @@ async def test_a_stream_that_fails_ends_with_an_error_event(oa, payload, message
     assert events[0]["type"] == "message_start"
     assert events[-1]["type"] == "error" and message in events[-1]["error"]["message"]
     assert not any(e["type"] == "message_stop" for e in events)
+
+
+async def test_an_error_in_a_200_answer_is_answered_as_that_error(oa):
+    # OpenRouter: an error "occurred while the LLM is producing the output will be emitted
+    # in the response body" of a 200, error.code the status it stands for.
+    async def limited(request):
+        return web.json_response({"error": {"message": "Rate limit exceeded: free-models-per-"
+                                                       "day", "code": 429}})
+    recorder = Recorder()
+    client, _ = await oa(limited, pipeline=["recorder"], extra={"recorder": recorder})
+    response = await client.post("/v1/messages", json=BODY)
+    assert response.status == 429
+    assert (await response.json())["error"] == {
+        "type": "rate_limit_error", "message": "Rate limit exceeded: free-models-per-day"}
+    for _ in range(100):  # the end hooks run once the answer is out
+        if recorder.ended:
+            break
+        await asyncio.sleep(0.01)
+    assert recorder.ended[0].outcome == "upstream_error"
 
 
 async def test_the_first_event_is_not_held_back(oa):

@@ -22,6 +22,14 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                529: "overloaded_error"}
 
 
+# Finish reasons that say the generation failed part way, so that what came is no answer:
+# OpenRouter's "error" (its provider died mid-generation, the 200 long sent:
+# gethouston/houston#1211, maximhq/bifrost#5425), z.AI's "network_error"
+# (genkit-ai/genkit#6259), DeepSeek's "insufficient_system_resource" (its API reference: the
+# inference system ran short). Taken for "end_turn", a cut answer would look complete.
+FAILED_FINISH_REASONS = frozenset({"error", "network_error", "insufficient_system_resource"})
+
+
 class Malformed(Exception):
     """A value of the wrong type where an answer's shape says what it must be: its text is
     where, then what is wrong (``choices[0].message.content is not a string``)."""
@@ -151,9 +159,39 @@ def anthropic_message(chat, backend_name: str, model: str | None = None) -> dict
                               f"completion: {e}", "api_error", rule="openai_malformed") from None
 
 
+def upstream_failure(error) -> tuple[int | None, str | None]:
+    """The HTTP status and message of an error object an upstream sent in place of (or in)
+    an answer: ``{"message", "code"}`` (OpenRouter's ``code`` is the HTTP status it stands
+    for), or a bare string (Ollama); None for what it does not say."""
+    if isinstance(error, str):
+        return None, error or None
+    if type(error) is not dict:
+        return None, None
+    code, message = error.get("code"), error.get("message")
+    status = code if type(code) is int and 400 <= code <= 599 else None
+    return status, message if isinstance(message, str) and message else None
+
+
+def _failed(error, backend_name: str, finish_reason: str | None = None) -> RelayError:
+    """A 200 answer that says the upstream failed, as the error it is: the upstream's own
+    words, and the status its error names (else 502)."""
+    status, message = upstream_failure(error)
+    if message is None:
+        message = (f"upstream {backend_name} answered with finish_reason {finish_reason!r}: "
+                   "the generation failed part way" if finish_reason else
+                   f"upstream {backend_name} answered with an error: "
+                   f"{orjson.dumps(error).decode()[:2000]}")
+    status = status or 502
+    return RelayError(status, message, error_type(status), rule="openai_upstream_error")
+
+
 def _message_of(chat, backend_name: str, model: str | None) -> dict:
     if type(chat) is not dict:
         raise Malformed("the answer is not a JSON object")
+    # OpenRouter: an error "occurred while the LLM is producing the output will be emitted
+    # in the response body" of a 200 (its errors page; xyOz-dev/Saturn#43).
+    if chat.get("error") is not None:
+        raise _failed(chat["error"], backend_name)
     choices = _optional(chat.get("choices"), list, "choices", "a list")
     if not choices:
         raise RelayError(502, f"upstream {backend_name} answered without a choice",
@@ -163,6 +201,9 @@ def _message_of(chat, backend_name: str, model: str | None) -> dict:
         raise Malformed("choices[0] is not an object")
     message = _optional(choice.get("message"), dict, "choices[0].message", "an object") or {}
     finish_reason = _optional_text(choice.get("finish_reason"), "choices[0].finish_reason")
+    if finish_reason in FAILED_FINISH_REASONS:
+        # A gateway puts its failure on the choice (genkit-ai/genkit#6259).
+        raise _failed(choice.get("error"), backend_name, finish_reason)
     answered_model = _optional_text(chat.get("model"), "model")
     usage = anthropic_usage(chat.get("usage"))
     content: list[dict] = []

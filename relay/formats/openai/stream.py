@@ -8,6 +8,7 @@ import orjson
 from ...bounded import HeadTail
 from ...errors import RelayError
 from .answer import (
+    FAILED_FINISH_REASONS,
     Malformed,
     _content_text,
     _function,
@@ -17,6 +18,7 @@ from .answer import (
     error_type,
     stop_reason,
     tool_input,
+    upstream_failure,
 )
 from .wire import message_id
 
@@ -122,6 +124,7 @@ class StreamTranslator:
         self.held: list = []  # _Held and _Call items waiting, in arrival order
         self.held_bytes = 0  # what the calls and ``held`` keep
         self.finish_reason: str | None = None
+        self.failure = None  # the error a gateway put on a choice that failed
         self.usage: dict | None = None  # Anthropic's usage, from the last chunk that had one
 
     def feed(self, chunk: bytes) -> bytes:
@@ -290,6 +293,8 @@ class StreamTranslator:
                 return
         if reason:
             self.finish_reason = reason
+            if reason in FAILED_FINISH_REASONS:
+                self.failure = choice.get("error")
 
     @staticmethod
     def _fragment(fragment, position: int) -> tuple[int, str | None, str | None, str | None]:
@@ -422,6 +427,14 @@ class StreamTranslator:
         """The upstream is done: close the live block, send what was held, then the stop."""
         if not self.started:
             self._start(None, out)
+        if self.finish_reason in FAILED_FINISH_REASONS:
+            # What came is not the whole answer: the client is told so, as for a cut stream.
+            status, message = upstream_failure(self.failure)
+            self._fail(out, message or f"upstream {self.backend} ended the stream with "
+                                       f"finish_reason {self.finish_reason!r}: the generation "
+                                       "failed part way",
+                       error_type(status) if status else "api_error")
+            return
         for item in self.held:
             if self.open is not None:
                 self._stop(out)
@@ -453,16 +466,9 @@ class StreamTranslator:
         self.ended = True
 
     def _upstream_error(self, data: dict, out: list) -> None:
-        error = data.get("error") if data.get("error") is not None else data
-        status = None
-        message = None
-        if type(error) is dict:
-            message = error.get("message")
-            code = error.get("code")
-            status = code if isinstance(code, int) and not isinstance(code, bool) else None
-        elif isinstance(error, str):
-            message = error
-        if not isinstance(message, str) or not message:
+        status, message = upstream_failure(data.get("error") if data.get("error") is not None
+                                           else data)
+        if message is None:
             message = orjson.dumps(data).decode()[:2000]
         self._fail(out, message, error_type(status) if status else "api_error")
 
