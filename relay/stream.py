@@ -558,6 +558,9 @@ def ended_in_error(exchange: Exchange, stream: StreamRelay) -> None:
     kind = error.get("type") if type(error) is dict else None
     if type(message) is not str or not message:
         message = "the upstream ended the stream with an error event"
+    # The client's copy was redacted as it was written; this one was read before that, and
+    # an upstream may quote the key it was sent ("invalid api key sk-...").
+    message = redact_text(message, exchange.backend.secrets)
     exchange.outcome = Outcome.STREAM_ERROR
     exchange.stream_failed(message, kind if type(kind) is str and kind else "api_error",
                            "the upstream's own error event")

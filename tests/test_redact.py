@@ -8,6 +8,7 @@ import orjson
 import pytest
 from aiohttp import web
 from test_server import BODY, Upstream, start_upstream
+from test_upstream import Recorder
 
 from relay.redact import StreamRedactor, redact, secrets_of
 from relay.testing.fixtures import start_relay
@@ -75,6 +76,15 @@ def echo(kind: str):
             chunks = anthropic_stream(key)
         elif kind == "openai_stream":
             chunks = openai_stream(key)
+        elif kind == "stream_error":
+            start = anthropic_stream(key)[0]
+            chunks = [start[:start.index(b"event: content_block_delta")],
+                      event("error", {"type": "error", "error": {
+                          "type": "authentication_error", "message": f"key {key} revoked"}})]
+        elif kind == "openai_stream_error":
+            chunks = [openai_stream(key)[0].split(b"\n\n")[0] + b"\n\n",
+                      b"data: " + orjson.dumps({"error": {"message": f"key {key} revoked",
+                                                          "code": 401}}) + b"\n\n"]
         else:
             whole = orjson.dumps({"data": [{"id": key}]})
             middle = whole.index(key.encode()) + 7
@@ -91,7 +101,8 @@ def echo(kind: str):
     return reply
 
 
-async def relay_with(aiohttp_server, aiohttp_client, kind, with_key=True, **extra):
+async def relay_with(aiohttp_server, aiohttp_client, kind, with_key=True, recorder=None,
+                     **extra):
     upstream = Upstream()
     upstream.reply = echo(kind)
     server = await start_upstream(aiohttp_server, upstream)
@@ -101,7 +112,9 @@ async def relay_with(aiohttp_server, aiohttp_client, kind, with_key=True, **extr
         entry["api_key_env"] = "UP_KEY"
     if extra.get("format") == "openai":
         entry["url"] = entry["url"].rstrip("/") + "/v1"
-    return await start_relay(aiohttp_client, {"backends": [entry]}, env={"UP_KEY": KEY})
+    raw = {"backends": [entry], "pipeline": ["recorder"] if recorder else []}
+    return await start_relay(aiohttp_client, raw, env={"UP_KEY": KEY},
+                             extra={"recorder": recorder} if recorder else None)
 
 
 CASES = [("error", {}, False), ("answer", {}, False), ("stream", {}, True),
@@ -121,6 +134,28 @@ async def test_an_echoed_key_is_redacted_everywhere(aiohttp_server, aiohttp_clie
     assert resp.headers["x-echo-key"] == "Bearer [redacted]"
     if stream:
         assert body.rstrip().endswith(b'{"type":"message_stop"}')
+
+
+@pytest.mark.parametrize("kind, extra", [("stream_error", {}),
+                                         ("openai_stream_error", {"format": "openai"})])
+async def test_an_echoed_key_in_an_upstreams_error_event_is_redacted_in_the_record_too(
+        aiohttp_server, aiohttp_client, caplog, kind, extra):
+    # The client's copy is redacted as written; the log line and the exchange's record of a
+    # stream the upstream ended with an error are made from what was read before that.
+    recorder = Recorder()
+    client = await relay_with(aiohttp_server, aiohttp_client, kind, recorder=recorder, **extra)
+    resp = await client.post("/v1/messages", json={**BODY, "stream": True},
+                             headers={"x-api-key": CLIENT_KEY})
+    body = await resp.read()
+    assert b"key [redacted] revoked" in body and KEY.encode() not in body
+    for _ in range(100):  # the end hooks run once the answer is out
+        if recorder.ended:
+            break
+        await asyncio.sleep(0.01)
+    (exchange,) = recorder.ended
+    assert exchange.outcome == "stream_error"
+    assert exchange.stream_failure.message == "key [redacted] revoked"
+    assert KEY not in caplog.text and "key [redacted] revoked" in caplog.text
 
 
 async def test_a_passthrough_answer_is_redacted_across_chunks(aiohttp_server, aiohttp_client):
