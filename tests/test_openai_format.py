@@ -129,6 +129,13 @@ def test_tool_choice(choice, expected):
     assert out["tool_choice"] == expected and "parallel_tool_calls" not in out
 
 
+def test_a_request_that_does_not_stream_says_so():
+    # OpenAI's default is false, yet some servers stream when the field is absent
+    # (unslothai/unsloth#5047, diegosouzapw/OmniRoute#10239).
+    assert chat({"messages": [user(text())]})["stream"] is False
+    assert "stream_options" not in chat({"messages": [user(text())], "stream": False})
+
+
 def test_backend_quirks_for_max_tokens_usage_and_reasoning():
     body = {"messages": [user(text())], "stream": True,
             "thinking": {"type": "enabled", "budget_tokens": 20000}}
@@ -157,7 +164,7 @@ def test_harmless_leftovers_are_dropped():
     assert out["messages"] == [{"role": "user", "content": "q"},
                                {"role": "assistant", "content": "a"},
                                {"role": "user", "content": "more"}]
-    assert set(out) == {"model", "messages", "max_tokens"}
+    assert set(out) == {"model", "messages", "max_tokens", "stream"}
 
 
 def test_reasoning_can_be_sent_back_when_the_backend_wants_it():

@@ -80,7 +80,8 @@ async def test_a_request_goes_to_chat_completions_translated(oa):
     (sent,) = upstream.received
     assert (sent["path"], sent["query"]) == ("/v1/chat/completions", "")
     assert orjson.loads(sent["raw"]) == {"model": "claude-test", "max_tokens": 10,
-                                         "messages": [{"role": "user", "content": "hi"}]}
+                                         "messages": [{"role": "user", "content": "hi"}],
+                                         "stream": False}
     assert sent["headers"]["Authorization"] == "Bearer sk-client"
     assert "x-api-key" not in sent["headers"] and "anthropic-version" not in sent["headers"]
 

@@ -113,6 +113,10 @@ def chat_request(body: dict, backend) -> dict:
         out["stream"] = True
         if quirk(backend, "stream_usage"):
             out["stream_options"] = {"include_usage": True}
+    else:
+        # OpenAI's default, said: some servers stream when the field is absent
+        # (unslothai/unsloth#5047, diegosouzapw/OmniRoute#10239, open-webui/computer#193).
+        out["stream"] = False
     return out
 
 
