@@ -24,6 +24,7 @@ import orjson
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 from aiohttp.web_urldispatcher import UrlMappingMatchInfo
+from multidict import CIMultiDict
 
 from . import __version__, allocator, keys, lifecycle, logs, pools, threads
 from .chain import Chain
@@ -370,7 +371,8 @@ class Relay:
         async with upstream:
             if upstream.status >= 300:
                 return await self._upstream_error(request, exchange, upstream)
-            if upstream.content_type == "text/event-stream":
+            streamed = upstream.content_type == "text/event-stream"
+            if streamed and (exchange.stream or not exchange.backend.adapter.collects_streams):
                 return await relay_stream(state, request, exchange, upstream)
             try:
                 payload = await read_capped(upstream, state.config.max_upstream_body_bytes)
@@ -388,7 +390,11 @@ class Relay:
             return await refuse(request, exchange, error,
                                 Outcome.UPSTREAM_ERROR if error.rule == "openai_upstream_error"
                                 else Outcome.UPSTREAM_MALFORMED)
-        response = UpstreamResponse(upstream.status, upstream.headers, payload)
+        headers = upstream.headers
+        if streamed:  # collected into one message (Adapter.collects_streams): JSON now
+            headers = CIMultiDict(headers)
+            headers["Content-Type"] = "application/json"
+        response = UpstreamResponse(upstream.status, headers, payload)
         if exchange.endpoint == "messages" and state.chain.impls["relay_response"]:
             try:
                 await state.chain.run("relay_response", exchange, response=response)
@@ -398,7 +404,7 @@ class Relay:
                 # A plugin fault must not cost the client an answer the upstream already gave.
                 log.exception("%s: response chain failed; the upstream's answer goes back as is",
                               exchange.id)
-                response = UpstreamResponse(upstream.status, upstream.headers, payload)
+                response = UpstreamResponse(upstream.status, headers, payload)
         try:
             final = response.final_body()
         except Exception:

@@ -900,3 +900,32 @@ def test_an_error_in_a_200_answer_is_that_error_in_its_own_words(error, status, 
             status, kind, message)
     assert openai.anthropic_message({**completion({"content": "x"}), "error": None}, "oa")[
         "content"] == [{"type": "text", "text": "x"}]
+
+
+def test_a_whole_stream_collected_is_the_answer_the_same_completion_makes():
+    collected = openai.stream.collected(INTERLEAVED, "oa")
+    whole = openai.anthropic_message(completion({
+        "reasoning_content": "Let me see.", "content": "Two calls.", "tool_calls": [
+            {"id": "call_a", "type": "function",
+             "function": {"name": "Bash", "arguments": '{"command": "ls"}'}},
+            {"id": "call_b", "type": "function",
+             "function": {"name": "Read", "arguments": '{"path": "x"}'}}]}, "tool_calls",
+        usage=USAGE), "oa")
+    for message in (collected, whole):
+        message.pop("id")
+    assert collected == whole
+
+
+@pytest.mark.parametrize("stream, status, kind, message", [
+    (sse(chunk({"content": "x"}), {"error": {"message": "slow down", "code": 429}},
+         done=False), 429, "rate_limit_error", "slow down"),
+    (sse(chunk({"content": "x"}), done=False), 502, "api_error",
+     "upstream oa answered with a stream that broke off before its end"),
+    (sse(chunk(call(0, "c1", "Bash", "{nope")), chunk({}, "tool_calls")), 502, "api_error",
+     "upstream oa called tool Bash (c1) with arguments that are not a JSON object: '{nope'"),
+])
+def test_a_collected_stream_that_fails_is_the_error_it_ended_in(stream, status, kind, message):
+    with pytest.raises(RelayError) as failed:
+        openai.stream.collected(stream, "oa")
+    assert (failed.value.status, failed.value.type, failed.value.message) == (
+        status, kind, message)

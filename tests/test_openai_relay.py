@@ -8,6 +8,7 @@ import asyncio
 import json
 from pathlib import Path
 
+import anthropic
 import orjson
 import pytest
 import yaml
@@ -193,6 +194,27 @@ async def test_an_error_in_a_200_answer_is_answered_as_that_error(oa):
             break
         await asyncio.sleep(0.01)
     assert recorder.ended[0].outcome == "upstream_error"
+
+
+async def test_a_server_that_always_streams_answers_a_client_that_asked_for_no_stream(oa):
+    # sgl-project/mini-sglang#51, kaito-project/kaito#1880: SSE whatever "stream" says.
+    client, upstream = await oa(stream_reply(data(
+        chunk({"role": "assistant", "content": ""}), chunk({"content": "hel"}),
+        chunk({"content": "lo"}), chunk({}, "stop"),
+        {**chunk({}), "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 1}})))
+    sdk = anthropic.AsyncAnthropic(base_url=str(client.make_url("")).rstrip("/"),
+                                   api_key="k" * 20, max_retries=0)
+    message = await sdk.messages.create(**BODY)
+    assert isinstance(message, anthropic.types.Message)
+    response = await client.post("/v1/messages", json=BODY)
+    assert response.status == 200 and response.content_type == "application/json"
+    answer = await response.json()
+    assert answer["content"] == [{"type": "text", "text": "hello"}] == [
+        block.model_dump(exclude_none=True) for block in message.content]
+    assert answer["stop_reason"] == "end_turn" and answer["usage"]["input_tokens"] == 5
+    streamed = await client.post("/v1/messages", json={**BODY, "stream": True})
+    assert streamed.content_type == "text/event-stream"
+    assert events_of(await streamed.read())[-1]["type"] == "message_stop"
 
 
 async def test_the_first_event_is_not_held_back(oa):

@@ -44,6 +44,9 @@ class Adapter:
     signs_thinking = True  # thinking blocks come back signed, and signatures are checked
     # Pass-through answers are read whole to be translated (else they stream as they come).
     reads_passthrough = False
+    # A 2xx event stream answering a request that asked for none is read whole and given to
+    # answer_body (else it is relayed as a stream, which such a client cannot read).
+    collects_streams = False
     described = ""  # what the start-up line says of the format ("" for Anthropic's)
     # The errors a 200 stream may open with, in place of an answer, each with the status it
     # stands for (the API's own pairing, relay.errors.STATUS_TYPES). Under load Anthropic

@@ -89,8 +89,15 @@ from .answer import (
     tool_input,
 )
 from .request import chat_request, refuse, request_bytes
-from .stream import CALL_BYTES, MAX_EVENT_BYTES, MAX_HELD_BYTES, StreamTranslator
-from .wire import FORMAT, QUIRKS, message_id, quirk, upstream_headers, upstream_path
+from .stream import (
+    CALL_BYTES,
+    MAX_EVENT_BYTES,
+    MAX_HELD_BYTES,
+    StreamTranslator,
+    collected,
+    is_stream,
+)
+from .wire import FORMAT, QUIRKS, encode, message_id, quirk, upstream_headers, upstream_path
 
 
 class OpenAI(Adapter):
@@ -103,6 +110,9 @@ class OpenAI(Adapter):
     checks_tool_ids = False
     signs_thinking = False  # only Anthropic signs: the translated blocks carry none
     reads_passthrough = True
+    # Some servers stream whatever the request says (sgl-project/mini-sglang#51,
+    # kaito-project/kaito#1880): such a stream is read whole and answered as one message.
+    collects_streams = True
     described = "openai"
     # Its stream errors are the translator's to make Anthropic's; which of them an OpenAI
     # server sends before anything else is unrecorded.
@@ -119,6 +129,8 @@ class OpenAI(Adapter):
         upstream_headers(headers)
 
     def answer_body(self, payload: bytes, backend_name: str, model: str | None) -> bytes:
+        if is_stream(payload):  # a server that streams even when asked not to
+            return encode(collected(payload, backend_name, model))
         return answer_bytes(payload, backend_name, model)
 
     def error_body(self, status: int, payload: bytes, request_id: str | None) -> bytes | None:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import orjson
 
 from ...bounded import HeadTail
-from ...errors import RelayError
+from ...errors import STATUS_TYPES, RelayError
+from ...sse import SSEDecoder
 from .answer import (
     FAILED_FINISH_REASONS,
     Malformed,
@@ -482,3 +483,58 @@ class StreamTranslator:
         # Nothing more will be read: what was held for the stream's end goes now.
         self.pending.clear()
         self.held, self.calls = [], {}
+
+
+# The status each error type of the API stands for, for an error a collected stream ended in.
+# (api_error: 502, the upstream's fault.)
+_STATUSES = {kind: status for status, kind in sorted(STATUS_TYPES.items())}
+_STREAM_START = (b"data:", b"event:", b":", b"id:", b"retry:")
+
+
+def is_stream(payload: bytes) -> bool:
+    """Whether an answer body is an event stream: it opens with a field or a comment, where
+    JSON opens with a value."""
+    return payload.lstrip().startswith(_STREAM_START)
+
+
+def collected(payload: bytes, backend_name: str, model: str | None = None) -> dict:
+    """The Anthropic message of a whole Chat Completions stream, for a client that asked for
+    no stream from a server that streams anyway; a RelayError when the stream ended in an
+    error or broke off before its end."""
+    translator = StreamTranslator(backend_name, model, keep_raw=False)
+    decoder = SSEDecoder()
+    events = decoder.feed(translator.feed(payload) + translator.close()) + decoder.close()
+    message: dict = {}
+    inputs: dict[int, list[str]] = {}
+    for event in events:
+        data = event.data
+        kind = data["type"]
+        if kind == "message_start":
+            message = data["message"]
+            message["content"] = []
+        elif kind == "content_block_start":
+            message["content"].append(data["content_block"])
+        elif kind == "content_block_delta":
+            block, delta = message["content"][data["index"]], data["delta"]
+            if delta["type"] == "text_delta":
+                block["text"] += delta["text"]
+            elif delta["type"] == "thinking_delta":
+                block["thinking"] += delta["thinking"]
+            elif delta["type"] == "input_json_delta":
+                inputs.setdefault(data["index"], []).append(delta["partial_json"])
+        elif kind == "message_delta":
+            message.update(data["delta"])
+            message["usage"] = data["usage"]
+        elif kind == "message_stop":
+            for index, parts in inputs.items():  # whole and valid: checked at their block's end
+                block = message["content"][index]
+                block["input"] = tool_input("".join(parts), block["id"], block["name"],
+                                            backend_name)
+            return message
+        elif kind == "error":
+            error = data["error"]
+            raise RelayError(_STATUSES.get(error["type"], 502), error["message"], error["type"],
+                             rule="openai_malformed" if translator.fault else
+                             "openai_upstream_error")
+    raise RelayError(502, f"upstream {backend_name} answered with a stream that broke off "
+                          "before its end", "api_error", rule="openai_malformed")
