@@ -48,7 +48,14 @@ from .redact import redact_text
 from .respond import deliver, log_exchange, refuse, relay_error, unreachable
 from .state import Unavailable
 from .stream import relay_stream
-from .upstream import Unreachable, Upstream, UpstreamTooLarge, answer_headers, read_capped
+from .upstream import (
+    Unreachable,
+    Upstream,
+    UpstreamTooLarge,
+    answer_headers,
+    read_again,
+    read_capped,
+)
 
 log = logging.getLogger("relay")
 
@@ -371,8 +378,9 @@ class Relay:
         async with upstream:
             if upstream.status >= 300:
                 return await self._upstream_error(request, exchange, upstream)
+            adapter = exchange.backend.adapter
             streamed = upstream.content_type == "text/event-stream"
-            if streamed and (exchange.stream or not exchange.backend.adapter.collects_streams):
+            if streamed and (exchange.stream or not adapter.collects_streams):
                 return await relay_stream(state, request, exchange, upstream)
             try:
                 payload = await read_capped(upstream, state.config.max_upstream_body_bytes)
@@ -380,8 +388,7 @@ class Relay:
                 return await unreachable(request, exchange, e)
         exchange.upstream_response = UpstreamAnswer(upstream.status, upstream.headers, payload)
         try:
-            payload = exchange.backend.adapter.answer_body(payload, exchange.backend.name,
-                                                           exchange.model)
+            answer = adapter.answer_body(payload, exchange.backend.name, exchange.model)
         except RelayError as error:  # not an answer of its format: the record says why
             # Its message may quote the answer, and so a key the upstream echoed.
             error.message = redact_text(error.message, exchange.backend.secrets)
@@ -390,6 +397,11 @@ class Relay:
             return await refuse(request, exchange, error,
                                 Outcome.UPSTREAM_ERROR if error.rule == "openai_upstream_error"
                                 else Outcome.UPSTREAM_MALFORMED)
+        if exchange.stream and adapter.streams_answers and not streamed:
+            # A whole answer to a request for a stream: the adapter's stream_translator makes
+            # it the stream the client reads (an error was answered above, with its status).
+            return await relay_stream(state, request, exchange, read_again(upstream, payload))
+        payload = answer
         headers = upstream.headers
         if streamed:  # collected into one message (Adapter.collects_streams): JSON now
             headers = CIMultiDict(headers)

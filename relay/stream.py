@@ -446,6 +446,8 @@ async def relay_stream(state, request: web.Request, exchange: Exchange,
     # What the SDKs report as the request id, when the upstream gave none (a translated
     # stream).
     headers.setdefault("request-id", exchange.id)
+    if upstream.content_type != "text/event-stream":  # a whole answer made a stream
+        headers["Content-Type"] = "text/event-stream; charset=utf-8"
     response = _StreamAnswer(status=upstream.status, headers=headers)
     answer = exchange.answer = Answer(response.status, response.headers, stream=True)
     writer = await response.prepare(request)

@@ -303,6 +303,23 @@ async def opened(answer: Reply, errors) -> Opened:
     return Opened(answer, _Resumed(bytes(held), answer.content, failure), refused, kind)
 
 
+class _AtEnd:
+    """A body read to its end."""
+
+    async def iter_any(self) -> AsyncIterator[bytes]:
+        return
+        yield
+
+    def at_eof(self) -> bool:
+        return True
+
+
+def read_again(answer: Reply, payload: bytes) -> Opened:
+    """``answer``, whose body was read whole (``payload``) and its connection let go, to be
+    read again from its first byte."""
+    return Opened(answer, _Resumed(payload, _AtEnd(), None), None, None)
+
+
 def standing(answer: Reply) -> int:
     """The status ``answer`` stands for: its own, or the one its stream opened with."""
     if isinstance(answer, Opened) and answer.refused is not None:

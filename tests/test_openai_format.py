@@ -929,3 +929,33 @@ def test_a_collected_stream_that_fails_is_the_error_it_ended_in(stream, status, 
         openai.stream.collected(stream, "oa")
     assert (failed.value.status, failed.value.type, failed.value.message) == (
         status, kind, message)
+
+
+def test_a_whole_answer_where_a_stream_was_asked_for_is_made_its_stream():
+    # sglang answered a stream request with tools as one chat completion (sgl-project/sglang
+    # #2810): the client, reading a stream, gets the stream of that answer.
+    answer = completion({"reasoning_content": "hm", "content": "Calling.", "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "Bash", "arguments": '{"command": "ls"}'}}]}, "tool_calls")
+    raw = orjson.dumps(answer, option=orjson.OPT_INDENT_2)
+    whole = openai.anthropic_message(answer, "oa")
+    for pieces in (None, [1] * len(raw)):
+        events, ended = translate(raw, pieces)
+        assert ended
+        streamed = sdk_message(events)
+        assert streamed.pop("id").startswith("msg_")
+        assert streamed.pop("stop_details") is None
+        assert streamed == {key: value for key, value in whole.items() if key != "id"}
+
+
+@pytest.mark.parametrize("body, kind, message", [
+    (b'{"error": {"message": "slow down", "code": 429}}', "rate_limit_error", "slow down"),
+    (b'{"choices": {}}', "api_error",
+     "upstream oa answered with a malformed chat completion: choices is not a list"),
+    (b'{"choices": [', "api_error", "upstream oa answered a stream with a body that is "
+                                    "neither a stream nor JSON: b'{\"choices\": ['"),
+])
+def test_a_whole_answer_in_place_of_a_stream_that_is_no_answer_is_an_error_event(
+        body, kind, message):
+    events, ended = translate(body)
+    assert ended and summary(events) == [("error", kind, message)]

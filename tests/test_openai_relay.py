@@ -217,6 +217,31 @@ async def test_a_server_that_always_streams_answers_a_client_that_asked_for_no_s
     assert events_of(await streamed.read())[-1]["type"] == "message_stop"
 
 
+async def test_a_server_that_answers_whole_a_client_that_asked_for_a_stream_streams(oa):
+    # sgl-project/sglang#2810: with tools, a stream request got one chat completion.
+    client, upstream = await oa()
+    sdk = anthropic.AsyncAnthropic(base_url=str(client.make_url("")).rstrip("/"),
+                                   api_key="k" * 20, max_retries=0)
+    async with sdk.messages.stream(**BODY) as stream:
+        texts = [text async for text in stream.text_stream]
+        message = await stream.get_final_message()
+    assert texts == ["hello"] and message.stop_reason == "end_turn"
+    assert message.usage.input_tokens == 5 and message.usage.output_tokens == 1
+    assert orjson.loads(upstream.received[0]["raw"])["stream"] is True
+    response = await client.post("/v1/messages", json={**BODY, "stream": True})
+    assert response.content_type == "text/event-stream"
+
+
+async def test_an_error_answered_whole_to_a_request_for_a_stream_keeps_its_status(oa):
+    async def limited(request):
+        return web.json_response({"error": {"message": "slow down", "code": 429}})
+    client, _ = await oa(limited)
+    response = await client.post("/v1/messages", json={**BODY, "stream": True})
+    assert response.status == 429 and response.content_type == "application/json"
+    assert (await response.json())["error"] == {"type": "rate_limit_error",
+                                                "message": "slow down"}
+
+
 async def test_the_first_event_is_not_held_back(oa):
     go_on = asyncio.Event()
 

@@ -47,6 +47,11 @@ class Adapter:
     # A 2xx event stream answering a request that asked for none is read whole and given to
     # answer_body (else it is relayed as a stream, which such a client cannot read).
     collects_streams = False
+    # A 2xx answer that is no event stream, to a request that asked for one, is checked by
+    # answer_body (its RelayError is answered with its status), then goes through
+    # stream_translator all the same, which makes it the stream's events; else it is
+    # answered whole, which a client reading a stream cannot read.
+    streams_answers = False
     described = ""  # what the start-up line says of the format ("" for Anthropic's)
     # The errors a 200 stream may open with, in place of an answer, each with the status it
     # stands for (the API's own pairing, relay.errors.STATUS_TYPES). Under load Anthropic

@@ -61,7 +61,9 @@ the stream becomes an ``error`` event. Memory is bounded whatever the upstream s
 event still coming may grow to ``MAX_EVENT_BYTES`` (the Anthropic path's limit), the tool
 calls' arguments with what waits behind a live call to ``MAX_HELD_BYTES``, and past either
 the stream ends with an ``error`` event; the copy kept for the record is a head and a tail
-(:class:`relay.bounded.HeadTail`).
+(:class:`relay.bounded.HeadTail`). A whole chat completion where a stream was asked for is
+translated at the close into the events of its message; a whole stream where none was
+asked for is read by :func:`.stream.collected` into one message.
 """
 
 from __future__ import annotations
@@ -113,6 +115,9 @@ class OpenAI(Adapter):
     # Some servers stream whatever the request says (sgl-project/mini-sglang#51,
     # kaito-project/kaito#1880): such a stream is read whole and answered as one message.
     collects_streams = True
+    # And some answer whole when asked to stream (sgl-project/sglang#2810): the translator
+    # makes that answer its stream.
+    streams_answers = True
     described = "openai"
     # Its stream errors are the translator's to make Anthropic's; which of them an OpenAI
     # server sends before anything else is unrecorded.

@@ -15,6 +15,7 @@ from .answer import (
     _function,
     _optional,
     _reasoning_text,
+    anthropic_message,
     anthropic_usage,
     error_type,
     stop_reason,
@@ -110,6 +111,7 @@ class StreamTranslator:
         self.backend = backend_name
         self.model = model
         self.pending: list[bytes] = []  # the start of an event still coming
+        self.whole: list[bytes] | None = None  # a whole answer in place of a stream, so far
         self.pending_size = 0
         self.cr = False  # "\r" line ends seen: every chunk is normalised from then on
         self.held_cr = False  # a chunk ended in "\r": is it half of "\r\n"?
@@ -133,6 +135,21 @@ class StreamTranslator:
             self.raw.add(chunk)
         if self.ended:
             return b""
+        whole = self.whole
+        if whole is None and not self.started and not self.pending \
+                and chunk.lstrip()[:1] == b"{":
+            # A chat completion, not a stream: some servers answer so even when asked to
+            # stream (sgl-project/sglang#2810, with tools). It is translated at the close.
+            whole = self.whole = []
+        if whole is not None:
+            whole.append(chunk)
+            self.pending_size += len(chunk)
+            if self.pending_size <= MAX_EVENT_BYTES:
+                return b""
+            failed: list[bytes] = []
+            self._fail(failed, f"upstream {self.backend} answered a stream with a body of more "
+                               f"than {MAX_EVENT_BYTES} bytes", fault="stream_error")
+            return failed[0]
         # bytes.find, not `in`, on every chunk: `in` tries its operand as an integer first
         if self.cr or chunk.find(b"\r") >= 0:
             chunk = self._line_feeds(chunk)
@@ -193,6 +210,9 @@ class StreamTranslator:
         if self.ended:
             return b""
         out: list[bytes] = []
+        if self.whole is not None:
+            self._answer(b"".join(self.whole), out)
+            return b"".join(out)
         rest = b"".join(self.pending).strip(b"\r\n")
         self.pending.clear()
         if rest:
@@ -209,6 +229,46 @@ class StreamTranslator:
         if not self.ended and self.finish_reason is not None:
             self._end(out)
         return b"".join(out)
+
+    def _answer(self, payload: bytes, out: list) -> None:
+        """A whole chat completion as the events of its Anthropic message, or the error it
+        is."""
+        try:
+            message = anthropic_message(orjson.loads(payload), self.backend, self.model)
+        except orjson.JSONDecodeError:
+            self._fail(out, f"upstream {self.backend} answered a stream with a body that is "
+                            f"neither a stream nor JSON: {payload[:200]!r}",
+                       fault="upstream_malformed")
+            return
+        except RelayError as e:
+            self._fail(out, e.message, e.type, None if e.rule == "openai_upstream_error"
+                       else "upstream_malformed")
+            return
+        self._start(message["model"], out)
+        for index, block in enumerate(message["content"]):
+            kind = block["type"]
+            shell = ({"type": "text", "text": ""} if kind == "text" else
+                     {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking"
+                     else {**block, "input": {}})
+            out.append(_event(b"content_block_start", {
+                "type": "content_block_start", "index": index, "content_block": shell}))
+            if kind == "text":
+                out.append(_delta(index, _TEXT_DELTA, block["text"]))
+            elif kind == "thinking":
+                out.append(_delta(index, _THINKING_DELTA, block["thinking"]))
+                out.append(_event(b"content_block_delta", {
+                    "type": "content_block_delta", "index": index,
+                    "delta": {"type": "signature_delta", "signature": ""}}))
+            else:
+                out.append(_delta(index, _JSON_DELTA, orjson.dumps(block["input"]).decode()))
+            out.append(_event(b"content_block_stop", {"type": "content_block_stop",
+                                                      "index": index}))
+        out.append(_event(b"message_delta", {
+            "type": "message_delta",
+            "delta": {"stop_reason": message["stop_reason"], "stop_sequence": None},
+            "usage": message["usage"]}))
+        out.append(_STOP)
+        self.ended = True
 
     # the upstream's events
 
@@ -482,7 +542,7 @@ class StreamTranslator:
             self.fault = (fault, message)
         # Nothing more will be read: what was held for the stream's end goes now.
         self.pending.clear()
-        self.held, self.calls = [], {}
+        self.held, self.calls, self.whole = [], {}, None
 
 
 # The status each error type of the API stands for, for an error a collected stream ended in.
