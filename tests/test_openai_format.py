@@ -959,3 +959,14 @@ def test_a_whole_answer_in_place_of_a_stream_that_is_no_answer_is_an_error_event
         body, kind, message):
     events, ended = translate(body)
     assert ended and summary(events) == [("error", kind, message)]
+
+
+def test_fragments_of_one_call_each_with_an_id_of_their_own_are_one_call():
+    # LM Studio (Gemma 4): the first fragment names the call, each later one has a new id
+    # and no name (NousResearch/hermes-agent#106943): one call, not one per fragment.
+    events, ended = translate(sse(
+        chunk(call(0, "c1", "Read", "")), chunk(call(0, "c2", arguments='{"pa')),
+        chunk(call(0, "c3", arguments='th": "x"}')), chunk({}, "tool_calls")))
+    assert ended
+    assert sdk_message(events)["content"] == [
+        {"type": "tool_use", "id": "c1", "name": "Read", "input": {"path": "x"}}]

@@ -53,9 +53,11 @@ that a call is complete before it ends, so the fragments of any other call (inte
 upstream says it is done. A call whose id or name comes after its first fragment is held until
 both are known; a call that never gets a name ends the stream with an ``error`` event, one that
 never gets an id is given ``call_<message>_<index>``. A fresh id at an index already in use is
-a new call (Ollama numbers every call of a parallel batch 0). ``message_delta`` (stop reason,
-usage from the last chunk) and ``message_stop`` go out at ``data: [DONE]``, or when the
-connection ends after a ``finish_reason``; a stream cut before either gets no
+a new call when its fragment has a name (Ollama numbers every call of a parallel batch 0),
+else more of the call there (LM Studio gives each fragment an id of its own).
+``message_delta`` (stop reason, usage from the last chunk) and ``message_stop`` go out at
+``data: [DONE]``, or when the connection ends after a ``finish_reason``; a stream cut before
+either gets no
 ``message_stop``, so the relay ends it with its own ``error`` event. An ``error`` object in
 the stream becomes an ``error`` event. Memory is bounded whatever the upstream sends: an
 event still coming may grow to ``MAX_EVENT_BYTES`` (the Anthropic path's limit), the tool
