@@ -970,3 +970,45 @@ def test_fragments_of_one_call_each_with_an_id_of_their_own_are_one_call():
     assert ended
     assert sdk_message(events)["content"] == [
         {"type": "tool_use", "id": "c1", "name": "Read", "input": {"path": "x"}}]
+
+
+@pytest.mark.parametrize("fragments, name", [
+    # Gemini streams a name in pieces (continuedev/continue#5849) ...
+    ([call(0, "c1", "edit_ex", ""), call(0, name="isting_file", arguments=""),
+      call(0, arguments='{"a": '), call(0, arguments="1}")], "edit_existing_file"),
+    # ... also with the arguments begun (ankit373/hydra#957, a stub on LM Studio's port) ...
+    ([call(0, "c1", "get_wea", '{"a": '), call(0, name="ther", arguments="1"),
+      call(0, arguments="}")], "get_weather"),
+    # ... and MiniMax through NVIDIA NIM says it whole with every fragment
+    # (NousResearch/hermes-agent#11984).
+    ([call(0, "c1", "read_file", ""), call(0, name="read_file", arguments='{"a": '),
+      call(0, name="read_file", arguments="1}")], "read_file"),
+])
+def test_a_name_in_pieces_or_said_again_is_the_calls_whole_name(fragments, name):
+    events, ended = translate(sse(*map(chunk, fragments), chunk({}, "tool_calls")))
+    assert ended
+    assert sdk_message(events)["content"] == [
+        {"type": "tool_use", "id": "c1", "name": name, "input": {"a": 1}}]
+    # still live: the block starts once the name is whole, before the upstream is done
+    translator = openai.StreamTranslator("oa")
+    assert b'"content_block_start"' in translator.feed(sse(*map(chunk, fragments), done=False))
+
+
+def test_a_name_in_pieces_is_whole_also_for_a_call_held_behind_the_live_one():
+    events, ended = translate(sse(
+        chunk(call(0, "c1", "Bash", "")), chunk(call(0, arguments='{"command": "ls"}')),
+        chunk(call(1, "c2", "Re", "")), chunk(call(1, name="ad", arguments='{"path": "x"}')),
+        chunk({}, "tool_calls")))
+    assert ended
+    assert [(b["id"], b["name"]) for b in sdk_message(events)["content"]] == [
+        ("c1", "Bash"), ("c2", "Read")]
+
+
+def test_a_call_whose_name_could_still_grow_goes_live_when_anything_else_comes():
+    events, _ = translate(sse(chunk(call(0, "c1", "Bash", '{"command": "a"}')),
+                              chunk({"content": "and"}),
+                              chunk(call(1, "c2", "Read", '{"path": "b"}')), chunk({}, "stop")))
+    assert summary(events)[2:-2] == [
+        ("start", 0, "tool_use", "c1", "Bash"), ("delta", 0, '{"command": "a"}'), ("stop", 0),
+        ("start", 1, "text", None, None), ("delta", 1, "and"), ("stop", 1),
+        ("start", 2, "tool_use", "c2", "Read"), ("delta", 2, '{"path": "b"}'), ("stop", 2)]

@@ -52,20 +52,21 @@ that a call is complete before it ends, so the fragments of any other call (inte
 ``index``, or following the first) are held and that call is sent whole, in order, when the
 upstream says it is done. A call whose id or name comes after its first fragment is held until
 both are known; a call that never gets a name ends the stream with an ``error`` event, one that
-never gets an id is given ``call_<message>_<index>``. A fresh id at an index already in use is
-a new call when its fragment has a name (Ollama numbers every call of a parallel batch 0),
-else more of the call there (LM Studio gives each fragment an id of its own).
-``message_delta`` (stop reason, usage from the last chunk) and ``message_stop`` go out at
-``data: [DONE]``, or when the connection ends after a ``finish_reason``; a stream cut before
-either gets no
-``message_stop``, so the relay ends it with its own ``error`` event. An ``error`` object in
-the stream becomes an ``error`` event. Memory is bounded whatever the upstream sends: an
-event still coming may grow to ``MAX_EVENT_BYTES`` (the Anthropic path's limit), the tool
-calls' arguments with what waits behind a live call to ``MAX_HELD_BYTES``, and past either
-the stream ends with an ``error`` event; the copy kept for the record is a head and a tail
+never gets an id is given ``call_<message>_<index>``. A name may come in pieces or again with
+every fragment: a call goes live with its first fragment that adds nothing new to its name, or
+as soon as anything else comes. A fresh id at an index already in use is a new call when its
+fragment has a name (Ollama numbers every call of a parallel batch 0), else more of the call
+there (LM Studio gives each fragment an id of its own). ``message_delta`` (stop reason, usage
+from the last chunk) and ``message_stop`` go out at ``data: [DONE]``, or when the connection
+ends after a ``finish_reason``; a stream cut before either gets no ``message_stop``, so the
+relay ends it with its own ``error`` event. An ``error`` object in the stream becomes an
+``error`` event. Memory is bounded whatever the upstream sends: an event still coming may
+grow to ``MAX_EVENT_BYTES`` (the Anthropic path's limit), the tool calls' arguments with what
+waits behind a live call to ``MAX_HELD_BYTES``, and past either the stream ends with an
+``error`` event; the copy kept for the record is a head and a tail
 (:class:`relay.bounded.HeadTail`). A whole chat completion where a stream was asked for is
-translated at the close into the events of its message; a whole stream where none was
-asked for is read by :func:`.stream.collected` into one message.
+translated at the close into the events of its message; a whole stream where none was asked
+for is read by :func:`.stream.collected` into one message.
 """
 
 from __future__ import annotations

@@ -125,6 +125,7 @@ class StreamTranslator:
         self.calls: dict[int, _Call] = {}  # upstream index -> its current call
         self.called = False
         self.held: list = []  # _Held and _Call items waiting, in arrival order
+        self.naming: _Call | None = None  # the held call whose name may still grow
         self.held_bytes = 0  # what the calls and ``held`` keep
         self.finish_reason: str | None = None
         self.failure = None  # the error a gateway put on a choice that failed
@@ -392,6 +393,10 @@ class StreamTranslator:
         return False
 
     def _text(self, kind: str, text: str, out: list) -> None:
+        if self.naming is not None:
+            self._named(out)  # the call before this text has its name whole
+            if self.ended:
+                return
         open_ = self.open
         if open_.__class__ is _Call:
             if not self._hold(len(text), out):
@@ -420,18 +425,32 @@ class StreamTranslator:
     def _call(self, index: int, new_id: str | None, name: str | None, arguments: str | None,
               out: list) -> None:
         found = self.calls.get(index)
-        if found is None or (new_id and found.id and new_id != found.id):
+        # A fresh id at an index in use is a new call when it names one (Ollama numbers every
+        # call of a parallel batch 0); without a name it goes on with the call there: LM
+        # Studio gives each fragment of one call an id of its own and only the first a name
+        # (NousResearch/hermes-agent#106943).
+        if found is None or (new_id and name and found.id and new_id != found.id):
             if not self._hold(CALL_BYTES, out):
                 return
             call = self.calls[index] = _Call(index)
             self.called = True
-            fresh = True
+            self.held.append(call)  # until it goes live
         else:
-            call, fresh = found, False
+            call = found
+        naming = self.naming
+        if naming is not None and naming is not call:
+            self._named(out)  # something else came: that call's name was whole
+            if self.ended:
+                return
+            naming = None
         if new_id and call.id is None:
             call.id = new_id
-        if name and call.name is None:
-            call.name = name
+        # A name may come in pieces (Gemini: continuedev/continue#5849) or again whole with
+        # every fragment (MiniMax: NousResearch/hermes-agent#11984): so a call goes live with
+        # its next fragment, once that adds nothing new to the name.
+        whole = call is naming and (not name or name == call.name)
+        if name and name != call.name and call.block < 0:  # once live, its name is out
+            call.name = name if call.name is None else call.name + name
         if arguments:
             if not self._hold(len(arguments), out):
                 return
@@ -439,15 +458,21 @@ class StreamTranslator:
             if self.open is call:
                 out.append(_delta(call.block, _JSON_DELTA, arguments))
                 return
-        if call.block >= 0 or self.open is call:
-            return
-        live = self.open.__class__ is _Call
-        if call.id and call.name and not live:
-            if not fresh:
-                self.held.remove(call)
-            self._go_live(call, out)
-        elif fresh:
-            self.held.append(call)
+        if call.block >= 0 or self.open is call or not (call.id and call.name) \
+                or self.open.__class__ is _Call:
+            return  # not yet known, or waiting behind the live call
+        if whole:
+            self._named(out)
+        else:
+            self.naming = call
+
+    def _named(self, out: list) -> None:
+        """The call whose name was still coming has it whole: it goes live."""
+        call = self.naming
+        assert call is not None  # only called when one is
+        self.naming = None
+        self.held.remove(call)
+        self._go_live(call, out)
 
     def _go_live(self, call: _Call, out: list) -> None:
         if self.open is not None:
@@ -488,6 +513,7 @@ class StreamTranslator:
         """The upstream is done: close the live block, send what was held, then the stop."""
         if not self.started:
             self._start(None, out)
+        self.naming = None  # goes out in its turn with the rest of ``held``
         if self.finish_reason in FAILED_FINISH_REASONS:
             # What came is not the whole answer: the client is told so, as for a cut stream.
             status, message = upstream_failure(self.failure)
@@ -542,7 +568,7 @@ class StreamTranslator:
             self.fault = (fault, message)
         # Nothing more will be read: what was held for the stream's end goes now.
         self.pending.clear()
-        self.held, self.calls, self.whole = [], {}, None
+        self.held, self.calls, self.whole, self.naming = [], {}, None, None
 
 
 # The status each error type of the API stands for, for an error a collected stream ended in.
