@@ -14,7 +14,14 @@ from .errors import RelayError, let_go
 from .exchange import Answer, Exchange, Outcome, UpstreamAnswer
 from .redact import StreamRedactor
 from .respond import deliver, refuse, unreachable
-from .upstream import Reply, Unreachable, UpstreamTooLarge, client_headers, read_capped
+from .upstream import (
+    Reply,
+    Unreachable,
+    UpstreamTooLarge,
+    client_headers,
+    read_capped,
+    redirect_refused,
+)
 
 log = logging.getLogger("relay")
 
@@ -88,6 +95,10 @@ async def _translated(state, request: web.Request, exchange: Exchange,
     headers = client_headers(upstream.headers)
     if upstream.status >= 300:
         exchange.outcome = Outcome.UPSTREAM_ERROR
+        if upstream.status < 400 and not adapter.relays_redirects:
+            exchange.response_headers["x-relay-request-id"] = exchange.id
+            return await refuse(request, exchange, redirect_refused(exchange.backend, upstream),
+                                Outcome.UPSTREAM_ERROR)
         translated = adapter.error_body(upstream.status, payload, exchange.id)
         if translated is not None:
             payload = translated

@@ -55,6 +55,7 @@ from .upstream import (
     answer_headers,
     read_again,
     read_capped,
+    redirect_refused,
 )
 
 log = logging.getLogger("relay")
@@ -449,6 +450,9 @@ class Relay:
         exchange.outcome = Outcome.UPSTREAM_ERROR
         exchange.upstream_response = UpstreamAnswer(upstream.status, upstream.headers, payload)
         exchange.note("relay", "upstream error", status=upstream.status)
+        if 300 <= upstream.status < 400 and not exchange.backend.adapter.relays_redirects:
+            return await refuse(request, exchange, redirect_refused(exchange.backend, upstream),
+                                Outcome.UPSTREAM_ERROR)
         headers = answer_headers(exchange, upstream.headers)
         # Retry-after and the status stay as sent.
         translated = exchange.backend.adapter.error_body(upstream.status, payload, exchange.id)

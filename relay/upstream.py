@@ -25,7 +25,7 @@ from .errors import RelayError, let_go
 from .exchange import Attempt, UpstreamRequest
 from .headers import AUTH_HEADERS, end_to_end, keep_undecoded_coding, seconds_until
 from .pools import Exhausted, Pools
-from .redact import redact_headers
+from .redact import redact_headers, redact_text
 from .sse import SSEDecoder
 
 
@@ -312,6 +312,18 @@ class _AtEnd:
 
     def at_eof(self) -> bool:
         return True
+
+
+def redirect_refused(backend, answer: Reply) -> RelayError:
+    """A redirect from a backend whose format the client does not speak, as the relay's own
+    502: a client that followed it (the SDKs do) would send its request, in the wrong format,
+    and its ``x-api-key`` (which, unlike ``Authorization``, HTTP clients keep across origins)
+    wherever the upstream points."""
+    location = answer.headers.get("Location") or "nowhere"
+    return RelayError(502, redact_text(
+        f"upstream {backend.name} answered HTTP {answer.status}, a redirect to {location}, "
+        "which the relay does not follow: check the backend's url", backend.secrets),
+        "api_error")
 
 
 def read_again(answer: Reply, payload: bytes) -> Opened:

@@ -131,6 +131,25 @@ async def test_upstream_errors_come_back_in_anthropics_format(oa, status, kind):
     assert body["request_id"] == response.headers["x-relay-request-id"]
 
 
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/models"])
+async def test_a_redirect_is_a_502_naming_it_never_relayed(oa, path):
+    # FastAPI's servers (vLLM's among them) redirect a path with a trailing slash, 307; a
+    # redirect relayed to an SDK is followed, x-api-key (kept across origins) and all.
+    async def redirect(request):
+        return web.Response(status=307, headers={
+            "Location": "https://elsewhere.invalid/v1/chat/completions/"})
+    client, upstream = await oa(redirect)
+    response = await client.request("POST" if path == "/v1/messages" else "GET", path,
+                                    json=BODY, allow_redirects=False)
+    assert response.status == 502 and "Location" not in response.headers
+    assert (await response.json())["error"] == {"type": "api_error", "message": (
+        "upstream oa answered HTTP 307, a redirect to "
+        "https://elsewhere.invalid/v1/chat/completions/, which the relay does not follow: "
+        "check the backend's url")}
+    assert response.headers["request-id"] == response.headers["x-relay-request-id"]
+    assert len(upstream.received) == 1
+
+
 async def test_tool_arguments_that_are_not_json_are_a_502_naming_the_call(oa):
     async def bad(request):
         return web.json_response({**COMPLETION, "choices": [{"index": 0, "finish_reason":
