@@ -319,7 +319,13 @@ def test_error_types_follow_the_status(status, kind):
 @pytest.mark.parametrize("payload, message", [
     (b'{"error": "model not found"}', "model not found"),  # Ollama
     (b'{"object": "error", "message": "too long", "code": 400}', "too long"),  # vLLM
-    (b"Bad Gateway", "Bad Gateway"), (b"", "upstream answered HTTP 502")])
+    (b"Bad Gateway", "Bad Gateway"), (b"", "upstream answered HTTP 502"),
+    # nginx in front of the server: the page's title, not its markup
+    (b"<html>\r\n<head><title>502 Bad Gateway</title></head>\r\n<body>\r\n<center><h1>502 "
+     b"Bad Gateway</h1></center>\r\n<hr><center>nginx</center>\r\n</body>\r\n</html>\r\n",
+     "upstream answered HTTP 502 with an HTML page: 502 Bad Gateway"),
+    (b"<!DOCTYPE html><html><body><h1>Service\n  Unavailable</h1></body></html>",
+     "upstream answered HTTP 502 with an HTML page: Service Unavailable")])
 def test_error_messages_in_every_shape(payload, message):
     assert openai.error_message(payload, 502) == message
 

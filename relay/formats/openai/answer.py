@@ -4,6 +4,7 @@ of the format's own checked for its type (see the package's docstring)."""
 from __future__ import annotations
 
 import datetime
+import re
 
 import msgspec
 import orjson
@@ -270,7 +271,26 @@ def error_message(payload: bytes, status: int) -> str:
         if isinstance(doc.get("message"), str):
             return doc["message"]
     text = payload.decode("utf-8", "replace").strip()
+    page = _html_page(text)
+    if page is not None:
+        # A proxy's error page (nginx, a load balancer, a captive portal): its markup, up to
+        # 2,000 characters of it, says nothing more to the client than its title does.
+        return f"upstream answered HTTP {status} with an HTML page: {page}"
     return text[:2000] if text else f"upstream answered HTTP {status}"
+
+
+_TITLE = re.compile(r"<title[^>]*>(.*?)</title>", re.IGNORECASE | re.DOTALL)
+_MARKUP = re.compile(r"<[^>]*>|\s+")
+
+
+def _html_page(text: str) -> str | None:
+    """What an HTML page says of itself (its title, else its text), short; None when
+    ``text`` is no HTML page."""
+    if not text[:15].lower().startswith(("<!doctype html", "<html", "<head")):
+        return None
+    found = _TITLE.search(text)
+    said = _MARKUP.sub(" ", found.group(1) if found else text).strip()
+    return said[:200] or "(no text)"
 
 
 def error_bytes(status: int, payload: bytes, request_id: str | None = None) -> bytes:
