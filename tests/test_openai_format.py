@@ -205,6 +205,13 @@ def test_plain_text_documents_translate():
                                           "data": "the doc"}}
     assert chat({"messages": [user(doc)]})["messages"] == [{"role": "user",
                                                              "content": "the doc"}]
+    # Anthropic passes a document's title and context to the model (never cited): so here.
+    titled = {**doc, "title": "README.md", "context": "the project's readme",
+              "citations": {"enabled": True}}
+    assert chat({"messages": [user(titled), user(result("c", [titled]))]})["messages"] == [
+        {"role": "user", "content": "README.md\n\nthe project's readme\n\nthe doc"},
+        {"role": "tool", "tool_call_id": "c",
+         "content": "README.md\n\nthe project's readme\n\nthe doc"}]
 
 
 @pytest.mark.parametrize("body, named", [

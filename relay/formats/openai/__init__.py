@@ -8,12 +8,12 @@ one stream), so that the plugin chain keeps seeing Anthropic requests and Anthro
 the translation is testable with plain data.
 
 Requests. What translates: ``system`` (a string or text blocks) to a system message; text;
-images (base64 and URL) to ``image_url`` parts; plain-text documents to text; ``tool_use`` to
-assistant ``tool_calls`` (arguments as a JSON string); ``tool_result`` to ``tool`` messages
-(text content; images inside a result go in a user message right after the tool messages,
-since a tool message holds only text; ``is_error`` becomes an ``Error: `` prefix, as the
-format has no flag for it); ``tools`` to functions; ``tool_choice`` and
-``disable_parallel_tool_use``; ``stop_sequences``; ``max_tokens`` (or
+images (base64 and URL) to ``image_url`` parts; plain-text documents to text (title and
+context first); ``tool_use`` to assistant ``tool_calls`` (arguments as a JSON string);
+``tool_result`` to ``tool`` messages (text content; images inside a result go in a user
+message right after the tool messages, since a tool message holds only text; ``is_error``
+becomes an ``Error: `` prefix, as the format has no flag for it); ``tools`` to functions;
+``tool_choice`` and ``disable_parallel_tool_use``; ``stop_sequences``; ``max_tokens`` (or
 ``max_completion_tokens``); ``temperature``, ``top_p``; ``metadata.user_id`` to ``user``;
 ``output_config.format`` to ``response_format``; ``thinking`` to the backend's reasoning
 control when its quirks name one; a ``tool_reference`` in a result to a line naming the tool

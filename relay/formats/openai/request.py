@@ -190,7 +190,11 @@ def _document(block: dict, where: str, backend) -> dict:
     source = _value(block.get("source"))
     if (type(source) is dict and source.get("type") == "text"
             and isinstance(source.get("data"), str)):
-        return {"type": "text", "text": source["data"]}
+        # Anthropic gives the model a document's title and context too (they are only
+        # never cited): dropped, the model would not know which document it reads.
+        said = [_value(block.get(key)) for key in ("title", "context")]
+        said = [text for text in said if isinstance(text, str) and text]
+        return {"type": "text", "text": _SEPARATOR.join([*said, source["data"]])}
     kind = source.get("type") if type(source) is dict else None
     raise refuse(backend, where, f"document ({kind} source)",
                  "only plain-text documents have an equivalent there")
