@@ -288,8 +288,22 @@ def test_an_answer_translates():
     ("stop", "end_turn"), ("length", "max_tokens"), ("tool_calls", "tool_use"),
     ("content_filter", "refusal"), (None, "end_turn")])
 def test_finish_reasons(finish, expected):
-    assert openai.anthropic_message(completion({"content": "x"}, finish), "oa")[
-        "stop_reason"] == expected
+    if finish == "tool_calls":  # with a call, as it should come
+        answer = completion({"content": None, "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "T", "arguments": "{}"}}]},
+            finish)
+    else:
+        answer = completion({"content": "x"}, finish)
+    assert openai.anthropic_message(answer, "oa")["stop_reason"] == expected
+
+
+def test_tool_calls_said_without_a_call_is_the_end_of_the_turn():
+    # vLLM answers tool_choice "required" with finish_reason "tool_calls" and no call when
+    # none was parsed (vllm-project/vllm#53255); Anthropic's tool_use comes with its block.
+    assert openai.anthropic_message(completion({"content": "Hello!", "tool_calls": []},
+                                               "tool_calls"), "oa")["stop_reason"] == "end_turn"
+    events, _ = translate(sse(chunk({"content": "Hello!"}), chunk({}, "tool_calls")))
+    assert sdk_message(events)["stop_reason"] == "end_turn"
 
 
 def test_deepseek_cache_hits_and_the_reasoning_field():

@@ -93,6 +93,10 @@ def stop_reason(finish_reason, called: bool) -> str:
     # Some servers (Ollama among them) say "stop" after tool calls.
     if called and finish_reason in (None, "stop"):
         return "tool_use"
+    # And some "tool_calls" after none (vLLM with tool_choice "required" and no call parsed:
+    # vllm-project/vllm#53255): Anthropic's tool_use always comes with a tool_use block.
+    if not called and finish_reason in ("tool_calls", "function_call"):
+        return "end_turn"
     return STOP_REASONS.get(finish_reason, "end_turn")
 
 
