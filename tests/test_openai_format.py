@@ -528,6 +528,11 @@ def test_an_error_object_in_the_stream_is_an_error_event():
     events, ended = translate(sse(chunk({"content": "x"}), {"error": {
         "message": "Overloaded", "type": "server_error", "code": 503}}, done=False))
     assert ended and summary(events)[-1] == ("error", "overloaded_error", "Overloaded")
+    # LiteLLM's proxy says the status as a string
+    events, ended = translate(sse(chunk({"content": "x"}), {"error": {
+        "message": "budget exceeded", "type": "auth_error", "param": "None", "code": "429"}},
+        done=False))
+    assert ended and summary(events)[-1] == ("error", "rate_limit_error", "budget exceeded")
 
 
 def test_a_stream_cut_before_its_end_is_left_unended():

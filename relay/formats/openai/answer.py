@@ -166,13 +166,15 @@ def anthropic_message(chat, backend_name: str, model: str | None = None) -> dict
 
 def upstream_failure(error) -> tuple[int | None, str | None]:
     """The HTTP status and message of an error object an upstream sent in place of (or in)
-    an answer: ``{"message", "code"}`` (OpenRouter's ``code`` is the HTTP status it stands
-    for), or a bare string (Ollama); None for what it does not say."""
+    an answer: ``{"message", "code"}`` (OpenRouter's and LiteLLM's ``code`` is the HTTP status
+    it stands for), or a bare string (Ollama); None for what it does not say."""
     if isinstance(error, str):
         return None, error or None
     if type(error) is not dict:
         return None, None
     code, message = error.get("code"), error.get("message")
+    if type(code) is str and code.isdecimal() and len(code) == 3:
+        code = int(code)  # LiteLLM's proxy says its status as a string ("code": "429")
     status = code if type(code) is int and 400 <= code <= 599 else None
     return status, message if isinstance(message, str) and message else None
 
