@@ -1044,3 +1044,51 @@ def test_a_call_whose_name_could_still_grow_goes_live_when_anything_else_comes()
         ("start", 0, "tool_use", "c1", "Bash"), ("delta", 0, '{"command": "a"}'), ("stop", 0),
         ("start", 1, "text", None, None), ("delta", 1, "and"), ("stop", 1),
         ("start", 2, "tool_use", "c2", "Read"), ("delta", 2, '{"path": "b"}'), ("stop", 2)]
+
+
+def sdk_until_error(events: list[dict]) -> dict:
+    """What the SDK's accumulator builds of ``events`` up to an ``error`` event: it raises
+    on a tool input that cannot be JSON, before the error could say why."""
+    return sdk_message([e for e in events[:next(
+        (n for n, e in enumerate(events) if e["type"] == "error"), len(events))]])
+
+
+@pytest.mark.parametrize("fragments", [
+    # a live call whose arguments stop being JSON (the Hermes parser's, in
+    # openvinotoolkit/model_server#3838) ...
+    [call(0, "c1", "Bash", '{"command": "ls"'), call(0, arguments=', , "x": 1}')],
+    [call(0, "c1", "Bash", "{'command': 'ls'}")],
+    # ... and a call held behind it, sent whole once the first is done
+    [call(0, "c1", "Bash", '{"command": "ls"}'), call(1, "c2", "Read", '{"path": [}')],
+])
+def test_arguments_that_cannot_be_json_never_reach_the_client(fragments):
+    events, ended = translate(sse(*map(chunk, fragments), chunk({}, "tool_calls")))
+    assert ended and events[-1]["type"] == "error"
+    assert "with arguments that are not a JSON object" in events[-1]["error"]["message"]
+    sdk_until_error(events)  # never "Unable to parse tool parameter JSON from model"
+
+
+JSON_OBJECTS = st.dictionaries(st.text(), st.recursive(
+    st.none() | st.booleans() | st.integers(-2 ** 63, 2 ** 63 - 1) | st.floats(allow_nan=False,
+                                                          allow_infinity=False) | st.text(),
+    lambda inner: st.lists(inner) | st.dictionaries(st.text(), inner), max_leaves=12))
+
+
+@settings(max_examples=300, deadline=None)
+@given(JSON_OBJECTS, st.booleans(), st.lists(st.integers(1, 9), max_size=30), st.data())
+def test_every_prefix_of_a_json_object_may_go_on_and_no_json_object_is_refused(
+        value, indent, sizes, data):
+    text = orjson.dumps(value, option=orjson.OPT_INDENT_2 if indent else 0).decode()
+    prefix, at = openai.stream._ObjectPrefix(), 0
+    for size in [*sizes, len(text)]:
+        assert prefix.feed(text[at:at + size]), text[:at + size]
+        at += size
+    # one character changed: refused only when no JSON object is left
+    where = data.draw(st.integers(0, len(text) - 1))
+    changed = text[:where] + data.draw(st.sampled_from('{}[],:"\\ x.-0e\x01')) + text[where + 1:]
+    try:
+        whole = type(msgspec.json.decode(changed)) is dict
+    except msgspec.DecodeError:
+        whole = False
+    if whole:
+        assert openai.stream._ObjectPrefix().feed(changed)

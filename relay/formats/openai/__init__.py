@@ -33,17 +33,17 @@ Answers. ``reasoning_content`` / ``reasoning`` become ``thinking`` blocks (with 
 signature: only Anthropic can sign), text (and a ``refusal``, streamed or not) a ``text``
 block, ``tool_calls`` ``tool_use`` blocks with their arguments parsed. Arguments that are not
 a JSON object are never passed on as something else: the answer becomes an ``api_error``
-(502 when not streaming, an ``error`` event in a stream) naming the call and quoting the
-arguments. So does any answer or chunk whose fields of the format's own (``choices``,
-``message``/``delta``, ``content`` and its parts' ``text``, ``refusal``, ``tool_calls`` and
-their ``index``, ``id``, ``function``, ``name``, ``arguments``, ``finish_reason``, ``model``,
-``usage`` and its counts) are not of their type, naming where
-(``choices[0].message.tool_calls[0] is not an object``): a value of the wrong type never
-reaches the client, and null is taken as absent. An integral float count (``12.0``) is its
-integer. Extensions (``reasoning_content``, ``reasoning``) are read when they are text and
-otherwise left alone. An error in a 200 answer, and a finish reason that says the
-generation failed part way (:data:`FAILED_FINISH_REASONS`), are the upstream's error, in its
-own words: never a cut answer passed on as complete.
+(502 when not streaming, an ``error`` event in a stream, in place of the first fragment
+that makes them impossible) naming the call and quoting the arguments. So does any answer or
+chunk whose fields of the format's own (``choices``, ``message``/``delta``, ``content`` and
+its parts' ``text``, ``refusal``, ``tool_calls`` and their ``index``, ``id``, ``function``,
+``name``, ``arguments``, ``finish_reason``, ``model``, ``usage`` and its counts) are not of
+their type, naming where (``choices[0].message.tool_calls[0] is not an object``): a value of
+the wrong type never reaches the client, and null is taken as absent. An integral float
+count (``12.0``) is its integer. Extensions (``reasoning_content``, ``reasoning``) are read
+when they are text and otherwise left alone. An error in a 200 answer, and a finish reason
+that says the generation failed part way (:data:`FAILED_FINISH_REASONS`), are the upstream's
+error, in its own words: never a cut answer passed on as complete.
 
 Streams. The first upstream chunk becomes ``message_start`` at once; text and thinking stream
 live. One tool call at a time streams live (its ``input_json_delta`` fragments go out as they

@@ -3,6 +3,8 @@ memory (see the package's docstring)."""
 
 from __future__ import annotations
 
+import re
+
 import orjson
 
 from ...bounded import HeadTail
@@ -62,10 +64,166 @@ def _delta(index: int, kind: bytes, value: str) -> bytes:
     return _DELTA + str(index).encode() + kind + orjson.dumps(value) + b"}}\n\n"
 
 
+_STRING_RUN = re.compile(r'[^"\\\x00-\x1f]*')
+_NUMBER_START = frozenset("-0123456789")
+_NUMBER_CHARS = frozenset("-+.eE0123456789")
+_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?\Z")
+_NUMBER_PREFIX = re.compile(
+    r"-?(?:(?:0|[1-9][0-9]*)(?:\.[0-9]*|(?:\.[0-9]+)?[eE][+-]?[0-9]*)?)?\Z")
+_LITERALS = ("true", "false", "null")
+_HEX = frozenset("0123456789abcdefABCDEF")
+_SPACE = frozenset(" \t\n\r")
+
+
+class _ObjectPrefix:
+    """Whether the text fed so far can still begin a JSON object: a tool call's arguments,
+    checked as they stream. The SDKs' stream accumulators parse a tool's input after every
+    fragment and raise on one that cannot be JSON (the Python SDK's "Unable to parse tool
+    parameter JSON from model"), so such a fragment must never go out: the stream ends with
+    the relay's error in its place. Linear: each character is looked at once (runs of a
+    string at regex speed)."""
+
+    __slots__ = ("ok", "stack", "expect", "string", "key", "escape", "token")
+
+    def __init__(self):
+        self.ok = True
+        self.stack: list[str] = []  # "{" and "[" still open
+        self.expect = "top"  # what may come next, outside strings and tokens
+        self.string = False
+        self.key = False  # the string is an object's key
+        self.escape = 0  # 1 after a backslash, 2 to 5 inside a \u escape's digits
+        self.token = ""  # a number or literal still coming
+
+    def feed(self, text: str) -> bool:
+        if not self.ok:
+            return False
+        i, n = 0, len(text)
+        while i < n:
+            if self.string:
+                i = self._in_string(text, i)
+                if i < 0:
+                    self.ok = False
+                    return False
+                continue
+            c = text[i]
+            if self.token:
+                if c in _NUMBER_CHARS or c.isalpha():
+                    self.token += c
+                    if not self._token_may_grow():
+                        self.ok = False
+                        return False
+                    i += 1
+                    continue
+                if not self._token_ended():
+                    self.ok = False
+                    return False
+            if not self._structure(c):
+                self.ok = False
+                return False
+            i += 1
+        return True
+
+    def _in_string(self, text: str, i: int) -> int:
+        """Read on in a string from ``i``; where to go on, or -1 when it cannot be JSON."""
+        if self.escape == 1:
+            c = text[i]
+            if c == "u":
+                self.escape = 2
+            elif c in '"\\/bfnrt':
+                self.escape = 0
+            else:
+                return -1
+            return i + 1
+        if self.escape:
+            if text[i] not in _HEX:
+                return -1
+            self.escape = 0 if self.escape == 5 else self.escape + 1
+            return i + 1
+        run = _STRING_RUN.match(text, i)  # matches always: the run may be empty
+        end = run.end() if run is not None else i
+        if end == len(text):
+            return end
+        c = text[end]
+        if c == '"':
+            self.string = False
+            if self.key:
+                self.expect = "colon"
+            else:
+                self._value_done()
+        elif c == "\\":
+            self.escape = 1
+        else:
+            return -1  # a control character
+        return end + 1
+
+    def _token_may_grow(self) -> bool:
+        token = self.token
+        if token[0] in _NUMBER_START:
+            return _NUMBER_PREFIX.match(token) is not None
+        return any(literal.startswith(token) for literal in _LITERALS)
+
+    def _token_ended(self) -> bool:
+        token, self.token = self.token, ""
+        if not (token in _LITERALS or _NUMBER.match(token)):
+            return False
+        self._value_done()
+        return True
+
+    def _value_done(self) -> None:
+        self.expect = "comma" if self.stack else "end"
+
+    def _structure(self, c: str) -> bool:
+        if c in _SPACE:
+            return True
+        expect = self.expect
+        if expect == "top":
+            if c != "{":
+                return False
+            self.stack.append("{")
+            self.expect = "key_or_close"
+        elif expect in ("value", "value_or_close"):
+            if c == "]" and expect == "value_or_close":
+                self.stack.pop()
+                self._value_done()
+            elif c in "{[":
+                self.stack.append(c)
+                self.expect = "key_or_close" if c == "{" else "value_or_close"
+            elif c == '"':
+                self.string, self.key = True, False
+            elif c in _NUMBER_START or c in "tfn":
+                self.token = c
+            else:
+                return False
+        elif expect in ("key", "key_or_close"):
+            if c == '"':
+                self.string, self.key = True, True
+            elif c == "}" and expect == "key_or_close":
+                self.stack.pop()
+                self._value_done()
+            else:
+                return False
+        elif expect == "colon":
+            if c != ":":
+                return False
+            self.expect = "value"
+        elif expect == "comma":
+            top = self.stack[-1]
+            if c == ",":
+                self.expect = "key" if top == "{" else "value"
+            elif c == ("}" if top == "{" else "]"):
+                self.stack.pop()
+                self._value_done()
+            else:
+                return False
+        else:  # "end": the object is whole, and only space may follow
+            return False
+        return True
+
+
 class _Call:
     """One streamed tool call: what is known of it, and whether its block is out."""
 
-    __slots__ = ("index", "id", "name", "parts", "block")
+    __slots__ = ("index", "id", "name", "parts", "block", "arguments")
 
     def __init__(self, index: int):
         self.index = index
@@ -73,6 +231,7 @@ class _Call:
         self.name: str | None = None
         self.parts: list[str] = []
         self.block = -1  # its Anthropic block index, once started
+        self.arguments = _ObjectPrefix()  # whether ``parts`` may still be a JSON object
 
 
 class _Held:
@@ -455,7 +614,11 @@ class StreamTranslator:
             if not self._hold(len(arguments), out):
                 return
             call.parts.append(arguments)
+            call.arguments.feed(arguments)
             if self.open is call:
+                if not call.arguments.ok:
+                    self._bad_arguments(call, out)
+                    return
                 out.append(_delta(call.block, _JSON_DELTA, arguments))
                 return
         if call.block >= 0 or self.open is call or not (call.id and call.name) \
@@ -479,6 +642,9 @@ class StreamTranslator:
             self._stop(out)
             if self.ended:
                 return
+        if not call.arguments.ok:
+            self._bad_arguments(call, out)
+            return
         call.block = self.blocks
         self.blocks += 1
         self.open = call
@@ -490,6 +656,17 @@ class StreamTranslator:
             out.append(_event(b"content_block_delta", {
                 "type": "content_block_delta", "index": call.block,
                 "delta": {"type": "input_json_delta", "partial_json": "".join(call.parts)}}))
+
+    def _bad_arguments(self, call: _Call, out: list) -> None:
+        """End the stream for a call whose arguments can no longer be a JSON object, before
+        any more of them go out."""
+        try:
+            tool_input("".join(call.parts), call.id, call.name, self.backend)
+            message = (f"upstream {self.backend} called tool {call.name} ({call.id}) with "
+                       "arguments that are not a JSON object")
+        except RelayError as e:
+            message = e.message
+        self._fail(out, message, fault="upstream_malformed")
 
     def _stop(self, out: list) -> None:
         open_ = self.open
