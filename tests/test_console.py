@@ -176,6 +176,22 @@ async def test_an_action_without_the_csrf_token_is_refused(served):
         assert resp.status == 403 and (await served.get("/console")).status == 200
 
 
+async def test_a_form_through_a_proxy_that_rewrites_host_is_told_by_its_forwarded_host(served):
+    # nginx sets Host to the relay's own address unless told otherwise: the browser's Origin
+    # is the name the proxy was reached by, which it passes on in X-Forwarded-Host.
+    await log_in(served)
+    token = csrf_of(await (await served.get("/console")).text())
+    proxied = {"Origin": "https://relay.example.com", "Host": "127.0.0.1:8787"}
+    resp = await served.post("/console/logout", data={"csrf": token},
+                             headers={**proxied, "X-Forwarded-Host": "evil.example"},
+                             allow_redirects=False)
+    assert resp.status == 403
+    resp = await served.post("/console/logout", data={"csrf": token},
+                             headers={**proxied, "X-Forwarded-Host": "relay.example.com"},
+                             allow_redirects=False)
+    assert resp.status == 303 and resp.headers["Location"] == "/console/login"
+
+
 async def test_logging_out_ends_the_session_for_every_copy_of_the_cookie(served):
     await log_in(served)
     cookie = next(c.value for c in served.session.cookie_jar if c.key == auth.COOKIE)

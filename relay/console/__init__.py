@@ -65,6 +65,19 @@ CSRF = web.RequestKey("console_csrf", str)
 SESSION = web.RequestKey("console_session", auth.Session)
 
 
+def _hosts(request: web.Request) -> tuple[str | None, ...]:
+    """The names the browser may have reached the console by: ``Host``, and behind a proxy
+    that sets ``Host`` to the relay's own address (nginx's default), the first
+    ``X-Forwarded-Host``. A page on another site cannot set that header on a form post, and
+    the session-bound CSRF token is still required, so it only lets the console's own forms
+    through such a proxy."""
+    forwarded = request.headers.get("X-Forwarded-Host")
+    host = request.headers.get("Host")
+    if forwarded is None:
+        return (host,)
+    return host, forwarded.partition(",")[0].strip()
+
+
 class Refused(Exception):
     """An action refused: the status and what the operator is told."""
 
@@ -178,7 +191,7 @@ class Console:
         """A POSTed form, bounded, from this origin only (a browser says where a form came
         from in ``Origin``; one from elsewhere is refused before its token is looked at)."""
         origin = request.headers.get("Origin")
-        if origin is not None and origin.partition("://")[2] != request.headers.get("Host"):
+        if origin is not None and origin.partition("://")[2] not in _hosts(request):
             raise Refused(403, "this form was sent from another site")
         kind = (request.headers.get("Content-Type") or "").partition(";")[0].strip().lower()
         if kind != "application/x-www-form-urlencoded":
