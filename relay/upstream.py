@@ -282,8 +282,18 @@ async def opened(answer: Reply, errors) -> Opened:
                     break  # slow to begin: no refusal came with its headers
                 if not chunk:
                     break
+            start = len(held)
             held += chunk
-            events = decoder.feed(chunk)
+            # Only as far as the first event's end, where that is plain to see: a chunk that
+            # holds the whole answer (a short one, a burst) is not split into its every event
+            # here, only to be split again on its way to the client.
+            cut = _event_end(held, max(start - 3, 0))
+            if cut > start:
+                events = decoder.feed(bytes(held[start:cut]))
+                if not events:  # blank lines before any event: the rest, to stay in step
+                    events = decoder.feed(bytes(held[cut:]))
+            else:
+                events = decoder.feed(chunk)
             if events or len(held) > OPENING_BYTES:
                 first = events[0] if events else None
                 break
@@ -330,6 +340,14 @@ def read_again(answer: Reply, payload: bytes) -> Opened:
     """``answer``, whose body was read whole (``payload``) and its connection let go, to be
     read again from its first byte."""
     return Opened(answer, _Resumed(payload, _AtEnd(), None), None, None)
+
+
+def _event_end(buf: bytearray, since: int) -> int:
+    """Where the first blank line at or after ``since`` ends in ``buf`` (0: none found in
+    the usual line ends; the decoder then reads the chunk whole)."""
+    ends = [found + len(blank) for blank in (b"\n\n", b"\r\n\r\n", b"\r\r")
+            if (found := buf.find(blank, since)) >= 0]
+    return min(ends, default=0)
 
 
 def standing(answer: Reply) -> int:
