@@ -21,6 +21,12 @@ STATUS_TYPES = {
 }
 
 
+# The rule of a RelayError that carries the upstream's own error (told in its words, at the
+# status it named), as a format adapter reads one from a successful-looking answer: recorded
+# as the upstream's error, not as the relay refusing a malformed answer.
+UPSTREAM_ERROR = "upstream_error"
+
+
 class RelayError(Exception):
     """A refusal in Anthropic's error format: ``RelayError(400, "what is wrong")``. ``type``
     defaults to the API's own for the status (see ``STATUS_TYPES``). Raise it from a hook to

@@ -29,7 +29,7 @@ from multidict import CIMultiDict
 from . import __version__, allocator, keys, lifecycle, logs, pools, threads
 from .chain import Chain
 from .config import InboundKey
-from .errors import RelayError, invalid_request, let_go
+from .errors import UPSTREAM_ERROR, RelayError, invalid_request, let_go
 from .exchange import Answer, Exchange, Outcome, UpstreamAnswer, UpstreamResponse
 from .inbound import (
     AdminGate,
@@ -396,7 +396,7 @@ class Relay:
             log.warning("%s: %s", exchange.id, error.message)
             # An error the upstream sent with its 200 is its error, not a malformed answer.
             return await refuse(request, exchange, error,
-                                Outcome.UPSTREAM_ERROR if error.rule == "openai_upstream_error"
+                                Outcome.UPSTREAM_ERROR if error.rule == UPSTREAM_ERROR
                                 else Outcome.UPSTREAM_MALFORMED)
         if exchange.stream and adapter.streams_answers and not streamed:
             # A whole answer to a request for a stream: the adapter's stream_translator makes

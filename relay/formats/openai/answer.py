@@ -9,7 +9,7 @@ import re
 import msgspec
 import orjson
 
-from ...errors import RelayError, error_body
+from ...errors import UPSTREAM_ERROR, RelayError, error_body
 from .wire import decode as _decode
 from .wire import encode as _encode
 from .wire import message_id
@@ -189,7 +189,7 @@ def _failed(error, backend_name: str, finish_reason: str | None = None) -> Relay
                    f"upstream {backend_name} answered with an error: "
                    f"{orjson.dumps(error).decode()[:2000]}")
     status = status or 502
-    return RelayError(status, message, error_type(status), rule="openai_upstream_error")
+    return RelayError(status, message, error_type(status), rule=UPSTREAM_ERROR)
 
 
 def _message_of(chat, backend_name: str, model: str | None) -> dict:

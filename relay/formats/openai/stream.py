@@ -8,7 +8,7 @@ import re
 import orjson
 
 from ...bounded import HeadTail
-from ...errors import STATUS_TYPES, RelayError
+from ...errors import STATUS_TYPES, UPSTREAM_ERROR, RelayError
 from ...sse import SSEDecoder
 from .answer import (
     FAILED_FINISH_REASONS,
@@ -401,7 +401,7 @@ class StreamTranslator:
                        fault="upstream_malformed")
             return
         except RelayError as e:
-            self._fail(out, e.message, e.type, None if e.rule == "openai_upstream_error"
+            self._fail(out, e.message, e.type, None if e.rule == UPSTREAM_ERROR
                        else "upstream_malformed")
             return
         self._start(message["model"], out)
@@ -798,6 +798,6 @@ def collected(payload: bytes, backend_name: str, model: str | None = None) -> di
             error = data["error"]
             raise RelayError(_STATUSES.get(error["type"], 502), error["message"], error["type"],
                              rule="openai_malformed" if translator.fault else
-                             "openai_upstream_error")
+                             UPSTREAM_ERROR)
     raise RelayError(502, f"upstream {backend_name} answered with a stream that broke off "
                           "before its end", "api_error", rule="openai_malformed")
