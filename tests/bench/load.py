@@ -5,7 +5,9 @@ Commands (``op``):
 - ``run``: ``url`` (base), ``workload`` (a name in workloads.WORKLOADS), ``concurrency``,
   ``count``, ``seconds``: that many requests or that long, whichever ends first, from
   ``concurrency`` sequential loops; answers per-request latencies and first-byte times (ms),
-  errors, response sizes, its own CPU time.
+  errors, response sizes, its own CPU time. For the growing session, ``sessions`` (default
+  1): how many sessions each connection takes turns with; the answer's ``session_starts``
+  counts the requests that began one.
 - ``check``: one request of body ``body`` with query ``query``; answers status, size and the
   ``x-bench-*`` headers the mock added.
 - ``idle_open``: ``url``, ``k``, ``hold``: open k streams that the mock holds idle after
@@ -38,7 +40,9 @@ class Load:
         self.sessions: dict[str, aiohttp.ClientSession] = {}
         self.idle: list = []
         self.idle_release: asyncio.Event | None = None
-        self.turns: dict = {}  # (url, connection) -> the growing session's next turn
+        # (url, concurrency, connection) -> its growing sessions, each [generation, next turn], and which
+        # of them sends next
+        self.growing: dict = {}
 
     runs = 0
 
@@ -58,7 +62,7 @@ class Load:
         # The query again, for the mock's Chat Completions route: the relay sends no query there.
         base = {**HEADERS, "x-bench-mock": spec["query"]}
         sessions = spec.get("session")
-        bodies = workloads.session_bodies() if sessions == "grow" else (body,)
+        bodies = workloads.session_bodies() if sessions == "grow" else ()
         self.runs += 1
         run = self.runs
         session = self.session(cmd["url"])
@@ -71,29 +75,39 @@ class Load:
         first_error = None
         issued = 0
         finished_at = 0.0
+        starts = 0
+        per_connection = max(1, int(cmd.get("sessions", 1)))
 
         async def loop(worker: int):
-            nonlocal issued, errors, first_error, finished_at
+            nonlocal issued, errors, first_error, finished_at, starts
             headers = base
-            if sessions == "grow":  # one session per connection, the same in every run
-                headers = {**base, workloads.SESSION_HEADER: f"bench-{cmd['url']}-{worker}"}
-            # A session goes on where its last run left it, not from its first turn again.
-            # Each connection's session begins at a turn of its own: a gateway's sessions
-            # are not in step, and in step every one went back to its first turn (walked
-            # whole) in the same round.
-            where = (cmd["url"], worker)
-            turn = self.turns.get(where, worker * len(bodies) // workloads.SESSIONS_SPREAD)
+            # A growing session goes on where its last run left it, whatever ran in between,
+            # and never shrinks: after its last turn the connection begins a new session (a
+            # first request, which the history workloads measure), so that the benchmark can
+            # keep a session's first requests out of the rounds it measures.
+            # Each row (a concurrency) its own sessions: a row never ends one another began.
+            growing = self.growing.setdefault((cmd["url"], concurrency, worker), [0, []])
+            while len(growing[1]) < per_connection:
+                growing[1].append([0, 0])
+            sent = body
             while issued < count and perf_counter() < deadline:
                 issued += 1
                 if sessions == "fresh":
                     headers = {**base, workloads.SESSION_HEADER: f"bench-{run}-{issued}"}
-                body = bodies[turn % len(bodies)]
                 if sessions == "grow":
-                    turn += 1
-                    self.turns[where] = turn
+                    slot = growing[0] % per_connection
+                    growing[0] += 1
+                    state = growing[1][slot]
+                    generation, turn = state
+                    headers = {**base, workloads.SESSION_HEADER:
+                               f"bench-{cmd['url']}-{worker}-{slot}-{generation}"}
+                    starts += turn == 0
+                    sent = bodies[turn]
+                    state[:] = (generation + 1, 0) if turn + 1 == len(bodies) else (generation,
+                                                                                     turn + 1)
                 t0 = perf_counter()
                 try:
-                    async with session.post(url, data=body, headers=headers) as response:
+                    async with session.post(url, data=sent, headers=headers) as response:
                         content = response.content
                         tail = await content.readany()
                         t1 = perf_counter()
@@ -130,7 +144,7 @@ class Load:
         elapsed = (finished_at or perf_counter()) - start
         return {"latencies_ms": latencies, "ttfb_ms": ttfb, "errors": errors,
                 "first_error": first_error, "elapsed_s": elapsed, "sizes": sizes,
-                "client_cpu_s": cpu, "concurrency": concurrency}
+                "client_cpu_s": cpu, "concurrency": concurrency, "session_starts": starts}
 
     async def check(self, cmd: dict) -> dict:
         body = workloads.body(cmd["body"])

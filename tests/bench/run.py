@@ -113,9 +113,11 @@ class Tally:
         self.sizes: dict[str, int] = {}
         self.cpu: dict[str, float] = {}
         self.by_round: list[tuple[int, dict[str, float]]] = []  # (requests, cpu) per round
+        self.session_starts = 0
 
     def add(self, answer: dict, cpu: dict[str, float]) -> None:
         self.by_round.append((len(answer["latencies_ms"]), cpu))
+        self.session_starts += answer.get("session_starts", 0)
         self.latencies += answer["latencies_ms"]
         self.ttfb += answer["ttfb_ms"]
         self.errors += answer["errors"]
@@ -146,6 +148,7 @@ class Tally:
                                               for n, cpu in self.by_round] if proxy else None,
             "mock_cpu_ms_per_req": per("mock"),
             "client_cpu_ms_per_req": per("client"),
+            "session_starts": self.session_starts,
         }
         return out
 
@@ -330,6 +333,14 @@ class Bench:
                 watch_memory = workload == "history_changed"
                 baseline = {}
                 per_round = max(1, round(count / rounds), concurrency)
+                # A growing session is measured in progress: each connection takes turns with
+                # enough sessions that none reaches its last turn within the row, so that the
+                # measured rounds hold no session's first request (the history rows measure
+                # those).
+                sessions = 1
+                if workload == "session":
+                    sessions = math.ceil((rounds + 1) * per_round / concurrency
+                                         / workloads.SESSION_REQUESTS)
                 for n in range(rounds):
                     order = self.targets[n % len(self.targets):] + self.targets[:n % len(self.targets)]
                     for target in order:
@@ -341,19 +352,18 @@ class Bench:
                             if watch_memory and concurrency > 1 and target in self.proxies:
                                 self.reset_peak(target)
                                 baseline[target] = self.rest_rss[target]
-                            # A growing session is measured in progress: each session past
-                            # its first requests (a full walk, then a resume from a trial
-                            # record), which the history workloads measure instead.
+                            # Each growing session past its first requests (a full walk,
+                            # then a resume from a trial record).
                             warm = per_round if workload == "session" else max(concurrency, 4)
                             self.load.call(op="run", url=url, workload=workload, concurrency=concurrency,
-                                           count=warm, seconds=seconds)
+                                           count=warm, seconds=seconds, sessions=sessions)
                             if watch_memory and concurrency == 1 and target in self.proxies:
                                 self.reset_peak(target)
                                 baseline[target] = self.rss(target)
                         before = self.cpu()
                         answer = self.load.call(op="run", url=url, workload=workload,
                                                 concurrency=concurrency, count=per_round,
-                                                seconds=seconds / rounds)
+                                                seconds=seconds / rounds, sessions=sessions)
                         after = self.cpu()
                         cpu = {name: after[name] - before[name] for name in after}
                         tallies[target].add(answer, cpu)
@@ -574,8 +584,9 @@ def targets(result: dict) -> list[dict]:
     for c in CONCURRENCY:
         target(f"growing session (1 MB, 500 messages, one turn per request) c={c}: relay CPU "
                "per request over the bare pass-through's", added("session", c), 0.3, "ms",
-               note=f"by round {by_round('session', c)}; the same history, each request a new "
-                    f"session: {added('history_unchanged', c)} ms")
+               note=f"by round {by_round('session', c)}; sessions begun in the measured rounds: "
+                    f"{relay('session', c, 'session_starts')}; the same history, each request a "
+                    f"new session: {added('history_unchanged', c)} ms")
     if "session" in m:
         target("growing session: request path CPU, resumed (micro)",
                r(m["session"]["request_path_ms"]), 0.3, "ms",

@@ -39,7 +39,7 @@ WORKLOADS = {
                          "stream": True},
     # A coding agent's session: the 500-message history growing by one turn per request,
     # each request the previous one's bytes up to its last message, where the cache marker
-    # moves (session_bodies); each connection of the load is a session of its own.
+    # moves (session_bodies); each connection of the load takes turns with sessions of its own.
     "session": {"body": "session", "query": "mock=json", "stream": False, "session": "grow"},
 }
 # The history workloads send every request as the first of a session of its own (a new
@@ -47,8 +47,7 @@ WORKLOADS = {
 for _name in ("history_changed", "history_unchanged"):
     WORKLOADS[_name]["session"] = "fresh"
 SESSION_HEADER = "x-claude-code-session-id"
-SESSION_REQUESTS = 40  # the turns a growing session goes through before it starts again
-SESSIONS_SPREAD = 32  # the growing sessions' first turns spread over the cycle as for c=32
+SESSION_REQUESTS = 40  # the turns of a growing session (the next one begins at the first)
 IDLE_QUERY = "mock=idle"
 
 _WORDS = ("the", "relay", "tool", "result", "file", "line", "def", "return", "self", "import",
