@@ -589,6 +589,22 @@ async def started(chain: Chain, config, state: lifecycle.Lifecycle) -> bool:
     return False
 
 
+def settle(config) -> tuple[bool, str]:
+    """What a serving process sets once it listens, for what it serves from then on (the
+    benchmarks' in-process figures run under it too): whether freed memory is kept, and what
+    :func:`relay.allocator.keep_freed` says of it."""
+    # Everything alive now lives as long as the process: keep it out of the collector's full
+    # passes, which otherwise show up as p99 spikes on large requests.
+    gc.collect()
+    gc.freeze()
+    # What a request leaves for the collector is a few cycles at most; what it keeps alive
+    # while in flight (its exchange, buffers, futures) is thousands of young objects, which
+    # the default threshold (700) had the collector walk and promote every few requests
+    # under load, for nothing.
+    gc.set_threshold(GC_YOUNG, *gc.get_threshold()[1:])
+    return allocator.keep_freed(config.keep_freed_bytes)
+
+
 async def serve(config, chain: Chain, host: str, port: int, worker=None) -> int:
     """Serve until SIGTERM or SIGINT, then drain (see :mod:`relay.lifecycle`); returns the
     exit status. Alone, prints the listening address once bound (port 0 picks one); as one
@@ -618,17 +634,7 @@ async def serve(config, chain: Chain, host: str, port: int, worker=None) -> int:
             site = Listener(runner, host, port, max_connections=config.max_connections,
                             header_timeout=config.header_timeout, reuse_port=worker is not None)
             await site.start()
-            # Everything alive now lives as long as the process: keep it out of the
-            # collector's full passes, which otherwise show up as p99 spikes on large
-            # requests.
-            gc.collect()
-            gc.freeze()
-            # What a request leaves for the collector is a few cycles at most; what it keeps
-            # alive while in flight (its exchange, buffers, futures) is thousands of young
-            # objects, which the default threshold (700) had the collector walk and promote
-            # every few requests under load, for nothing.
-            gc.set_threshold(GC_YOUNG, *gc.get_threshold()[1:])
-            kept, said = allocator.keep_freed(config.keep_freed_bytes)
+            kept, said = settle(config)
             (log.debug if kept else log.warning)("memory: %s", said)
             state.listening = True
             if worker:

@@ -472,7 +472,7 @@ async def openai_benchmarks(state, count: int, seconds: float) -> dict:
 async def run_async(quick: bool) -> dict:
     from relay import config as config_module
     from relay.chain import Chain, load_plugins
-    from relay.server import RelayState
+    from relay.server import RelayState, settle
 
     pipeline = available_pipeline()
     with tempfile.TemporaryDirectory(prefix="relay-bench-micro-") as tmp:
@@ -480,6 +480,7 @@ async def run_async(quick: bool) -> dict:
         chain = Chain(load_plugins(config.pipeline), config)
         await chain.startup(config)
         state = RelayState(config, chain)
+        settle(config)  # the collector's and the allocator's settings, as serving runs
         try:
             count, seconds = (3, 0.5) if quick else (200, 1.5)
             started = perf_counter()
