@@ -13,14 +13,14 @@ from aiohttp import web
 from .errors import RelayError, let_go
 from .exchange import Answer, Exchange, Outcome, UpstreamAnswer
 from .redact import StreamRedactor
-from .respond import deliver, refuse, unreachable
+from .respond import deliver, refuse, refuse_redirect, unreachable
 from .upstream import (
     Reply,
     Unreachable,
     UpstreamTooLarge,
     client_headers,
     read_capped,
-    redirect_refused,
+    redirects,
 )
 
 log = logging.getLogger("relay")
@@ -46,6 +46,8 @@ async def relay_passthrough(state, request: web.Request, exchange: Exchange,
         finally:
             let_go(e)
     async with upstream:
+        if redirects(upstream.status):
+            return await refuse_redirect(request, exchange, upstream)
         if backend.adapter.reads_passthrough:
             return await _translated(state, request, exchange, upstream)
         if upstream.status >= 300:
@@ -95,10 +97,6 @@ async def _translated(state, request: web.Request, exchange: Exchange,
     headers = client_headers(upstream.headers)
     if upstream.status >= 300:
         exchange.outcome = Outcome.UPSTREAM_ERROR
-        if upstream.status < 400 and not adapter.relays_redirects:
-            exchange.response_headers["x-relay-request-id"] = exchange.id
-            return await refuse(request, exchange, redirect_refused(exchange.backend, upstream),
-                                Outcome.UPSTREAM_ERROR)
         translated = adapter.error_body(upstream.status, payload, exchange.id)
         if translated is not None:
             payload = translated

@@ -14,10 +14,10 @@ from aiohttp import web
 
 from . import logs
 from .errors import RelayError, let_go
-from .exchange import Answer, Exchange, Outcome
+from .exchange import Answer, Exchange, Outcome, UpstreamAnswer
 from .pools import Exhausted
-from .redact import redact, redact_headers
-from .upstream import PoolFull, UpstreamTooLarge
+from .redact import redact, redact_headers, redact_text
+from .upstream import PoolFull, Reply, UpstreamTooLarge, redirect_refused
 
 log = logging.getLogger("relay")
 access_log = logs.access_log
@@ -120,6 +120,23 @@ async def linger(request: web.Request) -> None:
         if not chunk:
             return
         left -= len(chunk)
+
+
+async def refuse_redirect(request: web.Request, exchange: Exchange,
+                          upstream: Reply) -> web.Response:
+    """Answer an upstream's redirect (:func:`relay.upstream.redirects`) with the relay's 502,
+    its ``Location`` kept from the client: the log and the exchange's timeline say where it
+    pointed, for the operator."""
+    backend = exchange.backend
+    location = redact_text(upstream.headers.get("Location", ""), backend.secrets)
+    if exchange.upstream_response is None:
+        exchange.upstream_response = UpstreamAnswer(upstream.status, upstream.headers)
+    exchange.note("relay", "redirect refused", status=upstream.status, location=location)
+    log.warning("%s: upstream %s answered HTTP %d, a redirect to %r, not followed",
+                exchange.id, backend.name, upstream.status, location)
+    exchange.response_headers["x-relay-request-id"] = exchange.id
+    return await refuse(request, exchange, redirect_refused(backend, upstream),
+                        Outcome.UPSTREAM_ERROR)
 
 
 async def unreachable(request: web.Request, exchange: Exchange,

@@ -45,7 +45,7 @@ from .listen import AcceptErrors, Listener, url_of
 from .passthrough import relay_passthrough
 from .prepare import ENDPOINTS, Fallbacks, Preparation, prepare_exchange
 from .redact import redact_text
-from .respond import deliver, log_exchange, refuse, relay_error, unreachable
+from .respond import deliver, log_exchange, refuse, refuse_redirect, relay_error, unreachable
 from .state import Unavailable
 from .stream import relay_stream
 from .upstream import (
@@ -55,7 +55,7 @@ from .upstream import (
     answer_headers,
     read_again,
     read_capped,
-    redirect_refused,
+    redirects,
 )
 
 log = logging.getLogger("relay")
@@ -450,9 +450,8 @@ class Relay:
         exchange.outcome = Outcome.UPSTREAM_ERROR
         exchange.upstream_response = UpstreamAnswer(upstream.status, upstream.headers, payload)
         exchange.note("relay", "upstream error", status=upstream.status)
-        if 300 <= upstream.status < 400 and not exchange.backend.adapter.relays_redirects:
-            return await refuse(request, exchange, redirect_refused(exchange.backend, upstream),
-                                Outcome.UPSTREAM_ERROR)
+        if redirects(upstream.status):
+            return await refuse_redirect(request, exchange, upstream)
         headers = answer_headers(exchange, upstream.headers)
         # Retry-after and the status stay as sent.
         translated = exchange.backend.adapter.error_body(upstream.status, payload, exchange.id)

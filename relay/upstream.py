@@ -25,7 +25,7 @@ from .errors import RelayError, let_go
 from .exchange import Attempt, UpstreamRequest
 from .headers import AUTH_HEADERS, end_to_end, keep_undecoded_coding, seconds_until
 from .pools import Exhausted, Pools
-from .redact import redact_headers, redact_text
+from .redact import redact_headers
 from .sse import SSEDecoder
 
 
@@ -324,16 +324,22 @@ class _AtEnd:
         return True
 
 
+def redirects(status: int) -> bool:
+    """Whether an upstream's ``status`` is a redirect, which the relay never relays: every
+    3xx but 304 Not Modified (the answer to a conditional GET, which points nowhere)."""
+    return 300 <= status < 400 and status != 304
+
+
 def redirect_refused(backend, answer: Reply) -> RelayError:
-    """A redirect from a backend whose format the client does not speak, as the relay's own
-    502: a client that followed it (the SDKs do) would send its request, in the wrong format,
-    and its ``x-api-key`` (which, unlike ``Authorization``, HTTP clients keep across origins)
-    wherever the upstream points."""
-    location = answer.headers.get("Location") or "nowhere"
-    return RelayError(502, redact_text(
-        f"upstream {backend.name} answered HTTP {answer.status}, a redirect to {location}, "
-        "which the relay does not follow: check the backend's url", backend.secrets),
-        "api_error")
+    """An upstream's redirect as the relay's own 502. Relayed, it would be followed (the SDKs
+    follow redirects, anthropic/_base_client.py ``follow_redirects``) with the client's
+    ``x-api-key``, which, unlike ``Authorization``, HTTP clients keep across origins: the key
+    (the relay's own, with inbound auth on) and the request would go wherever the upstream
+    points, past the relay. The Messages API does not redirect. Where it pointed is the
+    operator's to read (the log and the exchange's timeline), not the client's."""
+    return RelayError(502, f"upstream {backend.name} answered HTTP {answer.status}, a redirect, "
+                      "which the relay does not follow: check the backend's url (the relay's "
+                      "log names where it pointed)", "api_error")
 
 
 def read_again(answer: Reply, payload: bytes) -> Opened:

@@ -340,17 +340,55 @@ async def test_headers_named_by_connection_are_hop_by_hop(setup):
     assert "X-Hop" not in headers and headers["X-Kept"] == "2"
 
 
-async def test_upstream_redirect_is_relayed_not_followed(setup):
+@pytest.mark.parametrize("status", [301, 302, 303, 307, 308, 300])
+@pytest.mark.parametrize("method, path", [("POST", "/v1/messages"), ("GET", "/v1/models")])
+async def test_an_upstream_redirect_is_a_502_that_keeps_its_location_from_the_client(
+        setup, caplog, status, method, path):
+    # A redirect relayed is followed (the SDKs follow them) with the client's x-api-key,
+    # which HTTP clients keep across origins: the key and request would go wherever it points.
     async def redirect(request):
         if request.path == "/elsewhere":
             return web.json_response({"followed": True})
-        raise web.HTTPFound("/elsewhere")
+        return web.Response(status=status, headers={
+            "Location": "https://elsewhere.invalid/collect?token=upstream-secret"})
     upstream = Upstream()
     upstream.reply = redirect
+    ended = []
+
+    class Ended:
+        @hookimpl
+        def relay_exchange_end(self, exchange):
+            ended.append(exchange)
+    client, _ = await setup(pipeline=["ended"], extra={"ended": Ended()}, upstream=upstream)
+    with caplog.at_level(logging.WARNING, logger="relay"):
+        resp = await client.request(method, path, json=BODY, headers={"x-api-key": "sk-c"},
+                                    allow_redirects=False)
+        text = await resp.text()
+    assert resp.status == 502 and "Location" not in resp.headers
+    assert "elsewhere" not in text and "upstream-secret" not in text
+    assert orjson.loads(text)["error"] == {"type": "api_error", "message": (
+        f"upstream up answered HTTP {status}, a redirect, which the relay does not follow: "
+        "check the backend's url (the relay's log names where it pointed)")}
+    assert resp.headers["request-id"] == resp.headers["x-relay-request-id"]
+    assert [r["path"] for r in upstream.received] == [path]
+    where = "https://elsewhere.invalid/collect?token=upstream-secret"
+    [exchange] = ended
+    assert exchange.outcome == "upstream_error" and exchange.upstream_response.status == status
+    [note] = exchange.noted("relay", "redirect refused")
+    assert (note["status"], note["location"]) == (status, where)
+    assert any(where in r.getMessage() and exchange.id in r.getMessage()
+               for r in caplog.records)
+
+
+async def test_a_not_modified_answer_is_no_redirect_and_goes_back_as_it_came(setup):
+    async def not_modified(request):
+        return web.Response(status=304, headers={"ETag": '"v1"'})
+    upstream = Upstream()
+    upstream.reply = not_modified
     client, _ = await setup(upstream=upstream)
-    resp = await client.post("/v1/messages", json=BODY, allow_redirects=False)
-    assert resp.status == 302 and resp.headers["Location"] == "/elsewhere"
-    assert [r["path"] for r in upstream.received] == ["/v1/messages"]
+    resp = await client.get("/v1/models", headers={"If-None-Match": '"v1"'})
+    assert resp.status == 304 and resp.headers["ETag"] == '"v1"'
+    assert upstream.received[0]["headers"]["If-None-Match"] == '"v1"'
 
 
 async def test_unknown_route_and_method_in_anthropic_format(setup):

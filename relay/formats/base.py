@@ -52,9 +52,6 @@ class Adapter:
     # stream_translator all the same, which makes it the stream's events; else it is
     # answered whole, which a client reading a stream cannot read.
     streams_answers = False
-    # An upstream's 3xx goes to the client as it came (Location and all); else it is a 502:
-    # a client following it would send its request where the upstream's format is spoken.
-    relays_redirects = True
     described = ""  # what the start-up line says of the format ("" for Anthropic's)
     # The errors a 200 stream may open with, in place of an answer, each with the status it
     # stands for (the API's own pairing, relay.errors.STATUS_TYPES). Under load Anthropic

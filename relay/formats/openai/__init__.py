@@ -121,10 +121,6 @@ class OpenAI(Adapter):
     # And some answer whole when asked to stream (sgl-project/sglang#2810): the translator
     # makes that answer its stream.
     streams_answers = True
-    # A redirect points at a Chat Completions URL: no use to an Anthropic client (FastAPI's
-    # servers redirect a path with a trailing slash, 307), and one to another host would
-    # take the client's x-api-key there.
-    relays_redirects = False
     described = "openai"
     # Its stream errors are the translator's to make Anthropic's; which of them an OpenAI
     # server sends before anything else is unrecorded.
