@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import email.utils
+import re
 
 from multidict import CIMultiDict
 
@@ -42,6 +43,28 @@ def end_to_end(headers) -> CIMultiDict:
     for name in _hop_by_hop(headers):
         if name in out:
             out.popall(name)
+    return out
+
+
+# What the relay's server cannot write in a field: every control character but HTAB (aiohttp's
+# serialiser raises on them, for header injection). aiohttp's lenient response parser lets
+# all of them but NUL through, CR and LF included only where they end a line.
+_UNSENDABLE = re.compile("[\x00-\x08\x0a-\x1f\x7f]")
+
+
+def sendable(headers):
+    """An upstream's ``headers`` as the relay can pass them on: a name's whitespace before
+    its colon removed, as RFC 9112 section 5.1 has a proxy do (aiohttp's lenient parser keeps
+    it on the names llhttp frames by: ``Content-Length``, ``Transfer-Encoding``,
+    ``Connection``, ``Upgrade``, ``Proxy-Connection``, all hop-by-hop once it is gone), and a
+    control character in a value replaced by a space (RFC 9110 section 5.5). ``headers``
+    itself when none needs it, which is nearly always."""
+    if " " not in "".join(headers.keys()) and _UNSENDABLE.search(
+            "".join(headers.values())) is None:
+        return headers
+    out: CIMultiDict[str] = CIMultiDict()
+    for name, value in headers.items():
+        out.add(name.rstrip(" \t"), _UNSENDABLE.sub(" ", value))
     return out
 
 

@@ -23,7 +23,7 @@ from . import beta_filter, transport
 from .config import Retries
 from .errors import RelayError, let_go
 from .exchange import Attempt, UpstreamRequest
-from .headers import AUTH_HEADERS, end_to_end, keep_undecoded_coding, seconds_until
+from .headers import AUTH_HEADERS, end_to_end, keep_undecoded_coding, seconds_until, sendable
 from .pools import Exhausted, Pools
 from .redact import redact_headers
 from .sse import SSEDecoder
@@ -100,12 +100,19 @@ def set_key(headers: CIMultiDict, backend, key: str) -> None:
         headers["x-api-key"] = key
 
 
-def client_headers(upstream_headers, extra: dict | None = None, secrets=()) -> CIMultiDict:
-    """The upstream's end-to-end headers for the client, with the relay's own (``extra``) and
-    none of the backend's ``secrets`` (see :mod:`relay.redact`)."""
+def _passed_on(upstream_headers) -> CIMultiDict:
+    """The upstream's end-to-end headers, each one the relay's server can write."""
+    upstream_headers = sendable(upstream_headers)
     out = end_to_end(upstream_headers)
     if "Content-Encoding" in upstream_headers:
         keep_undecoded_coding(out, upstream_headers)
+    return out
+
+
+def client_headers(upstream_headers, extra: dict | None = None, secrets=()) -> CIMultiDict:
+    """The upstream's end-to-end headers for the client, with the relay's own (``extra``) and
+    none of the backend's ``secrets`` (see :mod:`relay.redact`)."""
+    out = _passed_on(upstream_headers)
     if extra:
         out.update(extra)
     return redact_headers(out, secrets) if secrets else out
@@ -118,9 +125,7 @@ def answer_headers(exchange, upstream_headers, secrets=()) -> CIMultiDict:
     prefixes = exchange.replaces_headers
     if not prefixes:
         return client_headers(upstream_headers, exchange.response_headers, secrets)
-    out = end_to_end(upstream_headers)
-    if "Content-Encoding" in upstream_headers:
-        keep_undecoded_coding(out, upstream_headers)
+    out = _passed_on(upstream_headers)
     replaced = {}
     for name in {name.lower() for name in out if name.lower().startswith(prefixes)}:
         replaced[name] = ", ".join(out.popall(name))

@@ -1,0 +1,81 @@
+"""Upstreams that break HTTP/1.1, scripted byte by byte behind a whole relay: an answer the
+relay cannot read is its own 502 in Anthropic's format, one it can is passed on in a form the
+client can read, and the next request never reads what the last one left."""
+
+from __future__ import annotations
+
+import gzip
+import logging
+
+import orjson
+import pytest
+from test_server import ANSWER, BODY, STREAM
+from test_transport import raw  # noqa: F401 - a fixture
+
+from relay.testing.fixtures import start_relay
+
+JSON = orjson.dumps(ANSWER)
+GOOD = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (
+    len(JSON), JSON)
+
+
+def first(answer: bytes, close: bool = False):
+    """An upstream that sends ``answer`` to the first request, and a good one to the others."""
+    count = [0]
+
+    def reply(reader, writer, request):
+        count[0] += 1
+        writer.write(answer if count[0] == 1 else GOOD)
+        return "close" if close and count[0] == 1 else None
+    return reply
+
+
+async def relay_to(raw, aiohttp_client, reply):  # noqa: F811 - raw is the fixture
+    server, url = await raw(reply)
+    client = await start_relay(aiohttp_client, {"backends": [
+        {"name": "up", "url": str(url), "models": ["claude-*"], "timeouts": {"read": 2}}]})
+    return server, client
+
+
+def head(*lines: bytes, status: bytes = b"200 OK") -> bytes:
+    return b"HTTP/1.1 " + status + b"\r\n" + b"".join(line + b"\r\n" for line in lines) + b"\r\n"
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+JSON_TYPE = b"Content-Type: application/json"
+LENGTH = b"Content-Length: %d" % len(JSON)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_control_character_in_an_upstream_header_goes_on_as_a_space(
+        raw, aiohttp_client, caplog, stream):  # noqa: F811
+    # aiohttp's lenient parser takes them, and its server refuses to write them: the client
+    # got a plain-text 500 (or a broken stream) and the log a traceback.
+    body = STREAM if stream else JSON
+    kind = b"text/event-stream" if stream else b"application/json"
+    _, client = await relay_to(raw, aiohttp_client, first(head(
+        b"Content-Type: " + kind, b"X-Odd: a\x01b\x7fc", b"Content-Length: %d" % len(body))
+        + body))
+    response = await client.post("/v1/messages", json={**BODY, "stream": stream})
+    assert response.status == 200 and response.headers["X-Odd"] == "a b c"
+    assert await response.read() == body
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+
+
+async def test_whitespace_before_a_colon_is_removed_so_framing_headers_stay_hop_by_hop(
+        raw, aiohttp_client):  # noqa: F811
+    # llhttp frames by "Content-Length :" (and "Connection :"); aiohttp kept the space in
+    # the name, so it went to the client beside the relay's own Content-Length, here with
+    # another value (the gzipped length), and the header Connection named went on too.
+    packed = gzip.compress(JSON)
+    _, client = await relay_to(raw, aiohttp_client, first(head(
+        JSON_TYPE, b"Content-Encoding: gzip", b"Content-Length : %d" % len(packed),
+        b"Connection : X-Internal", b"X-Internal: 1") + packed))
+    response = await client.post("/v1/messages", json=BODY)
+    assert response.status == 200 and await response.read() == JSON
+    names = [name.decode().lower() for name, _ in response.raw_headers]
+    assert names.count("content-length") == 1 and response.content_length == len(JSON)
+    assert not {"content-length ", "connection ", "x-internal"} & set(names)
