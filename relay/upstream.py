@@ -453,10 +453,31 @@ def backoff(retries: Retries, tried: int, headers, rng=random.random) -> float |
     return wait * (0.5 + rng() / 2)
 
 
+def readable(answer: Reply, method: str, url: URL) -> None:
+    """Raise, as for an answer whose head cannot be read, when ``answer``'s body is not what
+    the parser made of it: a switch of protocols (101) the relay never asks for (it sends no
+    ``Upgrade``), or a transfer coding besides chunked, which the parser leaves on the body
+    (``Transfer-Encoding: gzip, chunked``: the client got the gzip bytes as the JSON)."""
+    if answer.status == 101:
+        why = "HTTP 101, a switch of protocols the relay did not ask for"
+    else:
+        codings = [coding.strip().lower() for field in answer.headers.getall(
+            "Transfer-Encoding") for coding in field.split(",") if coding.strip()]
+        if all(coding in ("chunked", "identity") for coding in codings) \
+                and "chunked" not in codings[:-1]:
+            return
+        why = f"Transfer-Encoding {', '.join(codings)}, which the relay does not decode"
+    answer.release()
+    raise aiohttp.ClientResponseError(
+        aiohttp.RequestInfo(url, method, CIMultiDictProxy(CIMultiDict()), url), (),
+        status=answer.status, message=why)
+
+
 # No answer the relay can use came back, as when the backend cannot be connected to: an egress
 # proxy refused the tunnel (CONNECT) or the relay's proxy credentials (ClientHttpProxyError),
 # or the answer's head could not be read (ClientResponseError: an encoding aiohttp cannot
-# decode, such as zstd or br without their libraries, or a malformed status line).
+# decode, such as zstd or br without their libraries, a malformed status line, or what
+# readable refuses).
 RETRYABLE_ERRORS = (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError,
                     aiohttp.ClientResponseError)
 
@@ -583,6 +604,8 @@ class Upstream:
                 else:
                     answer = await self._through_proxy(session, exchange.method, url, body,
                                                        out_headers, backend)
+                if answer.status == 101 or "Transfer-Encoding" in answer.headers:
+                    readable(answer, exchange.method, url)
             except aiohttp.ConnectionTimeoutError as e:
                 if not (connections.full if lean else pool_full(session)):
                     failure = e
@@ -596,6 +619,7 @@ class Upstream:
                     raise Unreachable(backend.name) from PoolFull(limit)
             except RETRYABLE_ERRORS as e:
                 failure = e
+                answer = None  # one that readable refused (and let go) is no answer
                 attempt.error = f"{type(e).__name__} {e}".rstrip()
             attempt.seconds = time.perf_counter() - sent
             status = None

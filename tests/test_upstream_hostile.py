@@ -49,6 +49,42 @@ JSON_TYPE = b"Content-Type: application/json"
 LENGTH = b"Content-Length: %d" % len(JSON)
 
 
+@pytest.mark.parametrize("answer, close, said", [
+    # A switch of protocols the relay never asked for: it was relayed, a 101 to a POST.
+    (head(b"Upgrade: websocket", b"Connection: Upgrade", status=b"101 Switching Protocols"),
+     False, "HTTP 101, a switch of protocols the relay did not ask for"),
+    # A transfer coding the parser leaves on the body: the client got gzip bytes as JSON.
+    (head(JSON_TYPE, b"Transfer-Encoding: gzip, chunked") + chunk(gzip.compress(JSON))
+     + b"0\r\n\r\n", False,
+     "Transfer-Encoding gzip, chunked, which the relay does not decode"),
+    (head(JSON_TYPE, b"Transfer-Encoding: chunked, identity") + chunk(JSON) + b"0\r\n\r\n",
+     True, "Transfer-Encoding chunked, identity, which the relay does not decode"),
+    # What aiohttp's parser refuses (as its client does) stays refused.
+    (head(JSON_TYPE, LENGTH, b"Transfer-Encoding: chunked") + chunk(JSON) + b"0\r\n\r\n",
+     False, "Transfer-Encoding can't be present with Content-Length"),
+    (head(JSON_TYPE, LENGTH, b"Content-Length: 5") + JSON, False, "Duplicate Content-Length"),
+    (head(JSON_TYPE, b"Transfer-Encoding: chunked") + b"zz\r\n" + JSON, False,
+     "Invalid character in chunk size"),
+    (head(JSON_TYPE, b"Content-Length: %d" % (len(JSON) + 10)) + JSON, True, None),
+    (head(JSON_TYPE, b"Content-Encoding: gzip", b"Content-Length: 4") + b"abcd", False, None),
+    (head(JSON_TYPE, b"X-Big: " + b"a" * 9000, LENGTH) + JSON, False, "Got more than 8190"),
+    (head(JSON_TYPE, LENGTH, status=b"204 No Content") + JSON, False, "Bad status line"),
+], ids=["101", "gzip-chunked", "chunked-identity", "te-and-length", "two-lengths",
+        "bad-chunk-size", "cut-short", "bad-gzip", "huge-header", "204-with-a-body"])
+async def test_an_answer_that_cannot_be_read_is_a_502_and_the_next_is_read_whole(
+        raw, aiohttp_client, caplog, answer, close, said):  # noqa: F811
+    _, client = await relay_to(raw, aiohttp_client, first(answer, close))
+    response = await client.post("/v1/messages", json=BODY)
+    assert response.status == 502
+    error = (await response.json())["error"]
+    assert error["type"] == "api_error" and error["message"].startswith("upstream up is ")
+    if said is not None:
+        assert said in error["message"]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+    again = await client.post("/v1/messages", json=BODY)
+    assert again.status == 200 and await again.json() == ANSWER
+
+
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_control_character_in_an_upstream_header_goes_on_as_a_space(
         raw, aiohttp_client, caplog, stream):  # noqa: F811
