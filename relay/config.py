@@ -62,8 +62,9 @@ def _statuses(value, path: str) -> frozenset:
 TIMEOUT_OPTIONS = (
     Option("connect", float, 10.0, "seconds to connect", expect="a positive number",
            check=_positive),
-    Option("read", float, 600.0, "the longest silence allowed between two upstream chunks, in "
-           "seconds", expect="a positive number", check=_positive),
+    Option("read", float, 600.0, "the longest silence allowed between two upstream chunks (and, "
+           "while a request is sent, the longest the upstream may take none of it), in seconds",
+           expect="a positive number", check=_positive),
     Option("total", float, None, "seconds for a whole exchange (null: no limit)",
            expect="a positive number", check=_positive),
 )

@@ -219,6 +219,8 @@ class Connection(BaseProtocol):
         self._received = 0
         self._read_timeout: float | None = None
         self._read_handle: asyncio.TimerHandle | None = None
+        self._write_handle: asyncio.TimerHandle | None = None
+        self._unsent = -1  # what was left of the request to write, at the last look
         self._last_read = 0.0
         self._timing = False
         self._plain_parser = False
@@ -257,22 +259,47 @@ class Connection(BaseProtocol):
     async def head(self) -> tuple[Any, Any]:
         """The answer's status and headers, with its body to come; raises what aiohttp's
         client raises when they never come."""
-        if self._paused:
-            # What aiohttp does too: sock_read starts once the request is written.
+        # What aiohttp does too: sock_read starts once the request is written. An answer
+        # that comes before is taken at once: an upstream that refuses a large body (a 413)
+        # may never read the rest of it. Until then, sock_read bounds a write that stalls.
+        if self._paused and self._message is None and self._exception is None:
+            self._unsent = -1
+            self._watch_writing()
             try:
-                await self._drain_helper()
-            except ConnectionError:
-                pass  # what the server said, or that it said nothing, is read below
-        self._reschedule_timeout()
-        if self._message is None and self._exception is None:
-            self._head = self._loop.create_future()
-            try:
-                await self._head
+                while self._paused and self._message is None and self._exception is None:
+                    await self._wait_head()  # or for resume_writing
             finally:
-                self._head = None
+                if self._write_handle is not None:
+                    self._write_handle.cancel()
+                    self._write_handle = None
+        self._reschedule_timeout()
+        while self._message is None and self._exception is None:
+            await self._wait_head()
         if self._exception is not None:
             raise self._exception
         return self._message, self._payload
+
+    def _watch_writing(self) -> None:
+        """While the request is being written, an upstream that takes none of it for
+        sock_read is as silent as one that answers nothing (asyncio reports no progress of a
+        write but what is left of it, looked at each sock_read)."""
+        self._write_handle = None
+        transport = self.transport
+        if not self._read_timeout or transport is None or not self._paused:
+            return
+        unsent = transport.get_write_buffer_size()
+        if unsent == self._unsent:
+            self._fail(aiohttp.SocketTimeoutError("Timeout on writing data to socket"))
+            return
+        self._unsent = unsent
+        self._write_handle = self._loop.call_later(self._read_timeout, self._watch_writing)
+
+    async def _wait_head(self) -> None:
+        self._head = self._loop.create_future()
+        try:
+            await self._head
+        finally:
+            self._head = None
 
     def abandon(self) -> None:
         """The answer's reader is done with it before its end."""
@@ -360,6 +387,12 @@ class Connection(BaseProtocol):
     def eof_received(self) -> None:
         self._drop_timeout()
 
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        head = self._head
+        if head is not None and not head.done():
+            head.set_result(None)
+
     def pause_reading(self) -> None:
         super().pause_reading()
         self._drop_timeout()  # sock_read measures the upstream, not the relay's reader
@@ -437,8 +470,11 @@ class Connection(BaseProtocol):
 
     @property
     def usable(self) -> bool:
-        return not self.should_close and not self._gone and self.transport is not None \
-            and not self.transport.is_closing()
+        # A request still being written when its answer ended (one that came before the
+        # upstream read the body) would have the next request's bytes follow the rest of it.
+        transport = self.transport
+        return not self.should_close and not self._gone and transport is not None \
+            and not transport.is_closing() and not transport.get_write_buffer_size()
 
     def shut(self, abort: bool = False) -> asyncio.Future | None:
         """Close the connection; a future for its end, or None when it has ended."""
@@ -448,7 +484,9 @@ class Connection(BaseProtocol):
             return None
         if self._lost is None:
             self._lost = self._loop.create_future()
-        if abort:
+        if abort or transport.get_write_buffer_size():
+            # (What is still to be sent of a request whose answer came would otherwise hold
+            # the connection open until the upstream read it, which it may never do.)
             transport.abort()
         else:
             transport.close()

@@ -4,17 +4,23 @@ client can read, and the next request never reads what the last one left."""
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import logging
 
+import aiohttp
 import orjson
 import pytest
+from multidict import CIMultiDict
 from test_server import ANSWER, BODY, STREAM
-from test_transport import raw  # noqa: F401 - a fixture
+from test_transport import UNBOUNDED, raw  # noqa: F401 - raw is a fixture
+from yarl import URL
 
+from relay import transport
 from relay.testing.fixtures import start_relay
 
 JSON = orjson.dumps(ANSWER)
+BIG = 32 * 2**20  # a request body no socket buffer holds
 GOOD = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (
     len(JSON), JSON)
 
@@ -115,3 +121,60 @@ async def test_whitespace_before_a_colon_is_removed_so_framing_headers_stay_hop_
     names = [name.decode().lower() for name, _ in response.raw_headers]
     assert names.count("content-length") == 1 and response.content_length == len(JSON)
     assert not {"content-length ", "connection ", "x-internal"} & set(names)
+
+
+async def test_an_answer_that_comes_before_the_body_is_read_is_taken_at_once():
+    """An upstream that refuses a large body as soon as it has the head, and reads no more of
+    it: the answer was waited on until the upstream read the body, which it never does, and
+    the connection, its request's rest unsent, is not kept."""
+    refusal = b'{"type":"error","error":{"type":"request_too_large","message":"too large"}}'
+    answered, ended = asyncio.Event(), asyncio.Event()
+    taken: list[int] = []
+
+    async def serve(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(head(JSON_TYPE, b"Content-Length: %d" % len(refusal),
+                          status=b"413 Payload Too Large") + refusal)
+        await writer.drain()
+        await answered.wait()
+        try:  # to the end the relay puts to it
+            while data := await reader.read(2**20):
+                taken.append(len(data))
+        except ConnectionError:
+            pass
+        ended.set()
+        writer.close()
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    url = URL(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1/messages")
+    pool = transport.Pool(4)
+    try:
+        answer = await asyncio.wait_for(pool.request(
+            "POST", url, url.raw_path_qs, CIMultiDict(), b"x" * BIG, UNBOUNDED), 5)
+        assert answer.status == 413 and await answer.read() == refusal
+        answered.set()
+        answer.release()
+        await asyncio.wait_for(ended.wait(), 5)
+        assert pool._open == 0
+        assert sum(taken) < BIG // 2  # what the kernel held: the rest was never sent
+    finally:
+        await pool.close()
+        server.close()
+
+
+async def test_an_upstream_that_takes_none_of_the_body_times_out_under_sock_read():
+    """No answer and no byte of the body taken: nothing timed the wait for the write."""
+    async def serve(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        await asyncio.sleep(10)
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    url = URL(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1/messages")
+    pool = transport.Pool(4)
+    try:
+        with pytest.raises(aiohttp.ServerTimeoutError):
+            await asyncio.wait_for(pool.request(
+                "POST", url, url.raw_path_qs, CIMultiDict(), b"x" * BIG,
+                aiohttp.ClientTimeout(total=None, connect=5, sock_read=0.5)), 5)
+        assert pool._open == 0
+    finally:
+        await pool.close()
+        server.close()
