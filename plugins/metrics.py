@@ -398,7 +398,8 @@ class Metrics:
         self.state_unavailable_seen = 0
         self.path = "/metrics"
         # (backend, key, model): the children of relay_tokens_total (by kind),
-        # relay_usage_unpriced_total and relay_cost_micro_usd_total, as made.
+        # relay_usage_unreported_total, relay_usage_unpriced_total and
+        # relay_cost_micro_usd_total, as made.
         self.usage_children: dict[tuple[str, str, str], list] = {}
         self.scrape_keys: tuple[InboundKey, ...] = ()
         self.deferred_names: set[str] = set()
@@ -477,6 +478,10 @@ class Metrics:
         self.unpriced = counter(
             "relay_usage_unpriced", "Exchanges whose usage no price matched: counted in "
             "tokens, not in cost.", ["backend", "key", "model"], registry=registry)
+        self.unreported = counter(
+            "relay_usage_unreported", "Exchanges whose upstream did not report their usage in "
+            "full (none at all, a count missing or not a count): counted as far as it was "
+            "reported, and so maybe short.", ["backend", "key", "model"], registry=registry)
         self.auth_failures = counter(
             "relay_auth_failures", "Requests refused for a missing or wrong relay key.",
             registry=registry)
@@ -558,7 +563,7 @@ class Metrics:
         # that a series nobody counted yet is not shown at 0.
         children = self.usage_children.get(labels)
         if children is None:
-            children = self.usage_children[labels] = [None] * (len(TOKEN_KINDS) + 2)
+            children = self.usage_children[labels] = [None] * (len(TOKEN_KINDS) + 3)
         for i, count in enumerate(TOKEN_COUNTS(used)):
             if count:
                 child = children[i]
@@ -566,6 +571,12 @@ class Metrics:
                     child = children[i] = self.tokens.labels(backend, key, model,
                                                              TOKEN_KINDS[i][0])
                 child.inc(count)
+        # A usage object of another plugin's making may predate the flag: reported, then.
+        if not getattr(used, "reported", True):
+            child = children[-3]
+            if child is None:
+                child = children[-3] = self.unreported.labels(backend, key, model)
+            child.inc()
         cost = used.cost_micro_usd
         if cost is None:
             child = children[-2]

@@ -1,14 +1,17 @@
 """usage: what each exchange used and cost, on the exchange, in the ledger, and queryable.
 
 The usage of an exchange is what its answer reports (:mod:`relay.usage` says how it is read,
-counted and priced): a complete answer's ``usage``, read without decoding the answer's
-content; a stream's ``message_start`` and ``message_delta`` events, the only ones this plugin
-asks to see. It is set on the exchange as ``exchange.usage`` (a :class:`relay.usage.Usage`) as
-soon as it is known, for the access log, the metrics and the other plugins' end hooks, and
-written to the ledger (:meth:`relay.state.State.record`) once the exchange is over: one row per
-exchange, by its id, so a write that is retried never counts twice. A request turned away
-before it was routed (a wrong key, a bad Host) makes no row: whoever sends those cannot fill
-the ledger.
+counted and priced): a complete answer's ``usage``, read without decoding the answer's content;
+a stream's ``message_start`` and ``message_delta`` events, the only ones this plugin asks to
+see. It is set on the exchange as ``exchange.usage`` (a :class:`relay.usage.Usage`) as soon as
+it is known, for the access log, the metrics and the other plugins' end hooks, and written to
+the ledger (:meth:`relay.state.State.record`) once the exchange is over: one row per exchange,
+by its id, so a write that is retried never counts twice. An answer whose upstream did not
+report its usage in full (none at all, a count missing or not a count: an OpenAI-format server
+that ignores ``stream_options.include_usage``, say) is counted as far as it was reported and
+flagged ``reported=False`` (``usage_reported`` in its row), never taken for a free one. A
+request turned away before it was routed (a wrong key, a bad Host) makes no row: whoever sends
+those cannot fill the ledger.
 
 ``GET /v1/relay/usage?by=key|model|backend|day&since=...&until=...`` is the ledger added up,
 as ``relay usage --json`` prints it. It is the operator's (a :class:`relay.inbound.AdminRoute`):
@@ -65,6 +68,7 @@ class Usage:
         self.prices = metering.Prices()
         self.state = None
         self.warned: set[str] = set()
+        self.unreported_warned: set[str] = set()
         self.keeps_rows = True
 
     @hookimpl
@@ -96,9 +100,12 @@ class Usage:
             model, reported = data.get("model"), data.get("usage")
         else:
             model, reported = metering.answer_fields(response.body)
-        if reported is None:
-            return
-        exchange.usage = self.prices.price(metering.from_answer(reported),
+        # An answer without usage is still an answer that was paid for: counted as nothing,
+        # and flagged, never taken for a free one.
+        used = metering.from_answer(reported)
+        if exchange.unreported_usage:
+            used.reported = False
+        exchange.usage = self.prices.price(used,
                                            model if model.__class__ is str else exchange.model)
 
     @hookimpl
@@ -114,6 +121,8 @@ class Usage:
         if used is None:
             used = (meter.message_start(event.data) if event.name == "message_start"
                     else meter.message_delta(event.data))
+        if exchange.unreported_usage:  # a translated stream's, known by its message_delta
+            used.reported = False
         exchange.usage = self.prices.price(used, meter.model or exchange.model)
 
     @hookimpl
@@ -121,8 +130,11 @@ class Usage:
         if exchange.endpoint == "refused" or self.state is None:
             return
         used = exchange.usage
-        if used is not None and used.cost_micro_usd is None:
-            self._unpriced(exchange.model)
+        if used is not None:
+            if used.cost_micro_usd is None:
+                self._unpriced(exchange.model)
+            if not used.reported:
+                self._unreported(exchange)
         if self.keeps_rows:
             self.state.record_soon([ledger_row(exchange)])
 
@@ -133,6 +145,17 @@ class Usage:
         self.warned.add(name)
         log.warning("plugins.usage.prices: no price for model %r: its usage is counted in "
                     "tokens, not in cost (relay_usage_unpriced_total)", name)
+
+    def _unreported(self, exchange) -> None:
+        backend = exchange.backend.name if exchange.backend is not None else "-"
+        if backend in self.unreported_warned:  # backends are relay.yaml's: a bounded set
+            return
+        self.unreported_warned.add(backend)
+        missing = ", ".join(exchange.unreported_usage)
+        log.warning("%s: upstream %s did not report the usage of its answer in full%s: what "
+                    "it reported is counted, and may be short of what was used "
+                    "(usage_reported=false, relay_usage_unreported_total; said once a backend)",
+                    exchange.id, backend, f" ({missing})" if missing else "")
 
     async def serve(self, request: web.Request) -> web.Response:
         query = request.query
@@ -206,10 +229,12 @@ def ledger_row(exchange) -> dict:
         row["cost_micro_usd"] = cost
         row["priced"] = cost is not None
         row["usage_complete"] = used.complete
+        row["usage_reported"] = used.reported
     return row
 
 
 # A row's usage fields when nothing was reported (server_tool_requests, a dict, is each
 # row's own).
 NOTHING_USED = {**dict.fromkeys(metering.TOKEN_FIELDS, 0), "server_tool_requests": None,
-                "cost_micro_usd": 0, "priced": True, "usage_complete": True}
+                "cost_micro_usd": 0, "priced": True, "usage_complete": True,
+                "usage_reported": True}

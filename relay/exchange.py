@@ -8,6 +8,7 @@ import itertools
 import os
 import re
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -235,6 +236,8 @@ class Exchange:
     :class:`Answer`), ``outcome`` (an :class:`Outcome`), ``error`` (a :class:`RelayError` the
     relay answered with), ``stream_failure`` (a :class:`StreamFailure` when a stream ended in
     an error event), ``usage`` (a :class:`relay.usage.Usage`, set by the usage plugin),
+    ``unreported_usage`` (the usage counts the upstream's answer did not report, which its
+    format's translation gave as 0),
     ``replaced_headers`` (the upstream's answer headers a plugin's own replaced, see
     ``replaces_headers``), and ``received`` (wall-clock time) with ``timings`` (a
     :class:`Timings`).
@@ -287,6 +290,10 @@ class Exchange:
     # What the answer reported it used and what that cost (a relay.usage.Usage), set by the
     # usage plugin as soon as it is known; None without that plugin, or before an answer.
     usage: Any = None
+    # The usage counts (Anthropic's names) the upstream's answer did not report, which its
+    # format's translation had to give as 0 (relay.formats.base.Adapter.answer_body, and a
+    # translated stream's Translator.unreported, filled in as its message_delta is made).
+    unreported_usage: Sequence[str] = ()
     # The inbound key (a relay.config.InboundKey) the client authenticated with, when auth is
     # on: its limits are the limits plugin's.
     key: Any = None

@@ -100,8 +100,9 @@ def access_fields(exchange, status: int | None) -> dict:
 def usage_fields(used) -> dict:
     """The access line's account of what the answer used (a :class:`relay.usage.Usage`):
     input and output always, the cache columns when not 0, the cost in micro-dollars
-    (``unpriced`` when no price matched) and ``usage_complete=false`` for a stream that ended
-    before its usage was final."""
+    (``unpriced`` when no price matched), ``usage_complete=false`` for a stream that ended
+    before its usage was final and ``usage_reported=false`` for an answer whose upstream did
+    not report its usage in full."""
     fields = {"input_tokens": used.input_tokens, "output_tokens": used.output_tokens}
     for name in ("cache_read_input_tokens", "cache_write_5m_input_tokens",
                  "cache_write_1h_input_tokens"):
@@ -112,6 +113,8 @@ def usage_fields(used) -> dict:
                                 else used.cost_micro_usd)
     if not used.complete:
         fields["usage_complete"] = False
+    if not getattr(used, "reported", True):  # a plugin's own usage object may not say
+        fields["usage_reported"] = False
     return fields
 def _cache(cache: dict | None) -> str | None:
     """The prompt cache's verdict (the cache plugin's ``exchange.cache``) as the header

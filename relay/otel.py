@@ -198,6 +198,7 @@ def _usage(attributes: dict, usage) -> None:
             getattr(usage, "cache_write_1h_input_tokens", None),
         "relay.usage.cost_micro_usd": getattr(usage, "cost_micro_usd", None),
         "relay.usage.complete": getattr(usage, "complete", None),
+        "relay.usage.reported": getattr(usage, "reported", None),
         "relay.usage.server_tool_requests":
             _value(getattr(usage, "server_tool_requests", None) or None),
     })

@@ -389,7 +389,8 @@ class Relay:
                 return await unreachable(request, exchange, e)
         exchange.upstream_response = UpstreamAnswer(upstream.status, upstream.headers, payload)
         try:
-            answer = adapter.answer_body(payload, exchange.backend.name, exchange.model)
+            answer, exchange.unreported_usage = adapter.answer_body(
+                payload, exchange.backend.name, exchange.model)
         except RelayError as error:  # not an answer of its format: the record says why
             # Its message may quote the answer, and so a key the upstream echoed.
             error.message = redact_text(error.message, exchange.backend.secrets)

@@ -466,6 +466,7 @@ async def relay_stream(state, request: web.Request, exchange: Exchange,
     if translator is not None:
         record = exchange.upstream_response = UpstreamAnswer(upstream.status, upstream.headers,
                                                              translator.raw)
+        exchange.unreported_usage = translator.unreported
     # Started where the ``finally`` below is sure to stop it.
     interval = state.config.stream_keepalive
     keepalive = KeepAlive(stream, interval) if interval else None

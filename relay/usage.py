@@ -20,6 +20,14 @@ the last one seen is the stream's usage, and any field it gives replaces what
 ``message_start`` said. A stream that ended before a ``message_delta`` is ``complete=False``
 and is charged what was reported up to then.
 
+**Unreported usage.** Every answer's usage must give ``input_tokens`` and ``output_tokens``
+(the SDK's ``Usage`` and ``MessageDeltaUsage`` require them; a stream's output count is its
+``message_delta``'s, ``message_start`` holding only the first token). An answer without
+them, a value that is no count (a string, a negative or fractional number; an integral
+float is its integer, as JSON numbers have no integer type), or a cache-write split larger
+than its total, is ``reported=False``: what it did report is counted, nothing is made up,
+and the flag says the count may be short of what was used.
+
 **Money** is integers of micro-dollars (1e-6 USD). A price per million tokens in USD is, by
 the same number, micro-dollars per token, so a cost is an exact sum of tokens times rates;
 prices are read as decimals (never binary floats) and the sum is rounded once per exchange,
@@ -60,7 +68,8 @@ class Usage:
     """What one exchange used, as the upstream reported it, and its cost (``None`` when no
     price matched the model). ``server_tool_requests`` maps a server tool (``web_search``,
     ``web_fetch``) to its requests. ``complete`` is False for a stream that ended before its
-    ``message_delta``."""
+    ``message_delta``; ``reported`` is False when the upstream did not report the usage in
+    full (see the module's docstring), so that the counts may be short."""
 
     input_tokens: int = 0
     output_tokens: int = 0
@@ -69,68 +78,112 @@ class Usage:
     cache_write_1h_input_tokens: int = 0
     server_tool_requests: dict[str, int] = dataclasses.field(default_factory=dict)
     complete: bool = True
+    reported: bool = True
     cost_micro_usd: int | None = None
 
 
-def _count(value) -> int | None:
-    if value.__class__ is int and 0 <= value <= MAX_COUNT:
-        return value
+# Bits of what a usage object gave: the two counts every answer must report.
+INPUT, OUTPUT = 1, 2
+BOTH = INPUT | OUTPUT
+
+
+def _odd(usage: Usage, value) -> int | None:
+    """A value that failed the fast check for a count: None (absent) as None, an integral
+    float as its integer; anything else is no count, and flags ``usage`` unreported."""
+    if value is None:
+        return None
+    if value.__class__ is float and value.is_integer() and 0 <= value <= MAX_COUNT:
+        return int(value)
+    usage.reported = False
     return None
 
 
-def _tools(server_tool_use) -> dict[str, int] | None:
+def _count(usage: Usage, value) -> int | None:
+    if value.__class__ is int and 0 <= value <= MAX_COUNT:
+        return value
+    return _odd(usage, value)
+
+
+def _tools(usage: Usage, server_tool_use) -> dict[str, int] | None:
     """``{"web_search_requests": 2, "web_fetch_requests": 0}`` as ``{"web_search": 2}``."""
     if server_tool_use.__class__ is not dict:
+        _odd(usage, server_tool_use)
         return None
     tools: dict[str, int] = {}
     for name, value in server_tool_use.items():
-        count = _count(value)
-        if not count or not name.endswith("_requests") or len(tools) >= MAX_TOOLS:
+        if not name.endswith("_requests"):
+            continue
+        count = _count(usage, value)
+        if not count or len(tools) >= MAX_TOOLS:
             continue
         tools[name[:-len("_requests")]] = count
     return tools
 
 
-def apply(usage: Usage, reported) -> Usage:
+def apply(usage: Usage, reported) -> int:
     """Fold an Anthropic ``usage`` object into ``usage``: every count it gives replaces the
-    one there (usage objects are cumulative), counts it leaves out stay. Values that are not
-    counts are ignored. Returns ``usage``."""
+    one there (usage objects are cumulative), counts it leaves out stay. A value that is not
+    a count is not counted, and sets ``usage.reported`` False. Returns which of
+    ``input_tokens`` (:data:`INPUT`) and ``output_tokens`` (:data:`OUTPUT`) it gave."""
     # Written out, not looped: this runs for every answer and twice for every stream.
     if reported.__class__ is not dict:
-        return usage
+        _odd(usage, reported)
+        return 0
+    given = 0
     get = reported.get
     count = get("input_tokens")
-    if count.__class__ is int and 0 <= count <= MAX_COUNT:
+    if count.__class__ is not int or not 0 <= count <= MAX_COUNT:
+        count = _odd(usage, count)
+    if count is not None:
         usage.input_tokens = count
+        given = INPUT
     count = get("output_tokens")
-    if count.__class__ is int and 0 <= count <= MAX_COUNT:
+    if count.__class__ is not int or not 0 <= count <= MAX_COUNT:
+        count = _odd(usage, count)
+    if count is not None:
         usage.output_tokens = count
+        given |= OUTPUT
     count = get("cache_read_input_tokens")
-    if count.__class__ is int and 0 <= count <= MAX_COUNT:
+    if count.__class__ is not int or not 0 <= count <= MAX_COUNT:
+        count = _odd(usage, count)
+    if count is not None:
         usage.cache_read_input_tokens = count
     split = get("cache_creation")
-    total = _count(get("cache_creation_input_tokens"))
+    total = get("cache_creation_input_tokens")
+    if total is not None:
+        total = _count(usage, total)
     if split.__class__ is dict:
-        five = _count(split.get("ephemeral_5m_input_tokens")) or 0
-        hour = _count(split.get("ephemeral_1h_input_tokens")) or 0
-        if total is not None and total > five + hour:
-            five += total - five - hour  # written, but no lifetime given: the default's
+        five = _count(usage, split.get("ephemeral_5m_input_tokens")) or 0
+        hour = _count(usage, split.get("ephemeral_1h_input_tokens")) or 0
+        if total is not None:
+            if total > five + hour:
+                five += total - five - hour  # written, but no lifetime given: the default's
+            elif total < five + hour:
+                usage.reported = False  # the split says more was written than the total
         usage.cache_write_5m_input_tokens, usage.cache_write_1h_input_tokens = five, hour
-    elif total is not None:
-        # A total without its split (a message_delta's): the one-hour part already known
-        # stays one-hour, as far as the total allows; the rest is five-minute.
-        hour = min(usage.cache_write_1h_input_tokens, total)
-        usage.cache_write_5m_input_tokens, usage.cache_write_1h_input_tokens = total - hour, hour
+    else:
+        if split is not None:
+            _odd(usage, split)
+        if total is not None:
+            # A total without its split (a message_delta's): the one-hour part already
+            # known stays one-hour, as far as the total allows; the rest is five-minute.
+            hour = min(usage.cache_write_1h_input_tokens, total)
+            usage.cache_write_5m_input_tokens = total - hour
+            usage.cache_write_1h_input_tokens = hour
     if "server_tool_use" in reported:
-        tools = _tools(reported["server_tool_use"])
+        tools = _tools(usage, reported["server_tool_use"])
         if tools is not None:
             usage.server_tool_requests = tools
-    return usage
+    return given
 
 
 def from_answer(usage_object) -> Usage:
-    """The usage of a complete (non-streamed) answer, from its ``usage`` object."""
-    return apply(Usage(), usage_object)
+    """The usage of a complete (non-streamed) answer, from its ``usage`` object (None when
+    it had none: nothing reported)."""
+    usage = Usage()
+    if apply(usage, usage_object) != BOTH:
+        usage.reported = False
+    return usage
 
 
 class _Answer(msgspec.Struct):
@@ -184,13 +237,16 @@ def _data_line(raw: bytes) -> bytes | None:
 class StreamMeter:
     """The usage of one stream, fed its ``message_start`` and ``message_delta`` events: as
     parsed data (:meth:`message_start`, :meth:`message_delta`), or as their bytes
-    (:meth:`event`), read for ``model`` and ``usage`` alone."""
+    (:meth:`event`), read for ``model`` and ``usage`` alone. The input count may come in
+    either event; the output count only in a ``message_delta`` (``message_start``'s is the
+    stream's first token): once one has come without them, the usage is unreported."""
 
-    __slots__ = ("usage", "model")
+    __slots__ = ("usage", "model", "given")
 
     def __init__(self) -> None:
         self.usage = Usage(complete=False)
         self.model: str | None = None
+        self.given = 0  # INPUT and OUTPUT, as far as they came
 
     def message_start(self, data) -> Usage:
         message = data.get("message") if data.__class__ is dict else None
@@ -201,13 +257,18 @@ class StreamMeter:
     def _started(self, model, reported) -> None:
         if model.__class__ is str:
             self.model = model
-        apply(self.usage, reported)
+        self.given |= apply(self.usage, reported) & INPUT
 
     def message_delta(self, data) -> Usage:
-        if data.__class__ is dict:
-            apply(self.usage, data.get("usage"))
-        self.usage.complete = True
+        self._delta(data.get("usage") if data.__class__ is dict else None)
         return self.usage
+
+    def _delta(self, reported) -> None:
+        usage = self.usage
+        given = self.given = self.given | apply(usage, reported)
+        if given != BOTH:
+            usage.reported = False
+        usage.complete = True
 
     def event(self, name: str | None, raw: bytes) -> Usage | None:
         """Fold in the ``message_start`` or ``message_delta`` event framed as ``raw``; None
@@ -222,10 +283,10 @@ class StreamMeter:
                 if message is not None:
                     self._started(message.model, message.usage)
                 return self.usage
-            apply(self.usage, _delta(line).usage)
+            reported = _delta(line).usage
         except (msgspec.DecodeError, msgspec.ValidationError):
             return None
-        self.usage.complete = True
+        self._delta(reported)
         return self.usage
 
 
@@ -389,9 +450,11 @@ def aggregate(rows: Iterable[dict], by: str = "key", since: float | None = None,
               until: float | None = None) -> list[dict]:
     """Ledger rows with ``since <= time < until`` added up by ``by`` (key, model, backend or
     day, UTC): one dict per group with the group's field, ``requests``, the token columns,
-    ``cost_micro_usd`` (of the rows that were priced) and ``unpriced_requests`` (rows with
-    usage but no price: their tokens are counted, their cost is not known). Ordered by the
-    group's value, an unknown (None) last."""
+    ``cost_micro_usd`` (of the rows that were priced), ``unpriced_requests`` (rows with
+    usage but no price: their tokens are counted, their cost is not known) and
+    ``unreported_requests`` (rows whose upstream did not report the usage in full: their
+    counts, and so their cost, may be short). Ordered by the group's value, an unknown
+    (None) last."""
     if by not in GROUPS:
         raise ValueError(f"cannot group by {by!r} (one of {', '.join(GROUPS)})")
     groups: dict[Any, dict] = {}
@@ -403,7 +466,8 @@ def aggregate(rows: Iterable[dict], by: str = "key", since: float | None = None,
         group = groups.get(value)
         if group is None:
             group = groups[value] = {by: value, "requests": 0, **dict.fromkeys(TOKEN_FIELDS, 0),
-                                     "cost_micro_usd": 0, "unpriced_requests": 0}
+                                     "cost_micro_usd": 0, "unpriced_requests": 0,
+                                     "unreported_requests": 0}
         group["requests"] += 1
         for name in TOKEN_FIELDS:
             group[name] += row.get(name) or 0
@@ -412,6 +476,8 @@ def aggregate(rows: Iterable[dict], by: str = "key", since: float | None = None,
             group["unpriced_requests"] += 1
         else:
             group["cost_micro_usd"] += cost
+        if row.get("usage_reported") is False:  # rows written before the flag: not known
+            group["unreported_requests"] += 1
     return [groups[value] for value in sorted(groups, key=lambda v: (v is None, str(v)))]
 
 
@@ -426,9 +492,10 @@ def usd(micro: int | None) -> str:
 
 # --- relay usage ------------------------------------------------------------------------
 
-COLUMNS = ("requests", *TOKEN_FIELDS, "cost_micro_usd", "unpriced_requests")
+COLUMNS = ("requests", *TOKEN_FIELDS, "cost_micro_usd", "unpriced_requests",
+           "unreported_requests")
 HEADINGS = ("requests", "input", "output", "cache read", "cache write 5m", "cache write 1h",
-            "cost USD", "unpriced")
+            "cost USD", "unpriced", "unreported")
 
 
 def add_arguments(parser) -> None:

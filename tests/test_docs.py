@@ -273,9 +273,9 @@ def test_every_access_log_field_is_on_the_production_page():
     exchange.translation["toolu_1-2"] = {"direction": "to_client"}
     exchange.cache = {"status": "miss", "cause": "ttl_expired"}
     exchange.timings.first_byte = 0.25
-    exchange.usage = Usage(1, 2, 3, 4, 5, complete=False, cost_micro_usd=6)
+    exchange.usage = Usage(1, 2, 3, 4, 5, complete=False, reported=False, cost_micro_usd=6)
     fields = logs.access_fields(exchange, 200)
-    assert len(fields) == 24  # every field the line can hold, so that none is left unchecked
+    assert len(fields) == 25  # every field the line can hold, so that none is left unchecked
     page = (DOCS / "operations.md").read_text()
     logged = page.split("**Logs.**", 1)[1].split("\n\n", 1)[0]
     assert [name for name in fields if f"`{name}`" not in logged] == []
@@ -424,7 +424,7 @@ def test_the_accounting_tables_hold_every_limit_and_usage_column():
     usage = page.split("| column | from an Anthropic-format answer |", 1)[1].split("\n\n")[0]
     columns = [line.split("`")[1] for line in usage.splitlines() if line.startswith("| `")]
     assert columns == [field.name for field in dataclasses.fields(Usage)
-                       if field.name not in ("complete", "cost_micro_usd")]
+                       if field.name not in ("complete", "reported", "cost_micro_usd")]
 
 
 def test_the_cache_verdicts_words_are_on_the_sessions_page():

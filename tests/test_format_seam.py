@@ -82,7 +82,8 @@ def test_anthropics_adapter_is_the_identity():
     body = b'{"model":"m","messages":[]}'
     assert adapter.upstream_target("/v1/messages", "beta=true") == ("/v1/messages", "beta=true")
     assert adapter.request_body(body, None, "messages") is body
-    assert adapter.answer_body(body, "b", "m") is body
+    answer, unreported = adapter.answer_body(body, "b", "m")
+    assert answer is body and unreported == ()
     assert adapter.error_body(400, body, "id") is None
     assert adapter.stream_translator("b", "m") is None
     assert adapter.count_tokens(body) is None

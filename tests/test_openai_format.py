@@ -822,7 +822,7 @@ def test_what_waits_behind_a_live_call_is_bounded(monkeypatch):
       "prompt_tokens_details": {"cached_tokens": 40, "cache_write_tokens": 5}}, (0, 0, 10)),
 ])
 def test_usage_counts_each_prompt_token_once(usage, expected):
-    out = openai.anthropic_usage(usage)
+    out, _ = openai.read_usage(usage)
     assert (out["input_tokens"], out["cache_creation_input_tokens"],
             out["cache_read_input_tokens"]) == expected
     assert sum(expected) <= usage["prompt_tokens"]
@@ -837,6 +837,49 @@ def test_a_streamed_usage_chunk_with_cache_hits_counts_them_once():
     usage = events[-2]["usage"]
     assert (usage["input_tokens"], usage["output_tokens"], usage["cache_read_input_tokens"],
             usage["cache_creation_input_tokens"]) == (176, 30, 1024, 0)
+
+
+def unreported_of(data: bytes) -> tuple[dict, list[str]]:
+    """The usage a translated stream's message_delta gives, and what it says went unreported."""
+    translator = openai.StreamTranslator("oa", "m")
+    out = translator.feed(data) + translator.close()
+    [delta] = [e.data for e in SSEDecoder().feed(out) if e.name == "message_delta"]
+    return delta["usage"], translator.unreported
+
+
+@pytest.mark.parametrize("usage, unreported", [
+    (None, ["input_tokens", "output_tokens"]),  # stream_options.include_usage ignored
+    ({"prompt_tokens": 9}, ["output_tokens"]),
+    ({"completion_tokens": 3, "prompt_tokens": None}, ["input_tokens"]),
+    (USAGE, []),
+])
+def test_a_stream_without_its_usage_gives_zeros_and_says_they_are_unreported(usage, unreported):
+    chunks = [chunk({"role": "assistant", "content": "hi"}), chunk({}, "stop")]
+    if usage is not None:
+        chunks.append(chunk(usage=usage))
+    given, said = unreported_of(sse(*chunks))
+    assert said == unreported
+    # The client's usage is Anthropic's whole shape all the same, with what was reported.
+    assert given["input_tokens"] == ((usage or {}).get("prompt_tokens") or 0)
+    assert given["output_tokens"] == ((usage or {}).get("completion_tokens") or 0)
+
+
+@pytest.mark.parametrize("usage, unreported", [
+    (None, ("input_tokens", "output_tokens")),
+    ({"prompt_tokens": 9, "total_tokens": 9}, ("output_tokens",)),
+    ({"prompt_tokens": 10, "completion_tokens": 1,
+      "prompt_tokens_details": {"cached_tokens": 40}}, ("cache_read_input_tokens",)),
+    (USAGE, ()),
+])
+def test_a_whole_answer_says_what_of_its_usage_is_unreported(usage, unreported):
+    answer = completion({"content": "hi"})
+    if usage is None:
+        del answer["usage"]
+    else:
+        answer["usage"] = usage
+    body, said = openai.answer_bytes(orjson.dumps(answer), "oa")
+    assert said == unreported
+    assert set(orjson.loads(body)["usage"]) >= {"input_tokens", "output_tokens"}
 
 
 # --- what real servers send -------------------------------------------------------------------
@@ -935,7 +978,8 @@ def test_an_error_in_a_200_answer_is_that_error_in_its_own_words(error, status, 
 
 
 def test_a_whole_stream_collected_is_the_answer_the_same_completion_makes():
-    collected = openai.stream.collected(INTERLEAVED, "oa")
+    collected, unreported = openai.stream.collected(INTERLEAVED, "oa")
+    assert unreported == ()
     whole = openai.anthropic_message(completion({
         "reasoning_content": "Let me see.", "content": "Two calls.", "tool_calls": [
             {"id": "call_a", "type": "function",

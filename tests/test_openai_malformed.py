@@ -157,7 +157,7 @@ def usage(counts: dict) -> None:
 @given(malformed(COMPLETION))
 def test_a_malformed_chat_completion_is_translated_typed_or_a_502(doc):
     try:
-        message = orjson.loads(openai.answer_bytes(orjson.dumps(doc), "oa", "asked"))
+        message = orjson.loads(openai.answer_bytes(orjson.dumps(doc), "oa", "asked")[0])
     except RelayError as error:
         assert error.status == 502 and error.type == "api_error"
         assert error.message.startswith("upstream oa ")

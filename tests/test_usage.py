@@ -58,10 +58,50 @@ def test_server_tool_requests_are_counted_and_priced():
     assert parse_prices([SONNET]).price(usage, "claude-sonnet-4").cost_micro_usd == 30000
 
 
-def test_values_that_are_not_counts_are_ignored():
+def test_values_that_are_not_counts_are_not_counted_and_flagged():
     usage = from_answer({"input_tokens": "12", "output_tokens": -1, "cache_read_input_tokens": 2.5,
                          "cache_creation": "x", "server_tool_use": {"web_search_requests": True}})
-    assert usage == Usage()
+    assert usage == Usage(reported=False)
+
+
+@pytest.mark.parametrize("reported, counted", [
+    (None, Usage()),  # an answer without usage
+    ({"input_tokens": 7}, Usage(input_tokens=7)),
+    ({"output_tokens": 7, "input_tokens": None}, Usage(output_tokens=7)),
+    ({"input_tokens": 7, "output_tokens": "3"}, Usage(input_tokens=7)),
+    # A cache-write split larger than its total: the counts contradict each other.
+    ({"input_tokens": 1, "output_tokens": 1, "cache_creation_input_tokens": 10,
+      "cache_creation": {"ephemeral_5m_input_tokens": 10, "ephemeral_1h_input_tokens": 5}},
+     Usage(input_tokens=1, output_tokens=1, cache_write_5m_input_tokens=10,
+           cache_write_1h_input_tokens=5)),
+])
+def test_an_answer_that_does_not_report_its_usage_in_full_counts_what_it_gave_flagged(
+        reported, counted):
+    counted.reported = False
+    assert from_answer(reported) == counted
+
+
+def test_an_integral_float_count_is_its_integer():
+    # JSON has no integer type: 12.0 is the number 12.
+    assert from_answer({"input_tokens": 12.0, "output_tokens": 3}) == Usage(input_tokens=12,
+                                                                           output_tokens=3)
+
+
+def test_a_stream_whose_events_carry_no_usage_is_flagged():
+    meter = StreamMeter()
+    meter.message_start({"message": {"model": "m"}})
+    usage = meter.message_delta({"delta": {"stop_reason": "end_turn"}})
+    assert usage == Usage(reported=False)
+    # message_start's output count is the first token, not the stream's.
+    meter = StreamMeter()
+    meter.message_start({"message": {"usage": {"input_tokens": 9, "output_tokens": 1}}})
+    assert meter.message_delta({"usage": {"input_tokens": 9}}) == Usage(
+        input_tokens=9, output_tokens=1, reported=False)
+    # Some backends give all of it in the message_delta: reported.
+    meter = StreamMeter()
+    meter.message_start({"message": {"usage": None}})
+    assert meter.message_delta({"usage": {"input_tokens": 9, "output_tokens": 4}}) == Usage(
+        input_tokens=9, output_tokens=4)
 
 
 def test_a_stream_takes_its_input_from_message_start_and_the_last_delta_replaces():
@@ -180,10 +220,12 @@ def test_aggregate_adds_up_by_group_and_flags_unpriced_rows():
     assert aggregate(rows, "key") == [
         {"key": "a", "requests": 2, "input_tokens": 11, "output_tokens": 2,
          "cache_read_input_tokens": 3, "cache_write_5m_input_tokens": 4,
-         "cache_write_1h_input_tokens": 5, "cost_micro_usd": 100, "unpriced_requests": 1},
+         "cache_write_1h_input_tokens": 5, "cost_micro_usd": 100, "unpriced_requests": 1,
+         "unreported_requests": 0},
         {"key": None, "requests": 1, "input_tokens": 0, "output_tokens": 0,
          "cache_read_input_tokens": 0, "cache_write_5m_input_tokens": 0,
-         "cache_write_1h_input_tokens": 0, "cost_micro_usd": 7, "unpriced_requests": 0}]
+         "cache_write_1h_input_tokens": 0, "cost_micro_usd": 7, "unpriced_requests": 0,
+         "unreported_requests": 0}]
     assert [(g["day"], g["requests"]) for g in aggregate(rows, "day")] == [
         ("2026-12-01", 2), ("2026-12-02", 1)]
     assert [(g["model"], g["cost_micro_usd"]) for g in aggregate(rows, "model")] == [
@@ -209,6 +251,16 @@ def test_a_stream_is_read_from_its_events_bytes(eol):
              "usage": {"output_tokens": 40}}
     assert meter.event("message_delta", framed("message_delta", delta, eol)) == Usage(
         input_tokens=5, output_tokens=40, complete=True)
+
+
+def test_a_stream_read_from_its_bytes_without_usage_is_flagged():
+    meter = StreamMeter()
+    start = {"type": "message_start", "message": {"model": "claude-x", "content": []}}
+    assert meter.event("message_start", framed("message_start", start)) == Usage(
+        complete=False)
+    delta = {"type": "message_delta", "delta": {"stop_reason": "end_turn"}}
+    assert meter.event("message_delta", framed("message_delta", delta)) == Usage(
+        reported=False)
 
 
 @pytest.mark.parametrize("raw", [

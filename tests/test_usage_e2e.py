@@ -97,6 +97,7 @@ async def test_usage_and_cost_are_what_the_upstream_reported_per_key(
         120, 45, 900, 200, 64)
     assert a["server_tool_requests"] == {"web_search": 2}
     assert a["cost_micro_usd"] == COST and a["priced"] and a["usage_complete"]
+    assert a["usage_reported"] and b["usage_reported"]
     assert b["input_tokens"] == 1_000_000 and b["cost_micro_usd"] == 3_000_000
     assert a["stream"] is stream and a["model"] == "claude-sonnet-5-5" and a["backend"] == "emu"
     assert a["status"] == 200 and a["outcome"] == "ok" and a["endpoint"] == "messages"
@@ -125,6 +126,70 @@ async def test_an_openai_backend_counts_cached_prompt_tokens_once(
     assert (row["input_tokens"], row["cache_read_input_tokens"], row["output_tokens"]) == (
         220, 900, 30)
     assert row["cost_micro_usd"] == 220 * 3 + 900 * 0.3 + 30 * 15 and row["usage_complete"]
+
+
+FORMATS = [("anthropic", "claude-sonnet-5-5"), ("openai", "gpt-4.1-mini")]
+
+
+async def streamed_usage(resp) -> dict:
+    """The usage a client reads from the answer: the whole one's, or a stream's, each field as
+    the last event that gave it said (the SDK's accumulator)."""
+    if resp.content_type != "text/event-stream":
+        return (await resp.json()).get("usage")
+    from relay.sse import SSEDecoder
+    usage: dict = {}
+    for event in SSEDecoder().feed(await resp.read()):
+        if event.name == "message_start":
+            usage.update(event.data["message"].get("usage") or {})
+        elif event.name == "message_delta":
+            usage.update(event.data.get("usage") or {})
+    return usage
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["answer", "stream"])
+@pytest.mark.parametrize("fmt, model", FORMATS, ids=[f for f, _ in FORMATS])
+async def test_an_answer_without_usage_is_counted_as_nothing_and_flagged(
+        aiohttp_client, aiohttp_server, caplog, fmt, model, stream):
+    # Issue #22: many OpenAI-compatible servers ignore stream_options.include_usage (and some
+    # report no usage at all); answers that say nothing were charged 0 with nothing flagged.
+    client = await relay_for(aiohttp_client, aiohttp_server, fmt=fmt)
+    caplog.set_level(logging.INFO, logger="relay.access")
+    resp = await post(client, request(user(text("go")), model=model, stream=stream),
+                      report="none")
+    assert resp.status == 200
+    usage = await streamed_usage(resp)
+    if fmt == "openai":  # the client still gets Anthropic's shape, with nothing made up
+        assert (usage["input_tokens"], usage["output_tokens"]) == (0, 0)
+    [row] = await ledger(client, 1)
+    assert row["usage_reported"] is False and row["usage_complete"]
+    assert (row["input_tokens"], row["output_tokens"], row["cost_micro_usd"]) == (0, 0, 0)
+    [line] = [r.access for r in caplog.records if hasattr(r, "access")]
+    assert line["usage_reported"] is False and line["input_tokens"] == 0
+    [warning] = [r.getMessage() for r in caplog.records if "did not report" in r.getMessage()]
+    assert "upstream emu" in warning
+    found = await (await client.get("/metrics", headers=key("ADMIN"))).text()
+    assert metric(found, "relay_usage_unreported_total", backend="emu", key="team-a",
+                  model=model) == 1
+    [group] = await (await client.get("/v1/relay/usage", headers=key("ADMIN"))).json()
+    assert (group["requests"], group["unreported_requests"]) == (1, 1)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["answer", "stream"])
+@pytest.mark.parametrize("fmt, model", FORMATS, ids=[f for f, _ in FORMATS])
+@pytest.mark.parametrize("withheld", ["output", "input"])
+async def test_partial_usage_counts_what_was_given_and_is_flagged(
+        aiohttp_client, aiohttp_server, fmt, model, stream, withheld):
+    client = await relay_for(aiohttp_client, aiohttp_server, fmt=fmt)
+    resp = await post(client, request(user(text("go")), model=model, stream=stream),
+                      report=f"input=120,output=45,cache_read=900,{withheld}=-")
+    assert resp.status == 200
+    await resp.read()
+    [row] = await ledger(client, 1)
+    assert row["usage_reported"] is False
+    counted = {"input": 120, "output": 45, withheld: 0}
+    assert (row["input_tokens"], row["output_tokens"], row["cache_read_input_tokens"]) == (
+        counted["input"], counted["output"], 900)
+    assert row["cost_micro_usd"] == counted["input"] * 3 + counted["output"] * 15 + 270
 
 
 async def test_a_stream_cut_before_its_usage_is_final_is_charged_what_was_reported(
@@ -197,7 +262,7 @@ async def test_a_model_without_a_price_is_counted_and_flagged(aiohttp_client, ai
     assert usage == [{"model": "kimi-k2", "requests": 2, "input_tokens": 240,
                       "output_tokens": 90, "cache_read_input_tokens": 1800,
                       "cache_write_5m_input_tokens": 400, "cache_write_1h_input_tokens": 128,
-                      "cost_micro_usd": 0, "unpriced_requests": 2}]
+                      "cost_micro_usd": 0, "unpriced_requests": 2, "unreported_requests": 0}]
 
 
 async def test_the_usage_endpoint_is_the_operators(aiohttp_client, aiohttp_server):
@@ -292,10 +357,12 @@ async def test_refusals_before_routing_write_no_row(aiohttp_client, aiohttp_serv
 async def test_relay_usage_prints_the_ledger_added_up(aiohttp_client, aiohttp_server,
                                                       monkeypatch, tmp_path, capsys, by):
     client = await relay_for(aiohttp_client, aiohttp_server)
-    for who, model in (("KEY_A", "claude-sonnet-5-5"), ("KEY_A", "kimi-k2"),
-                       ("KEY_B", "claude-sonnet-5-5")):
-        await (await post(client, request(user(text("go")), model=model), who)).read()
-    await ledger(client, 3)
+    for who, model, report in (("KEY_A", "claude-sonnet-5-5", REPORT),
+                               ("KEY_A", "kimi-k2", REPORT),
+                               ("KEY_B", "claude-sonnet-5-5", REPORT),
+                               ("KEY_B", "claude-sonnet-5-5", "none")):
+        await (await post(client, request(user(text("go")), model=model), who, report)).read()
+    await ledger(client, 4)
     state = client.chain.state
 
     async def the_serving_state(options):
@@ -316,13 +383,14 @@ async def test_relay_usage_prints_the_ledger_added_up(aiohttp_client, aiohttp_se
         return await asyncio.to_thread(command, *options)
 
     groups = orjson.loads(await run("--json"))
-    assert sum(g["requests"] for g in groups) == 3
+    assert sum(g["requests"] for g in groups) == 4
     assert sum(g["cost_micro_usd"] for g in groups) == 2 * COST
     assert sum(g["unpriced_requests"] for g in groups) == 1
+    assert sum(g["unreported_requests"] for g in groups) == 1
     assert all(set(g) == {by, *metering.COLUMNS} for g in groups)
     if by == "key":
-        assert [(g["key"], g["requests"], g["unpriced_requests"]) for g in groups] == [
-            ("team-a", 2, 1), ("team-b", 1, 0)]
+        assert [(g["key"], g["requests"], g["unpriced_requests"], g["unreported_requests"])
+                for g in groups] == [("team-a", 2, 1, 0), ("team-b", 2, 0, 1)]
     if by == "model":
         assert [(g["model"], g["cost_micro_usd"]) for g in groups] == [
             ("claude-sonnet-5-5", 2 * COST), ("kimi-k2", 0)]
@@ -330,8 +398,11 @@ async def test_relay_usage_prints_the_ledger_added_up(aiohttp_client, aiohttp_se
     assert rows[0] == [by, *metering.COLUMNS] and len(rows) == len(groups) + 1
     assert [int(r[rows[0].index("requests")]) for r in rows[1:]] == [
         g["requests"] for g in groups]
+    assert [int(r[rows[0].index("unreported_requests")]) for r in rows[1:]] == [
+        g["unreported_requests"] for g in groups]
     lines = (await run()).splitlines()
     assert lines[0].split()[0] == by and "cost USD" in lines[0]
+    assert lines[0].split()[-1] == "unreported"
     assert len(lines) == len(groups) + 1
     if by == "backend":
         assert lines[1].split()[0] == "emu" and metering.usd(2 * COST) in lines[1]

@@ -18,9 +18,13 @@ class Translator(Protocol):
     """One upstream stream as Anthropic SSE bytes: :meth:`feed` each chunk (any boundaries),
     send on what it returns, :meth:`close` when the upstream is done. ``fault`` is
     ``(outcome, message)`` once the translator ended the stream itself with an ``error``
-    event; ``raw`` keeps the upstream's own bytes for the record (bounded)."""
+    event; ``raw`` keeps the upstream's own bytes for the record (bounded); ``unreported``
+    names the usage counts (Anthropic's names) the upstream did not report, which the
+    translated ``message_delta`` gives as 0: one list, filled in place no later than that
+    event is returned, so that a plugin reading it as the event passes sees it whole."""
 
     fault: tuple[str, str] | None
+    unreported: list[str]
 
     @property
     def raw(self) -> Any: ...
@@ -74,9 +78,13 @@ class Adapter:
     def request_headers(self, headers: CIMultiDict) -> None:
         """Adjust the headers going up, in place."""
 
-    def answer_body(self, payload: bytes, backend_name: str, model: str | None) -> bytes:
-        """A complete 2xx answer body as Anthropic's (a RelayError 502 when it is not one)."""
-        return payload
+    def answer_body(self, payload: bytes, backend_name: str,
+                    model: str | None) -> tuple[bytes, tuple[str, ...]]:
+        """A complete 2xx answer body as Anthropic's (a RelayError 502 when it is not one),
+        and the usage counts (Anthropic's names) the upstream's answer did not report, which
+        the translated body gives as 0 since an Anthropic answer must have them. An answer
+        of Anthropic's format is its own report: the usage plugin reads it as it is."""
+        return payload, ()
 
     def error_body(self, status: int, payload: bytes, request_id: str | None) -> bytes | None:
         """An upstream error body as Anthropic's, or None when it already is one."""

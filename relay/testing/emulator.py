@@ -210,7 +210,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the usage every answer reports, as `name=count,...` with names "
                              f"{', '.join(USAGE_NAMES)} (a request's {USAGE_HEADER} header "
                              "overrides it); input defaults to a quarter of the body's bytes, "
-                             "output to a quarter of the answer's")
+                             "output to a quarter of the answer's; input=- or output=- leaves "
+                             f"that count out, {NO_USAGE} the whole usage")
     parser.add_argument("--prompt-cache", action="store_true",
                         help="keep a prompt cache as the API does (prefixes up to each "
                              "cache_control breakpoint) and report its reads and writes in usage")
@@ -784,33 +785,56 @@ def plan_reply(body: dict, options: EmulatorOptions) -> tuple[list[dict], str]:
 
 # What an answer's usage can be told to report (--usage, or a request's x-emulator-usage):
 # counts by name; `split=0` leaves out the cache_creation breakdown by lifetime, as answers
-# from before one-hour caching did.
+# from before one-hour caching did. Like backends that report less than the API: `input=-`
+# or `output=-` leaves that count out, and `none` the whole usage (an OpenAI-format server
+# then ignores stream_options.include_usage, as many do).
 USAGE_HEADER = "x-emulator-usage"
 USAGE_NAMES = ("input", "output", "cache_read", "cache_write_5m", "cache_write_1h",
                "web_search", "web_fetch", "split")
+WITHHELD = {"input": "input_tokens", "output": "output_tokens"}  # the counts `-` may leave out
+NO_USAGE = "none"
 
 
-def parse_usage(spec: str | None) -> dict[str, int]:
-    """``"input=10,cache_read=900"`` as ``{"input": 10, "cache_read": 900}``; a ValueError
-    naming what is wrong."""
-    report: dict[str, int] = {}
+def parse_usage(spec: str | None) -> dict[str, int | None]:
+    """``"input=10,cache_read=900"`` as ``{"input": 10, "cache_read": 900}``, ``output=-`` as
+    ``{"output": None}``, ``none`` as ``{"none": None}``; a ValueError naming what is
+    wrong."""
+    report: dict[str, int | None] = {}
     for part in (spec or "").split(","):
         if not part.strip():
             continue
+        if part.strip() == NO_USAGE:
+            report[NO_USAGE] = None
+            continue
         name, _, value = part.partition("=")
-        name = name.strip()
-        if name not in USAGE_NAMES or not value.strip().isdigit():
+        name, value = name.strip(), value.strip()
+        if name in WITHHELD and value == "-":
+            report[name] = None
+            continue
+        if name not in USAGE_NAMES or not value.isdigit():
             raise ValueError(f"{USAGE_HEADER}: {part.strip()!r} is not NAME=COUNT with a name "
-                             f"among {', '.join(USAGE_NAMES)}")
+                             f"among {', '.join(USAGE_NAMES)} (or input=-, output=-, "
+                             f"{NO_USAGE})")
         report[name] = int(value)
     return report
 
 
-def message_usage(report: dict[str, int], input_tokens: int, output_tokens: int) -> dict:
+def withhold(message: dict, report: dict[str, int | None]) -> None:
+    """Leave out of ``message``'s usage what ``report`` says the backend does not report."""
+    if NO_USAGE in report:
+        del message["usage"]
+        return
+    for name, field in WITHHELD.items():
+        if name in report and report[name] is None:
+            del message["usage"][field]
+
+
+def message_usage(report: dict[str, int | None], input_tokens: int,
+                  output_tokens: int) -> dict:
     """An answer's ``usage`` as the API shapes it: the input the cache neither served nor
     took, the cache's reads and writes apart (the writes by lifetime), the server tools'
     requests when there were any."""
-    five, hour = report.get("cache_write_5m", 0), report.get("cache_write_1h", 0)
+    five, hour = report.get("cache_write_5m") or 0, report.get("cache_write_1h") or 0
     usage: dict = {"input_tokens": report.get("input", input_tokens),
                    "cache_creation_input_tokens": five + hour,
                    "cache_read_input_tokens": report.get("cache_read", 0)}
@@ -826,7 +850,7 @@ def message_usage(report: dict[str, int], input_tokens: int, output_tokens: int)
 
 
 def build_message(body: dict, options: EmulatorOptions, input_tokens: int,
-                  report: dict[str, int] | None = None) -> dict:
+                  report: dict[str, int | None] | None = None) -> dict:
     content, stop_reason = plan_reply(body, options)
     output_tokens = max(1, len(orjson.dumps(content)) // 4) if content else 0
     return {
@@ -876,18 +900,22 @@ def stream_events(message: dict) -> list[dict]:
     """The SSE events that carry ``message``, in the API's order: ``message_start`` with the
     input side of the usage (and one output token), the ``message_delta`` with the usage so
     far, cumulative, without the breakdown by lifetime (the SDK's MessageDeltaUsage)."""
-    usage = message["usage"]
-    # No server tool has run yet when the stream starts.
-    start = dict(message, content=[], stop_reason=None, stop_sequence=None,
-                 usage={**{name: value for name, value in usage.items()
-                           if name != "server_tool_use"}, "output_tokens": 1})
+    usage = message.get("usage")  # none from a backend told to report none
+    start = dict(message, content=[], stop_reason=None, stop_sequence=None)
+    delta: dict = {"type": "message_delta",
+                   "delta": {"stop_reason": message["stop_reason"], "stop_sequence": None}}
+    if usage is not None:
+        # No server tool has run yet when the stream starts.
+        start["usage"] = {name: value for name, value in usage.items()
+                          if name != "server_tool_use"}
+        if "output_tokens" in usage:
+            start["usage"]["output_tokens"] = 1
+        delta["usage"] = {name: value for name, value in usage.items()
+                          if name != "cache_creation"}
     events: list[dict] = [{"type": "message_start", "message": start}, {"type": "ping"}]
     for index, block in enumerate(message["content"]):
         events.extend(_block_events(index, block))
-    events.append({"type": "message_delta",
-                   "delta": {"stop_reason": message["stop_reason"], "stop_sequence": None},
-                   "usage": {name: value for name, value in usage.items()
-                             if name != "cache_creation"}})
+    events.append(delta)
     events.append({"type": "message_stop"})
     return events
 
@@ -1143,6 +1171,7 @@ async def handle_messages(request: web.Request) -> web.StreamResponse:
         _diagnose(request.app[STATE], body, message)
     if thread is not None:
         _hold(request.app[STATE], thread, body, message)
+    withhold(message, report)
     if body.get("stream"):
         return await _stream(request, message, options)
     return _json(message)

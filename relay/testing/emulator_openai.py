@@ -9,11 +9,12 @@ duplicate tool call id, an unknown request field, and shapes the format does not
 
 Its answers are the shapes real servers send: ``chat.completion`` objects, and
 ``chat.completion.chunk`` streams with a role chunk first, ``reasoning_content`` (or
-``reasoning``) deltas, content deltas, tool calls whose arguments come in several fragments,
-a ``finish_reason`` chunk, a usage chunk when ``stream_options.include_usage`` asks for one,
-then ``data: [DONE]``. Options of its own: ``--late-ids`` (a call's id and name come in its
-second fragment), ``--interleave`` (parallel calls' fragments alternate by index),
-``--reasoning-field``, ``--bad-arguments`` (arguments that are not JSON).
+``reasoning``) deltas, content deltas, tool calls whose arguments come in several fragments, a
+``finish_reason`` chunk, a usage chunk when ``stream_options.include_usage`` asks for one
+(unless the usage report, as the Anthropic emulator's ``--usage``, says ``none``: many servers
+ignore the option), then ``data: [DONE]``. Options of its own: ``--late-ids`` (a call's id and
+name come in its second fragment), ``--interleave`` (parallel calls' fragments alternate by
+index), ``--reasoning-field``, ``--bad-arguments`` (arguments that are not JSON).
 
 It imports nothing from the relay but the Anthropic emulator, the other far side.
 """
@@ -284,27 +285,39 @@ def plan_reply(body: dict, options) -> dict:
     return {"message": message, "finish_reason": "tool_calls"}
 
 
-def usage(prompt_tokens: int, reply: dict, report: dict[str, int] | None = None) -> dict:
+def usage(prompt_tokens: int, reply: dict,
+          report: dict[str, int | None] | None = None) -> dict | None:
     """The usage object: ``prompt_tokens`` is the whole prompt, the tokens served from the
-    cache (``cache_read`` of the emulator's usage report) included, as OpenAI counts them."""
+    cache (``cache_read`` of the emulator's usage report) included, as OpenAI counts them.
+    None when the report says the server reports none; a count it withholds is left out."""
     report = report or {}
-    cached = report.get("cache_read", 0)
-    prompt = report.get("input", prompt_tokens) + cached
-    completion = report.get("output", max(1, len(orjson.dumps(reply["message"])) // 4))
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    if anthropic.NO_USAGE in report:
+        return None
+    cached = report.get("cache_read") or 0
+    found: dict = {}
+    given = report.get("input", prompt_tokens)
+    if given is not None:
+        found["prompt_tokens"] = given + cached
+    given = report.get("output", max(1, len(orjson.dumps(reply["message"])) // 4))
+    if given is not None:
+        found["completion_tokens"] = given
+    found["total_tokens"] = found.get("prompt_tokens", 0) + found.get("completion_tokens", 0)
+    found["prompt_tokens_details"] = {"cached_tokens": cached}
+    return found
 
 
 def completion(body: dict, reply: dict, prompt_tokens: int, completion_id: str,
-               report: dict[str, int] | None = None) -> dict:
+               report: dict[str, int | None] | None = None) -> dict:
     message = dict(reply["message"])
     message.setdefault("content", None)
-    return {"id": completion_id, "object": "chat.completion", "created": int(time.time()),
-            "model": body["model"],
-            "choices": [{"index": 0, "message": message, "logprobs": None,
-                         "finish_reason": reply["finish_reason"]}],
-            "usage": usage(prompt_tokens, reply, report)}
+    answer = {"id": completion_id, "object": "chat.completion", "created": int(time.time()),
+              "model": body["model"],
+              "choices": [{"index": 0, "message": message, "logprobs": None,
+                           "finish_reason": reply["finish_reason"]}]}
+    reported = usage(prompt_tokens, reply, report)
+    if reported is not None:
+        answer["usage"] = reported
+    return answer
 
 
 def _pieces(text: str, count: int = 3) -> list[str]:
@@ -326,7 +339,7 @@ def _call_fragments(index: int, call: dict, options) -> list[dict]:
 
 
 def stream_chunks(body: dict, reply: dict, prompt_tokens: int, completion_id: str,
-                  options, report: dict[str, int] | None = None) -> list[dict]:
+                  options, report: dict[str, int | None] | None = None) -> list[dict]:
     """The ``chat.completion.chunk`` objects of one streamed answer, in order."""
     base = {"id": completion_id, "object": "chat.completion.chunk",
             "created": int(time.time()), "model": body["model"]}
@@ -352,8 +365,9 @@ def stream_chunks(body: dict, reply: dict, prompt_tokens: int, completion_id: st
     else:
         chunks += [chunk({"tool_calls": [f]}) for queue in fragments for f in queue]
     chunks.append(chunk({}, reply["finish_reason"]))
-    if (body.get("stream_options") or {}).get("include_usage"):
-        chunks.append({**base, "choices": [], "usage": usage(prompt_tokens, reply, report)})
+    reported = usage(prompt_tokens, reply, report)
+    if (body.get("stream_options") or {}).get("include_usage") and reported is not None:
+        chunks.append({**base, "choices": [], "usage": reported})
     return chunks
 
 

@@ -84,12 +84,12 @@ from .answer import (
     Malformed,
     answer_bytes,
     anthropic_message,
-    anthropic_usage,
     error_bytes,
     error_message,
     error_type,
     estimate_tokens,
     models_bytes,
+    read_usage,
     stop_reason,
     tool_input,
 )
@@ -136,9 +136,11 @@ class OpenAI(Adapter):
     def request_headers(self, headers: CIMultiDict) -> None:
         upstream_headers(headers)
 
-    def answer_body(self, payload: bytes, backend_name: str, model: str | None) -> bytes:
+    def answer_body(self, payload: bytes, backend_name: str,
+                    model: str | None) -> tuple[bytes, tuple[str, ...]]:
         if is_stream(payload):  # a server that streams even when asked not to
-            return encode(collected(payload, backend_name, model))
+            message, unreported = collected(payload, backend_name, model)
+            return encode(message), unreported
         return answer_bytes(payload, backend_name, model)
 
     def error_body(self, status: int, payload: bytes, request_id: str | None) -> bytes | None:
@@ -157,8 +159,8 @@ class OpenAI(Adapter):
 OPENAI = OpenAI()
 
 __all__ = ["CALL_BYTES", "ERROR_TYPES", "FAILED_FINISH_REASONS", "FORMAT", "MAX_COUNT",
-           "MAX_EVENT_BYTES", "MAX_HELD_BYTES", "OPENAI", "QUIRKS", "STOP_REASONS", "Malformed",
-           "OpenAI", "StreamTranslator", "anthropic_message", "anthropic_usage", "answer_bytes",
+           "MAX_EVENT_BYTES", "MAX_HELD_BYTES", "OPENAI", "QUIRKS", "STOP_REASONS",
+           "Malformed", "OpenAI", "StreamTranslator", "anthropic_message", "answer_bytes",
            "chat_request", "error_bytes", "error_message", "error_type", "estimate_tokens",
-           "message_id", "models_bytes", "quirk", "refuse", "request_bytes", "stop_reason",
-           "tool_input", "upstream_headers", "upstream_path"]
+           "message_id", "models_bytes", "quirk", "read_usage", "refuse", "request_bytes",
+           "stop_reason", "tool_input", "upstream_headers", "upstream_path"]

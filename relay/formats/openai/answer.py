@@ -63,30 +63,47 @@ def _count(value, where: str) -> int:
     return value
 
 
-def anthropic_usage(usage, where: str = "usage") -> dict:
-    """Chat Completions usage as Anthropic's. There ``prompt_tokens`` is the whole prompt,
-    cache hits included (``prompt_tokens_details.cached_tokens``, DeepSeek's
-    ``prompt_cache_hit_tokens``) and, on OpenRouter, cache writes too
-    (``prompt_tokens_details.cache_write_tokens``: https://openrouter.ai/docs/use-cases/
-    usage-accounting); Anthropic's ``input_tokens`` is only what was neither read from the
-    cache nor written to it. So each part comes out of ``prompt_tokens`` once, and a part
-    larger than what is left is cut to it: the prompt is never counted past its total.
-    Counts must be counts (Malformed otherwise): a string or a fraction is never passed on."""
+def read_usage(usage, where: str = "usage") -> tuple[dict, tuple[str, ...]]:
+    """Chat Completions usage as Anthropic's, and the counts (Anthropic's names) it does
+    not report as they are given. There ``prompt_tokens`` is the whole prompt, cache hits
+    included (``prompt_tokens_details.cached_tokens``, DeepSeek's ``prompt_cache_hit_tokens``)
+    and, on OpenRouter, cache writes too (``prompt_tokens_details.cache_write_tokens``:
+    https://openrouter.ai/docs/use-cases/usage-accounting); Anthropic's ``input_tokens`` is
+    only what was neither read from the cache nor written to it. So each part comes out of
+    ``prompt_tokens`` once, and a part larger than what is left is cut to it: the prompt is
+    never counted past its total, and the part cut is unreported, since the counts contradict
+    each other. ``prompt_tokens`` or ``completion_tokens`` absent (or the whole usage: many
+    servers ignore ``stream_options.include_usage``) is 0 in the answer, which must have
+    them, and unreported; the cache's parts are then counted as given, there being no total
+    to hold them to. Counts must be counts (Malformed otherwise): a string or a fraction
+    is never passed on."""
     usage = _optional(usage, dict, where, "an object") or {}
-    prompt = _count(usage.get("prompt_tokens"), f"{where}.prompt_tokens")
+    given = usage.get("prompt_tokens")
+    prompt = _count(given, f"{where}.prompt_tokens")
+    unreported: list[str] = [] if given is not None else ["input_tokens"]
+    completion = usage.get("completion_tokens")
+    if completion is None:
+        unreported.append("output_tokens")
     details = _optional(usage.get("prompt_tokens_details"), dict,
                         f"{where}.prompt_tokens_details", "an object") or {}
     cached = (_count(details.get("cached_tokens"), f"{where}.prompt_tokens_details.cached_tokens")
               or _count(usage.get("prompt_cache_hit_tokens"), f"{where}.prompt_cache_hit_tokens"))
-    cached = min(cached, prompt)
-    written = min(_count(details.get("cache_write_tokens"),
-                         f"{where}.prompt_tokens_details.cache_write_tokens"), prompt - cached)
-    return {"input_tokens": prompt - cached - written,
-            "output_tokens": _count(usage.get("completion_tokens"), f"{where}.completion_tokens"),
+    written = _count(details.get("cache_write_tokens"),
+                     f"{where}.prompt_tokens_details.cache_write_tokens")
+    if given is not None:
+        if cached > prompt:
+            cached = prompt
+            unreported.append("cache_read_input_tokens")
+        if written > prompt - cached:
+            written = prompt - cached
+            unreported.append("cache_creation_input_tokens")
+        prompt -= cached + written
+    return {"input_tokens": prompt,
+            "output_tokens": _count(completion, f"{where}.completion_tokens"),
             "cache_creation_input_tokens": written, "cache_read_input_tokens": cached,
             # Writes of a lifetime no Chat Completions server names: the API's default one.
             "cache_creation": {"ephemeral_5m_input_tokens": written,
-                               "ephemeral_1h_input_tokens": 0}}
+                               "ephemeral_1h_input_tokens": 0}}, tuple(unreported)
 
 
 def stop_reason(finish_reason, called: bool) -> str:
@@ -157,6 +174,13 @@ def anthropic_message(chat, backend_name: str, model: str | None = None) -> dict
     """A Chat Completions answer as an Anthropic message (RelayError 502 for tool arguments
     that are not a JSON object, or an answer that is not a chat completion, naming what is
     wrong with it)."""
+    return translated(chat, backend_name, model)[0]
+
+
+def translated(chat, backend_name: str,
+               model: str | None = None) -> tuple[dict, tuple[str, ...]]:
+    """:func:`anthropic_message`, and the usage counts the answer does not report
+    (:func:`read_usage`)."""
     try:
         return _message_of(chat, backend_name, model)
     except Malformed as e:
@@ -192,7 +216,7 @@ def _failed(error, backend_name: str, finish_reason: str | None = None) -> Relay
     return RelayError(status, message, error_type(status), rule=UPSTREAM_ERROR)
 
 
-def _message_of(chat, backend_name: str, model: str | None) -> dict:
+def _message_of(chat, backend_name: str, model: str | None) -> tuple[dict, tuple[str, ...]]:
     if type(chat) is not dict:
         raise Malformed("the answer is not a JSON object")
     # OpenRouter: an error "occurred while the LLM is producing the output will be emitted
@@ -212,7 +236,7 @@ def _message_of(chat, backend_name: str, model: str | None) -> dict:
         # A gateway puts its failure on the choice (genkit-ai/genkit#6259).
         raise _failed(choice.get("error"), backend_name, finish_reason)
     answered_model = _optional_text(chat.get("model"), "model")
-    usage = anthropic_usage(chat.get("usage"))
+    usage, unreported = read_usage(chat.get("usage"))
     content: list[dict] = []
     reasoning = _reasoning_text(message)
     if reasoning:
@@ -239,20 +263,23 @@ def _message_of(chat, backend_name: str, model: str | None) -> dict:
     return {"id": msg_id, "type": "message", "role": "assistant",
             "model": answered_model or model, "content": content,
             "stop_reason": stop_reason(finish_reason, bool(calls)),
-            "stop_sequence": None, "usage": usage}
+            "stop_sequence": None, "usage": usage}, unreported
 
 
-def answer_bytes(payload: bytes, backend_name: str, model: str | None = None) -> bytes:
-    """A Chat Completions answer body as an Anthropic message body; a RelayError 502 naming
-    what is wrong when it is not a chat completion (every such answer is one: the relay
-    translates it or says why not, never fails on it)."""
+def answer_bytes(payload: bytes, backend_name: str,
+                 model: str | None = None) -> tuple[bytes, tuple[str, ...]]:
+    """A Chat Completions answer body as an Anthropic message body, and the usage counts it
+    does not report (:func:`read_usage`); a RelayError 502 naming what is wrong when it is
+    not a chat completion (every such answer is one: the relay translates it or says why
+    not, never fails on it)."""
     try:
         chat = orjson.loads(payload)
     except orjson.JSONDecodeError:
         raise RelayError(502, f"upstream {backend_name} answered with a body that is not "
                               f"JSON: {payload[:200]!r}", "api_error",
                          rule="openai_malformed") from None
-    return _encode(anthropic_message(chat, backend_name, model))
+    message, unreported = translated(chat, backend_name, model)
+    return _encode(message), unreported
 
 
 def error_type(status: int) -> str:

@@ -17,11 +17,11 @@ from .answer import (
     _function,
     _optional,
     _reasoning_text,
-    anthropic_message,
-    anthropic_usage,
     error_type,
+    read_usage,
     stop_reason,
     tool_input,
+    translated,
     upstream_failure,
 )
 from .wire import message_id
@@ -263,8 +263,10 @@ class StreamTranslator:
     ``error`` event (``upstream_malformed`` for a chunk of the wrong shape, ``stream_error``
     for one that grew past the limits): the caller need read no more of the upstream then.
     ``raw`` keeps the upstream's own bytes for the record, bounded (a
-    :class:`relay.bounded.HeadTail`). Time and memory are linear in the stream: an event
-    that takes many chunks is appended to, never copied, until it ends."""
+    :class:`relay.bounded.HeadTail`). ``unreported`` names the usage counts the upstream did
+    not report (:func:`.answer.read_usage`), filled in, in place, as the ``message_delta`` is
+    made. Time and memory are linear in the stream: an event that takes many chunks is
+    appended to, never copied, until it ends."""
 
     def __init__(self, backend_name: str, model: str | None = None, keep_raw: bool = True):
         self.backend = backend_name
@@ -288,7 +290,8 @@ class StreamTranslator:
         self.held_bytes = 0  # what the calls and ``held`` keep
         self.finish_reason: str | None = None
         self.failure = None  # the error a gateway put on a choice that failed
-        self.usage: dict | None = None  # Anthropic's usage, from the last chunk that had one
+        self.usage: dict = {}  # the last usage chunk's, as it came
+        self.unreported: list[str] = []
 
     def feed(self, chunk: bytes) -> bytes:
         if self.raw is not None:
@@ -394,7 +397,7 @@ class StreamTranslator:
         """A whole chat completion as the events of its Anthropic message, or the error it
         is."""
         try:
-            message = anthropic_message(orjson.loads(payload), self.backend, self.model)
+            message, unreported = translated(orjson.loads(payload), self.backend, self.model)
         except orjson.JSONDecodeError:
             self._fail(out, f"upstream {self.backend} answered a stream with a body that is "
                             f"neither a stream nor JSON: {payload[:200]!r}",
@@ -404,6 +407,7 @@ class StreamTranslator:
             self._fail(out, e.message, e.type, None if e.rule == UPSTREAM_ERROR
                        else "upstream_malformed")
             return
+        self.unreported.extend(unreported)
         self._start(message["model"], out)
         for index, block in enumerate(message["content"]):
             kind = block["type"]
@@ -468,8 +472,8 @@ class StreamTranslator:
         if model is not None and model.__class__ is not str:
             raise Malformed("model is not a string")
         usage = data.get("usage")
-        if usage is not None:
-            usage = anthropic_usage(usage) if usage or usage.__class__ is not dict else None
+        if usage is not None and (usage or usage.__class__ is not dict):
+            read_usage(usage)  # checked now, translated at the end
         choices = data.get("choices")
         choice: dict = _EMPTY
         delta: dict = _EMPTY
@@ -721,11 +725,13 @@ class StreamTranslator:
             if self.ended:
                 return
         self.held = []
+        usage, unreported = read_usage(self.usage)
+        self.unreported.extend(unreported)
         out.append(_event(b"message_delta", {
             "type": "message_delta",
             "delta": {"stop_reason": stop_reason(self.finish_reason, self.called),
                       "stop_sequence": None},
-            "usage": self.usage or anthropic_usage(None)}))
+            "usage": usage}))
         out.append(_STOP)
         self.ended = True
 
@@ -760,10 +766,11 @@ def is_stream(payload: bytes) -> bool:
     return payload.lstrip().startswith(_STREAM_START)
 
 
-def collected(payload: bytes, backend_name: str, model: str | None = None) -> dict:
+def collected(payload: bytes, backend_name: str,
+              model: str | None = None) -> tuple[dict, tuple[str, ...]]:
     """The Anthropic message of a whole Chat Completions stream, for a client that asked for
-    no stream from a server that streams anyway; a RelayError when the stream ended in an
-    error or broke off before its end."""
+    no stream from a server that streams anyway, and the usage counts the stream did not
+    report; a RelayError when the stream ended in an error or broke off before its end."""
     translator = StreamTranslator(backend_name, model, keep_raw=False)
     decoder = SSEDecoder()
     events = decoder.feed(translator.feed(payload) + translator.close()) + decoder.close()
@@ -793,7 +800,7 @@ def collected(payload: bytes, backend_name: str, model: str | None = None) -> di
                 block = message["content"][index]
                 block["input"] = tool_input("".join(parts), block["id"], block["name"],
                                             backend_name)
-            return message
+            return message, tuple(translator.unreported)
         elif kind == "error":
             error = data["error"]
             raise RelayError(_STATUSES.get(error["type"], 502), error["message"], error["type"],
