@@ -882,6 +882,20 @@ def test_a_whole_answer_says_what_of_its_usage_is_unreported(usage, unreported):
     assert set(orjson.loads(body)["usage"]) >= {"input_tokens", "output_tokens"}
 
 
+def test_usage_in_several_chunks_keeps_each_count_the_last_one_gave():
+    # Cumulative, as OpenAI's (vLLM's continuous_usage_stats puts it on every chunk): a chunk
+    # that leaves a count out has not taken it back to 0.
+    given, said = unreported_of(sse(
+        chunk({"role": "assistant", "content": "hi"},
+              usage={"prompt_tokens": 1200, "completion_tokens": 1,
+                     "prompt_tokens_details": {"cached_tokens": 1024}}),
+        chunk({"content": " there"}, usage={"prompt_tokens": 1200, "completion_tokens": 2}),
+        chunk({}, "stop", usage={"completion_tokens": 3}), chunk(usage={})))
+    assert (given["input_tokens"], given["cache_read_input_tokens"],
+            given["output_tokens"]) == (176, 1024, 3)
+    assert said == []
+
+
 # --- what real servers send -------------------------------------------------------------------
 
 def sdk_message(events: list[dict]) -> dict:

@@ -290,7 +290,9 @@ class StreamTranslator:
         self.held_bytes = 0  # what the calls and ``held`` keep
         self.finish_reason: str | None = None
         self.failure = None  # the error a gateway put on a choice that failed
-        self.usage: dict = {}  # the last usage chunk's, as it came
+        # The usage chunks' fields, each as the last chunk that gave it said: the counts are
+        # cumulative, and a chunk that leaves one out has not taken it back.
+        self.usage: dict = {}
         self.unreported: list[str] = []
 
     def feed(self, chunk: bytes) -> bytes:
@@ -503,7 +505,8 @@ class StreamTranslator:
         if not self.started:
             self._start(model, out)
         if usage:
-            self.usage = usage
+            self.usage.update((name, value) for name, value in usage.items()
+                              if value is not None)
         if "reasoning_content" in delta or "reasoning" in delta:
             reasoning = _reasoning_text(delta)
             if reasoning:
