@@ -325,6 +325,12 @@ SERVER_OPTIONS = (
            expect="an integer", check=_between(1, MAX_WORKERS)),
     Option("drain_seconds", float, 30.0, "on SIGTERM, how long requests in flight may finish "
            "(0: none)", expect=_DRAIN, check=_at_least_zero(_DRAIN)),
+    # Off by default, as Traefik's requestAcceptGraceTimeout and Boundary's shutdown grace
+    # period are: without a load balancer that polls /readyz the wait only delays the stop
+    # (docs/operations.md, "The drain", has the sources).
+    Option("unready_seconds", float, 0.0, "on SIGTERM, how long `/readyz` answers 503 while "
+           "the relay still accepts and serves, before the drain (0: the drain starts at once)",
+           expect=_DRAIN, check=_at_least_zero(_DRAIN)),
     # Below Claude Code's 20 s "Waiting for API response" stall banner and the 60 s idle
     # timeout common to proxies and load balancers; the gateways that fixed this chose 10 to
     # 15 s (archestra 10 s, LiteLLM 15 s).
@@ -376,6 +382,7 @@ class Config:
     log_format: str = SERVER["log_format"].default
     workers: int = SERVER["workers"].default
     drain_seconds: float = SERVER["drain_seconds"].default
+    unready_seconds: float = SERVER["unready_seconds"].default
     stream_keepalive: float = SERVER["stream_keepalive"].default
     console: bool = SERVER["console"].default
     resume_bytes: int = SERVER["resume_bytes"].default
@@ -472,6 +479,7 @@ def parse(raw, env=os.environ, require_keys: bool = True) -> Config:
         setattr(config, name, int(values[name]))
     config.log_level = values["log_level"].upper()
     config.drain_seconds = float(values["drain_seconds"])
+    config.unready_seconds = float(values["unready_seconds"])
     config.stream_keepalive = float(values["stream_keepalive"])
     if values["auth"] is not None:
         config.keys = _keys(values["auth"], "server.auth", env, require_keys)

@@ -1,10 +1,12 @@
 """A serving process's life: readiness, the requests in flight, and the drain at the end.
 
-On the first SIGTERM (or SIGINT) a process stops accepting, closes its idle connections and
-waits up to ``server.drain_seconds`` for the requests in flight. When they finish, it exits
-0. When the deadline passes or a second signal comes first, what is still in flight is
-cancelled: a stream ends with ``event: error`` (the stream loop writes it when its task is
-cancelled while the client is still there), an answer not yet begun becomes a 503 in
+On the first SIGTERM (or SIGINT) ``/readyz`` answers 503. For ``server.unready_seconds`` (0
+by default) the process goes on accepting and serving, so that a load balancer that has not
+yet taken it out sends nothing into a closed port; then it stops accepting, closes its idle
+connections and waits up to ``server.drain_seconds`` for the requests in flight. When they
+finish, it exits 0. When the deadline passes or a second signal comes first, what is still in
+flight is cancelled: a stream ends with ``event: error`` (the stream loop writes it when its
+task is cancelled while the client is still there), an answer not yet begun becomes a 503 in
 Anthropic's format, and the process exits 1.
 """
 
@@ -91,6 +93,7 @@ class Lifecycle:
         self.listening = False
         self.draining = False
         self.forced = False
+        self.stopped_at: float | None = None  # monotonic, at the first stop signal
         self.in_flight: set[asyncio.Task] = set()
         self.stop_requested = asyncio.Event()
         self.second_signal = asyncio.Event()
@@ -103,6 +106,7 @@ class Lifecycle:
                         if self.listening else "second stop signal: ending the start-up")
             self.second_signal.set()
         else:
+            self.stopped_at = time.monotonic()
             self.stop_requested.set()
 
     async def serve(self, request: web.Request, handler):
@@ -134,14 +138,30 @@ class Lifecycle:
                 and not request.transport.is_closing())
 
     def readiness(self) -> tuple[int, dict]:
-        """``/readyz``: 200 while this process takes requests, 503 once it drains."""
+        """``/readyz``: 200 while this process takes requests, 503 from the stop signal on."""
         serving = self.workers if self.serving is None else self.serving.value
-        if self.draining or not self.listening:
-            status = "draining" if self.draining else "starting"
+        stopping = self.stop_requested.is_set()
+        if stopping or not self.listening:
+            status = "draining" if stopping else "starting"
             return 503, {"status": status, "workers": {"configured": self.workers,
                                                       "serving": serving}}
         return 200, {"status": "ready", "workers": {"configured": self.workers,
                                                    "serving": serving}}
+
+    async def unready(self, seconds: float) -> None:
+        """Go on accepting and serving, unready, until ``seconds`` after the stop signal (or
+        a second signal). A process that was still starting when the signal came keeps to the
+        same deadline as its siblings, which accept meanwhile on the same port."""
+        assert self.stopped_at is not None  # called once a stop was requested
+        left = self.stopped_at + seconds - time.monotonic()
+        if left <= 0 or self.second_signal.is_set():
+            return
+        log.info("stopping: /readyz answers 503; still accepting for %.3gs before the drain",
+                 left)
+        try:
+            await asyncio.wait_for(self.second_signal.wait(), left)
+        except asyncio.TimeoutError:
+            pass
 
     async def drain(self, runner: web.AppRunner, seconds: float) -> int:
         """Stop accepting, let what is in flight finish for up to ``seconds`` (or until a

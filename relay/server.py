@@ -642,6 +642,7 @@ async def serve(config, chain: Chain, host: str, port: int, worker=None) -> int:
             else:
                 logs.announce(f"relay listening on {url_of(runner.addresses[0])}")
             await state.stop_requested.wait()
+            await state.unready(config.unready_seconds)
             return await state.drain(runner, config.drain_seconds)
         finally:
             await runner.cleanup()

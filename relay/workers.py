@@ -221,9 +221,11 @@ class Supervisor:
     def stop(self) -> None:
         self.stopping += 1
         if self.stopping == 1:
-            self.stop_deadline = time.monotonic() + self.config.drain_seconds + KILL_GRACE
-            log.info("stopping %d worker(s): draining for up to %gs", len(self.pids),
-                     self.config.drain_seconds)
+            self.stop_deadline = (time.monotonic() + self.config.unready_seconds
+                                  + self.config.drain_seconds + KILL_GRACE)
+            log.info("stopping %d worker(s): %sdraining for up to %gs", len(self.pids),
+                     f"accepting for {self.config.unready_seconds:g}s, then "
+                     if self.config.unready_seconds else "", self.config.drain_seconds)
         elif self.stop_deadline is not None:
             # The drains end now: a worker still there once the grace is over is stuck, however
             # long drain_seconds is.

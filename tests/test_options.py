@@ -206,8 +206,8 @@ TODAY = {"host": "127.0.0.1", "port": 8787, "max_body_bytes": 32 * 1024 * 1024,
          "max_upstream_body_bytes": 64 * 1024 * 1024, "header_timeout": 10.0,
          "body_timeout": 60.0, "max_connections": 1024, "allowed_hosts": [],
          "allow_unauthenticated": False, "log_format": "text", "workers": 1,
-         "drain_seconds": 30.0, "stream_keepalive": 10.0, "console": False,
-         "resume_bytes": 64 * 1024 * 1024, "keep_freed_bytes": 64 * 1024 * 1024}
+         "drain_seconds": 30.0, "unready_seconds": 0.0, "stream_keepalive": 10.0,
+         "console": False, "resume_bytes": 64 * 1024 * 1024, "keep_freed_bytes": 64 * 1024 * 1024}
 
 
 def test_the_declared_defaults_are_the_config_defaults_of_before():

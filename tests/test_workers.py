@@ -57,8 +57,14 @@ TAIL = (sse("content_block_delta", {"type": "content_block_delta", "index": 0,
         + sse("message_stop", {"type": "message_stop"}))
 
 
+MESSAGE = {"id": "msg_2", "type": "message", "role": "assistant", "model": "claude-test",
+           "content": [{"type": "text", "text": "done"}], "stop_reason": "end_turn",
+           "stop_sequence": None, "usage": {"input_tokens": 1, "output_tokens": 1}}
+
+
 class HeldStream:
-    """An upstream whose streams send their first events, then wait for ``release``."""
+    """An upstream whose streams send their first events, then wait for ``release``; a
+    request that does not stream is answered at once."""
 
     def __init__(self):
         self.release = asyncio.Event()
@@ -67,7 +73,8 @@ class HeldStream:
         self._runner = None
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        await request.read()
+        if not (await request.json()).get("stream"):
+            return web.json_response(MESSAGE)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         await response.write(HEAD)
@@ -439,6 +446,50 @@ async def test_sigterm_lets_a_stream_in_flight_finish_and_exits_0(tmp_path, work
 
 @pytest.mark.slow
 @WORKER_COUNTS
+async def test_unready_seconds_keep_serving_new_connections_unready_then_drain(tmp_path,
+                                                                              workers):
+    # A load balancer or Kubernetes takes a stopping relay out some seconds after the signal;
+    # until then its new connections must find the port open.
+    window = 3.0
+    async with HeldStream() as upstream, aiohttp.ClientSession() as session:
+        relay = start_relay(tmp_path, upstream.url, workers=workers, unready_seconds=window)
+        # A connection per request, as new ones come: with workers the kernel spreads them.
+        fresh = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
+        try:
+            async with session.post(relay.url + "/v1/messages", json=STREAM_BODY) as response:
+                await upstream.started.wait()
+                signalled = time.monotonic()
+                os.kill(relay.pid, signal.SIGTERM)
+
+                async def ready() -> int:
+                    async with fresh.get(relay.url + "/readyz") as answer:
+                        return answer.status
+                while await ready() == 200:
+                    assert time.monotonic() - signalled < window
+                    await asyncio.sleep(0.02)
+                for _ in range(4):
+                    async with fresh.get(relay.url + "/readyz") as answer:
+                        assert answer.status == 503
+                        assert (await answer.json())["status"] == "draining"
+                    async with fresh.post(relay.url + "/v1/messages", json=BODY) as answer:
+                        assert answer.status == 200
+                        assert (await answer.json())["content"] == MESSAGE["content"]
+                assert time.monotonic() - signalled < window
+                # Then the drain as without the window: the port closes, the stream goes on.
+                assert await until(lambda: refuses_connections(relay.url))
+                assert time.monotonic() - signalled >= window
+                upstream.release.set()
+                body = await read_stream(response)
+            assert body == HEAD + TAIL
+            assert await asyncio.to_thread(exit_status, relay) == 0
+            assert relay.output().count("still accepting for") == workers
+        finally:
+            await fresh.close()
+            relay.stop()
+
+
+@pytest.mark.slow
+@WORKER_COUNTS
 async def test_sighup_neither_stops_the_relay_nor_cuts_a_stream(tmp_path, workers):
     # The relay has no reload: SIGHUP's default action would end it at once, every stream
     # cut without an error event. A terminal's hangup reaches the workers too.
@@ -688,6 +739,23 @@ async def test_readiness_follows_the_process_through_its_life():
                                        "workers": {"configured": 3, "serving": 2}})
     state.signal()
     assert state.second_signal.is_set()
+
+
+async def test_a_second_signal_ends_the_unready_wait_and_a_late_start_keeps_the_deadline():
+    state = Lifecycle()
+    state.listening = True
+    state.signal()
+    assert state.readiness()[0] == 503
+    waiting = asyncio.ensure_future(state.unready(30))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    state.signal()
+    await asyncio.wait_for(waiting, 1)
+    # A worker whose start-up outlasted the window, begun at the signal, does not add one.
+    late = Lifecycle()
+    late.signal()
+    late.stopped_at -= 30
+    await asyncio.wait_for(late.unready(30), 0.1)
 
 
 async def test_an_app_without_the_lifecycle_is_ready_once_it_answers(aiohttp_client):
