@@ -14,8 +14,8 @@ killed. SIGHUP is logged
 and changes nothing (there is no reload), in the workers too. The supervisor
 exits 0 when every worker drained completely, 1 otherwise, or with a worker's own status
 when one could not start (2: a config error from a plugin's relay_startup). A worker that
-dies while serving is started again (at most once a second). A worker whose supervisor is
-gone (killed outright) drains and exits.
+dies once the relay serves is started again after a wait that doubles with each death
+(:func:`restart_delay`). A worker whose supervisor is gone (killed outright) drains and exits.
 """
 
 from __future__ import annotations
@@ -37,7 +37,15 @@ from .listen import url_of
 
 log = logging.getLogger("relay")
 
-RESTART_INTERVAL = 1.0  # seconds between two starts of the same worker slot
+# A worker that dies at start-up, or soon after, would die again at once (a service its
+# plugins need is down, the disk is full): started again every second, it filled the log with
+# a death a second for as long as the cause lasted. The wait doubles, as Kubernetes'
+# CrashLoopBackOff does (10 s to 5 minutes, reset after 10 minutes of running), but from 1 s
+# and to 30 s: the other workers serve meanwhile, and a slot that recovers should not sit
+# empty for minutes.
+RESTART_FIRST = 1.0
+RESTART_MAX = 30.0
+RESTART_RESET = 60.0  # seconds a worker must have served for its slot's next wait to be the first
 KILL_GRACE = 15.0  # seconds past the drain before a worker that hangs is killed
 HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD)
 
@@ -63,6 +71,25 @@ class WorkerLink:
             stop()
 
         loop.add_reader(self._alive_fd, supervisor_gone)
+
+
+def restart_delay(previous: float | None, served: float | None) -> float:
+    """How long a slot waits before its worker is started again: ``previous`` is the wait
+    before the worker that died was started (None: it was the first), ``served`` how long that
+    worker listened (None: it never did)."""
+    if previous is None or (served is not None and served >= RESTART_RESET):
+        return RESTART_FIRST
+    return min(previous * 2, RESTART_MAX)
+
+
+def how_it_ended(wait_status: int) -> str:
+    if os.WIFSIGNALED(wait_status):
+        number = os.WTERMSIG(wait_status)
+        try:
+            return f"was killed by {signal.Signals(number).name}"
+        except ValueError:
+            return f"was killed by signal {number}"
+    return f"exited with status {os.waitstatus_to_exitcode(wait_status)}"
 
 
 def reserve_port(host: str, port: int) -> tuple[socket.socket, tuple]:
@@ -95,7 +122,9 @@ class Supervisor:
         self.slots: dict[int, int | None] = dict.fromkeys(range(workers))  # slot -> pid
         self.ready: set[int] = set()  # slots whose current worker listens
         self.pids: dict[int, int] = {}  # pid -> slot
-        self.last_start: dict[int, float] = {}
+        self.ready_at: dict[int, float] = {}  # slot -> when its current worker listened
+        self.delay: dict[int, float] = {}  # slot -> the wait before its current worker started
+        self.restart_at: dict[int, float] = {}  # slot -> when its next worker starts
         self.announced = False
         self.stopping = 0  # stop signals received
         self.stop_deadline: float | None = None
@@ -121,7 +150,6 @@ class Supervisor:
         return self.status
 
     def start(self, slot: int) -> None:
-        self.last_start[slot] = time.monotonic()
         # Held back across the fork: until the child has handlers of its own, a signal to it
         # would run the supervisor's and write to the supervisor's wake-up pipe.
         signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED)
@@ -168,8 +196,7 @@ class Supervisor:
         if self.stop_deadline is not None:
             timeout = max(0.0, self.stop_deadline - now)
         elif not self.stopping:
-            waiting = [self.last_start[s] + RESTART_INTERVAL - now
-                       for s, pid in self.slots.items() if pid is None]
+            waiting = [self.restart_at[s] - now for s, pid in self.slots.items() if pid is None]
             if waiting:
                 timeout = max(0.0, min(waiting))
         try:
@@ -193,7 +220,7 @@ class Supervisor:
             self.stop_deadline = None
         if not self.stopping:
             for slot, running in self.slots.items():
-                if running is None and time.monotonic() >= self.last_start[slot] + RESTART_INTERVAL:
+                if running is None and time.monotonic() >= self.restart_at[slot]:
                     log.warning("starting worker %d again", slot)
                     self.start(slot)
 
@@ -212,6 +239,7 @@ class Supervisor:
     def read_ready(self) -> None:
         for slot in self.drain_pipe(self.ready_r):
             self.ready.add(slot)
+            self.ready_at[slot] = time.monotonic()
         self.serving.value = len(self.ready)
         if not self.announced and len(self.ready) == self.workers:
             self.announced = True
@@ -254,12 +282,18 @@ class Supervisor:
                 continue
             if not self.announced and not was_ready:
                 # A worker that could not start: the others would fail alike.
-                log.error("worker %d exited with status %d before it listened; stopping", slot,
-                          code)
+                log.error("worker %d %s before it listened; stopping", slot,
+                          how_it_ended(wait_status))
                 self.status = code if code > 0 else 1
                 self.stop()
                 continue
-            log.error("worker %d (pid %d) exited with status %d while serving", slot, pid, code)
+            now = time.monotonic()
+            served = now - self.ready_at[slot] if was_ready else None
+            delay = self.delay[slot] = restart_delay(self.delay.get(slot), served)
+            self.restart_at[slot] = now + delay
+            log.error("worker %d (pid %d) %s %s; starting it again in %gs", slot, pid,
+                      how_it_ended(wait_status),
+                      "while serving" if was_ready else "before it listened", delay)
 
 
 def run(config, chain, host: str, port: int, workers: int) -> int:

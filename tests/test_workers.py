@@ -9,6 +9,7 @@ from the emulator's ``--delay-ms``.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import os
 import signal
 import socket
@@ -330,10 +331,80 @@ def test_a_worker_that_dies_is_started_again(tmp_path, emulator):
                 break
             time.sleep(0.1)
         assert len(now) == 2 and len(now & pids) == 1
-        assert relay.wait_for_output("exited with status -9 while serving")
+        assert relay.wait_for_output("was killed by SIGKILL while serving; starting it again "
+                                     "in 1s")
         assert relay.wait_for_output("starting worker")
     finally:
         relay.stop()
+
+
+# A plugin whose start-up makes its worker die while the file CRASH_FILE names is there.
+CRASHING = """
+import os
+from relay.hookspecs import hookimpl
+
+
+@hookimpl
+def relay_startup(config):
+    if os.path.exists(os.environ["CRASH_FILE"]):
+        os._exit(3)
+"""
+
+
+def log_records(relay: Relay, containing: str) -> list[tuple[float, str]]:
+    """The relay's JSON log lines whose message has ``containing``: (unix time, message)."""
+    found = []
+    for line in relay.output().splitlines():
+        if line.startswith("{"):
+            record = orjson.loads(line)
+            if containing in record["message"]:
+                when = datetime.datetime.fromisoformat(record["time"].replace("Z", "+00:00"))
+                found.append((when.timestamp(), record["message"]))
+    return found
+
+
+@pytest.mark.slow
+def test_a_worker_that_keeps_dying_waits_longer_each_time_and_a_stop_ends_the_wait(
+        tmp_path, emulator):
+    emu = emulator()
+    crash = tmp_path / "crash"
+    (tmp_path / "site").mkdir()
+    env = {**probe_plugin(tmp_path / "site", CRASHING), "CRASH_FILE": str(crash)}
+    relay = Relay({"pipeline": ["probe"], "backends": [backend(emu.url)]}, tmp_path, env=env,
+                  args=["--workers", "2", "--log-format", "json"])
+    try:
+        crash.touch()  # from now on a worker dies in its start-up
+        os.kill(worker_pids(relay.pid)[0], signal.SIGKILL)
+        assert relay.wait_for_output("starting it again in 4s", timeout=30), relay.output()
+        deaths = log_records(relay, "; starting it again in ")
+        starts = log_records(relay, "starting worker ")
+        assert [message.split(") ", 1)[1] for _, message in deaths] == [
+            "was killed by SIGKILL while serving; starting it again in 1s",
+            "exited with status 3 before it listened; starting it again in 2s",
+            "exited with status 3 before it listened; starting it again in 4s"]
+        assert len(starts) == 2
+        for (died, _), (started, _), wait in zip(deaths[:2], starts, (1, 2), strict=True):
+            assert wait <= started - died < wait + 1
+        # Meanwhile the other worker serves.
+        with urllib.request.urlopen(relay.url + "/readyz", timeout=10) as response:
+            assert orjson.loads(response.read())["workers"] == {"configured": 2, "serving": 1}
+        signalled = time.monotonic()
+        os.kill(relay.pid, signal.SIGTERM)
+        assert exit_status(relay, timeout=10) == 0
+        assert time.monotonic() - signalled < 3
+        assert len(log_records(relay, "starting worker ")) == 2
+    finally:
+        relay.stop()
+
+
+def test_the_restart_wait_doubles_to_its_cap_and_starts_over_after_a_worker_served():
+    from relay.workers import RESTART_MAX, RESTART_RESET, restart_delay
+    waits = [restart_delay(None, None)]
+    for _ in range(7):
+        waits.append(restart_delay(waits[-1], None))
+    assert waits == [1, 2, 4, 8, 16, RESTART_MAX, RESTART_MAX, RESTART_MAX] and RESTART_MAX == 30
+    assert restart_delay(8, 5.0) == 16  # served, but briefly: it counts as dying again
+    assert restart_delay(RESTART_MAX, RESTART_RESET) == 1
 
 
 def worker_pids(parent: int) -> list[int]:
