@@ -102,12 +102,25 @@ class Lifecycle:
     def signal(self) -> None:
         """SIGTERM or SIGINT: the first starts the drain, the second cuts it short."""
         if self.stop_requested.is_set():
-            log.warning("second stop signal: ending the requests still in flight"
-                        if self.listening else "second stop signal: ending the start-up")
-            self.second_signal.set()
+            self.hurry()
         else:
+            self.stop()
+
+    def stop(self) -> None:
+        """Start the drain; once started, nothing more (a worker's SIGTERM, which may come
+        from its supervisor and from whoever signalled the whole process group too)."""
+        if not self.stop_requested.is_set():
             self.stopped_at = time.monotonic()
             self.stop_requested.set()
+
+    def hurry(self) -> None:
+        """The second stop signal: end the start-up, the window or the drain now."""
+        if self.second_signal.is_set():
+            return
+        log.warning("second stop signal: ending the requests still in flight"
+                    if self.listening else "second stop signal: ending the start-up")
+        self.stop()
+        self.second_signal.set()
 
     async def serve(self, request: web.Request, handler):
         """Answer ``request`` with ``handler`` as a request in flight, which the drain waits

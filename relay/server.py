@@ -615,9 +615,11 @@ async def serve(config, chain: Chain, host: str, port: int, worker=None) -> int:
     state = lifecycle.Lifecycle(config.workers, worker.serving) if worker else lifecycle.Lifecycle()
     # From the start: a signal during start-up drains (nothing) once listening, not a kill;
     # a second one ends the start-up.
-    for sig in worker.signals if worker else (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, state.signal)
-    if not worker:  # a worker ignores it: its supervisor says so, once
+    if worker:  # its supervisor's signals, which differ (and SIGHUP, which it ignores)
+        worker.handle_signals(loop, state)
+    else:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, state.signal)
         loop.add_signal_handler(signal.SIGHUP, lifecycle.hangup)
     if not await started(chain, config, state):
         return 1
@@ -638,7 +640,7 @@ async def serve(config, chain: Chain, host: str, port: int, worker=None) -> int:
             (log.debug if kept else log.warning)("memory: %s", said)
             state.listening = True
             if worker:
-                worker.started(loop, state.signal)
+                worker.started(loop, state.stop)
             else:
                 logs.announce(f"relay listening on {url_of(runner.addresses[0])}")
             await state.stop_requested.wait()

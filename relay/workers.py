@@ -8,12 +8,15 @@ workers' sockets) and drains on its own (see :mod:`relay.lifecycle`).
 
 Signals: SIGTERM or SIGINT to the supervisor is passed on to every worker as SIGTERM (the
 workers ignore SIGINT, so a Ctrl-C to the terminal's process group stops them once, through
-the supervisor); a second one is passed on too and cuts the drains short. A worker still
-there ``KILL_GRACE`` seconds after the drain's deadline, or after the second signal, is
-killed. SIGHUP is logged
-and changes nothing (there is no reload), in the workers too. The supervisor
-exits 0 when every worker drained completely, 1 otherwise, or with a worker's own status
-when one could not start (2: a config error from a plugin's relay_startup). A worker that
+the supervisor); a second one is passed on as SIGUSR1 and cuts the drains short. A worker
+takes a SIGTERM after the first for nothing more: systemd (``KillMode=control-group``, its
+default) and dumb-init send SIGTERM to every process of the relay at once, and the
+supervisor's copy must not cut the drain that the first began. Until a worker's loop handles
+them, its SIGTERM and SIGUSR1 wait blocked, never taken by their default action. A worker
+still there ``KILL_GRACE`` seconds after the drain's deadline, or after the second signal, is
+killed. SIGHUP is logged and changes nothing (there is no reload), in the workers too. The
+supervisor exits 0 when every worker drained completely, 1 otherwise, or with a worker's own
+status when one could not start (2: a config error from a plugin's relay_startup). A worker that
 dies once the relay serves is started again after a wait that doubles with each death
 (:func:`restart_delay`). A worker whose supervisor is gone (killed outright) drains and exits.
 """
@@ -48,19 +51,28 @@ RESTART_MAX = 30.0
 RESTART_RESET = 60.0  # seconds a worker must have served for its slot's next wait to be the first
 KILL_GRACE = 15.0  # seconds past the drain before a worker that hangs is killed
 HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD)
+STOP, HURRY = signal.SIGTERM, signal.SIGUSR1  # to a worker: the first stop signal, the second
+# Blocked from before the fork until the worker's loop has its handlers for them.
+WORKER_SIGNALS = (STOP, HURRY)
 
 
 class WorkerLink:
     """What a worker shares with its supervisor: the serving count for ``/readyz``, a pipe to
     say it listens, and a pipe that ends when the supervisor does."""
 
-    signals = (signal.SIGTERM,)
-
     def __init__(self, slot: int, serving: SharedCounter, ready_fd: int, alive_fd: int):
         self.slot = slot
         self.serving = serving
         self._ready_fd = ready_fd
         self._alive_fd = alive_fd
+
+    @staticmethod
+    def handle_signals(loop: asyncio.AbstractEventLoop, state) -> None:
+        """The supervisor's signals, to ``state`` (a :class:`relay.lifecycle.Lifecycle`):
+        one that came since the fork is taken now."""
+        loop.add_signal_handler(STOP, state.stop)
+        loop.add_signal_handler(HURRY, state.hurry)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, WORKER_SIGNALS)
 
     def started(self, loop: asyncio.AbstractEventLoop, stop) -> None:
         os.write(self._ready_fd, bytes([self.slot]))
@@ -152,11 +164,11 @@ class Supervisor:
     def start(self, slot: int) -> None:
         # Held back across the fork: until the child has handlers of its own, a signal to it
         # would run the supervisor's and write to the supervisor's wake-up pipe.
-        signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED)
+        signal.pthread_sigmask(signal.SIG_BLOCK, (*HANDLED, *WORKER_SIGNALS))
         pid = os.fork()
         if pid == 0:
             self.worker(slot)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, HANDLED)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, (*HANDLED, *WORKER_SIGNALS))
         self.slots[slot] = pid
         self.pids[pid] = slot
 
@@ -169,7 +181,10 @@ class Supervisor:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor passes it on
             signal.signal(signal.SIGHUP, signal.SIG_IGN)  # the supervisor logs it
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, HANDLED)
+            # Its stop signals stay blocked until serve() handles them: a SIGTERM now would
+            # otherwise end it at once, and the relay's stop with status 1 for nothing cut.
+            signal.pthread_sigmask(signal.SIG_UNBLOCK,
+                                   [sig for sig in HANDLED if sig not in WORKER_SIGNALS])
             for fd in (self.wake_r, self.wake_w, self.ready_r, self.alive_w):
                 os.close(fd)
             self.reserved.close()
@@ -260,7 +275,7 @@ class Supervisor:
             self.stop_deadline = min(self.stop_deadline, time.monotonic() + KILL_GRACE)
         for pid in self.pids:
             with contextlib.suppress(ProcessLookupError):  # exited since the last reap
-                os.kill(pid, signal.SIGTERM)
+                os.kill(pid, STOP if self.stopping == 1 else HURRY)
 
     def reap(self) -> None:
         while self.pids:

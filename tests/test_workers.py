@@ -560,6 +560,62 @@ async def test_unready_seconds_keep_serving_new_connections_unready_then_drain(t
 
 
 @pytest.mark.slow
+async def test_a_stop_signal_to_every_process_at_once_drains_as_one_to_the_relay(tmp_path):
+    # systemd's default KillMode=control-group and dumb-init signal every process of the
+    # relay, the workers as well as their supervisor, which passes its SIGTERM on: a worker
+    # took that copy for a second signal and cut its streams.
+    async with HeldStream() as upstream, aiohttp.ClientSession() as session:
+        relay = start_relay(tmp_path, upstream.url, workers=2)
+        try:
+            async with session.post(relay.url + "/v1/messages", json=STREAM_BODY) as response:
+                await upstream.started.wait()
+                await asyncio.sleep(0.2)  # the first events are through the relay
+                for pid in [*worker_pids(relay.pid), relay.pid]:
+                    os.kill(pid, signal.SIGTERM)
+                assert await until(lambda: refuses_connections(relay.url))
+                await asyncio.sleep(0.3)  # the supervisor's copies have come
+                upstream.release.set()
+                body = await read_stream(response)
+            assert body == HEAD + TAIL
+            assert await asyncio.to_thread(exit_status, relay) == 0
+            assert "second stop signal" not in relay.output()
+        finally:
+            relay.stop()
+
+
+@pytest.mark.slow
+def test_a_stop_signal_as_the_workers_are_forked_lets_them_start_and_drain(tmp_path):
+    # Right after the fork a worker's SIGTERM had its default action until its loop handled
+    # it: the worker died at once, and the relay exited 1 as if it had cut requests.
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    (tmp_path / "site").mkdir()
+    env = {**probe_plugin(tmp_path / "site"), "PROBE_DIR": str(marks)}
+    config = tmp_path / "relay.yaml"
+    config.write_text(orjson.dumps({
+        "pipeline": ["probe"], "plugins": {"probe": {"dir": str(marks)}},
+        "backends": [backend("http://127.0.0.1:9")]}).decode())
+    relay = Process([sys.executable, "-m", "relay", "--config", str(config), "--port", "0",
+                     "--workers", "2"], env=env, cwd=str(tmp_path))
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                if len(worker_pids(relay.pid)) == 2:
+                    break
+            except FileNotFoundError:  # not started yet
+                pass
+        assert not list(marks.glob("startup-*"))  # the workers are still on their way
+        os.kill(relay.pid, signal.SIGTERM)
+        assert relay.wait(20) == 0, relay.output()
+        # Each worker started, served nothing and shut down: what a signal during start-up is.
+        assert len(list(marks.glob("startup-*"))) == 2
+        assert len(list(marks.glob("shutdown-*"))) == 2
+    finally:
+        relay.stop()
+
+
+@pytest.mark.slow
 @WORKER_COUNTS
 async def test_sighup_neither_stops_the_relay_nor_cuts_a_stream(tmp_path, workers):
     # The relay has no reload: SIGHUP's default action would end it at once, every stream
