@@ -5,13 +5,17 @@ test_console_browser.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import threading
 import time
+import unittest.mock
 from pathlib import Path
 
+import aiohttp
 import orjson
 import pytest
+from test_limits import same_minute
 
 from relay import config as config_module
 from relay.console import auth
@@ -142,6 +146,92 @@ async def test_a_client_key_cannot_log_in(served):
     assert "relay key" in await resp.text()
     assert auth.COOKIE not in {c.key for c in served.session.cookie_jar}
     assert (await served.get("/console", allow_redirects=False)).status == 303
+
+
+@contextlib.asynccontextmanager
+async def browser_at(client, address: str):
+    """A browser of its own (its own cookies) whose connections come from ``address``, a
+    loopback one: the console tells login attempts apart by where they come from."""
+    connector = aiohttp.TCPConnector(local_addr=(address, 0))
+    async with aiohttp.ClientSession(str(client.make_url("")), connector=connector,
+                                     cookie_jar=aiohttp.CookieJar(unsafe=True)) as session:
+        yield session
+
+
+async def test_failed_logins_from_one_address_lock_out_that_address_only(served, caplog):
+    # One limit for everyone was a way to lock the operator out: 30 bad keys a minute from
+    # anywhere and the admin key was refused too.
+    from relay import console as console_module
+    same_minute()
+    guess = "guessed-admin-key-0123456789"
+    async with browser_at(served, "127.0.0.2") as attacker:
+        failed = 0
+        while (await log_in(attacker, guess)).status == 401 and failed < 50:
+            failed += 1
+        # The operator, elsewhere, is not locked out by them.
+        assert (await log_in(served)).status == 303
+        assert failed == console_module.FAILURES_PER_ADDRESS
+        with caplog.at_level("WARNING", logger="relay.console"):
+            for key in (guess, ADMIN):  # the right key too: refused before it is looked at
+                refused = await log_in(attacker, key)
+                assert refused.status == 429, key
+                wait = int(refused.headers["Retry-After"])
+                assert 1 <= wait <= 60 and f"try again in {wait} seconds" in await refused.text()
+                assert "script-src 'none'" in refused.headers["Content-Security-Policy"]
+        assert auth.COOKIE not in {c.key for c in attacker.cookie_jar}
+    assert "127.0.0.2" in caplog.text and "refused" in caplog.text
+    assert guess not in caplog.text and ADMIN not in caplog.text
+    # Nor anyone else; and X-Forwarded-For is no way out of the limit, nor into another's.
+    async with browser_at(served, "127.0.0.3") as other:
+        assert (await log_in(other)).status == 303
+    async with browser_at(served, "127.0.0.2") as attacker:
+        form = await attacker.get("/console/login")
+        resp = await attacker.post("/console/login", data={
+            "csrf": csrf_of(await form.text()), "key": ADMIN},
+            headers={"X-Forwarded-For": "127.0.0.9"}, allow_redirects=False)
+        assert resp.status == 429
+
+
+async def test_logins_that_succeed_are_not_counted(served):
+    same_minute()
+    for _ in range(40):  # past the limit of failures, and the one limit there was
+        assert (await log_in(served)).status == 303
+    assert (await log_in(served, "guessed-admin-key-0123456789")).status == 401
+
+
+async def test_failures_from_many_addresses_meet_a_ceiling_that_bounds_what_is_tracked(
+        served, monkeypatch):
+    from relay import console as console_module
+    monkeypatch.setattr(console_module, "FAILURES_PER_ADDRESS", 2)
+    monkeypatch.setattr(console_module, "FAILURES_PER_MINUTE", 5)
+    same_minute()
+    statuses = []
+    for n in range(2, 8):
+        async with browser_at(served, f"127.0.0.{n}") as somewhere:
+            statuses.append((await log_in(somewhere, "guessed-admin-key-0123456789")).status)
+    assert statuses == [401] * 5 + [429]
+    # Only a failure the ceiling let through is counted: it bounds the addresses held.
+    counts = await served.chain.state.counts(
+        [console_module.failure_counters(f"127.0.0.{n}")[0] for n in range(2, 8)])
+    assert [count.used for count in counts] == [1] * 5 + [0]
+
+
+def test_a_login_counts_under_its_peers_address_an_ipv6_one_by_its_64():
+    from aiohttp.test_utils import make_mocked_request
+
+    from relay.console import client_address
+
+    def at(peer):
+        transport = unittest.mock.Mock()
+        transport.get_extra_info.return_value = (peer, 1234) if peer else None
+        return client_address(make_mocked_request("POST", "/console/login", transport=transport,
+                                                  headers={"X-Forwarded-For": "10.9.9.9"}))
+
+    assert at("192.0.2.7") == "192.0.2.7"
+    assert at("::ffff:192.0.2.7") == "192.0.2.7"
+    assert at("2001:db8:1:2:aaaa::1") == at("2001:db8:1:2:bbbb::2") == "2001:db8:1:2::/64"
+    assert at("2001:db8:1:3::1") != at("2001:db8:1:2::1")
+    assert at(None) == "unknown"
 
 
 async def test_every_answer_carries_a_strict_policy(served):

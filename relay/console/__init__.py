@@ -17,6 +17,7 @@ package.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import math
 import secrets
@@ -33,6 +34,7 @@ from .. import state as shared
 from ..errors import ConfigError, RelayError
 from ..exchange import Outcome
 from ..inbound import Gate
+from ..limits import seconds_until
 from . import auth, pages, record
 
 log = logging.getLogger("relay.console")
@@ -41,8 +43,13 @@ PREFIX = "/console"
 MAX_FORM_BYTES = 16 * 1024
 MAX_FORM_FIELDS = 20
 DAY = 86400.0
-# The login form takes this many tries a minute, from everyone together.
-LOGINS_PER_MINUTE = 30
+# Failed logins a minute from one client address, and from all together. The first bounds
+# guessing from one place without touching anyone else's tries; the second bounds guessing
+# from many places, and is high enough that filling it takes a hundred addresses failing
+# within one minute: a single place that sends bad keys cannot lock the operator out.
+# Counting only failures that the second let through bounds the addresses tracked, too.
+FAILURES_PER_ADDRESS = 10
+FAILURES_PER_MINUTE = 1000
 SESSION_ROWS = 1000  # the most exchanges one session's page lists
 HEADERS = {
     "Content-Security-Policy": "default-src 'self'; script-src 'none'; object-src 'none'; "
@@ -103,6 +110,7 @@ class Console:
         self.static = {name: folder.joinpath(name).read_bytes() for name in STATIC}
         self.last_day = Recent(DAY)
         self.last_week = Recent(record.SPEND_DAYS * DAY)
+        self.refusals = shared.Seldom(log)  # an attack's every refused login, said once a minute
         self.routes = {
             ("GET", PREFIX): self.overview, ("GET", f"{PREFIX}/keys"): self.keys,
             ("POST", f"{PREFIX}/keys/create"): self.create_key,
@@ -235,12 +243,25 @@ class Console:
         nonce = request.cookies.get(auth.LOGIN_COOKIE) or ""
         if not nonce or not self.signer.csrf_ok("login:" + nonce, form.get("csrf")):
             return self.login_form(request, "The login form had expired: try again.", 403)
-        taken = await self.state.take([shared.Counter("console:logins", "minute",
-                                                      LOGINS_PER_MINUTE)])
+        address = client_address(request)
+        failures = failure_counters(address)
+        # Checked, not taken: a login that succeeds is not counted.
+        taken = await self.state.take([counter._replace(amount=0) for counter in failures])
         if not taken.granted:
-            return self.login_form(request, "Too many tries: wait a minute.", 429)
+            now = time.time()
+            wait = seconds_until(shared.window("minute", now)[1], now)
+            mine = taken.blocked == failures[0].name
+            self.refusals.warn(1, "console: a login from %s refused: %d failed logins this "
+                                  "minute from %s", address,
+                               FAILURES_PER_ADDRESS if mine else FAILURES_PER_MINUTE,
+                               "that address" if mine else "all addresses together")
+            response = self.login_form(request, f"Too many failed logins: try again in {wait} "
+                                                f"seconds.", 429)
+            response.headers["Retry-After"] = str(wait)
+            return response
         key = form.get("key") or ""
         if not self.signer.is_admin_key(key):
+            await self.state.add(failures)
             message = "That is not the admin key."
             if self.clients is not None and key:
                 try:
@@ -434,6 +455,29 @@ class Recent:
         else:
             self.forgetting = asyncio.get_running_loop().call_later(self.IDLE - idle,
                                                                    self.forget)
+
+
+def client_address(request: web.Request) -> str:
+    """Where a login came from, for counting its failures: the peer's address. Not
+    ``X-Forwarded-For``: any client can write it, and nothing in relay.yaml names a proxy whose
+    word on it could be trusted. An IPv6 address counts by its /64: one subnet (RFC 4291), all
+    of whose addresses a single host may use."""
+    peer = request.remote or ""
+    try:
+        found = ipaddress.ip_address(peer.partition("%")[0])
+    except ValueError:
+        return peer[:100] or "unknown"  # not over IP (a Unix socket): one place
+    if isinstance(found, ipaddress.IPv6Address):
+        if found.ipv4_mapped is not None:
+            return str(found.ipv4_mapped)
+        return str(ipaddress.IPv6Network((found, 64), strict=False))
+    return str(found)
+
+
+def failure_counters(address: str) -> list[shared.Counter]:
+    """The counters a failed login adds to: its address's, then everyone's."""
+    return [shared.Counter(f"console:login-failures:{address}", "minute", FAILURES_PER_ADDRESS),
+            shared.Counter("console:login-failures", "minute", FAILURES_PER_MINUTE)]
 
 
 def over_tls(request: web.Request) -> bool:
