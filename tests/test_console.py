@@ -671,6 +671,23 @@ async def test_a_dump_name_is_never_a_path(served):
         assert "not a dump" in page
 
 
+async def test_a_fifo_under_a_dumps_name_is_not_waited_on(served, tmp_path):
+    # Opening it waited for a writer: the page never came, and the thread was lost for good.
+    import os
+    day = tmp_path / "dumps" / "2026-01-01"
+    day.mkdir(parents=True)
+    fifo = day / "000000.000001-req_fifo.json"
+    os.mkfifo(fifo)
+    await log_in(served)
+    try:
+        resp = await asyncio.wait_for(served.get("/console/dump", params={
+            "name": "2026-01-01/000000.000001-req_fifo.json"}), 5)
+        assert resp.status == 200 and "not a file" in await resp.text()
+    finally:
+        with contextlib.suppress(OSError):  # lets a reader that waited go, had one waited
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+
+
 async def test_a_parameter_that_is_no_number_is_refused_not_an_error(served):
     # "²" is a digit to str.isdigit and not to int(); int() refuses over 4,300 digits.
     await log_in(served)

@@ -11,7 +11,7 @@ import os
 import re
 import stat
 from collections import Counter as Tally
-from typing import Any
+from typing import Any, BinaryIO
 
 from .. import document
 
@@ -225,8 +225,9 @@ def dump_file(directory: str, name: str) -> str | None:
     return os.path.join(directory, day, file)
 
 
-def read_dump(directory: str, name: str) -> dict:
-    """A dump's document, read with the host's reader; raises DocumentError."""
+def open_dump(directory: str, name: str) -> BinaryIO:
+    """The dump ``name`` opened for reading, never through a symbolic link; raises
+    DocumentError."""
     path = dump_file(directory, name)
     if path is None:
         raise document.DocumentError("not a dump's name")
@@ -239,12 +240,20 @@ def read_dump(directory: str, name: str) -> dict:
         if os.path.lexists(later):
             path = later
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        # Not blocking: opening a FIFO planted under a dump's name waits for a writer, and
+        # held a thread, and the page, for good. A regular file reads as ever.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as e:
         raise document.DocumentError(f"cannot read: {e.strerror or e}") from None
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise document.DocumentError("not a file")
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise document.DocumentError("not a file")
+    return os.fdopen(fd, "rb")
+
+
+def read_dump(directory: str, name: str) -> dict:
+    """A dump's document, read with the host's reader; raises DocumentError."""
+    with open_dump(directory, name) as f:
         raw = f.read(MAX_DUMP_BYTES + 1)
     if len(raw) > MAX_DUMP_BYTES:
         raise document.DocumentError(f"larger than {MAX_DUMP_BYTES} bytes")
