@@ -623,6 +623,100 @@ async def test_an_upstream_400_leaves_a_dump_the_console_draws_and_replays(serve
     assert 'class="diff"' in page
 
 
+async def dumped(folder: Path) -> Path:
+    """The one dump under ``folder``, once it is written."""
+    for _ in range(200):
+        written = list(folder.glob("*/*.json"))
+        if written:
+            return written[0]
+        await asyncio.sleep(0.05)
+    raise AssertionError("no dump written")
+
+
+async def test_a_large_dump_is_drawn_in_part_and_its_raw_file_streamed_behind_the_login(
+        aiohttp_client, aiohttp_server, tmp_path):
+    # A real dump of 12 MB: an upstream refusing a long session as too long, naming no
+    # message, so that every message was drawn in full, a page as large as the dump.
+    from aiohttp import web
+
+    async def too_long(request):
+        await request.read()
+        return web.json_response({"type": "error", "error": {
+            "type": "invalid_request_error",
+            "message": "prompt is too long: 3012345 tokens > 200000 maximum"}}, status=400)
+
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app.router.add_post("/v1/messages", too_long)
+    upstream = await aiohttp_server(app)
+    raw = {"server": {"auth": AUTH, "console": True}, "pipeline": ["dump"],
+           "plugins": {"dump": {"dir": str(tmp_path / "dumps"),
+                                "max_body_bytes": 32 * 1024 * 1024}},
+           "backends": [{"name": "too-long", "url": str(upstream.make_url("")).rstrip("/"),
+                         "models": ["*"]}]}
+    client = await start_relay(aiohttp_client, raw, env=ENV)
+    try:
+        turns = [message for n in range(4000)
+                 for message in (user(text(f"question {n} " + "x" * 1500)),
+                                 assistant(text(f"answer {n} " + "y" * 1500)))]
+        resp = await client.post("/v1/messages", json=request(*turns, user(text("last"))),
+                                 headers={"x-api-key": CLIENT})
+        assert resp.status == 400
+        file = await dumped(tmp_path / "dumps")
+        assert file.stat().st_size > 12_000_000
+        name = f"{file.parent.name}/{file.name}"
+        raw_link = f'href="/console/dump/raw?name={name.replace("/", "%2F")}"'
+        # Behind the login, like every page.
+        resp = await client.get("/console/dump/raw", params={"name": name},
+                                allow_redirects=False)
+        assert resp.status == 303 and resp.headers["Location"] == "/console/login"
+        await log_in(client)
+        resp = await client.get("/console/dump", params={"name": name})
+        page = await resp.text()
+        assert resp.status == 200 and len(page.encode()) < 1024 * 1024, len(page)
+        assert 'id="truncated"' in page and raw_link in page
+        assert "question 0 " in page and "question 3999" not in page
+        assert re.search(r"messages\.\d+ to messages\.8000: [\d,]+ not drawn here", page)
+        assert "identical to the dumped one" in page
+        # The raw file: the dump's bytes exactly, as a download, with the console's headers.
+        resp = await client.get("/console/dump/raw", params={"name": name})
+        assert resp.status == 200 and await resp.read() == file.read_bytes()
+        assert resp.headers["Content-Disposition"] == f'attachment; filename="{file.name}"'
+        assert resp.headers["Content-Type"] == "application/json"
+        assert "script-src 'none'" in resp.headers["Content-Security-Policy"]
+        assert resp.headers["X-Content-Type-Options"] == "nosniff"
+        resp = await client.head("/console/dump/raw", params={"name": name})
+        assert resp.status == 200 and await resp.read() == b""
+        assert int(resp.headers["Content-Length"]) == file.stat().st_size
+        for bad in ("../../etc/passwd", f"{file.parent.name}/../../x.json", "/etc/passwd"):
+            resp = await client.get("/console/dump/raw", params={"name": bad})
+            assert resp.status == 404 and "not a dump" in await resp.text()
+        resp = await client.post("/console/dump/raw", params={"name": name})
+        assert resp.status == 405
+    finally:
+        await client.close()
+        await client.chain.shutdown(client.config)
+
+
+def test_a_dump_page_draws_the_named_message_of_a_long_request_and_says_what_it_left_out():
+    from relay.console import pages
+    blocks = [text(f"block {k}") for k in range(500)]
+    messages = [user(text(f"turn {n}")) for n in range(20_000)]
+    messages[12_345] = user(*blocks)
+    drawn, cut = pages.payload({"messages": messages}, (12_345, 400))
+    assert cut and len(drawn) < pages.PAYLOAD_CHARS * 2
+    assert 'id="offending"' in drawn and "messages.12345.content.400 ← the error names" in drawn
+    assert "block 399" in drawn and "block 0" not in drawn and "block 499" not in drawn
+    assert "messages.0 to messages." in drawn and "to messages.19999: " in drawn
+    assert "turn 12344" in drawn and "turn 12346" in drawn and "turn 0&quot;" not in drawn
+    # A short request is drawn whole, and says nothing is left out.
+    drawn, cut = pages.payload({"messages": messages[:5]}, (2, None))
+    assert not cut and drawn.count('class="message') == 5
+    # One naming a message past the end, or none, or an empty request.
+    assert pages.payload({"messages": messages[:5]}, (99, 0))[1] is False
+    assert "turn 0" in pages.payload({"messages": messages}, None)[0]
+    assert pages.payload({"messages": []}, None) == (pages.notice("No messages."), False)
+
+
 async def test_a_look_at_a_dump_deletes_no_other_dump(served, tmp_path):
     # The replay started the dumped pipeline's dump plugin, whose retention then ran on the
     # directory with the dump's own max_files: a dump recorded under a smaller one (an older
@@ -732,12 +826,13 @@ def test_the_replay_side_by_side_marks_what_differs_and_cuts_long_equal_runs():
     from relay.console import pages
     before = "\n".join(f"line {n}" for n in range(200))
     after = before.replace("line 100", "line one hundred")
-    drawn = pages.side_by_side(before, after)
+    drawn, cut = pages.side_by_side(before, after)
+    assert not cut
     assert '<span class="del">line 100</span>' in drawn
     assert '<span class="add">line one hundred</span>' in drawn
     assert "equal lines" in drawn and "line 50\n" not in drawn  # far from the change: cut
     assert "line 95\n" in drawn  # its context kept
-    assert pages.side_by_side("<b>", "<b>").count("&lt;b&gt;") == 2  # escaped
+    assert pages.side_by_side("<b>", "<b>")[0].count("&lt;b&gt;") == 2  # escaped
 
 
 def test_the_replay_side_by_side_matches_line_by_line_only_a_bounded_part(monkeypatch):
@@ -757,10 +852,12 @@ def test_the_replay_side_by_side_matches_line_by_line_only_a_bounded_part(monkey
 
     monkeypatch.setattr(pages.difflib, "SequenceMatcher", Bounded)
     body = "\n".join(['{', '  "role": "user",', '  "content": "x"', '},'] * 20_000)
-    drawn = pages.side_by_side(body, body)
-    assert "79980 equal lines" in drawn and "<span" not in drawn
-    drawn = pages.side_by_side(body, body.replace('"x"', '"y"', 1))
+    drawn, cut = pages.side_by_side(body, body)
+    assert "79980 equal lines" in drawn and "<span" not in drawn and not cut
+    drawn, cut = pages.side_by_side(body, body.replace('"x"', '"y"', 1))
     assert '<span class="del">  &quot;content&quot;: &quot;x&quot;</span>' in drawn
-    assert drawn.count("<span") == 2
-    drawn = pages.side_by_side("first\n" + body, body + "\nlast")  # every line a change
-    assert drawn.count('<span class="add">') == 80_001
+    assert drawn.count("<span") == 2 and not cut
+    # Every line a change: marked as one, and drawn as far as a page draws.
+    drawn, cut = pages.side_by_side("first\n" + body, body + "\nlast")
+    assert drawn.count('<span class="add">') == pages.DIFF_SHOWN and cut
+    assert "is not drawn here" in drawn

@@ -20,6 +20,7 @@ import asyncio
 import ipaddress
 import logging
 import math
+import os
 import secrets
 import time
 from importlib import resources
@@ -31,6 +32,7 @@ from aiohttp import web
 from .. import keys as keystore
 from .. import pools
 from .. import state as shared
+from ..document import DocumentError
 from ..errors import ConfigError, RelayError
 from ..exchange import Outcome
 from ..inbound import Gate
@@ -121,6 +123,7 @@ class Console:
             ("GET", f"{PREFIX}/exchanges"): self.exchanges,
             ("GET", f"{PREFIX}/exchange"): self.exchange,
             ("GET", f"{PREFIX}/dumps"): self.dumps, ("GET", f"{PREFIX}/dump"): self.dump,
+            ("GET", f"{PREFIX}/dump/raw"): self.dump_raw,
             ("GET", f"{PREFIX}/backends"): self.backends,
             ("POST", f"{PREFIX}/logout"): self.logout,
         }
@@ -402,6 +405,26 @@ class Console:
         main = await asyncio.to_thread(_dump_page, directory, name)
         return self.page(request, f"Dump {name}", main, "dumps")
 
+    async def dump_raw(self, request: web.Request) -> web.Response:
+        """A dump's file as it is on disk, for what its page leaves out: streamed from the
+        descriptor the checks opened, read in a thread a chunk at a time (aiohttp's file
+        payload), as a download (never drawn by the browser)."""
+        directory = record.dump_dir(self.config)
+        if directory is None:
+            raise Refused(404, "no dumps: the dump plugin is not in the pipeline")
+        name = request.query.get("name", "")
+        try:
+            file = await asyncio.to_thread(record.open_dump, directory, name)
+        except DocumentError as e:
+            raise Refused(404, f"{name}: {e}") from None
+        headers = {"Content-Disposition":
+                   f'attachment; filename="{name.partition("/")[2]}"'}
+        if request.method == "HEAD":
+            headers["Content-Length"] = str(os.fstat(file.fileno()).st_size)
+            file.close()
+            return web.Response(headers=headers, content_type="application/json")
+        return web.Response(body=file, headers=headers, content_type="application/json")
+
     async def backends(self, request: web.Request) -> web.Response:
         health = await pools.health(self.state, self.config)
         return self.page(request, "Backends", pages.backends(health, self.config.backends),
@@ -495,11 +518,11 @@ def redirect(location: str) -> web.Response:
 
 def _dump_page(directory: str, name: str) -> str:
     """Read, check, replay and draw one dump (in a thread: files and the rebuild)."""
-    from ..document import DocumentError
     try:
         doc = record.read_dump(directory, name)
     except DocumentError as e:
-        return pages.dump(name, None, str(e), None)
+        return pages.dump(name, None, str(e), None,
+                          raw=record.dump_file(directory, name) is not None)
     return pages.dump(name, doc, None, record.replay(doc))
 
 

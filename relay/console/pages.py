@@ -28,8 +28,22 @@ COLLAPSE = 60
 # The most lines of each side matched line by line, once the head and tail both share are set
 # aside: difflib's matcher takes time growing with the square of lines that repeat (a client's
 # request of many like messages, as a dump holds it: 32,000 lines took 42 s of CPU, holding the
-# GIL, at each look). A longer difference is shown whole, as one change.
+# GIL, at each look). A longer difference is marked whole, as one change.
 DIFF_LINES = 2000
+# What one dump's page draws at most: a dump holds up to 64 MiB, which drawn whole was a page
+# as large (the browser stalled on it, and the relay spent seconds making it). Of the
+# rejected request, the messages nearest the one the error names (the first ones, when it
+# names none), up to PAYLOAD_CHARS of markup and MESSAGES_SHOWN messages, BLOCKS_SHOWN blocks
+# of each; of the replay, DIFF_SHOWN lines of each side, each line cut at LINE_CHARS; of a
+# timeline, TIMELINE_STEPS steps. The page says what it left out and links the raw file.
+PAYLOAD_CHARS = 500_000
+MESSAGES_SHOWN = 500
+BLOCKS_SHOWN = 50
+KINDS_SHOWN = 20
+DIFF_SHOWN = 1000
+LINE_CHARS = 1000
+TIMELINE_STEPS = 200
+TRANSLATION_ROWS = 200
 
 
 def e(value: Any) -> str:
@@ -339,6 +353,8 @@ def timeline(row: dict) -> str:
     steps, each attempt at a backend (and credential), the answer."""
     entries = [entry for entry in row.get("timeline") or () if isinstance(entry, dict)]
     attempts = [a for a in row.get("attempts") or () if isinstance(a, dict)]
+    left = max(len(entries) - TIMELINE_STEPS, 0) + max(len(attempts) - TIMELINE_STEPS, 0)
+    entries, attempts = entries[:TIMELINE_STEPS], attempts[:TIMELINE_STEPS]
     lanes = ["client", "relay"]
     for entry in entries:
         lane = _step_lane(entry)
@@ -376,6 +392,8 @@ def timeline(row: dict) -> str:
         steps.append((lane, lane, _described(entry)))
     while pending:
         attempt()
+    if left > 0:
+        steps.append(("relay", "relay", f"… {left:,} more steps, not drawn"))
     steps.append(("relay", "client", f'{row.get("status")} {row.get("outcome")}'))
     return svg.sequence(lanes, steps)
 
@@ -445,59 +463,136 @@ def _pretty(value: Any, limit: int = BLOCK_CHARS) -> str:
     return text[:limit] + f"\n… ({len(text) - limit} more characters)"
 
 
-def payload(body: Any, where: tuple[int, int | None] | None) -> str:
+def payload(body: Any, where: tuple[int, int | None] | None) -> tuple[str, bool]:
     """The rejected request's messages, the one the error names (and its block) marked; far
-    from it, a message is one line."""
+    from it, a message is one line. Drawn from the one it names outwards (from the first,
+    when it names none) while they fit in the page's bounds; returns the markup and whether
+    any message or block was left out."""
     messages = body.get("messages") if isinstance(body, dict) else None
     if not isinstance(messages, list):
-        return f'<pre tabindex="0">{e(_pretty(body))}</pre>'
+        return f'<pre tabindex="0">{e(_pretty(body))}</pre>', False
+    if not messages:
+        return notice("No messages."), False
     target = where[0] if where else None
-    parts = []
-    for n, message in enumerate(messages):
-        role = message.get("role") if isinstance(message, dict) else None
-        if target is not None and abs(n - target) > AROUND:
-            content = message.get("content") if isinstance(message, dict) else None
-            kinds = ([b.get("type") for b in content if isinstance(b, dict)]
-                     if isinstance(content, list) else ["text"])
-            parts.append(f'<div class="message muted">messages.{n} {e(role)}: '
-                         f'{e(", ".join(map(str, kinds)))}</div>')
-            continue
-        content = message.get("content") if isinstance(message, dict) else message
-        blocks = content if isinstance(content, list) else [content]
-        inner = []
-        for k, block in enumerate(blocks):
-            hit = n == target and (where is None or where[1] is None or where[1] == k)
-            mark = ' offending" id="offending' if hit else ""
-            label = f"messages.{n}.content.{k}" if isinstance(content, list) else f"messages.{n}"
-            inner.append(f'<div class="block{mark}"><div>{"<mark>" if hit else ""}{e(label)}'
-                         f'{" ← the error names this" if hit else ""}{"</mark>" if hit else ""}'
-                         f'</div><pre tabindex="0">{e(_pretty(block))}</pre></div>')
-        parts.append(f'<div class="message"><b>messages.{n}</b> {e(role)}{"".join(inner)}</div>')
-    return "".join(parts)
+    centre = min(target, len(messages) - 1) if target is not None else 0
+    drawn: dict[int, str] = {}
+    spent = 0
+    cut = False
+    for n in _outwards(centre, len(messages)):
+        if len(drawn) == MESSAGES_SHOWN:
+            break
+        part, short = _message(n, messages[n], target, where)
+        if drawn and spent + len(part) > PAYLOAD_CHARS:
+            break
+        drawn[n] = part
+        spent += len(part)
+        cut = cut or short
+    first, last = min(drawn), max(drawn)
+    parts = [drawn[n] for n in range(first, last + 1)]
+    if first:
+        parts.insert(0, _left_out(0, first))
+    if last + 1 < len(messages):
+        parts.append(_left_out(last + 1, len(messages)))
+    return "".join(parts), cut or first > 0 or last + 1 < len(messages)
 
 
-def side_by_side(before: str, after: str) -> str:
+def _outwards(centre: int, count: int):
+    """``centre``, then the indexes below ``count`` ever farther from it, the one before first."""
+    yield centre
+    for distance in range(1, count):
+        if distance > centre and centre + distance >= count:
+            return
+        if centre - distance >= 0:
+            yield centre - distance
+        if centre + distance < count:
+            yield centre + distance
+
+
+def _left_out(first: int, end: int) -> str:
+    span = f"messages.{first}" if end - first == 1 else f"messages.{first} to messages.{end - 1}"
+    return (f'<div class="message muted">{span}: {end - first:,} not drawn here (the raw file '
+            f'holds them)</div>')
+
+
+def _message(n: int, message: Any, target: int | None,
+             where: tuple[int, int | None] | None) -> tuple[str, bool]:
+    """One message of the payload, and whether blocks of it were left out."""
+    role = message.get("role") if isinstance(message, dict) else None
+    if target is not None and abs(n - target) > AROUND:
+        content = message.get("content") if isinstance(message, dict) else None
+        kinds = ([b.get("type") for b in content[:KINDS_SHOWN] if isinstance(b, dict)]
+                 if isinstance(content, list) else ["text"])
+        more = (f" and {len(content) - KINDS_SHOWN:,} more" if isinstance(content, list)
+                and len(content) > KINDS_SHOWN else "")
+        return (f'<div class="message muted">messages.{n} {e(role)}: '
+                f'{e(", ".join(map(str, kinds)))}{more}</div>'), False
+    content = message.get("content") if isinstance(message, dict) else message
+    blocks = content if isinstance(content, list) else [content]
+    # The blocks around the one the error names, else the first.
+    named = where[1] if where is not None and n == target and where[1] is not None else 0
+    start = max(0, min(named - BLOCKS_SHOWN // 2, len(blocks) - BLOCKS_SHOWN))
+    shown_blocks = range(start, min(start + BLOCKS_SHOWN, len(blocks)))
+    inner = []
+    if start:
+        inner.append(f'<div class="muted">content.0 to content.{start - 1}: not drawn here</div>')
+    for k in shown_blocks:
+        hit = n == target and (where is None or where[1] is None or where[1] == k)
+        mark = ' offending" id="offending' if hit else ""
+        label = f"messages.{n}.content.{k}" if isinstance(content, list) else f"messages.{n}"
+        inner.append(f'<div class="block{mark}"><div>{"<mark>" if hit else ""}{e(label)}'
+                     f'{" ← the error names this" if hit else ""}{"</mark>" if hit else ""}'
+                     f'</div><pre tabindex="0">{e(_pretty(blocks[k]))}</pre></div>')
+    if shown_blocks.stop < len(blocks):
+        inner.append(f'<div class="muted">content.{shown_blocks.stop} to content.'
+                     f'{len(blocks) - 1}: not drawn here</div>')
+    return (f'<div class="message"><b>messages.{n}</b> {e(role)}{"".join(inner)}</div>',
+            len(shown_blocks) < len(blocks))
+
+
+def side_by_side(before: str, after: str) -> tuple[str, bool]:
     """Two columns, the dumped and the rebuilt, lines that differ marked; long runs of equal
-    lines are cut to a little context."""
+    lines are cut to a little context. At most DIFF_SHOWN lines a side are drawn, each at
+    most LINE_CHARS long; returns the markup and whether that left something out."""
     old, new = before.splitlines(), after.splitlines()
     left: list[str] = []
     right: list[str] = []
+    room = DIFF_SHOWN
+    cut = False
     for tag, i1, i2, j1, j2 in _opcodes(old, new):
+        if room <= 0:
+            cut = True
+            break
         if tag == "equal":
             run = old[i1:i2]
             if len(run) > COLLAPSE:
-                cut = f"… {len(run) - 2 * DIFF_CONTEXT} equal lines"
-                run = run[:DIFF_CONTEXT] + [cut] + run[-DIFF_CONTEXT:]
-            text = "".join(f"{e(line)}\n" for line in run)
+                gap = f"… {len(run) - 2 * DIFF_CONTEXT} equal lines"
+                run = run[:DIFF_CONTEXT] + [gap] + run[-DIFF_CONTEXT:]
+            cut = cut or len(run) > room
+            run = run[:room]
+            room -= len(run)
+            text = "".join(f"{e(_line(line))}\n" for line in run)
             left.append(text)
             right.append(text)
             continue
-        left.append("".join(f'<span class="del">{e(line)}</span>' for line in old[i1:i2]))
-        right.append("".join(f'<span class="add">{e(line)}</span>' for line in new[j1:j2]))
-        pad = (j2 - j1) - (i2 - i1)
+        gone, came = old[i1:min(i2, i1 + room)], new[j1:min(j2, j1 + room)]
+        cut = cut or len(gone) < i2 - i1 or len(came) < j2 - j1
+        room -= max(len(gone), len(came))
+        left.append("".join(f'<span class="del">{e(_line(line))}</span>' for line in gone))
+        right.append("".join(f'<span class="add">{e(_line(line))}</span>' for line in came))
+        pad = len(came) - len(gone)
         (left if pad > 0 else right).append("\n" * abs(pad))
+    if cut:
+        rest = f"… the rest, past {DIFF_SHOWN:,} lines, is not drawn here (the raw file holds it)\n"
+        left.append(rest)
+        right.append(rest)
     return (f'<div class="diff"><div><h3>dumped</h3><pre tabindex="0">{"".join(left)}</pre></div>'
-            f'<div><h3>replayed</h3><pre tabindex="0">{"".join(right)}</pre></div></div>')
+            f'<div><h3>replayed</h3><pre tabindex="0">{"".join(right)}</pre></div></div>', cut)
+
+
+def _line(text: str) -> str:
+    if len(text) <= LINE_CHARS:
+        return text
+    return f"{text[:LINE_CHARS]}… ({len(text) - LINE_CHARS:,} more characters)"
 
 
 def _opcodes(old: list[str], new: list[str]) -> list[tuple[str, int, int, int, int]]:
@@ -523,9 +618,15 @@ def _opcodes(old: list[str], new: list[str]) -> list[tuple[str, int, int, int, i
     return codes
 
 
-def dump(name: str, doc: dict | None, error: str | None, replayed) -> str:
+def raw_link(name: str, text: str = "the raw file") -> str:
+    return link("/console/dump/raw", text, name=name)
+
+
+def dump(name: str, doc: dict | None, error: str | None, replayed, raw: bool = True) -> str:
+    """One dump's page; ``raw``: whether ``name`` names a file the raw link may serve."""
     if doc is None:
-        return notice(f"{name}: {error}", bad=True)
+        return notice(f"{name}: {error}", bad=True) + (
+            f"<p>Download {raw_link(name)}.</p>" if raw else "")
     message = record.error_message(doc)
     where = record.offending(message)
     facts = [("request", link("/console/exchange", doc.get("request_id"),
@@ -533,7 +634,8 @@ def dump(name: str, doc: dict | None, error: str | None, replayed) -> str:
              ("written", e(doc.get("time"))), ("reason", e(doc.get("reason"))),
              ("outcome", e(doc.get("outcome"))),
              ("backend", e((doc.get("backend") or {}).get("name"))),
-             ("error", f'<span class="bad" id="error-message">{e(message)}</span>')]
+             ("error", f'<span class="bad" id="error-message">{e(message)}</span>'),
+             ("file", raw_link(name, "download"))]
     cells = "".join(f"<tr><th scope=row>{e(k)}</th><td>{v}</td></tr>" for k, v in facts)
     steps = (doc.get("timeline") or {}).get("steps") or []
     attempts = doc.get("attempts") or []
@@ -546,27 +648,37 @@ def dump(name: str, doc: dict | None, error: str | None, replayed) -> str:
            "model": None}
     translation = doc.get("translation") or {}
     table_rows = [[f"<code>{e(k)}</code>", f"<code>{e(shown(v))}</code>"]
-                  for k, v in list(translation.items())[:200]]
+                  for k, v in list(translation.items())[:TRANSLATION_ROWS]]
+    drawn, cut = payload(record.rejected_body(doc), where)
+    cut = (cut or len(translation) > TRANSLATION_ROWS or len(steps) > TIMELINE_STEPS
+           or len(attempts) > TIMELINE_STEPS)
     parts = [f'<table class="facts"><tbody>{cells}</tbody></table>', "<h2>Timeline</h2>",
-             timeline(row), "<h2>The rejected request</h2>",
-             payload(record.rejected_body(doc), where),
+             timeline(row), "<h2>The rejected request</h2>", drawn,
              "<h2>Translation table</h2>",
              table(["Id", "Entry"], table_rows) if table_rows else notice("Empty."),
              "<h2>Replay</h2>"]
+    if len(translation) > TRANSLATION_ROWS:
+        parts.insert(-1, notice(f"The first {TRANSLATION_ROWS} of {len(translation):,} ids."))
     if isinstance(replayed, str):
         parts.append(notice(replayed, bad=True))
     else:
         recorded, rebuilt = replayed
         before, after = recorded.comparable(), rebuilt.comparable()
-        same = all(document.pretty(before[k], sort_keys=True)
-                   == document.pretty(after[k], sort_keys=True) for k in before)
+        texts = {k: (document.pretty(before[k], sort_keys=True),
+                     document.pretty(after[k], sort_keys=True)) for k in before}
+        same = all(old == new for old, new in texts.values())
         parts.append(notice("The rebuilt request is identical to the dumped one." if same else
                             "The rebuilt request differs from the dumped one.", bad=not same))
         part = "relay error" if rebuilt.relay_error is not None else "upstream-bound body"
         parts.append(f"<p>The {e(part)}, as the dump recorded it and as the relay's request "
                      f"chain rebuilds it now (<code>relay replay</code>):</p>")
-        parts.append(side_by_side(document.pretty(before[part], sort_keys=True),
-                                  document.pretty(after[part], sort_keys=True)))
+        diff, diff_cut = side_by_side(*texts[part])
+        parts.append(diff)
+        cut = cut or diff_cut
+    if cut:
+        parts.insert(0, f'<p class="notice" role="status" id="truncated">This dump is larger '
+                        f'than one page draws: parts of it are left out below, each where it '
+                        f'would be. Truncated; download {raw_link(name)} for all of it.</p>')
     return "".join(parts)
 
 
