@@ -252,6 +252,19 @@ async def test_every_answer_carries_a_strict_policy(served):
         assert resp.headers["Cache-Control"] == "no-store"
 
 
+async def test_a_method_a_page_does_not_take_is_405_naming_those_it_takes(served):
+    # RFC 9110 (15.5.6): a 405 must carry Allow; it carried none.
+    for method, path, allow in (("OPTIONS", "/console", "GET, HEAD"),
+                                ("PUT", "/console/login", "GET, HEAD, POST"),
+                                ("GET", "/console/logout", "POST"),
+                                ("DELETE", "/console/keys/revoke", "POST"),
+                                ("POST", "/console/static/console.css", "GET, HEAD")):
+        resp = await served.request(method, path, allow_redirects=False)
+        assert resp.status == 405 and resp.headers.get("Allow") == allow, (method, path)
+        assert "script-src 'none'" in resp.headers["Content-Security-Policy"]
+    assert (await served.request("OPTIONS", "/console/nope")).status == 404
+
+
 async def test_an_action_without_the_csrf_token_is_refused(served):
     await log_in(served)
     resp = await served.post("/console/logout", data={}, allow_redirects=False)

@@ -90,10 +90,11 @@ def _hosts(request: web.Request) -> tuple[str | None, ...]:
 class Refused(Exception):
     """An action refused: the status and what the operator is told."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, allow: str | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
+        self.allow = allow  # a 405's Allow: the methods the path takes (RFC 9110, 15.5.6)
 
 
 class Console:
@@ -147,6 +148,8 @@ class Console:
         except Refused as refused:
             response = self.page(request, "Refused", pages.notice(refused.message, bad=True),
                                  status=refused.status)
+            if refused.allow is not None:
+                response.headers["Allow"] = refused.allow
         except shared.Unavailable:
             response = self.page(request, "Unavailable", pages.notice(
                 "The shared state cannot be reached: the console has nothing to show.",
@@ -162,19 +165,22 @@ class Console:
         path, method = request.path, "GET" if request.method == "HEAD" else request.method
         if path.startswith(f"{PREFIX}/static/"):
             name = path[len(PREFIX) + 8:]
-            if method != "GET" or name not in self.static:
+            if name not in self.static:
                 raise Refused(404, "not found")
+            if method != "GET":
+                raise not_allowed(method, ["GET"])
             return web.Response(body=self.static[name], content_type=STATIC[name])
         if path == f"{PREFIX}/login":
             if method == "POST":
                 return await self.login(request)
             if method == "GET":
                 return self.login_form(request)
-            raise Refused(405, f"{method} is not allowed here")
+            raise not_allowed(method, ["GET", "POST"])
         handler = self.routes.get((method, path))
         if handler is None:
-            if any(known == path for _, known in self.routes):
-                raise Refused(405, f"{method} is not allowed here")
+            allowed = [known_method for known_method, known in self.routes if known == path]
+            if allowed:
+                raise not_allowed(method, allowed)
             raise Refused(404, "not found")
         session = await self.session_of(request)
         if session is None:
@@ -509,6 +515,12 @@ def over_tls(request: web.Request) -> bool:
     the ``Origin`` of a form post. A client that claims https falsely gets a cookie it
     cannot send back over plain HTTP, which harms nobody else."""
     return request.secure or (request.headers.get("Origin") or "").lower().startswith("https://")
+
+
+def not_allowed(method: str, allowed: list[str]) -> Refused:
+    """A 405 naming the methods the path takes; HEAD wherever GET is."""
+    methods = sorted({*allowed, *(["HEAD"] if "GET" in allowed else [])})
+    return Refused(405, f"{method} is not allowed here", allow=", ".join(methods))
 
 
 def redirect(location: str) -> web.Response:
