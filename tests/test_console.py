@@ -778,6 +778,23 @@ async def test_a_dump_name_is_never_a_path(served):
         assert "not a dump" in page
 
 
+async def test_a_dump_whose_parts_are_of_the_wrong_type_is_drawn_not_an_error(served, tmp_path):
+    # A dump is data anyone who could write the file may have made: each of these was a 500
+    # and a traceback in the log.
+    day = tmp_path / "dumps" / "2026-01-01"
+    day.mkdir(parents=True)
+    base = {"dump_format": 2, "client_request": {"path": "/v1/messages", "body": "{}"}}
+    await log_in(served)
+    for n, (part, value) in enumerate((("backend", "emulator"), ("timeline", [1]),
+                                       ("timeline", {"steps": 5}), ("translation", [1, 2]),
+                                       ("upstream_response", "400"), ("relay_error", 5),
+                                       ("attempts", {"backend": "x"}))):
+        name = f"000000.{n:06d}-req_{n}.json"
+        (day / name).write_bytes(orjson.dumps({**base, part: value}))
+        resp = await served.get("/console/dump", params={"name": f"2026-01-01/{name}"})
+        assert resp.status == 200 and "<h2>Replay</h2>" in await resp.text(), part
+
+
 async def test_a_fifo_under_a_dumps_name_is_not_waited_on(served, tmp_path):
     # Opening it waited for a writer: the page never came, and the thread was lost for good.
     import os

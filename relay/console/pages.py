@@ -618,6 +618,13 @@ def _opcodes(old: list[str], new: list[str]) -> list[tuple[str, int, int, int, i
     return codes
 
 
+def _part(doc: dict, name: str) -> dict:
+    """A section of a dump, which is data anyone who could write the file may have made: a
+    section that is no mapping is drawn as an empty one (the replay names what is wrong)."""
+    value = doc.get(name)
+    return value if isinstance(value, dict) else {}
+
+
 def raw_link(name: str, text: str = "the raw file") -> str:
     return link("/console/dump/raw", text, name=name)
 
@@ -633,20 +640,22 @@ def dump(name: str, doc: dict | None, error: str | None, replayed, raw: bool = T
                               id=doc.get("request_id"))),
              ("written", e(doc.get("time"))), ("reason", e(doc.get("reason"))),
              ("outcome", e(doc.get("outcome"))),
-             ("backend", e((doc.get("backend") or {}).get("name"))),
+             ("backend", e(_part(doc, "backend").get("name"))),
              ("error", f'<span class="bad" id="error-message">{e(message)}</span>'),
              ("file", raw_link(name, "download"))]
     cells = "".join(f"<tr><th scope=row>{e(k)}</th><td>{v}</td></tr>" for k, v in facts)
-    steps = (doc.get("timeline") or {}).get("steps") or []
-    attempts = doc.get("attempts") or []
+    steps = _part(doc, "timeline").get("steps")
+    steps = steps if isinstance(steps, list) else []
+    attempts = doc.get("attempts")
+    attempts = attempts if isinstance(attempts, list) else []
     row = {"endpoint": doc.get("endpoint"), "timeline": steps,
            "attempts": [{"backend": a.get("backend"), "credential": a.get("credential"),
                          "status": a.get("status"), "wait_ms": a.get("wait_ms")}
                         for a in attempts if isinstance(a, dict)],
-           "status": (doc.get("upstream_response") or {}).get("status")
-           or (doc.get("relay_error") or {}).get("status"), "outcome": doc.get("outcome"),
+           "status": _part(doc, "upstream_response").get("status")
+           or _part(doc, "relay_error").get("status"), "outcome": doc.get("outcome"),
            "model": None}
-    translation = doc.get("translation") or {}
+    translation = _part(doc, "translation")
     table_rows = [[f"<code>{e(k)}</code>", f"<code>{e(shown(v))}</code>"]
                   for k, v in list(translation.items())[:TRANSLATION_ROWS]]
     drawn, cut = payload(record.rejected_body(doc), where)
