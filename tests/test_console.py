@@ -710,6 +710,21 @@ async def test_a_large_dump_is_drawn_in_part_and_its_raw_file_streamed_behind_th
         await client.chain.shutdown(client.config)
 
 
+async def test_a_dump_too_large_to_draw_is_offered_as_its_raw_file(served, tmp_path):
+    from relay.console import record
+    day = tmp_path / "dumps" / "2026-01-01"
+    day.mkdir(parents=True)
+    name = "000000.000001-req_huge.json"
+    with open(day / name, "wb") as f:
+        f.truncate(record.MAX_DUMP_BYTES + 1)  # sparse: no 64 MiB written
+    await log_in(served)
+    page = await (await served.get("/console/dump", params={"name": f"2026-01-01/{name}"})).text()
+    assert "larger than" in page
+    assert f'href="/console/dump/raw?name=2026-01-01%2F{name}"' in page
+    resp = await served.head("/console/dump/raw", params={"name": f"2026-01-01/{name}"})
+    assert resp.status == 200 and resp.headers["Content-Length"] == str(record.MAX_DUMP_BYTES + 1)
+
+
 def test_a_dump_page_draws_the_named_message_of_a_long_request_and_says_what_it_left_out():
     from relay.console import pages
     blocks = [text(f"block {k}") for k in range(500)]
