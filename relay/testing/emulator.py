@@ -973,10 +973,11 @@ def is_fault(number: int, options: EmulatorOptions) -> bool:
 class EmulatorState:
     options: EmulatorOptions
     records: list[tuple] = dataclasses.field(default_factory=list)
-    # --threads hold: answer id -> (the conversation up to and with that answer, the fields
-    # the thread was created with); an answer continued once leaves it.
+    # --threads hold: (key, answer id) -> (the conversation up to and with that answer, the
+    # fields the thread was created with); an answer continued once leaves it. Each key is
+    # an account of its own, as for its budget: a thread is held where it was made.
     threads: dict = dataclasses.field(default_factory=dict)
-    continued: dict = dataclasses.field(default_factory=dict)  # answer ids continued, in order
+    continued: dict = dataclasses.field(default_factory=dict)  # (key, answer id) continued
     answered: dict = dataclasses.field(default_factory=dict)  # ids of answers with diagnostics
     # --prompt-cache: the hash of a prefix up to a breakpoint -> when it expires (monotonic)
     prompt_cache: dict = dataclasses.field(default_factory=dict)
@@ -1170,7 +1171,7 @@ async def handle_messages(request: web.Request) -> web.StreamResponse:
     if options.diagnostics:
         _diagnose(request.app[STATE], body, message)
     if thread is not None:
-        _hold(request.app[STATE], thread, body, message)
+        _hold(request.app[STATE], presented_key(request), thread, body, message)
     withhold(message, report)
     if body.get("stream"):
         return await _stream(request, message, options)
@@ -1224,9 +1225,9 @@ def _thread_of(request: web.Request, options: EmulatorOptions):
         return None, error_response(request, 400, "thread: Input tag does not match any of "
                                                   "the expected tags: 'create', 'continue'")
     state = request.app[STATE]
-    held = state.threads.get(previous)
+    held = state.threads.get((presented_key(request), previous))
     if held is None:
-        if previous in state.continued:
+        if (presented_key(request), previous) in state.continued:
             return None, thread_error(request, 400, "thread_already_continued",
                                       f"previous_message_id: {previous} was already continued")
         return None, thread_error(request, 404, "thread_not_found",
@@ -1358,10 +1359,11 @@ def _cache_usage(state: EmulatorState, body: dict, message: dict) -> None:
                                  "ephemeral_1h_input_tokens": written["1h"]})
 
 
-def _hold(state: EmulatorState, thread: dict, body: dict, message: dict) -> None:
-    """Keep the conversation under the answer's id; the answer it continued is used up (a
-    refused continuation uses up nothing)."""
-    previous = thread.get("previous_message_id")
+def _hold(state: EmulatorState, key: str | None, thread: dict, body: dict,
+          message: dict) -> None:
+    """Keep the conversation under the answer's id, in the account of the key it came with;
+    the answer it continued is used up (a refused continuation uses up nothing)."""
+    previous = (key, thread.get("previous_message_id"))
     if thread.get("type") == "continue" and state.threads.pop(previous, None) is not None:
         state.continued[previous] = True
         if len(state.continued) > MAX_HELD:
@@ -1371,7 +1373,7 @@ def _hold(state: EmulatorState, thread: dict, body: dict, message: dict) -> None
         del held[next(iter(held))]
     fields = {name: body[name] for name in CREATE_ONLY if name in body}
     answer = {"role": "assistant", "content": message["content"]}
-    held[message["id"]] = (body["messages"] + [answer], fields)
+    held[key, message["id"]] = (body["messages"] + [answer], fields)
 
 
 async def _stream(request: web.Request, message: dict,
