@@ -117,11 +117,13 @@ class Gate:
         self.keys = [(hashlib.sha256(key.secret.encode()).digest(), key) for key in keys]
         self.configured_names = frozenset(key.name for key in keys)
         self.stored: dict[bytes, InboundKey] = {}
+        self.tenants = len(self.configured_names)  # names served: each is a tenant
 
     def replace(self, stored: dict[bytes, InboundKey]) -> None:
         """Serve with these stored keys from now on (by digest), in one assignment: a
         request in flight keeps the key it came in with."""
         self.stored = stored
+        self.tenants = len(self.configured_names | {key.name for key in stored.values()})
 
     def authenticate(self, headers) -> InboundKey:
         presented = presented_key(headers)

@@ -15,7 +15,7 @@ from .chain import Chain
 from .config import Backend, Config, InboundKey
 from .errors import RelayError, invalid_request, not_json
 from .exchange import Exchange
-from .inbound import forbidden
+from .inbound import Gate, forbidden
 from .skeleton import Skeleton
 
 log = logging.getLogger("relay")
@@ -41,6 +41,13 @@ class Preparation:
         # walks a request can go on from there.
         self.resume = (resume.Store(config.resume_bytes)
                        if config.resume_bytes > 0 and chain.resumable() else None)
+        # The inbound keys (relay.inbound.Gate) when the server authenticates clients.
+        self.gate: Gate | None = None
+
+    def tenants(self) -> int:
+        """How many inbound keys the relay serves (0 without auth): with several, a thread
+        whose key is not known is not forwarded (relay.threads)."""
+        return self.gate.tenants if self.gate is not None else 0
 
 
 def parse_request(raw: bytes) -> Skeleton | dict:
@@ -306,7 +313,7 @@ async def prepare_history(state: Preparation, exchange: Exchange) -> None:
         exchange.note("relay", "history rules defer", reasons=betas.described(deferring))
         exchange.flag("history-rules-deferred")
     if exchange.endpoint == "messages":
-        await threads.prepare(state.threads, exchange)
+        await threads.prepare(state.threads, exchange, state.tenants)
 
 
 class Fallbacks:

@@ -37,7 +37,11 @@ record also goes there (namespace ``threads``, expiring with the record's age; a
 over :data:`MAX_SHARED_BYTES` stays in its process), so a continuation that reaches another
 worker or replica finds it: the local map answers first, the state when it does not. Which
 inbound key each answer went to is kept apart from the conversations, and longer (namespace
-``thread-owners``, see :data:`MAX_OWNERS`): a key continues only its own threads.
+``thread-owners``, see :data:`MAX_OWNERS`): a key continues only its own threads. With
+several inbound keys, a continuation whose key the relay does not know (a restart or another
+replica without a shared state, past those bounds) is answered thread_not_found too: the
+upstream might hold another key's conversation under that id, and the client's replay costs
+little.
 """
 
 from __future__ import annotations
@@ -83,8 +87,9 @@ MAX_PENDING = 256  # writes to the shared state under way; past this, kept in pr
 # conversations and far longer: the upstream holds every key's threads under the relay's one
 # credential, so this alone keeps a key from continuing another's thread once its
 # conversation is evicted or expired, was never recorded (a thread that went on unseen, a
-# stream too long to keep or cut short), or was recorded by another replica. About 230 bytes
-# an answer in process (23 MB at the bound); in a shared state, a day each.
+# stream too long to keep or cut short), or was recorded by another replica; an answer past
+# it is no key's known, refused where the relay serves several. About 230 bytes an answer in
+# process (23 MB at the bound); in a shared state, a day each.
 MAX_OWNERS = 100_000
 OWNER_AGE = 86400.0
 OWNERS = "thread-owners"
@@ -201,6 +206,7 @@ class Store:
         self.shared = shared
         self._pending: set[asyncio.Task] = set()
         self._unread, self._unwritten = Seldom(log), Seldom(log)
+        self.unowned = Seldom(log)  # continuations refused for an owner not known
         self.max_threads = max_threads
         self.max_bytes = max_bytes
         self.max_age = max_age
@@ -262,22 +268,22 @@ class Store:
                 self._unwritten.warn(1, "threads: the answer's owner could not be shared: %s",
                                      e)
 
-    async def held_elsewhere(self, message_id) -> bool:
-        """Whether the answer ``message_id`` names was given to another inbound key than its
-        own (known in process, else from the shared state; unknown is False: a state out of
-        reach is an owner not found)."""
+    async def owner(self, message_id) -> str | None:
+        """The name of the inbound key the answer ``message_id`` names was given to, known
+        in process, else from the shared state; None when unknown (a state out of reach is
+        an owner not found) and without auth."""
         key_name, answer_id = _split(message_id)
         if key_name is None:
-            return False
+            return None
         owner = self._owners.get(answer_id)
         if owner is None and self.shared is not None:
             try:
                 value = (await self.shared.get(OWNERS, [answer_id]))[0]
             except Exception as e:  # Unavailable, or a backend's own failure
                 self._unread.warn(1, "threads: the answer's owner could not be read: %s", e)
-                return False
+                return None
             owner = value.decode("utf-8", "replace") if value is not None else None
-        return owner is not None and owner != key_name
+        return owner
 
     def get(self, message_id) -> tuple[str, bytes, dict, dict] | None:
         """``(backend name, conversation as JSON, renamed ids, the fields the thread was
@@ -421,11 +427,12 @@ def _role(message) -> str | None:
 # --- the host's part ----------------------------------------------------------------------
 
 
-async def prepare(store: Store, exchange) -> None:
+async def prepare(store: Store, exchange, tenants=lambda: 0) -> None:
     """Read the request's ``thread`` and put on the exchange what the relay knows of the held
     part: forwarded to a backend that holds the thread, carried (see the module's docs) where
     the relay recorded it and the backend does not hold it, refused the API's way where
-    neither holds it. Costs a field lookup without ``thread``."""
+    neither holds it. ``tenants()``: how many inbound keys the relay serves (0 without
+    auth). Costs a field lookup without ``thread``."""
     thread = requested(exchange.field("thread"))
     if thread is None:
         return  # the exchange's class says so already
@@ -433,12 +440,8 @@ async def prepare(store: Store, exchange) -> None:
     backend = exchange.backend
     found = await store.fetch(_key(exchange, thread.previous_id)) \
         if thread.previous_id is not None else None
-    if found is None and thread.previous_id is not None \
-            and await store.held_elsewhere(_key(exchange, thread.previous_id)):
-        exchange.note("relay", "thread refused", kind=thread.kind,
-                      previous_message_id=thread.previous_id,
-                      reason="the relay gave this answer to another inbound key")
-        raise ThreadNotFound(thread.previous_id)
+    if found is None and thread.previous_id is not None:
+        await _check_owner(store, exchange, thread, tenants)
     if found is not None:
         try:
             head = orjson.loads(found[1])
@@ -483,6 +486,39 @@ async def prepare(store: Store, exchange) -> None:
                   reason="this relay did not see the earlier turns: the rules judge only "
                          "what the request holds, and the upstream judges the rest")
     exchange.flag("thread-head-unseen")
+
+
+async def _check_owner(store: Store, exchange, thread: Thread, tenants) -> None:
+    """Refuse a continuation the relay has no record of when it may be another inbound key's
+    thread: given to another key, or, with several keys, to a key the relay does not know
+    (the owner index lost it: a restart or another replica without a shared state, past its
+    bounds, the state out of reach). The upstream holds every key's threads under the
+    operator's credential, so forwarding it could have the model answer from another key's
+    conversation. The API's answer to a thread it cannot find costs the client a replay of
+    its own history (the SDKs' ``_REPLAY_ERROR_CODES``); with one key or none there is no
+    other tenant to keep out, and the request goes on."""
+    owner = await store.owner(_key(exchange, thread.previous_id or ""))
+    if owner is not None and owner != exchange.key_name:
+        exchange.note("relay", "thread refused", kind=thread.kind,
+                      previous_message_id=thread.previous_id,
+                      reason="the relay gave this answer to another inbound key")
+        raise ThreadNotFound(thread.previous_id or "")
+    if owner is None and exchange.key_name is not None and exchange.backend.holds_threads \
+            and tenants() > 1:
+        exchange.note("relay", "thread refused", kind=thread.kind,
+                      previous_message_id=thread.previous_id,
+                      reason="the relay does not know which inbound key this answer went to "
+                             "(a restart or another replica without a shared state, or past "
+                             "the owner index's bounds), and it serves several: answered as "
+                             "the API answers a thread it cannot find, so that the client "
+                             "replays its own history")
+        exchange.flag("thread-owner-unknown")
+        store.unowned.warn(1, "threads: %s: a continuation of an answer whose inbound key "
+                              "this relay does not know was answered 404 thread_not_found, "
+                              "and the client replays its history (a shared state: lets "
+                              "every worker and replica, and a restart, know the keys)",
+                           exchange.id)
+        raise ThreadNotFound(thread.previous_id or "")
 
 
 def _carry(exchange, thread: Thread, head: list, recorded: bytes | None,

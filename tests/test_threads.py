@@ -727,16 +727,145 @@ async def test_a_thread_whose_record_is_gone_is_still_its_own_keys(upstream, loc
 
 
 async def test_a_thread_gone_on_unseen_is_still_its_own_keys(upstream, local_relay):
-    # A restart (or another replica): alpha's thread goes on unseen, and its next answer is
-    # alpha's alone all the same.
+    # Its conversation expired, its owner known: alpha's thread goes on unseen, and its next
+    # answer is alpha's alone all the same.
+    client = await local_relay(await upstream(tool_turns=3, threads="hold"), env=KEYS,
+                               server=AUTH)
+    _, first = await post(client, create(user(text("go"))), ALPHA)
+    expire_records(client)
+    response, second = await post(client, carry_on(first["id"], user(*answers_to(first))),
+                                  ALPHA)
+    assert response.status == 200, second
+    assert "thread-head-unseen" in response.headers["x-relay-notes"]
+    await not_bravos(client, second)
+
+
+async def test_with_several_keys_a_thread_of_no_known_key_is_not_forwarded(upstream,
+                                                                         local_relay):
+    # A restart without a shared state (or another replica): the relay knows neither the
+    # conversation nor the key alpha's answer went to. The upstream holds it under the
+    # operator's one credential, so bravo's continuation would be answered from alpha's
+    # conversation: neither key's goes up, each gets the API's answer to a thread it cannot
+    # find, from which the SDKs replay their own history.
     emu = await upstream(tool_turns=3, threads="hold")
     before = await local_relay(emu, env=KEYS, server=AUTH)
     _, first = await post(before, create(user(text("go"))), ALPHA)
     client = await local_relay(emu, env=KEYS, server=AUTH)
+    for headers in (BRAVO, ALPHA):
+        response, error = await post(client, carry_on(first["id"], user(*answers_to(first))),
+                                     headers)
+        assert response.status == 404, error
+        assert error["error"]["type"] == "not_found_error"
+        assert error["error"]["details"] == {"error_code": "thread_not_found"}
+        assert "thread-owner-unknown" in response.headers["x-relay-notes"]
+    assert len(received(client)) == 1  # the create, through the relay before
+    # Alpha's replay under a new thread goes on as any thread does.
+    _, again = await post(client, create(user(text("go")), assistant(*first["content"]),
+                                         user(*answers_to(first))),
+                          ALPHA)
+    response, third = await post(client, carry_on(again["id"], user(*answers_to(again))),
+                                 ALPHA)
+    assert response.status == 200, third
+
+
+@pytest.mark.parametrize("auth", [None, "one key"])
+async def test_with_one_key_or_none_a_thread_of_no_known_key_goes_on(upstream, local_relay,
+                                                                    auth):
+    # No other tenant to keep out: forwarded unseen, as before.
+    server = {"auth": {"keys": [{"name": "alpha", "key_env": "KEY_A"}]}} if auth else None
+    headers = ALPHA if auth else BETA
+    emu = await upstream(tool_turns=3, threads="hold")
+    before = await local_relay(emu, env=KEYS, server=server)
+    _, first = await post(before, create(user(text("go"))), headers)
+    client = await local_relay(emu, env=KEYS, server=server)
     response, second = await post(client, carry_on(first["id"], user(*answers_to(first))),
-                                  ALPHA)
+                                  headers)
     assert response.status == 200, second
-    await not_bravos(client, second)
+    assert response.headers["x-relay-notes"] == "thread-head-unseen"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+async def test_the_sdks_tool_runner_survives_a_restart_and_no_other_key_takes_its_thread(
+        upstream, local_relay, stream):
+    import anthropic
+    import httpx2
+
+    emu = await upstream(tool_turns=3, threads="hold")
+    before = await local_relay(emu, env=KEYS, server=AUTH)
+    serving = [before]
+
+    class Current(httpx2.AsyncHTTPTransport):
+        """Each request to the relay serving now: the one before the restart, then the
+        one after."""
+
+        async def handle_async_request(self, request):
+            request.url = request.url.copy_with(port=serving[0].make_url("").port)
+            return await super().handle_async_request(request)
+
+    def sdk(key: str, statuses: list | None = None):
+        async def seen(response):
+            if statuses is not None:
+                statuses.append(response.status_code)
+        return anthropic.AsyncAnthropic(
+            base_url=str(before.make_url("")).rstrip("/"), api_key=key, max_retries=0,
+            http_client=httpx2.AsyncClient(transport=Current(),
+                                           event_hooks={"response": [seen]}))
+
+    after = await local_relay(emu, env=KEYS, server=AUTH)
+
+    @anthropic.beta_async_tool
+    async def Bash(command: str, description: str = "") -> str:
+        """Run a command.
+
+        Args:
+            command: the command line
+            description: what it is for
+        """
+        serving[0] = after  # the relay restarted, with nothing shared, after the first turn
+        return f"ran {command}"
+
+    statuses: list[int] = []
+    alpha = sdk(KEYS["KEY_A"], statuses)
+    runner = alpha.beta.messages.tool_runner(
+        model="claude-test", max_tokens=200, tools=[Bash], stream=stream,
+        messages=[{"role": "user", "content": "Run the tool until you are done."}])
+    final = await runner.until_done()
+    assert final.stop_reason == "end_turn"
+    # The create, before the restart; its continuation, whose key the relay after it does
+    # not know; the history replayed under a new thread, and that thread continued.
+    assert statuses == [200, 404, 200, 200, 200], statuses
+    sent = received(after)  # the emulator's: both relays' requests
+    assert [doc["thread"]["type"] for doc in sent] == ["create", "create", "continue",
+                                                       "continue"]
+    assert len(sent[1]["messages"]) == 3
+    # Held upstream: the answer before the restart, whose key the relay does not know now,
+    # and the last, which it knows is alpha's. Bravo continues neither.
+    ids = list(emu.app[emulator.STATE].threads)
+    assert len(ids) == 2
+    bravo = sdk(KEYS["KEY_B"])
+    for _, answer_id in ids:
+        with pytest.raises(anthropic.NotFoundError) as refused:
+            await bravo.beta.messages.create(
+                model="claude-test", max_tokens=100, betas=[threads.BETA],
+                thread={"type": "continue", "previous_message_id": answer_id},
+                messages=[{"role": "user", "content": "what did we just do?"}])
+        assert refused.value.body["error"]["details"] == {"error_code": "thread_not_found"}
+    assert len(received(after)) == len(sent)
+    await alpha.close()
+    await bravo.close()
+
+
+def test_the_keys_a_relay_serves_are_counted_by_name():
+    from relay import keys
+    from relay.config import InboundKey
+    from relay.inbound import Gate
+    gate = Gate([InboundKey("alpha", KEYS["KEY_A"])])
+    assert gate.tenants == 1
+    records = [{"name": name, "hash": keys.digest(name * 8)} for name in ("alpha", "bravo")]
+    gate.replace(keys.stored(records, None, gate.configured_names))  # alpha's is left out
+    assert gate.tenants == 2
+    gate.replace({})
+    assert gate.tenants == 1
 
 
 @pytest.mark.parametrize("store", ["sqlite", pytest.param("redis", marks=pytest.mark.slow)])

@@ -180,3 +180,66 @@ def test_cache_diagnostics_pass_through_untouched(emulator, relay):
     sent = messages_requests(emu)
     assert sent[0]["body"]["diagnostics"] == {"previous_message_id": "msg_never_seen"}
     assert sent[2]["body_sha256"] == hashlib.sha256(raw).hexdigest()
+
+
+KEYS = {"RELAY_KEY_A": "relay-key-alpha-0123456789", "RELAY_KEY_B": "relay-key-bravo-0123456789",
+        "UPSTREAM_KEY": "sk-operator-0123456789"}
+
+
+def test_the_tool_runner_survives_a_restart_and_another_key_never_takes_its_thread(emulator,
+                                                                                   relay):
+    """Two relay keys, the operator's one credential upstream, a backend that holds threads,
+    no shared state: the relay restarts after the runner's first turn. The continuation it
+    then gets is of an answer whose key it does not know: the API's answer to a thread it
+    cannot find, from which the runner replays its history and goes on. Bravo continues
+    none of alpha's answers the upstream holds, the one before the restart included."""
+    emu = emulator("--threads", "hold", "--tool-turns", str(TURNS))
+    config = {"server": {"auth": {"keys": [{"name": "alpha", "key_env": "RELAY_KEY_A"},
+                                           {"name": "bravo", "key_env": "RELAY_KEY_B"}]}},
+              "backends": [backend(emu.url, holds_threads=True, api_key_env="UPSTREAM_KEY")]}
+    serving = [relay(config, env=KEYS)]
+
+    class Current(httpx2.HTTPTransport):
+        def handle_request(self, request):
+            request.url = request.url.copy_with(port=httpx2.URL(serving[0].url).port)
+            return super().handle_request(request)
+
+    @anthropic.beta_tool
+    def restart(command: str) -> str:
+        """Run a shell command.
+
+        Args:
+            command: the command line
+        """
+        if len(serving) == 1:
+            serving[0].stop()
+            serving.insert(0, relay(config, env=KEYS))
+        return f"ran {command}"
+
+    def client(key: str, statuses: list | None = None) -> anthropic.Anthropic:
+        hooks = {"response": [lambda response: statuses.append(response.status_code)]} \
+            if statuses is not None else {}
+        return anthropic.Anthropic(base_url=serving[0].url, api_key=key, max_retries=0,
+                                   http_client=httpx2.Client(transport=Current(),
+                                                             event_hooks=hooks))
+
+    statuses: list[int] = []
+    runner = client(KEYS["RELAY_KEY_A"], statuses).beta.messages.tool_runner(
+        model="claude-test", max_tokens=200, tools=[restart],
+        messages=[{"role": "user", "content": "Run the tool until you are done."}])
+    answers = list(runner)
+    assert answers[-1].stop_reason == "end_turn"
+    assert statuses == [200, 404] + [200] * TURNS, statuses
+    sent = messages_requests(emu)
+    assert [request["body"]["thread"]["type"] for request in sent] == \
+        ["create", "create"] + ["continue"] * (TURNS - 1)
+    assert len(sent[1]["body"]["messages"]) == 3  # the replay: the whole history
+    bravo = client(KEYS["RELAY_KEY_B"])
+    for answer in answers:
+        with pytest.raises(anthropic.NotFoundError) as refused:
+            bravo.beta.messages.create(
+                model="claude-test", max_tokens=100, betas=[THREADS_BETA],
+                thread={"type": "continue", "previous_message_id": answer.id},
+                messages=[{"role": "user", "content": "what did we just do?"}])
+        assert refused.value.body["error"]["details"] == {"error_code": "thread_not_found"}
+    assert len(messages_requests(emu)) == len(sent)
