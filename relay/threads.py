@@ -93,9 +93,18 @@ MAX_PENDING = 256  # writes to the shared state under way; past this, kept in pr
 MAX_OWNERS = 100_000
 OWNER_AGE = 86400.0
 OWNERS = "thread-owners"
+# How long a continuation that finds neither its record nor its owner in a shared state waits
+# for them, in reads after these pauses (seconds): both are written behind the answer
+# (``put_soon``), so a client quick to continue on another worker or replica can come first.
+SETTLE = (0.02, 0.05, 0.1, 0.2)
 # The fields a thread keeps from its ``create`` and a continuation may not send
 # (``CREATE_ONLY_FIELDS`` in the SDK's ``lib/threads/_thread_state.py``).
 CREATE_ONLY = ("system", "tools")
+
+# What the record holds of one answer: the backend that holds its thread ("" for a thread
+# the relay carries), the conversation up to it as JSON, the ids the relay renamed for the
+# client, the create-only fields as JSON text.
+Record = tuple[str, bytes, dict, dict]
 
 
 @dataclasses.dataclass(slots=True)
@@ -207,6 +216,7 @@ class Store:
         self._pending: set[asyncio.Task] = set()
         self._unread, self._unwritten = Seldom(log), Seldom(log)
         self.unowned = Seldom(log)  # continuations refused for an owner not known
+        self.unread = 0  # reads of the shared state that failed
         self.max_threads = max_threads
         self.max_bytes = max_bytes
         self.max_age = max_age
@@ -222,7 +232,7 @@ class Store:
     def __len__(self) -> int:
         return len(self._entries)
 
-    async def fetch(self, message_id) -> tuple[str, bytes, dict, dict] | None:
+    async def fetch(self, message_id) -> Record | None:
         """:meth:`get`, and from the shared state when this process has no record. A state
         out of reach is a record not found (the request is then forwarded or refused as for
         any thread the relay did not see)."""
@@ -233,6 +243,7 @@ class Store:
             value = (await self.shared.get(NAMESPACE, [_shared_key(message_id)]))[0]
         except Exception as e:  # Unavailable, or a backend's own failure
             self._unread.warn(1, "threads: the shared record could not be read: %s", e)
+            self.unread += 1
             return None
         if value is None:
             return None
@@ -268,6 +279,29 @@ class Store:
                 self._unwritten.warn(1, "threads: the answer's owner could not be shared: %s",
                                      e)
 
+    async def lookup(self, message_id, settle: bool) -> tuple[Record | None, str | None]:
+        """:meth:`fetch` and, without a record, :meth:`owner`; with ``settle``, in a shared
+        state that answers, read again for a while (:data:`SETTLE`) while neither is
+        found."""
+        unread = self.unread
+        found = await self.fetch(message_id)
+        if found is not None:
+            return found, None
+        owner = await self.owner(message_id)
+        if owner is not None or self.shared is None or not settle:
+            return None, owner
+        for pause in SETTLE:
+            if self.unread != unread:  # out of reach: waiting brings nothing
+                break
+            await asyncio.sleep(pause)
+            found = await self.fetch(message_id)
+            if found is not None:
+                return found, None
+            owner = await self.owner(message_id)
+            if owner is not None:
+                return None, owner
+        return None, None
+
     async def owner(self, message_id) -> str | None:
         """The name of the inbound key the answer ``message_id`` names was given to, known
         in process, else from the shared state; None when unknown (a state out of reach is
@@ -281,11 +315,12 @@ class Store:
                 value = (await self.shared.get(OWNERS, [answer_id]))[0]
             except Exception as e:  # Unavailable, or a backend's own failure
                 self._unread.warn(1, "threads: the answer's owner could not be read: %s", e)
+                self.unread += 1
                 return None
             owner = value.decode("utf-8", "replace") if value is not None else None
         return owner
 
-    def get(self, message_id) -> tuple[str, bytes, dict, dict] | None:
+    def get(self, message_id) -> Record | None:
         """``(backend name, conversation as JSON, renamed ids, the fields the thread was
         created with)`` recorded under ``message_id``."""
         self._expire()
@@ -438,10 +473,13 @@ async def prepare(store: Store, exchange, tenants=lambda: 0) -> None:
         return  # the exchange's class says so already
     exchange.thread = thread
     backend = exchange.backend
-    found = await store.fetch(_key(exchange, thread.previous_id)) \
-        if thread.previous_id is not None else None
+    # Waited for only where finding nothing is a refusal: forwarded unseen, the request
+    # would pay the wait at every turn.
+    refusing = not backend.holds_threads or exchange.key_name is not None and tenants() > 1
+    found, owner = await store.lookup(_key(exchange, thread.previous_id), refusing) \
+        if thread.previous_id is not None else (None, None)
     if found is None and thread.previous_id is not None:
-        await _check_owner(store, exchange, thread, tenants)
+        _check_owner(store, exchange, thread, owner, tenants)
     if found is not None:
         try:
             head = orjson.loads(found[1])
@@ -488,7 +526,7 @@ async def prepare(store: Store, exchange, tenants=lambda: 0) -> None:
     exchange.flag("thread-head-unseen")
 
 
-async def _check_owner(store: Store, exchange, thread: Thread, tenants) -> None:
+def _check_owner(store: Store, exchange, thread: Thread, owner: str | None, tenants) -> None:
     """Refuse a continuation the relay has no record of when it may be another inbound key's
     thread: given to another key, or, with several keys, to a key the relay does not know
     (the owner index lost it: a restart or another replica without a shared state, past its
@@ -497,7 +535,6 @@ async def _check_owner(store: Store, exchange, thread: Thread, tenants) -> None:
     conversation. The API's answer to a thread it cannot find costs the client a replay of
     its own history (the SDKs' ``_REPLAY_ERROR_CODES``); with one key or none there is no
     other tenant to keep out, and the request goes on."""
-    owner = await store.owner(_key(exchange, thread.previous_id or ""))
     if owner is not None and owner != exchange.key_name:
         exchange.note("relay", "thread refused", kind=thread.kind,
                       previous_message_id=thread.previous_id,

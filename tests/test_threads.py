@@ -897,6 +897,41 @@ async def test_replicas_sharing_a_state_keep_each_keys_threads_its_own(upstream,
             await client.chain.shutdown(client.config)
 
 
+@pytest.mark.parametrize("holds", [True, False], ids=["held", "carried"])
+async def test_a_continuation_on_another_replica_waits_for_its_answers_record(
+        upstream, aiohttp_client, tmp_path, holds):
+    # The record and the owner of an answer reach the shared state behind it: a client that
+    # continues at once on another replica comes before them (here they take 50 ms). It was
+    # judged as unseen, or refused as a thread nobody recorded; the replica waits for them.
+    emu = await upstream(tool_turns=2, threads="hold" if holds else "refuse")
+    raw = {"pipeline": PIPELINE, "server": AUTH,
+           "state": {"url": f"sqlite:///{tmp_path / 'state.db'}"},
+           "backends": [{"name": "emu", "url": str(emu.make_url("")).rstrip("/"),
+                         "models": ["*"], "holds_threads": holds}]}
+    one, other = (await start_relay(aiohttp_client, raw, env=KEYS),
+                  await start_relay(aiohttp_client, raw, env=KEYS))
+    other.upstream = emu
+    state = one.chain.state
+    put, put_soon = state.put, state.put_soon
+    loop = asyncio.get_running_loop()
+
+    async def slow_put(*args):
+        await asyncio.sleep(0.05)
+        await put(*args)
+
+    state.put = slow_put
+    state.put_soon = lambda *args: loop.call_later(0.05, put_soon, *args)
+    try:
+        _, first = await post(one, create(user(text("go"))), ALPHA)
+        response, second = await post(other, carry_on(first["id"], user(*answers_to(first))),
+                                      ALPHA)
+        assert response.status == 200, second
+        assert response.headers.get("x-relay-notes") is None  # the head known
+    finally:
+        for client in (one, other):
+            await client.chain.shutdown(client.config)
+
+
 async def test_a_streamed_answer_cut_short_is_still_its_own_keys(upstream, local_relay):
     # The server holds an answer whole or not at all (the SDK's record_partial_reply): this
     # one it holds, though the client's stream ended in an error event and the relay kept
