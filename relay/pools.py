@@ -312,17 +312,19 @@ class Pools:
             return False
         return True
 
-    async def choose(self, exchange, pool: Pool, tried: set[str]):
+    async def choose(self, exchange, pool: Pool, tried: set[str], holder: str | None = None):
         """The credential ``exchange`` goes with (a :class:`relay.config.Credential`), now
         held in flight until :meth:`release`; raises :class:`Exhausted` when none can take
-        it. ``tried``: credentials this request already failed with.
+        it. ``tried``: credentials this request already failed with. ``holder``: the one
+        that holds the request's server-held thread, taken before the session's while it
+        can take the request (the caller sees when it could not).
 
         A credential with limits of its own (``limits:``) is taken from like a relay key's
         (:mod:`relay.limits`, counters in the state shared by every process): one at them is
         passed over until its window lets a request through, and the session moves."""
         for _ in range(len(pool.order) + 1):  # each pass finds one more credential at limits
             now = self.clock()
-            chosen = await self._place(exchange, pool, tried, now)
+            chosen = await self._place(exchange, pool, tried, now, holder)
             held = None
             # Messages only, as a relay key's limits (docs/accounting.md): the upstream counts
             # token counts apart (Anthropic's token-counting docs give them requests a minute
@@ -370,8 +372,10 @@ class Pools:
             self._unreachable(e)
             return None
 
-    async def _place(self, exchange, pool: Pool, tried: set[str], now: float) -> str:
-        """Which credential the request goes with, by session and health (limits aside)."""
+    async def _place(self, exchange, pool: Pool, tried: set[str], now: float,
+                     holder: str | None = None) -> str:
+        """Which credential the request goes with, by thread, session and health (limits
+        aside)."""
         session = exchange.session() if exchange.endpoint != "passthrough" else None
         entry = pool.sticky.get(session) if session is not None else None
         current = entry[0] if entry is not None else None
@@ -395,6 +399,9 @@ class Pools:
                 current = found
             else:
                 stored = False
+        if holder is not None and holder != current:
+            # Another account would not find the thread: the session goes where it is held.
+            current, stored = holder, False
         limited = exchange.endpoint == "messages"  # what a credential's limits count
         # A token count goes with a credential cooling for the Messages API's 429: counting
         # has its own rate limits (Anthropic's token-counting docs), so that 429 says

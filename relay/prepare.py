@@ -76,11 +76,13 @@ def parse_request(raw: bytes) -> Skeleton | dict:
 
 async def prepare_exchange(state: Preparation, *, method: str, path: str, query: str,
                            headers: Mapping, raw_body: bytes, key: InboundKey | None = None,
-                           backend: Backend | None = None) -> Exchange:
+                           backend: Backend | None = None, moved: bool = False) -> Exchange:
     """Parse, route and run the request chain: everything before the upstream is called.
 
     ``key`` is the inbound key the client authenticated with, if auth is on: a backend or
-    model it may not use is refused here. ``backend`` overrides routing (a fallback). Raises
+    model it may not use is refused here. ``backend`` overrides routing (a fallback).
+    ``moved``: the request's thread is carried, its pooled credential unable to take it
+    (:class:`relay.threads.ThreadMoved`). Raises
     RelayError for a request the client must be refused; the exchange it was refused in is
     attached as ``error.exchange`` (when one was built) so the end hooks can see it.
     """
@@ -88,7 +90,7 @@ async def prepare_exchange(state: Preparation, *, method: str, path: str, query:
     store = state.resume if endpoint == "messages" and backend is None else None
     if store is None or len(raw_body) < store.min_bytes:
         return await _prepare(state, endpoint, method, path, query, headers, raw_body, key,
-                              backend, parse_request(raw_body))
+                              backend, parse_request(raw_body), moved=moved)
     tenant = key.name if key else None
     session, decoded, resumed, head = None, None, None, None
     if not headers.get(sessions.HEADER):
@@ -121,7 +123,7 @@ async def prepare_exchange(state: Preparation, *, method: str, path: str, query:
 async def _prepare(state: Preparation, endpoint: str, method: str, path: str, query: str,
                    headers: Mapping, raw_body: bytes, key: InboundKey | None,
                    backend: Backend | None, parsed: Skeleton | dict,
-                   resuming: tuple | None = None) -> Exchange:
+                   resuming: tuple | None = None, moved: bool = False) -> Exchange:
     if isinstance(parsed, dict):
         exchange = Exchange(endpoint=endpoint, method=method, path=path, query=query,
                             headers=headers, raw_body=raw_body, body=parsed)
@@ -154,7 +156,7 @@ async def _prepare(state: Preparation, endpoint: str, method: str, path: str, qu
         exchange.set_model(target)
         exchange.note("relay", "renamed model", model=model, upstream_model=target)
     try:
-        await prepare_history(state, exchange)
+        await prepare_history(state, exchange, moved)
         keeping = _resume(state, exchange, resuming)
         changed = exchange.changed
         await state.chain.run("relay_request", exchange)
@@ -303,7 +305,7 @@ def _keep(exchange: Exchange, resuming: tuple, keeping: tuple, messages: list) -
     store.put(session, record, trial, head)
 
 
-async def prepare_history(state: Preparation, exchange: Exchange) -> None:
+async def prepare_history(state: Preparation, exchange: Exchange, moved: bool = False) -> None:
     """What the history rules must know before they run: the betas and fields they defer to
     the upstream for (:mod:`relay.betas`), and the server-held thread the request belongs
     to (:mod:`relay.threads`: forwarded, carried, or refused the API's way)."""
@@ -313,7 +315,7 @@ async def prepare_history(state: Preparation, exchange: Exchange) -> None:
         exchange.note("relay", "history rules defer", reasons=betas.described(deferring))
         exchange.flag("history-rules-deferred")
     if exchange.endpoint == "messages":
-        await threads.prepare(state.threads, exchange, state.tenants)
+        await threads.prepare(state.threads, exchange, state.tenants, moved)
 
 
 class Fallbacks:
@@ -352,3 +354,22 @@ class Fallbacks:
             self.current = following
             return following
         return None
+
+    async def moved(self) -> Exchange:
+        """The current exchange prepared again for its own backend with its thread carried
+        (:class:`relay.threads.ThreadMoved`), taking over from it; raises the RelayError
+        that refuses it (its record gone meanwhile: 404 thread_not_found)."""
+        previous = self.current
+        try:
+            following = await prepare_exchange(
+                self.state, method=previous.method, path=previous.path, query=previous.query,
+                headers=previous.client_headers, raw_body=previous.raw_body, key=self.key,
+                backend=previous.backend, moved=True)
+        except RelayError as refused:
+            if refused.exchange is not None:  # the record of the answer, flags and all
+                refused.exchange.follow(previous)
+                self.current = refused.exchange
+            raise
+        following.follow(previous)
+        self.current = following
+        return following

@@ -20,8 +20,10 @@ recorded turns (without their ``cache_control`` breakpoints, as the SDKs resend 
 history) followed by the request's own, without the field (and without the threads beta
 in ``anthropic-beta``), and its answer is recorded in turn, so the client threads as it would
 against the API. A thread also moves this way with its session: a continuation of a thread
-held by one backend, bound for another (a fallback, a ``/model`` switch), is carried. The
-plugins then see a whole conversation, as if the client had sent it all.
+held by one backend, bound for another (a fallback, a ``/model`` switch), is carried, and so
+is one held by a pooled credential (an account of its own) that cannot take it now
+(:class:`ThreadMoved`). The plugins then see a whole conversation, as if the client had
+sent it all.
 
 Where the relay has no record to carry (evicted, expired, another replica), a backend that
 holds threads gets the request as it came; for one that holds none the relay is the thread's
@@ -103,8 +105,8 @@ CREATE_ONLY = ("system", "tools")
 
 # What the record holds of one answer: the backend that holds its thread ("" for a thread
 # the relay carries), the conversation up to it as JSON, the ids the relay renamed for the
-# client, the create-only fields as JSON text.
-Record = tuple[str, bytes, dict, dict]
+# client, the create-only fields as JSON text, the pooled credential that holds it.
+Record = tuple[str, bytes, dict, dict, "str | None"]
 
 
 @dataclasses.dataclass(slots=True)
@@ -130,6 +132,9 @@ class Thread:
     carried: int | None = None
     # The create-only fields (``system``, ``tools``) as JSON text, from the record.
     fields: dict | None = None
+    # The pooled credential (an upstream account of its own) that holds the thread, from the
+    # record: the request goes with it, or is carried where it cannot (see ThreadMoved).
+    credential: str | None = None
 
     @property
     def continues(self) -> bool:
@@ -205,6 +210,25 @@ class ThreadNotFound(ThreadUnsupported):
                             "not_found_error", rule="thread-not-found")
 
 
+class ThreadMoved(Exception):
+    """The pooled credential that holds a continuation's thread cannot take it now (cooling,
+    out, at its limits, or gone from relay.yaml): another account of the pool holds none of
+    it, so the request is prepared again with the thread carried (:func:`prepare`,
+    ``moved``), the conversation the relay recorded sent whole."""
+
+    def __init__(self, backend: str, holder: str, to: str):
+        super().__init__(f"backend {backend}: credential {holder} holds the thread, "
+                         f"the request goes with {to}")
+        self.holder, self.to = holder, to
+
+
+def holder(exchange) -> str | None:
+    """The pooled credential a request must go with to find its thread held there, or
+    None where any will do."""
+    thread = exchange.thread
+    return thread.credential if thread is not None and thread.continues else None
+
+
 class Store:
     """Conversations of threads this relay saw, by answer id, least recently used first
     out; bounded by ``max_threads``, ``max_bytes`` and ``max_age`` seconds since last use."""
@@ -223,7 +247,8 @@ class Store:
         self.clock = clock
         self.bytes = 0
         self._entries: collections.OrderedDict[
-            object, tuple[float, str, bytes, dict, dict]] = collections.OrderedDict()
+            object, tuple[float, str, bytes, dict, dict, str | None]] = \
+            collections.OrderedDict()
         # Answer id -> the name of the inbound key it was given to (see MAX_OWNERS), least
         # recently given first out.
         self.max_owners = MAX_OWNERS
@@ -253,7 +278,8 @@ class Store:
             # (about 4 KiB for a short value) for as long as it lives, and these are kept.
             entry = (doc["backend"], bytes(memoryview(orjson.dumps(doc["conversation"]))),
                      doc["renamed"], {name: bytes(memoryview(orjson.dumps(field)))
-                                      for name, field in doc["fields"].items()})
+                                      for name, field in doc["fields"].items()},
+                     doc.get("credential"))
         except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
             return None
         self._keep(message_id, *entry)
@@ -322,7 +348,8 @@ class Store:
 
     def get(self, message_id) -> Record | None:
         """``(backend name, conversation as JSON, renamed ids, the fields the thread was
-        created with)`` recorded under ``message_id``."""
+        created with, the pooled credential that holds it)`` recorded under
+        ``message_id``."""
         self._expire()
         entry = self._entries.get(message_id)
         if entry is None:
@@ -332,27 +359,30 @@ class Store:
         return entry[1:]
 
     def put(self, message_id, backend: str, conversation: bytes,
-            renamed: dict | None = None, fields: dict[str, bytes] | None = None) -> bool:
-        """Record a conversation (the answer's ids the relay renamed for the client, and the
-        create-only fields as JSON text); False when it alone is larger than the whole
-        record."""
+            renamed: dict | None = None, fields: dict[str, bytes] | None = None,
+            credential: str | None = None) -> bool:
+        """Record a conversation (the answer's ids the relay renamed for the client, the
+        create-only fields as JSON text, and the pooled credential that holds it); False
+        when it alone is larger than the whole record."""
         fields = fields or {}
-        kept = self._keep(message_id, backend, conversation, renamed or {}, fields)
+        kept = self._keep(message_id, backend, conversation, renamed or {}, fields, credential)
         if kept and self.shared is not None and _size(conversation, fields) <= MAX_SHARED_BYTES:
             doc = orjson.dumps({"backend": backend, "conversation": orjson.Fragment(conversation),
                                 "renamed": renamed or {},
-                                "fields": {k: orjson.Fragment(v) for k, v in fields.items()}})
+                                "fields": {k: orjson.Fragment(v) for k, v in fields.items()},
+                                "credential": credential})
             self._share(self.shared.put(NAMESPACE, {_shared_key(message_id): doc},
                                         self.max_age))
         return kept
 
     def _keep(self, message_id, backend: str, conversation: bytes, renamed: dict,
-              fields: dict) -> bool:
+              fields: dict, credential: str | None = None) -> bool:
         self._forget(message_id)
         size = _size(conversation, fields)
         if size > self.max_bytes:
             return False
-        self._entries[message_id] = (self.clock(), backend, conversation, renamed, fields)
+        self._entries[message_id] = (self.clock(), backend, conversation, renamed, fields,
+                                     credential)
         self.bytes += size
         while len(self._entries) > self.max_threads or self.bytes > self.max_bytes:
             self._drop_oldest()
@@ -462,12 +492,13 @@ def _role(message) -> str | None:
 # --- the host's part ----------------------------------------------------------------------
 
 
-async def prepare(store: Store, exchange, tenants=lambda: 0) -> None:
+async def prepare(store: Store, exchange, tenants=lambda: 0, moved: bool = False) -> None:
     """Read the request's ``thread`` and put on the exchange what the relay knows of the held
     part: forwarded to a backend that holds the thread, carried (see the module's docs) where
     the relay recorded it and the backend does not hold it, refused the API's way where
     neither holds it. ``tenants()``: how many inbound keys the relay serves (0 without
-    auth). Costs a field lookup without ``thread``."""
+    auth). ``moved``: the pooled credential that holds the thread cannot take it (see
+    :class:`ThreadMoved`). Costs a field lookup without ``thread``."""
     thread = requested(exchange.field("thread"))
     if thread is None:
         return  # the exchange's class says so already
@@ -475,7 +506,8 @@ async def prepare(store: Store, exchange, tenants=lambda: 0) -> None:
     backend = exchange.backend
     # Waited for only where finding nothing is a refusal: forwarded unseen, the request
     # would pay the wait at every turn.
-    refusing = not backend.holds_threads or exchange.key_name is not None and tenants() > 1
+    refusing = not backend.holds_threads or moved \
+        or exchange.key_name is not None and tenants() > 1
     found, owner = await store.lookup(_key(exchange, thread.previous_id), refusing) \
         if thread.previous_id is not None else (None, None)
     if found is None and thread.previous_id is not None:
@@ -485,13 +517,26 @@ async def prepare(store: Store, exchange, tenants=lambda: 0) -> None:
             head = orjson.loads(found[1])
         except orjson.JSONDecodeError:  # not written by ``record``: treat it as unseen
             found = head = None
-    holds = backend.holds_threads and (found is None or found[0] == backend.name)
+    holds = backend.holds_threads and not moved and (found is None or found[0] == backend.name)
     if thread.kind == "create" and not backend.holds_threads or not holds and found:
         if found:
-            _carry(exchange, thread, head, found[1], found[3])
+            _carry(exchange, thread, head, found[1], found[3],
+                   "the credential that holds this thread cannot take it now (cooling, out "
+                   "or at its limits), and another account of the pool holds none of it: "
+                   "the relay sends the conversation it recorded, without `thread`"
+                   if moved else None)
         else:
             _carry(exchange, thread, [], None, None)
         return
+    if moved:
+        # Its record went between the two preparations: no account of the pool holds the
+        # thread now, and the relay cannot carry it.
+        exchange.note("relay", "thread refused", kind=thread.kind, backend=backend.name,
+                      previous_message_id=thread.previous_id,
+                      reason="the credential that holds this thread cannot take it now, and "
+                             "the relay has no record of it to carry to another")
+        exchange.flag("thread-not-recorded")
+        raise ThreadNotFound(thread.previous_id or "")
     if not backend.holds_threads:
         if thread.previous_id is None:  # a `thread` value the relay cannot read
             exchange.note("relay", "thread refused", kind=thread.kind, backend=backend.name,
@@ -517,6 +562,8 @@ async def prepare(store: Store, exchange, tenants=lambda: 0) -> None:
         # A continuation sends no create-only fields: the next turn's record keeps the ones
         # the thread was created with, for a backend it may be carried to later.
         thread.fields = found[3]
+        if backend.credentials:
+            thread.credential = found[4]
         exchange.note("relay", "thread head known", previous_message_id=thread.previous_id,
                       messages=len(head))
         return
@@ -559,7 +606,7 @@ def _check_owner(store: Store, exchange, thread: Thread, owner: str | None, tena
 
 
 def _carry(exchange, thread: Thread, head: list, recorded: bytes | None,
-           fields: dict[str, bytes] | None) -> None:
+           fields: dict[str, bytes] | None, reason: str | None = None) -> None:
     """Send the whole conversation up in place of a thread the backend does not hold: the
     turns recorded (without their cache breakpoints, see :func:`without_cache_control`),
     and the fields a thread keeps from its ``create`` (``system``, ``tools``), which a
@@ -577,8 +624,8 @@ def _carry(exchange, thread: Thread, head: list, recorded: bytes | None,
     thread.carried, thread.recorded = len(head), recorded
     exchange.note("relay", "thread carried", kind=thread.kind, backend=exchange.backend.name,
                   previous_message_id=thread.previous_id, messages=len(head),
-                  reason="the backend does not hold this thread: the relay sends the "
-                         "conversation it recorded, without `thread`")
+                  reason=reason or "the backend does not hold this thread: the relay sends "
+                                   "the conversation it recorded, without `thread`")
 
 
 # The keys of a message or block whose values hold blocks (the SDK's KEYS_THAT_HOLD_BLOCKS,
@@ -654,9 +701,11 @@ def record(store: Store, exchange, answer) -> None:
         if held is not None:
             renamed[client_id] = held
     # A carried thread is held by no backend: its next turn is carried again, wherever it goes.
-    holder = "" if thread.carried is not None else exchange.backend.name
-    store.put(_key(exchange, message_id), holder,
-              _joined(thread.recorded or b"[]", sent, reply), renamed, fields)
+    # A held one, by the account of the pooled credential that answered.
+    carried = thread.carried is not None
+    store.put(_key(exchange, message_id), "" if carried else exchange.backend.name,
+              _joined(thread.recorded or b"[]", sent, reply), renamed, fields,
+              None if carried or not exchange.backend.credentials else exchange.credential)
 
 
 def own_stream(store: Store, exchange, tap: Tap) -> None:

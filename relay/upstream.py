@@ -19,7 +19,7 @@ import aiohttp
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
-from . import beta_filter, transport
+from . import beta_filter, threads, transport
 from .config import Retries
 from .errors import RelayError, let_go
 from .exchange import Attempt, UpstreamRequest
@@ -374,6 +374,8 @@ class Fallbacks(Protocol):
 
     async def next(self) -> Any: ...
 
+    async def moved(self) -> Any: ...
+
 
 class Unreachable(Exception):
     """No answer came back from the upstream (after any retries); ``__cause__`` says why."""
@@ -569,6 +571,8 @@ class Upstream:
         pools = self.pools
         pool = pools.pool(backend)
         tried: set[str] = set()  # credentials this request failed with: not asked again
+        # The account of the pool that holds the request's thread, when the relay knows it.
+        holder = threads.holder(exchange) if pool is not None else None
         counted = 0  # attempts the retries count (a switch of credential is not one)
         errors = adapter.opening_errors
         # A stream's first event is read before it goes on only where a refusal in it can be
@@ -580,9 +584,12 @@ class Upstream:
             credential = None
             if pool is not None:
                 try:
-                    credential = await pools.choose(exchange, pool, tried)
+                    credential = await pools.choose(exchange, pool, tried, holder)
                 except Exhausted as e:
                     raise Unreachable(backend.name) from e
+                if holder is not None and credential.name != holder:
+                    pools.release(exchange)
+                    raise threads.ThreadMoved(backend.name, holder, credential.name)
                 set_key(out_headers, backend, credential.key)
                 exchange.credential = credential.name
             attempt = Attempt(backend.name, where, waited=waited,
@@ -713,15 +720,25 @@ class Upstream:
         """:meth:`send`, then each of the backend's ``fallbacks`` in order while the answer
         is one the backend retries (or none came). ``fallbacks`` (a
         :class:`relay.prepare.Fallbacks`) hands over the exchange prepared for the next one,
-        or None when none is left. Returns ``(exchange, answer)`` with the exchange that was
-        sent last, or ``(exchange, None)`` for a count_tokens fallback whose format counts
-        tokens itself (its adapter's ``count_tokens``): nothing is sent, the caller answers
-        with the estimate. Raises :class:`Unreachable`, with that exchange as ``.exchange``."""
+        or None when none is left, and the exchange prepared again with its thread carried
+        when the pooled credential holding the thread cannot take it (``moved``, see
+        :class:`relay.threads.ThreadMoved`). Returns ``(exchange, answer)`` with the
+        exchange that was sent last, or ``(exchange, None)`` for a count_tokens fallback
+        whose format counts tokens itself (its adapter's ``count_tokens``): nothing is sent,
+        the caller answers with the estimate. Raises :class:`Unreachable`, with that
+        exchange as ``.exchange``."""
         while True:
             failure: Unreachable | None = None
             answer: Reply | None
             try:
                 answer = await self.send(exchange, exchange.backend)
+            except threads.ThreadMoved as moved:
+                if fallbacks is None:  # nothing to prepare it again with: no account has it
+                    raise threads.ThreadNotFound(exchange.thread.previous_id) from None
+                exchange.note("relay", "thread moved", backend=exchange.backend.name,
+                              credential=moved.holder, to=moved.to)
+                exchange = await fallbacks.moved()
+                continue
             except Unreachable as e:
                 if isinstance(e.__cause__, PoolFull):
                     _mark_retried(exchange)

@@ -1057,19 +1057,36 @@ async def test_a_stream_the_client_left_is_no_turn_to_continue(upstream, aiohttp
         await client.chain.shutdown(client.config)
 
 
+UPSTREAM_KEYS = {"K1": "sk-upstream-one-0123456789", "K2": "sk-upstream-two-0123456789"}
+
+
+async def pooled_relay(aiohttp_client, emu):
+    """A relay whose one backend, holding threads, has a pool of two credentials: two
+    accounts, each holding only its own threads (the emulator holds them per key)."""
+    client = await start_relay(aiohttp_client, {"pipeline": PIPELINE, "backends": [{
+        "name": "a", "url": str(emu.make_url("")).rstrip("/"), "models": ["*"],
+        "holds_threads": True, "credentials": [{"name": "one", "key_env": "K1"},
+                                               {"name": "two", "key_env": "K2"}]}]},
+        env=UPSTREAM_KEYS)
+    client.upstream = emu
+    return client
+
+
+def sent_with(client) -> list[tuple[str, dict]]:
+    """Each upstream request's credential (``one``, ``two``) and body."""
+    names = {key: name for name, key in zip(("one", "two"), UPSTREAM_KEYS.values(),
+                                            strict=True)}
+    return [(names[headers["x-api-key"]], doc)
+            for headers, doc in zip(received_headers(client), received(client), strict=True)]
+
+
 async def test_a_held_thread_stays_on_the_credential_that_holds_it(upstream, aiohttp_client):
     # A pool's keys are accounts of their own: a thread is held by the one it was created
     # with, and a continuation sent with another would find nothing there. A continuation
     # holds neither the thread's system and tools nor its first message, so the relay's
     # session rule reads them from the conversation the relay recorded: it is the create's
     # session, on the create's credential.
-    emu = await upstream(tool_turns=3, threads="hold")
-    client = await start_relay(aiohttp_client, {"pipeline": PIPELINE, "backends": [{
-        "name": "a", "url": str(emu.make_url("")).rstrip("/"), "models": ["*"],
-        "holds_threads": True, "credentials": [{"name": "one", "key_env": "K1"},
-                                               {"name": "two", "key_env": "K2"}]}]},
-        env={"K1": "sk-upstream-one-0123456789", "K2": "sk-upstream-two-0123456789"})
-    client.upstream = emu
+    client = await pooled_relay(aiohttp_client, await upstream(tool_turns=3, threads="hold"))
     try:
         _, first = await post(client, create(user(text("go")), system="be brief"))
         _, second = await post(client, carry_on(first["id"], user(*answers_to(first))))
@@ -1077,5 +1094,67 @@ async def test_a_held_thread_stays_on_the_credential_that_holds_it(upstream, aio
         assert third["stop_reason"] == "tool_use"
         keys = [headers["x-api-key"] for headers in received_headers(client)]
         assert len(keys) == 3 and len(set(keys)) == 1, keys
+    finally:
+        await client.chain.shutdown(client.config)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+async def test_a_held_thread_whose_credential_cools_is_carried_to_the_next(upstream,
+                                                                           aiohttp_client,
+                                                                           stream):
+    # The account holding the thread answers its third request 429: the pool moves the
+    # session to the other account, which holds none of the thread (it answered 404
+    # thread_not_found, and the client replayed its whole history). The relay recorded the
+    # conversation: it goes there whole, as to a backend without threads, and the client
+    # threads on.
+    emu = await upstream(tool_turns=4, threads="hold", key_budget=2, key_window=600)
+    client = await pooled_relay(aiohttp_client, emu)
+    try:
+        _, first = await post(client, create(user(text("go")), system="be brief"))
+        _, second = await post(client, carry_on(first["id"], user(*answers_to(first))))
+        response, raw = await post(client, carry_on(second["id"], user(*answers_to(second)),
+                                                    stream=stream))
+        assert response.status == 200, raw
+        third = message_of(raw) if stream else raw
+        assert answers_to(third)
+        response, fourth = await post(client, carry_on(third["id"], user(*answers_to(third))))
+        assert response.status == 200, fourth
+        sent = sent_with(client)
+        assert [(name, doc.get("thread", {}).get("type"), len(doc["messages"]))
+                for name, doc in sent] == [("one", "create", 1), ("one", "continue", 1),
+                                           ("one", "continue", 1), ("two", None, 5),
+                                           ("two", None, 7)]
+        assert sent[3][1]["system"] == "be brief" and sent[3][1]["tools"] == TOOLS
+        assert all(BETA["anthropic-beta"] not in headers.get("anthropic-beta", "")
+                   for headers in received_headers(client)[3:])
+    finally:
+        await client.chain.shutdown(client.config)
+
+
+def message_of(raw: bytes) -> dict:
+    """The message a stream's events build, as the SDK's accumulator builds it."""
+    from relay.sse import SSEDecoder
+    decoder = SSEDecoder()
+    events = decoder.feed(raw) + decoder.close()
+    message = threads.message_from_events(events)
+    assert message is not None, raw
+    return message
+
+
+async def test_a_held_thread_the_relay_lost_goes_where_its_session_goes(upstream,
+                                                                        aiohttp_client):
+    # Without a record the relay knows neither the conversation nor the account holding it:
+    # the continuation goes as a session of its own, and an account that holds none of the
+    # thread answers as the API does, 404 thread_not_found, from which the SDKs replay.
+    emu = await upstream(tool_turns=3, threads="hold", key_budget=1, key_window=600)
+    client = await pooled_relay(aiohttp_client, emu)
+    try:
+        _, first = await post(client, create(user(text("go"))))
+        expire_records(client)
+        response, error = await post(client, carry_on(first["id"], user(*answers_to(first))))
+        assert response.status == 404, error
+        assert error["error"]["details"] == {"error_code": "thread_not_found"}
+        assert error["request_id"] != response.headers["x-relay-request-id"]  # two's own
+        assert [name for name, _ in sent_with(client)] == ["one", "two"]
     finally:
         await client.chain.shutdown(client.config)
